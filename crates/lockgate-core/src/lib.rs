@@ -1,0 +1,15 @@
+//! Core types of lockgate: validated names, job-type policies, enqueue options, completion
+//! outcomes and the errors callers match on. This crate does no I/O; the SQL layer
+//! (`lockgate-sql`) and the runtime (`lockgate-runtime`) build on it.
+
+mod error;
+mod job;
+mod names;
+mod outcome;
+mod policy;
+
+pub use error::ValidationError;
+pub use job::{Claim, EnqueueOptions, EnqueuedJob, JobHeaders, JobId, MAX_PAYLOAD_BYTES};
+pub use names::{JobTypeName, QueueName};
+pub use outcome::ArchiveOutcome;
+pub use policy::{Backoff, JobPolicy, MAX_PRIORITY};

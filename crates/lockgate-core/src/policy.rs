@@ -1,0 +1,174 @@
+//! Job-type policies: where a job runs, in what order, how often it may fail and how long it may
+//! take. Policies are stored in `lockgate.job_types`, so SQL producers get the same semantics as
+//! Rust producers; this module holds their Rust form, defaults and validation.
+
+use std::time::Duration;
+
+use crate::{QueueName, ValidationError};
+
+/// Priorities run from 0 (first) to `MAX_PRIORITY` (last), as in Oban: few levels are enough to
+/// express "urgent before bulk", and a small range keeps the claim index compact.
+pub const MAX_PRIORITY: i16 = 9;
+
+/// Sidekiq and Oban both default to ~20–25 attempts, spreading retries over days; we keep 20.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 20;
+/// The first retry waits about a second: long enough to ride out a blip, short enough to notice.
+pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_secs(1);
+/// Exponential growth stops at an hour so a long outage does not push retries out by days.
+pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(3600);
+/// ±10% spreads retries of a burst of failures without making the schedule unpredictable.
+pub const DEFAULT_BACKOFF_JITTER: f64 = 0.1;
+
+/// Exponential backoff between attempts: `base * 2^(failures-1)`, capped at `max`, then spread by
+/// `±jitter` (a fraction of the delay).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Backoff {
+    pub base: Duration,
+    pub max: Duration,
+    pub jitter: f64,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            base: DEFAULT_BACKOFF_BASE,
+            max: DEFAULT_BACKOFF_MAX,
+            jitter: DEFAULT_BACKOFF_JITTER,
+        }
+    }
+}
+
+impl Backoff {
+    /// The delay before the attempt that follows `failures` failed attempts (`failures >= 1`).
+    pub fn delay(&self, failures: u32) -> Duration {
+        let exponent = failures.saturating_sub(1).min(32);
+        let raw = self
+            .base
+            .saturating_mul(1u32 << exponent.min(31))
+            .min(self.max);
+        let spread = 1.0 + self.jitter * (fastrand::f64() * 2.0 - 1.0);
+        raw.mul_f64(spread.max(0.0))
+    }
+
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        if !(0.0..=1.0).contains(&self.jitter) {
+            return Err(ValidationError::new(
+                "backoff.jitter",
+                self.jitter,
+                "a fraction between 0 and 1",
+            ));
+        }
+        if self.max < self.base {
+            return Err(ValidationError::new(
+                "backoff.max",
+                format!("{:?}", self.max),
+                format!("a duration at least backoff.base ({:?})", self.base),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The stored policy of one job type.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobPolicy {
+    /// The queue jobs of this type go to unless an enqueue overrides it.
+    pub queue: QueueName,
+    /// 0 runs first, `MAX_PRIORITY` last; an enqueue may override it.
+    pub priority: i16,
+    /// Attempts before the job is dead-lettered, counting the first (at least 1).
+    pub max_attempts: u32,
+    pub backoff: Backoff,
+    /// How long one attempt may run before it is cancelled and counted as failed.
+    pub timeout: Option<Duration>,
+}
+
+impl JobPolicy {
+    /// A policy with lockgate's defaults on the given queue.
+    pub fn on_queue(queue: QueueName) -> Self {
+        Self {
+            queue,
+            priority: 0,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            backoff: Backoff::default(),
+            timeout: None,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        validate_priority(self.priority)?;
+        if self.max_attempts < 1 {
+            return Err(ValidationError::new(
+                "max_attempts",
+                self.max_attempts,
+                "an integer of at least 1",
+            ));
+        }
+        if self.timeout.is_some_and(|t| t.is_zero()) {
+            return Err(ValidationError::new(
+                "timeout",
+                "0s",
+                "a positive duration, or none",
+            ));
+        }
+        self.backoff.validate()
+    }
+}
+
+pub(crate) fn validate_priority(priority: i16) -> Result<(), ValidationError> {
+    if !(0..=MAX_PRIORITY).contains(&priority) {
+        return Err(ValidationError::new(
+            "priority",
+            priority,
+            format!("an integer from 0 to {MAX_PRIORITY}"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_until_capped() {
+        let b = Backoff {
+            base: Duration::from_secs(1),
+            max: Duration::from_secs(10),
+            jitter: 0.0,
+        };
+        assert_eq!(b.delay(1), Duration::from_secs(1));
+        assert_eq!(b.delay(3), Duration::from_secs(4));
+        assert_eq!(b.delay(40), Duration::from_secs(10));
+    }
+
+    #[test]
+    fn backoff_jitter_stays_within_its_fraction() {
+        let b = Backoff {
+            base: Duration::from_secs(10),
+            max: Duration::from_secs(10),
+            jitter: 0.5,
+        };
+        for _ in 0..100 {
+            let d = b.delay(1);
+            assert!(
+                d >= Duration::from_secs(5) && d <= Duration::from_secs(15),
+                "{d:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn invalid_policies_name_their_field() {
+        let q = QueueName::new("default").unwrap();
+        let mut p = JobPolicy::on_queue(q);
+        p.max_attempts = 0;
+        assert_eq!(p.validate().unwrap_err().field, "max_attempts");
+        p.max_attempts = 1;
+        p.priority = 10;
+        assert_eq!(p.validate().unwrap_err().field, "priority");
+        p.priority = 0;
+        p.backoff.jitter = 2.0;
+        assert_eq!(p.validate().unwrap_err().field, "backoff.jitter");
+    }
+}
