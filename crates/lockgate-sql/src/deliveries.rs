@@ -1,0 +1,152 @@
+//! Statements on deliveries: claim, heartbeat extension, fenced completion, retry in place,
+//! dead-lettering and shutdown release. Every one after the claim is fenced on the delivery's
+//! `(msg_id, read_ct)`: a stale delivery finds nothing and changes nothing (G2).
+
+use std::time::Duration;
+
+use lockgate_core::{Claim, QueueName};
+use sqlx::{PgExecutor, Row};
+
+use crate::DbError;
+
+/// Why a message is dead-lettered; stored in `lockgate.dead_letters.reason`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLetterReason {
+    /// The last allowed attempt failed.
+    AttemptsExhausted,
+    /// The message is not a lockgate job (no or malformed headers, or arguments not an object).
+    Undecodable,
+    /// The job type does not resolve to a stored policy or a registered handler.
+    UnknownJobType,
+}
+
+impl DeadLetterReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::AttemptsExhausted => "attempts_exhausted",
+            Self::Undecodable => "undecodable",
+            Self::UnknownJobType => "unknown_job_type",
+        }
+    }
+}
+
+/// Claims up to `qty` visible messages of `queue`, invisible for `visibility` from now.
+pub async fn claim<'c>(
+    db: impl PgExecutor<'c>,
+    queue: &QueueName,
+    qty: i32,
+    visibility: Duration,
+) -> Result<Vec<Claim>, DbError> {
+    let rows = sqlx::query(
+        "SELECT msg_id, read_ct, enqueued_at, message, headers FROM lockgate.claim($1, $2, $3)",
+    )
+    .bind(queue.as_str())
+    .bind(qty)
+    .bind(visibility.as_secs_f64())
+    .fetch_all(db)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|row| Claim {
+            queue: queue.clone(),
+            msg_id: row.get(0),
+            read_ct: row.get(1),
+            enqueued_at: row.get(2),
+            message: row.get(3),
+            headers: row.get(4),
+        })
+        .collect())
+}
+
+/// Extends the visibility of the given deliveries; returns the msg_ids still owned.
+pub async fn extend<'c>(
+    db: impl PgExecutor<'c>,
+    queue: &QueueName,
+    deliveries: &[(i64, i32)],
+    visibility: Duration,
+) -> Result<Vec<i64>, DbError> {
+    let (ids, cts) = split(deliveries);
+    Ok(sqlx::query_scalar("SELECT lockgate.extend($1, $2, $3, $4)")
+        .bind(queue.as_str())
+        .bind(ids)
+        .bind(cts)
+        .bind(visibility.as_secs_f64())
+        .fetch_all(db)
+        .await?)
+}
+
+/// Fenced archive of finished deliveries; returns the msg_ids this call archived.
+pub async fn complete<'c>(
+    db: impl PgExecutor<'c>,
+    queue: &QueueName,
+    deliveries: &[(i64, i32)],
+) -> Result<Vec<i64>, DbError> {
+    let (ids, cts) = split(deliveries);
+    Ok(sqlx::query_scalar("SELECT lockgate.complete($1, $2, $3)")
+        .bind(queue.as_str())
+        .bind(ids)
+        .bind(cts)
+        .fetch_all(db)
+        .await?)
+}
+
+/// Retries a failed delivery in place after `delay`; false when this delivery no longer owns it.
+pub async fn retry<'c>(
+    db: impl PgExecutor<'c>,
+    claim: &Claim,
+    delay: Duration,
+    error: &str,
+    attempt: u32,
+) -> Result<bool, DbError> {
+    Ok(
+        sqlx::query_scalar("SELECT lockgate.retry($1, $2, $3, $4, $5, $6)")
+            .bind(claim.queue.as_str())
+            .bind(claim.msg_id)
+            .bind(claim.read_ct)
+            .bind(delay.as_secs_f64())
+            .bind(error)
+            .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
+            .fetch_one(db)
+            .await?,
+    )
+}
+
+/// Moves a delivery's message to the dead letters; false when this delivery no longer owns it.
+pub async fn dead_letter<'c>(
+    db: impl PgExecutor<'c>,
+    claim: &Claim,
+    reason: DeadLetterReason,
+    error: &str,
+    attempts: u32,
+) -> Result<bool, DbError> {
+    Ok(
+        sqlx::query_scalar("SELECT lockgate.dead_letter($1, $2, $3, $4, $5, $6)")
+            .bind(claim.queue.as_str())
+            .bind(claim.msg_id)
+            .bind(claim.read_ct)
+            .bind(reason.as_str())
+            .bind(error)
+            .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
+            .fetch_one(db)
+            .await?,
+    )
+}
+
+/// Returns unfinished deliveries to their queue, visible at once; returns the msg_ids released.
+pub async fn release<'c>(
+    db: impl PgExecutor<'c>,
+    queue: &QueueName,
+    deliveries: &[(i64, i32)],
+) -> Result<Vec<i64>, DbError> {
+    let (ids, cts) = split(deliveries);
+    Ok(sqlx::query_scalar("SELECT lockgate.release($1, $2, $3)")
+        .bind(queue.as_str())
+        .bind(ids)
+        .bind(cts)
+        .fetch_all(db)
+        .await?)
+}
+
+fn split(deliveries: &[(i64, i32)]) -> (Vec<i64>, Vec<i32>) {
+    deliveries.iter().copied().unzip()
+}

@@ -1,0 +1,70 @@
+//! The one error type of the SQL layer. lockgate's SQL functions raise their own SQLSTATEs
+//! (`LG001` unknown queue, `LG002` unknown job type, `LG003` invalid argument); they are mapped
+//! to variants here so callers match on meaning, never on sqlx internals.
+
+/// An error from the database, classified.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("{0}")]
+    UnknownQueue(String),
+    #[error("{0}")]
+    UnknownJobType(String),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("lockgate is not installed in this database ({0}): run `lockgate migrate`")]
+    NotInstalled(String),
+    #[error("this database has lockgate schema version {found}, older than this build's {expected}: run `lockgate migrate`")]
+    SchemaOutdated { found: i32, expected: i32 },
+    #[error("lockgate's SQL functions in this database differ from this build's: run `lockgate migrate`")]
+    FunctionsOutdated,
+    #[error("this database has lockgate schema version {found}, newer than this build's {expected}: upgrade lockgate")]
+    SchemaNewer { found: i32, expected: i32 },
+    #[error("database error: {0}")]
+    Sqlx(#[source] sqlx::Error),
+}
+
+impl From<sqlx::Error> for DbError {
+    fn from(err: sqlx::Error) -> Self {
+        let Some(db) = err.as_database_error() else {
+            return Self::Sqlx(err);
+        };
+        let message = match db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+            Some(pg) => match pg.detail() {
+                Some(detail) => format!("{} ({detail})", pg.message()),
+                None => pg.message().to_string(),
+            },
+            None => db.message().to_string(),
+        };
+        match db.code().as_deref() {
+            Some("LG001") => Self::UnknownQueue(message),
+            Some("LG002") => Self::UnknownJobType(message),
+            Some("LG003") => Self::InvalidArgument(message),
+            _ => Self::Sqlx(err),
+        }
+    }
+}
+
+impl DbError {
+    /// Whether retrying the same call may succeed: connection loss, a terminated backend, a
+    /// restarting server, pool exhaustion. Callers retry these; everything else is final.
+    pub fn is_transient(&self) -> bool {
+        let Self::Sqlx(err) = self else { return false };
+        match err {
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Protocol(_) => true,
+            sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+                // 08: connection exception; 57P01..03: admin shutdown, crash shutdown, cannot
+                // connect now; 40001/40P01: serialization failure and deadlock (retry is the fix).
+                code.starts_with("08")
+                    || matches!(
+                        code.as_ref(),
+                        "57P01" | "57P02" | "57P03" | "40001" | "40P01"
+                    )
+            }),
+            _ => false,
+        }
+    }
+}

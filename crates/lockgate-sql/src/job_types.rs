@@ -1,0 +1,72 @@
+//! Job-type statements: define (upsert the stored policy) and load every policy.
+
+use std::time::Duration;
+
+use lockgate_core::{Backoff, JobPolicy, JobTypeName, QueueName};
+use sqlx::{PgExecutor, Row};
+
+use crate::DbError;
+
+/// Stores (or replaces) a job type's policy, creating its queue if missing.
+pub async fn define_job_type<'c>(
+    db: impl PgExecutor<'c>,
+    name: &JobTypeName,
+    policy: &JobPolicy,
+) -> Result<(), DbError> {
+    sqlx::query("SELECT lockgate.define_job_type($1, $2, $3, $4, $5, $6, $7, $8)")
+        .bind(name.as_str())
+        .bind(policy.queue.as_str())
+        .bind(policy.priority)
+        .bind(i32::try_from(policy.max_attempts).unwrap_or(i32::MAX))
+        .bind(millis(policy.backoff.base))
+        .bind(millis(policy.backoff.max))
+        .bind(policy.backoff.jitter)
+        .bind(policy.timeout.map(millis))
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// Every stored job type and its policy. Rows that no longer validate (edited by hand into
+/// something this build cannot use) are skipped: their jobs are then dead-lettered as of an
+/// unknown type, with the reason, rather than run under a guessed policy.
+pub async fn load_job_types<'c>(
+    db: impl PgExecutor<'c>,
+) -> Result<Vec<(JobTypeName, JobPolicy)>, DbError> {
+    let rows = sqlx::query(
+        "SELECT name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms
+           FROM lockgate.job_types ORDER BY name",
+    )
+    .fetch_all(db)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        let (Ok(name), Ok(queue)) = (
+            JobTypeName::new(row.get::<String, _>(0)),
+            QueueName::new(row.get::<String, _>(1)),
+        ) else {
+            continue;
+        };
+        let policy = JobPolicy {
+            queue,
+            priority: row.get(2),
+            max_attempts: u32::try_from(row.get::<i32, _>(3)).unwrap_or(1),
+            backoff: Backoff {
+                base: from_millis(row.get(4)),
+                max: from_millis(row.get(5)),
+                jitter: row.get(6),
+            },
+            timeout: row.get::<Option<i64>, _>(7).map(from_millis),
+        };
+        out.push((name, policy));
+    }
+    Ok(out)
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn from_millis(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}

@@ -1,0 +1,28 @@
+//! lockgate's SQL layer: the migrations that install PGMQ and lockgate's schema, and one typed
+//! function per statement lockgate runs. It is the only crate that talks to sqlx; the runtime
+//! and the CLI call these functions and never write SQL of their own.
+//!
+//! Every statement calls a function from the `sql/` folder of the repository (the API that
+//! producers in any language share), with values bound as parameters.
+
+mod deliveries;
+mod dlq;
+mod enqueue;
+mod error;
+mod job_types;
+mod maintenance;
+mod migrate;
+mod queues;
+mod status;
+
+pub use deliveries::{claim, complete, dead_letter, extend, release, retry, DeadLetterReason};
+pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter};
+pub use enqueue::{enqueue, enqueue_many};
+pub use error::DbError;
+pub use job_types::{define_job_type, load_job_types};
+pub use maintenance::prune_archive;
+pub use migrate::{check_schema, functions_checksum, migrate, MigrateReport, LATEST_MIGRATION};
+pub use queues::{create_queue, list_queues};
+pub use status::{queue_stats, QueueStats};
+
+pub use sqlx::postgres::{PgPool, PgPoolOptions};

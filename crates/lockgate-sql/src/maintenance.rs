@@ -1,0 +1,24 @@
+//! Maintenance statements, one per sweep.
+
+use std::time::Duration;
+
+use sqlx::PgExecutor;
+
+use crate::DbError;
+
+/// Deletes up to `max_rows` archived messages of `queue` older than `retention`.
+pub async fn prune_archive<'c>(
+    db: impl PgExecutor<'c>,
+    queue: &str,
+    retention: Duration,
+    max_rows: i32,
+) -> Result<i64, DbError> {
+    Ok(
+        sqlx::query_scalar("SELECT lockgate.prune_archive($1, $2, $3)")
+            .bind(queue)
+            .bind(retention.as_secs_f64())
+            .bind(max_rows)
+            .fetch_one(db)
+            .await?,
+    )
+}

@@ -1,0 +1,184 @@
+//! Installing and checking lockgate's schema.
+//!
+//! `migrate` runs in one transaction under an advisory lock, so any number of processes may run
+//! it at once (H21): the first installs, the others wait and find nothing left to do. It applies
+//! the numbered files of `migrations/` not yet recorded (PGMQ 1.11.1 first, skipped where PGMQ
+//! is already installed, as the extension or as SQL), then re-applies every function of `sql/`
+//! and records the schema version and a checksum of those functions. Every other command calls
+//! `check_schema` first and refuses to run against a missing or older schema.
+
+use sqlx::{PgPool, Row};
+
+use crate::DbError;
+
+struct Migration {
+    version: i32,
+    name: &'static str,
+    sql: &'static str,
+}
+
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "pgmq_1.11.1",
+        sql: include_str!("../../../migrations/0001_pgmq_1.11.1.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "lockgate_schema",
+        sql: include_str!("../../../migrations/0002_lockgate_schema.sql"),
+    },
+];
+
+/// The functions of `sql/`, applied in this order on every migrate.
+const FUNCTIONS: &[&str] = &[
+    include_str!("../../../sql/001_queues.sql"),
+    include_str!("../../../sql/002_job_types.sql"),
+    include_str!("../../../sql/010_enqueue.sql"),
+    include_str!("../../../sql/020_claim.sql"),
+    include_str!("../../../sql/030_extend.sql"),
+    include_str!("../../../sql/040_complete.sql"),
+    include_str!("../../../sql/041_retry.sql"),
+    include_str!("../../../sql/042_dead_letter.sql"),
+    include_str!("../../../sql/043_release.sql"),
+    include_str!("../../../sql/050_dlq.sql"),
+    include_str!("../../../sql/060_status.sql"),
+    include_str!("../../../sql/070_archive_retention.sql"),
+];
+
+/// The schema version this build expects.
+pub const LATEST_MIGRATION: i32 = 2;
+
+/// A fixed key for the migration advisory lock ("lockgate" in ASCII).
+const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;
+
+/// Tables the migrator itself needs before it can read what is applied.
+const BOOTSTRAP: &str = "
+CREATE SCHEMA IF NOT EXISTS lockgate;
+CREATE TABLE IF NOT EXISTS lockgate.schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    note       text,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS lockgate.schema_state (
+    singleton          boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    migration          integer NOT NULL,
+    functions_checksum text NOT NULL,
+    migrated_at        timestamptz NOT NULL DEFAULT now()
+);";
+
+/// What a migrate run did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigrateReport {
+    /// Names of the numbered migrations this run applied.
+    pub applied: Vec<String>,
+    /// Whether PGMQ was found already installed and left as it was.
+    pub pgmq_preinstalled: bool,
+}
+
+/// FNV-1a over the function files: a stable fingerprint, not a security measure.
+pub fn functions_checksum() -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in FUNCTIONS.iter().flat_map(|f| f.bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{hash:016x}")
+}
+
+/// Installs or upgrades everything lockgate needs in this database.
+pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(MIGRATE_LOCK_KEY)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::raw_sql(BOOTSTRAP).execute(&mut *tx).await?;
+    let applied: Vec<i32> = sqlx::query_scalar("SELECT version FROM lockgate.schema_migrations")
+        .fetch_all(&mut *tx)
+        .await?;
+    let mut report = MigrateReport {
+        applied: Vec::new(),
+        pgmq_preinstalled: false,
+    };
+    for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
+        let mut note = None;
+        if m.version == 1 && pgmq_present(&mut tx).await? {
+            report.pgmq_preinstalled = true;
+            note = Some("PGMQ was already installed; left as it was");
+        } else {
+            sqlx::raw_sql(m.sql).execute(&mut *tx).await?;
+        }
+        sqlx::query(
+            "INSERT INTO lockgate.schema_migrations (version, name, note) VALUES ($1, $2, $3)",
+        )
+        .bind(m.version)
+        .bind(m.name)
+        .bind(note)
+        .execute(&mut *tx)
+        .await?;
+        report.applied.push(m.name.to_string());
+    }
+    for functions in FUNCTIONS {
+        sqlx::raw_sql(functions).execute(&mut *tx).await?;
+    }
+    sqlx::query(
+        "INSERT INTO lockgate.schema_state (migration, functions_checksum) VALUES ($1, $2)
+         ON CONFLICT (singleton) DO UPDATE SET migration = $1, functions_checksum = $2, migrated_at = now()",
+    )
+    .bind(LATEST_MIGRATION)
+    .bind(functions_checksum())
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(report)
+}
+
+async fn pgmq_present(tx: &mut sqlx::PgConnection) -> Result<bool, DbError> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'pgmq') OR to_regclass('pgmq.meta') IS NOT NULL",
+    )
+    .fetch_one(tx)
+    .await?)
+}
+
+/// Refuses a database where lockgate or PGMQ is missing, older, newer, or whose functions differ.
+pub async fn check_schema(pool: &PgPool) -> Result<(), DbError> {
+    let row = sqlx::query(
+        "SELECT to_regclass('lockgate.schema_state') IS NOT NULL, to_regclass('pgmq.meta') IS NOT NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    if !row.get::<bool, _>(0) {
+        return Err(DbError::NotInstalled("no lockgate schema found".into()));
+    }
+    if !row.get::<bool, _>(1) {
+        return Err(DbError::NotInstalled("PGMQ is missing".into()));
+    }
+    let state = sqlx::query("SELECT migration, functions_checksum FROM lockgate.schema_state")
+        .fetch_optional(pool)
+        .await?;
+    let Some(state) = state else {
+        return Err(DbError::NotInstalled(
+            "the schema was never completely migrated".into(),
+        ));
+    };
+    let found: i32 = state.get(0);
+    if found < LATEST_MIGRATION {
+        return Err(DbError::SchemaOutdated {
+            found,
+            expected: LATEST_MIGRATION,
+        });
+    }
+    if found > LATEST_MIGRATION {
+        return Err(DbError::SchemaNewer {
+            found,
+            expected: LATEST_MIGRATION,
+        });
+    }
+    if state.get::<String, _>(1) != functions_checksum() {
+        return Err(DbError::FunctionsOutdated);
+    }
+    Ok(())
+}

@@ -1,0 +1,41 @@
+-- Queues: lockgate.create_queue creates the PGMQ pair and lockgate's claim index in one
+-- transaction; lockgate._queue_table resolves a queue name to its quoted PGMQ table or raises
+-- LG001. Every function that touches a queue's table goes through _queue_table, so no unknown
+-- or malformed name can reach a dynamic statement.
+--
+-- Error codes raised by lockgate's functions (matched by the Rust layer):
+--   LG001 unknown queue · LG002 unknown job type · LG003 invalid argument
+
+CREATE OR REPLACE FUNCTION lockgate._queue_table(queue text, kind text)
+RETURNS text LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = _queue_table.queue) THEN
+        RAISE EXCEPTION 'lockgate: queue "%" does not exist', queue
+            USING ERRCODE = 'LG001',
+                  HINT = 'create it with lockgate.create_queue(name), lockgate queue create, or a job type on that queue';
+    END IF;
+    RETURN format('pgmq.%I', kind || '_' || queue);
+END $$;
+
+-- Creates a queue if it does not exist. Safe to run from many sessions at once (H21): the
+-- advisory lock serialises creators of the same name until commit.
+-- Locks: advisory xact lock on the queue name. Callers: migrate, define_job_type, Client, CLI.
+CREATE OR REPLACE FUNCTION lockgate.create_queue(queue text)
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF queue IS NULL OR queue !~ '^[a-z][a-z0-9_]{0,46}$' THEN
+        RAISE EXCEPTION 'lockgate: invalid queue name "%"', queue
+            USING ERRCODE = 'LG003',
+                  DETAIL = 'a queue name is a lowercase letter followed by lowercase letters, digits or _, at most 47 characters';
+    END IF;
+    PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
+    IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) THEN
+        RETURN;
+    END IF;
+    PERFORM pgmq.create(queue);
+    -- Claims take the lowest priority first, then the oldest message: this index serves them.
+    EXECUTE format(
+        'CREATE INDEX IF NOT EXISTS %I ON pgmq.%I ((COALESCE((headers->>''priority'')::smallint, 0)), msg_id)',
+        'q_' || queue || '_lg_prio', 'q_' || queue);
+    INSERT INTO lockgate.queues (name) VALUES (queue) ON CONFLICT DO NOTHING;
+END $$;

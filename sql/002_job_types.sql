@@ -1,0 +1,45 @@
+-- Job types and their policies. define_job_type is the one writer (Rust registration, the TOML
+-- config and SQL users all call it); it creates the type's queue when missing.
+-- Locks: the job_types row (upsert). Callers: Client::define_job_type, lockgate run, SQL users.
+
+CREATE OR REPLACE FUNCTION lockgate.define_job_type(
+    name            text,
+    queue           text DEFAULT 'default',
+    priority        smallint DEFAULT 0,
+    max_attempts    integer DEFAULT 20,
+    backoff_base_ms bigint DEFAULT 1000,
+    backoff_max_ms  bigint DEFAULT 3600000,
+    backoff_jitter  double precision DEFAULT 0.1,
+    timeout_ms      bigint DEFAULT NULL
+) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF name IS NULL OR name !~ '^[A-Za-z][A-Za-z0-9_.:-]{0,127}$' THEN
+        RAISE EXCEPTION 'lockgate: invalid job type name "%"', name
+            USING ERRCODE = 'LG003',
+                  DETAIL = 'an ASCII letter followed by letters, digits, _, ., : or -, at most 128 characters';
+    END IF;
+    PERFORM lockgate.create_queue(queue);
+    INSERT INTO lockgate.job_types AS t
+        (name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms)
+    VALUES (define_job_type.name, define_job_type.queue, define_job_type.priority, define_job_type.max_attempts,
+            define_job_type.backoff_base_ms, define_job_type.backoff_max_ms, define_job_type.backoff_jitter,
+            define_job_type.timeout_ms)
+    ON CONFLICT ON CONSTRAINT job_types_pkey DO UPDATE SET
+        queue = EXCLUDED.queue, priority = EXCLUDED.priority, max_attempts = EXCLUDED.max_attempts,
+        backoff_base_ms = EXCLUDED.backoff_base_ms, backoff_max_ms = EXCLUDED.backoff_max_ms,
+        backoff_jitter = EXCLUDED.backoff_jitter, timeout_ms = EXCLUDED.timeout_ms, updated_at = now();
+END $$;
+
+-- The policy of one job type, or LG002 naming it.
+CREATE OR REPLACE FUNCTION lockgate.job_policy(job_type text)
+RETURNS lockgate.job_types LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    jt lockgate.job_types;
+BEGIN
+    SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = job_policy.job_type;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'lockgate: unknown job type "%"', job_type
+            USING ERRCODE = 'LG002', HINT = 'define it with lockgate.define_job_type or in lockgate.toml';
+    END IF;
+    RETURN jt;
+END $$;

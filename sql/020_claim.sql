@@ -1,0 +1,26 @@
+-- Claim: take up to qty visible messages of a queue, lowest priority value first, then oldest,
+-- making them invisible for vt_seconds and incrementing read_ct. Each returned row is one
+-- delivery; (queue, msg_id, read_ct) is its fencing token for every later step.
+-- Locks: FOR UPDATE SKIP LOCKED on the claimed rows, so concurrent claimers never wait or collide.
+-- Callers: the worker's fetch loop. $1 = qty, $2 = visibility in seconds.
+CREATE OR REPLACE FUNCTION lockgate.claim(queue text, qty integer, vt_seconds double precision)
+RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb)
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY EXECUTE format(
+        'WITH next AS (
+             SELECT m.msg_id FROM %1$s m
+              WHERE m.vt <= clock_timestamp()
+              ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0), m.msg_id
+              LIMIT $1
+                FOR UPDATE SKIP LOCKED)
+         UPDATE %1$s m
+            SET vt = clock_timestamp() + make_interval(secs => $2),
+                read_ct = m.read_ct + 1,
+                last_read_at = clock_timestamp()
+           FROM next
+          WHERE m.msg_id = next.msg_id
+         RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers',
+        lockgate._queue_table(queue, 'q'))
+      USING qty, vt_seconds;
+END $$;

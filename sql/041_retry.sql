@@ -1,0 +1,26 @@
+-- Retry in place: a failed attempt keeps its message (and, later, its permit) and becomes
+-- visible again after the backoff. The error joins the attempt history in the headers, and
+-- retry_at marks the delivery as waiting (not running) for status. Fenced on (msg_id, read_ct):
+-- a stale delivery's failure changes nothing. Returns whether this delivery still owned it.
+-- Locks: the message row. Callers: the worker after a failed or timed-out attempt.
+CREATE OR REPLACE FUNCTION lockgate.retry(
+    queue text, msg_id bigint, read_ct integer, delay_seconds double precision, error text, attempt integer
+) RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    retry_at timestamptz := clock_timestamp() + make_interval(secs => delay_seconds);
+    found_id bigint;
+BEGIN
+    EXECUTE format(
+        'UPDATE %s m
+            SET vt = $3,
+                headers = m.headers
+                    || jsonb_build_object(''retry_at'', $3)
+                    || jsonb_build_object(''errors'', COALESCE(m.headers->''errors'', ''[]'')
+                          || jsonb_build_array(jsonb_build_object(''attempt'', $5, ''at'', clock_timestamp(), ''error'', left($4, 4000))))
+          WHERE m.msg_id = $1 AND m.read_ct = $2
+         RETURNING m.msg_id',
+        lockgate._queue_table(queue, 'q'))
+       INTO found_id
+      USING retry.msg_id, retry.read_ct, retry_at, error, attempt;
+    RETURN found_id IS NOT NULL;
+END $$;

@@ -1,0 +1,33 @@
+-- Dead-letter: move a delivery's message to lockgate.dead_letters with its reason, its last
+-- error appended to the attempt history, and its attempt count. Fenced on (msg_id, read_ct).
+-- Header fields are read defensively: this is also the path for messages that are not
+-- lockgate's, and it must never fail on them (a message that cannot be dead-lettered would be
+-- retried forever). Returns whether this delivery still owned the message.
+-- Locks: the deleted row. Callers: the worker (last attempt failed, undecodable, unknown type).
+CREATE OR REPLACE FUNCTION lockgate.dead_letter(
+    queue text, msg_id bigint, read_ct integer, reason text, error text, attempts integer
+) RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    found_id bigint;
+BEGIN
+    EXECUTE format(
+        'WITH gone AS (
+             DELETE FROM %s m WHERE m.msg_id = $1 AND m.read_ct = $2
+             RETURNING m.msg_id, m.message, m.headers, m.enqueued_at)
+         INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
+         SELECT $3, g.msg_id,
+                CASE WHEN g.headers->>''job_id'' ~ ''^[0-9]{1,18}$'' THEN (g.headers->>''job_id'')::bigint END,
+                CASE WHEN jsonb_typeof(g.headers) = ''object'' THEN g.headers->>''type'' END,
+                g.message,
+                CASE WHEN jsonb_typeof(g.headers) = ''object''
+                     THEN g.headers - ''retry_at'' || jsonb_build_object(''errors'', COALESCE(g.headers->''errors'', ''[]'')
+                          || jsonb_build_array(jsonb_build_object(''attempt'', $6, ''at'', clock_timestamp(), ''error'', left($5, 4000))))
+                     ELSE g.headers END,
+                $4, left($5, 4000), $6, g.enqueued_at
+           FROM gone g
+         RETURNING msg_id',
+        lockgate._queue_table(queue, 'q'))
+       INTO found_id
+      USING dead_letter.msg_id, dead_letter.read_ct, queue, reason, error, attempts;
+    RETURN found_id IS NOT NULL;
+END $$;
