@@ -1,0 +1,131 @@
+//! Runtime configuration with documented defaults. The TOML config of `lockgate run` maps onto
+//! these types; Rust users build them directly.
+
+use std::time::Duration;
+
+use lockgate_core::{QueueName, ValidationError};
+
+/// How long a claimed job stays invisible without a heartbeat. A dead worker's jobs come back
+/// after at most this long (G5); 30 s is SQS's default and keeps recovery quick.
+pub const DEFAULT_VISIBILITY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Heartbeats every 5 s give six chances to renew within one visibility timeout.
+pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(5);
+/// 25 s leaves 5 s of a Kubernetes pod's default 30 s grace period to return jobs and exit.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(25);
+/// The polling fallback: correct on its own when notifications are lost; 1 s as in Oban.
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// Ten concurrent jobs per pool is a modest default for I/O-bound work on a small machine.
+pub const DEFAULT_CONCURRENCY: usize = 10;
+/// Archived jobs are kept a week, long enough to investigate last week's incident.
+pub const DEFAULT_ARCHIVE_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Maintenance sweeps run every 30 s: retention is not urgent.
+pub const DEFAULT_MAINTENANCE_INTERVAL: Duration = Duration::from_secs(30);
+
+/// Process-wide settings of the runtime.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RuntimeConfig {
+    pub visibility_timeout: Duration,
+    pub heartbeat_interval: Duration,
+    pub shutdown_timeout: Duration,
+    pub poll_interval: Duration,
+    pub archive_retention: Duration,
+    pub maintenance_interval: Duration,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            visibility_timeout: DEFAULT_VISIBILITY_TIMEOUT,
+            heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+            archive_retention: DEFAULT_ARCHIVE_RETENTION,
+            maintenance_interval: DEFAULT_MAINTENANCE_INTERVAL,
+        }
+    }
+}
+
+impl RuntimeConfig {
+    /// G6: every lease is at least twice the heartbeat interval, so one late tick never loses it.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        if self.heartbeat_interval.is_zero() {
+            return Err(ValidationError::new(
+                "heartbeat_interval",
+                "0s",
+                "a positive duration",
+            ));
+        }
+        if self.visibility_timeout < self.heartbeat_interval * 2 {
+            return Err(ValidationError::new(
+                "visibility_timeout",
+                format!("{:?}", self.visibility_timeout),
+                format!(
+                    "at least twice heartbeat_interval ({:?})",
+                    self.heartbeat_interval
+                ),
+            ));
+        }
+        for (field, value) in [
+            ("poll_interval", self.poll_interval),
+            ("maintenance_interval", self.maintenance_interval),
+        ] {
+            if value.is_zero() {
+                return Err(ValidationError::new(field, "0s", "a positive duration"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One worker pool: the queues it serves, in strict priority order, and how many jobs it runs
+/// at once.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolConfig {
+    pub name: String,
+    /// Claimed in this order: a later queue gets only the capacity earlier queues left.
+    pub queues: Vec<QueueName>,
+    pub concurrency: usize,
+}
+
+impl PoolConfig {
+    pub fn new(name: impl Into<String>, queues: Vec<QueueName>, concurrency: usize) -> Self {
+        Self {
+            name: name.into(),
+            queues,
+            concurrency,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        if self.queues.is_empty() {
+            return Err(ValidationError::new(
+                "queues",
+                format!("pool {}: []", self.name),
+                "at least one queue",
+            ));
+        }
+        if self.concurrency == 0 {
+            return Err(ValidationError::new(
+                "concurrency",
+                format!("pool {}: 0", self.name),
+                "an integer of at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn visibility_must_cover_two_heartbeats() {
+        let cfg = RuntimeConfig {
+            visibility_timeout: Duration::from_secs(5),
+            ..Default::default()
+        };
+        assert_eq!(cfg.validate().unwrap_err().field, "visibility_timeout");
+        assert!(RuntimeConfig::default().validate().is_ok());
+    }
+}

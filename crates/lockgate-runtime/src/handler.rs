@@ -1,0 +1,214 @@
+//! What a handler sees (its [`JobContext`]) and returns ([`JobError`]), and the [`Registry`]
+//! that maps job types to handlers and policies.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use lockgate_core::{JobId, JobPolicy, JobTypeName, ValidationError};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::job::{Handler, Job};
+
+/// Why a running job's cancellation signal fired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelReason {
+    /// The process is shutting down and the job outlived `shutdown_timeout`; it goes back to its
+    /// queue and runs again.
+    Shutdown,
+    /// The heartbeat found the delivery no longer owned: its visibility lapsed and another
+    /// delivery may own it. Nothing this delivery does can complete it any more.
+    LeaseLost,
+    /// The attempt ran past its job type's timeout and counts as failed.
+    Timeout,
+}
+
+/// What a handler knows about the job it runs.
+#[derive(Debug, Clone)]
+pub struct JobContext {
+    pub job_id: JobId,
+    pub job_type: String,
+    pub queue: String,
+    pub msg_id: i64,
+    /// 1 for the first attempt.
+    pub attempt: u32,
+    pub max_attempts: u32,
+    pub(crate) cancel: CancellationToken,
+    pub(crate) reason: Arc<Mutex<Option<CancelReason>>>,
+}
+
+impl JobContext {
+    /// Resolves when the job must stop: shutdown deadline, lease lost or timeout. Long handlers
+    /// should select on it; the runtime stops polling the handler right after it fires.
+    pub async fn cancelled(&self) {
+        self.cancel.cancelled().await;
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+
+    pub fn cancel_reason(&self) -> Option<CancelReason> {
+        *self.reason.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn fire(&self, reason: CancelReason) {
+        let mut slot = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+        slot.get_or_insert(reason);
+        self.cancel.cancel();
+    }
+}
+
+/// A failed attempt's error. Any `std::error::Error` converts into it, so `?` works in handlers.
+pub struct JobError {
+    message: String,
+}
+
+impl JobError {
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+        }
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl<E: std::error::Error> From<E> for JobError {
+    fn from(err: E) -> Self {
+        let mut message = err.to_string();
+        let mut source = err.source();
+        while let Some(cause) = source {
+            message.push_str(": ");
+            message.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        Self { message }
+    }
+}
+
+impl fmt::Display for JobError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl fmt::Debug for JobError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "JobError({:?})", self.message)
+    }
+}
+
+/// How an erased handler's call ended.
+pub(crate) enum HandlerFailure {
+    /// The arguments do not decode into the handler's type: dead-letter, never retry.
+    Decode(String),
+    Failed(JobError),
+}
+
+pub(crate) type HandlerFuture = Pin<Box<dyn Future<Output = Result<(), HandlerFailure>> + Send>>;
+
+/// A handler for raw JSON arguments, as built-in executors and typed wrappers provide.
+pub trait RawHandler: Send + Sync + 'static {
+    fn call(
+        &self,
+        ctx: JobContext,
+        args: Value,
+    ) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send>>;
+}
+
+type Erased = Arc<dyn Fn(JobContext, Value) -> HandlerFuture + Send + Sync>;
+
+/// Job types this process can run: a handler and the policy recorded at startup for each.
+#[derive(Clone, Default)]
+pub struct Registry {
+    handlers: HashMap<String, Erased>,
+    policies: Vec<(JobTypeName, JobPolicy)>,
+}
+
+impl fmt::Debug for Registry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registry")
+            .field("job_types", &self.handlers.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a typed handler for `J`, with `J::policy()`.
+    pub fn register<J: Job, H: Handler<J>>(
+        &mut self,
+        handler: H,
+    ) -> Result<&mut Self, ValidationError> {
+        let handler = Arc::new(handler);
+        let erased: Erased = Arc::new(move |ctx, args| {
+            let handler = Arc::clone(&handler);
+            Box::pin(async move {
+                let job: J = serde_json::from_value(args)
+                    .map_err(|e| HandlerFailure::Decode(format!("arguments do not decode: {e}")))?;
+                handler
+                    .handle(ctx, job)
+                    .await
+                    .map_err(HandlerFailure::Failed)
+            })
+        });
+        self.insert(JobTypeName::new(J::TYPE)?, J::policy(), erased)
+    }
+
+    /// Registers a handler of raw JSON arguments under `name` with `policy`.
+    pub fn register_raw(
+        &mut self,
+        name: JobTypeName,
+        policy: JobPolicy,
+        handler: Arc<dyn RawHandler>,
+    ) -> Result<&mut Self, ValidationError> {
+        let erased: Erased = Arc::new(move |ctx, args| {
+            let handler = Arc::clone(&handler);
+            Box::pin(async move {
+                handler
+                    .call(ctx, args)
+                    .await
+                    .map_err(HandlerFailure::Failed)
+            })
+        });
+        self.insert(name, policy, erased)
+    }
+
+    fn insert(
+        &mut self,
+        name: JobTypeName,
+        policy: JobPolicy,
+        handler: Erased,
+    ) -> Result<&mut Self, ValidationError> {
+        policy.validate()?;
+        self.handlers.insert(name.as_str().to_string(), handler);
+        self.policies.retain(|(n, _)| n != &name);
+        self.policies.push((name, policy));
+        Ok(self)
+    }
+
+    pub(crate) fn handler(&self, job_type: &str) -> Option<&Erased> {
+        self.handlers.get(job_type)
+    }
+
+    pub(crate) fn policies(&self) -> &[(JobTypeName, JobPolicy)] {
+        &self.policies
+    }
+
+    /// The queues of every registered job type.
+    pub fn queues(&self) -> Vec<lockgate_core::QueueName> {
+        let mut queues: Vec<_> = self.policies.iter().map(|(_, p)| p.queue.clone()).collect();
+        queues.sort();
+        queues.dedup();
+        queues
+    }
+}

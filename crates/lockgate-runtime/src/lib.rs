@@ -1,0 +1,28 @@
+//! lockgate's runtime: the producer-side [`Client`], and the long-running services that execute
+//! jobs — worker pools (fetch, execute, complete), the heartbeat, the LISTEN notifier and the
+//! maintenance sweeps — supervised by [`Runtime`].
+//!
+//! The pipeline of one job: the fetch loop of a [`worker`] pool claims a batch of deliveries
+//! (one round trip per queue), registers each in the process's in-flight set (which the
+//! [`heartbeat`] renews), and runs its handler; the outcome goes to the completer (a batched,
+//! fenced archive), or to a fenced retry or dead-letter. See `supervisor` for the lifecycle.
+
+mod client;
+pub mod config;
+mod error;
+mod handler;
+pub mod heartbeat;
+mod in_flight;
+mod job;
+pub mod maintenance;
+mod notifier;
+mod policies;
+mod supervisor;
+pub mod worker;
+
+pub use client::Client;
+pub use config::{PoolConfig, RuntimeConfig};
+pub use error::{EnqueueError, RuntimeError};
+pub use handler::{CancelReason, JobContext, JobError, Registry};
+pub use job::{Handler, Job};
+pub use supervisor::Runtime;

@@ -1,0 +1,61 @@
+//! Maintenance sweeps. Each sweep has the same shape: a ticker loop in `run` and the work in a
+//! `run_once` that returns counts. Today: archive retention.
+
+use std::time::Duration;
+
+use lockgate_sql::{DbError, PgPool};
+use tokio_util::sync::CancellationToken;
+
+/// Rows deleted per statement: bounded so that pruning a large backlog never holds long locks.
+const PRUNE_BATCH: i32 = 10_000;
+
+/// Deletes archived jobs older than the retention period, in every queue.
+pub struct ArchiveRetention {
+    db: PgPool,
+    retention: Duration,
+    interval: Duration,
+}
+
+impl ArchiveRetention {
+    pub fn new(db: PgPool, retention: Duration, interval: Duration) -> Self {
+        Self {
+            db,
+            retention,
+            interval,
+        }
+    }
+
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut ticker = tokio::time::interval(self.interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            match self.run_once().await {
+                Ok(0) => {}
+                Ok(deleted) => tracing::info!(deleted, "pruned archived jobs"),
+                Err(error) => tracing::warn!(%error, "archive retention failed"),
+            }
+        }
+    }
+
+    /// Prunes every queue's archive; returns how many rows it deleted.
+    pub async fn run_once(&self) -> Result<i64, DbError> {
+        let mut total = 0;
+        for queue in lockgate_sql::list_queues(&self.db).await? {
+            loop {
+                let deleted =
+                    lockgate_sql::prune_archive(&self.db, &queue, self.retention, PRUNE_BATCH)
+                        .await?;
+                total += deleted;
+                if deleted < i64::from(PRUNE_BATCH) {
+                    break;
+                }
+            }
+        }
+        Ok(total)
+    }
+}

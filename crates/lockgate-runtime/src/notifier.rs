@@ -1,0 +1,85 @@
+//! The notifier: one LISTEN connection per process that wakes a pool's fetch loop as soon as a
+//! job is enqueued on one of its queues (`lockgate.enqueue` notifies `lockgate_<queue>`). It is
+//! an accelerator only: the fetch loop polls every `poll_interval` on its own, so a lost
+//! connection costs latency, never jobs (H20). While it is down it reconnects with backoff.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockgate_sql::PgPool;
+use sqlx::postgres::PgListener;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(5);
+
+pub(crate) struct Notifier {
+    db: PgPool,
+    /// Channel name → the wake-ups of the pools that serve that queue.
+    channels: HashMap<String, Vec<Arc<Notify>>>,
+}
+
+impl Notifier {
+    pub fn new(db: PgPool) -> Self {
+        Self {
+            db,
+            channels: HashMap::new(),
+        }
+    }
+
+    pub fn subscribe(&mut self, queue: &str, wake: Arc<Notify>) {
+        self.channels
+            .entry(format!("lockgate_{queue}"))
+            .or_default()
+            .push(wake);
+    }
+
+    fn wake_all(&self) {
+        self.channels
+            .values()
+            .flatten()
+            .for_each(|w| w.notify_one());
+    }
+
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut pause = Duration::from_millis(100);
+        loop {
+            match self.listen(&shutdown).await {
+                Ok(()) => return,
+                Err(error) => {
+                    tracing::warn!(%error, "LISTEN connection lost; polling covers wake-ups until it is back");
+                    self.wake_all();
+                }
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(MAX_RECONNECT_PAUSE);
+        }
+    }
+
+    /// Listens until shutdown (Ok) or a connection error (Err).
+    async fn listen(&self, shutdown: &CancellationToken) -> Result<(), sqlx::Error> {
+        let mut listener = PgListener::connect_with(&self.db).await?;
+        let channels: Vec<&str> = self.channels.keys().map(String::as_str).collect();
+        listener.listen_all(channels).await?;
+        // Anything enqueued while we were not listening is found by this wake-up's claim.
+        self.wake_all();
+        loop {
+            let notification = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                n = listener.try_recv() => n?,
+            };
+            match notification {
+                Some(n) => {
+                    if let Some(wakes) = self.channels.get(n.channel()) {
+                        wakes.iter().for_each(|w| w.notify_one());
+                    }
+                }
+                None => return Err(sqlx::Error::PoolClosed),
+            }
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! The completer: one task per worker pool that archives finished deliveries in batches. Every
+//! request waiting when a batch starts joins it (one statement per queue), and each delivery
+//! still gets its own fenced outcome: `Archived` if this statement archived it, otherwise
+//! `AlreadyArchived`, or `Ambiguous` when an earlier try of the same batch broke mid-commit (H13).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use lockgate_core::{ArchiveOutcome, QueueName};
+use lockgate_sql::PgPool;
+use tokio::sync::{mpsc, oneshot};
+
+use std::time::Instant;
+
+use super::persist::{persist, PersistError};
+use crate::in_flight::{Delivery, InFlight};
+
+/// At most this many deliveries per statement: large enough to amortise a commit over a full
+/// batch of claims, small enough to keep one statement's locks short.
+const MAX_BATCH: usize = 256;
+
+/// The delivery's outcome, or why it could not be written (its lease ended first, or the
+/// statement failed permanently); the job then runs again after its visibility lapses.
+pub type Completion = Result<ArchiveOutcome, String>;
+
+struct Request {
+    delivery: Delivery,
+    reply: oneshot::Sender<Completion>,
+}
+
+/// The executors' handle on the completer. The completer stops when every handle is dropped.
+#[derive(Clone)]
+pub(crate) struct CompleterHandle {
+    tx: mpsc::UnboundedSender<Request>,
+}
+
+impl CompleterHandle {
+    pub async fn complete(&self, delivery: Delivery) -> Completion {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Request { delivery, reply }).is_err() {
+            return Err("the completer has stopped".into());
+        }
+        rx.await
+            .unwrap_or_else(|_| Err("the completer has stopped".into()))
+    }
+}
+
+pub(crate) struct Completer {
+    db: PgPool,
+    in_flight: Arc<InFlight>,
+    rx: mpsc::UnboundedReceiver<Request>,
+}
+
+impl Completer {
+    pub fn new(db: PgPool, in_flight: Arc<InFlight>) -> (Self, CompleterHandle) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Self { db, in_flight, rx }, CompleterHandle { tx })
+    }
+
+    /// Runs until every handle is dropped and the last request is answered.
+    pub async fn run(mut self) {
+        while let Some(first) = self.rx.recv().await {
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match self.rx.try_recv() {
+                    Ok(request) => batch.push(request),
+                    Err(_) => break,
+                }
+            }
+            let mut by_queue: HashMap<QueueName, Vec<Request>> = HashMap::new();
+            for request in batch {
+                by_queue
+                    .entry(request.delivery.queue.clone())
+                    .or_default()
+                    .push(request);
+            }
+            for (queue, requests) in by_queue {
+                self.complete_queue(&queue, requests).await;
+            }
+        }
+    }
+
+    async fn complete_queue(&self, queue: &QueueName, requests: Vec<Request>) {
+        let deliveries: Vec<(i64, i32)> = requests
+            .iter()
+            .map(|r| (r.delivery.msg_id, r.delivery.read_ct))
+            .collect();
+        // The batch's lease is as long as its shortest member's.
+        let lease_until = || {
+            requests
+                .iter()
+                .map(|r| self.in_flight.lease_until(&r.delivery))
+                .min()
+                .flatten()
+        };
+        let result = persist("complete", lease_until, || async {
+            let _gate = self.in_flight.gate.read().await;
+            lockgate_sql::complete(&self.db, queue, &deliveries).await
+        })
+        .await;
+        let outcomes = outcomes(&deliveries, result);
+        for (r, outcome) in requests.into_iter().zip(outcomes) {
+            self.in_flight.remove(&r.delivery);
+            let _ = r.reply.send(outcome);
+        }
+    }
+}
+
+/// Completes deliveries of one queue in one fenced statement, retrying blips until `deadline`,
+/// and reports each delivery's own outcome, in input order. The completer's path, without its
+/// batching; exposed for tools and fault-injection tests.
+pub async fn complete_deliveries(
+    db: &PgPool,
+    queue: &QueueName,
+    deliveries: &[(i64, i32)],
+    deadline: Instant,
+) -> Vec<Completion> {
+    let result = persist(
+        "complete",
+        || Some(deadline),
+        || lockgate_sql::complete(db, queue, deliveries),
+    )
+    .await;
+    outcomes(deliveries, result)
+}
+
+/// Maps the archived msg_ids to per-delivery outcomes: archived by this statement, or not — and
+/// then `Ambiguous` if an earlier try may have committed, else `AlreadyArchived`.
+fn outcomes(
+    deliveries: &[(i64, i32)],
+    result: Result<(Vec<i64>, bool), PersistError>,
+) -> Vec<Completion> {
+    match result {
+        Ok((archived, failed_before)) => {
+            let archived: HashSet<i64> = archived.into_iter().collect();
+            deliveries
+                .iter()
+                .map(|(msg_id, _)| {
+                    Ok(match (archived.contains(msg_id), failed_before) {
+                        (true, _) => ArchiveOutcome::Archived,
+                        (false, true) => ArchiveOutcome::Ambiguous,
+                        (false, false) => ArchiveOutcome::AlreadyArchived,
+                    })
+                })
+                .collect()
+        }
+        Err(error) => deliveries.iter().map(|_| Err(error.to_string())).collect(),
+    }
+}

@@ -1,0 +1,250 @@
+//! Running one delivery: decode it, check its type and attempt count, run its handler under
+//! the job type's timeout and the delivery's cancellation signal, then write exactly one final
+//! statement — complete, retry in place, or dead-letter — fenced on the delivery's token.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use lockgate_core::{Claim, JobHeaders, JobPolicy};
+use lockgate_sql::DeadLetterReason;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+
+use super::persist::persist;
+use super::Shared;
+use crate::handler::HandlerFailure;
+use crate::in_flight::Delivery;
+use crate::{CancelReason, JobContext, JobError};
+
+/// Runs one claimed delivery to its final statement. The permit is the pool's concurrency slot.
+pub(crate) async fn execute(shared: Arc<Shared>, claim: Claim, _permit: OwnedSemaphorePermit) {
+    let delivery = Delivery {
+        queue: claim.queue.clone(),
+        msg_id: claim.msg_id,
+        read_ct: claim.read_ct,
+    };
+    let span = tracing::info_span!("job", queue = %claim.queue, msg_id = claim.msg_id, read_ct = claim.read_ct);
+    let _enter = span.enter();
+    let headers = match JobHeaders::decode(claim.headers.as_ref()) {
+        Ok(headers) => headers,
+        Err(reason) => {
+            return dead_letter_now(
+                &shared,
+                &claim,
+                DeadLetterReason::Undecodable,
+                &reason,
+                claim.read_ct,
+            )
+            .await
+        }
+    };
+    let Some(args) = claim.message.clone().filter(|m| m.is_object()) else {
+        let reason = "job arguments are not a JSON object";
+        return dead_letter_now(
+            &shared,
+            &claim,
+            DeadLetterReason::Undecodable,
+            reason,
+            claim.read_ct,
+        )
+        .await;
+    };
+    let Some(policy) = shared.policies.get(&shared.db, &headers.job_type).await else {
+        let reason = format!(
+            "job type {:?} is not defined in lockgate.job_types",
+            headers.job_type
+        );
+        return dead_letter_now(
+            &shared,
+            &claim,
+            DeadLetterReason::UnknownJobType,
+            &reason,
+            claim.read_ct,
+        )
+        .await;
+    };
+    let attempt = claim.attempt(&headers);
+    if attempt > policy.max_attempts {
+        let reason = format!(
+            "delivery would be attempt {attempt} of {}: the previous attempt was lost (worker crash or lease loss)",
+            policy.max_attempts
+        );
+        return dead_letter_now(
+            &shared,
+            &claim,
+            DeadLetterReason::AttemptsExhausted,
+            &reason,
+            policy.max_attempts as i32,
+        )
+        .await;
+    }
+    let ctx = JobContext {
+        job_id: headers.job_id,
+        job_type: headers.job_type.clone(),
+        queue: claim.queue.to_string(),
+        msg_id: claim.msg_id,
+        attempt,
+        max_attempts: policy.max_attempts,
+        cancel: CancellationToken::new(),
+        reason: Default::default(),
+    };
+    shared.in_flight.insert(
+        &delivery,
+        ctx.clone(),
+        Instant::now() + shared.config.visibility_timeout,
+    );
+    let result = run_handler(&shared, &ctx, &policy, args).await;
+    if !shared.in_flight.begin_finishing(&delivery) {
+        // Shutdown is returning it, or its lease is lost: this delivery may write nothing more.
+        tracing::info!(job_id = %ctx.job_id, reason = ?ctx.cancel_reason(), "delivery given up without an outcome");
+        return;
+    }
+    match result {
+        Ok(()) => match shared.completer.complete(delivery).await {
+            Ok(outcome) => tracing::debug!(job_id = %ctx.job_id, %outcome, "completed"),
+            Err(error) => {
+                tracing::warn!(job_id = %ctx.job_id, %error, "completion not written; the job will run again")
+            }
+        },
+        Err(HandlerFailure::Decode(reason)) => {
+            finish(&shared, &delivery, |db| {
+                let (claim, reason) = (&claim, &reason);
+                async move {
+                    lockgate_sql::dead_letter(
+                        db,
+                        claim,
+                        DeadLetterReason::Undecodable,
+                        reason,
+                        attempt,
+                    )
+                    .await
+                }
+            })
+            .await
+        }
+        Err(HandlerFailure::Failed(error)) => {
+            fail(&shared, &claim, &delivery, &policy, attempt, &error).await
+        }
+    }
+}
+
+/// Runs the handler until it returns, its timeout passes, or its cancellation fires.
+async fn run_handler(
+    shared: &Shared,
+    ctx: &JobContext,
+    policy: &JobPolicy,
+    args: serde_json::Value,
+) -> Result<(), HandlerFailure> {
+    let Some(handler) = shared.registry.handler(&ctx.job_type) else {
+        let msg = format!("no handler for job type {:?} in this process", ctx.job_type);
+        return Err(HandlerFailure::Failed(JobError::new(msg)));
+    };
+    let call = handler(ctx.clone(), args);
+    let timed = async {
+        match policy.timeout {
+            Some(limit) => match tokio::time::timeout(limit, call).await {
+                Ok(result) => result,
+                Err(_) => {
+                    ctx.fire(CancelReason::Timeout);
+                    Err(HandlerFailure::Failed(JobError::new(format!(
+                        "timed out after {limit:?}"
+                    ))))
+                }
+            },
+            None => call.await,
+        }
+    };
+    // Biased: the handler is polled first, so on cancellation it sees the signal once (and may
+    // return) before the runtime stops polling it.
+    tokio::select! {
+        biased;
+        result = timed => result,
+        () = ctx.cancelled() => Err(HandlerFailure::Failed(JobError::new("cancelled"))),
+    }
+}
+
+/// A failed attempt: retry in place after backoff, or dead-letter after the last attempt.
+async fn fail(
+    shared: &Shared,
+    claim: &Claim,
+    delivery: &Delivery,
+    policy: &JobPolicy,
+    attempt: u32,
+    error: &JobError,
+) {
+    let message = error.message();
+    if attempt >= policy.max_attempts {
+        tracing::warn!(
+            attempt,
+            error = message,
+            "last attempt failed; dead-lettering"
+        );
+        finish(shared, delivery, |db| async move {
+            lockgate_sql::dead_letter(
+                db,
+                claim,
+                DeadLetterReason::AttemptsExhausted,
+                message,
+                attempt,
+            )
+            .await
+        })
+        .await;
+    } else {
+        let delay = policy.backoff.delay(attempt);
+        tracing::info!(attempt, error = message, ?delay, "attempt failed; retrying");
+        finish(shared, delivery, |db| async move {
+            lockgate_sql::retry(db, claim, delay, message, attempt).await
+        })
+        .await;
+    }
+}
+
+/// Lands a retry or dead-letter statement through blips, under the in-flight gate.
+async fn finish<'a, F, Fut>(shared: &'a Shared, delivery: &Delivery, statement: F)
+where
+    F: Fn(&'a lockgate_sql::PgPool) -> Fut,
+    Fut: std::future::Future<Output = Result<bool, lockgate_sql::DbError>>,
+{
+    let result = persist(
+        "finish",
+        || shared.in_flight.lease_until(delivery),
+        || async {
+            let _gate = shared.in_flight.gate.read().await;
+            statement(&shared.db).await
+        },
+    )
+    .await;
+    shared.in_flight.remove(delivery);
+    match result {
+        Ok((true, _)) => {}
+        Ok((false, _)) => tracing::info!("delivery no longer owned; its outcome was not written"),
+        Err(error) => tracing::warn!(%error, "outcome not written; the job will run again"),
+    }
+}
+
+/// Dead-letters a delivery that never reached a handler (it is not in the in-flight set).
+async fn dead_letter_now(
+    shared: &Shared,
+    claim: &Claim,
+    reason: DeadLetterReason,
+    error: &str,
+    attempts: i32,
+) {
+    tracing::warn!(
+        reason = reason.as_str(),
+        error,
+        "dead-lettering undeliverable message"
+    );
+    let lease_until = Instant::now() + shared.config.visibility_timeout;
+    let attempts = u32::try_from(attempts).unwrap_or(1);
+    let result = persist(
+        "dead_letter",
+        || Some(lease_until),
+        || lockgate_sql::dead_letter(&shared.db, claim, reason, error, attempts),
+    )
+    .await;
+    if let Err(error) = result {
+        tracing::warn!(%error, "dead-letter not written; the message will be delivered again");
+    }
+}

@@ -1,0 +1,217 @@
+//! A worker pool: the fetch loop that claims deliveries from its queues in strict priority
+//! order whenever it has free capacity, the executors that run them, and the completer that
+//! archives them in batches.
+//!
+//! Shutdown (the pool's part of the supervisor's order): stop claiming (nothing is ever claimed
+//! without a free slot, so no claimed job waits unstarted); give running jobs
+//! `shutdown_timeout`; then cancel the rest and return them to their queue, visible at once, in
+//! one fenced statement per queue that lands before `run` returns; let finishing jobs land their
+//! outcome; stop the completer last.
+
+mod completer;
+mod executor;
+mod persist;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockgate_core::{Claim, JobHeaders, QueueName};
+use lockgate_sql::PgPool;
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::in_flight::{Delivery, InFlight};
+use crate::policies::PolicyCache;
+use crate::{PoolConfig, Registry, RuntimeConfig};
+pub use completer::{complete_deliveries, Completion};
+use completer::{Completer, CompleterHandle};
+
+/// What every executor of a pool shares.
+pub(crate) struct Shared {
+    pub db: PgPool,
+    pub config: RuntimeConfig,
+    pub registry: Registry,
+    pub policies: Arc<PolicyCache>,
+    pub in_flight: Arc<InFlight>,
+    pub completer: CompleterHandle,
+}
+
+/// Pause after a failed claim, doubled up to the poll interval while the database is away.
+const CLAIM_RETRY_PAUSE: Duration = Duration::from_millis(100);
+
+pub struct WorkerPool {
+    config: PoolConfig,
+    shared: Arc<Shared>,
+    completer: Completer,
+    wake: Arc<Notify>,
+}
+
+impl WorkerPool {
+    pub(crate) fn new(
+        config: PoolConfig,
+        runtime: RuntimeConfig,
+        db: PgPool,
+        registry: Registry,
+        policies: Arc<PolicyCache>,
+        in_flight: Arc<InFlight>,
+        wake: Arc<Notify>,
+    ) -> Self {
+        let (completer, handle) = Completer::new(db.clone(), Arc::clone(&in_flight));
+        let shared = Shared {
+            db,
+            config: runtime,
+            registry,
+            policies,
+            in_flight,
+            completer: handle,
+        };
+        Self {
+            config,
+            shared: Arc::new(shared),
+            completer,
+            wake,
+        }
+    }
+
+    /// Runs until `shutdown` fires, then drains as the module docs describe.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let Self {
+            config,
+            shared,
+            completer,
+            wake,
+        } = self;
+        let completer = tokio::spawn(completer.run());
+        let tracker = TaskTracker::new();
+        let slots = Arc::new(Semaphore::new(config.concurrency));
+        fetch_loop(&config, &shared, &slots, &tracker, &wake, &shutdown).await;
+        tracing::info!(pool = %config.name, running = shared.in_flight.len(), "pool stopped claiming");
+        tracker.close();
+        if tokio::time::timeout(shared.config.shutdown_timeout, tracker.wait())
+            .await
+            .is_err()
+        {
+            release_running(&shared).await;
+            tracker.wait().await;
+        }
+        drop(shared);
+        let _ = completer.await;
+        tracing::info!(pool = %config.name, "pool drained");
+    }
+}
+
+async fn fetch_loop(
+    config: &PoolConfig,
+    shared: &Arc<Shared>,
+    slots: &Arc<Semaphore>,
+    tracker: &TaskTracker,
+    wake: &Notify,
+    shutdown: &CancellationToken,
+) {
+    let mut pause = CLAIM_RETRY_PAUSE;
+    loop {
+        let first = tokio::select! {
+            biased;
+            () = shutdown.cancelled() => return,
+            permit = Arc::clone(slots).acquire_owned() => match permit { Ok(p) => p, Err(_) => return },
+        };
+        let mut permits = vec![first];
+        while let Ok(p) = Arc::clone(slots).try_acquire_owned() {
+            permits.push(p);
+        }
+        let claims = match claim_in_order(config, shared, permits.len()).await {
+            Ok(claims) => {
+                pause = CLAIM_RETRY_PAUSE;
+                claims
+            }
+            Err(error) => {
+                tracing::warn!(pool = %config.name, %error, "claim failed; retrying");
+                drop(permits);
+                tokio::select! { () = shutdown.cancelled() => return, () = tokio::time::sleep(pause) => {} }
+                pause = (pause * 2).min(shared.config.poll_interval.max(CLAIM_RETRY_PAUSE));
+                continue;
+            }
+        };
+        if claims.is_empty() {
+            drop(permits);
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = wake.notified() => {}
+                () = tokio::time::sleep(shared.config.poll_interval) => {}
+            }
+            continue;
+        }
+        for (claim, permit) in claims.into_iter().zip(permits) {
+            tracker.spawn(executor::execute(Arc::clone(shared), claim, permit));
+        }
+    }
+}
+
+/// Claims up to `room` deliveries, earlier queues first; each queue's batch in priority order.
+async fn claim_in_order(
+    config: &PoolConfig,
+    shared: &Shared,
+    room: usize,
+) -> Result<Vec<Claim>, lockgate_sql::DbError> {
+    let mut claimed = Vec::with_capacity(room);
+    for queue in &config.queues {
+        let want = room - claimed.len();
+        if want == 0 {
+            break;
+        }
+        let mut batch = lockgate_sql::claim(
+            &shared.db,
+            queue,
+            want as i32,
+            shared.config.visibility_timeout,
+        )
+        .await?;
+        batch.sort_by_key(|c| {
+            (
+                JobHeaders::decode(c.headers.as_ref())
+                    .map(|h| h.priority)
+                    .unwrap_or(0),
+                c.msg_id,
+            )
+        });
+        claimed.extend(batch);
+    }
+    Ok(claimed)
+}
+
+/// Shutdown: return every still-running delivery to its queue, visible at once (G7).
+async fn release_running(shared: &Shared) {
+    let deliveries = shared.in_flight.begin_release();
+    let mut by_queue: HashMap<QueueName, Vec<Delivery>> = HashMap::new();
+    for d in deliveries {
+        by_queue.entry(d.queue.clone()).or_default().push(d);
+    }
+    for (queue, deliveries) in by_queue {
+        let tokens: Vec<(i64, i32)> = deliveries.iter().map(|d| (d.msg_id, d.read_ct)).collect();
+        let lease_until = || {
+            deliveries
+                .iter()
+                .map(|d| shared.in_flight.lease_until(d))
+                .min()
+                .flatten()
+        };
+        let result = persist::persist("release", lease_until, || async {
+            let _gate = shared.in_flight.gate.read().await;
+            lockgate_sql::release(&shared.db, &queue, &tokens).await
+        })
+        .await;
+        for d in &deliveries {
+            shared.in_flight.remove(d);
+        }
+        match result {
+            Ok((released, _)) => {
+                tracing::info!(%queue, released = released.len(), "returned unfinished jobs to their queue")
+            }
+            Err(error) => {
+                tracing::warn!(%queue, %error, "could not return jobs; they come back when their visibility lapses")
+            }
+        }
+    }
+}
