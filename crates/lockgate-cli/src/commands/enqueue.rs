@@ -1,0 +1,42 @@
+//! `lockgate enqueue <type> '<json>'`: one job from the command line.
+
+use anyhow::{Context, Result};
+use lockgate::{Client, EnqueueOptions, QueueName};
+
+use crate::db;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The job type (defined with `lockgate.define_job_type` or in lockgate.toml).
+    job_type: String,
+    /// The job's arguments: a JSON object.
+    #[arg(default_value = "{}")]
+    args: String,
+    /// Run no earlier than this long from now, e.g. 30s, 5m.
+    #[arg(long, value_parser = humantime::parse_duration, conflicts_with = "run_at")]
+    delay: Option<std::time::Duration>,
+    /// Run no earlier than this instant (RFC 3339).
+    #[arg(long)]
+    run_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// 0 (first) to 9 (last); defaults to the job type's priority.
+    #[arg(long)]
+    priority: Option<i16>,
+    /// Override the job type's queue.
+    #[arg(long)]
+    queue: Option<String>,
+}
+
+pub async fn run(url: Option<String>, args: Args) -> Result<()> {
+    let value: serde_json::Value =
+        serde_json::from_str(&args.args).with_context(|| format!("job arguments are not valid JSON: {}", args.args))?;
+    let options = EnqueueOptions {
+        delay: args.delay,
+        run_at: args.run_at,
+        priority: args.priority,
+        queue: args.queue.map(QueueName::new).transpose()?,
+    };
+    let pool = db::connect_checked(&db::resolve(url), 1).await?;
+    let job = Client::new(pool).enqueue_raw(&args.job_type, &value, &options).await?;
+    println!("enqueued job {} on queue {} (msg_id {})", job.job_id, job.queue, job.msg_id);
+    Ok(())
+}

@@ -1,0 +1,66 @@
+//! `lockgate run --config lockgate.toml`: the worker process.
+//!
+//! Signals: the first TERM or INT starts the graceful shutdown documented in the runtime's
+//! supervisor (stop claiming, `shutdown_timeout` for running jobs, return the rest to their
+//! queue, exit 0 once that is committed). A second TERM/INT, or QUIT at any time, exits at
+//! once with status 130/131; visibility expiry then returns the jobs.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use lockgate::Runtime;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::{db, executors};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The TOML configuration: pools, job types and their executors, runtime settings.
+    #[arg(long, short, default_value = "lockgate.toml")]
+    config: PathBuf,
+}
+
+pub async fn run(url: Option<String>, args: Args) -> Result<()> {
+    let config = Config::load(&args.config)?;
+    let runtime_config = config.runtime()?;
+    let job_types = config.job_types()?;
+    let pools = config.pools(&job_types)?;
+    let url = db::resolve(url.or(config.database_url.clone()));
+    let connections = pools.iter().map(|p| p.concurrency as u32).sum::<u32>() + 4;
+    let db = db::connect_checked(&url, connections).await?;
+    let registry = executors::registry(&job_types, &db)?;
+    let runtime = Runtime::new(db, runtime_config, registry, pools).context("invalid configuration")?;
+    let shutdown = CancellationToken::new();
+    watch_signals(shutdown.clone())?;
+    runtime.run(shutdown).await?;
+    Ok(())
+}
+
+fn watch_signals(shutdown: CancellationToken) -> Result<()> {
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut quit = signal(SignalKind::quit())?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("TERM received: shutting down gracefully"),
+            _ = int.recv() => tracing::info!("INT received: shutting down gracefully"),
+            _ = quit.recv() => quit_now(),
+        }
+        shutdown.cancel();
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+            _ = quit.recv() => quit_now(),
+        }
+        tracing::warn!("second signal: exiting at once; unfinished jobs return when their visibility lapses");
+        std::process::exit(130);
+    });
+    Ok(())
+}
+
+fn quit_now() -> ! {
+    tracing::warn!("QUIT received: exiting at once; unfinished jobs return when their visibility lapses");
+    std::process::exit(131);
+}

@@ -1,0 +1,36 @@
+//! `lockgate status`: per-queue counts.
+
+use anyhow::Result;
+
+use crate::db;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(url: Option<String>, args: Args) -> Result<()> {
+    let pool = db::connect_checked(&db::resolve(url), 1).await?;
+    let stats = lockgate::sql::queue_stats(&pool).await?;
+    if args.json {
+        let rows: Vec<_> = stats
+            .iter()
+            .map(|s| {
+                serde_json::json!({
+                    "queue": s.queue, "ready": s.ready, "scheduled": s.scheduled, "running": s.running,
+                    "dead": s.dead, "oldest_ready_seconds": s.oldest_ready_seconds,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!("{:<24} {:>9} {:>9} {:>9} {:>9} {:>12}", "QUEUE", "READY", "SCHEDULED", "RUNNING", "DEAD", "OLDEST READY");
+    for s in stats {
+        let age = s.oldest_ready_seconds.map_or("-".to_string(), |secs| format!("{secs:.1}s"));
+        println!("{:<24} {:>9} {:>9} {:>9} {:>9} {:>12}", s.queue, s.ready, s.scheduled, s.running, s.dead, age);
+    }
+    Ok(())
+}

@@ -1,0 +1,255 @@
+//! The TOML configuration of `lockgate run`. Unknown keys, bad durations and invalid names are
+//! errors that name the key; nothing is silently defaulted except what is documented.
+//!
+//! ```toml
+//! database_url = "postgres://postgres@127.0.0.1:5432/lockgate"   # optional
+//!
+//! [runtime]                       # every key optional; defaults shown
+//! visibility_timeout = "30s"
+//! heartbeat_interval = "5s"
+//! shutdown_timeout = "25s"
+//! poll_interval = "1s"
+//! archive_retention = "7d"
+//! maintenance_interval = "30s"
+//!
+//! [[pool]]
+//! name = "default"
+//! queues = ["critical", "default"]  # strict priority order
+//! concurrency = 10
+//!
+//! [job_types.resize_image]
+//! queue = "default"
+//! command = ["./resize.sh"]         # or: http = "http://127.0.0.1:8080/jobs", or: sql = "..."
+//! max_attempts = 5
+//! backoff = { base = "1s", max = "10m", jitter = 0.1 }
+//! timeout = "5m"
+//! priority = 0
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use lockgate::config::DEFAULT_CONCURRENCY;
+use lockgate::{Backoff, JobPolicy, JobTypeName, PoolConfig, QueueName, RuntimeConfig};
+use serde::Deserialize;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub database_url: Option<String>,
+    #[serde(default)]
+    runtime: RuntimeSection,
+    #[serde(default, rename = "pool")]
+    pools: Vec<PoolSection>,
+    #[serde(default)]
+    job_types: BTreeMap<String, JobTypeSection>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuntimeSection {
+    visibility_timeout: Option<String>,
+    heartbeat_interval: Option<String>,
+    shutdown_timeout: Option<String>,
+    poll_interval: Option<String>,
+    archive_retention: Option<String>,
+    maintenance_interval: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PoolSection {
+    name: Option<String>,
+    queues: Vec<String>,
+    concurrency: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobTypeSection {
+    queue: Option<String>,
+    priority: Option<i16>,
+    max_attempts: Option<u32>,
+    backoff: Option<BackoffSection>,
+    timeout: Option<String>,
+    command: Option<Vec<String>>,
+    http: Option<String>,
+    sql: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BackoffSection {
+    base: Option<String>,
+    max: Option<String>,
+    jitter: Option<f64>,
+}
+
+/// How a configured job type is executed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Executor {
+    /// Run a program; the arguments are written to its stdin as JSON.
+    Command(Vec<String>),
+    /// POST the arguments as JSON to this URL; any 2xx succeeds.
+    Http(String),
+    /// Run this statement with the arguments bound as `$1` (jsonb).
+    Sql(String),
+}
+
+/// A configured job type: its stored policy and its executor.
+#[derive(Debug, Clone)]
+pub struct JobTypeConfig {
+    pub name: JobTypeName,
+    pub policy: JobPolicy,
+    pub executor: Executor,
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("could not read config file {}", path.display()))?;
+        Self::parse(&text).with_context(|| format!("invalid config file {}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<Self> {
+        Ok(toml::from_str(text)?)
+    }
+
+    pub fn runtime(&self) -> Result<RuntimeConfig> {
+        let r = &self.runtime;
+        let d = RuntimeConfig::default();
+        let config = RuntimeConfig {
+            visibility_timeout: duration_or("runtime.visibility_timeout", &r.visibility_timeout, d.visibility_timeout)?,
+            heartbeat_interval: duration_or("runtime.heartbeat_interval", &r.heartbeat_interval, d.heartbeat_interval)?,
+            shutdown_timeout: duration_or("runtime.shutdown_timeout", &r.shutdown_timeout, d.shutdown_timeout)?,
+            poll_interval: duration_or("runtime.poll_interval", &r.poll_interval, d.poll_interval)?,
+            archive_retention: duration_or("runtime.archive_retention", &r.archive_retention, d.archive_retention)?,
+            maintenance_interval: duration_or(
+                "runtime.maintenance_interval",
+                &r.maintenance_interval,
+                d.maintenance_interval,
+            )?,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The configured pools; with none, one pool named `default` serving every job type's queue.
+    pub fn pools(&self, job_types: &[JobTypeConfig]) -> Result<Vec<PoolConfig>> {
+        if self.pools.is_empty() {
+            let mut queues: Vec<QueueName> = job_types.iter().map(|j| j.policy.queue.clone()).collect();
+            queues.sort();
+            queues.dedup();
+            if queues.is_empty() {
+                bail!("nothing to run: configure at least one [[pool]] or [job_types.<name>]");
+            }
+            return Ok(vec![PoolConfig::new("default", queues, DEFAULT_CONCURRENCY)]);
+        }
+        let mut pools = Vec::new();
+        for (i, p) in self.pools.iter().enumerate() {
+            let queues = p.queues.iter().map(|q| QueueName::new(q.clone())).collect::<Result<Vec<_>, _>>()?;
+            let name = p.name.clone().unwrap_or_else(|| format!("pool{}", i + 1));
+            let pool = PoolConfig::new(name, queues, p.concurrency.unwrap_or(DEFAULT_CONCURRENCY));
+            pool.validate()?;
+            pools.push(pool);
+        }
+        Ok(pools)
+    }
+
+    pub fn job_types(&self) -> Result<Vec<JobTypeConfig>> {
+        self.job_types.iter().map(|(name, section)| job_type(name, section)).collect()
+    }
+}
+
+fn job_type(name: &str, s: &JobTypeSection) -> Result<JobTypeConfig> {
+    let at = |field: &str| format!("job_types.{name}.{field}");
+    let name = JobTypeName::new(name)?;
+    let mut policy = JobPolicy::on_queue(QueueName::new(s.queue.clone().unwrap_or_else(|| "default".into()))?);
+    if let Some(p) = s.priority {
+        policy.priority = p;
+    }
+    if let Some(m) = s.max_attempts {
+        policy.max_attempts = m;
+    }
+    if let Some(b) = &s.backoff {
+        let d = Backoff::default();
+        policy.backoff = Backoff {
+            base: duration_or(&at("backoff.base"), &b.base, d.base)?,
+            max: duration_or(&at("backoff.max"), &b.max, d.max)?,
+            jitter: b.jitter.unwrap_or(d.jitter),
+        };
+    }
+    policy.timeout = s.timeout.as_deref().map(|t| duration(&at("timeout"), t)).transpose()?;
+    policy.validate().with_context(|| format!("job type {name}"))?;
+    let executor = match (&s.command, &s.http, &s.sql) {
+        (Some(cmd), None, None) if !cmd.is_empty() => Executor::Command(cmd.clone()),
+        (Some(_), None, None) => bail!("{}: give the program to run, e.g. [\"./script.sh\"]", at("command")),
+        (None, Some(url), None) => Executor::Http(url.clone()),
+        (None, None, Some(sql)) => Executor::Sql(sql.clone()),
+        _ => bail!("job_types.{name}: give exactly one of command, http or sql"),
+    };
+    Ok(JobTypeConfig { name, policy, executor })
+}
+
+fn duration_or(field: &str, value: &Option<String>, default: Duration) -> Result<Duration> {
+    value.as_deref().map_or(Ok(default), |v| duration(field, v))
+}
+
+fn duration(field: &str, value: &str) -> Result<Duration> {
+    humantime::parse_duration(value)
+        .with_context(|| format!("invalid {field} {value:?}: a duration such as \"500ms\", \"30s\", \"5m\" or \"7d\""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> String {
+        let result = Config::parse(text).and_then(|c| {
+            c.runtime()?;
+            let jobs = c.job_types()?;
+            c.pools(&jobs)?;
+            Ok(())
+        });
+        format!("{:#}", result.expect_err(text))
+    }
+
+    #[test]
+    fn a_full_config_parses() {
+        let c = Config::parse(
+            r#"
+            database_url = "postgres://x@h/db"
+            [runtime]
+            visibility_timeout = "1m"
+            [[pool]]
+            queues = ["high", "default"]
+            concurrency = 4
+            [job_types.resize]
+            command = ["./resize.sh", "--fast"]
+            backoff = { base = "2s", max = "1h", jitter = 0.2 }
+            timeout = "5m"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.runtime().unwrap().visibility_timeout, Duration::from_secs(60));
+        let jobs = c.job_types().unwrap();
+        assert_eq!(jobs[0].executor, Executor::Command(vec!["./resize.sh".into(), "--fast".into()]));
+        assert_eq!(jobs[0].policy.timeout, Some(Duration::from_secs(300)));
+        assert_eq!(c.pools(&jobs).unwrap()[0].concurrency, 4);
+    }
+
+    #[test]
+    fn bad_configs_name_the_problem() {
+        assert!(err("colour = 1").contains("unknown field `colour`"));
+        assert!(err("[runtime]\npoll_interval = \"soon\"").contains("invalid runtime.poll_interval \"soon\""));
+        assert!(err("[runtime]\nvisibility_timeout = \"1s\"").contains("visibility_timeout"));
+        assert!(err("[job_types.x]\ncommand = [\"a\"]\nhttp = \"http://h\"")
+            .contains("exactly one of command, http or sql"));
+        assert!(err("[job_types.x]\nsql = \"select 1\"\nmax_attempts = 0").contains("max_attempts"));
+        assert!(err("[job_types.x]\nsql = \"select 1\"\nqueue = \"Bad\"").contains("invalid queue \"Bad\""));
+        assert!(err("[[pool]]\nqueues = []").contains("at least one queue"));
+        assert!(err("[job_types.x]\nsql = \"s\"\ntimeout = \"-1s\"").contains("invalid job_types.x.timeout"));
+    }
+}

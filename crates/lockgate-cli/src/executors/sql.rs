@@ -1,0 +1,33 @@
+//! The SQL executor: runs one configured statement with the job's arguments bound as `$1`
+//! (jsonb), in its own transaction. The statement is fixed by the operator's config; job data
+//! only ever arrives as a bound value.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use lockgate::{JobContext, JobError, PgPool, RawHandler};
+use serde_json::Value;
+
+pub struct SqlExecutor {
+    db: PgPool,
+    statement: String,
+}
+
+impl SqlExecutor {
+    pub fn new(db: PgPool, statement: String) -> Self {
+        Self { db, statement }
+    }
+
+    async fn run(&self, args: Value) -> Result<(), JobError> {
+        let query = sqlx::query(&self.statement);
+        let query = if self.statement.contains("$1") { query.bind(args) } else { query };
+        query.execute(&self.db).await?;
+        Ok(())
+    }
+}
+
+impl RawHandler for SqlExecutor {
+    fn call(&self, _ctx: JobContext, args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(self.run(args))
+    }
+}

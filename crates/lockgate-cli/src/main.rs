@@ -1,0 +1,73 @@
+//! The `lockgate` command: install lockgate into a database, run workers, enqueue jobs, and
+//! operate queues and dead letters. The only crate that uses `anyhow`: errors end here, printed
+//! once with their causes.
+
+mod commands;
+mod config;
+mod db;
+mod executors;
+
+use clap::{Parser, Subcommand};
+
+/// A job executor for PostgreSQL, built on PGMQ.
+#[derive(Debug, Parser)]
+#[command(name = "lockgate", version, about)]
+struct Cli {
+    /// Database to use. Defaults to $DATABASE_URL, then the `database_url` of the config file
+    /// (for `run`), then postgres://postgres@127.0.0.1:5432/lockgate.
+    #[arg(long, global = true, env = "DATABASE_URL")]
+    database_url: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Install or upgrade PGMQ and lockgate in the database (creating the database if missing).
+    Migrate,
+    /// Run the worker pools and maintenance configured in a TOML file until TERM/INT.
+    Run(commands::run::Args),
+    /// Enqueue one job: `lockgate enqueue <type> '<json object>'`.
+    Enqueue(commands::enqueue::Args),
+    /// Show every queue: ready, scheduled, running, dead-lettered, oldest ready age.
+    Status(commands::status::Args),
+    /// List, retry or purge dead-lettered jobs.
+    #[command(subcommand)]
+    Dlq(commands::dlq::Command),
+    /// Migrate, define demo job types, enqueue a few hundred jobs, run them with live progress
+    /// and print what ran, retried and was dead-lettered.
+    Demo(commands::demo::Args),
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    // The demo draws a progress bar; routine logs would tear it.
+    init_logging(if matches!(cli.command, Command::Demo(_)) { "error" } else { "info,sqlx=warn" });
+    if let Err(err) = dispatch(cli).await {
+        eprintln!("error: {err:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    let url = cli.database_url;
+    match cli.command {
+        Command::Migrate => commands::migrate::run(url).await,
+        Command::Run(args) => commands::run::run(url, args).await,
+        Command::Enqueue(args) => commands::enqueue::run(url, args).await,
+        Command::Status(args) => commands::status::run(url, args).await,
+        Command::Dlq(command) => commands::dlq::run(url, command).await,
+        Command::Demo(args) => commands::demo::run(url, args).await,
+    }
+}
+
+/// Logs go to stderr; `LOCKGATE_LOG` (or `RUST_LOG`) takes tracing filter directives.
+fn init_logging(default: &str) {
+    let filter =
+        std::env::var("LOCKGATE_LOG").or_else(|_| std::env::var("RUST_LOG")).unwrap_or_else(|_| default.to_string());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -1,0 +1,260 @@
+//! The real `lockgate` binary as child processes against a fresh database each: kill -9 (G1),
+//! TERM with a job that outlives `shutdown_timeout` (G7), concurrent migrations (H21), the
+//! dead-letter CLI, schema checks and config errors.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use lockgate_testkit::{wait_for, wait_for_count, TestDb};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn lockgate(db: &TestDb, args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lockgate"));
+    cmd.args(args).env("DATABASE_URL", &db.url).env("LOCKGATE_LOG", "info,sqlx=warn");
+    cmd
+}
+
+fn output(db: &TestDb, args: &[&str]) -> Output {
+    lockgate(db, args).output().expect("lockgate runs")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// A scratch directory with a config whose one job type runs `script` with `sh -c`.
+struct Setup {
+    dir: PathBuf,
+    config: PathBuf,
+}
+
+impl Setup {
+    fn new(script: &str, extra: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("lockgate-test-{}-{:08x}", std::process::id(), fastrand::u32(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("lockgate.toml");
+        let script = script.replace("$DIR", dir.to_str().unwrap());
+        std::fs::write(
+            &config,
+            format!(
+                r#"
+[runtime]
+visibility_timeout = "2s"
+heartbeat_interval = "300ms"
+shutdown_timeout = "1s"
+poll_interval = "200ms"
+
+[[pool]]
+queues = ["default"]
+concurrency = 2
+
+[job_types.task]
+command = ["sh", "-c", {script:?}]
+{extra}
+"#
+            ),
+        )
+        .unwrap();
+        Self { dir, config }
+    }
+
+    fn run(&self, db: &TestDb) -> Child {
+        lockgate(db, &["run", "--config", self.config.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+
+    fn starts(&self) -> usize {
+        std::fs::read_to_string(self.dir.join("starts")).map(|s| s.lines().count()).unwrap_or(0)
+    }
+
+    async fn wait_starts(&self, n: usize) {
+        wait_for(&format!("{n} job start(s)"), WAIT, || async { Ok((self.starts() >= n).then_some(())) })
+            .await
+            .unwrap();
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// First start: record it and run for a long time; later starts: record and succeed.
+const LONG_FIRST_RUN: &str = "cat >/dev/null; echo start >> $DIR/starts; \
+    if [ ! -f $DIR/first ]; then touch $DIR/first; exec sleep 30; fi";
+
+async fn migrated_with_one_job(setup: &Setup) -> TestDb {
+    let db = TestDb::migrated().await.unwrap();
+    // Defining the job type is part of `lockgate run`; start once so the type exists, then enqueue.
+    let mut child = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.job_types", 1, WAIT).await.unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let o = output(&db, &["enqueue", "task", "{\"n\": 1}"]);
+    assert!(o.status.success(), "{}", text(&o));
+    db
+}
+
+fn signal(child: &Child, name: &str) {
+    let status = Command::new("kill").args(["-s", name, &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+}
+
+async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(std::time::Instant::now() < deadline, "the process did not exit within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn g1_kill_9_mid_job_runs_it_again_after_the_visibility_timeout_and_archives_it_once() {
+    let setup = Setup::new(LONG_FIRST_RUN, "");
+    let db = migrated_with_one_job(&setup).await;
+    let mut first = setup.run(&db);
+    setup.wait_starts(1).await;
+    first.kill().unwrap(); // SIGKILL: no shutdown code runs
+    first.wait().unwrap();
+    let mut second = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    signal(&second, "TERM");
+    assert!(wait_exit(&mut second).await.success());
+    assert_eq!(setup.starts(), 2, "the job ran again after the crash");
+    let read_ct: i32 = sqlx::query_scalar("SELECT read_ct FROM pgmq.a_default").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(read_ct, 2, "archived once, by the second delivery");
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 0);
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn g7_term_returns_a_job_that_outlives_shutdown_timeout_and_it_runs_again_under_a_new_process() {
+    let setup = Setup::new(LONG_FIRST_RUN, "");
+    let db = migrated_with_one_job(&setup).await;
+    let mut first = setup.run(&db);
+    setup.wait_starts(1).await;
+    signal(&first, "TERM");
+    let status = wait_exit(&mut first).await;
+    assert!(status.success(), "graceful shutdown exits 0, got {status}");
+    // Right after exit, before any visibility could lapse: back in its queue, ready now.
+    let (ready, returns): (bool, i32) =
+        sqlx::query_as("SELECT vt <= now(), (headers->>'returns')::int FROM pgmq.q_default")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(ready, "the job is visible at once");
+    assert_eq!(returns, 1);
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0, "nothing was failed");
+    let mut second = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    signal(&second, "TERM");
+    assert!(wait_exit(&mut second).await.success());
+    assert_eq!(setup.starts(), 2);
+}
+
+#[tokio::test]
+async fn quit_exits_at_once_and_visibility_expiry_returns_the_job() {
+    let setup = Setup::new(LONG_FIRST_RUN, "");
+    let db = migrated_with_one_job(&setup).await;
+    let mut first = setup.run(&db);
+    setup.wait_starts(1).await;
+    signal(&first, "QUIT");
+    let status = wait_exit(&mut first).await;
+    assert_eq!(status.code(), Some(131));
+    let returns: Option<i32> =
+        sqlx::query_scalar("SELECT (headers->>'returns')::int FROM pgmq.q_default").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(returns, None, "QUIT returns nothing itself");
+    let mut second = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    signal(&second, "TERM");
+    assert!(wait_exit(&mut second).await.success());
+}
+
+#[tokio::test]
+async fn dlq_retry_from_the_cli_runs_a_dead_letter_again() {
+    // Fails until the flag file exists; one attempt only.
+    let setup = Setup::new(
+        "cat >/dev/null; echo start >> $DIR/starts; test -f $DIR/flag || { echo missing flag >&2; exit 3; }",
+        "max_attempts = 1",
+    );
+    let db = migrated_with_one_job(&setup).await;
+    let mut child = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await.unwrap();
+    let listed = text(&output(&db, &["dlq", "list"]));
+    assert!(listed.contains("attempts_exhausted") && listed.contains("missing flag"), "{listed}");
+    let refused = output(&db, &["dlq", "retry"]);
+    assert!(!refused.status.success() && text(&refused).contains("--all"), "{}", text(&refused));
+    std::fs::write(setup.dir.join("flag"), "").unwrap();
+    let retried = output(&db, &["dlq", "retry", "--queue", "default"]);
+    assert!(text(&retried).contains("retried 1"), "{}", text(&retried));
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
+    let purged = output(&db, &["dlq", "purge", "--all"]);
+    assert!(text(&purged).contains("purged 0"), "{}", text(&purged));
+}
+
+#[tokio::test]
+async fn h21_four_processes_migrating_an_empty_database_at_once_all_succeed() {
+    let db = TestDb::empty().await.unwrap();
+    let children: Vec<Child> = (0..4)
+        .map(|_| lockgate(&db, &["migrate"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
+        .collect();
+    for child in children {
+        let o = child.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    let version: i32 =
+        sqlx::query_scalar("SELECT migration FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(version, lockgate::sql::LATEST_MIGRATION);
+    assert_eq!(db.count("SELECT 1 FROM lockgate.schema_migrations").await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn commands_refuse_a_missing_or_older_schema_naming_lockgate_migrate() {
+    let db = TestDb::empty().await.unwrap();
+    let o = output(&db, &["status"]);
+    assert!(!o.status.success() && text(&o).contains("run `lockgate migrate`"), "{}", text(&o));
+    lockgate::migrate(&db.pool).await.unwrap();
+    sqlx::query("UPDATE lockgate.schema_state SET migration = 1").execute(&db.pool).await.unwrap();
+    let o = output(&db, &["enqueue", "x", "{}"]);
+    assert!(text(&o).contains("schema version 1, older than this build's 2: run `lockgate migrate`"), "{}", text(&o));
+    let o = output(&db, &["migrate"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(output(&db, &["status"]).status.success());
+}
+
+#[tokio::test]
+async fn bad_config_files_and_arguments_are_refused_with_the_problem_named() {
+    let db = TestDb::migrated().await.unwrap();
+    let dir = std::env::temp_dir().join(format!("lockgate-badcfg-{:08x}", fastrand::u32(..)));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases = [
+        ("colour = \"blue\"", "unknown field `colour`"),
+        ("[runtime]\nshutdown_timeout = \"a while\"", "invalid runtime.shutdown_timeout \"a while\""),
+        ("[job_types.t]\ncommand = [\"true\"]\nqueue = \"Not-A-Queue\"", "invalid queue \"Not-A-Queue\""),
+    ];
+    for (toml, expected) in cases {
+        let path = dir.join("bad.toml");
+        std::fs::write(&path, toml).unwrap();
+        let o = output(&db, &["run", "--config", path.to_str().unwrap()]);
+        assert!(!o.status.success() && text(&o).contains(expected), "{toml}: {}", text(&o));
+    }
+    let o = output(&db, &["run", "--config", Path::new("/nonexistent/lockgate.toml").to_str().unwrap()]);
+    assert!(text(&o).contains("could not read config file"), "{}", text(&o));
+    let o = output(&db, &["enqueue", "t", "{not json"]);
+    assert!(text(&o).contains("not valid JSON"), "{}", text(&o));
+    let o = output(&db, &["enqueue", "t", "{}", "--queue", "BAD"]);
+    assert!(text(&o).contains("invalid queue \"BAD\""), "{}", text(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
