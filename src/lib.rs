@@ -31,12 +31,12 @@
 //! ```
 
 pub use lockgate_core::{
-    ArchiveOutcome, Backoff, Claim, EnqueueOptions, EnqueuedJob, JobHeaders, JobId, JobPolicy,
-    JobTypeName, QueueName, ValidationError, MAX_PAYLOAD_BYTES, MAX_PRIORITY,
+    ArchiveOutcome, Backoff, Claim, EnqueueOptions, EnqueuedJob, JobHeaders, JobId, JobPolicy, JobTypeName, QueueName,
+    ValidationError, MAX_PAYLOAD_BYTES, MAX_PRIORITY,
 };
 pub use lockgate_runtime::{
-    config, heartbeat, maintenance, worker, CancelReason, Client, EnqueueError, Handler, Job,
-    JobContext, JobError, PoolConfig, Registry, Runtime, RuntimeConfig, RuntimeError,
+    config, heartbeat, maintenance, worker, CancelReason, Client, EnqueueError, Handler, Job, JobContext, JobError,
+    PoolConfig, RawHandler, Registry, Runtime, RuntimeConfig, RuntimeError,
 };
 pub use lockgate_sql::{check_schema, migrate, DbError, MigrateReport, PgPool, PgPoolOptions};
 

@@ -21,10 +21,7 @@ impl Job for Noop {
 async fn one_job(db: &TestDb) {
     let client = Client::new(db.pool.clone());
     client.define::<Noop>().await.unwrap();
-    client
-        .enqueue(&Noop {}, &EnqueueOptions::default())
-        .await
-        .unwrap();
+    client.enqueue(&Noop {}, &EnqueueOptions::default()).await.unwrap();
 }
 
 fn deadline() -> Instant {
@@ -36,44 +33,20 @@ async fn g2_stale_delivery_cannot_archive_after_redelivery() {
     let db = TestDb::migrated().await.unwrap();
     one_job(&db).await;
     let q = common::queue("default");
-    let first = claim(&db.pool, &q, 1, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .remove(0);
+    let first = claim(&db.pool, &q, 1, Duration::from_secs(30)).await.unwrap().remove(0);
     db.expire_visibility("default", first.msg_id).await.unwrap();
-    let second = claim(&db.pool, &q, 1, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .remove(0);
-    assert_eq!(
-        (second.msg_id, second.read_ct),
-        (first.msg_id, first.read_ct + 1)
-    );
+    let second = claim(&db.pool, &q, 1, Duration::from_secs(30)).await.unwrap().remove(0);
+    assert_eq!((second.msg_id, second.read_ct), (first.msg_id, first.read_ct + 1));
 
-    let stale =
-        complete_deliveries(&db.pool, &q, &[(first.msg_id, first.read_ct)], deadline()).await;
+    let stale = complete_deliveries(&db.pool, &q, &[(first.msg_id, first.read_ct)], deadline()).await;
     assert_eq!(stale, vec![Ok(ArchiveOutcome::AlreadyArchived)]);
-    assert_eq!(
-        db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(),
-        0,
-        "the stale delivery archived nothing"
-    );
-    assert_eq!(
-        db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(),
-        1,
-        "the newer delivery still owns it"
-    );
+    assert_eq!(db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(), 0, "the stale delivery archived nothing");
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 1, "the newer delivery still owns it");
 
-    let owner =
-        complete_deliveries(&db.pool, &q, &[(second.msg_id, second.read_ct)], deadline()).await;
+    let owner = complete_deliveries(&db.pool, &q, &[(second.msg_id, second.read_ct)], deadline()).await;
     assert_eq!(owner, vec![Ok(ArchiveOutcome::Archived)]);
-    let again =
-        complete_deliveries(&db.pool, &q, &[(second.msg_id, second.read_ct)], deadline()).await;
-    assert_eq!(
-        again,
-        vec![Ok(ArchiveOutcome::AlreadyArchived)],
-        "a duplicate completion changes nothing"
-    );
+    let again = complete_deliveries(&db.pool, &q, &[(second.msg_id, second.read_ct)], deadline()).await;
+    assert_eq!(again, vec![Ok(ArchiveOutcome::AlreadyArchived)], "a duplicate completion changes nothing");
     assert_eq!(db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(), 1);
 }
 
@@ -82,45 +55,22 @@ async fn h13_reply_lost_after_commit_is_ambiguous_and_archives_once() {
     let db = TestDb::migrated().await.unwrap();
     one_job(&db).await;
     let q = common::queue("default");
-    let delivery = claim(&db.pool, &q, 1, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .remove(0);
+    let delivery = claim(&db.pool, &q, 1, Duration::from_secs(30)).await.unwrap().remove(0);
 
     let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
-    let url = db
-        .url
-        .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
-    assert_ne!(
-        url, db.url,
-        "the test database URL must go through the proxy"
-    );
+    let url = db.url.replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
+    assert_ne!(url, db.url, "the test database URL must go through the proxy");
     // One connection, with the statement already prepared on it: the next call's only reply
     // is the one the server sends after committing, and that is the one the proxy drops.
-    let via_proxy = PgPoolOptions::new()
-        .max_connections(1)
-        .test_before_acquire(false)
-        .connect(&url)
-        .await
-        .unwrap();
+    let via_proxy = PgPoolOptions::new().max_connections(1).test_before_acquire(false).connect(&url).await.unwrap();
     let warm = complete_deliveries(&via_proxy, &q, &[(0, 0)], deadline()).await;
     assert_eq!(warm, vec![Ok(ArchiveOutcome::AlreadyArchived)]);
 
     proxy.cut_next_reply();
-    let outcome = complete_deliveries(
-        &via_proxy,
-        &q,
-        &[(delivery.msg_id, delivery.read_ct)],
-        deadline(),
-    )
-    .await;
+    let outcome = complete_deliveries(&via_proxy, &q, &[(delivery.msg_id, delivery.read_ct)], deadline()).await;
     assert!(proxy.has_cut(), "the fault was injected");
     assert_eq!(outcome, vec![Ok(ArchiveOutcome::Ambiguous)]);
-    assert_eq!(
-        db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(),
-        1,
-        "archived exactly once"
-    );
+    assert_eq!(db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(), 1, "archived exactly once");
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 0);
 }
 
@@ -129,10 +79,7 @@ async fn h13_backend_terminated_before_commit_is_retried_and_archives_once() {
     let db = TestDb::migrated().await.unwrap();
     one_job(&db).await;
     let q = common::queue("default");
-    let delivery = claim(&db.pool, &q, 1, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .remove(0);
+    let delivery = claim(&db.pool, &q, 1, Duration::from_secs(30)).await.unwrap().remove(0);
 
     // Hold the message row so the completion blocks inside its statement, then kill its backend.
     let mut blocker = db.pool.begin().await.unwrap();
@@ -144,9 +91,7 @@ async fn h13_backend_terminated_before_commit_is_retried_and_archives_once() {
     let completer_pool = db.new_pool(2).await.unwrap();
     let q2 = q.clone();
     let token = (delivery.msg_id, delivery.read_ct);
-    let completion = tokio::spawn(async move {
-        complete_deliveries(&completer_pool, &q2, &[token], deadline()).await
-    });
+    let completion = tokio::spawn(async move { complete_deliveries(&completer_pool, &q2, &[token], deadline()).await });
     let pid: i32 = lockgate_testkit::wait_for("the completion to block on the row lock", common::WAIT, || async {
         Ok(sqlx::query_scalar(
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
@@ -157,29 +102,11 @@ async fn h13_backend_terminated_before_commit_is_retried_and_archives_once() {
     })
     .await
     .unwrap();
-    sqlx::query("SELECT pg_terminate_backend($1)")
-        .bind(pid)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&db.pool).await.unwrap();
     blocker.rollback().await.unwrap();
 
     let outcome = completion.await.unwrap();
-    assert!(
-        matches!(
-            outcome[..],
-            [Ok(ArchiveOutcome::Archived)] | [Ok(ArchiveOutcome::Ambiguous)]
-        ),
-        "{outcome:?}"
-    );
-    assert_eq!(
-        outcome,
-        vec![Ok(ArchiveOutcome::Archived)],
-        "nothing committed before the kill, so the retry archives"
-    );
-    assert_eq!(
-        db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(),
-        1,
-        "archived exactly once"
-    );
+    assert!(matches!(outcome[..], [Ok(ArchiveOutcome::Archived)] | [Ok(ArchiveOutcome::Ambiguous)]), "{outcome:?}");
+    assert_eq!(outcome, vec![Ok(ArchiveOutcome::Archived)], "nothing committed before the kill, so the retry archives");
+    assert_eq!(db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(), 1, "archived exactly once");
 }

@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use common::{queue, test_config, Counter, Running, WAIT};
 use lockgate::sql::{claim, dlq_retry, DlqFilter};
-use lockgate::{
-    CancelReason, Client, EnqueueOptions, Job, JobContext, JobError, JobPolicy, Registry,
-};
+use lockgate::{CancelReason, Client, EnqueueOptions, Job, JobContext, JobError, JobPolicy, Registry};
 use lockgate_testkit::{wait_for, wait_for_count, TestDb};
 use serde::{Deserialize, Serialize};
 
@@ -39,20 +37,14 @@ async fn setup() -> (TestDb, Client) {
 }
 
 async fn enqueue(client: &Client, n: u32) {
-    client
-        .enqueue(&Work { n }, &EnqueueOptions::default())
-        .await
-        .unwrap();
+    client.enqueue(&Work { n }, &EnqueueOptions::default()).await.unwrap();
 }
 
 #[tokio::test]
 async fn g1_enqueued_jobs_run_and_are_archived_once() {
     let (db, client) = setup().await;
     let works: Vec<Work> = (0..60).map(|n| Work { n }).collect();
-    client
-        .enqueue_many(&works, &EnqueueOptions::default())
-        .await
-        .unwrap();
+    client.enqueue_many(&works, &EnqueueOptions::default()).await.unwrap();
     let ran = Counter::default();
     let mut registry = Registry::new();
     let counter = ran.clone();
@@ -66,18 +58,11 @@ async fn g1_enqueued_jobs_run_and_are_archived_once() {
         })
         .unwrap();
     let running = Running::start(&db, test_config(), registry, &["default"], 8).await;
-    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 60, WAIT)
-        .await
-        .unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 60, WAIT).await.unwrap();
     running.stop().await;
     assert_eq!(ran.get(), 60);
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 0);
-    assert_eq!(
-        db.count("SELECT DISTINCT msg_id FROM pgmq.a_default")
-            .await
-            .unwrap(),
-        60
-    );
+    assert_eq!(db.count("SELECT DISTINCT msg_id FROM pgmq.a_default").await.unwrap(), 60);
 }
 
 fn failing_registry(calls: Counter, fail_first: usize) -> Registry {
@@ -101,35 +86,18 @@ fn failing_registry(calls: Counter, fail_first: usize) -> Registry {
 async fn failed_attempts_retry_in_place_and_then_succeed() {
     let (db, client) = setup().await;
     enqueue(&client, 1).await;
-    let msg_id: i64 = sqlx::query_scalar("SELECT msg_id FROM pgmq.q_default")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let msg_id: i64 = sqlx::query_scalar("SELECT msg_id FROM pgmq.q_default").fetch_one(&db.pool).await.unwrap();
     let calls = Counter::default();
-    let running = Running::start(
-        &db,
-        test_config(),
-        failing_registry(calls.clone(), 2),
-        &["default"],
-        2,
-    )
-    .await;
-    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT)
-        .await
-        .unwrap();
+    let running = Running::start(&db, test_config(), failing_registry(calls.clone(), 2), &["default"], 2).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
     running.stop().await;
     assert_eq!(calls.get(), 3);
-    let (archived_id, read_ct, errors): (i64, i32, i64) = sqlx::query_as(
-        "SELECT msg_id, read_ct, jsonb_array_length(headers->'errors')::bigint FROM pgmq.a_default",
-    )
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
-    assert_eq!(
-        (archived_id, read_ct, errors),
-        (msg_id, 3, 2),
-        "same message, three deliveries, two recorded errors"
-    );
+    let (archived_id, read_ct, errors): (i64, i32, i64) =
+        sqlx::query_as("SELECT msg_id, read_ct, jsonb_array_length(headers->'errors')::bigint FROM pgmq.a_default")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((archived_id, read_ct, errors), (msg_id, 3, 2), "same message, three deliveries, two recorded errors");
 }
 
 #[tokio::test]
@@ -137,109 +105,50 @@ async fn last_failed_attempt_dead_letters_with_every_error_and_dlq_retry_runs_it
     let (db, client) = setup().await;
     enqueue(&client, 1).await;
     let calls = Counter::default();
-    let running = Running::start(
-        &db,
-        test_config(),
-        failing_registry(calls.clone(), 3),
-        &["default"],
-        2,
-    )
-    .await;
-    wait_for_count(
-        &db.pool,
-        "SELECT count(*) FROM lockgate.dead_letters",
-        1,
-        WAIT,
-    )
-    .await
-    .unwrap();
+    let running = Running::start(&db, test_config(), failing_registry(calls.clone(), 3), &["default"], 2).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await.unwrap();
     let (reason, error, attempts, errors): (String, String, i32, serde_json::Value) =
-        sqlx::query_as(
-            "SELECT reason, error, attempts, headers->'errors' FROM lockgate.dead_letters",
-        )
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(
-        (reason.as_str(), error.as_str(), attempts),
-        ("attempts_exhausted", "boom on attempt 3", 3)
-    );
-    let recorded: Vec<i64> = errors
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["attempt"].as_i64().unwrap())
-        .collect();
-    assert_eq!(
-        recorded,
-        vec![1, 2, 3],
-        "every attempt's error is kept, with its timestamp"
-    );
+        sqlx::query_as("SELECT reason, error, attempts, headers->'errors' FROM lockgate.dead_letters")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((reason.as_str(), error.as_str(), attempts), ("attempts_exhausted", "boom on attempt 3", 3));
+    let recorded: Vec<i64> = errors.as_array().unwrap().iter().map(|e| e["attempt"].as_i64().unwrap()).collect();
+    assert_eq!(recorded, vec![1, 2, 3], "every attempt's error is kept, with its timestamp");
     assert!(errors[0]["at"].is_string());
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 0);
 
     let retried = dlq_retry(&db.pool, &DlqFilter::default()).await.unwrap();
     assert_eq!(retried.len(), 1);
-    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT)
-        .await
-        .unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
     running.stop().await;
-    assert_eq!(
-        calls.get(),
-        4,
-        "the retried dead letter ran again and succeeded"
-    );
-    assert_eq!(
-        db.count("SELECT 1 FROM lockgate.dead_letters")
-            .await
-            .unwrap(),
-        0
-    );
+    assert_eq!(calls.get(), 4, "the retried dead letter ran again and succeeded");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
 }
 
 #[tokio::test]
 async fn undecodable_messages_are_dead_lettered_with_their_reason() {
     let (db, _client) = setup().await;
     // Sent with raw PGMQ: no lockgate headers; lockgate headers but arguments of the wrong shape.
-    sqlx::query("SELECT pgmq.send('default', '{\"hello\": 1}')")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    sqlx::query("SELECT pgmq.send('default', '{\"n\": \"not a number\"}', '{\"job_id\": 99, \"type\": \"work\"}'::jsonb)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let calls = Counter::default();
-    let running = Running::start(
-        &db,
-        test_config(),
-        failing_registry(calls.clone(), 0),
-        &["default"],
-        2,
+    sqlx::query("SELECT pgmq.send('default', '{\"hello\": 1}')").execute(&db.pool).await.unwrap();
+    sqlx::query(
+        "SELECT pgmq.send('default', '{\"n\": \"not a number\"}', '{\"job_id\": 99, \"type\": \"work\"}'::jsonb)",
     )
-    .await;
-    wait_for_count(
-        &db.pool,
-        "SELECT count(*) FROM lockgate.dead_letters",
-        2,
-        WAIT,
-    )
+    .execute(&db.pool)
     .await
     .unwrap();
+    let calls = Counter::default();
+    let running = Running::start(&db, test_config(), failing_registry(calls.clone(), 0), &["default"], 2).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 2, WAIT).await.unwrap();
     running.stop().await;
-    let rows: Vec<(String, String)> =
-        sqlx::query_as("SELECT reason, error FROM lockgate.dead_letters ORDER BY msg_id")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
+    let rows: Vec<(String, String)> = sqlx::query_as("SELECT reason, error FROM lockgate.dead_letters ORDER BY msg_id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
     assert_eq!(rows[0].0, "undecodable");
     assert!(rows[0].1.contains("no lockgate headers"), "{}", rows[0].1);
     assert_eq!(rows[1].0, "undecodable");
-    assert!(
-        rows[1].1.contains("arguments do not decode"),
-        "{}",
-        rows[1].1
-    );
+    assert!(rows[1].1.contains("arguments do not decode"), "{}", rows[1].1);
     assert_eq!(calls.get(), 0, "no handler ran");
 }
 
@@ -250,27 +159,13 @@ async fn h16_message_of_an_undefined_job_type_is_dead_lettered_not_retried() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let running = Running::start(
-        &db,
-        test_config(),
-        failing_registry(Counter::default(), 0),
-        &["default"],
-        2,
-    )
-    .await;
-    wait_for_count(
-        &db.pool,
-        "SELECT count(*) FROM lockgate.dead_letters WHERE reason = 'unknown_job_type'",
-        1,
-        WAIT,
-    )
-    .await
-    .unwrap();
-    running.stop().await;
-    let error: String = sqlx::query_scalar("SELECT error FROM lockgate.dead_letters")
-        .fetch_one(&db.pool)
+    let running = Running::start(&db, test_config(), failing_registry(Counter::default(), 0), &["default"], 2).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters WHERE reason = 'unknown_job_type'", 1, WAIT)
         .await
         .unwrap();
+    running.stop().await;
+    let error: String =
+        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
     assert!(error.contains("\"ghost\" is not defined"), "{error}");
 }
 
@@ -314,32 +209,15 @@ async fn timeout_cancels_the_attempt_and_counts_as_a_failure() {
     let db = TestDb::migrated().await.unwrap();
     let client = Client::new(db.pool.clone());
     client.define::<Slow>().await.unwrap();
-    client
-        .enqueue(&Slow { millis: 60_000 }, &EnqueueOptions::default())
-        .await
-        .unwrap();
+    client.enqueue(&Slow { millis: 60_000 }, &EnqueueOptions::default()).await.unwrap();
     let reasons = Arc::new(Mutex::new(Vec::new()));
-    let running = Running::start(
-        &db,
-        test_config(),
-        slow_registry(Counter::default(), Arc::clone(&reasons)),
-        &["default"],
-        1,
-    )
-    .await;
-    wait_for_count(
-        &db.pool,
-        "SELECT count(*) FROM lockgate.dead_letters",
-        1,
-        WAIT,
-    )
-    .await
-    .unwrap();
+    let running =
+        Running::start(&db, test_config(), slow_registry(Counter::default(), Arc::clone(&reasons)), &["default"], 1)
+            .await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await.unwrap();
     running.stop().await;
-    let error: String = sqlx::query_scalar("SELECT error FROM lockgate.dead_letters")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let error: String =
+        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
     assert_eq!(error, "timed out after 300ms");
 }
 
@@ -377,10 +255,7 @@ async fn long_setup(millis: u64) -> TestDb {
     let db = TestDb::migrated().await.unwrap();
     let client = Client::new(db.pool.clone());
     client.define::<Long>().await.unwrap();
-    client
-        .enqueue(&Long { millis }, &EnqueueOptions::default())
-        .await
-        .unwrap();
+    client.enqueue(&Long { millis }, &EnqueueOptions::default()).await.unwrap();
     db
 }
 
@@ -390,37 +265,15 @@ async fn g6_heartbeat_keeps_a_job_owned_past_its_visibility_timeout() {
     let db = long_setup(6_000).await;
     let starts = Counter::default();
     let reasons = Arc::new(Mutex::new(Vec::new()));
-    let first = Running::start(
-        &db,
-        test_config(),
-        long_registry(starts.clone(), Arc::clone(&reasons)),
-        &["default"],
-        1,
-    )
-    .await;
-    wait_for("the job to start", WAIT, || async {
-        Ok((starts.get() == 1).then_some(()))
-    })
-    .await
-    .unwrap();
-    let second = Running::start(
-        &db,
-        test_config(),
-        long_registry(starts.clone(), Arc::clone(&reasons)),
-        &["default"],
-        1,
-    )
-    .await;
-    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT)
-        .await
-        .unwrap();
+    let first =
+        Running::start(&db, test_config(), long_registry(starts.clone(), Arc::clone(&reasons)), &["default"], 1).await;
+    wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+    let second =
+        Running::start(&db, test_config(), long_registry(starts.clone(), Arc::clone(&reasons)), &["default"], 1).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
     first.stop().await;
     second.stop().await;
-    assert_eq!(
-        starts.get(),
-        1,
-        "no second delivery while the heartbeat renewed the lease"
-    );
+    assert_eq!(starts.get(), 1, "no second delivery while the heartbeat renewed the lease");
     assert!(reasons.lock().unwrap().is_empty());
 }
 
@@ -429,58 +282,26 @@ async fn lost_lease_cancels_the_handler_and_its_delivery_writes_nothing() {
     let db = long_setup(60_000).await;
     let starts = Counter::default();
     let reasons = Arc::new(Mutex::new(Vec::new()));
-    let running = Running::start(
-        &db,
-        test_config(),
-        long_registry(starts.clone(), Arc::clone(&reasons)),
-        &["default"],
-        1,
-    )
-    .await;
-    wait_for("the job to start", WAIT, || async {
-        Ok((starts.get() == 1).then_some(()))
+    let running =
+        Running::start(&db, test_config(), long_registry(starts.clone(), Arc::clone(&reasons)), &["default"], 1).await;
+    wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+    // Another delivery takes the message over, as if this worker's lease had lapsed.
+    let msg_id: i64 = sqlx::query_scalar("SELECT msg_id FROM pgmq.q_default").fetch_one(&db.pool).await.unwrap();
+    db.expire_visibility("default", msg_id).await.unwrap();
+    let thief = claim(&db.pool, &queue("default"), 1, Duration::from_secs(600)).await.unwrap();
+    assert_eq!(thief.len(), 1);
+    wait_for("the heartbeat to cancel the stale handler", WAIT, || async {
+        Ok((!reasons.lock().unwrap().is_empty()).then_some(()))
     })
     .await
     .unwrap();
-    // Another delivery takes the message over, as if this worker's lease had lapsed.
-    let msg_id: i64 = sqlx::query_scalar("SELECT msg_id FROM pgmq.q_default")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    db.expire_visibility("default", msg_id).await.unwrap();
-    let thief = claim(&db.pool, &queue("default"), 1, Duration::from_secs(600))
-        .await
-        .unwrap();
-    assert_eq!(thief.len(), 1);
-    wait_for(
-        "the heartbeat to cancel the stale handler",
-        WAIT,
-        || async { Ok((!reasons.lock().unwrap().is_empty()).then_some(())) },
-    )
-    .await
-    .unwrap();
     running.stop().await;
-    assert_eq!(
-        reasons.lock().unwrap().as_slice(),
-        &[Some(CancelReason::LeaseLost)]
-    );
-    let read_ct: i32 = sqlx::query_scalar("SELECT read_ct FROM pgmq.q_default")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(
-        read_ct, thief[0].read_ct,
-        "the newer delivery still owns the message, untouched"
-    );
+    assert_eq!(reasons.lock().unwrap().as_slice(), &[Some(CancelReason::LeaseLost)]);
+    let read_ct: i32 = sqlx::query_scalar("SELECT read_ct FROM pgmq.q_default").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(read_ct, thief[0].read_ct, "the newer delivery still owns the message, untouched");
     let returns: Option<i32> =
-        sqlx::query_scalar("SELECT (headers->>'returns')::int FROM pgmq.q_default")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-    assert_eq!(
-        returns, None,
-        "shutdown did not release a delivery it no longer owned"
-    );
+        sqlx::query_scalar("SELECT (headers->>'returns')::int FROM pgmq.q_default").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(returns, None, "shutdown did not release a delivery it no longer owned");
 }
 
 #[tokio::test]
@@ -488,24 +309,11 @@ async fn g7_shutdown_returns_running_jobs_to_their_queue_visible_at_once() {
     let db = long_setup(60_000).await;
     let starts = Counter::default();
     let reasons = Arc::new(Mutex::new(Vec::new()));
-    let running = Running::start(
-        &db,
-        test_config(),
-        long_registry(starts.clone(), Arc::clone(&reasons)),
-        &["default"],
-        1,
-    )
-    .await;
-    wait_for("the job to start", WAIT, || async {
-        Ok((starts.get() == 1).then_some(()))
-    })
-    .await
-    .unwrap();
+    let running =
+        Running::start(&db, test_config(), long_registry(starts.clone(), Arc::clone(&reasons)), &["default"], 1).await;
+    wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
     running.stop().await;
-    assert_eq!(
-        reasons.lock().unwrap().as_slice(),
-        &[Some(CancelReason::Shutdown)]
-    );
+    assert_eq!(reasons.lock().unwrap().as_slice(), &[Some(CancelReason::Shutdown)]);
     let (visible, returns): (bool, i32) =
         sqlx::query_as("SELECT vt <= now(), (headers->>'returns')::int FROM pgmq.q_default")
             .fetch_one(&db.pool)
@@ -513,22 +321,10 @@ async fn g7_shutdown_returns_running_jobs_to_their_queue_visible_at_once() {
             .unwrap();
     assert!(visible, "returned jobs are visible at once");
     assert_eq!(returns, 1);
-    assert_eq!(
-        db.count("SELECT 1 FROM lockgate.dead_letters")
-            .await
-            .unwrap(),
-        0,
-        "nothing failed"
-    );
-    let claims = claim(&db.pool, &queue("default"), 1, Duration::from_secs(30))
-        .await
-        .unwrap();
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0, "nothing failed");
+    let claims = claim(&db.pool, &queue("default"), 1, Duration::from_secs(30)).await.unwrap();
     let headers = lockgate::JobHeaders::decode(claims[0].headers.as_ref()).unwrap();
-    assert_eq!(
-        claims[0].attempt(&headers),
-        1,
-        "the returned delivery is not counted as an attempt"
-    );
+    assert_eq!(claims[0].attempt(&headers), 1, "the returned delivery is not counted as an attempt");
 }
 
 #[derive(Serialize, Deserialize)]
@@ -556,15 +352,8 @@ async fn claims_follow_queue_order_then_priority_then_age() {
         ("high", 0, "high-p0-b"),
     ];
     for (q, priority, tag) in plan {
-        let options = EnqueueOptions {
-            queue: Some(queue(q)),
-            priority: Some(priority),
-            ..Default::default()
-        };
-        client
-            .enqueue(&Tagged { tag: tag.into() }, &options)
-            .await
-            .unwrap();
+        let options = EnqueueOptions { queue: Some(queue(q)), priority: Some(priority), ..Default::default() };
+        client.enqueue(&Tagged { tag: tag.into() }, &options).await.unwrap();
     }
     let order = Arc::new(Mutex::new(Vec::new()));
     let seen = Arc::clone(&order);
@@ -579,14 +368,7 @@ async fn claims_follow_queue_order_then_priority_then_age() {
         })
         .unwrap();
     let running = Running::start(&db, test_config(), registry, &["high", "low"], 1).await;
-    wait_for("all five jobs", WAIT, || async {
-        Ok((order.lock().unwrap().len() == 5).then_some(()))
-    })
-    .await
-    .unwrap();
+    wait_for("all five jobs", WAIT, || async { Ok((order.lock().unwrap().len() == 5).then_some(())) }).await.unwrap();
     running.stop().await;
-    assert_eq!(
-        order.lock().unwrap().as_slice(),
-        &["high-p0-a", "high-p0-b", "high-p5", "low-a", "low-b"]
-    );
+    assert_eq!(order.lock().unwrap().as_slice(), &["high-p0-a", "high-p0-b", "high-p5", "low-a", "low-b"]);
 }

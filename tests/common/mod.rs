@@ -42,11 +42,7 @@ impl Running {
         concurrency: usize,
     ) -> Self {
         let pool = db.new_pool(10).await.expect("pool");
-        let pools = vec![PoolConfig::new(
-            "test",
-            queues.iter().map(|q| queue(q)).collect(),
-            concurrency,
-        )];
+        let pools = vec![PoolConfig::new("test", queues.iter().map(|q| queue(q)).collect(), concurrency)];
         let runtime = Runtime::new(pool, config, registry, pools).expect("valid runtime");
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(runtime.run(shutdown.clone()));
@@ -55,10 +51,7 @@ impl Running {
 
     pub async fn stop(self) {
         self.shutdown.cancel();
-        self.task
-            .await
-            .expect("runtime task")
-            .expect("runtime ran cleanly");
+        self.task.await.expect("runtime task").expect("runtime ran cleanly");
     }
 }
 

@@ -14,10 +14,6 @@ pub struct ValidationError {
 
 impl ValidationError {
     pub fn new(field: &'static str, value: impl ToString, allowed: impl Into<String>) -> Self {
-        Self {
-            field,
-            value: value.to_string(),
-            allowed: allowed.into(),
-        }
+        Self { field, value: value.to_string(), allowed: allowed.into() }
     }
 }

@@ -50,11 +50,7 @@ impl EnqueueOptions {
     pub fn to_json(&self) -> Result<Value, ValidationError> {
         let mut map = Map::new();
         if self.delay.is_some() && self.run_at.is_some() {
-            return Err(ValidationError::new(
-                "delay",
-                "delay and run_at",
-                "one of delay or run_at, not both",
-            ));
+            return Err(ValidationError::new("delay", "delay and run_at", "one of delay or run_at, not both"));
         }
         if let Some(delay) = self.delay {
             map.insert("delay".into(), json!(delay.as_secs_f64()));
@@ -91,8 +87,7 @@ impl JobHeaders {
     /// Decodes headers, or says why they are not lockgate's (the message is then dead-lettered).
     pub fn decode(headers: Option<&Value>) -> Result<Self, String> {
         let headers = headers.ok_or("message has no lockgate headers")?;
-        serde_json::from_value(headers.clone())
-            .map_err(|e| format!("message headers are not lockgate's: {e}"))
+        serde_json::from_value(headers.clone()).map_err(|e| format!("message headers are not lockgate's: {e}"))
     }
 }
 
@@ -112,9 +107,7 @@ impl Claim {
     /// The attempt this delivery is: deliveries minus shutdown returns. A delivery lost to a
     /// crash counts as an attempt, so a job that kills its worker cannot loop forever.
     pub fn attempt(&self, headers: &JobHeaders) -> u32 {
-        u32::try_from(self.read_ct - headers.returns)
-            .unwrap_or(1)
-            .max(1)
+        u32::try_from(self.read_ct - headers.returns).unwrap_or(1).max(1)
     }
 }
 
@@ -124,11 +117,8 @@ mod tests {
 
     #[test]
     fn options_reject_delay_with_run_at() {
-        let opts = EnqueueOptions {
-            delay: Some(Duration::from_secs(1)),
-            run_at: Some(Utc::now()),
-            ..Default::default()
-        };
+        let opts =
+            EnqueueOptions { delay: Some(Duration::from_secs(1)), run_at: Some(Utc::now()), ..Default::default() };
         assert_eq!(opts.to_json().unwrap_err().field, "delay");
     }
 

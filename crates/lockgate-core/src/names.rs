@@ -48,8 +48,7 @@ impl JobTypeName {
         let allowed = "an ASCII letter followed by letters, digits, '_', '.', ':' or '-', at most 128 characters";
         let mut chars = name.chars();
         let first_ok = chars.next().is_some_and(|c| c.is_ascii_alphabetic());
-        let rest_ok =
-            chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'));
+        let rest_ok = chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'));
         if !first_ok || !rest_ok || name.len() > MAX_JOB_TYPE_LEN {
             return Err(ValidationError::new("job_type", name, allowed));
         }

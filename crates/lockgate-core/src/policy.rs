@@ -30,11 +30,7 @@ pub struct Backoff {
 
 impl Default for Backoff {
     fn default() -> Self {
-        Self {
-            base: DEFAULT_BACKOFF_BASE,
-            max: DEFAULT_BACKOFF_MAX,
-            jitter: DEFAULT_BACKOFF_JITTER,
-        }
+        Self { base: DEFAULT_BACKOFF_BASE, max: DEFAULT_BACKOFF_MAX, jitter: DEFAULT_BACKOFF_JITTER }
     }
 }
 
@@ -42,21 +38,14 @@ impl Backoff {
     /// The delay before the attempt that follows `failures` failed attempts (`failures >= 1`).
     pub fn delay(&self, failures: u32) -> Duration {
         let exponent = failures.saturating_sub(1).min(32);
-        let raw = self
-            .base
-            .saturating_mul(1u32 << exponent.min(31))
-            .min(self.max);
+        let raw = self.base.saturating_mul(1u32 << exponent.min(31)).min(self.max);
         let spread = 1.0 + self.jitter * (fastrand::f64() * 2.0 - 1.0);
         raw.mul_f64(spread.max(0.0))
     }
 
     pub fn validate(&self) -> Result<(), ValidationError> {
         if !(0.0..=1.0).contains(&self.jitter) {
-            return Err(ValidationError::new(
-                "backoff.jitter",
-                self.jitter,
-                "a fraction between 0 and 1",
-            ));
+            return Err(ValidationError::new("backoff.jitter", self.jitter, "a fraction between 0 and 1"));
         }
         if self.max < self.base {
             return Err(ValidationError::new(
@@ -86,30 +75,16 @@ pub struct JobPolicy {
 impl JobPolicy {
     /// A policy with lockgate's defaults on the given queue.
     pub fn on_queue(queue: QueueName) -> Self {
-        Self {
-            queue,
-            priority: 0,
-            max_attempts: DEFAULT_MAX_ATTEMPTS,
-            backoff: Backoff::default(),
-            timeout: None,
-        }
+        Self { queue, priority: 0, max_attempts: DEFAULT_MAX_ATTEMPTS, backoff: Backoff::default(), timeout: None }
     }
 
     pub fn validate(&self) -> Result<(), ValidationError> {
         validate_priority(self.priority)?;
         if self.max_attempts < 1 {
-            return Err(ValidationError::new(
-                "max_attempts",
-                self.max_attempts,
-                "an integer of at least 1",
-            ));
+            return Err(ValidationError::new("max_attempts", self.max_attempts, "an integer of at least 1"));
         }
         if self.timeout.is_some_and(|t| t.is_zero()) {
-            return Err(ValidationError::new(
-                "timeout",
-                "0s",
-                "a positive duration, or none",
-            ));
+            return Err(ValidationError::new("timeout", "0s", "a positive duration, or none"));
         }
         self.backoff.validate()
     }
@@ -117,11 +92,7 @@ impl JobPolicy {
 
 pub(crate) fn validate_priority(priority: i16) -> Result<(), ValidationError> {
     if !(0..=MAX_PRIORITY).contains(&priority) {
-        return Err(ValidationError::new(
-            "priority",
-            priority,
-            format!("an integer from 0 to {MAX_PRIORITY}"),
-        ));
+        return Err(ValidationError::new("priority", priority, format!("an integer from 0 to {MAX_PRIORITY}")));
     }
     Ok(())
 }
@@ -132,11 +103,7 @@ mod tests {
 
     #[test]
     fn backoff_doubles_until_capped() {
-        let b = Backoff {
-            base: Duration::from_secs(1),
-            max: Duration::from_secs(10),
-            jitter: 0.0,
-        };
+        let b = Backoff { base: Duration::from_secs(1), max: Duration::from_secs(10), jitter: 0.0 };
         assert_eq!(b.delay(1), Duration::from_secs(1));
         assert_eq!(b.delay(3), Duration::from_secs(4));
         assert_eq!(b.delay(40), Duration::from_secs(10));
@@ -144,17 +111,10 @@ mod tests {
 
     #[test]
     fn backoff_jitter_stays_within_its_fraction() {
-        let b = Backoff {
-            base: Duration::from_secs(10),
-            max: Duration::from_secs(10),
-            jitter: 0.5,
-        };
+        let b = Backoff { base: Duration::from_secs(10), max: Duration::from_secs(10), jitter: 0.5 };
         for _ in 0..100 {
             let d = b.delay(1);
-            assert!(
-                d >= Duration::from_secs(5) && d <= Duration::from_secs(15),
-                "{d:?}"
-            );
+            assert!(d >= Duration::from_secs(5) && d <= Duration::from_secs(15), "{d:?}");
         }
     }
 

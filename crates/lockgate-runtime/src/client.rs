@@ -31,25 +31,16 @@ impl Client {
 
     /// Stores `J`'s policy (creating its queue if missing), so SQL producers apply it too.
     pub async fn define<J: Job>(&self) -> Result<(), EnqueueError> {
-        self.define_job_type(&JobTypeName::new(J::TYPE)?, &J::policy())
-            .await
+        self.define_job_type(&JobTypeName::new(J::TYPE)?, &J::policy()).await
     }
 
-    pub async fn define_job_type(
-        &self,
-        name: &JobTypeName,
-        policy: &JobPolicy,
-    ) -> Result<(), EnqueueError> {
+    pub async fn define_job_type(&self, name: &JobTypeName, policy: &JobPolicy) -> Result<(), EnqueueError> {
         policy.validate()?;
         Ok(lockgate_sql::define_job_type(&self.pool, name, policy).await?)
     }
 
     /// Enqueues one typed job in its own transaction.
-    pub async fn enqueue<J: Job>(
-        &self,
-        job: &J,
-        options: &EnqueueOptions,
-    ) -> Result<EnqueuedJob, EnqueueError> {
+    pub async fn enqueue<J: Job>(&self, job: &J, options: &EnqueueOptions) -> Result<EnqueuedJob, EnqueueError> {
         let args = to_args(J::TYPE, job)?;
         Ok(lockgate_sql::enqueue(&self.pool, J::TYPE, &args, &options.to_json()?).await?)
     }
@@ -71,10 +62,7 @@ impl Client {
         jobs: &[J],
         options: &EnqueueOptions,
     ) -> Result<Vec<EnqueuedJob>, EnqueueError> {
-        let args = jobs
-            .iter()
-            .map(|j| to_args(J::TYPE, j))
-            .collect::<Result<Vec<_>, _>>()?;
+        let args = jobs.iter().map(|j| to_args(J::TYPE, j)).collect::<Result<Vec<_>, _>>()?;
         Ok(lockgate_sql::enqueue_many(&self.pool, J::TYPE, &args, &options.to_json()?).await?)
     }
 
@@ -100,9 +88,7 @@ fn check_args(job_type: &str, args: &Value) -> Result<(), EnqueueError> {
     // The size bound (MAX_PAYLOAD_BYTES) is enforced once, by the SQL function, for every
     // producer; serializing here only to measure would double the cost of every enqueue.
     if !args.is_object() {
-        return Err(EnqueueError::NotAnObject {
-            job_type: job_type.to_string(),
-        });
+        return Err(EnqueueError::NotAnObject { job_type: job_type.to_string() });
     }
     Ok(())
 }

@@ -49,26 +49,18 @@ impl RuntimeConfig {
     /// G6: every lease is at least twice the heartbeat interval, so one late tick never loses it.
     pub fn validate(&self) -> Result<(), ValidationError> {
         if self.heartbeat_interval.is_zero() {
-            return Err(ValidationError::new(
-                "heartbeat_interval",
-                "0s",
-                "a positive duration",
-            ));
+            return Err(ValidationError::new("heartbeat_interval", "0s", "a positive duration"));
         }
         if self.visibility_timeout < self.heartbeat_interval * 2 {
             return Err(ValidationError::new(
                 "visibility_timeout",
                 format!("{:?}", self.visibility_timeout),
-                format!(
-                    "at least twice heartbeat_interval ({:?})",
-                    self.heartbeat_interval
-                ),
+                format!("at least twice heartbeat_interval ({:?})", self.heartbeat_interval),
             ));
         }
-        for (field, value) in [
-            ("poll_interval", self.poll_interval),
-            ("maintenance_interval", self.maintenance_interval),
-        ] {
+        for (field, value) in
+            [("poll_interval", self.poll_interval), ("maintenance_interval", self.maintenance_interval)]
+        {
             if value.is_zero() {
                 return Err(ValidationError::new(field, "0s", "a positive duration"));
             }
@@ -89,20 +81,12 @@ pub struct PoolConfig {
 
 impl PoolConfig {
     pub fn new(name: impl Into<String>, queues: Vec<QueueName>, concurrency: usize) -> Self {
-        Self {
-            name: name.into(),
-            queues,
-            concurrency,
-        }
+        Self { name: name.into(), queues, concurrency }
     }
 
     pub fn validate(&self) -> Result<(), ValidationError> {
         if self.queues.is_empty() {
-            return Err(ValidationError::new(
-                "queues",
-                format!("pool {}: []", self.name),
-                "at least one queue",
-            ));
+            return Err(ValidationError::new("queues", format!("pool {}: []", self.name), "at least one queue"));
         }
         if self.concurrency == 0 {
             return Err(ValidationError::new(
@@ -121,10 +105,7 @@ mod tests {
 
     #[test]
     fn visibility_must_cover_two_heartbeats() {
-        let cfg = RuntimeConfig {
-            visibility_timeout: Duration::from_secs(5),
-            ..Default::default()
-        };
+        let cfg = RuntimeConfig { visibility_timeout: Duration::from_secs(5), ..Default::default() };
         assert_eq!(cfg.validate().unwrap_err().field, "visibility_timeout");
         assert!(RuntimeConfig::default().validate().is_ok());
     }

@@ -69,9 +69,7 @@ pub struct JobError {
 
 impl JobError {
     pub fn new(message: impl Into<String>) -> Self {
-        Self {
-            message: message.into(),
-        }
+        Self { message: message.into() }
     }
 
     pub fn message(&self) -> &str {
@@ -115,11 +113,7 @@ pub(crate) type HandlerFuture = Pin<Box<dyn Future<Output = Result<(), HandlerFa
 
 /// A handler for raw JSON arguments, as built-in executors and typed wrappers provide.
 pub trait RawHandler: Send + Sync + 'static {
-    fn call(
-        &self,
-        ctx: JobContext,
-        args: Value,
-    ) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send>>;
+    fn call(&self, ctx: JobContext, args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>>;
 }
 
 type Erased = Arc<dyn Fn(JobContext, Value) -> HandlerFuture + Send + Sync>;
@@ -133,9 +127,7 @@ pub struct Registry {
 
 impl fmt::Debug for Registry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Registry")
-            .field("job_types", &self.handlers.keys().collect::<Vec<_>>())
-            .finish()
+        f.debug_struct("Registry").field("job_types", &self.handlers.keys().collect::<Vec<_>>()).finish()
     }
 }
 
@@ -145,20 +137,14 @@ impl Registry {
     }
 
     /// Registers a typed handler for `J`, with `J::policy()`.
-    pub fn register<J: Job, H: Handler<J>>(
-        &mut self,
-        handler: H,
-    ) -> Result<&mut Self, ValidationError> {
+    pub fn register<J: Job, H: Handler<J>>(&mut self, handler: H) -> Result<&mut Self, ValidationError> {
         let handler = Arc::new(handler);
         let erased: Erased = Arc::new(move |ctx, args| {
             let handler = Arc::clone(&handler);
             Box::pin(async move {
                 let job: J = serde_json::from_value(args)
                     .map_err(|e| HandlerFailure::Decode(format!("arguments do not decode: {e}")))?;
-                handler
-                    .handle(ctx, job)
-                    .await
-                    .map_err(HandlerFailure::Failed)
+                handler.handle(ctx, job).await.map_err(HandlerFailure::Failed)
             })
         });
         self.insert(JobTypeName::new(J::TYPE)?, J::policy(), erased)
@@ -173,22 +159,12 @@ impl Registry {
     ) -> Result<&mut Self, ValidationError> {
         let erased: Erased = Arc::new(move |ctx, args| {
             let handler = Arc::clone(&handler);
-            Box::pin(async move {
-                handler
-                    .call(ctx, args)
-                    .await
-                    .map_err(HandlerFailure::Failed)
-            })
+            Box::pin(async move { handler.call(ctx, args).await.map_err(HandlerFailure::Failed) })
         });
         self.insert(name, policy, erased)
     }
 
-    fn insert(
-        &mut self,
-        name: JobTypeName,
-        policy: JobPolicy,
-        handler: Erased,
-    ) -> Result<&mut Self, ValidationError> {
+    fn insert(&mut self, name: JobTypeName, policy: JobPolicy, handler: Erased) -> Result<&mut Self, ValidationError> {
         policy.validate()?;
         self.handlers.insert(name.as_str().to_string(), handler);
         self.policies.retain(|(n, _)| n != &name);
@@ -200,7 +176,8 @@ impl Registry {
         self.handlers.get(job_type)
     }
 
-    pub(crate) fn policies(&self) -> &[(JobTypeName, JobPolicy)] {
+    /// Every registered job type with the policy it records at startup.
+    pub fn job_types(&self) -> &[(JobTypeName, JobPolicy)] {
         &self.policies
     }
 

@@ -27,18 +27,8 @@ pub struct Heartbeat {
 }
 
 impl Heartbeat {
-    pub(crate) fn new(
-        db: PgPool,
-        sets: Vec<Arc<InFlight>>,
-        interval: Duration,
-        visibility: Duration,
-    ) -> Self {
-        Self {
-            db,
-            sets,
-            interval,
-            visibility,
-        }
+    pub(crate) fn new(db: PgPool, sets: Vec<Arc<InFlight>>, interval: Duration, visibility: Duration) -> Self {
+        Self { db, sets, interval, visibility }
     }
 
     pub async fn run(self, shutdown: CancellationToken) {

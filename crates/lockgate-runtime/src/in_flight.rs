@@ -58,12 +58,7 @@ impl InFlight {
     }
 
     pub fn insert(&self, d: &Delivery, ctx: JobContext, lease_until: Instant) {
-        let entry = Entry {
-            read_ct: d.read_ct,
-            state: State::Running,
-            ctx,
-            lease_until,
-        };
+        let entry = Entry { read_ct: d.read_ct, state: State::Running, ctx, lease_until };
         self.entries().insert((d.queue.clone(), d.msg_id), entry);
     }
 
@@ -85,10 +80,7 @@ impl InFlight {
 
     pub fn remove(&self, d: &Delivery) {
         let mut entries = self.entries();
-        if entries
-            .get(&(d.queue.clone(), d.msg_id))
-            .is_some_and(|e| e.read_ct == d.read_ct)
-        {
+        if entries.get(&(d.queue.clone(), d.msg_id)).is_some_and(|e| e.read_ct == d.read_ct) {
             entries.remove(&(d.queue.clone(), d.msg_id));
         }
     }
@@ -105,9 +97,7 @@ impl InFlight {
         let mut out: HashMap<QueueName, Vec<(i64, i32)>> = HashMap::new();
         for ((queue, msg_id), e) in self.entries().iter() {
             if e.state != State::Lost {
-                out.entry(queue.clone())
-                    .or_default()
-                    .push((*msg_id, e.read_ct));
+                out.entry(queue.clone()).or_default().push((*msg_id, e.read_ct));
             }
         }
         out
@@ -115,13 +105,7 @@ impl InFlight {
 
     /// Records a heartbeat's result for one queue: renewed deliveries get a new lease end;
     /// the others lost their lease and their handlers are cancelled. Returns how many were lost.
-    pub fn renewed(
-        &self,
-        queue: &QueueName,
-        asked: &[(i64, i32)],
-        renewed: &[i64],
-        until: Instant,
-    ) -> usize {
+    pub fn renewed(&self, queue: &QueueName, asked: &[(i64, i32)], renewed: &[i64], until: Instant) -> usize {
         let renewed: std::collections::HashSet<i64> = renewed.iter().copied().collect();
         let mut lost = 0;
         let mut entries = self.entries();
@@ -151,11 +135,7 @@ impl InFlight {
             if e.state == State::Running {
                 e.state = State::Releasing;
                 e.ctx.fire(CancelReason::Shutdown);
-                out.push(Delivery {
-                    queue: queue.clone(),
-                    msg_id: *msg_id,
-                    read_ct: e.read_ct,
-                });
+                out.push(Delivery { queue: queue.clone(), msg_id: *msg_id, read_ct: e.read_ct });
             }
         }
         out

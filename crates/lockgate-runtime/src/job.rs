@@ -11,7 +11,8 @@ use crate::{JobContext, JobError};
 /// A job's arguments as a Rust type. They serialize to a JSON object (the PGMQ message).
 ///
 /// ```
-/// use lockgate::{Job, JobPolicy, QueueName};
+/// use lockgate_core::{JobPolicy, QueueName};
+/// use lockgate_runtime::Job;
 ///
 /// #[derive(serde::Serialize, serde::Deserialize)]
 /// struct SendEmail { to: String }

@@ -23,6 +23,6 @@ pub mod worker;
 pub use client::Client;
 pub use config::{PoolConfig, RuntimeConfig};
 pub use error::{EnqueueError, RuntimeError};
-pub use handler::{CancelReason, JobContext, JobError, Registry};
+pub use handler::{CancelReason, JobContext, JobError, RawHandler, Registry};
 pub use job::{Handler, Job};
 pub use supervisor::Runtime;

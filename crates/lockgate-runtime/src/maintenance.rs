@@ -18,11 +18,7 @@ pub struct ArchiveRetention {
 
 impl ArchiveRetention {
     pub fn new(db: PgPool, retention: Duration, interval: Duration) -> Self {
-        Self {
-            db,
-            retention,
-            interval,
-        }
+        Self { db, retention, interval }
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
@@ -47,9 +43,7 @@ impl ArchiveRetention {
         let mut total = 0;
         for queue in lockgate_sql::list_queues(&self.db).await? {
             loop {
-                let deleted =
-                    lockgate_sql::prune_archive(&self.db, &queue, self.retention, PRUNE_BATCH)
-                        .await?;
+                let deleted = lockgate_sql::prune_archive(&self.db, &queue, self.retention, PRUNE_BATCH).await?;
                 total += deleted;
                 if deleted < i64::from(PRUNE_BATCH) {
                     break;

@@ -22,24 +22,15 @@ pub(crate) struct Notifier {
 
 impl Notifier {
     pub fn new(db: PgPool) -> Self {
-        Self {
-            db,
-            channels: HashMap::new(),
-        }
+        Self { db, channels: HashMap::new() }
     }
 
     pub fn subscribe(&mut self, queue: &str, wake: Arc<Notify>) {
-        self.channels
-            .entry(format!("lockgate_{queue}"))
-            .or_default()
-            .push(wake);
+        self.channels.entry(format!("lockgate_{queue}")).or_default().push(wake);
     }
 
     fn wake_all(&self) {
-        self.channels
-            .values()
-            .flatten()
-            .for_each(|w| w.notify_one());
+        self.channels.values().flatten().for_each(|w| w.notify_one());
     }
 
     pub async fn run(self, shutdown: CancellationToken) {

@@ -22,17 +22,12 @@ pub(crate) struct PolicyCache {
 impl PolicyCache {
     pub async fn load(db: &PgPool) -> Result<Self, DbError> {
         let map = Self::fetch(db).await?;
-        Ok(Self {
-            inner: RwLock::new((map, Instant::now())),
-        })
+        Ok(Self { inner: RwLock::new((map, Instant::now())) })
     }
 
     async fn fetch(db: &PgPool) -> Result<HashMap<String, JobPolicy>, DbError> {
         let rows = lockgate_sql::load_job_types(db).await?;
-        Ok(rows
-            .into_iter()
-            .map(|(name, policy)| (name.as_str().to_string(), policy))
-            .collect())
+        Ok(rows.into_iter().map(|(name, policy)| (name.as_str().to_string(), policy)).collect())
     }
 
     /// The stored policy of `job_type`, or `None` when the database has no such type.

@@ -49,18 +49,13 @@ impl Runtime {
         for pool in &pools {
             pool.validate()?;
         }
-        Ok(Self {
-            db,
-            config,
-            registry,
-            pools,
-        })
+        Ok(Self { db, config, registry, pools })
     }
 
     /// Runs until `shutdown` fires, then shuts down in the documented order.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), RuntimeError> {
         lockgate_sql::check_schema(&self.db).await?;
-        for (name, policy) in self.registry.policies() {
+        for (name, policy) in self.registry.job_types() {
             lockgate_sql::define_job_type(&self.db, name, policy).await?;
         }
         for queue in self.pools.iter().flat_map(|p| &p.queues) {
@@ -73,9 +68,7 @@ impl Runtime {
         let mut pools = Vec::new();
         for pool in &self.pools {
             let wake = Arc::new(Notify::new());
-            pool.queues
-                .iter()
-                .for_each(|q| notifier.subscribe(q.as_str(), Arc::clone(&wake)));
+            pool.queues.iter().for_each(|q| notifier.subscribe(q.as_str(), Arc::clone(&wake)));
             let in_flight = Arc::new(InFlight::default());
             sets.push(Arc::clone(&in_flight));
             let registry = self.registry.clone();
@@ -94,18 +87,11 @@ impl Runtime {
         let services = CancellationToken::new();
         let tracker = TaskTracker::new();
         tracker.spawn(notifier.run(services.clone()));
-        let retention = ArchiveRetention::new(
-            self.db.clone(),
-            self.config.archive_retention,
-            self.config.maintenance_interval,
-        );
+        let retention =
+            ArchiveRetention::new(self.db.clone(), self.config.archive_retention, self.config.maintenance_interval);
         tracker.spawn(retention.run(services.clone()));
-        let heartbeat = Heartbeat::new(
-            self.db.clone(),
-            sets,
-            self.config.heartbeat_interval,
-            self.config.visibility_timeout,
-        );
+        let heartbeat =
+            Heartbeat::new(self.db.clone(), sets, self.config.heartbeat_interval, self.config.visibility_timeout);
         let heartbeat_stop = CancellationToken::new();
         let heartbeat = tokio::spawn(heartbeat.run(heartbeat_stop.clone()));
 

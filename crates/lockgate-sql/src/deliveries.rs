@@ -37,14 +37,12 @@ pub async fn claim<'c>(
     qty: i32,
     visibility: Duration,
 ) -> Result<Vec<Claim>, DbError> {
-    let rows = sqlx::query(
-        "SELECT msg_id, read_ct, enqueued_at, message, headers FROM lockgate.claim($1, $2, $3)",
-    )
-    .bind(queue.as_str())
-    .bind(qty)
-    .bind(visibility.as_secs_f64())
-    .fetch_all(db)
-    .await?;
+    let rows = sqlx::query("SELECT msg_id, read_ct, enqueued_at, message, headers FROM lockgate.claim($1, $2, $3)")
+        .bind(queue.as_str())
+        .bind(qty)
+        .bind(visibility.as_secs_f64())
+        .fetch_all(db)
+        .await?;
     Ok(rows
         .into_iter()
         .map(|row| Claim {
@@ -98,17 +96,15 @@ pub async fn retry<'c>(
     error: &str,
     attempt: u32,
 ) -> Result<bool, DbError> {
-    Ok(
-        sqlx::query_scalar("SELECT lockgate.retry($1, $2, $3, $4, $5, $6)")
-            .bind(claim.queue.as_str())
-            .bind(claim.msg_id)
-            .bind(claim.read_ct)
-            .bind(delay.as_secs_f64())
-            .bind(error)
-            .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
-            .fetch_one(db)
-            .await?,
-    )
+    Ok(sqlx::query_scalar("SELECT lockgate.retry($1, $2, $3, $4, $5, $6)")
+        .bind(claim.queue.as_str())
+        .bind(claim.msg_id)
+        .bind(claim.read_ct)
+        .bind(delay.as_secs_f64())
+        .bind(error)
+        .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
+        .fetch_one(db)
+        .await?)
 }
 
 /// Moves a delivery's message to the dead letters; false when this delivery no longer owns it.
@@ -119,17 +115,15 @@ pub async fn dead_letter<'c>(
     error: &str,
     attempts: u32,
 ) -> Result<bool, DbError> {
-    Ok(
-        sqlx::query_scalar("SELECT lockgate.dead_letter($1, $2, $3, $4, $5, $6)")
-            .bind(claim.queue.as_str())
-            .bind(claim.msg_id)
-            .bind(claim.read_ct)
-            .bind(reason.as_str())
-            .bind(error)
-            .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
-            .fetch_one(db)
-            .await?,
-    )
+    Ok(sqlx::query_scalar("SELECT lockgate.dead_letter($1, $2, $3, $4, $5, $6)")
+        .bind(claim.queue.as_str())
+        .bind(claim.msg_id)
+        .bind(claim.read_ct)
+        .bind(reason.as_str())
+        .bind(error)
+        .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
+        .fetch_one(db)
+        .await?)
 }
 
 /// Returns unfinished deliveries to their queue, visible at once; returns the msg_ids released.

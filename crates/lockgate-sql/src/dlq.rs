@@ -32,11 +32,7 @@ pub struct DeadLetter {
 }
 
 /// Dead letters matching `filter`, oldest first, at most `limit`.
-pub async fn dlq_list<'c>(
-    db: impl PgExecutor<'c>,
-    filter: &DlqFilter,
-    limit: i64,
-) -> Result<Vec<DeadLetter>, DbError> {
+pub async fn dlq_list<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter, limit: i64) -> Result<Vec<DeadLetter>, DbError> {
     let rows = sqlx::query(
         "SELECT id, queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at, dead_at
            FROM lockgate.dead_letters
@@ -68,10 +64,7 @@ pub async fn dlq_list<'c>(
 }
 
 /// Sends matching dead letters back to their queues; returns the new messages.
-pub async fn dlq_retry<'c>(
-    db: impl PgExecutor<'c>,
-    filter: &DlqFilter,
-) -> Result<Vec<EnqueuedJob>, DbError> {
+pub async fn dlq_retry<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter) -> Result<Vec<EnqueuedJob>, DbError> {
     let rows = sqlx::query("SELECT queue, msg_id, job_id FROM lockgate.dlq_retry($1, $2)")
         .bind(filter.queue.as_deref())
         .bind(filter.job_ids.as_deref())

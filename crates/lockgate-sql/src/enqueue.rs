@@ -40,9 +40,5 @@ pub async fn enqueue_many<'c>(
 }
 
 fn to_job(row: &sqlx::postgres::PgRow) -> EnqueuedJob {
-    EnqueuedJob {
-        queue: row.get(0),
-        msg_id: row.get(1),
-        job_id: JobId(row.get(2)),
-    }
+    EnqueuedJob { queue: row.get(0), msg_id: row.get(1), job_id: JobId(row.get(2)) }
 }

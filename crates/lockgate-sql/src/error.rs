@@ -13,7 +13,9 @@ pub enum DbError {
     InvalidArgument(String),
     #[error("lockgate is not installed in this database ({0}): run `lockgate migrate`")]
     NotInstalled(String),
-    #[error("this database has lockgate schema version {found}, older than this build's {expected}: run `lockgate migrate`")]
+    #[error(
+        "this database has lockgate schema version {found}, older than this build's {expected}: run `lockgate migrate`"
+    )]
     SchemaOutdated { found: i32, expected: i32 },
     #[error("lockgate's SQL functions in this database differ from this build's: run `lockgate migrate`")]
     FunctionsOutdated,
@@ -58,11 +60,7 @@ impl DbError {
             sqlx::Error::Database(db) => db.code().is_some_and(|code| {
                 // 08: connection exception; 57P01..03: admin shutdown, crash shutdown, cannot
                 // connect now; 40001/40P01: serialization failure and deadlock (retry is the fix).
-                code.starts_with("08")
-                    || matches!(
-                        code.as_ref(),
-                        "57P01" | "57P02" | "57P03" | "40001" | "40P01"
-                    )
+                code.starts_with("08") || matches!(code.as_ref(), "57P01" | "57P02" | "57P03" | "40001" | "40P01")
             }),
             _ => false,
         }

@@ -30,9 +30,7 @@ pub async fn define_job_type<'c>(
 /// Every stored job type and its policy. Rows that no longer validate (edited by hand into
 /// something this build cannot use) are skipped: their jobs are then dead-lettered as of an
 /// unknown type, with the reason, rather than run under a guessed policy.
-pub async fn load_job_types<'c>(
-    db: impl PgExecutor<'c>,
-) -> Result<Vec<(JobTypeName, JobPolicy)>, DbError> {
+pub async fn load_job_types<'c>(db: impl PgExecutor<'c>) -> Result<Vec<(JobTypeName, JobPolicy)>, DbError> {
     let rows = sqlx::query(
         "SELECT name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms
            FROM lockgate.job_types ORDER BY name",
@@ -41,21 +39,16 @@ pub async fn load_job_types<'c>(
     .await?;
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {
-        let (Ok(name), Ok(queue)) = (
-            JobTypeName::new(row.get::<String, _>(0)),
-            QueueName::new(row.get::<String, _>(1)),
-        ) else {
+        let (Ok(name), Ok(queue)) =
+            (JobTypeName::new(row.get::<String, _>(0)), QueueName::new(row.get::<String, _>(1)))
+        else {
             continue;
         };
         let policy = JobPolicy {
             queue,
             priority: row.get(2),
             max_attempts: u32::try_from(row.get::<i32, _>(3)).unwrap_or(1),
-            backoff: Backoff {
-                base: from_millis(row.get(4)),
-                max: from_millis(row.get(5)),
-                jitter: row.get(6),
-            },
+            backoff: Backoff { base: from_millis(row.get(4)), max: from_millis(row.get(5)), jitter: row.get(6) },
             timeout: row.get::<Option<i64>, _>(7).map(from_millis),
         };
         out.push((name, policy));

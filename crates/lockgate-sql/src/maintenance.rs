@@ -13,12 +13,10 @@ pub async fn prune_archive<'c>(
     retention: Duration,
     max_rows: i32,
 ) -> Result<i64, DbError> {
-    Ok(
-        sqlx::query_scalar("SELECT lockgate.prune_archive($1, $2, $3)")
-            .bind(queue)
-            .bind(retention.as_secs_f64())
-            .bind(max_rows)
-            .fetch_one(db)
-            .await?,
-    )
+    Ok(sqlx::query_scalar("SELECT lockgate.prune_archive($1, $2, $3)")
+        .bind(queue)
+        .bind(retention.as_secs_f64())
+        .bind(max_rows)
+        .fetch_one(db)
+        .await?)
 }

@@ -18,11 +18,7 @@ struct Migration {
 }
 
 const MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        name: "pgmq_1.11.1",
-        sql: include_str!("../../../migrations/0001_pgmq_1.11.1.sql"),
-    },
+    Migration { version: 1, name: "pgmq_1.11.1", sql: include_str!("../../../migrations/0001_pgmq_1.11.1.sql") },
     Migration {
         version: 2,
         name: "lockgate_schema",
@@ -90,18 +86,11 @@ pub fn functions_checksum() -> String {
 /// Installs or upgrades everything lockgate needs in this database.
 pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
     let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(MIGRATE_LOCK_KEY)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *tx).await?;
     sqlx::raw_sql(BOOTSTRAP).execute(&mut *tx).await?;
-    let applied: Vec<i32> = sqlx::query_scalar("SELECT version FROM lockgate.schema_migrations")
-        .fetch_all(&mut *tx)
-        .await?;
-    let mut report = MigrateReport {
-        applied: Vec::new(),
-        pgmq_preinstalled: false,
-    };
+    let applied: Vec<i32> =
+        sqlx::query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(&mut *tx).await?;
+    let mut report = MigrateReport { applied: Vec::new(), pgmq_preinstalled: false };
     for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
         let mut note = None;
         if m.version == 1 && pgmq_present(&mut tx).await? {
@@ -110,14 +99,12 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
         } else {
             sqlx::raw_sql(m.sql).execute(&mut *tx).await?;
         }
-        sqlx::query(
-            "INSERT INTO lockgate.schema_migrations (version, name, note) VALUES ($1, $2, $3)",
-        )
-        .bind(m.version)
-        .bind(m.name)
-        .bind(note)
-        .execute(&mut *tx)
-        .await?;
+        sqlx::query("INSERT INTO lockgate.schema_migrations (version, name, note) VALUES ($1, $2, $3)")
+            .bind(m.version)
+            .bind(m.name)
+            .bind(note)
+            .execute(&mut *tx)
+            .await?;
         report.applied.push(m.name.to_string());
     }
     for functions in FUNCTIONS {
@@ -145,37 +132,27 @@ async fn pgmq_present(tx: &mut sqlx::PgConnection) -> Result<bool, DbError> {
 
 /// Refuses a database where lockgate or PGMQ is missing, older, newer, or whose functions differ.
 pub async fn check_schema(pool: &PgPool) -> Result<(), DbError> {
-    let row = sqlx::query(
-        "SELECT to_regclass('lockgate.schema_state') IS NOT NULL, to_regclass('pgmq.meta') IS NOT NULL",
-    )
-    .fetch_one(pool)
-    .await?;
+    let row =
+        sqlx::query("SELECT to_regclass('lockgate.schema_state') IS NOT NULL, to_regclass('pgmq.meta') IS NOT NULL")
+            .fetch_one(pool)
+            .await?;
     if !row.get::<bool, _>(0) {
         return Err(DbError::NotInstalled("no lockgate schema found".into()));
     }
     if !row.get::<bool, _>(1) {
         return Err(DbError::NotInstalled("PGMQ is missing".into()));
     }
-    let state = sqlx::query("SELECT migration, functions_checksum FROM lockgate.schema_state")
-        .fetch_optional(pool)
-        .await?;
+    let state =
+        sqlx::query("SELECT migration, functions_checksum FROM lockgate.schema_state").fetch_optional(pool).await?;
     let Some(state) = state else {
-        return Err(DbError::NotInstalled(
-            "the schema was never completely migrated".into(),
-        ));
+        return Err(DbError::NotInstalled("the schema was never completely migrated".into()));
     };
     let found: i32 = state.get(0);
     if found < LATEST_MIGRATION {
-        return Err(DbError::SchemaOutdated {
-            found,
-            expected: LATEST_MIGRATION,
-        });
+        return Err(DbError::SchemaOutdated { found, expected: LATEST_MIGRATION });
     }
     if found > LATEST_MIGRATION {
-        return Err(DbError::SchemaNewer {
-            found,
-            expected: LATEST_MIGRATION,
-        });
+        return Err(DbError::SchemaNewer { found, expected: LATEST_MIGRATION });
     }
     if state.get::<String, _>(1) != functions_checksum() {
         return Err(DbError::FunctionsOutdated);

@@ -17,9 +17,10 @@ pub struct QueueStats {
 }
 
 pub async fn queue_stats<'c>(db: impl PgExecutor<'c>) -> Result<Vec<QueueStats>, DbError> {
-    let rows = sqlx::query("SELECT queue, ready, scheduled, running, dead, oldest_ready_seconds FROM lockgate.queue_stats()")
-        .fetch_all(db)
-        .await?;
+    let rows =
+        sqlx::query("SELECT queue, ready, scheduled, running, dead, oldest_ready_seconds FROM lockgate.queue_stats()")
+            .fetch_all(db)
+            .await?;
     Ok(rows
         .iter()
         .map(|r| QueueStats {

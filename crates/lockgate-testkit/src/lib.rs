@@ -33,23 +33,13 @@ pub struct TestDb {
 impl TestDb {
     /// A new, empty database (nothing installed).
     pub async fn empty() -> Result<Self> {
-        let server: PgConnectOptions =
-            server_url().parse().context("LOCKGATE_TEST_DATABASE_URL")?;
+        let server: PgConnectOptions = server_url().parse().context("LOCKGATE_TEST_DATABASE_URL")?;
         let name = format!("lg_test_{}_{:08x}", std::process::id(), fastrand::u32(..));
-        let mut admin = server
-            .clone()
-            .connect()
-            .await
-            .context("connecting to the test server")?;
-        sqlx::raw_sql(&format!("CREATE DATABASE {name}"))
-            .execute(&mut admin)
-            .await?;
+        let mut admin = server.clone().connect().await.context("connecting to the test server")?;
+        sqlx::raw_sql(&format!("CREATE DATABASE {name}")).execute(&mut admin).await?;
         let options = server.database(&name);
         let url = options.to_url_lossy().to_string();
-        let pool = PgPoolOptions::new()
-            .max_connections(8)
-            .connect_with(options)
-            .await?;
+        let pool = PgPoolOptions::new().max_connections(8).connect_with(options).await?;
         Ok(Self { name, url, pool })
     }
 
@@ -62,19 +52,12 @@ impl TestDb {
 
     /// A second, independent pool on the same database (another "process").
     pub async fn new_pool(&self, max_connections: u32) -> Result<PgPool> {
-        Ok(PgPoolOptions::new()
-            .max_connections(max_connections)
-            .connect(&self.url)
-            .await?)
+        Ok(PgPoolOptions::new().max_connections(max_connections).connect(&self.url).await?)
     }
 
     /// Makes a delivery visible now, as if its visibility had lapsed (the lease is lost).
     pub async fn expire_visibility(&self, queue: &str, msg_id: i64) -> Result<()> {
-        sqlx::query("SELECT pgmq.set_vt($1, $2, 0)")
-            .bind(queue)
-            .bind(msg_id)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query("SELECT pgmq.set_vt($1, $2, 0)").bind(queue).bind(msg_id).execute(&self.pool).await?;
         Ok(())
     }
 
@@ -90,11 +73,7 @@ impl TestDb {
 
     /// Rows in a query's result, e.g. `count("SELECT 1 FROM pgmq.a_default")`.
     pub async fn count(&self, from: &str) -> Result<i64> {
-        Ok(
-            sqlx::query_scalar(&format!("SELECT count(*) FROM ({from}) t"))
-                .fetch_one(&self.pool)
-                .await?,
-        )
+        Ok(sqlx::query_scalar(&format!("SELECT count(*) FROM ({from}) t")).fetch_one(&self.pool).await?)
     }
 }
 
@@ -105,19 +84,15 @@ impl Drop for TestDb {
         // not the test's runtime is still alive. FORCE ends the test's own connections (their
         // I/O belongs to the test's runtime, which is blocked here, so they cannot be closed).
         let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
                 return;
             };
             rt.block_on(async move {
                 if let Ok(server) = server_url().parse::<PgConnectOptions>() {
                     if let Ok(mut admin) = server.connect().await {
-                        let _ =
-                            sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                                .execute(&mut admin)
-                                .await;
+                        let _ = sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                            .execute(&mut admin)
+                            .await;
                     }
                 }
             });
@@ -145,12 +120,7 @@ where
 }
 
 /// Waits until `sql` (a query returning one bigint) returns `expected`.
-pub async fn wait_for_count(
-    pool: &PgPool,
-    sql: &str,
-    expected: i64,
-    timeout: Duration,
-) -> Result<()> {
+pub async fn wait_for_count(pool: &PgPool, sql: &str, expected: i64, timeout: Duration) -> Result<()> {
     let waited = wait_for(sql, timeout, || async {
         let n: i64 = sqlx::query_scalar(sql).fetch_one(pool).await?;
         Ok((n == expected).then_some(()))

@@ -31,11 +31,7 @@ impl FaultProxy {
                 tokio::spawn(pump(client, server, Arc::clone(&cut_for_task)));
             }
         });
-        Ok(Self {
-            port,
-            cut_next_reply: cut,
-            accept,
-        })
+        Ok(Self { port, cut_next_reply: cut, accept })
     }
 
     /// The next bytes any server sends are dropped and that connection is closed both ways.

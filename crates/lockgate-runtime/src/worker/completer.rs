@@ -40,8 +40,7 @@ impl CompleterHandle {
         if self.tx.send(Request { delivery, reply }).is_err() {
             return Err("the completer has stopped".into());
         }
-        rx.await
-            .unwrap_or_else(|_| Err("the completer has stopped".into()))
+        rx.await.unwrap_or_else(|_| Err("the completer has stopped".into()))
     }
 }
 
@@ -69,10 +68,7 @@ impl Completer {
             }
             let mut by_queue: HashMap<QueueName, Vec<Request>> = HashMap::new();
             for request in batch {
-                by_queue
-                    .entry(request.delivery.queue.clone())
-                    .or_default()
-                    .push(request);
+                by_queue.entry(request.delivery.queue.clone()).or_default().push(request);
             }
             for (queue, requests) in by_queue {
                 self.complete_queue(&queue, requests).await;
@@ -81,18 +77,9 @@ impl Completer {
     }
 
     async fn complete_queue(&self, queue: &QueueName, requests: Vec<Request>) {
-        let deliveries: Vec<(i64, i32)> = requests
-            .iter()
-            .map(|r| (r.delivery.msg_id, r.delivery.read_ct))
-            .collect();
+        let deliveries: Vec<(i64, i32)> = requests.iter().map(|r| (r.delivery.msg_id, r.delivery.read_ct)).collect();
         // The batch's lease is as long as its shortest member's.
-        let lease_until = || {
-            requests
-                .iter()
-                .map(|r| self.in_flight.lease_until(&r.delivery))
-                .min()
-                .flatten()
-        };
+        let lease_until = || requests.iter().map(|r| self.in_flight.lease_until(&r.delivery)).min().flatten();
         let result = persist("complete", lease_until, || async {
             let _gate = self.in_flight.gate.read().await;
             lockgate_sql::complete(&self.db, queue, &deliveries).await
@@ -115,21 +102,13 @@ pub async fn complete_deliveries(
     deliveries: &[(i64, i32)],
     deadline: Instant,
 ) -> Vec<Completion> {
-    let result = persist(
-        "complete",
-        || Some(deadline),
-        || lockgate_sql::complete(db, queue, deliveries),
-    )
-    .await;
+    let result = persist("complete", || Some(deadline), || lockgate_sql::complete(db, queue, deliveries)).await;
     outcomes(deliveries, result)
 }
 
 /// Maps the archived msg_ids to per-delivery outcomes: archived by this statement, or not — and
 /// then `Ambiguous` if an earlier try may have committed, else `AlreadyArchived`.
-fn outcomes(
-    deliveries: &[(i64, i32)],
-    result: Result<(Vec<i64>, bool), PersistError>,
-) -> Vec<Completion> {
+fn outcomes(deliveries: &[(i64, i32)], result: Result<(Vec<i64>, bool), PersistError>) -> Vec<Completion> {
     match result {
         Ok((archived, failed_before)) => {
             let archived: HashSet<i64> = archived.into_iter().collect();

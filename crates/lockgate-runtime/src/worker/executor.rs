@@ -18,50 +18,22 @@ use crate::{CancelReason, JobContext, JobError};
 
 /// Runs one claimed delivery to its final statement. The permit is the pool's concurrency slot.
 pub(crate) async fn execute(shared: Arc<Shared>, claim: Claim, _permit: OwnedSemaphorePermit) {
-    let delivery = Delivery {
-        queue: claim.queue.clone(),
-        msg_id: claim.msg_id,
-        read_ct: claim.read_ct,
-    };
+    let delivery = Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct };
     let span = tracing::info_span!("job", queue = %claim.queue, msg_id = claim.msg_id, read_ct = claim.read_ct);
     let _enter = span.enter();
     let headers = match JobHeaders::decode(claim.headers.as_ref()) {
         Ok(headers) => headers,
         Err(reason) => {
-            return dead_letter_now(
-                &shared,
-                &claim,
-                DeadLetterReason::Undecodable,
-                &reason,
-                claim.read_ct,
-            )
-            .await
+            return dead_letter_now(&shared, &claim, DeadLetterReason::Undecodable, &reason, claim.read_ct).await
         }
     };
     let Some(args) = claim.message.clone().filter(|m| m.is_object()) else {
         let reason = "job arguments are not a JSON object";
-        return dead_letter_now(
-            &shared,
-            &claim,
-            DeadLetterReason::Undecodable,
-            reason,
-            claim.read_ct,
-        )
-        .await;
+        return dead_letter_now(&shared, &claim, DeadLetterReason::Undecodable, reason, claim.read_ct).await;
     };
     let Some(policy) = shared.policies.get(&shared.db, &headers.job_type).await else {
-        let reason = format!(
-            "job type {:?} is not defined in lockgate.job_types",
-            headers.job_type
-        );
-        return dead_letter_now(
-            &shared,
-            &claim,
-            DeadLetterReason::UnknownJobType,
-            &reason,
-            claim.read_ct,
-        )
-        .await;
+        let reason = format!("job type {:?} is not defined in lockgate.job_types", headers.job_type);
+        return dead_letter_now(&shared, &claim, DeadLetterReason::UnknownJobType, &reason, claim.read_ct).await;
     };
     let attempt = claim.attempt(&headers);
     if attempt > policy.max_attempts {
@@ -88,11 +60,7 @@ pub(crate) async fn execute(shared: Arc<Shared>, claim: Claim, _permit: OwnedSem
         cancel: CancellationToken::new(),
         reason: Default::default(),
     };
-    shared.in_flight.insert(
-        &delivery,
-        ctx.clone(),
-        Instant::now() + shared.config.visibility_timeout,
-    );
+    shared.in_flight.insert(&delivery, ctx.clone(), Instant::now() + shared.config.visibility_timeout);
     let result = run_handler(&shared, &ctx, &policy, args).await;
     if !shared.in_flight.begin_finishing(&delivery) {
         // Shutdown is returning it, or its lease is lost: this delivery may write nothing more.
@@ -106,25 +74,12 @@ pub(crate) async fn execute(shared: Arc<Shared>, claim: Claim, _permit: OwnedSem
                 tracing::warn!(job_id = %ctx.job_id, %error, "completion not written; the job will run again")
             }
         },
-        Err(HandlerFailure::Decode(reason)) => {
-            finish(&shared, &delivery, |db| {
-                let (claim, reason) = (&claim, &reason);
-                async move {
-                    lockgate_sql::dead_letter(
-                        db,
-                        claim,
-                        DeadLetterReason::Undecodable,
-                        reason,
-                        attempt,
-                    )
-                    .await
-                }
-            })
-            .await
-        }
-        Err(HandlerFailure::Failed(error)) => {
-            fail(&shared, &claim, &delivery, &policy, attempt, &error).await
-        }
+        Err(HandlerFailure::Decode(reason)) => finish(&shared, &delivery, |db| {
+            let (claim, reason) = (&claim, &reason);
+            async move { lockgate_sql::dead_letter(db, claim, DeadLetterReason::Undecodable, reason, attempt).await }
+        })
+        .await,
+        Err(HandlerFailure::Failed(error)) => fail(&shared, &claim, &delivery, &policy, attempt, &error).await,
     }
 }
 
@@ -146,9 +101,7 @@ async fn run_handler(
                 Ok(result) => result,
                 Err(_) => {
                     ctx.fire(CancelReason::Timeout);
-                    Err(HandlerFailure::Failed(JobError::new(format!(
-                        "timed out after {limit:?}"
-                    ))))
+                    Err(HandlerFailure::Failed(JobError::new(format!("timed out after {limit:?}"))))
                 }
             },
             None => call.await,
@@ -164,39 +117,19 @@ async fn run_handler(
 }
 
 /// A failed attempt: retry in place after backoff, or dead-letter after the last attempt.
-async fn fail(
-    shared: &Shared,
-    claim: &Claim,
-    delivery: &Delivery,
-    policy: &JobPolicy,
-    attempt: u32,
-    error: &JobError,
-) {
+async fn fail(shared: &Shared, claim: &Claim, delivery: &Delivery, policy: &JobPolicy, attempt: u32, error: &JobError) {
     let message = error.message();
     if attempt >= policy.max_attempts {
-        tracing::warn!(
-            attempt,
-            error = message,
-            "last attempt failed; dead-lettering"
-        );
+        tracing::warn!(attempt, error = message, "last attempt failed; dead-lettering");
         finish(shared, delivery, |db| async move {
-            lockgate_sql::dead_letter(
-                db,
-                claim,
-                DeadLetterReason::AttemptsExhausted,
-                message,
-                attempt,
-            )
-            .await
+            lockgate_sql::dead_letter(db, claim, DeadLetterReason::AttemptsExhausted, message, attempt).await
         })
         .await;
     } else {
         let delay = policy.backoff.delay(attempt);
         tracing::info!(attempt, error = message, ?delay, "attempt failed; retrying");
-        finish(shared, delivery, |db| async move {
-            lockgate_sql::retry(db, claim, delay, message, attempt).await
-        })
-        .await;
+        finish(shared, delivery, |db| async move { lockgate_sql::retry(db, claim, delay, message, attempt).await })
+            .await;
     }
 }
 
@@ -224,18 +157,8 @@ where
 }
 
 /// Dead-letters a delivery that never reached a handler (it is not in the in-flight set).
-async fn dead_letter_now(
-    shared: &Shared,
-    claim: &Claim,
-    reason: DeadLetterReason,
-    error: &str,
-    attempts: i32,
-) {
-    tracing::warn!(
-        reason = reason.as_str(),
-        error,
-        "dead-lettering undeliverable message"
-    );
+async fn dead_letter_now(shared: &Shared, claim: &Claim, reason: DeadLetterReason, error: &str, attempts: i32) {
+    tracing::warn!(reason = reason.as_str(), error, "dead-lettering undeliverable message");
     let lease_until = Instant::now() + shared.config.visibility_timeout;
     let attempts = u32::try_from(attempts).unwrap_or(1);
     let result = persist(

@@ -59,40 +59,20 @@ impl WorkerPool {
         wake: Arc<Notify>,
     ) -> Self {
         let (completer, handle) = Completer::new(db.clone(), Arc::clone(&in_flight));
-        let shared = Shared {
-            db,
-            config: runtime,
-            registry,
-            policies,
-            in_flight,
-            completer: handle,
-        };
-        Self {
-            config,
-            shared: Arc::new(shared),
-            completer,
-            wake,
-        }
+        let shared = Shared { db, config: runtime, registry, policies, in_flight, completer: handle };
+        Self { config, shared: Arc::new(shared), completer, wake }
     }
 
     /// Runs until `shutdown` fires, then drains as the module docs describe.
     pub async fn run(self, shutdown: CancellationToken) {
-        let Self {
-            config,
-            shared,
-            completer,
-            wake,
-        } = self;
+        let Self { config, shared, completer, wake } = self;
         let completer = tokio::spawn(completer.run());
         let tracker = TaskTracker::new();
         let slots = Arc::new(Semaphore::new(config.concurrency));
         fetch_loop(&config, &shared, &slots, &tracker, &wake, &shutdown).await;
         tracing::info!(pool = %config.name, running = shared.in_flight.len(), "pool stopped claiming");
         tracker.close();
-        if tokio::time::timeout(shared.config.shutdown_timeout, tracker.wait())
-            .await
-            .is_err()
-        {
+        if tokio::time::timeout(shared.config.shutdown_timeout, tracker.wait()).await.is_err() {
             release_running(&shared).await;
             tracker.wait().await;
         }
@@ -161,21 +141,8 @@ async fn claim_in_order(
         if want == 0 {
             break;
         }
-        let mut batch = lockgate_sql::claim(
-            &shared.db,
-            queue,
-            want as i32,
-            shared.config.visibility_timeout,
-        )
-        .await?;
-        batch.sort_by_key(|c| {
-            (
-                JobHeaders::decode(c.headers.as_ref())
-                    .map(|h| h.priority)
-                    .unwrap_or(0),
-                c.msg_id,
-            )
-        });
+        let mut batch = lockgate_sql::claim(&shared.db, queue, want as i32, shared.config.visibility_timeout).await?;
+        batch.sort_by_key(|c| (JobHeaders::decode(c.headers.as_ref()).map(|h| h.priority).unwrap_or(0), c.msg_id));
         claimed.extend(batch);
     }
     Ok(claimed)
@@ -190,13 +157,7 @@ async fn release_running(shared: &Shared) {
     }
     for (queue, deliveries) in by_queue {
         let tokens: Vec<(i64, i32)> = deliveries.iter().map(|d| (d.msg_id, d.read_ct)).collect();
-        let lease_until = || {
-            deliveries
-                .iter()
-                .map(|d| shared.in_flight.lease_until(d))
-                .min()
-                .flatten()
-        };
+        let lease_until = || deliveries.iter().map(|d| shared.in_flight.lease_until(d)).min().flatten();
         let result = persist::persist("release", lease_until, || async {
             let _gate = shared.in_flight.gate.read().await;
             lockgate_sql::release(&shared.db, &queue, &tokens).await
