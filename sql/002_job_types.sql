@@ -1,16 +1,23 @@
 -- Job types and their policies. define_job_type is the one writer (Rust registration, the TOML
 -- config and SQL users all call it); it creates the type's queue when missing.
+-- Concurrency: concurrency_limit NULL means unlimited; concurrency_key lists argument paths
+-- ('account.id') whose values, after the type's name, make the key; concurrency_on_conflict is
+-- 'block' (park), 'discard' or 'raise' (LG004).
 -- Locks: the job_types row (upsert). Callers: Client::define_job_type, lockgate run, SQL users.
 
 CREATE OR REPLACE FUNCTION lockgate.define_job_type(
-    name            text,
-    queue           text DEFAULT 'default',
-    priority        smallint DEFAULT 0,
-    max_attempts    integer DEFAULT 20,
-    backoff_base_ms bigint DEFAULT 1000,
-    backoff_max_ms  bigint DEFAULT 3600000,
-    backoff_jitter  double precision DEFAULT 0.1,
-    timeout_ms      bigint DEFAULT NULL
+    name                    text,
+    queue                   text DEFAULT 'default',
+    priority                smallint DEFAULT 0,
+    max_attempts            integer DEFAULT 20,
+    backoff_base_ms         bigint DEFAULT 1000,
+    backoff_max_ms          bigint DEFAULT 3600000,
+    backoff_jitter          double precision DEFAULT 0.1,
+    timeout_ms              bigint DEFAULT NULL,
+    concurrency_limit       integer DEFAULT NULL,
+    concurrency_key         text[] DEFAULT NULL,
+    concurrency_duration_ms bigint DEFAULT 900000,
+    concurrency_on_conflict text DEFAULT 'block'
 ) RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
     IF name IS NULL OR name !~ '^[A-Za-z][A-Za-z0-9_.:-]{0,127}$' THEN
@@ -18,16 +25,29 @@ BEGIN
             USING ERRCODE = 'LG003',
                   DETAIL = 'an ASCII letter followed by letters, digits, _, ., : or -, at most 128 characters';
     END IF;
+    IF concurrency_limit IS NOT NULL AND concurrency_limit < 1 THEN
+        RAISE EXCEPTION 'lockgate: invalid concurrency limit %: an integer of at least 1', concurrency_limit
+            USING ERRCODE = 'LG003';
+    END IF;
+    IF concurrency_on_conflict NOT IN ('block', 'discard', 'raise') THEN
+        RAISE EXCEPTION 'lockgate: invalid concurrency on_conflict "%": block, discard or raise', concurrency_on_conflict
+            USING ERRCODE = 'LG003';
+    END IF;
     PERFORM lockgate.create_queue(queue);
     INSERT INTO lockgate.job_types AS t
-        (name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms)
+        (name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms,
+         concurrency_limit, concurrency_key, concurrency_duration_ms, concurrency_on_conflict)
     VALUES (define_job_type.name, define_job_type.queue, define_job_type.priority, define_job_type.max_attempts,
             define_job_type.backoff_base_ms, define_job_type.backoff_max_ms, define_job_type.backoff_jitter,
-            define_job_type.timeout_ms)
+            define_job_type.timeout_ms, define_job_type.concurrency_limit, define_job_type.concurrency_key,
+            define_job_type.concurrency_duration_ms, define_job_type.concurrency_on_conflict)
     ON CONFLICT ON CONSTRAINT job_types_pkey DO UPDATE SET
         queue = EXCLUDED.queue, priority = EXCLUDED.priority, max_attempts = EXCLUDED.max_attempts,
         backoff_base_ms = EXCLUDED.backoff_base_ms, backoff_max_ms = EXCLUDED.backoff_max_ms,
-        backoff_jitter = EXCLUDED.backoff_jitter, timeout_ms = EXCLUDED.timeout_ms, updated_at = now();
+        backoff_jitter = EXCLUDED.backoff_jitter, timeout_ms = EXCLUDED.timeout_ms,
+        concurrency_limit = EXCLUDED.concurrency_limit, concurrency_key = EXCLUDED.concurrency_key,
+        concurrency_duration_ms = EXCLUDED.concurrency_duration_ms,
+        concurrency_on_conflict = EXCLUDED.concurrency_on_conflict, updated_at = now();
 END $$;
 
 -- The policy of one job type, or LG002 naming it.

@@ -1,8 +1,14 @@
 -- Enqueue: one job (lockgate.enqueue) or many jobs of one type (lockgate.enqueue_many), in the
 -- caller's transaction (G8): the job exists if and only if that transaction commits.
 -- Arguments are a JSON object (the PGMQ message); lockgate's fields go in the PGMQ headers.
--- options: {"delay": seconds >= 0} or {"run_at": timestamptz}, {"priority": 0..9}, {"queue": name}.
--- Locks: inserts into pgmq.q_<queue>. Callers: the Rust Client, the CLI, SQL producers, triggers.
+-- options: {"delay": seconds >= 0} or {"run_at": timestamptz}, {"priority": 0..9}, {"queue": name},
+-- {"concurrency_key": text} (only for types with a concurrency limit).
+-- Each row returned has a status: 'enqueued' (a message exists, msg_id set), 'parked' (its key
+-- is full and on_conflict is block: it waits in lockgate.parked) or 'discarded' (full, discard).
+-- A full key with on_conflict raise fails with LG004. Acquire-or-park and the send are one
+-- transaction under the key's semaphore row lock, so no crash window needs repairing (H11).
+-- Locks: the key's semaphore row (limited types); inserts into pgmq.q_<queue>.
+-- Callers: the Rust Client, the CLI, SQL producers, triggers.
 
 -- Refuses anything that is not a JSON object of at most 1 MiB (MAX_PAYLOAD_BYTES in Rust).
 CREATE OR REPLACE FUNCTION lockgate._check_args(args jsonb, ordinal integer DEFAULT NULL)
@@ -20,10 +26,11 @@ BEGIN
     END IF;
 END $$;
 
--- Resolves the options object against the job type's policy: target queue, priority, visible-at.
+-- Resolves the options object against the job type's policy: target queue, priority, visible-at,
+-- and an explicit concurrency key.
 CREATE OR REPLACE FUNCTION lockgate._resolve_options(
     jt lockgate.job_types, options jsonb,
-    OUT queue text, OUT priority smallint, OUT vt timestamptz, OUT immediate boolean
+    OUT queue text, OUT priority smallint, OUT vt timestamptz, OUT immediate boolean, OUT ckey text
 ) LANGUAGE plpgsql STABLE AS $$
 DECLARE
     unknown text;
@@ -34,10 +41,10 @@ BEGIN
         RAISE EXCEPTION 'lockgate: enqueue options must be a JSON object' USING ERRCODE = 'LG003';
     END IF;
     SELECT string_agg(k, ', ') INTO unknown FROM jsonb_object_keys(options) k
-     WHERE k NOT IN ('delay', 'run_at', 'priority', 'queue');
+     WHERE k NOT IN ('delay', 'run_at', 'priority', 'queue', 'concurrency_key');
     IF unknown IS NOT NULL THEN
         RAISE EXCEPTION 'lockgate: unknown enqueue option(s): %', unknown
-            USING ERRCODE = 'LG003', DETAIL = 'allowed: delay, run_at, priority, queue';
+            USING ERRCODE = 'LG003', DETAIL = 'allowed: delay, run_at, priority, queue, concurrency_key';
     END IF;
     IF options ? 'delay' AND options ? 'run_at' THEN
         RAISE EXCEPTION 'lockgate: give delay or run_at, not both' USING ERRCODE = 'LG003';
@@ -70,33 +77,79 @@ BEGIN
         priority := (options->>'priority')::smallint;
     END IF;
     queue := COALESCE(options->>'queue', jt.queue);
+    IF options ? 'concurrency_key' THEN
+        IF jt.concurrency_limit IS NULL THEN
+            RAISE EXCEPTION 'lockgate: job type "%" has no concurrency limit, so it takes no concurrency_key', jt.name
+                USING ERRCODE = 'LG003';
+        END IF;
+        IF jsonb_typeof(options->'concurrency_key') <> 'string' OR length(options->>'concurrency_key') NOT BETWEEN 1 AND 512 THEN
+            RAISE EXCEPTION 'lockgate: invalid concurrency_key %: a string of 1 to 512 characters', options->'concurrency_key'
+                USING ERRCODE = 'LG003';
+        END IF;
+        ckey := options->>'concurrency_key';
+    END IF;
+END $$;
+
+-- One job, its options already resolved: acquire-or-park (limited types), then send.
+CREATE OR REPLACE FUNCTION lockgate._enqueue_one(
+    jt lockgate.job_types, args jsonb, queue text, priority smallint, vt timestamptz, immediate boolean, explicit_key text,
+    OUT msg_id bigint, OUT job_id bigint, OUT status text
+) LANGUAGE plpgsql AS $$
+DECLARE
+    headers jsonb;
+    key text;
+BEGIN
+    job_id := nextval('lockgate.job_id_seq');
+    headers := jsonb_build_object('job_id', job_id, 'type', jt.name, 'priority', priority);
+    IF jt.concurrency_limit IS NOT NULL THEN
+        key := lockgate._concurrency_key(jt, args, explicit_key);
+        headers := headers || jsonb_build_object('ckey', key);
+        IF NOT lockgate._acquire(key, jt.concurrency_limit) THEN
+            IF jt.concurrency_on_conflict = 'raise' THEN
+                RAISE EXCEPTION 'lockgate: concurrency limit % reached for key "%"', jt.concurrency_limit, key
+                    USING ERRCODE = 'LG004';
+            END IF;
+            status := 'discarded';
+            IF jt.concurrency_on_conflict = 'block' THEN
+                INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
+                VALUES (key, _enqueue_one.queue, jt.name, _enqueue_one.job_id, args, headers, _enqueue_one.priority, vt);
+                status := 'parked';
+            END IF;
+            RETURN;
+        END IF;
+    END IF;
+    EXECUTE format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id',
+                   lockgate._queue_table(queue, 'q'))
+       INTO msg_id
+      USING vt, args, headers;
+    IF key IS NOT NULL THEN
+        PERFORM lockgate._add_lease(key, queue, msg_id, vt, jt.concurrency_duration_ms);
+    END IF;
+    IF immediate THEN
+        PERFORM pg_notify('lockgate_' || queue, '');
+    END IF;
+    status := 'enqueued';
 END $$;
 
 CREATE OR REPLACE FUNCTION lockgate.enqueue(job_type text, args jsonb DEFAULT '{}', options jsonb DEFAULT '{}')
-RETURNS TABLE (queue text, msg_id bigint, job_id bigint) LANGUAGE plpgsql AS $$
+RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
     jt lockgate.job_types := lockgate.job_policy(job_type);
     o record;
-    new_job_id bigint;
-    new_msg_id bigint;
+    r record;
 BEGIN
     PERFORM lockgate._check_args(args);
     o := lockgate._resolve_options(jt, options);
-    new_job_id := nextval('lockgate.job_id_seq');
-    EXECUTE format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id',
-                   lockgate._queue_table(o.queue, 'q'))
-       INTO new_msg_id
-      USING o.vt, args, jsonb_build_object('job_id', new_job_id, 'type', jt.name, 'priority', o.priority);
-    IF o.immediate THEN
-        PERFORM pg_notify('lockgate_' || o.queue, '');
-    END IF;
-    RETURN QUERY SELECT o.queue, new_msg_id, new_job_id;
+    PERFORM lockgate._queue_table(o.queue, 'q');
+    r := lockgate._enqueue_one(jt, args, o.queue, o.priority, o.vt, o.immediate, o.ckey);
+    RETURN QUERY SELECT o.queue, r.msg_id, r.job_id, r.status;
 END $$;
 
--- Many jobs of one type sharing one options object, in one statement; rows come back in the
--- order of args.
+-- Many jobs of one type sharing one options object, in one call; rows come back in the order
+-- of args. Unlimited types take one set-based INSERT; limited types take each job's permit in
+-- key order (so concurrent batches lock semaphore rows in one order and cannot deadlock).
 CREATE OR REPLACE FUNCTION lockgate.enqueue_many(job_type text, args jsonb[], options jsonb DEFAULT '{}')
-RETURNS TABLE (queue text, msg_id bigint, job_id bigint) LANGUAGE plpgsql AS $$
+RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
     jt lockgate.job_types := lockgate.job_policy(job_type);
     o record;
@@ -109,13 +162,22 @@ BEGIN
         PERFORM lockgate._check_args(bad.v, bad.i::integer);
     END IF;
     o := lockgate._resolve_options(jt, options);
+    IF jt.concurrency_limit IS NOT NULL THEN
+        RETURN QUERY
+            SELECT o.queue, e.msg_id, e.job_id, e.status
+              FROM (SELECT a.v, a.i FROM unnest(args) WITH ORDINALITY a(v, i)
+                     ORDER BY lockgate._concurrency_key(jt, a.v, o.ckey), a.i) AS ordered,
+                   LATERAL lockgate._enqueue_one(jt, ordered.v, o.queue, o.priority, o.vt, o.immediate, o.ckey) e
+             ORDER BY ordered.i;
+        RETURN;
+    END IF;
     RETURN QUERY EXECUTE format(
         'WITH ins AS (
              INSERT INTO %s (vt, message, headers)
              SELECT $1, a.v, jsonb_build_object(''job_id'', nextval(''lockgate.job_id_seq''), ''type'', $2::text, ''priority'', $3::smallint)
                FROM unnest($4::jsonb[]) WITH ORDINALITY a(v, i) ORDER BY a.i
              RETURNING msg_id, (headers->>''job_id'')::bigint AS job_id)
-         SELECT $5::text, ins.msg_id, ins.job_id FROM ins ORDER BY ins.msg_id',
+         SELECT $5::text, ins.msg_id, ins.job_id, ''enqueued''::text FROM ins ORDER BY ins.msg_id',
         lockgate._queue_table(o.queue, 'q'))
       USING o.vt, jt.name, o.priority, args, o.queue;
     IF o.immediate AND cardinality(args) > 0 THEN

@@ -1,13 +1,17 @@
 -- Claim: take up to qty visible messages of a queue, lowest priority value first, then oldest,
 -- making them invisible for vt_seconds and incrementing read_ct. Each returned row is one
 -- delivery; (queue, msg_id, read_ct) is its fencing token for every later step.
+-- A claimed job of a limited type whose lease is gone takes a permit again or is parked
+-- (lockgate._reacquire), and is then not returned: nothing runs without its permit (G3).
 -- Locks: FOR UPDATE SKIP LOCKED on the claimed rows, so concurrent claimers never wait or collide.
--- Callers: the worker's fetch loop. $1 = qty, $2 = visibility in seconds.
+-- Callers: the worker's fetch loop. qty = batch size, vt_seconds = visibility timeout.
 CREATE OR REPLACE FUNCTION lockgate.claim(queue text, qty integer, vt_seconds double precision)
 RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb)
 LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
 BEGIN
-    RETURN QUERY EXECUTE format(
+    FOR r IN EXECUTE format(
         'WITH next AS (
              SELECT m.msg_id FROM %1$s m
               WHERE m.vt <= clock_timestamp()
@@ -22,5 +26,18 @@ BEGIN
           WHERE m.msg_id = next.msg_id
          RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers',
         lockgate._queue_table(queue, 'q'))
-      USING qty, vt_seconds;
+      USING qty, vt_seconds
+    LOOP
+        IF r.headers ? 'ckey'
+           AND NOT EXISTS (SELECT 1 FROM lockgate.leases l WHERE l.queue = claim.queue AND l.msg_id = r.msg_id)
+           AND NOT lockgate._reacquire(claim.queue, r.msg_id, r.read_ct, r.message, r.headers) THEN
+            CONTINUE;
+        END IF;
+        msg_id := r.msg_id;
+        read_ct := r.read_ct;
+        enqueued_at := r.enqueued_at;
+        message := r.message;
+        headers := r.headers;
+        RETURN NEXT;
+    END LOOP;
 END $$;

@@ -1,8 +1,9 @@
--- Retry in place: a failed attempt keeps its message (and, later, its permit) and becomes
+-- Retry in place: a failed attempt keeps its message and its permit, and becomes
 -- visible again after the backoff. The error joins the attempt history in the headers, and
 -- retry_at marks the delivery as waiting (not running) for status. Fenced on (msg_id, read_ct):
--- a stale delivery's failure changes nothing. Returns whether this delivery still owned it.
--- Locks: the message row. Callers: the worker after a failed or timed-out attempt.
+-- a stale delivery's failure changes nothing. The lease is stretched to cover the backoff
+-- (G6). Returns whether this delivery still owned it.
+-- Locks: the message row, then its lease row. Callers: the worker after a failed attempt.
 CREATE OR REPLACE FUNCTION lockgate.retry(
     queue text, msg_id bigint, read_ct integer, delay_seconds double precision, error text, attempt integer
 ) RETURNS boolean LANGUAGE plpgsql AS $$
@@ -22,5 +23,9 @@ BEGIN
         lockgate._queue_table(queue, 'q'))
        INTO found_id
       USING retry.msg_id, retry.read_ct, retry_at, error, attempt;
+    IF found_id IS NOT NULL THEN
+        UPDATE lockgate.leases l SET expires_at = retry_at + lockgate._lease_interval(l.duration_ms)
+         WHERE l.queue = retry.queue AND l.msg_id = retry.msg_id;
+    END IF;
     RETURN found_id IS NOT NULL;
 END $$;

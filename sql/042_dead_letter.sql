@@ -2,8 +2,10 @@
 -- error appended to the attempt history, and its attempt count. Fenced on (msg_id, read_ct).
 -- Header fields are read defensively: this is also the path for messages that are not
 -- lockgate's, and it must never fail on them (a message that cannot be dead-lettered would be
--- retried forever). Returns whether this delivery still owned the message.
--- Locks: the deleted row. Callers: the worker (last attempt failed, undecodable, unknown type).
+-- retried forever). Its permit is given back and the next parked job of its key promoted, in
+-- the same transaction, only when this delivery removed the message. Returns whether it did.
+-- Locks: the deleted row, its lease, the key's semaphore row.
+-- Callers: the worker (last attempt failed, undecodable, unknown type).
 CREATE OR REPLACE FUNCTION lockgate.dead_letter(
     queue text, msg_id bigint, read_ct integer, reason text, error text, attempts integer
 ) RETURNS boolean LANGUAGE plpgsql AS $$
@@ -29,5 +31,8 @@ BEGIN
         lockgate._queue_table(queue, 'q'))
        INTO found_id
       USING dead_letter.msg_id, dead_letter.read_ct, queue, reason, error, attempts;
+    IF found_id IS NOT NULL THEN
+        PERFORM lockgate._release_leases(queue, ARRAY[found_id]);
+    END IF;
     RETURN found_id IS NOT NULL;
 END $$;

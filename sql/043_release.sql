@@ -1,21 +1,27 @@
 -- Release (shutdown return, G7): make unfinished deliveries visible at once and count the
 -- return, so the next delivery is not counted as another attempt. Fenced on (msg_id, read_ct).
--- Permits (later) are kept: the job re-runs holding them. Returns the msg_ids released.
--- Locks: the updated rows. Callers: the worker pool on shutdown, for claimed and running jobs.
+-- Permits are kept: the job re-runs holding them, and the lease is renewed so it survives until
+-- the next delivery's heartbeat. Returns the msg_ids released.
+-- Locks: the updated message rows, then their leases. Callers: the worker pool on shutdown.
 CREATE OR REPLACE FUNCTION lockgate.release(queue text, msg_ids bigint[], read_cts integer[])
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$
 BEGIN
     RETURN QUERY EXECUTE format(
-        'UPDATE %s m
-            SET vt = clock_timestamp(),
-                headers = CASE WHEN jsonb_typeof(m.headers) = ''object''
-                               THEN m.headers - ''retry_at'' || jsonb_build_object(''returns'',
-                                    COALESCE((m.headers->>''returns'')::integer, 0) + 1)
-                               ELSE m.headers END
-           FROM unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)
-          WHERE m.msg_id = d.msg_id AND m.read_ct = d.read_ct
-         RETURNING m.msg_id',
+        'WITH released AS (
+             UPDATE %s m
+                SET vt = clock_timestamp(),
+                    headers = CASE WHEN jsonb_typeof(m.headers) = ''object''
+                                   THEN m.headers - ''retry_at'' || jsonb_build_object(''returns'',
+                                        COALESCE((m.headers->>''returns'')::integer, 0) + 1)
+                                   ELSE m.headers END
+               FROM unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)
+              WHERE m.msg_id = d.msg_id AND m.read_ct = d.read_ct
+             RETURNING m.msg_id),
+         renewed AS (
+             UPDATE lockgate.leases l SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms)
+               FROM released r WHERE l.queue = $3 AND l.msg_id = r.msg_id)
+         SELECT msg_id FROM released',
         lockgate._queue_table(queue, 'q'))
-      USING msg_ids, read_cts;
+      USING msg_ids, read_cts, queue;
     PERFORM pg_notify('lockgate_' || queue, '');
 END $$;

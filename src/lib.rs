@@ -31,8 +31,9 @@
 //! ```
 
 pub use lockgate_core::{
-    ArchiveOutcome, Backoff, Claim, EnqueueOptions, EnqueuedJob, JobHeaders, JobId, JobPolicy, JobTypeName, QueueName,
-    ValidationError, MAX_PAYLOAD_BYTES, MAX_PRIORITY,
+    ArchiveOutcome, Backoff, Claim, ConcurrencyPolicy, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobHeaders, JobId,
+    JobPolicy, JobTypeName, OnConflict, QueueName, ValidationError, DEFAULT_CONCURRENCY_DURATION, MAX_PAYLOAD_BYTES,
+    MAX_PRIORITY,
 };
 pub use lockgate_runtime::{
     config, heartbeat, maintenance, worker, CancelReason, Client, EnqueueError, Handler, Job, JobContext, JobError,

@@ -26,12 +26,44 @@ impl std::fmt::Display for JobId {
     }
 }
 
-/// What an enqueue returns: where the job is and what it is called.
+/// What became of an enqueued job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnqueueStatus {
+    /// A message exists in its queue.
+    Enqueued,
+    /// Its concurrency key was full: it waits in `lockgate.parked` and runs when promoted.
+    Parked,
+    /// Its concurrency key was full and its type discards on conflict: nothing was stored.
+    Discarded,
+}
+
+impl EnqueueStatus {
+    pub fn parse(value: &str) -> Option<Self> {
+        match value {
+            "enqueued" => Some(Self::Enqueued),
+            "parked" => Some(Self::Parked),
+            "discarded" => Some(Self::Discarded),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Enqueued => "enqueued",
+            Self::Parked => "parked",
+            Self::Discarded => "discarded",
+        }
+    }
+}
+
+/// What an enqueue returns: where the job is, what it is called, and what became of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EnqueuedJob {
     pub queue: String,
-    pub msg_id: i64,
+    /// The PGMQ message, when the job was enqueued (not parked or discarded).
+    pub msg_id: Option<i64>,
     pub job_id: JobId,
+    pub status: EnqueueStatus,
 }
 
 /// Per-enqueue overrides of the job type's policy.
@@ -43,6 +75,8 @@ pub struct EnqueueOptions {
     pub run_at: Option<DateTime<Utc>>,
     pub priority: Option<i16>,
     pub queue: Option<QueueName>,
+    /// An explicit concurrency key, replacing the one derived from the arguments.
+    pub concurrency_key: Option<String>,
 }
 
 impl EnqueueOptions {
@@ -64,6 +98,9 @@ impl EnqueueOptions {
         }
         if let Some(queue) = &self.queue {
             map.insert("queue".into(), json!(queue.as_str()));
+        }
+        if let Some(key) = &self.concurrency_key {
+            map.insert("concurrency_key".into(), json!(key));
         }
         Ok(Value::Object(map))
     }

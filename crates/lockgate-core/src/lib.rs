@@ -9,7 +9,7 @@ mod outcome;
 mod policy;
 
 pub use error::ValidationError;
-pub use job::{Claim, EnqueueOptions, EnqueuedJob, JobHeaders, JobId, MAX_PAYLOAD_BYTES};
+pub use job::{Claim, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobHeaders, JobId, MAX_PAYLOAD_BYTES};
 pub use names::{JobTypeName, QueueName};
 pub use outcome::ArchiveOutcome;
-pub use policy::{Backoff, JobPolicy, MAX_PRIORITY};
+pub use policy::{Backoff, ConcurrencyPolicy, JobPolicy, OnConflict, DEFAULT_CONCURRENCY_DURATION, MAX_PRIORITY};

@@ -58,6 +58,77 @@ impl Backoff {
     }
 }
 
+/// A holder may be silent this long before its permit is presumed dead: long enough to ride out
+/// a database failover, short enough that a crashed holder's key is not blocked for long.
+pub const DEFAULT_CONCURRENCY_DURATION: Duration = Duration::from_secs(15 * 60);
+
+/// What an enqueue does when its key has no free permit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnConflict {
+    /// Park the job; it runs when a permit frees up (promotion). It is never lost.
+    #[default]
+    Block,
+    /// Drop the job; the enqueue reports `discarded`.
+    Discard,
+    /// Refuse the enqueue with an error (SQLSTATE LG004).
+    Raise,
+}
+
+impl OnConflict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Block => "block",
+            Self::Discard => "discard",
+            Self::Raise => "raise",
+        }
+    }
+
+    pub fn parse(value: &str) -> Result<Self, ValidationError> {
+        match value {
+            "block" => Ok(Self::Block),
+            "discard" => Ok(Self::Discard),
+            "raise" => Ok(Self::Raise),
+            other => Err(ValidationError::new("concurrency.on_conflict", other, "block, discard or raise")),
+        }
+    }
+}
+
+/// At most `limit` jobs of one key hold a permit at any instant (G3).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConcurrencyPolicy {
+    pub limit: u32,
+    /// Argument paths (dotted, e.g. `account.id`) whose values, after the job type's name, make
+    /// the key. Empty: one key for the whole job type.
+    pub key: Vec<String>,
+    /// How long a holder may be silent (no heartbeat) before its permit is presumed dead. It
+    /// bounds silence, not run time; it is floored at twice the heartbeat interval.
+    pub duration: Duration,
+    pub on_conflict: OnConflict,
+}
+
+impl ConcurrencyPolicy {
+    pub fn new(limit: u32) -> Self {
+        Self { limit, key: Vec::new(), duration: DEFAULT_CONCURRENCY_DURATION, on_conflict: OnConflict::Block }
+    }
+
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        if self.limit < 1 || i32::try_from(self.limit).is_err() {
+            return Err(ValidationError::new("concurrency.limit", self.limit, "an integer of at least 1"));
+        }
+        if self.duration.is_zero() {
+            return Err(ValidationError::new("concurrency.duration", "0s", "a positive duration"));
+        }
+        if let Some(bad) = self.key.iter().find(|p| p.is_empty() || p.split('.').any(str::is_empty)) {
+            return Err(ValidationError::new(
+                "concurrency.key",
+                bad,
+                "argument paths such as \"account\" or \"account.id\"",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The stored policy of one job type.
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobPolicy {
@@ -70,12 +141,21 @@ pub struct JobPolicy {
     pub backoff: Backoff,
     /// How long one attempt may run before it is cancelled and counted as failed.
     pub timeout: Option<Duration>,
+    /// A limit on how many jobs of one key run at once; `None` is unlimited.
+    pub concurrency: Option<ConcurrencyPolicy>,
 }
 
 impl JobPolicy {
     /// A policy with lockgate's defaults on the given queue.
     pub fn on_queue(queue: QueueName) -> Self {
-        Self { queue, priority: 0, max_attempts: DEFAULT_MAX_ATTEMPTS, backoff: Backoff::default(), timeout: None }
+        Self {
+            queue,
+            priority: 0,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            backoff: Backoff::default(),
+            timeout: None,
+            concurrency: None,
+        }
     }
 
     pub fn validate(&self) -> Result<(), ValidationError> {
@@ -85,6 +165,9 @@ impl JobPolicy {
         }
         if self.timeout.is_some_and(|t| t.is_zero()) {
             return Err(ValidationError::new("timeout", "0s", "a positive duration, or none"));
+        }
+        if let Some(concurrency) = &self.concurrency {
+            concurrency.validate()?;
         }
         self.backoff.validate()
     }
@@ -130,5 +213,12 @@ mod tests {
         p.priority = 0;
         p.backoff.jitter = 2.0;
         assert_eq!(p.validate().unwrap_err().field, "backoff.jitter");
+        p.backoff.jitter = 0.0;
+        p.concurrency = Some(ConcurrencyPolicy::new(0));
+        assert_eq!(p.validate().unwrap_err().field, "concurrency.limit");
+        let mut c = ConcurrencyPolicy::new(1);
+        c.key = vec!["account..id".into()];
+        p.concurrency = Some(c);
+        assert_eq!(p.validate().unwrap_err().field, "concurrency.key");
     }
 }

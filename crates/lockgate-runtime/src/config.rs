@@ -20,6 +20,8 @@ pub const DEFAULT_CONCURRENCY: usize = 10;
 pub const DEFAULT_ARCHIVE_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Maintenance sweeps run every 30 s: retention is not urgent.
 pub const DEFAULT_MAINTENANCE_INTERVAL: Duration = Duration::from_secs(30);
+/// The concurrency sweep runs every 5 s: a dead holder's free permit is used within this long.
+pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Process-wide settings of the runtime.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,6 +32,8 @@ pub struct RuntimeConfig {
     pub poll_interval: Duration,
     pub archive_retention: Duration,
     pub maintenance_interval: Duration,
+    /// How often the concurrency sweep expires leases and promotes parked jobs.
+    pub sweep_interval: Duration,
 }
 
 impl Default for RuntimeConfig {
@@ -41,6 +45,7 @@ impl Default for RuntimeConfig {
             poll_interval: DEFAULT_POLL_INTERVAL,
             archive_retention: DEFAULT_ARCHIVE_RETENTION,
             maintenance_interval: DEFAULT_MAINTENANCE_INTERVAL,
+            sweep_interval: DEFAULT_SWEEP_INTERVAL,
         }
     }
 }

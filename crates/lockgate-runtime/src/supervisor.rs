@@ -1,9 +1,10 @@
 //! The supervisor: [`Runtime`] runs every service of one `lockgate run` process and owns their
 //! lifecycle.
 //!
-//! Startup: check the schema, record the registry's job-type policies, create the pools'
-//! queues, load the policy cache, then start the notifier, the heartbeat, the maintenance sweep
-//! and the worker pools.
+//! Startup: check the schema, record the registry's job-type policies and this process's
+//! heartbeat interval (which floors every lease), create the pools' queues, load the policy
+//! cache, then start the notifier, the heartbeat, the maintenance sweeps (archive retention and
+//! the concurrency sweep) and the worker pools.
 //!
 //! Shutdown, when the caller's token fires (TERM/INT), in this order:
 //! 1. every pool stops claiming;
@@ -12,7 +13,7 @@
 //!    lands before the pool's `run` returns (G7; seed 002: nothing may exit the process while
 //!    it is in flight — the caller awaits `run`, and nothing here races it with a timer);
 //! 4. the heartbeat stops (it kept the leases of finishing jobs alive until now);
-//! 5. the notifier and the maintenance sweep stop; `run` returns.
+//! 5. the notifier and the maintenance sweeps stop; `run` returns.
 
 use std::sync::Arc;
 
@@ -23,7 +24,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::heartbeat::Heartbeat;
 use crate::in_flight::InFlight;
-use crate::maintenance::ArchiveRetention;
+use crate::maintenance::{ArchiveRetention, ConcurrencySweep};
 use crate::notifier::Notifier;
 use crate::policies::PolicyCache;
 use crate::worker::WorkerPool;
@@ -58,6 +59,7 @@ impl Runtime {
         for (name, policy) in self.registry.job_types() {
             lockgate_sql::define_job_type(&self.db, name, policy).await?;
         }
+        lockgate_sql::record_heartbeat_interval(&self.db, self.config.heartbeat_interval).await?;
         for queue in self.pools.iter().flat_map(|p| &p.queues) {
             lockgate_sql::create_queue(&self.db, queue.as_str()).await?;
         }
@@ -90,6 +92,7 @@ impl Runtime {
         let retention =
             ArchiveRetention::new(self.db.clone(), self.config.archive_retention, self.config.maintenance_interval);
         tracker.spawn(retention.run(services.clone()));
+        tracker.spawn(ConcurrencySweep::new(self.db.clone(), self.config.sweep_interval).run(services.clone()));
         let heartbeat =
             Heartbeat::new(self.db.clone(), sets, self.config.heartbeat_interval, self.config.visibility_timeout);
         let heartbeat_stop = CancellationToken::new();

@@ -1,7 +1,7 @@
 //! Dead-letter statements: list, retry (back to the queue as a new message), purge.
 
 use chrono::{DateTime, Utc};
-use lockgate_core::{EnqueuedJob, JobId};
+use lockgate_core::{EnqueueStatus, EnqueuedJob, JobId};
 use serde_json::Value;
 use sqlx::{PgExecutor, Row};
 
@@ -19,7 +19,8 @@ pub struct DlqFilter {
 pub struct DeadLetter {
     pub id: i64,
     pub queue: String,
-    pub msg_id: i64,
+    /// `None` for a parked job dead-lettered before it ever became a message.
+    pub msg_id: Option<i64>,
     pub job_id: Option<JobId>,
     pub job_type: Option<String>,
     pub args: Option<Value>,
@@ -74,8 +75,9 @@ pub async fn dlq_retry<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter) -> Resul
         .iter()
         .map(|r| EnqueuedJob {
             queue: r.get(0),
-            msg_id: r.get(1),
+            msg_id: Some(r.get(1)),
             job_id: JobId(r.get::<Option<i64>, _>(2).unwrap_or_default()),
+            status: EnqueueStatus::Enqueued,
         })
         .collect())
 }

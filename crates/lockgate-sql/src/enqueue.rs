@@ -1,6 +1,6 @@
 //! Enqueue statements. Both take any executor, so they join the caller's transaction (G8).
 
-use lockgate_core::{EnqueuedJob, JobId};
+use lockgate_core::{EnqueueStatus, EnqueuedJob, JobId};
 use serde_json::Value;
 use sqlx::{PgExecutor, Row};
 
@@ -13,7 +13,7 @@ pub async fn enqueue<'c>(
     args: &Value,
     options: &Value,
 ) -> Result<EnqueuedJob, DbError> {
-    let row = sqlx::query("SELECT queue, msg_id, job_id FROM lockgate.enqueue($1, $2, $3)")
+    let row = sqlx::query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
         .bind(job_type)
         .bind(args)
         .bind(options)
@@ -30,7 +30,7 @@ pub async fn enqueue_many<'c>(
     args: &[Value],
     options: &Value,
 ) -> Result<Vec<EnqueuedJob>, DbError> {
-    let rows = sqlx::query("SELECT queue, msg_id, job_id FROM lockgate.enqueue_many($1, $2, $3)")
+    let rows = sqlx::query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue_many($1, $2, $3)")
         .bind(job_type)
         .bind(args)
         .bind(options)
@@ -40,5 +40,11 @@ pub async fn enqueue_many<'c>(
 }
 
 fn to_job(row: &sqlx::postgres::PgRow) -> EnqueuedJob {
-    EnqueuedJob { queue: row.get(0), msg_id: row.get(1), job_id: JobId(row.get(2)) }
+    EnqueuedJob {
+        queue: row.get(0),
+        msg_id: row.get(1),
+        job_id: JobId(row.get(2)),
+        // The SQL function returns only these three statuses.
+        status: EnqueueStatus::parse(row.get(3)).unwrap_or(EnqueueStatus::Enqueued),
+    }
 }

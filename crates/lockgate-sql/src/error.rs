@@ -1,5 +1,6 @@
 //! The one error type of the SQL layer. lockgate's SQL functions raise their own SQLSTATEs
-//! (`LG001` unknown queue, `LG002` unknown job type, `LG003` invalid argument); they are mapped
+//! (`LG001` unknown queue, `LG002` unknown job type, `LG003` invalid argument, `LG004` concurrency
+//! limit reached with on_conflict raise); they are mapped
 //! to variants here so callers match on meaning, never on sqlx internals.
 
 /// An error from the database, classified.
@@ -11,6 +12,9 @@ pub enum DbError {
     UnknownJobType(String),
     #[error("{0}")]
     InvalidArgument(String),
+    /// A full concurrency key whose job type raises on conflict (`LG004`).
+    #[error("{0}")]
+    LimitReached(String),
     #[error("lockgate is not installed in this database ({0}): run `lockgate migrate`")]
     NotInstalled(String),
     #[error(
@@ -41,6 +45,7 @@ impl From<sqlx::Error> for DbError {
             Some("LG001") => Self::UnknownQueue(message),
             Some("LG002") => Self::UnknownJobType(message),
             Some("LG003") => Self::InvalidArgument(message),
+            Some("LG004") => Self::LimitReached(message),
             _ => Self::Sqlx(err),
         }
     }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use lockgate_core::{Backoff, JobPolicy, JobTypeName, QueueName};
+use lockgate_core::{Backoff, ConcurrencyPolicy, JobPolicy, JobTypeName, OnConflict, QueueName};
 use sqlx::{PgExecutor, Row};
 
 use crate::DbError;
@@ -13,7 +13,8 @@ pub async fn define_job_type<'c>(
     name: &JobTypeName,
     policy: &JobPolicy,
 ) -> Result<(), DbError> {
-    sqlx::query("SELECT lockgate.define_job_type($1, $2, $3, $4, $5, $6, $7, $8)")
+    let concurrency = policy.concurrency.as_ref();
+    sqlx::query("SELECT lockgate.define_job_type($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)")
         .bind(name.as_str())
         .bind(policy.queue.as_str())
         .bind(policy.priority)
@@ -22,6 +23,10 @@ pub async fn define_job_type<'c>(
         .bind(millis(policy.backoff.max))
         .bind(policy.backoff.jitter)
         .bind(policy.timeout.map(millis))
+        .bind(concurrency.map(|c| i32::try_from(c.limit).unwrap_or(i32::MAX)))
+        .bind(concurrency.map(|c| c.key.clone()).filter(|k| !k.is_empty()))
+        .bind(millis(concurrency.map_or(lockgate_core::DEFAULT_CONCURRENCY_DURATION, |c| c.duration)))
+        .bind(concurrency.map_or(OnConflict::Block, |c| c.on_conflict).as_str())
         .execute(db)
         .await?;
     Ok(())
@@ -32,7 +37,8 @@ pub async fn define_job_type<'c>(
 /// unknown type, with the reason, rather than run under a guessed policy.
 pub async fn load_job_types<'c>(db: impl PgExecutor<'c>) -> Result<Vec<(JobTypeName, JobPolicy)>, DbError> {
     let rows = sqlx::query(
-        "SELECT name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms
+        "SELECT name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms,
+                concurrency_limit, concurrency_key, concurrency_duration_ms, concurrency_on_conflict
            FROM lockgate.job_types ORDER BY name",
     )
     .fetch_all(db)
@@ -50,10 +56,21 @@ pub async fn load_job_types<'c>(db: impl PgExecutor<'c>) -> Result<Vec<(JobTypeN
             max_attempts: u32::try_from(row.get::<i32, _>(3)).unwrap_or(1),
             backoff: Backoff { base: from_millis(row.get(4)), max: from_millis(row.get(5)), jitter: row.get(6) },
             timeout: row.get::<Option<i64>, _>(7).map(from_millis),
+            concurrency: concurrency_from(&row),
         };
         out.push((name, policy));
     }
     Ok(out)
+}
+
+fn concurrency_from(row: &sqlx::postgres::PgRow) -> Option<ConcurrencyPolicy> {
+    let limit: i32 = row.get::<Option<i32>, _>(8)?;
+    Some(ConcurrencyPolicy {
+        limit: u32::try_from(limit).unwrap_or(1),
+        key: row.get::<Option<Vec<String>>, _>(9).unwrap_or_default(),
+        duration: from_millis(row.get(10)),
+        on_conflict: OnConflict::parse(row.get(11)).unwrap_or_default(),
+    })
 }
 
 fn millis(d: Duration) -> i64 {

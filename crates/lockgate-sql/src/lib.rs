@@ -5,6 +5,7 @@
 //! Every statement calls a function from the `sql/` folder of the repository (the API that
 //! producers in any language share), with values bound as parameters.
 
+mod concurrency;
 mod deliveries;
 mod dlq;
 mod enqueue;
@@ -15,6 +16,10 @@ mod migrate;
 mod queues;
 mod status;
 
+pub use concurrency::{
+    check_invariants, discard_parked, key_stats, parked_jobs, record_heartbeat_interval, sweep, KeyStats, ParkedJob,
+    SweepReport,
+};
 pub use deliveries::{claim, complete, dead_letter, extend, release, retry, DeadLetterReason};
 pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter};
 pub use enqueue::{enqueue, enqueue_many};

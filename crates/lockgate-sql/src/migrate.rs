@@ -24,6 +24,7 @@ const MIGRATIONS: &[Migration] = &[
         name: "lockgate_schema",
         sql: include_str!("../../../migrations/0002_lockgate_schema.sql"),
     },
+    Migration { version: 3, name: "concurrency", sql: include_str!("../../../migrations/0003_concurrency.sql") },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -31,6 +32,7 @@ const FUNCTIONS: &[&str] = &[
     include_str!("../../../sql/001_queues.sql"),
     include_str!("../../../sql/002_job_types.sql"),
     include_str!("../../../sql/010_enqueue.sql"),
+    include_str!("../../../sql/015_concurrency.sql"),
     include_str!("../../../sql/020_claim.sql"),
     include_str!("../../../sql/030_extend.sql"),
     include_str!("../../../sql/040_complete.sql"),
@@ -39,11 +41,13 @@ const FUNCTIONS: &[&str] = &[
     include_str!("../../../sql/043_release.sql"),
     include_str!("../../../sql/050_dlq.sql"),
     include_str!("../../../sql/060_status.sql"),
+    include_str!("../../../sql/065_keys.sql"),
     include_str!("../../../sql/070_archive_retention.sql"),
+    include_str!("../../../sql/080_sweep.sql"),
 ];
 
 /// The schema version this build expects.
-pub const LATEST_MIGRATION: i32 = 2;
+pub const LATEST_MIGRATION: i32 = 3;
 
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;

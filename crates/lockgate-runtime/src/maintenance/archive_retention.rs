@@ -1,5 +1,5 @@
-//! Maintenance sweeps. Each sweep has the same shape: a ticker loop in `run` and the work in a
-//! `run_once` that returns counts. Today: archive retention.
+//! Archive retention: deletes archived jobs older than the retention period, in every queue,
+//! in bounded batches.
 
 use std::time::Duration;
 

@@ -1,0 +1,9 @@
+//! Maintenance sweeps, one per file. Each has the same shape: a constructor, a ticker loop in
+//! `run(shutdown)`, and the work in a `run_once` that returns counts, so tests can drive a
+//! sweep directly.
+
+mod archive_retention;
+mod concurrency_sweep;
+
+pub use archive_retention::ArchiveRetention;
+pub use concurrency_sweep::ConcurrencySweep;

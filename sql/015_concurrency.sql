@@ -1,0 +1,166 @@
+-- Concurrency limits: the guarded acquire, leases, parking and promotion. Every path that takes
+-- a permit — enqueue, promotion at completion, promotion by the sweep, re-acquire at claim —
+-- goes through lockgate._acquire, which takes the key's semaphore row lock and increments value
+-- only while value < limit (G3). Every path that gives one back deletes its own lease row and
+-- decrements by exactly the rows it deleted, so value = live leases at every commit (G2, H2, H7).
+-- Lock order: lease rows, then semaphore rows in key order, then parked rows.
+
+-- The key of a job: explicit if given, else the type's name, plus the values at its key paths.
+CREATE OR REPLACE FUNCTION lockgate._concurrency_key(jt lockgate.job_types, args jsonb, explicit text)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE
+        WHEN explicit IS NOT NULL THEN explicit
+        WHEN jt.concurrency_key IS NULL OR cardinality(jt.concurrency_key) = 0 THEN jt.name
+        ELSE jt.name || ':' || (SELECT jsonb_agg(COALESCE(args #> string_to_array(p, '.'), 'null') ORDER BY o)
+                                  FROM unnest(jt.concurrency_key) WITH ORDINALITY u(p, o))::text
+    END
+$$;
+
+-- A lease's silence budget: the type's duration, floored at twice the heartbeat interval (H10).
+CREATE OR REPLACE FUNCTION lockgate._lease_interval(duration_ms bigint)
+RETURNS interval LANGUAGE sql STABLE AS $$
+    SELECT make_interval(secs => GREATEST(duration_ms,
+        2 * COALESCE((SELECT s.heartbeat_interval_ms FROM lockgate.settings s), 5000)) / 1000.0)
+$$;
+
+-- Takes one permit of key if value < limit; true when taken. Either way the key's semaphore row
+-- stays locked until commit, so a park decided here cannot race a release (H6). A NULL limit
+-- keeps the limit the key already records (and takes nothing for a key never seen).
+CREATE OR REPLACE FUNCTION lockgate._acquire(key text, lim integer)
+RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    taken integer;
+BEGIN
+    IF lim IS NULL THEN
+        PERFORM 1 FROM lockgate.semaphores s WHERE s.key = _acquire.key FOR UPDATE;
+        UPDATE lockgate.semaphores s SET value = s.value + 1, updated_at = now()
+         WHERE s.key = _acquire.key AND s.value < s.lim
+        RETURNING 1 INTO taken;
+        RETURN taken IS NOT NULL;
+    END IF;
+    INSERT INTO lockgate.semaphores AS s (key, lim, value) VALUES (_acquire.key, _acquire.lim, 1)
+    ON CONFLICT ON CONSTRAINT semaphores_pkey DO UPDATE SET value = s.value + 1, lim = EXCLUDED.lim, updated_at = now()
+     WHERE s.value < EXCLUDED.lim
+    RETURNING 1 INTO taken;
+    RETURN taken IS NOT NULL;
+END $$;
+
+-- Binds a taken permit to its message. The lease covers the delay before the message is
+-- visible (H9), then the silence budget.
+CREATE OR REPLACE FUNCTION lockgate._add_lease(key text, queue text, msg_id bigint, visible_at timestamptz, duration_ms bigint)
+RETURNS void LANGUAGE sql AS $$
+    INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
+    VALUES (queue, msg_id, key, duration_ms, GREATEST(visible_at, clock_timestamp()) + lockgate._lease_interval(duration_ms))
+$$;
+
+-- Deletes the leases of the given messages of one queue, gives their permits back, and
+-- promotes parked jobs of each key released. Returns how many jobs it promoted. Called inside
+-- the transaction of the completion, dead-letter or sweep that released them, after the fenced
+-- statement that decided they were this caller's to release.
+CREATE OR REPLACE FUNCTION lockgate._release_leases(queue text, msg_ids bigint[])
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    k record;
+    promoted integer := 0;
+BEGIN
+    FOR k IN
+        WITH gone AS (
+            DELETE FROM lockgate.leases l WHERE l.queue = _release_leases.queue AND l.msg_id = ANY (msg_ids)
+            RETURNING l.key)
+        SELECT g.key, count(*)::integer AS n FROM gone g GROUP BY g.key ORDER BY g.key
+    LOOP
+        PERFORM lockgate._give_back(k.key, k.n);
+        promoted := promoted + lockgate._promote(k.key);
+    END LOOP;
+    RETURN promoted;
+END $$;
+
+-- Decrements a key's value by the number of lease rows the caller just deleted.
+CREATE OR REPLACE FUNCTION lockgate._give_back(key text, n integer)
+RETURNS void LANGUAGE sql AS $$
+    UPDATE lockgate.semaphores s SET value = s.value - n, updated_at = now() WHERE s.key = _give_back.key
+$$;
+
+-- Moves a parked job to the dead letters (its type no longer resolves, or its queue is gone).
+CREATE OR REPLACE FUNCTION lockgate._dead_letter_parked(p lockgate.parked, why text)
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM lockgate.parked x WHERE x.id = p.id;
+    INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
+    VALUES (p.queue, NULL, p.job_id, p.job_type, p.args, p.headers, 'unknown_job_type', why, 0, p.parked_at);
+END $$;
+
+-- Promotes parked jobs of key, best priority then oldest first, while a permit can be taken
+-- through the guarded acquire. A promoted job becomes a new message, visible at its scheduled
+-- time (a promoted scheduled job keeps its remaining delay, H9), holding a lease. A job whose
+-- type no longer resolves is never promoted under a guessed limit: it is dead-lettered (H16).
+-- Returns how many it promoted.
+CREATE OR REPLACE FUNCTION lockgate._promote(key text)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    p lockgate.parked;
+    jt lockgate.job_types;
+    new_msg_id bigint;
+    promoted integer := 0;
+BEGIN
+    LOOP
+        SELECT * INTO p FROM lockgate.parked x WHERE x.key = _promote.key
+         ORDER BY x.priority, x.id LIMIT 1 FOR UPDATE SKIP LOCKED;
+        EXIT WHEN NOT FOUND;
+        SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = p.job_type;
+        IF NOT FOUND THEN
+            PERFORM lockgate._dead_letter_parked(p, format('job type "%s" no longer exists; a parked job is never promoted under a guessed limit', p.job_type));
+            CONTINUE;
+        END IF;
+        IF NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = p.queue) THEN
+            PERFORM lockgate._dead_letter_parked(p, format('queue "%s" no longer exists', p.queue));
+            CONTINUE;
+        END IF;
+        IF jt.concurrency_limit IS NOT NULL THEN
+            EXIT WHEN NOT lockgate._acquire(key, jt.concurrency_limit);
+        END IF;
+        DELETE FROM lockgate.parked x WHERE x.id = p.id;
+        EXECUTE format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id',
+                       lockgate._queue_table(p.queue, 'q'))
+           INTO new_msg_id
+          USING GREATEST(p.run_at, clock_timestamp()), p.args, p.headers;
+        IF jt.concurrency_limit IS NOT NULL THEN
+            PERFORM lockgate._add_lease(key, p.queue, new_msg_id, p.run_at, jt.concurrency_duration_ms);
+        END IF;
+        IF p.run_at <= clock_timestamp() THEN
+            PERFORM pg_notify('lockgate_' || p.queue, '');
+        END IF;
+        promoted := promoted + 1;
+    END LOOP;
+    RETURN promoted;
+END $$;
+
+-- At claim: a delivery of a limited job whose lease is gone (it lapsed while the job waited, or
+-- while its holder was silent) takes a permit again through the guarded acquire, or goes back
+-- to the parked jobs — it never runs without a permit (G3). Returns true when it may run.
+-- Locks: the key's semaphore row; on parking, deletes the message (fenced on read_ct).
+CREATE OR REPLACE FUNCTION lockgate._reacquire(queue text, msg_id bigint, read_ct integer, message jsonb, headers jsonb)
+RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    jt lockgate.job_types;
+    key text := headers->>'ckey';
+    gone bigint;
+BEGIN
+    SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = headers->>'type';
+    IF NOT FOUND OR jt.concurrency_limit IS NULL OR jsonb_typeof(message) <> 'object' THEN
+        RETURN true;  -- the worker dead-letters an unknown type; an unlimited type needs no permit
+    END IF;
+    IF lockgate._acquire(key, jt.concurrency_limit) THEN
+        PERFORM lockgate._add_lease(key, queue, msg_id, clock_timestamp(), jt.concurrency_duration_ms);
+        RETURN true;
+    END IF;
+    EXECUTE format('DELETE FROM %s m WHERE m.msg_id = $1 AND m.read_ct = $2 RETURNING m.msg_id',
+                   lockgate._queue_table(queue, 'q'))
+       INTO gone USING msg_id, read_ct;
+    IF gone IS NOT NULL THEN
+        INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
+        VALUES (key, queue, jt.name, (headers->>'job_id')::bigint, message, headers - 'returns' - 'retry_at',
+                COALESCE((headers->>'priority')::smallint, 0), clock_timestamp());
+    END IF;
+    RETURN false;
+END $$;

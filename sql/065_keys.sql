@@ -1,0 +1,57 @@
+-- Concurrency keys for operators: per-key counts, a key's parked jobs, and the explicit discard
+-- of a parked job (the only way besides promotion that a parked job leaves, G4).
+-- Locks: none for the reads; discard deletes the parked row.
+-- Callers: lockgate status, lockgate parked list|discard, SQL operators.
+
+CREATE OR REPLACE FUNCTION lockgate.key_stats()
+RETURNS TABLE (key text, lim integer, held integer, parked bigint, oldest_parked_seconds double precision)
+LANGUAGE sql STABLE AS $$
+    SELECT k.key, s.lim, COALESCE(s.value, 0), COALESCE(p.n, 0),
+           extract(epoch FROM now() - p.oldest)::double precision
+      FROM (SELECT x.key FROM lockgate.semaphores x UNION SELECT y.key FROM lockgate.parked y) k
+      LEFT JOIN lockgate.semaphores s ON s.key = k.key
+      LEFT JOIN (SELECT z.key, count(*) AS n, min(z.parked_at) AS oldest FROM lockgate.parked z GROUP BY z.key) p
+             ON p.key = k.key
+     WHERE COALESCE(s.value, 0) > 0 OR COALESCE(p.n, 0) > 0
+     ORDER BY k.key
+$$;
+
+CREATE OR REPLACE FUNCTION lockgate.parked_jobs(only_key text DEFAULT NULL, max_rows integer DEFAULT 100)
+RETURNS SETOF lockgate.parked LANGUAGE sql STABLE AS $$
+    SELECT * FROM lockgate.parked p WHERE only_key IS NULL OR p.key = only_key
+     ORDER BY p.key, p.priority, p.id LIMIT max_rows
+$$;
+
+-- Deletes one parked job for good; returns whether it existed.
+CREATE OR REPLACE FUNCTION lockgate.discard_parked(parked_id bigint)
+RETURNS boolean LANGUAGE sql AS $$
+    WITH gone AS (DELETE FROM lockgate.parked p WHERE p.id = parked_id RETURNING 1)
+    SELECT EXISTS (SELECT 1 FROM gone)
+$$;
+
+-- The concurrency invariants, as rows of violations (none when all hold): for every key,
+-- value = number of live leases <= limit; and no lease points at a message that no longer
+-- exists (run it after a sweep, which repairs such leases). Every concurrency test ends with it.
+CREATE OR REPLACE FUNCTION lockgate.check_invariants()
+RETURNS TABLE (key text, problem text) LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    q record;
+BEGIN
+    RETURN QUERY
+        SELECT s.key, format('value %s but %s live leases', s.value, count(l.msg_id))
+          FROM lockgate.semaphores s LEFT JOIN lockgate.leases l ON l.key = s.key
+         GROUP BY s.key, s.value HAVING s.value <> count(l.msg_id);
+    RETURN QUERY
+        SELECT s.key, format('value %s above limit %s', s.value, s.lim) FROM lockgate.semaphores s WHERE s.value > s.lim;
+    FOR q IN SELECT name FROM lockgate.queues LOOP
+        RETURN QUERY EXECUTE format(
+            'SELECT l.key, format(''lease on missing message %%s/%%s'', l.queue, l.msg_id)
+               FROM lockgate.leases l WHERE l.queue = $1
+                AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)',
+            lockgate._queue_table(q.name, 'q'))
+          USING q.name;
+    END LOOP;
+    RETURN QUERY
+        SELECT l.key, format('lease on %s/%s of unknown queue', l.queue, l.msg_id)
+          FROM lockgate.leases l WHERE NOT EXISTS (SELECT 1 FROM lockgate.queues q2 WHERE q2.name = l.queue);
+END $$;
