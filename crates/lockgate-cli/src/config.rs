@@ -11,6 +11,7 @@
 //! poll_interval = "1s"
 //! archive_retention = "7d"
 //! maintenance_interval = "30s"
+//! sweep_interval = "5s"
 //!
 //! [[pool]]
 //! name = "default"
@@ -24,6 +25,7 @@
 //! backoff = { base = "1s", max = "10m", jitter = 0.1 }
 //! timeout = "5m"
 //! priority = 0
+//! concurrency = { limit = 1, key = ["account_id"], duration = "15m", on_conflict = "block" }
 //! ```
 
 use std::collections::BTreeMap;
@@ -32,7 +34,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use lockgate::config::DEFAULT_CONCURRENCY;
-use lockgate::{Backoff, JobPolicy, JobTypeName, PoolConfig, QueueName, RuntimeConfig};
+use lockgate::{
+    Backoff, ConcurrencyPolicy, JobPolicy, JobTypeName, OnConflict, PoolConfig, QueueName, RuntimeConfig,
+    DEFAULT_CONCURRENCY_DURATION,
+};
 use serde::Deserialize;
 
 #[derive(Debug, Deserialize)]
@@ -56,6 +61,7 @@ struct RuntimeSection {
     poll_interval: Option<String>,
     archive_retention: Option<String>,
     maintenance_interval: Option<String>,
+    sweep_interval: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -77,6 +83,17 @@ struct JobTypeSection {
     command: Option<Vec<String>>,
     http: Option<String>,
     sql: Option<String>,
+    concurrency: Option<ConcurrencySection>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConcurrencySection {
+    limit: u32,
+    #[serde(default)]
+    key: Vec<String>,
+    duration: Option<String>,
+    on_conflict: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -131,6 +148,7 @@ impl Config {
                 &r.maintenance_interval,
                 d.maintenance_interval,
             )?,
+            sweep_interval: duration_or("runtime.sweep_interval", &r.sweep_interval, d.sweep_interval)?,
         };
         config.validate()?;
         Ok(config)
@@ -182,6 +200,14 @@ fn job_type(name: &str, s: &JobTypeSection) -> Result<JobTypeConfig> {
         };
     }
     policy.timeout = s.timeout.as_deref().map(|t| duration(&at("timeout"), t)).transpose()?;
+    if let Some(c) = &s.concurrency {
+        policy.concurrency = Some(ConcurrencyPolicy {
+            limit: c.limit,
+            key: c.key.clone(),
+            duration: duration_or(&at("concurrency.duration"), &c.duration, DEFAULT_CONCURRENCY_DURATION)?,
+            on_conflict: c.on_conflict.as_deref().map_or(Ok(OnConflict::Block), OnConflict::parse)?,
+        });
+    }
     policy.validate().with_context(|| format!("job type {name}"))?;
     let executor = match (&s.command, &s.http, &s.sql) {
         (Some(cmd), None, None) if !cmd.is_empty() => Executor::Command(cmd.clone()),
@@ -230,6 +256,7 @@ mod tests {
             command = ["./resize.sh", "--fast"]
             backoff = { base = "2s", max = "1h", jitter = 0.2 }
             timeout = "5m"
+            concurrency = { limit = 2, key = ["account.id"], duration = "1m", on_conflict = "discard" }
             "#,
         )
         .unwrap();
@@ -237,6 +264,9 @@ mod tests {
         let jobs = c.job_types().unwrap();
         assert_eq!(jobs[0].executor, Executor::Command(vec!["./resize.sh".into(), "--fast".into()]));
         assert_eq!(jobs[0].policy.timeout, Some(Duration::from_secs(300)));
+        let concurrency = jobs[0].policy.concurrency.clone().unwrap();
+        assert_eq!((concurrency.limit, concurrency.on_conflict), (2, OnConflict::Discard));
+        assert_eq!(concurrency.key, vec!["account.id".to_string()]);
         assert_eq!(c.pools(&jobs).unwrap()[0].concurrency, 4);
     }
 
@@ -250,6 +280,9 @@ mod tests {
         assert!(err("[job_types.x]\nsql = \"select 1\"\nmax_attempts = 0").contains("max_attempts"));
         assert!(err("[job_types.x]\nsql = \"select 1\"\nqueue = \"Bad\"").contains("invalid queue \"Bad\""));
         assert!(err("[[pool]]\nqueues = []").contains("at least one queue"));
+        assert!(err("[job_types.x]\nsql = \"s\"\nconcurrency = { limit = 0 }").contains("concurrency.limit"));
+        assert!(err("[job_types.x]\nsql = \"s\"\nconcurrency = { limit = 1, on_conflict = \"wait\" }")
+            .contains("block, discard or raise"));
         assert!(err("[job_types.x]\nsql = \"s\"\ntimeout = \"-1s\"").contains("invalid job_types.x.timeout"));
     }
 }

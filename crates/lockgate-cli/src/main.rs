@@ -29,11 +29,15 @@ enum Command {
     Run(commands::run::Args),
     /// Enqueue one job: `lockgate enqueue <type> '<json object>'`.
     Enqueue(commands::enqueue::Args),
-    /// Show every queue: ready, scheduled, running, dead-lettered, oldest ready age.
+    /// Show every queue (ready, scheduled, running, dead-lettered, oldest ready age) and every
+    /// concurrency key that is held or has parked jobs.
     Status(commands::status::Args),
     /// List, retry or purge dead-lettered jobs.
     #[command(subcommand)]
     Dlq(commands::dlq::Command),
+    /// List jobs waiting for a concurrency permit, or discard one explicitly.
+    #[command(subcommand)]
+    Parked(commands::parked::Command),
     /// Migrate, define demo job types, enqueue a few hundred jobs, run them with live progress
     /// and print what ran, retried and was dead-lettered.
     Demo(commands::demo::Args),
@@ -58,6 +62,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Enqueue(args) => commands::enqueue::run(url, args).await,
         Command::Status(args) => commands::status::run(url, args).await,
         Command::Dlq(command) => commands::dlq::run(url, command).await,
+        Command::Parked(command) => commands::parked::run(url, command).await,
         Command::Demo(args) => commands::demo::run(url, args).await,
     }
 }

@@ -217,7 +217,10 @@ async fn h21_four_processes_migrating_an_empty_database_at_once_all_succeed() {
     let version: i32 =
         sqlx::query_scalar("SELECT migration FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
     assert_eq!(version, lockgate::sql::LATEST_MIGRATION);
-    assert_eq!(db.count("SELECT 1 FROM lockgate.schema_migrations").await.unwrap(), 2);
+    assert_eq!(
+        db.count("SELECT 1 FROM lockgate.schema_migrations").await.unwrap(),
+        i64::from(lockgate::sql::LATEST_MIGRATION)
+    );
 }
 
 #[tokio::test]
@@ -228,7 +231,11 @@ async fn commands_refuse_a_missing_or_older_schema_naming_lockgate_migrate() {
     lockgate::migrate(&db.pool).await.unwrap();
     sqlx::query("UPDATE lockgate.schema_state SET migration = 1").execute(&db.pool).await.unwrap();
     let o = output(&db, &["enqueue", "x", "{}"]);
-    assert!(text(&o).contains("schema version 1, older than this build's 2: run `lockgate migrate`"), "{}", text(&o));
+    let expected = format!(
+        "schema version 1, older than this build's {}: run `lockgate migrate`",
+        lockgate::sql::LATEST_MIGRATION
+    );
+    assert!(text(&o).contains(&expected), "{}", text(&o));
     let o = output(&db, &["migrate"]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(output(&db, &["status"]).status.success());

@@ -24,6 +24,9 @@ pub struct Args {
     /// Override the job type's queue.
     #[arg(long)]
     queue: Option<String>,
+    /// An explicit concurrency key (job types with a concurrency limit only).
+    #[arg(long)]
+    concurrency_key: Option<String>,
 }
 
 pub async fn run(url: Option<String>, args: Args) -> Result<()> {
@@ -34,9 +37,13 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
         run_at: args.run_at,
         priority: args.priority,
         queue: args.queue.map(QueueName::new).transpose()?,
+        concurrency_key: args.concurrency_key,
     };
     let pool = db::connect_checked(&db::resolve(url), 1).await?;
     let job = Client::new(pool).enqueue_raw(&args.job_type, &value, &options).await?;
-    println!("enqueued job {} on queue {} (msg_id {})", job.job_id, job.queue, job.msg_id);
+    match job.msg_id {
+        Some(msg_id) => println!("enqueued job {} on queue {} (msg_id {msg_id})", job.job_id, job.queue),
+        None => println!("{} job {}: its concurrency key is full", job.status.as_str(), job.job_id),
+    }
     Ok(())
 }

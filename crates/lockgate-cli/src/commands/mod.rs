@@ -4,5 +4,6 @@ pub mod demo;
 pub mod dlq;
 pub mod enqueue;
 pub mod migrate;
+pub mod parked;
 pub mod run;
 pub mod status;

@@ -1,4 +1,4 @@
-//! `lockgate status`: per-queue counts.
+//! `lockgate status`: per-queue counts, then every concurrency key that is held or has parked jobs.
 
 use anyhow::Result;
 
@@ -14,6 +14,7 @@ pub struct Args {
 pub async fn run(url: Option<String>, args: Args) -> Result<()> {
     let pool = db::connect_checked(&db::resolve(url), 1).await?;
     let stats = lockgate::sql::queue_stats(&pool).await?;
+    let keys = lockgate::sql::key_stats(&pool).await?;
     if args.json {
         let rows: Vec<_> = stats
             .iter()
@@ -24,13 +25,30 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
                 })
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        let keys: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                serde_json::json!({
+                    "key": k.key, "limit": k.limit, "held": k.held, "parked": k.parked,
+                    "oldest_parked_seconds": k.oldest_parked_seconds,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "queues": rows, "keys": keys }))?);
         return Ok(());
     }
     println!("{:<24} {:>9} {:>9} {:>9} {:>9} {:>12}", "QUEUE", "READY", "SCHEDULED", "RUNNING", "DEAD", "OLDEST READY");
     for s in stats {
         let age = s.oldest_ready_seconds.map_or("-".to_string(), |secs| format!("{secs:.1}s"));
         println!("{:<24} {:>9} {:>9} {:>9} {:>9} {:>12}", s.queue, s.ready, s.scheduled, s.running, s.dead, age);
+    }
+    if !keys.is_empty() {
+        println!("\n{:<40} {:>6} {:>6} {:>8} {:>13}", "KEY", "LIMIT", "HELD", "PARKED", "OLDEST PARKED");
+        for k in keys {
+            let limit = k.limit.map_or("-".to_string(), |l| l.to_string());
+            let age = k.oldest_parked_seconds.map_or("-".to_string(), |secs| format!("{secs:.1}s"));
+            println!("{:<40} {limit:>6} {:>6} {:>8} {age:>13}", k.key, k.held, k.parked);
+        }
     }
     Ok(())
 }

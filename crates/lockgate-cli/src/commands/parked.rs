@@ -1,0 +1,52 @@
+//! `lockgate parked list|discard`: the jobs waiting for a concurrency permit. Discard is the
+//! only way besides promotion that a parked job leaves (G4), so it takes an explicit id.
+
+use anyhow::{bail, Result};
+use lockgate::sql::{discard_parked, parked_jobs};
+
+use crate::db;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// List parked jobs in promotion order (priority, then age).
+    List {
+        /// Only this concurrency key.
+        #[arg(long)]
+        key: Option<String>,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 50)]
+        limit: i32,
+    },
+    /// Delete one parked job for good, by the id `parked list` shows.
+    Discard {
+        /// The parked job's id (the ID column, not the job id).
+        id: i64,
+    },
+}
+
+pub async fn run(url: Option<String>, command: Command) -> Result<()> {
+    let pool = db::connect_checked(&db::resolve(url), 1).await?;
+    match command {
+        Command::List { key, limit } => {
+            let rows = parked_jobs(&pool, key.as_deref(), limit).await?;
+            println!(
+                "{:<8} {:<8} {:<32} {:<16} {:<20} {:>4}  {:<25} ARGS",
+                "ID", "JOB", "KEY", "QUEUE", "TYPE", "PRIO", "PARKED AT"
+            );
+            for p in rows {
+                let parked_at = p.parked_at.format("%Y-%m-%d %H:%M:%S UTC");
+                println!(
+                    "{:<8} {:<8} {:<32} {:<16} {:<20} {:>4}  {parked_at:<25} {}",
+                    p.id, p.job_id, p.key, p.queue, p.job_type, p.priority, p.args
+                );
+            }
+        }
+        Command::Discard { id } => {
+            if !discard_parked(&pool, id).await? {
+                bail!("no parked job with id {id} (it may have been promoted already)");
+            }
+            println!("discarded parked job {id}");
+        }
+    }
+    Ok(())
+}
