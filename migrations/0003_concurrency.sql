@@ -24,7 +24,10 @@ CREATE TABLE lockgate.semaphores (
     key        text PRIMARY KEY,
     lim        integer NOT NULL CHECK (lim >= 1),
     value      integer NOT NULL CHECK (value >= 0),
-    updated_at timestamptz NOT NULL DEFAULT now()
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    -- Every acquire checks value < lim under the row lock; this makes over-admission an error
+    -- even if a future code path forgot to (G3).
+    CONSTRAINT semaphores_within_limit CHECK (value <= lim)
 );
 
 -- A permit: owned by one message (queue, msg_id) for as long as its silence budget lasts.
@@ -59,12 +62,12 @@ CREATE INDEX parked_key_idx ON lockgate.parked (key, priority, id);
 CREATE INDEX parked_parked_at_idx ON lockgate.parked (parked_at);
 
 -- The heartbeat interval that floors every lease at twice its value (H10). Each runtime raises
--- it to its own interval at start; the largest wins, erring toward longer leases.
+-- it to its own interval at start; the largest wins, erring toward longer leases. Until a
+-- runtime has started, the default heartbeat interval (5 s) applies.
 CREATE TABLE lockgate.settings (
     singleton             boolean PRIMARY KEY DEFAULT true CHECK (singleton),
     heartbeat_interval_ms bigint NOT NULL CHECK (heartbeat_interval_ms > 0)
 );
-INSERT INTO lockgate.settings (heartbeat_interval_ms) VALUES (5000);
 
 -- A parked job that cannot be promoted (its type is gone) is dead-lettered without a message.
 ALTER TABLE lockgate.dead_letters ALTER COLUMN msg_id DROP NOT NULL;

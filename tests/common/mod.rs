@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockgate::{PoolConfig, QueueName, Registry, Runtime, RuntimeConfig};
+use lockgate::{PgPool, PoolConfig, QueueName, Registry, Runtime, RuntimeConfig};
 use lockgate_testkit::TestDb;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -42,6 +42,17 @@ impl Running {
         concurrency: usize,
     ) -> Self {
         let pool = db.new_pool(10).await.expect("pool");
+        Self::start_on(pool, config, registry, queues, concurrency)
+    }
+
+    /// Starts a runtime on a pool of the caller's (e.g. one that goes through a FaultProxy).
+    pub fn start_on(
+        pool: PgPool,
+        config: RuntimeConfig,
+        registry: Registry,
+        queues: &[&str],
+        concurrency: usize,
+    ) -> Self {
         let pools = vec![PoolConfig::new("test", queues.iter().map(|q| queue(q)).collect(), concurrency)];
         let runtime = Runtime::new(pool, config, registry, pools).expect("valid runtime");
         let shutdown = CancellationToken::new();
@@ -69,3 +80,74 @@ impl Counter {
 }
 
 pub const WAIT: Duration = Duration::from_secs(15);
+
+/// Records, at every commit that touches a lease, any key holding more leases than its limit.
+/// A deferred constraint trigger sees each transaction's final state, so "no row in
+/// permit_violations" means no commit ever left a key over its limit.
+pub async fn install_permit_monitor(db: &TestDb) {
+    sqlx::raw_sql(
+        "CREATE TABLE permit_violations (key text, leases bigint, lim integer, at timestamptz DEFAULT clock_timestamp());
+         CREATE FUNCTION check_permits() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             INSERT INTO permit_violations (key, leases, lim)
+             SELECT s.key, (SELECT count(*) FROM lockgate.leases l WHERE l.key = s.key), s.lim
+               FROM lockgate.semaphores s
+              WHERE s.key = NEW.key AND (SELECT count(*) FROM lockgate.leases l WHERE l.key = s.key) > s.lim;
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER check_permits AFTER INSERT OR UPDATE ON lockgate.leases
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION check_permits();
+         CREATE TABLE runs (job_id bigint, key text, worker integer, started_at timestamptz DEFAULT clock_timestamp(), ended_at timestamptz);",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("monitor installed");
+}
+
+/// Records a handler's start in `runs`; returns the row's start so the end can be recorded.
+pub async fn run_started(pool: &PgPool, job_id: i64, key: &str, worker: i32) {
+    sqlx::query("INSERT INTO runs (job_id, key, worker) VALUES ($1, $2, $3)")
+        .bind(job_id)
+        .bind(key)
+        .bind(worker)
+        .execute(pool)
+        .await
+        .expect("run start recorded");
+}
+
+pub async fn run_ended(pool: &PgPool, job_id: i64, worker: i32) {
+    sqlx::query("UPDATE runs SET ended_at = clock_timestamp() WHERE job_id = $1 AND worker = $2 AND ended_at IS NULL")
+        .bind(job_id)
+        .bind(worker)
+        .execute(pool)
+        .await
+        .expect("run end recorded");
+}
+
+/// The most runs of each key that were ever running at the same instant, from `runs`, leaving
+/// out the first run of `excluded_worker` (a holder whose lease was provably lost; -1: none).
+/// A run whose handler was cancelled has no end and counts until the last recorded instant.
+pub async fn max_overlap(pool: &PgPool, excluded_worker: i32) -> Vec<(String, i64)> {
+    sqlx::query_as(
+        "WITH x AS (SELECT ctid FROM runs WHERE worker = $1 ORDER BY started_at LIMIT 1),
+              r AS (SELECT key, started_at,
+                           COALESCE(ended_at, (SELECT max(GREATEST(started_at, ended_at)) FROM runs)) AS ended_at
+                      FROM runs WHERE ctid NOT IN (SELECT ctid FROM x)),
+              ev AS (SELECT key, started_at AS t, 1 AS d FROM r UNION ALL SELECT key, ended_at, -1 FROM r),
+              c AS (SELECT key, sum(d) OVER (PARTITION BY key ORDER BY t, d ROWS UNBOUNDED PRECEDING) AS n FROM ev)
+         SELECT key, max(n)::bigint FROM c GROUP BY key ORDER BY key",
+    )
+    .bind(excluded_worker)
+    .fetch_all(pool)
+    .await
+    .expect("overlap computed")
+}
+
+pub async fn assert_invariants_after_sweep(db: &TestDb) {
+    lockgate::sql::sweep(&db.pool, 1000, None).await.expect("sweep");
+    let violations = lockgate::sql::check_invariants(&db.pool).await.expect("check");
+    assert!(violations.is_empty(), "invariants violated: {violations:?}");
+    let over: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM permit_violations").fetch_one(&db.pool).await.expect("monitor");
+    assert_eq!(over, 0, "a commit left a key with more leases than its limit");
+}

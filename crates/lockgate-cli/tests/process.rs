@@ -137,6 +137,27 @@ async fn g1_kill_9_mid_job_runs_it_again_after_the_visibility_timeout_and_archiv
 }
 
 #[tokio::test]
+async fn h17_kill_9_of_a_limited_holder_neither_leaks_nor_doubles_its_permit() {
+    let setup = Setup::new(LONG_FIRST_RUN, "concurrency = { limit = 1 }");
+    let db = migrated_with_one_job(&setup).await;
+    let o = output(&db, &["enqueue", "task", "{\"n\": 2}"]);
+    assert!(text(&o).contains("parked job"), "the second job waits for the permit: {}", text(&o));
+    let mut first = setup.run(&db);
+    setup.wait_starts(1).await;
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let mut second = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 2, WAIT).await.unwrap();
+    signal(&second, "TERM");
+    assert!(wait_exit(&mut second).await.success());
+    assert_eq!(setup.starts(), 3, "the killed job ran again, then the parked one");
+    let value: i32 = sqlx::query_scalar("SELECT value FROM lockgate.semaphores").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(value, 0, "no permit leaked");
+    lockgate::sql::sweep(&db.pool, 100, None).await.unwrap();
+    assert!(lockgate::sql::check_invariants(&db.pool).await.unwrap().is_empty());
+}
+
+#[tokio::test]
 async fn g7_term_returns_a_job_that_outlives_shutdown_timeout_and_it_runs_again_under_a_new_process() {
     let setup = Setup::new(LONG_FIRST_RUN, "");
     let db = migrated_with_one_job(&setup).await;

@@ -66,6 +66,19 @@ impl Client {
         Ok(lockgate_sql::enqueue_many(&self.pool, J::TYPE, &args, &options.to_json()?).await?)
     }
 
+    /// Enqueues many jobs of one type by name with JSON arguments, in one statement.
+    pub async fn enqueue_many_raw(
+        &self,
+        job_type: &str,
+        args: &[Value],
+        options: &EnqueueOptions,
+    ) -> Result<Vec<EnqueuedJob>, EnqueueError> {
+        for a in args {
+            check_args(job_type, a)?;
+        }
+        Ok(lockgate_sql::enqueue_many(&self.pool, job_type, args, &options.to_json()?).await?)
+    }
+
     /// Enqueues a job by type name with JSON arguments (the CLI's path).
     pub async fn enqueue_raw(
         &self,

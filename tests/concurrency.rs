@@ -1,0 +1,496 @@
+//! Concurrency limits at the SQL seam, hazard by hazard (SPEC §5, H1–H16). Races are forced
+//! with two connections and row locks, never with sleeps; every test ends with the invariant
+//! check (value = live leases <= limit, no lease on a missing message).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use lockgate::sql::{check_invariants, claim, sweep};
+use lockgate::worker::complete_deliveries;
+use lockgate::{
+    ArchiveOutcome, Claim, Client, ConcurrencyPolicy, DbError, EnqueueError, EnqueueOptions, EnqueueStatus,
+    EnqueuedJob, JobPolicy, JobTypeName, OnConflict,
+};
+use lockgate_testkit::{wait_for, FaultProxy, TestDb};
+use serde_json::json;
+
+const TYPE: &str = "limited";
+
+async fn setup_with(limit: u32, on_conflict: OnConflict, duration: Duration) -> (TestDb, Client) {
+    let db = TestDb::migrated().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    let mut policy = JobPolicy::on_queue(common::queue("default"));
+    policy.concurrency = Some(ConcurrencyPolicy { limit, key: vec!["account".into()], duration, on_conflict });
+    client.define_job_type(&JobTypeName::new(TYPE).unwrap(), &policy).await.unwrap();
+    (db, client)
+}
+
+async fn setup(limit: u32) -> (TestDb, Client) {
+    setup_with(limit, OnConflict::Block, Duration::from_secs(600)).await
+}
+
+fn key(account: i64) -> String {
+    format!("{TYPE}:[{account}]")
+}
+
+async fn enqueue(client: &Client, account: i64, n: i64) -> EnqueuedJob {
+    client.enqueue_raw(TYPE, &json!({ "account": account, "n": n }), &EnqueueOptions::default()).await.unwrap()
+}
+
+async fn value(db: &TestDb, account: i64) -> i32 {
+    sqlx::query_scalar("SELECT value FROM lockgate.semaphores WHERE key = $1")
+        .bind(key(account))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+async fn parked(db: &TestDb) -> i64 {
+    db.count("SELECT 1 FROM lockgate.parked").await.unwrap()
+}
+
+async fn claim_one(db: &TestDb) -> Claim {
+    let mut claims = claim(&db.pool, &common::queue("default"), 1, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(claims.len(), 1, "one message to claim");
+    claims.remove(0)
+}
+
+async fn complete(db: &TestDb, c: &Claim) -> ArchiveOutcome {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    complete_deliveries(&db.pool, &c.queue, &[(c.msg_id, c.read_ct)], deadline).await.remove(0).unwrap()
+}
+
+/// The message of `job_id`, if it exists: (msg_id, visible_at - now in seconds).
+async fn message_of(db: &TestDb, job_id: i64) -> Option<(i64, f64)> {
+    sqlx::query_as(
+        "SELECT msg_id, extract(epoch FROM vt - now())::float8 FROM pgmq.q_default WHERE (headers->>'job_id')::bigint = $1",
+    )
+    .bind(job_id)
+    .fetch_optional(&db.pool)
+    .await
+    .unwrap()
+}
+
+async fn assert_invariants(db: &TestDb) {
+    sweep(&db.pool, 1000, None).await.unwrap();
+    let violations = check_invariants(&db.pool).await.unwrap();
+    assert!(violations.is_empty(), "invariants violated: {violations:?}");
+}
+
+#[tokio::test]
+async fn enqueue_takes_a_permit_or_parks_under_the_key_lock() {
+    let (db, client) = setup(2).await;
+    let statuses: Vec<EnqueueStatus> = [
+        enqueue(&client, 1, 1).await,
+        enqueue(&client, 1, 2).await,
+        enqueue(&client, 1, 3).await,
+        enqueue(&client, 2, 4).await,
+    ]
+    .iter()
+    .map(|j| j.status)
+    .collect();
+    use EnqueueStatus::*;
+    assert_eq!(statuses, vec![Enqueued, Enqueued, Parked, Enqueued]);
+    assert_eq!((value(&db, 1).await, value(&db, 2).await), (2, 1));
+    assert_eq!(db.count("SELECT 1 FROM lockgate.leases").await.unwrap(), 3, "one lease per message");
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn h01_stale_performer_returns_no_permit_promotes_nothing_and_keeps_the_outcome() {
+    let (db, client) = setup(1).await;
+    enqueue(&client, 1, 1).await;
+    let waiting = enqueue(&client, 1, 2).await;
+    let stale = claim_one(&db).await;
+    db.expire_visibility("default", stale.msg_id).await.unwrap();
+    let owner = claim_one(&db).await;
+    assert_eq!(owner.read_ct, stale.read_ct + 1);
+
+    assert_eq!(complete(&db, &stale).await, ArchiveOutcome::AlreadyArchived);
+    assert_eq!(value(&db, 1).await, 1, "the stale completion returned no permit");
+    assert_eq!(parked(&db).await, 1, "and promoted nothing");
+    assert!(message_of(&db, waiting.job_id.0).await.is_none());
+    assert_eq!(db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(), 0, "nor recorded an outcome");
+
+    assert_eq!(complete(&db, &owner).await, ArchiveOutcome::Archived);
+    assert!(message_of(&db, waiting.job_id.0).await.is_some(), "the owner's completion promoted the next job");
+    assert_eq!(value(&db, 1).await, 1);
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn h02_bulk_release_never_pushes_a_key_past_its_limit_or_below_zero() {
+    let (db, client) = setup(3).await;
+    for n in 0..13 {
+        enqueue(&client, 1, n).await;
+    }
+    assert_eq!(parked(&db).await, 10);
+    let claims = claim(&db.pool, &common::queue("default"), 10, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(claims.len(), 3);
+    let tokens: Vec<(i64, i32)> = claims.iter().map(|c| (c.msg_id, c.read_ct)).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let first = complete_deliveries(&db.pool, &claims[0].queue, &tokens, deadline).await;
+    assert!(first.iter().all(|o| *o == Ok(ArchiveOutcome::Archived)));
+    assert_eq!((value(&db, 1).await, parked(&db).await), (3, 7), "three released, exactly three promoted");
+    let again = complete_deliveries(&db.pool, &claims[0].queue, &tokens, deadline).await;
+    assert!(again.iter().all(|o| *o == Ok(ArchiveOutcome::AlreadyArchived)));
+    assert_eq!((value(&db, 1).await, parked(&db).await), (3, 7), "a repeated bulk release changes nothing");
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn h04_a_parked_job_older_than_duration_is_still_there_and_still_promotable() {
+    let (db, client) = setup_with(1, OnConflict::Block, Duration::from_secs(1)).await;
+    lockgate::sql::record_heartbeat_interval(&db.pool, Duration::from_millis(100)).await.unwrap();
+    enqueue(&client, 1, 1).await;
+    let waiting = enqueue(&client, 1, 2).await;
+    let holder = claim_one(&db).await;
+    // The holder is alive: its heartbeat keeps renewing its lease while the parked job ages.
+    sqlx::query("UPDATE lockgate.leases SET expires_at = now() + interval '2 days'").execute(&db.pool).await.unwrap();
+    let report = sweep(&db.pool, 1000, Some(chrono::Utc::now() + chrono::Duration::days(1))).await.unwrap();
+    assert_eq!(report.promoted, 0);
+    assert_eq!(parked(&db).await, 1, "a day past its duration, the parked job is still there");
+    assert_eq!(complete(&db, &holder).await, ArchiveOutcome::Archived);
+    assert!(message_of(&db, waiting.job_id.0).await.is_some(), "and it is promoted when the permit frees");
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn h06_park_racing_a_completion_is_promoted_by_it() {
+    let (db, client) = setup(1).await;
+    enqueue(&client, 1, 1).await;
+    let holder = claim_one(&db).await;
+    // The park: the enqueue holds the key's semaphore row lock until it commits.
+    let mut parking = db.pool.begin().await.unwrap();
+    let row: (Option<i64>, i64, String) =
+        sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, '{\"account\": 1, \"n\": 2}')")
+            .bind(TYPE)
+            .fetch_one(&mut *parking)
+            .await
+            .unwrap();
+    assert_eq!(row.2, "parked");
+    // The completion runs meanwhile and must wait on that lock.
+    let pool = db.new_pool(2).await.unwrap();
+    let c = holder.clone();
+    let completion = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        complete_deliveries(&pool, &c.queue, &[(c.msg_id, c.read_ct)], deadline).await
+    });
+    wait_for("the completion to wait on the key's lock", common::WAIT, || async {
+        Ok(sqlx::query_scalar::<_, i32>(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_optional(&db.pool)
+        .await?)
+    })
+    .await
+    .unwrap();
+    parking.commit().await.unwrap();
+    assert_eq!(completion.await.unwrap(), vec![Ok(ArchiveOutcome::Archived)]);
+    assert!(message_of(&db, row.1).await.is_some(), "promoted by the completion itself, no sweep ran");
+    assert_eq!(parked(&db).await, 0);
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn h07_a_duplicate_delivery_releases_the_permit_once() {
+    let (db, client) = setup(2).await;
+    enqueue(&client, 1, 1).await;
+    enqueue(&client, 1, 2).await;
+    let third = enqueue(&client, 1, 3).await;
+    let first = claim_one(&db).await;
+    db.expire_visibility("default", first.msg_id).await.unwrap();
+    let duplicate = claim(&db.pool, &first.queue, 2, Duration::from_secs(30)).await.unwrap();
+    let redelivered = duplicate.iter().find(|c| c.msg_id == first.msg_id).unwrap().clone();
+    assert_eq!(complete(&db, &redelivered).await, ArchiveOutcome::Archived);
+    assert_eq!(complete(&db, &first).await, ArchiveOutcome::AlreadyArchived);
+    assert_eq!(complete(&db, &redelivered).await, ArchiveOutcome::AlreadyArchived);
+    assert_eq!(value(&db, 1).await, 2, "one release, and the third job took that permit");
+    assert!(message_of(&db, third.job_id.0).await.is_some());
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn h08_parked_payloads_are_json_objects_readable_from_sql() {
+    let (db, client) = setup(1).await;
+    enqueue(&client, 7, 1).await;
+    enqueue(&client, 7, 2).await;
+    let (kind, n, account): (String, String, String) =
+        sqlx::query_as("SELECT jsonb_typeof(args), args->>'n', args->>'account' FROM lockgate.parked")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((kind.as_str(), n.as_str(), account.as_str()), ("object", "2", "7"));
+    let err = sqlx::query(
+        "INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
+         VALUES ('k', 'default', 'limited', 1, '\"{}\"', '{}', 0, now())",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("parked_args_check"), "a double-encoded payload is refused: {err}");
+}
+
+#[tokio::test]
+async fn h09_a_scheduled_jobs_lease_covers_its_delay_and_promotion_keeps_the_remaining_delay() {
+    let (db, client) = setup_with(1, OnConflict::Block, Duration::from_secs(60)).await;
+    let in_an_hour = EnqueueOptions { delay: Some(Duration::from_secs(3600)), ..Default::default() };
+    let scheduled = client.enqueue_raw(TYPE, &json!({"account": 1}), &in_an_hour).await.unwrap();
+    let lease_left: f64 =
+        sqlx::query_scalar("SELECT extract(epoch FROM expires_at - now())::float8 FROM lockgate.leases")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(lease_left >= 3600.0 + 59.0, "the lease covers the delay and then the duration: {lease_left}");
+    let half_an_hour = chrono::Utc::now() + chrono::Duration::minutes(30);
+    assert_eq!(sweep(&db.pool, 100, Some(half_an_hour)).await.unwrap().expired, 0, "not expired while waiting");
+
+    // A second scheduled job parks; the first is completed early (after being made visible).
+    let promoted = client.enqueue_raw(TYPE, &json!({"account": 1, "n": 2}), &in_an_hour).await.unwrap();
+    assert_eq!(promoted.status, EnqueueStatus::Parked);
+    db.expire_visibility("default", scheduled.msg_id.unwrap()).await.unwrap();
+    let holder = claim_one(&db).await;
+    assert_eq!(complete(&db, &holder).await, ArchiveOutcome::Archived);
+    let (_, visible_in) = message_of(&db, promoted.job_id.0).await.expect("promoted");
+    assert!(visible_in > 3500.0, "the promoted job keeps its remaining delay: {visible_in}");
+    let lease_left: f64 =
+        sqlx::query_scalar("SELECT extract(epoch FROM expires_at - now())::float8 FROM lockgate.leases")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(lease_left > visible_in + 59.0, "and its lease covers that delay: {lease_left}");
+    assert_invariants(&db).await;
+}
+
+async fn lease_seconds(db: &TestDb) -> f64 {
+    sqlx::query_scalar("SELECT min(extract(epoch FROM expires_at - now()))::float8 FROM lockgate.leases")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn h10_a_duration_below_the_heartbeat_is_floored_at_acquire_promotion_and_renewal() {
+    let (db, client) = setup_with(1, OnConflict::Block, Duration::from_millis(100)).await;
+    lockgate::sql::record_heartbeat_interval(&db.pool, Duration::from_secs(5)).await.unwrap();
+    enqueue(&client, 1, 1).await;
+    assert!(lease_seconds(&db).await > 9.0, "floored at twice the 5 s heartbeat when acquired");
+    let waiting = enqueue(&client, 1, 2).await;
+    let holder = claim_one(&db).await;
+    let renewed =
+        lockgate::sql::extend(&db.pool, &holder.queue, &[(holder.msg_id, holder.read_ct)], Duration::from_secs(30))
+            .await
+            .unwrap();
+    assert_eq!(renewed, vec![holder.msg_id]);
+    assert!(lease_seconds(&db).await > 9.0, "floored when renewed");
+    assert_eq!(complete(&db, &holder).await, ArchiveOutcome::Archived);
+    assert!(message_of(&db, waiting.job_id.0).await.is_some());
+    assert!(lease_seconds(&db).await > 9.0, "floored when promoted");
+    assert_invariants(&db).await;
+}
+
+async fn nothing_changed(db: &TestDb) {
+    assert_eq!(value(db, 1).await, 1, "the permit count is as before");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.leases").await.unwrap(), 1);
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 1);
+    assert_eq!(parked(db).await, 0);
+}
+
+#[tokio::test]
+async fn h11_a_failed_or_killed_enqueue_leaves_everything_or_nothing() {
+    let (db, client) = setup(2).await;
+    enqueue(&client, 1, 1).await;
+
+    // A failure after the permit was taken (the lease insert fails): nothing remains.
+    sqlx::raw_sql(
+        "CREATE FUNCTION fail_lease() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'injected'; END $$;
+         CREATE TRIGGER fail_lease BEFORE INSERT ON lockgate.leases FOR EACH ROW EXECUTE FUNCTION fail_lease();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let err = client.enqueue_raw(TYPE, &json!({"account": 1}), &EnqueueOptions::default()).await.unwrap_err();
+    assert!(err.to_string().contains("injected"), "{err}");
+    nothing_changed(&db).await;
+    sqlx::raw_sql("DROP TRIGGER fail_lease ON lockgate.leases").execute(&db.pool).await.unwrap();
+
+    // The caller's transaction fails after the enqueue: nothing remains.
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue($1, '{\"account\": 1}')").bind(TYPE).execute(&mut *tx).await.unwrap();
+    assert!(sqlx::query("SELECT 1/0").execute(&mut *tx).await.is_err());
+    tx.rollback().await.unwrap();
+    nothing_changed(&db).await;
+
+    // The enqueue's backend is killed while it waits inside the acquire: nothing remains.
+    let mut blocker = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lockgate.semaphores FOR UPDATE").execute(&mut *blocker).await.unwrap();
+    let pool = db.new_pool(1).await.unwrap();
+    let victim = tokio::spawn(async move {
+        sqlx::query("SELECT * FROM lockgate.enqueue('limited', '{\"account\": 1}')").execute(&pool).await
+    });
+    let pid: i32 = wait_for("the enqueue to wait on the key's lock", common::WAIT, || async {
+        Ok(sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_optional(&db.pool)
+        .await?)
+    })
+    .await
+    .unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&db.pool).await.unwrap();
+    blocker.commit().await.unwrap();
+    assert!(victim.await.unwrap().is_err(), "the killed enqueue reports an error");
+    nothing_changed(&db).await;
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn h12_a_failing_bookkeeping_step_cannot_undo_a_promotion_whose_message_is_live() {
+    let (db, client) = setup(1).await;
+    enqueue(&client, 1, 1).await;
+    let waiting = enqueue(&client, 1, 2).await;
+    let holder = claim_one(&db).await;
+    // The promotion's lease insert fails: the whole completion, promotion included, rolls back.
+    sqlx::raw_sql(
+        "CREATE FUNCTION fail_lease() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'injected'; END $$;
+         CREATE TRIGGER fail_lease BEFORE INSERT ON lockgate.leases FOR EACH ROW EXECUTE FUNCTION fail_lease();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let outcome =
+        complete_deliveries(&db.pool, &holder.queue, &[(holder.msg_id, holder.read_ct)], Instant::now()).await;
+    assert!(outcome[0].as_ref().is_err_and(|e| e.contains("injected")), "{outcome:?}");
+    assert!(message_of(&db, waiting.job_id.0).await.is_none(), "no promoted message is live without its permit");
+    assert_eq!(
+        (parked(&db).await, value(&db, 1).await),
+        (1, 1),
+        "the job is still parked; the holder keeps its permit"
+    );
+    assert_eq!(db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(), 0);
+    sqlx::raw_sql("DROP TRIGGER fail_lease ON lockgate.leases").execute(&db.pool).await.unwrap();
+    assert_eq!(complete(&db, &holder).await, ArchiveOutcome::Archived);
+    assert!(message_of(&db, waiting.job_id.0).await.is_some());
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn h13_a_completion_whose_reply_is_lost_never_strands_a_permit() {
+    let (db, client) = setup(1).await;
+    enqueue(&client, 1, 1).await;
+    let waiting = enqueue(&client, 1, 2).await;
+    let holder = claim_one(&db).await;
+    let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let via_proxy = lockgate::PgPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(false)
+        .connect(&proxy.url_for(&db.url))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    complete_deliveries(&via_proxy, &holder.queue, &[(0, 0)], deadline).await;
+    proxy.cut_next_reply();
+    let outcome = complete_deliveries(&via_proxy, &holder.queue, &[(holder.msg_id, holder.read_ct)], deadline).await;
+    assert_eq!(outcome, vec![Ok(ArchiveOutcome::Ambiguous)]);
+    assert!(message_of(&db, waiting.job_id.0).await.is_some(), "the committed completion promoted, once");
+    assert_eq!(value(&db, 1).await, 1);
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn h15_thousands_of_held_keys_cannot_starve_a_key_whose_holder_died() {
+    let (db, client) = setup(1).await;
+    // 2,000 keys, each held by a live holder and with a job parked behind it.
+    let holders: Vec<serde_json::Value> = (0..2000).map(|a| json!({ "account": a })).collect();
+    client.enqueue_many_raw(TYPE, &holders, &EnqueueOptions::default()).await.unwrap();
+    client.enqueue_many_raw(TYPE, &holders, &EnqueueOptions::default()).await.unwrap();
+    // The key whose holder died: parked last, so it is the youngest of all parked keys.
+    enqueue(&client, 99_999, 1).await;
+    let orphan = enqueue(&client, 99_999, 2).await;
+    sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second' WHERE key = $1")
+        .bind(key(99_999))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let report = sweep(&db.pool, 10, None).await.unwrap();
+    assert_eq!((report.expired, report.promoted), (1, 1), "one pass of 10 keys reaches the one that can move");
+    assert!(message_of(&db, orphan.job_id.0).await.is_some());
+    assert_eq!(parked(&db).await, 2000);
+    let violations = check_invariants(&db.pool).await.unwrap();
+    // The dead holder's message still exists without a lease: its next delivery re-acquires or parks.
+    assert!(violations.is_empty(), "{violations:?}");
+}
+
+#[tokio::test]
+async fn h16_a_parked_job_whose_type_no_longer_resolves_is_dead_lettered_not_promoted() {
+    let (db, client) = setup(1).await;
+    enqueue(&client, 1, 1).await;
+    let waiting = enqueue(&client, 1, 2).await;
+    let holder = claim_one(&db).await;
+    sqlx::query("DELETE FROM lockgate.job_types WHERE name = $1").bind(TYPE).execute(&db.pool).await.unwrap();
+    assert_eq!(complete(&db, &holder).await, ArchiveOutcome::Archived);
+    assert!(message_of(&db, waiting.job_id.0).await.is_none(), "not promoted under a guessed limit");
+    let (reason, error): (String, String) =
+        sqlx::query_as("SELECT reason, error FROM lockgate.dead_letters WHERE job_id = $1")
+            .bind(waiting.job_id.0)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(reason, "unknown_job_type");
+    assert!(error.contains("never promoted under a guessed limit"), "{error}");
+    assert_eq!(value(&db, 1).await, 0);
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn g3_a_delivery_whose_lease_lapsed_takes_a_permit_again_or_parks_instead_of_running() {
+    let (db, client) = setup(1).await;
+    let first = enqueue(&client, 1, 1).await;
+    let stale = claim_one(&db).await;
+    // The holder went silent: its lease expires and the sweep frees the permit for another job.
+    sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(&db.pool).await.unwrap();
+    assert_eq!(sweep(&db.pool, 10, None).await.unwrap().expired, 1);
+    let second = enqueue(&client, 1, 2).await;
+    assert_eq!(second.status, EnqueueStatus::Enqueued, "the freed permit went to a new job");
+    // The silent holder's heartbeat can no longer renew it.
+    let renewed =
+        lockgate::sql::extend(&db.pool, &stale.queue, &[(stale.msg_id, stale.read_ct)], Duration::from_secs(30))
+            .await
+            .unwrap();
+    assert!(renewed.is_empty(), "a delivery without its lease is reported lost");
+    // Its message is redelivered: the key is full, so it parks instead of running.
+    db.expire_visibility("default", stale.msg_id).await.unwrap();
+    let claims = claim(&db.pool, &stale.queue, 10, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(claims.iter().map(|c| c.msg_id).collect::<Vec<_>>(), vec![second.msg_id.unwrap()]);
+    assert_eq!(parked(&db).await, 1, "the lapsed job waits for a permit");
+    assert!(message_of(&db, first.job_id.0).await.is_none());
+    assert_eq!(complete(&db, &stale).await, ArchiveOutcome::AlreadyArchived, "the stale holder changes nothing");
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn discard_and_raise_keys_refuse_from_sql_and_from_rust() {
+    let (db, client) = setup_with(1, OnConflict::Discard, Duration::from_secs(60)).await;
+    enqueue(&client, 1, 1).await;
+    let discarded = enqueue(&client, 1, 2).await;
+    assert_eq!((discarded.status, discarded.msg_id), (EnqueueStatus::Discarded, None));
+    let status: String = sqlx::query_scalar("SELECT status FROM lockgate.enqueue('limited', '{\"account\": 1}')")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(status, "discarded");
+    assert_eq!((parked(&db).await, value(&db, 1).await), (0, 1));
+
+    let mut policy = JobPolicy::on_queue(common::queue("default"));
+    policy.concurrency = Some(ConcurrencyPolicy { on_conflict: OnConflict::Raise, ..ConcurrencyPolicy::new(1) });
+    client.define_job_type(&JobTypeName::new("strict").unwrap(), &policy).await.unwrap();
+    client.enqueue_raw("strict", &json!({}), &EnqueueOptions::default()).await.unwrap();
+    let err = client.enqueue_raw("strict", &json!({}), &EnqueueOptions::default()).await.unwrap_err();
+    assert!(matches!(err, EnqueueError::Database(DbError::LimitReached(_))), "{err}");
+    assert!(err.to_string().contains("concurrency limit 1 reached for key \"strict\""), "{err}");
+    let err = sqlx::query("SELECT * FROM lockgate.enqueue('strict', '{}')").execute(&db.pool).await.unwrap_err();
+    assert_eq!(err.as_database_error().and_then(|e| e.code()).as_deref(), Some("LG004"));
+    assert_eq!(db.count("SELECT 1 FROM lockgate.leases WHERE key = 'strict'").await.unwrap(), 1);
+    assert_invariants(&db).await;
+}
