@@ -372,3 +372,38 @@ async fn claims_follow_queue_order_then_priority_then_age() {
     running.stop().await;
     assert_eq!(order.lock().unwrap().as_slice(), &["high-p0-a", "high-p0-b", "high-p5", "low-a", "low-b"]);
 }
+
+#[derive(Serialize, Deserialize)]
+struct Panics {}
+
+impl Job for Panics {
+    const TYPE: &'static str = "panics";
+    fn policy() -> JobPolicy {
+        let mut policy = JobPolicy::on_queue(queue("default"));
+        policy.max_attempts = 1;
+        policy
+    }
+}
+
+#[tokio::test]
+async fn a_panicking_handler_is_a_failed_attempt_not_a_job_stuck_in_flight() {
+    let db = TestDb::migrated().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    client.define::<Panics>().await.unwrap();
+    client.enqueue(&Panics {}, &EnqueueOptions::default()).await.unwrap();
+    let mut registry = Registry::new();
+    registry
+        .register::<Panics, _>(|_ctx: JobContext, _job: Panics| async move {
+            if true {
+                panic!("boom in the handler");
+            }
+            Ok::<(), JobError>(())
+        })
+        .unwrap();
+    let running = Running::start(&db, test_config(), registry, &["default"], 1).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await.unwrap();
+    running.stop().await;
+    let error: String =
+        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(error, "handler panicked: boom in the handler");
+}

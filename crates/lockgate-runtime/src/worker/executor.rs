@@ -83,7 +83,8 @@ pub(crate) async fn execute(shared: Arc<Shared>, claim: Claim, _permit: OwnedSem
     }
 }
 
-/// Runs the handler until it returns, its timeout passes, or its cancellation fires.
+/// Runs the handler until it returns, its timeout passes, or its cancellation fires (then it
+/// gets `CANCEL_GRACE` to return on its own before it is aborted).
 async fn run_handler(
     shared: &Shared,
     ctx: &JobContext,
@@ -95,24 +96,61 @@ async fn run_handler(
         return Err(HandlerFailure::Failed(JobError::new(msg)));
     };
     let call = handler(ctx.clone(), args);
-    let timed = async {
-        match policy.timeout {
+    let timeout = policy.timeout;
+    let timed_ctx = ctx.clone();
+    // The handler runs in a task of its own, so a panic is caught as a failed attempt (instead of
+    // leaving the delivery in flight forever) and cancellation can abort it.
+    let mut task = AbortOnDrop(tokio::spawn(async move {
+        match timeout {
             Some(limit) => match tokio::time::timeout(limit, call).await {
                 Ok(result) => result,
                 Err(_) => {
-                    ctx.fire(CancelReason::Timeout);
+                    timed_ctx.fire(CancelReason::Timeout);
                     Err(HandlerFailure::Failed(JobError::new(format!("timed out after {limit:?}"))))
                 }
             },
             None => call.await,
         }
-    };
-    // Biased: the handler is polled first, so on cancellation it sees the signal once (and may
-    // return) before the runtime stops polling it.
+    }));
     tokio::select! {
         biased;
-        result = timed => result,
-        () = ctx.cancelled() => Err(HandlerFailure::Failed(JobError::new("cancelled"))),
+        joined = &mut task.0 => joined_result(joined),
+        () = ctx.cancelled() => {
+            // Let the handler see the signal and wind down; then stop it.
+            match tokio::time::timeout(CANCEL_GRACE, &mut task.0).await {
+                Ok(joined) => joined_result(joined),
+                Err(_) => Err(HandlerFailure::Failed(JobError::new("cancelled"))),
+            }
+        }
+    }
+}
+
+/// How long a cancelled handler may take to return on its own before it is aborted: enough to
+/// close a file or roll back a transaction, short enough not to delay a shutdown's return.
+const CANCEL_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Aborts the handler's task when the executor stops waiting for it.
+struct AbortOnDrop(tokio::task::JoinHandle<Result<(), HandlerFailure>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn joined_result(joined: Result<Result<(), HandlerFailure>, tokio::task::JoinError>) -> Result<(), HandlerFailure> {
+    match joined {
+        Ok(result) => result,
+        Err(e) if e.is_panic() => {
+            let panic = e.into_panic();
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".into());
+            Err(HandlerFailure::Failed(JobError::new(format!("handler panicked: {message}"))))
+        }
+        Err(_) => Err(HandlerFailure::Failed(JobError::new("cancelled"))),
     }
 }
 
