@@ -102,16 +102,17 @@ async fn g3_fifty_jobs_on_a_limit_one_key_with_a_holders_heartbeat_cut_never_adm
     let proxied = lockgate::PgPoolOptions::new().max_connections(10).connect(&proxy.url_for(&db.url)).await.unwrap();
     let mut workers =
         vec![Running::start_on(proxied, fast_config(), registry(&db, 0, Some(4000), &types), &["default"], 1)];
-    for w in 1..8 {
-        workers.push(Running::start(&db, fast_config(), registry(&db, w, None, &types), &["default"], 1).await);
-    }
-    // Cut worker 0's heartbeat (and everything else it says) while its job runs.
     wait_for("worker 0 to start a job", WAIT, || async {
         Ok(db.count("SELECT 1 FROM runs WHERE worker = 0").await.map(|n| (n > 0).then_some(()))?)
     })
     .await
     .unwrap();
+    // Cut worker 0's heartbeat (and everything else it says) while its job runs, then start
+    // seven more workers.
     proxy.freeze();
+    for w in 1..8 {
+        workers.push(Running::start(&db, fast_config(), registry(&db, w, None, &types), &["default"], 1).await);
+    }
     // The others carry on: the sweep expires its lease, its message comes back and re-parks.
     // Another job can start only once the frozen holder's lease expired and the sweep freed it.
     wait_for("jobs to start past the frozen holder", WAIT, || async {

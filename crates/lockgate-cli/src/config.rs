@@ -12,6 +12,9 @@
 //! archive_retention = "7d"
 //! maintenance_interval = "30s"
 //! sweep_interval = "5s"
+//! process_heartbeat_interval = "5s"
+//! alive_threshold = "60s"
+//! health_listen = "127.0.0.1:9187"  # "off" serves no health endpoints
 //!
 //! [[pool]]
 //! name = "default"
@@ -62,6 +65,9 @@ struct RuntimeSection {
     archive_retention: Option<String>,
     maintenance_interval: Option<String>,
     sweep_interval: Option<String>,
+    process_heartbeat_interval: Option<String>,
+    alive_threshold: Option<String>,
+    health_listen: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -149,6 +155,13 @@ impl Config {
                 d.maintenance_interval,
             )?,
             sweep_interval: duration_or("runtime.sweep_interval", &r.sweep_interval, d.sweep_interval)?,
+            process_heartbeat_interval: duration_or(
+                "runtime.process_heartbeat_interval",
+                &r.process_heartbeat_interval,
+                d.process_heartbeat_interval,
+            )?,
+            alive_threshold: duration_or("runtime.alive_threshold", &r.alive_threshold, d.alive_threshold)?,
+            health_listen: health_listen(r.health_listen.as_deref())?,
         };
         config.validate()?;
         Ok(config)
@@ -219,6 +232,19 @@ fn job_type(name: &str, s: &JobTypeSection) -> Result<JobTypeConfig> {
     Ok(JobTypeConfig { name, policy, executor })
 }
 
+/// Where `lockgate run` serves /livez and /readyz: loopback by default, so a health port is
+/// never exposed beyond the host unless the operator says so.
+pub const DEFAULT_HEALTH_LISTEN: &str = "127.0.0.1:9187";
+
+fn health_listen(value: Option<&str>) -> Result<Option<std::net::SocketAddr>> {
+    match value.unwrap_or(DEFAULT_HEALTH_LISTEN) {
+        "off" => Ok(None),
+        addr => addr.parse().map(Some).with_context(|| {
+            format!("invalid runtime.health_listen {addr:?}: an address such as \"127.0.0.1:9187\", or \"off\"")
+        }),
+    }
+}
+
 fn duration_or(field: &str, value: &Option<String>, default: Duration) -> Result<Duration> {
     value.as_deref().map_or(Ok(default), |v| duration(field, v))
 }
@@ -280,6 +306,8 @@ mod tests {
         assert!(err("[job_types.x]\nsql = \"select 1\"\nmax_attempts = 0").contains("max_attempts"));
         assert!(err("[job_types.x]\nsql = \"select 1\"\nqueue = \"Bad\"").contains("invalid queue \"Bad\""));
         assert!(err("[[pool]]\nqueues = []").contains("at least one queue"));
+        assert!(err("[runtime]\nhealth_listen = \"everywhere\"").contains("invalid runtime.health_listen"));
+        assert!(err("[runtime]\nalive_threshold = \"1s\"").contains("alive_threshold"));
         assert!(err("[job_types.x]\nsql = \"s\"\nconcurrency = { limit = 0 }").contains("concurrency.limit"));
         assert!(err("[job_types.x]\nsql = \"s\"\nconcurrency = { limit = 1, on_conflict = \"wait\" }")
             .contains("block, discard or raise"));

@@ -22,6 +22,12 @@ pub const DEFAULT_ARCHIVE_RETENTION: Duration = Duration::from_secs(7 * 24 * 360
 pub const DEFAULT_MAINTENANCE_INTERVAL: Duration = Duration::from_secs(30);
 /// The concurrency sweep runs every 5 s: a dead holder's free permit is used within this long.
 pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+/// Process rows are renewed every 5 s, on their own timer and connection.
+pub const DEFAULT_PROCESS_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(5);
+/// A process silent for a minute is pruned. Recovery of its jobs does not wait for this (their
+/// visibility lapses after `visibility_timeout`); pruning cleans the registry and returns what
+/// is still invisible at once.
+pub const DEFAULT_ALIVE_THRESHOLD: Duration = Duration::from_secs(60);
 
 /// Process-wide settings of the runtime.
 #[derive(Debug, Clone, PartialEq)]
@@ -34,6 +40,12 @@ pub struct RuntimeConfig {
     pub maintenance_interval: Duration,
     /// How often the concurrency sweep expires leases and promotes parked jobs.
     pub sweep_interval: Duration,
+    /// How often this process renews its rows in `lockgate.processes`.
+    pub process_heartbeat_interval: Duration,
+    /// How long a process may be silent before any other process prunes it.
+    pub alive_threshold: Duration,
+    /// Where `/livez` and `/readyz` are served; `None` serves nothing.
+    pub health_listen: Option<std::net::SocketAddr>,
 }
 
 impl Default for RuntimeConfig {
@@ -46,6 +58,9 @@ impl Default for RuntimeConfig {
             archive_retention: DEFAULT_ARCHIVE_RETENTION,
             maintenance_interval: DEFAULT_MAINTENANCE_INTERVAL,
             sweep_interval: DEFAULT_SWEEP_INTERVAL,
+            process_heartbeat_interval: DEFAULT_PROCESS_HEARTBEAT_INTERVAL,
+            alive_threshold: DEFAULT_ALIVE_THRESHOLD,
+            health_listen: None,
         }
     }
 }
@@ -69,6 +84,14 @@ impl RuntimeConfig {
             if value.is_zero() {
                 return Err(ValidationError::new(field, "0s", "a positive duration"));
             }
+        }
+        // Three missed process heartbeats before anyone may prune: one late tick is not death.
+        if self.alive_threshold < self.process_heartbeat_interval * 3 {
+            return Err(ValidationError::new(
+                "alive_threshold",
+                format!("{:?}", self.alive_threshold),
+                format!("at least three process_heartbeat_interval ({:?})", self.process_heartbeat_interval),
+            ));
         }
         Ok(())
     }

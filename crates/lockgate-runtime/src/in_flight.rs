@@ -67,15 +67,36 @@ impl InFlight {
     }
 
     /// Running → Finishing. False when shutdown or the heartbeat took the delivery away first:
-    /// then the handler's outcome must not be written.
+    /// then the handler's outcome must not be written. A lost delivery is forgotten here (no
+    /// one else will); a releasing one is left to the release.
     pub fn begin_finishing(&self, d: &Delivery) -> bool {
-        match self.entries().get_mut(&(d.queue.clone(), d.msg_id)) {
+        let mut entries = self.entries();
+        let key = (d.queue.clone(), d.msg_id);
+        match entries.get_mut(&key) {
             Some(e) if e.read_ct == d.read_ct && e.state == State::Running => {
                 e.state = State::Finishing;
                 true
             }
+            Some(e) if e.read_ct == d.read_ct && e.state == State::Lost => {
+                entries.remove(&key);
+                false
+            }
             _ => false,
         }
+    }
+
+    /// The process was pruned: every delivery it holds is stale. Marks them all lost and
+    /// cancels their handlers; returns how many.
+    pub fn abandon_all(&self) -> usize {
+        let mut n = 0;
+        for e in self.entries().values_mut() {
+            if e.state != State::Lost {
+                e.state = State::Lost;
+                e.ctx.fire(CancelReason::LeaseLost);
+                n += 1;
+            }
+        }
+        n
     }
 
     pub fn remove(&self, d: &Delivery) {

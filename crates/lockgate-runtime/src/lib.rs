@@ -11,12 +11,14 @@ mod client;
 pub mod config;
 mod error;
 mod handler;
+pub mod health;
 pub mod heartbeat;
 mod in_flight;
 mod job;
 pub mod maintenance;
 mod notifier;
 mod policies;
+pub mod process_registry;
 mod supervisor;
 pub mod worker;
 

@@ -12,17 +12,20 @@ use sqlx::postgres::PgListener;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::health::Health;
+
 const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(5);
 
 pub(crate) struct Notifier {
     db: PgPool,
+    health: Arc<Health>,
     /// Channel name → the wake-ups of the pools that serve that queue.
     channels: HashMap<String, Vec<Arc<Notify>>>,
 }
 
 impl Notifier {
-    pub fn new(db: PgPool) -> Self {
-        Self { db, channels: HashMap::new() }
+    pub fn new(db: PgPool, health: Arc<Health>) -> Self {
+        Self { db, health, channels: HashMap::new() }
     }
 
     pub fn subscribe(&mut self, queue: &str, wake: Arc<Notify>) {
@@ -33,13 +36,14 @@ impl Notifier {
         self.channels.values().flatten().for_each(|w| w.notify_one());
     }
 
-    pub async fn run(self, shutdown: CancellationToken) {
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
         let mut pause = Duration::from_millis(100);
         loop {
             match self.listen(&shutdown).await {
                 Ok(()) => return,
                 Err(error) => {
                     tracing::warn!(%error, "LISTEN connection lost; polling covers wake-ups until it is back");
+                    self.health.set_listen_down(true);
                     self.wake_all();
                 }
             }
@@ -56,6 +60,10 @@ impl Notifier {
         let mut listener = PgListener::connect_with(&self.db).await?;
         let channels: Vec<&str> = self.channels.keys().map(String::as_str).collect();
         listener.listen_all(channels).await?;
+        if self.health.listen_down() {
+            tracing::info!("LISTEN connection restored");
+        }
+        self.health.set_listen_down(false);
         // Anything enqueued while we were not listening is found by this wake-up's claim.
         self.wake_all();
         loop {

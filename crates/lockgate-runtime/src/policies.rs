@@ -1,7 +1,9 @@
 //! The process's cache of job-type policies from `lockgate.job_types`. Policies are read from
 //! the database (not from the registry) so every process and every SQL producer applies the
-//! same stored policy. A miss reloads once, at most every `MIN_RELOAD_INTERVAL`, so a type
-//! defined by another process is found and a type that does not exist costs one query.
+//! same stored policy. A miss reloads unless a reload already started after the job was
+//! claimed: an enqueue checks its type exists, so a type defined before the enqueue committed
+//! is always seen by such a reload, and a type that does not exist costs at most one query per
+//! claim batch.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -10,8 +12,6 @@ use lockgate_core::JobPolicy;
 use lockgate_sql::{DbError, PgPool};
 use tokio::sync::RwLock;
 
-/// Reloads are cheap (one small table) but not free; a second is plenty for a new type to show.
-const MIN_RELOAD_INTERVAL: Duration = Duration::from_secs(1);
 /// Edited policies reach running workers within this long.
 const MAX_AGE: Duration = Duration::from_secs(30);
 
@@ -30,21 +30,20 @@ impl PolicyCache {
         Ok(rows.into_iter().map(|(name, policy)| (name.as_str().to_string(), policy)).collect())
     }
 
-    /// The stored policy of `job_type`, or `None` when the database has no such type.
-    pub async fn get(&self, db: &PgPool, job_type: &str) -> Option<JobPolicy> {
+    /// The stored policy of `job_type` for a job claimed at `claimed_at`, or `None` when the
+    /// database has no such type.
+    pub async fn get(&self, db: &PgPool, job_type: &str, claimed_at: Instant) -> Option<JobPolicy> {
         {
             let guard = self.inner.read().await;
-            let age = guard.1.elapsed();
-            match guard.0.get(job_type) {
-                Some(policy) if age < MAX_AGE => return Some(policy.clone()),
-                None if age < MIN_RELOAD_INTERVAL => return None,
-                _ => {}
+            if let Some(policy) = guard.0.get(job_type).filter(|_| guard.1.elapsed() < MAX_AGE) {
+                return Some(policy.clone());
             }
         }
         let mut guard = self.inner.write().await;
-        if guard.1.elapsed() >= MIN_RELOAD_INTERVAL {
+        if guard.1 <= claimed_at || guard.1.elapsed() >= MAX_AGE {
+            let started = Instant::now();
             match Self::fetch(db).await {
-                Ok(map) => *guard = (map, Instant::now()),
+                Ok(map) => *guard = (map, started),
                 // Keep serving what we know; a blip must not dead-letter jobs of known types.
                 Err(error) => tracing::warn!(%error, "could not reload job types"),
             }

@@ -3,40 +3,58 @@
 //!
 //! Startup: check the schema, record the registry's job-type policies and this process's
 //! heartbeat interval (which floors every lease), create the pools' queues, load the policy
-//! cache, then start the notifier, the heartbeat, the maintenance sweeps (archive retention and
-//! the concurrency sweep) and the worker pools.
+//! cache, register in `lockgate.processes`, then start the health endpoints, the notifier, the
+//! heartbeat, the process registry, the maintenance sweeps and the worker pools. Each service
+//! runs supervised: one that panics or stops on its own is logged and restarted with backoff,
+//! and three crashes within a minute make the process not ready.
 //!
 //! Shutdown, when the caller's token fires (TERM/INT), in this order:
-//! 1. every pool stops claiming;
+//! 1. the process reports draining, and every pool stops claiming (nothing is claimed without
+//!    a free slot, so no claimed job waits unstarted);
 //! 2. running jobs get `shutdown_timeout` to finish;
-//! 3. the rest are cancelled and returned to their queue, visible at once, and that statement
-//!    lands before the pool's `run` returns (G7; seed 002: nothing may exit the process while
-//!    it is in flight — the caller awaits `run`, and nothing here races it with a timer);
+//! 3. the rest are cancelled and returned to their queue, visible at once, keeping their
+//!    permits; that statement lands before the pool's `run` returns (G7);
 //! 4. the heartbeat stops (it kept the leases of finishing jobs alive until now);
-//! 5. the notifier and the maintenance sweeps stop; `run` returns.
+//! 5. the process deregisters;
+//! 6. the registry, notifier, sweeps and health endpoints stop; `run` returns.
+//!
+//! Nothing here races that sequence with a timer (seed 002): the caller awaits `run` and exits
+//! only after it returns. A second signal or QUIT is the binary's immediate exit.
 
+use std::future::Future;
+use std::sync::atomic::AtomicI64;
 use std::sync::Arc;
+use std::time::Duration;
 
 use lockgate_sql::PgPool;
+use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::health::{self, Health};
 use crate::heartbeat::Heartbeat;
 use crate::in_flight::InFlight;
 use crate::maintenance::{ArchiveRetention, ConcurrencySweep};
 use crate::notifier::Notifier;
 use crate::policies::PolicyCache;
+use crate::process_registry::{PoolReport, ProcessRegistry};
 use crate::worker::WorkerPool;
 use crate::{PoolConfig, Registry, RuntimeConfig, RuntimeError};
 
-/// One process's worth of lockgate: worker pools, heartbeat, notifier and maintenance.
+/// The first restart of a crashed service waits this long; doubled up to `MAX_RESTART_PAUSE`.
+const FIRST_RESTART_PAUSE: Duration = Duration::from_millis(200);
+const MAX_RESTART_PAUSE: Duration = Duration::from_secs(30);
+
+/// One process's worth of lockgate: worker pools, heartbeat, notifier, registry, sweeps.
 #[derive(Debug)]
 pub struct Runtime {
     db: PgPool,
     config: RuntimeConfig,
     registry: Registry,
     pools: Vec<PoolConfig>,
+    name: String,
+    health: Arc<Health>,
 }
 
 impl Runtime {
@@ -50,7 +68,18 @@ impl Runtime {
         for pool in &pools {
             pool.validate()?;
         }
-        Ok(Self { db, config, registry, pools })
+        Ok(Self { db, config, registry, pools, name: "lockgate".into(), health: Arc::default() })
+    }
+
+    /// Names the process in `lockgate.processes` (default `lockgate`).
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// The health this runtime reports on `/readyz`; readable by embedders.
+    pub fn health(&self) -> Arc<Health> {
+        Arc::clone(&self.health)
     }
 
     /// Runs until `shutdown` fires, then shuts down in the documented order.
@@ -64,54 +93,140 @@ impl Runtime {
             lockgate_sql::create_queue(&self.db, queue.as_str()).await?;
         }
         let policies = Arc::new(PolicyCache::load(&self.db).await?);
+        let services = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        if let Some(addr) = self.config.health_listen {
+            tracker.spawn(health::serve(addr, Arc::clone(&self.health), services.clone()));
+        }
 
-        let mut notifier = Notifier::new(self.db.clone());
+        let mut notifier = Notifier::new(self.db.clone(), Arc::clone(&self.health));
         let mut sets = Vec::new();
-        let mut pools = Vec::new();
+        let mut reports = Vec::new();
+        let mut pool_parts = Vec::new();
         for pool in &self.pools {
             let wake = Arc::new(Notify::new());
             pool.queues.iter().for_each(|q| notifier.subscribe(q.as_str(), Arc::clone(&wake)));
             let in_flight = Arc::new(InFlight::default());
+            let last_tick = Arc::new(AtomicI64::new(0));
             sets.push(Arc::clone(&in_flight));
-            let registry = self.registry.clone();
-            let policies = Arc::clone(&policies);
-            pools.push(WorkerPool::new(
-                pool.clone(),
-                self.config.clone(),
-                self.db.clone(),
-                registry,
-                policies,
-                in_flight,
-                wake,
-            ));
+            reports.push(PoolReport {
+                config: pool.clone(),
+                in_flight: Arc::clone(&in_flight),
+                last_tick: Arc::clone(&last_tick),
+            });
+            pool_parts.push((pool.clone(), in_flight, wake, last_tick));
         }
+        let registry_db = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(self.db.connect_options().as_ref().clone())
+            .await
+            .map_err(lockgate_sql::DbError::from)?;
+        let process_registry = Arc::new(ProcessRegistry::new(
+            registry_db,
+            self.name.clone(),
+            reports,
+            Arc::clone(&self.health),
+            self.config.process_heartbeat_interval,
+            self.config.alive_threshold,
+        ));
+        process_registry.register().await?;
 
-        let services = CancellationToken::new();
-        let tracker = TaskTracker::new();
-        tracker.spawn(notifier.run(services.clone()));
-        let retention =
-            ArchiveRetention::new(self.db.clone(), self.config.archive_retention, self.config.maintenance_interval);
-        tracker.spawn(retention.run(services.clone()));
-        tracker.spawn(ConcurrencySweep::new(self.db.clone(), self.config.sweep_interval).run(services.clone()));
-        let heartbeat =
-            Heartbeat::new(self.db.clone(), sets, self.config.heartbeat_interval, self.config.visibility_timeout);
+        let notifier = Arc::new(notifier);
+        let health = &self.health;
+        tracker.spawn(supervise("notifier", health.clone(), services.clone(), {
+            let notifier = Arc::clone(&notifier);
+            move |token| Arc::clone(&notifier).run(token)
+        }));
+        tracker.spawn(supervise("archive_retention", health.clone(), services.clone(), {
+            let (db, config) = (self.db.clone(), self.config.clone());
+            move |token| {
+                ArchiveRetention::new(db.clone(), config.archive_retention, config.maintenance_interval).run(token)
+            }
+        }));
+        tracker.spawn(supervise("concurrency_sweep", health.clone(), services.clone(), {
+            let (db, interval) = (self.db.clone(), self.config.sweep_interval);
+            move |token| ConcurrencySweep::new(db.clone(), interval).run(token)
+        }));
+        let registry_stop = CancellationToken::new();
+        let registry_task = tokio::spawn(supervise("process_registry", health.clone(), registry_stop.clone(), {
+            let registry = Arc::clone(&process_registry);
+            move |token| Arc::clone(&registry).run(token)
+        }));
         let heartbeat_stop = CancellationToken::new();
-        let heartbeat = tokio::spawn(heartbeat.run(heartbeat_stop.clone()));
+        let heartbeat_task = tokio::spawn(supervise("heartbeat", health.clone(), heartbeat_stop.clone(), {
+            let (db, config, sets) = (self.db.clone(), self.config.clone(), sets.clone());
+            move |token| {
+                Heartbeat::new(db.clone(), sets.clone(), config.heartbeat_interval, config.visibility_timeout)
+                    .run(token)
+            }
+        }));
 
         let workers = TaskTracker::new();
-        for pool in pools {
-            workers.spawn(pool.run(shutdown.clone()));
+        for (pool, in_flight, wake, last_tick) in pool_parts {
+            let (db, config, registry, policies) =
+                (self.db.clone(), self.config.clone(), self.registry.clone(), policies.clone());
+            let owner = Arc::clone(&process_registry.owner);
+            workers.spawn(supervise("worker_pool", health.clone(), shutdown.clone(), move |token| {
+                let pool = WorkerPool::new(
+                    pool.clone(),
+                    config.clone(),
+                    db.clone(),
+                    registry.clone(),
+                    policies.clone(),
+                    Arc::clone(&in_flight),
+                    Arc::clone(&wake),
+                    Arc::clone(&owner),
+                    Arc::clone(&last_tick),
+                );
+                pool.run(token)
+            }));
         }
+        self.health.set_running();
         tracing::info!(pools = self.pools.len(), "lockgate running");
+        tokio::select! {
+            () = shutdown.cancelled() => self.health.set_draining(),
+            () = workers.wait() => {}
+        }
         workers.close();
         workers.wait().await;
 
         heartbeat_stop.cancel();
-        let _ = heartbeat.await;
+        let _ = heartbeat_task.await;
+        if let Err(error) = process_registry.deregister().await {
+            tracing::warn!(%error, "could not deregister; the row will be pruned after the alive threshold");
+        }
+        registry_stop.cancel();
+        let _ = registry_task.await;
         services.cancel();
         tracker.close();
         tracker.wait().await;
         tracing::info!("lockgate stopped");
         Ok(())
+    }
+}
+
+/// Runs the service `make` builds until `token` fires; restarts it with backoff whenever it
+/// panics or returns early, and records each crash in `health`.
+async fn supervise<F, Fut>(name: &'static str, health: Arc<Health>, token: CancellationToken, mut make: F)
+where
+    F: FnMut(CancellationToken) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let mut pause = FIRST_RESTART_PAUSE;
+    loop {
+        let outcome = tokio::spawn(make(token.clone())).await;
+        if token.is_cancelled() {
+            return;
+        }
+        match outcome {
+            Err(e) if e.is_panic() => tracing::error!(service = name, "service panicked; restarting"),
+            _ => tracing::error!(service = name, "service stopped unexpectedly; restarting"),
+        }
+        health.record_crash(name);
+        tokio::select! {
+            () = token.cancelled() => return,
+            () = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(MAX_RESTART_PAUSE);
     }
 }

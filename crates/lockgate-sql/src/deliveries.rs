@@ -37,10 +37,23 @@ pub async fn claim<'c>(
     qty: i32,
     visibility: Duration,
 ) -> Result<Vec<Claim>, DbError> {
-    let rows = sqlx::query("SELECT msg_id, read_ct, enqueued_at, message, headers FROM lockgate.claim($1, $2, $3)")
+    claim_as(db, queue, qty, visibility, None).await
+}
+
+/// Claims as `owner` (a registered supervisor's id), recorded on each message so that pruning
+/// a dead owner can make its in-flight jobs visible at once.
+pub async fn claim_as<'c>(
+    db: impl PgExecutor<'c>,
+    queue: &QueueName,
+    qty: i32,
+    visibility: Duration,
+    owner: Option<i64>,
+) -> Result<Vec<Claim>, DbError> {
+    let rows = sqlx::query("SELECT msg_id, read_ct, enqueued_at, message, headers FROM lockgate.claim($1, $2, $3, $4)")
         .bind(queue.as_str())
         .bind(qty)
         .bind(visibility.as_secs_f64())
+        .bind(owner)
         .fetch_all(db)
         .await?;
     Ok(rows

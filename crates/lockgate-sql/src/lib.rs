@@ -13,6 +13,7 @@ mod error;
 mod job_types;
 mod maintenance;
 mod migrate;
+mod processes;
 mod queues;
 mod status;
 
@@ -20,13 +21,16 @@ pub use concurrency::{
     check_invariants, discard_parked, key_stats, parked_jobs, record_heartbeat_interval, sweep, KeyStats, ParkedJob,
     SweepReport,
 };
-pub use deliveries::{claim, complete, dead_letter, extend, release, retry, DeadLetterReason};
+pub use deliveries::{claim, claim_as, complete, dead_letter, extend, release, retry, DeadLetterReason};
 pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter};
 pub use enqueue::{enqueue, enqueue_many};
 pub use error::DbError;
 pub use job_types::{define_job_type, load_job_types};
 pub use maintenance::prune_archive;
 pub use migrate::{check_schema, functions_checksum, migrate, MigrateReport, LATEST_MIGRATION};
+pub use processes::{
+    deregister_process, heartbeat_processes, list_processes, prune_processes, register_process, ProcessRow,
+};
 pub use queues::{create_queue, list_queues};
 pub use status::{queue_stats, QueueStats};
 

@@ -25,6 +25,7 @@ const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../migrations/0002_lockgate_schema.sql"),
     },
     Migration { version: 3, name: "concurrency", sql: include_str!("../../../migrations/0003_concurrency.sql") },
+    Migration { version: 4, name: "processes", sql: include_str!("../../../migrations/0004_processes.sql") },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -44,10 +45,11 @@ const FUNCTIONS: &[&str] = &[
     include_str!("../../../sql/065_keys.sql"),
     include_str!("../../../sql/070_archive_retention.sql"),
     include_str!("../../../sql/080_sweep.sql"),
+    include_str!("../../../sql/090_processes.sql"),
 ];
 
 /// The schema version this build expects.
-pub const LATEST_MIGRATION: i32 = 3;
+pub const LATEST_MIGRATION: i32 = 4;
 
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;

@@ -1,4 +1,5 @@
-//! `lockgate status`: per-queue counts, then every concurrency key that is held or has parked jobs.
+//! `lockgate status`: per-queue counts, the registered processes with the age of their last
+//! heartbeat and their jobs in flight, then every concurrency key that is held or has parked jobs.
 
 use anyhow::Result;
 
@@ -15,6 +16,7 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
     let pool = db::connect_checked(&db::resolve(url), 1).await?;
     let stats = lockgate::sql::queue_stats(&pool).await?;
     let keys = lockgate::sql::key_stats(&pool).await?;
+    let processes = lockgate::sql::list_processes(&pool).await?;
     if args.json {
         let rows: Vec<_> = stats
             .iter()
@@ -34,13 +36,36 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
                 })
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "queues": rows, "keys": keys }))?);
+        let processes: Vec<_> = processes
+            .iter()
+            .map(|p| {
+                serde_json::json!({
+                    "id": p.id, "kind": p.kind, "name": p.name, "host": p.host, "pid": p.pid,
+                    "supervisor_id": p.supervisor_id, "started_at": p.started_at.to_rfc3339(),
+                    "heartbeat_age_seconds": p.heartbeat_age_seconds, "metadata": p.metadata,
+                })
+            })
+            .collect();
+        let all = serde_json::json!({ "queues": rows, "keys": keys, "processes": processes });
+        println!("{}", serde_json::to_string_pretty(&all)?);
         return Ok(());
     }
     println!("{:<24} {:>9} {:>9} {:>9} {:>9} {:>12}", "QUEUE", "READY", "SCHEDULED", "RUNNING", "DEAD", "OLDEST READY");
     for s in stats {
         let age = s.oldest_ready_seconds.map_or("-".to_string(), |secs| format!("{secs:.1}s"));
         println!("{:<24} {:>9} {:>9} {:>9} {:>9} {:>12}", s.queue, s.ready, s.scheduled, s.running, s.dead, age);
+    }
+    if !processes.is_empty() {
+        println!(
+            "\n{:<6} {:<11} {:<16} {:<20} {:>8} {:>10} {:>10}",
+            "ID", "KIND", "NAME", "HOST", "PID", "HEARTBEAT", "IN FLIGHT"
+        );
+        for p in &processes {
+            let in_flight = p.metadata.get("in_flight").map_or("-".to_string(), |v| v.to_string());
+            let kind = if p.supervisor_id.is_some() { format!("  {}", p.kind) } else { p.kind.clone() };
+            let age = format!("{:.1}s ago", p.heartbeat_age_seconds);
+            println!("{:<6} {kind:<11} {:<16} {:<20} {:>8} {age:>10} {in_flight:>10}", p.id, p.name, p.host, p.pid);
+        }
     }
     if !keys.is_empty() {
         println!("\n{:<40} {:>6} {:>6} {:>8} {:>13}", "KEY", "LIMIT", "HELD", "PARKED", "OLDEST PARKED");

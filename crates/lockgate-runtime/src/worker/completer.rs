@@ -82,7 +82,12 @@ impl Completer {
         let lease_until = || requests.iter().map(|r| self.in_flight.lease_until(&r.delivery)).min().flatten();
         let result = persist("complete", lease_until, || async {
             let _gate = self.in_flight.gate.read().await;
-            lockgate_sql::complete(&self.db, queue, &deliveries).await
+            let result = lockgate_sql::complete(&self.db, queue, &deliveries).await;
+            if result.is_ok() {
+                // Still under the gate: no heartbeat can see a completed delivery as lost.
+                requests.iter().for_each(|r| self.in_flight.remove(&r.delivery));
+            }
+            result
         })
         .await;
         let outcomes = outcomes(&deliveries, result);

@@ -17,7 +17,7 @@ use crate::in_flight::Delivery;
 use crate::{CancelReason, JobContext, JobError};
 
 /// Runs one claimed delivery to its final statement. The permit is the pool's concurrency slot.
-pub(crate) async fn execute(shared: Arc<Shared>, claim: Claim, _permit: OwnedSemaphorePermit) {
+pub(crate) async fn execute(shared: Arc<Shared>, claim: Claim, claimed_at: Instant, _permit: OwnedSemaphorePermit) {
     let delivery = Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct };
     let span = tracing::info_span!("job", queue = %claim.queue, msg_id = claim.msg_id, read_ct = claim.read_ct);
     let _enter = span.enter();
@@ -31,7 +31,7 @@ pub(crate) async fn execute(shared: Arc<Shared>, claim: Claim, _permit: OwnedSem
         let reason = "job arguments are not a JSON object";
         return dead_letter_now(&shared, &claim, DeadLetterReason::Undecodable, reason, claim.read_ct).await;
     };
-    let Some(policy) = shared.policies.get(&shared.db, &headers.job_type).await else {
+    let Some(policy) = shared.policies.get(&shared.db, &headers.job_type, claimed_at).await else {
         let reason = format!("job type {:?} is not defined in lockgate.job_types", headers.job_type);
         return dead_letter_now(&shared, &claim, DeadLetterReason::UnknownJobType, &reason, claim.read_ct).await;
     };
@@ -182,7 +182,12 @@ where
         || shared.in_flight.lease_until(delivery),
         || async {
             let _gate = shared.in_flight.gate.read().await;
-            statement(&shared.db).await
+            let result = statement(&shared.db).await;
+            if result.is_ok() {
+                // Still under the gate: no heartbeat can renew a retry's backoff away.
+                shared.in_flight.remove(delivery);
+            }
+            result
         },
     )
     .await;

@@ -13,6 +13,7 @@ mod executor;
 mod persist;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,6 +37,11 @@ pub(crate) struct Shared {
     pub policies: Arc<PolicyCache>,
     pub in_flight: Arc<InFlight>,
     pub completer: CompleterHandle,
+    /// This process's registry id, tagged on every claim (0 until registered); written by the
+    /// process registry.
+    pub owner: Arc<AtomicI64>,
+    /// Unix milliseconds of the fetch loop's last iteration; read by the process registry.
+    pub last_tick: Arc<AtomicI64>,
 }
 
 /// Pause after a failed claim, doubled up to the poll interval while the database is away.
@@ -49,6 +55,7 @@ pub struct WorkerPool {
 }
 
 impl WorkerPool {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         config: PoolConfig,
         runtime: RuntimeConfig,
@@ -57,9 +64,11 @@ impl WorkerPool {
         policies: Arc<PolicyCache>,
         in_flight: Arc<InFlight>,
         wake: Arc<Notify>,
+        owner: Arc<AtomicI64>,
+        last_tick: Arc<AtomicI64>,
     ) -> Self {
         let (completer, handle) = Completer::new(db.clone(), Arc::clone(&in_flight));
-        let shared = Shared { db, config: runtime, registry, policies, in_flight, completer: handle };
+        let shared = Shared { db, config: runtime, registry, policies, in_flight, completer: handle, owner, last_tick };
         Self { config, shared: Arc::new(shared), completer, wake }
     }
 
@@ -92,6 +101,7 @@ async fn fetch_loop(
 ) {
     let mut pause = CLAIM_RETRY_PAUSE;
     loop {
+        shared.last_tick.store(chrono::Utc::now().timestamp_millis(), Ordering::Relaxed);
         let first = tokio::select! {
             biased;
             () = shutdown.cancelled() => return,
@@ -101,6 +111,7 @@ async fn fetch_loop(
         while let Ok(p) = Arc::clone(slots).try_acquire_owned() {
             permits.push(p);
         }
+        let claimed_at = std::time::Instant::now();
         let claims = match claim_in_order(config, shared, permits.len()).await {
             Ok(claims) => {
                 pause = CLAIM_RETRY_PAUSE;
@@ -124,7 +135,7 @@ async fn fetch_loop(
             continue;
         }
         for (claim, permit) in claims.into_iter().zip(permits) {
-            tracker.spawn(executor::execute(Arc::clone(shared), claim, permit));
+            tracker.spawn(executor::execute(Arc::clone(shared), claim, claimed_at, permit));
         }
     }
 }
@@ -141,7 +152,9 @@ async fn claim_in_order(
         if want == 0 {
             break;
         }
-        let mut batch = lockgate_sql::claim(&shared.db, queue, want as i32, shared.config.visibility_timeout).await?;
+        let owner = Some(shared.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
+        let mut batch =
+            lockgate_sql::claim_as(&shared.db, queue, want as i32, shared.config.visibility_timeout, owner).await?;
         batch.sort_by_key(|c| (JobHeaders::decode(c.headers.as_ref()).map(|h| h.priority).unwrap_or(0), c.msg_id));
         claimed.extend(batch);
     }
@@ -160,7 +173,11 @@ async fn release_running(shared: &Shared) {
         let lease_until = || deliveries.iter().map(|d| shared.in_flight.lease_until(d)).min().flatten();
         let result = persist::persist("release", lease_until, || async {
             let _gate = shared.in_flight.gate.read().await;
-            lockgate_sql::release(&shared.db, &queue, &tokens).await
+            let result = lockgate_sql::release(&shared.db, &queue, &tokens).await;
+            if result.is_ok() {
+                deliveries.iter().for_each(|d| shared.in_flight.remove(d));
+            }
+            result
         })
         .await;
         for d in &deliveries {

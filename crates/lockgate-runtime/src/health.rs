@@ -1,0 +1,143 @@
+//! Health: what `/livez` and `/readyz` report, and the small HTTP server that serves them
+//! (bound to 127.0.0.1 unless configured otherwise).
+//!
+//! Ready means: booted, not draining, registered, and no service crash-looping (three crashes
+//! within a minute). A lost LISTEN connection is reported as degraded but keeps the process
+//! ready: polling still delivers every job (H20).
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+const BOOTING: u8 = 0;
+const RUNNING: u8 = 1;
+const DRAINING: u8 = 2;
+
+/// Three crashes within this window mark a service as crash-looping.
+const CRASH_WINDOW: Duration = Duration::from_secs(60);
+const CRASH_LOOP_COUNT: usize = 3;
+
+/// The process's health, written by the supervisor, the notifier and the registry.
+#[derive(Debug, Default)]
+pub struct Health {
+    phase: AtomicU8,
+    registered: AtomicBool,
+    listen_down: AtomicBool,
+    crashes: Mutex<HashMap<&'static str, VecDeque<Instant>>>,
+}
+
+impl Health {
+    pub(crate) fn set_running(&self) {
+        self.phase.store(RUNNING, Ordering::SeqCst);
+    }
+
+    pub(crate) fn set_draining(&self) {
+        self.phase.store(DRAINING, Ordering::SeqCst);
+    }
+
+    pub(crate) fn set_registered(&self, registered: bool) {
+        self.registered.store(registered, Ordering::SeqCst);
+    }
+
+    pub(crate) fn set_listen_down(&self, down: bool) {
+        self.listen_down.store(down, Ordering::SeqCst);
+    }
+
+    pub fn listen_down(&self) -> bool {
+        self.listen_down.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn record_crash(&self, service: &'static str) {
+        let mut crashes = self.crashes.lock().unwrap_or_else(|e| e.into_inner());
+        crashes.entry(service).or_default().push_back(Instant::now());
+    }
+
+    fn crash_looping(&self) -> Vec<&'static str> {
+        let mut crashes = self.crashes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut looping = Vec::new();
+        for (service, times) in crashes.iter_mut() {
+            while times.front().is_some_and(|t| t.elapsed() > CRASH_WINDOW) {
+                times.pop_front();
+            }
+            if times.len() >= CRASH_LOOP_COUNT {
+                looping.push(*service);
+            }
+        }
+        looping
+    }
+
+    /// `Ok` with notes when ready, `Err` with the reasons when not.
+    pub fn readiness(&self) -> Result<Vec<String>, Vec<String>> {
+        let mut reasons = Vec::new();
+        match self.phase.load(Ordering::SeqCst) {
+            BOOTING => reasons.push("booting".to_string()),
+            DRAINING => reasons.push("draining".to_string()),
+            _ => {}
+        }
+        if !self.registered.load(Ordering::SeqCst) {
+            reasons.push("not registered in lockgate.processes".to_string());
+        }
+        reasons.extend(self.crash_looping().into_iter().map(|s| format!("{s} is crash-looping")));
+        let notes =
+            if self.listen_down() { vec!["degraded: LISTEN connection down, polling".to_string()] } else { vec![] };
+        if reasons.is_empty() {
+            Ok(notes)
+        } else {
+            Err(reasons)
+        }
+    }
+
+    fn phase_name(&self) -> &'static str {
+        match self.phase.load(Ordering::SeqCst) {
+            BOOTING => "booting",
+            RUNNING => "running",
+            _ => "draining",
+        }
+    }
+
+    /// A summary for the registry's metadata.
+    pub fn summary(&self) -> Value {
+        json!({ "phase": self.phase_name(), "listen": if self.listen_down() { "down" } else { "up" } })
+    }
+}
+
+/// Serves `/livez` and `/readyz` on `addr` until `shutdown`. A bind failure is logged, not fatal.
+pub(crate) async fn serve(addr: SocketAddr, health: Arc<Health>, shutdown: CancellationToken) {
+    let listener = match tokio::net::TcpListener::bind(addr).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            tracing::warn!(%addr, %error, "health endpoints not served: cannot bind");
+            return;
+        }
+    };
+    if let Ok(bound) = listener.local_addr() {
+        tracing::info!(addr = %bound, "health endpoints on /livez and /readyz");
+    }
+    let ready = Arc::clone(&health);
+    let app = Router::new().route("/livez", get(|| async { (StatusCode::OK, "ok\n") })).route(
+        "/readyz",
+        get(move || {
+            let health = Arc::clone(&ready);
+            async move {
+                match health.readiness() {
+                    Ok(notes) => (StatusCode::OK, Json(json!({ "ready": true, "notes": notes }))),
+                    Err(reasons) => {
+                        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "ready": false, "reasons": reasons })))
+                    }
+                }
+            }
+        }),
+    );
+    let served = axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await;
+    if let Err(error) = served {
+        tracing::warn!(%error, "health endpoints stopped");
+    }
+}

@@ -1,0 +1,198 @@
+//! The process registry service: registers this process (a supervisor row, one row per worker
+//! pool, one for the dispatcher) in `lockgate.processes`, renews the rows on its own timer and
+//! its own connection, prunes processes silent past the alive threshold, and deregisters on
+//! shutdown.
+//!
+//! A process that finds its own row gone was pruned as dead while it was alive (seed 000). It
+//! never carries on unregistered: it abandons every delivery it holds (the pruner made them
+//! visible; they are stale now and the fence makes their outcomes harmless), cancels their
+//! handlers, and registers again under a new id before its next claim is tagged.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockgate_sql::{DbError, PgPool};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::health::Health;
+use crate::in_flight::InFlight;
+use crate::PoolConfig;
+
+/// One worker pool as the registry reports it.
+pub(crate) struct PoolReport {
+    pub config: PoolConfig,
+    pub in_flight: Arc<InFlight>,
+    /// Unix milliseconds of the fetch loop's last iteration (written by the fetch loop).
+    pub last_tick: Arc<AtomicI64>,
+}
+
+/// What one registry tick did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RegistryReport {
+    /// This process found its own row gone and registered again.
+    pub reregistered: bool,
+    /// Other processes pruned, and the in-flight jobs that made visible.
+    pub pruned: usize,
+    pub released: i64,
+}
+
+pub(crate) struct ProcessRegistry {
+    /// A pool of one connection: heartbeats never queue behind job traffic.
+    db: PgPool,
+    name: String,
+    host: String,
+    pid: i32,
+    pools: Vec<PoolReport>,
+    health: Arc<Health>,
+    /// The supervisor row's id: the owner tag of every claim (read by the fetch loops).
+    pub owner: Arc<AtomicI64>,
+    /// Ids of the service rows, in the order of `pools`, then the dispatcher.
+    rows: tokio::sync::Mutex<Vec<i64>>,
+    interval: Duration,
+    alive_threshold: Duration,
+}
+
+impl ProcessRegistry {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        db: PgPool,
+        name: String,
+        pools: Vec<PoolReport>,
+        health: Arc<Health>,
+        interval: Duration,
+        alive_threshold: Duration,
+    ) -> Self {
+        Self {
+            db,
+            name,
+            host: hostname(),
+            pid: i32::try_from(std::process::id()).unwrap_or(i32::MAX),
+            pools,
+            health,
+            owner: Arc::new(AtomicI64::new(0)),
+            rows: Default::default(),
+            interval,
+            alive_threshold,
+        }
+    }
+
+    /// Inserts this process's rows; the supervisor's id becomes the owner tag of claims.
+    pub async fn register(&self) -> Result<i64, DbError> {
+        let meta = json!({ "version": env!("CARGO_PKG_VERSION"), "health": self.health.summary() });
+        let id = lockgate_sql::register_process(&self.db, "supervisor", &self.name, &self.host, self.pid, None, &meta)
+            .await?;
+        let mut rows = Vec::new();
+        for pool in &self.pools {
+            let meta = self.pool_metadata(pool);
+            rows.push(
+                lockgate_sql::register_process(
+                    &self.db,
+                    "worker",
+                    &pool.config.name,
+                    &self.host,
+                    self.pid,
+                    Some(id),
+                    &meta,
+                )
+                .await?,
+            );
+        }
+        rows.push(
+            lockgate_sql::register_process(
+                &self.db,
+                "dispatcher",
+                "dispatcher",
+                &self.host,
+                self.pid,
+                Some(id),
+                &json!({}),
+            )
+            .await?,
+        );
+        *self.rows.lock().await = rows;
+        self.owner.store(id, Ordering::SeqCst);
+        self.health.set_registered(true);
+        tracing::info!(process_id = id, host = %self.host, pid = self.pid, "registered");
+        Ok(id)
+    }
+
+    fn pool_metadata(&self, pool: &PoolReport) -> Value {
+        json!({
+            "queues": pool.config.queues.iter().map(|q| q.as_str()).collect::<Vec<_>>(),
+            "concurrency": pool.config.concurrency,
+            "in_flight": pool.in_flight.len(),
+            "last_tick_ms": pool.last_tick.load(Ordering::Relaxed),
+        })
+    }
+
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut ticker = tokio::time::interval(self.interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            match self.run_once().await {
+                Ok(report) if report == RegistryReport::default() => {}
+                Ok(report) => tracing::info!(?report, "process registry"),
+                Err(error) => tracing::warn!(%error, "process heartbeat failed"),
+            }
+        }
+    }
+
+    pub async fn run_once(&self) -> Result<RegistryReport, DbError> {
+        let mut report = RegistryReport::default();
+        let owner = self.owner.load(Ordering::SeqCst);
+        let mut beats = vec![(owner, json!({ "version": env!("CARGO_PKG_VERSION"), "health": self.health.summary() }))];
+        let rows = self.rows.lock().await.clone();
+        for (pool, id) in self.pools.iter().zip(&rows) {
+            beats.push((*id, self.pool_metadata(pool)));
+        }
+        if let Some(dispatcher) = rows.last() {
+            beats.push((*dispatcher, json!({})));
+        }
+        let alive = lockgate_sql::heartbeat_processes(&self.db, &beats).await?;
+        if !alive.contains(&owner) {
+            self.on_pruned(owner).await?;
+            report.reregistered = true;
+        }
+        for (id, released) in lockgate_sql::prune_processes(&self.db, self.alive_threshold.as_secs_f64()).await? {
+            tracing::warn!(process_id = id, released, "pruned a process silent past the alive threshold");
+            report.pruned += 1;
+            report.released += released;
+        }
+        Ok(report)
+    }
+
+    async fn on_pruned(&self, old_id: i64) -> Result<(), DbError> {
+        self.health.set_registered(false);
+        let abandoned: usize = self.pools.iter().map(|p| p.in_flight.abandon_all()).sum();
+        tracing::error!(
+            process_id = old_id,
+            abandoned,
+            "this process was pruned as dead while alive; abandoned its deliveries and is registering again"
+        );
+        self.register().await.map(|_| ())
+    }
+
+    /// Deletes this process's rows (shutdown's last database step).
+    pub async fn deregister(&self) -> Result<(), DbError> {
+        self.health.set_registered(false);
+        lockgate_sql::deregister_process(&self.db, self.owner.load(Ordering::SeqCst)).await
+    }
+}
+
+/// The host name, for operators reading `lockgate status`.
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".into())
+}

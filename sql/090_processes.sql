@@ -1,0 +1,62 @@
+-- The process registry. register_process inserts one row (a supervisor, or a service owned by
+-- one); heartbeat_processes renews a process's rows and returns the ids that still exist (a
+-- missing supervisor id means this process was pruned: it must stop, hand back, re-register);
+-- prune_processes deletes supervisors silent past the alive threshold (their services go with
+-- them, ON DELETE CASCADE) and makes their in-flight jobs visible at once. Correctness never
+-- rests on this: a wrongly pruned process's deliveries are stale, and the fence stops them.
+-- Locks: process rows; prune also updates the pruned owners' message rows.
+-- Callers: the runtime's registry service; lockgate status; operators.
+
+CREATE OR REPLACE FUNCTION lockgate.register_process(
+    kind text, name text, host text, pid integer, supervisor_id bigint DEFAULT NULL, metadata jsonb DEFAULT '{}'
+) RETURNS bigint LANGUAGE sql AS $$
+    INSERT INTO lockgate.processes (kind, name, host, pid, supervisor_id, metadata)
+    VALUES (kind, name, host, pid, supervisor_id, COALESCE(metadata, '{}'))
+    RETURNING id
+$$;
+
+CREATE OR REPLACE FUNCTION lockgate.heartbeat_processes(process_ids bigint[], process_metadata jsonb[])
+RETURNS SETOF bigint LANGUAGE sql AS $$
+    UPDATE lockgate.processes p
+       SET last_heartbeat_at = now(), metadata = COALESCE(m.meta, p.metadata)
+      FROM unnest(process_ids, process_metadata) AS m(id, meta)
+     WHERE p.id = m.id
+    RETURNING p.id
+$$;
+
+CREATE OR REPLACE FUNCTION lockgate.deregister_process(supervisor_id bigint)
+RETURNS void LANGUAGE sql AS $$
+    DELETE FROM lockgate.processes p WHERE p.id = supervisor_id
+$$;
+
+-- Returns the ids of the supervisors it pruned and how many in-flight jobs it made visible.
+CREATE OR REPLACE FUNCTION lockgate.prune_processes(alive_threshold_seconds double precision)
+RETURNS TABLE (pruned_id bigint, released bigint) LANGUAGE plpgsql AS $$
+DECLARE
+    dead record;
+    q record;
+    n bigint;
+BEGIN
+    FOR dead IN
+        DELETE FROM lockgate.processes p
+         WHERE p.kind = 'supervisor'
+           AND p.last_heartbeat_at < now() - make_interval(secs => alive_threshold_seconds)
+        RETURNING p.id
+    LOOP
+        pruned_id := dead.id;
+        released := 0;
+        FOR q IN SELECT name FROM lockgate.queues LOOP
+            -- Running deliveries of the dead owner (not ones waiting out a retry backoff).
+            EXECUTE format(
+                'WITH r AS (UPDATE %s m SET vt = clock_timestamp()
+                             WHERE m.headers->>''owner'' = $1::text AND m.vt > clock_timestamp()
+                               AND (m.headers->>''retry_at'')::timestamptz IS DISTINCT FROM m.vt
+                            RETURNING 1)
+                 SELECT count(*) FROM r',
+                lockgate._queue_table(q.name, 'q'))
+               INTO n USING dead.id;
+            released := released + n;
+        END LOOP;
+        RETURN NEXT;
+    END LOOP;
+END $$;
