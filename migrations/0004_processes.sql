@@ -3,6 +3,8 @@
 -- any live process prunes rows silent past the alive threshold (sql/090_processes.sql).
 
 DROP FUNCTION IF EXISTS lockgate.claim(text, integer, double precision);
+-- priority becomes an integer parameter, so `priority => 1` resolves without a cast.
+DROP FUNCTION IF EXISTS lockgate.define_job_type(text, text, smallint, integer, bigint, bigint, double precision, bigint, integer, text[], bigint, text);
 
 CREATE TABLE lockgate.processes (
     id                bigint PRIMARY KEY GENERATED ALWAYS AS IDENTITY,

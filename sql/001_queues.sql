@@ -12,7 +12,7 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = _queue_table.queue) THEN
         RAISE EXCEPTION 'lockgate: queue "%" does not exist', queue
             USING ERRCODE = 'LG001',
-                  HINT = 'create it with lockgate.create_queue(name), lockgate queue create, or a job type on that queue';
+                  HINT = 'create it with lockgate.create_queue(name), or define a job type on that queue';
     END IF;
     RETURN format('pgmq.%I', kind || '_' || queue);
 END $$;

@@ -8,7 +8,7 @@
 CREATE OR REPLACE FUNCTION lockgate.define_job_type(
     name                    text,
     queue                   text DEFAULT 'default',
-    priority                smallint DEFAULT 0,
+    priority                integer DEFAULT 0,
     max_attempts            integer DEFAULT 20,
     backoff_base_ms         bigint DEFAULT 1000,
     backoff_max_ms          bigint DEFAULT 3600000,
@@ -24,6 +24,19 @@ BEGIN
         RAISE EXCEPTION 'lockgate: invalid job type name "%"', name
             USING ERRCODE = 'LG003',
                   DETAIL = 'an ASCII letter followed by letters, digits, _, ., : or -, at most 128 characters';
+    END IF;
+    IF priority IS NULL OR priority NOT BETWEEN 0 AND 9 THEN
+        RAISE EXCEPTION 'lockgate: invalid priority %: an integer from 0 to 9', priority USING ERRCODE = 'LG003';
+    END IF;
+    IF max_attempts IS NULL OR max_attempts < 1 THEN
+        RAISE EXCEPTION 'lockgate: invalid max_attempts %: an integer of at least 1', max_attempts USING ERRCODE = 'LG003';
+    END IF;
+    IF backoff_base_ms < 0 OR backoff_max_ms < backoff_base_ms OR NOT backoff_jitter BETWEEN 0 AND 1 THEN
+        RAISE EXCEPTION 'lockgate: invalid backoff (base % ms, max % ms, jitter %): base >= 0, max >= base, jitter from 0 to 1',
+            backoff_base_ms, backoff_max_ms, backoff_jitter USING ERRCODE = 'LG003';
+    END IF;
+    IF timeout_ms IS NOT NULL AND timeout_ms <= 0 THEN
+        RAISE EXCEPTION 'lockgate: invalid timeout_ms %: positive, or NULL for none', timeout_ms USING ERRCODE = 'LG003';
     END IF;
     IF concurrency_limit IS NOT NULL AND concurrency_limit < 1 THEN
         RAISE EXCEPTION 'lockgate: invalid concurrency limit %: an integer of at least 1', concurrency_limit

@@ -286,3 +286,16 @@ async fn bad_config_files_and_arguments_are_refused_with_the_problem_named() {
     assert!(text(&o).contains("invalid queue \"BAD\""), "{}", text(&o));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn migrate_refuses_a_database_newer_than_the_binary() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("UPDATE lockgate.schema_state SET migration = 999").execute(&db.pool).await.unwrap();
+    let checksum_before: String =
+        sqlx::query_scalar("SELECT functions_checksum FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
+    let o = output(&db, &["migrate"]);
+    assert!(!o.status.success() && text(&o).contains("newer than this build's"), "{}", text(&o));
+    let checksum_after: String =
+        sqlx::query_scalar("SELECT functions_checksum FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(checksum_before, checksum_after, "nothing was rewritten");
+}

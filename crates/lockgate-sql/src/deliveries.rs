@@ -16,7 +16,8 @@ pub enum DeadLetterReason {
     AttemptsExhausted,
     /// The message is not a lockgate job (no or malformed headers, or arguments not an object).
     Undecodable,
-    /// The job type does not resolve to a stored policy or a registered handler.
+    /// The job type does not resolve to a stored policy (a type without a handler in this
+    /// process is a failed attempt instead, retried: another process may have the handler).
     UnknownJobType,
 }
 

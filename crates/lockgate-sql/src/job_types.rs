@@ -17,7 +17,7 @@ pub async fn define_job_type<'c>(
     sqlx::query("SELECT lockgate.define_job_type($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)")
         .bind(name.as_str())
         .bind(policy.queue.as_str())
-        .bind(policy.priority)
+        .bind(i32::from(policy.priority))
         .bind(i32::try_from(policy.max_attempts).unwrap_or(i32::MAX))
         .bind(millis(policy.backoff.base))
         .bind(millis(policy.backoff.max))

@@ -94,6 +94,12 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
     let mut tx = pool.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *tx).await?;
     sqlx::raw_sql(BOOTSTRAP).execute(&mut *tx).await?;
+    // A binary older than the database must not rewrite newer functions with its own.
+    let recorded: Option<i32> =
+        sqlx::query_scalar("SELECT migration FROM lockgate.schema_state").fetch_optional(&mut *tx).await?;
+    if let Some(found) = recorded.filter(|found| *found > LATEST_MIGRATION) {
+        return Err(DbError::SchemaNewer { found, expected: LATEST_MIGRATION });
+    }
     let applied: Vec<i32> =
         sqlx::query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(&mut *tx).await?;
     let mut report = MigrateReport { applied: Vec::new(), pgmq_preinstalled: false };

@@ -55,6 +55,7 @@ fn watch_signals(shutdown: CancellationToken) -> Result<()> {
             _ = quit.recv() => quit_now(),
         }
         tracing::warn!("second signal: exiting at once; unfinished jobs return when their visibility lapses");
+        executors::command::kill_children();
         std::process::exit(130);
     });
     Ok(())
@@ -62,5 +63,6 @@ fn watch_signals(shutdown: CancellationToken) -> Result<()> {
 
 fn quit_now() -> ! {
     tracing::warn!("QUIT received: exiting at once; unfinished jobs return when their visibility lapses");
+    executors::command::kill_children();
     std::process::exit(131);
 }
