@@ -1,0 +1,83 @@
+//! The `lockgate-bench` command: `all` runs every workload; each workload also runs alone with
+//! its sizes as flags. Prints the results table and writes the same results as JSON.
+
+use std::path::PathBuf;
+
+use anyhow::{anyhow, Result};
+use clap::{Parser, Subcommand};
+use lockgate_bench::plan::{
+    self, BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, MemoryArgs, Options, WorkersArgs, Workload,
+};
+
+#[derive(Debug, Parser)]
+#[command(name = "lockgate-bench", about = "lockgate against a raw-PGMQ baseline, side by side on one server")]
+struct Cli {
+    /// The server to create the bench databases on (lg_bench_*; dropped afterwards).
+    #[arg(long, env = "LOCKGATE_BENCH_SERVER_URL", default_value = plan::DEFAULT_SERVER_URL, global = true)]
+    server_url: String,
+    /// Rounds per measurement (median, min and max are over rounds).
+    #[arg(long, default_value_t = plan::DEFAULT_ROUNDS, global = true)]
+    rounds: usize,
+    /// Where to write the results as JSON.
+    #[arg(long, default_value = "target/lockgate-bench.json", global = true)]
+    json: PathBuf,
+    /// No progress bars.
+    #[arg(long, global = true)]
+    no_progress: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Every workload at the sizes (times --scale).
+    All {
+        /// Multiply every size (jobs, depths, durations) by this; concurrency is never scaled.
+        #[arg(long, default_value_t = 1.0)]
+        scale: f64,
+    },
+    /// Drain pre-enqueued no-op jobs: the runtime vs raw read+archive consumers.
+    Drain(DrainArgs),
+    /// Enqueue one job per transaction: Client::enqueue vs pgmq.send.
+    Enqueue(EnqueueArgs),
+    /// Enqueue in batches: Client::enqueue_many vs pgmq.send_batch.
+    Bulk(BulkArgs),
+    /// Enqueue → handler start with an idle runtime.
+    Latency(LatencyArgs),
+    /// Drain rate as the queue's depth grows.
+    Depth(DepthArgs),
+    /// Drain rate as concurrency grows.
+    Workers(WorkersArgs),
+    /// Resident memory while the runtime drains a large queue.
+    Memory(MemoryArgs),
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if cli.rounds == 0 {
+        return Err(anyhow!("--rounds must be at least 1"));
+    }
+    let plan = match cli.command {
+        Command::All { scale } if scale > 0.0 => plan::all(scale),
+        Command::All { .. } => return Err(anyhow!("--scale must be positive")),
+        Command::Drain(a) => vec![Workload::Drain(a)],
+        Command::Enqueue(a) => vec![Workload::Enqueue(a)],
+        Command::Bulk(a) => vec![Workload::Bulk(a)],
+        Command::Latency(a) => vec![Workload::Latency(a)],
+        Command::Depth(a) => vec![Workload::Depth(a)],
+        Command::Workers(a) => vec![Workload::Workers(a)],
+        Command::Memory(a) => vec![Workload::Memory(a)],
+    };
+    let options = Options { server_url: cli.server_url, rounds: cli.rounds, progress: !cli.no_progress };
+    let command = std::env::args().skip(1).collect::<Vec<_>>().join(" ");
+    // Ctrl-C drops the running workload: its database is dropped on the way out (BenchDb's Drop).
+    let report = tokio::select! {
+        report = lockgate_bench::run(options, &plan, command) => report?,
+        _ = tokio::signal::ctrl_c() => return Err(anyhow!("interrupted; the bench databases were dropped")),
+    };
+    println!("{}", report.table());
+    report.write_json(&cli.json)?;
+    eprintln!("results written to {}", cli.json.display());
+    Ok(())
+}

@@ -1,0 +1,188 @@
+//! Draining pre-enqueued jobs — the measurement behind the drain, depth, workers and memory
+//! workloads — by lockgate's runtime or by the raw-PGMQ baseline consumers.
+//!
+//! Both sides are timed the same way, on the database's clock: from `clock_timestamp()` just
+//! before the runtime (or the consumers) start, to the `archived_at` of the `jobs`-th archived
+//! row of `pgmq.a_bench` (the archive is emptied before each drain). lockgate is measured from
+//! runtime start, so its startup (schema check, job-type upsert, LISTEN) is included; connections
+//! are opened beforehand on both sides. The harness polls the archive's row count at a short
+//! interval only to know when to stop, to show progress and to sample memory.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use chrono::{DateTime, Utc};
+use lockgate::{JobContext, JobError, PoolConfig, QueueName, Registry, Runtime, RuntimeConfig};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::bench_db::{close, BenchDb};
+use crate::probe::{cpu_seconds, rss_kib, FunctionStats};
+use crate::progress::Progress;
+use crate::queue::{Noop, QUEUE};
+
+/// Connections of the runtime's pool. The runtime uses a handful at once (one fetch loop and
+/// one completer per worker pool, the heartbeat); more would sit idle.
+const RUNTIME_CONNECTIONS: u32 = 8;
+/// Messages per baseline `pgmq.read`, as the issue specifies.
+const BASELINE_BATCH: i32 = 16;
+/// The baseline's visibility timeout: lockgate's default.
+const BASELINE_VT_SECONDS: i32 = 30;
+/// A drain whose archive count does not move for this long has failed.
+const STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One measured drain.
+#[derive(Debug, Clone)]
+pub struct Drained {
+    pub jobs: u64,
+    pub seconds: f64,
+    /// (jobs archived, this process's resident memory in KiB) at each poll of a lockgate drain.
+    pub rss_samples: Vec<(u64, u64)>,
+    /// This process's CPU time during the drain (the runtime's or the consumers' client side).
+    pub cpu_seconds: Option<f64>,
+    pub functions: FunctionStats,
+}
+
+impl Drained {
+    pub fn rate(&self) -> f64 {
+        self.jobs as f64 / self.seconds
+    }
+}
+
+/// What to drain: the first `jobs` completions, with `concurrency` jobs (or consumers) at once.
+#[derive(Debug, Clone, Copy)]
+pub struct Spec {
+    pub jobs: u64,
+    pub concurrency: usize,
+    /// How often the archive count is polled.
+    pub poll: Duration,
+}
+
+/// lockgate's runtime with a no-op handler drains `spec.jobs` jobs of `bench`.
+pub async fn lockgate(db: &BenchDb, spec: Spec, progress: &Progress, label: &str) -> Result<Drained> {
+    let pool = db.pool_warm(RUNTIME_CONNECTIONS, 3).await?;
+    let mut registry = Registry::new();
+    registry.register::<Noop, _>(|_ctx: JobContext, _job: Noop| async { Ok::<(), JobError>(()) })?;
+    let pools = vec![PoolConfig::new("bench", vec![QueueName::new(QUEUE)?], spec.concurrency)];
+    let runtime = Runtime::new(pool.clone(), RuntimeConfig::default(), registry, pools)?;
+    let before = FunctionStats::read(&db.pool).await?;
+    let bar = progress.bar(spec.jobs, format!("{label}: lockgate"));
+    let stop = CancellationToken::new();
+    let start = db_now(db).await?;
+    let cpu0 = cpu_seconds();
+    let handle = tokio::spawn(runtime.run(stop.clone()));
+    let watched = watch(db, spec, &bar, || handle.is_finished()).await;
+    let cpu = cpu_seconds().zip(cpu0).map(|(b, a)| b - a);
+    stop.cancel();
+    let ran = handle.await;
+    close(pool).await;
+    bar.finish_and_clear();
+    let rss_samples = watched?;
+    ran.context("the runtime panicked")?.context("the runtime failed")?;
+    finish(db, spec, start, before, rss_samples, cpu, progress).await
+}
+
+/// `spec.concurrency` consumers, each on its own connection, loop `pgmq.read(bench, 30, 16)`
+/// then `pgmq.archive(bench, ids)` until the queue is empty or `spec.jobs` are archived.
+pub async fn baseline(db: &BenchDb, spec: Spec, progress: &Progress, label: &str) -> Result<Drained> {
+    let conns = u32::try_from(spec.concurrency).unwrap_or(u32::MAX);
+    let pool = db.pool_warm(conns, conns).await?;
+    let before = FunctionStats::read(&db.pool).await?;
+    let bar = progress.bar(spec.jobs, format!("{label}: baseline"));
+    let archived = Arc::new(AtomicU64::new(0));
+    let start = db_now(db).await?;
+    let cpu0 = cpu_seconds();
+    let mut consumers = JoinSet::new();
+    for _ in 0..spec.concurrency {
+        let (pool, archived, bar) = (pool.clone(), Arc::clone(&archived), bar.clone());
+        consumers.spawn(async move {
+            let mut conn = pool.acquire().await?;
+            while archived.load(Ordering::Relaxed) < spec.jobs {
+                let batch: Vec<(i64, serde_json::Value)> =
+                    sqlx::query_as("SELECT msg_id, message FROM pgmq.read($1, $2, $3)")
+                        .bind(QUEUE)
+                        .bind(BASELINE_VT_SECONDS)
+                        .bind(BASELINE_BATCH)
+                        .fetch_all(&mut *conn)
+                        .await?;
+                if batch.is_empty() {
+                    break;
+                }
+                let ids: Vec<i64> = batch.iter().map(|(id, _)| *id).collect();
+                sqlx::query("SELECT pgmq.archive($1, $2)").bind(QUEUE).bind(&ids).execute(&mut *conn).await?;
+                archived.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                bar.inc(ids.len() as u64);
+            }
+            Ok::<(), sqlx::Error>(())
+        });
+    }
+    while let Some(joined) = consumers.join_next().await {
+        joined.context("a baseline consumer panicked")??;
+    }
+    let cpu = cpu_seconds().zip(cpu0).map(|(b, a)| b - a);
+    close(pool).await;
+    bar.finish_and_clear();
+    finish(db, spec, start, before, Vec::new(), cpu, progress).await
+}
+
+/// Polls the archive until `spec.jobs` rows are in it; returns (archived, RSS KiB) samples.
+async fn watch(
+    db: &BenchDb,
+    spec: Spec,
+    bar: &indicatif::ProgressBar,
+    stopped: impl Fn() -> bool,
+) -> Result<Vec<(u64, u64)>> {
+    let sql = format!("SELECT count(*) FROM pgmq.a_{QUEUE}");
+    let (mut last, mut moved_at) = (0, Instant::now());
+    let mut rss = Vec::new();
+    loop {
+        let count: i64 = sqlx::query_scalar(&sql).fetch_one(&db.pool).await?;
+        let count = u64::try_from(count).unwrap_or(0);
+        bar.set_position(count.min(spec.jobs));
+        if let Some(kib) = rss_kib() {
+            rss.push((count, kib));
+        }
+        if count >= spec.jobs {
+            return Ok(rss);
+        }
+        if count != last {
+            (last, moved_at) = (count, Instant::now());
+        } else if moved_at.elapsed() > STALL_TIMEOUT {
+            bail!("no job archived for {STALL_TIMEOUT:?} ({count} of {} archived)", spec.jobs);
+        }
+        if stopped() {
+            return Err(anyhow!("the runtime stopped before draining ({count} of {} archived)", spec.jobs));
+        }
+        tokio::time::sleep(spec.poll).await;
+    }
+}
+
+/// Times the drain on the database's clock and collects what it cost.
+async fn finish(
+    db: &BenchDb,
+    spec: Spec,
+    start: DateTime<Utc>,
+    before: FunctionStats,
+    rss_samples: Vec<(u64, u64)>,
+    cpu_seconds: Option<f64>,
+    progress: &Progress,
+) -> Result<Drained> {
+    let end: Option<DateTime<Utc>> =
+        sqlx::query_scalar(&format!("SELECT archived_at FROM pgmq.a_{QUEUE} ORDER BY archived_at OFFSET $1 LIMIT 1"))
+            .bind(i64::try_from(spec.jobs).unwrap_or(i64::MAX) - 1)
+            .fetch_optional(&db.pool)
+            .await?;
+    let Some(end) = end else { bail!("fewer than {} jobs were archived", spec.jobs) };
+    let micros = (end - start).num_microseconds().unwrap_or(0).max(1);
+    for session in db.wait_sessions_closed().await? {
+        progress.warn(format!("session still open after its pool closed (its statistics may be missing): {session}"));
+    }
+    let functions = FunctionStats::read(&db.pool).await?.since(&before);
+    Ok(Drained { jobs: spec.jobs, seconds: micros as f64 / 1e6, rss_samples, cpu_seconds, functions })
+}
+
+async fn db_now(db: &BenchDb) -> Result<DateTime<Utc>> {
+    Ok(sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(&db.pool).await?)
+}

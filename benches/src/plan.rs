@@ -1,0 +1,178 @@
+//! What to run: one value per workload with its sizes (the command line's flags), and the run's
+//! options. Defaults are the sizes the benchmark issue specifies; `all --scale` shrinks them all
+//! at once for a quicker run (concurrency levels are never scaled).
+
+use std::time::Duration;
+
+use clap::Args;
+use serde::Serialize;
+
+/// The server the harness creates its databases on, unless `--server-url` or
+/// `LOCKGATE_BENCH_SERVER_URL` says otherwise.
+pub const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+/// Three rounds is the fewest that give a median with a min and a max around it.
+pub const DEFAULT_ROUNDS: usize = 3;
+
+// The issue's sizes. Each is both a flag's default and what `all` runs at scale 1.
+pub const DRAIN_JOBS: u64 = 20_000;
+pub const DRAIN_CONCURRENCY: usize = 16;
+pub const ENQUEUE_JOBS: u64 = 10_000;
+pub const BULK_JOBS: u64 = 100_000;
+pub const BULK_BATCH: u64 = 1_000;
+pub const LATENCY_INTERVAL_MS: u64 = 20;
+pub const LATENCY_DURATION_S: f64 = 10.0;
+/// lockgate's own default pool concurrency (DEFAULT_CONCURRENCY): the worker a user starts.
+pub const LATENCY_CONCURRENCY: usize = 10;
+pub const DEPTHS: [u64; 3] = [10_000, 100_000, 1_000_000];
+/// Drained off the top of the queue at every depth: the smallest depth, so every depth is
+/// measured over the same number of jobs.
+pub const DEPTH_WINDOW: u64 = 10_000;
+/// The issue gives no size for workers; 5,000 keeps concurrency 1 (the slowest) under ~15 s a round.
+pub const WORKERS_JOBS: u64 = 5_000;
+pub const WORKERS_LEVELS: [usize; 4] = [1, 4, 16, 64];
+pub const MEMORY_JOBS: u64 = 1_000_000;
+
+/// Run-wide options.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub server_url: String,
+    pub rounds: usize,
+    /// Draw progress bars (they also hide themselves when stderr is not a terminal).
+    pub progress: bool,
+}
+
+/// drain: pre-enqueued no-op jobs, lockgate's runtime against N raw read+archive consumers.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct DrainArgs {
+    #[arg(long, default_value_t = DRAIN_JOBS)]
+    pub jobs: u64,
+    #[arg(long, default_value_t = DRAIN_CONCURRENCY)]
+    pub concurrency: usize,
+}
+
+/// enqueue: one job per transaction from one producer, against `pgmq.send`.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct EnqueueArgs {
+    #[arg(long, default_value_t = ENQUEUE_JOBS)]
+    pub jobs: u64,
+}
+
+/// bulk: jobs in calls of `batch`, against `pgmq.send_batch`.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct BulkArgs {
+    #[arg(long, default_value_t = BULK_JOBS)]
+    pub jobs: u64,
+    #[arg(long, default_value_t = BULK_BATCH)]
+    pub batch: u64,
+}
+
+/// latency: an idle runtime, one job every `interval_ms` for `duration_s`; enqueue → handler start.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct LatencyArgs {
+    #[arg(long, default_value_t = LATENCY_INTERVAL_MS)]
+    pub interval_ms: u64,
+    #[arg(long, default_value_t = LATENCY_DURATION_S)]
+    pub duration_s: f64,
+    #[arg(long, default_value_t = LATENCY_CONCURRENCY)]
+    pub concurrency: usize,
+}
+
+/// depth: drain rate of a `window` of jobs off the top of a queue holding each depth.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct DepthArgs {
+    #[arg(long, value_delimiter = ',', default_values_t = DEPTHS)]
+    pub depths: Vec<u64>,
+    #[arg(long, default_value_t = DEPTH_WINDOW)]
+    pub window: u64,
+    #[arg(long, default_value_t = DRAIN_CONCURRENCY)]
+    pub concurrency: usize,
+}
+
+/// workers: drain rate at each concurrency level.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct WorkersArgs {
+    #[arg(long, default_value_t = WORKERS_JOBS)]
+    pub jobs: u64,
+    #[arg(long, value_delimiter = ',', default_values_t = WORKERS_LEVELS)]
+    pub levels: Vec<usize>,
+}
+
+/// memory: the process's resident memory while one runtime drains a large queue.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct MemoryArgs {
+    #[arg(long, default_value_t = MEMORY_JOBS)]
+    pub jobs: u64,
+    #[arg(long, default_value_t = DRAIN_CONCURRENCY)]
+    pub concurrency: usize,
+}
+
+/// One workload with its sizes.
+#[derive(Debug, Clone)]
+pub enum Workload {
+    Drain(DrainArgs),
+    Enqueue(EnqueueArgs),
+    Bulk(BulkArgs),
+    Latency(LatencyArgs),
+    Depth(DepthArgs),
+    Workers(WorkersArgs),
+    Memory(MemoryArgs),
+}
+
+impl Workload {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Drain(_) => "drain",
+            Self::Enqueue(_) => "enqueue",
+            Self::Bulk(_) => "bulk",
+            Self::Latency(_) => "latency",
+            Self::Depth(_) => "depth",
+            Self::Workers(_) => "workers",
+            Self::Memory(_) => "memory",
+        }
+    }
+
+    pub fn params(&self) -> serde_json::Value {
+        let value = match self {
+            Self::Drain(a) => serde_json::to_value(a),
+            Self::Enqueue(a) => serde_json::to_value(a),
+            Self::Bulk(a) => serde_json::to_value(a),
+            Self::Latency(a) => serde_json::to_value(a),
+            Self::Depth(a) => serde_json::to_value(a),
+            Self::Workers(a) => serde_json::to_value(a),
+            Self::Memory(a) => serde_json::to_value(a),
+        };
+        value.unwrap_or_default()
+    }
+}
+
+impl LatencyArgs {
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.interval_ms.max(1))
+    }
+
+    /// How many jobs one round sends.
+    pub fn jobs(&self) -> u64 {
+        ((self.duration_s * 1000.0) / self.interval_ms.max(1) as f64).round().max(1.0) as u64
+    }
+}
+
+/// Every workload at the issue's sizes, each multiplied by `scale`. Floors keep tiny scales
+/// meaningful (a few jobs at least), and the depth window never exceeds the smallest depth.
+pub fn all(scale: f64) -> Vec<Workload> {
+    let n = |v: u64| ((v as f64 * scale).round() as u64).max(20);
+    let depths: Vec<u64> = DEPTHS.iter().map(|&d| n(d)).collect();
+    let bulk_jobs = n(BULK_JOBS);
+    vec![
+        Workload::Enqueue(EnqueueArgs { jobs: n(ENQUEUE_JOBS) }),
+        Workload::Bulk(BulkArgs { jobs: bulk_jobs, batch: BULK_BATCH.min(bulk_jobs) }),
+        Workload::Drain(DrainArgs { jobs: n(DRAIN_JOBS), concurrency: DRAIN_CONCURRENCY }),
+        Workload::Latency(LatencyArgs {
+            interval_ms: LATENCY_INTERVAL_MS,
+            duration_s: (LATENCY_DURATION_S * scale).max(0.2),
+            concurrency: LATENCY_CONCURRENCY,
+        }),
+        Workload::Depth(DepthArgs { window: n(DEPTH_WINDOW).min(depths[0]), depths, concurrency: DRAIN_CONCURRENCY }),
+        Workload::Workers(WorkersArgs { jobs: n(WORKERS_JOBS), levels: WORKERS_LEVELS.to_vec() }),
+        Workload::Memory(MemoryArgs { jobs: n(MEMORY_JOBS), concurrency: DRAIN_CONCURRENCY }),
+    ]
+}

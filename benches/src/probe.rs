@@ -1,0 +1,74 @@
+//! What a run cost, besides its duration: server-side function calls and time (from
+//! `pg_stat_user_functions`; each bench database sets `track_functions = 'pl'`), and the
+//! harness process's resident memory and CPU time from `/proc/self`.
+//!
+//! Statistics reach the shared view when a backend exits, so `after` is read once the measured
+//! pools are closed and their sessions gone (`BenchDb::wait_sessions_closed`).
+
+use std::collections::BTreeMap;
+
+use anyhow::Result;
+use lockgate::PgPool;
+use serde::Serialize;
+
+/// Calls and total milliseconds per function (`schema.name`, overloads summed).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FunctionStats(pub BTreeMap<String, (i64, f64)>);
+
+impl FunctionStats {
+    pub async fn read(pool: &PgPool) -> Result<Self> {
+        let mut conn = pool.acquire().await?;
+        sqlx::query("SELECT pg_stat_clear_snapshot()").execute(&mut *conn).await?;
+        let rows: Vec<(String, i64, f64)> = sqlx::query_as(
+            "SELECT schemaname || '.' || funcname, sum(calls)::bigint, sum(total_time)::float8
+               FROM pg_stat_user_functions WHERE schemaname IN ('lockgate', 'pgmq')
+              GROUP BY 1",
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+        Ok(Self(rows.into_iter().map(|(name, calls, ms)| (name, (calls, ms))).collect()))
+    }
+
+    /// What happened between `before` and `self`: functions called at least once.
+    pub fn since(&self, before: &Self) -> Self {
+        let delta = self.0.iter().filter_map(|(name, &(calls, ms))| {
+            let (c0, m0) = before.0.get(name).copied().unwrap_or_default();
+            (calls > c0).then(|| (name.clone(), (calls - c0, ms - m0)))
+        });
+        Self(delta.collect())
+    }
+
+    /// "lockgate.claim 1,250 calls (16.0 jobs/call, 0.42 ms/call)" for each of `names` called.
+    pub fn describe(&self, names: &[&str], jobs: f64) -> Vec<String> {
+        names
+            .iter()
+            .filter_map(|name| {
+                let &(calls, ms) = self.0.get(*name)?;
+                Some(format!(
+                    "{name}: {calls} calls, {:.1} jobs/call, {:.3} ms/call, {:.1} µs/job",
+                    jobs / calls as f64,
+                    ms / calls as f64,
+                    ms * 1000.0 / jobs
+                ))
+            })
+            .collect()
+    }
+}
+
+/// This process's resident set, in KiB (`VmRSS` of `/proc/self/status`).
+pub fn rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// This process's user + system CPU time in seconds, every thread included. `/proc/self/stat`
+/// counts clock ticks; Linux's USER_HZ is 100 on every mainstream architecture.
+pub fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may contain spaces) start at field 3 (state).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}

@@ -1,0 +1,81 @@
+//! The benchmark's jobs and queues: a typed no-op job on lockgate's queue `bench`, a plain PGMQ
+//! queue `raw` for the baseline's enqueues, and the unmeasured steps around each measurement —
+//! filling a queue through lockgate's public API, and resetting the tables between rounds.
+//!
+//! Drains use the same queue for both sides: the baseline consumers read the very messages
+//! lockgate enqueued (they are PGMQ messages with lockgate's headers), so both drain identical
+//! rows from an identical table.
+
+use anyhow::Result;
+use lockgate::{Client, EnqueueOptions, Job, JobPolicy, QueueName};
+use serde::{Deserialize, Serialize};
+
+use crate::bench_db::BenchDb;
+use crate::progress::Progress;
+
+/// lockgate's queue in every bench database.
+pub const QUEUE: &str = "bench";
+/// The baseline's own PGMQ queue for enqueue workloads (no lockgate index, no headers).
+pub const RAW_QUEUE: &str = "raw";
+/// Jobs per `enqueue_many` call when filling a queue (not measured).
+const FILL_CHUNK: usize = 5_000;
+
+/// A job that does nothing: the runtime's own overhead is all that is measured.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Noop {}
+
+impl Job for Noop {
+    const TYPE: &'static str = "bench_noop";
+
+    fn policy() -> JobPolicy {
+        JobPolicy::on_queue(QueueName::new(QUEUE).expect("\"bench\" is a valid queue name"))
+    }
+}
+
+/// Defines the job type (creating queue `bench`) and creates the baseline's queue `raw`.
+pub async fn setup(db: &BenchDb) -> Result<Client> {
+    let client = Client::new(db.pool.clone());
+    client.define::<Noop>().await?;
+    sqlx::query("SELECT pgmq.create($1)").bind(RAW_QUEUE).execute(&db.pool).await?;
+    Ok(client)
+}
+
+/// Enqueues `n` no-op jobs on `bench` with `enqueue_many`, then vacuums and analyzes the queue
+/// table as autovacuum would (the test server runs with autovacuum off), so that every drain
+/// starts from the same clean table with planner statistics.
+pub async fn fill(db: &BenchDb, client: &Client, n: u64, progress: &Progress, label: &str) -> Result<()> {
+    let bar = progress.bar(n, format!("{label}: fill"));
+    let mut left = n as usize;
+    while left > 0 {
+        let chunk = left.min(FILL_CHUNK);
+        client.enqueue_many(&vec![Noop {}; chunk], &EnqueueOptions::default()).await?;
+        left -= chunk;
+        bar.inc(chunk as u64);
+    }
+    bar.finish_and_clear();
+    vacuum(db).await
+}
+
+/// Ready jobs on `bench` (a full count: only between measurements).
+pub async fn queued(db: &BenchDb) -> Result<i64> {
+    Ok(sqlx::query_scalar(&format!("SELECT count(*) FROM pgmq.q_{QUEUE}")).fetch_one(&db.pool).await?)
+}
+
+/// Empties the archive of `bench` (drains count completions there).
+pub async fn clear_archive(db: &BenchDb) -> Result<()> {
+    sqlx::raw_sql(&format!("TRUNCATE pgmq.a_{QUEUE}")).execute(&db.pool).await?;
+    Ok(())
+}
+
+/// Empties both queues and their archives.
+pub async fn reset(db: &BenchDb) -> Result<()> {
+    sqlx::raw_sql(&format!("TRUNCATE pgmq.q_{QUEUE}, pgmq.a_{QUEUE}, pgmq.q_{RAW_QUEUE}, pgmq.a_{RAW_QUEUE}"))
+        .execute(&db.pool)
+        .await?;
+    Ok(())
+}
+
+pub async fn vacuum(db: &BenchDb) -> Result<()> {
+    sqlx::raw_sql(&format!("VACUUM (ANALYZE) pgmq.q_{QUEUE}")).execute(&db.pool).await?;
+    Ok(())
+}

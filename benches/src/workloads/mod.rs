@@ -1,0 +1,141 @@
+//! The workloads. Each creates its own database, runs its rounds, drops the database and
+//! returns its rows. Where lockgate and the baseline both run, each round runs both, in an order
+//! that alternates from round to round so that drift on a shared machine hits both sides alike.
+
+pub mod depth;
+pub mod drain;
+pub mod enqueue;
+pub mod latency;
+pub mod memory;
+pub mod workers;
+
+use std::time::Duration;
+
+use anyhow::Result;
+use lockgate::Client;
+
+use crate::bench_db::BenchDb;
+use crate::drain::{self as draining, Drained, Spec};
+use crate::plan::Options;
+use crate::progress::Progress;
+use crate::queue;
+use crate::report::Row;
+use crate::stats::Summary;
+
+/// How often drains poll the archive count: fine enough for a live bar and memory samples,
+/// coarse enough to cost the server little (timing itself comes from `archived_at`).
+pub const POLL: Duration = Duration::from_millis(20);
+
+/// What a workload returns: its table rows, and what limits it (statement counts per job,
+/// server time, client CPU, memory) as lines for the report.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub rows: Vec<Row>,
+    pub diagnostics: Vec<String>,
+}
+
+/// What every workload gets.
+pub struct Ctx {
+    pub options: Options,
+    pub progress: Progress,
+}
+
+impl Ctx {
+    pub async fn create_db(&self, workload: &str) -> Result<BenchDb> {
+        let spinner = self.progress.spinner(format!("{workload}: creating and migrating a database"));
+        let db = BenchDb::create(&self.options.server_url, workload).await;
+        spinner.finish_and_clear();
+        db
+    }
+
+    pub fn label(&self, workload: &str, round: usize) -> String {
+        format!("{workload} r{}/{}", round + 1, self.options.rounds)
+    }
+}
+
+/// Which side runs first in `round`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Lockgate,
+    Baseline,
+}
+
+pub fn order(round: usize) -> [Side; 2] {
+    if round % 2 == 0 {
+        [Side::Lockgate, Side::Baseline]
+    } else {
+        [Side::Baseline, Side::Lockgate]
+    }
+}
+
+/// How the queue is prepared before a drain.
+#[derive(Debug, Clone, Copy)]
+pub enum Prep {
+    /// Empty everything, then enqueue this many.
+    Fresh(u64),
+    /// Empty the archive and top the queue up to this many ready jobs.
+    TopUp(u64),
+}
+
+/// Prepares the queue, then drains it with `side`.
+pub async fn drain_once(
+    ctx: &Ctx,
+    db: &BenchDb,
+    client: &Client,
+    prep: Prep,
+    side: Side,
+    spec: Spec,
+    label: &str,
+) -> Result<Drained> {
+    match prep {
+        Prep::Fresh(n) => {
+            queue::reset(db).await?;
+            queue::fill(db, client, n, &ctx.progress, label).await?;
+        }
+        Prep::TopUp(n) => {
+            queue::clear_archive(db).await?;
+            let have = u64::try_from(queue::queued(db).await?).unwrap_or(0);
+            if have < n {
+                queue::fill(db, client, n - have, &ctx.progress, label).await?;
+            } else {
+                queue::vacuum(db).await?;
+            }
+        }
+    }
+    let drained = match side {
+        Side::Lockgate => draining::lockgate(db, spec, &ctx.progress, label).await?,
+        Side::Baseline => draining::baseline(db, spec, &ctx.progress, label).await?,
+    };
+    let who = if side == Side::Lockgate { "lockgate" } else { "baseline" };
+    ctx.progress.note(format!(
+        "{label}: {who} {:.0} jobs/s ({} jobs in {:.2} s)",
+        drained.rate(),
+        drained.jobs,
+        drained.seconds
+    ));
+    Ok(drained)
+}
+
+pub fn rates(runs: &[Drained]) -> Option<Summary> {
+    Summary::of(&runs.iter().map(Drained::rate).collect::<Vec<_>>())
+}
+
+/// Diagnostic lines for a set of drains: statement counts and server time per job (all rounds
+/// summed), and the client's CPU per job.
+pub fn drain_diagnostics(who: &str, runs: &[Drained], functions: &[&str]) -> Vec<String> {
+    let jobs: f64 = runs.iter().map(|r| r.jobs as f64).sum();
+    let mut total = crate::probe::FunctionStats::default();
+    for run in runs {
+        for (name, (calls, ms)) in &run.functions.0 {
+            let entry = total.0.entry(name.clone()).or_default();
+            entry.0 += calls;
+            entry.1 += ms;
+        }
+    }
+    let mut lines: Vec<String> = total.describe(functions, jobs).into_iter().map(|l| format!("{who} {l}")).collect();
+    let cpu: Option<f64> = runs.iter().map(|r| r.cpu_seconds).sum();
+    if let Some(cpu) = cpu {
+        lines.push(format!("{who} client CPU: {:.1} µs/job (this process, all threads)", cpu * 1e6 / jobs));
+    }
+    lines
+}

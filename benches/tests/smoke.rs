@@ -1,0 +1,66 @@
+//! The harness still works: every workload runs at a tiny size and produces numbers, and the
+//! binary writes its JSON. Benchmarks are not tests — nothing here asserts anything about speed.
+
+use std::process::Command;
+
+use lockgate_bench::plan::{
+    BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, MemoryArgs, Options, WorkersArgs, Workload,
+    DEFAULT_SERVER_URL,
+};
+
+fn server_url() -> String {
+    std::env::var("LOCKGATE_BENCH_SERVER_URL").unwrap_or_else(|_| DEFAULT_SERVER_URL.to_string())
+}
+
+fn tiny_plan() -> Vec<Workload> {
+    vec![
+        Workload::Enqueue(EnqueueArgs { jobs: 30 }),
+        Workload::Bulk(BulkArgs { jobs: 250, batch: 100 }),
+        Workload::Drain(DrainArgs { jobs: 100, concurrency: 4 }),
+        Workload::Latency(LatencyArgs { interval_ms: 20, duration_s: 0.3, concurrency: 2 }),
+        Workload::Depth(DepthArgs { depths: vec![60, 300], window: 40, concurrency: 4 }),
+        Workload::Workers(WorkersArgs { jobs: 40, levels: vec![1, 4] }),
+        Workload::Memory(MemoryArgs { jobs: 100, concurrency: 4 }),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_workload_runs_at_a_tiny_size_and_reports_numbers() {
+    let options = Options { server_url: server_url(), rounds: 2, progress: false };
+    let report = lockgate_bench::run(options, &tiny_plan(), "smoke".into()).await.expect("the tiny plan runs");
+    let names: Vec<&str> = report.workloads.iter().map(|w| w.name.as_str()).collect();
+    assert_eq!(names, ["enqueue", "bulk", "drain", "latency", "depth", "workers", "memory"]);
+    for workload in &report.workloads {
+        assert!(!workload.rows.is_empty(), "{} produced no rows", workload.name);
+        for row in &workload.rows {
+            assert!(row.lockgate.median.is_finite(), "{}: {} is not a number", row.workload, row.measure);
+            if let Some(baseline) = &row.baseline {
+                assert!(
+                    baseline.median.is_finite() && baseline.median > 0.0,
+                    "{}: baseline {baseline:?}",
+                    row.workload
+                );
+            }
+        }
+    }
+    assert!(report.table().contains("| drain"), "the table lists the drain row:\n{}", report.table());
+}
+
+#[test]
+fn the_binary_runs_one_workload_from_flags_and_writes_json() {
+    let json = std::env::temp_dir().join(format!("lockgate-bench-smoke-{}.json", std::process::id()));
+    let output = Command::new(env!("CARGO_BIN_EXE_lockgate-bench"))
+        .args(["--rounds", "1", "--no-progress", "--server-url", &server_url(), "--json"])
+        .arg(&json)
+        .args(["drain", "--jobs", "50", "--concurrency", "2"])
+        .output()
+        .expect("the binary starts");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(String::from_utf8_lossy(&output.stdout).contains("| drain"));
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("the JSON was written")).expect("valid JSON");
+    let _ = std::fs::remove_file(&json);
+    let rate = &written["workloads"][0]["rows"][0]["lockgate"]["median"];
+    assert!(rate.as_f64().is_some_and(|r| r > 0.0), "a drain rate in {written}");
+    assert!(written["machine"]["postgres_version"].is_string());
+}
