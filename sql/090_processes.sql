@@ -11,7 +11,8 @@ CREATE OR REPLACE FUNCTION lockgate.register_process(
     kind text, name text, host text, pid integer, supervisor_id bigint DEFAULT NULL, metadata jsonb DEFAULT '{}'
 ) RETURNS bigint LANGUAGE sql AS $$
     INSERT INTO lockgate.processes (kind, name, host, pid, supervisor_id, metadata)
-    VALUES (kind, name, host, pid, supervisor_id, COALESCE(metadata, '{}'))
+    VALUES (register_process.kind, register_process.name, register_process.host, register_process.pid,
+            register_process.supervisor_id, COALESCE(register_process.metadata, '{}'))
     RETURNING id
 $$;
 
@@ -24,9 +25,9 @@ RETURNS SETOF bigint LANGUAGE sql AS $$
     RETURNING p.id
 $$;
 
-CREATE OR REPLACE FUNCTION lockgate.deregister_process(supervisor_id bigint)
+CREATE OR REPLACE FUNCTION lockgate.deregister_process(process_id bigint)
 RETURNS void LANGUAGE sql AS $$
-    DELETE FROM lockgate.processes p WHERE p.id = supervisor_id
+    DELETE FROM lockgate.processes p WHERE p.id = deregister_process.process_id
 $$;
 
 -- Returns the ids of the supervisors it pruned and how many in-flight jobs it made visible.

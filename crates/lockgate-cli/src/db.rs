@@ -21,6 +21,8 @@ pub async fn connect_checked(url: &str, max_connections: u32) -> Result<PgPool> 
 
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
     let options: PgConnectOptions = url.parse().with_context(|| format!("invalid database URL {}", redact(url)))?;
+    // Named, so operators (and fault-injection tests) can find lockgate's backends.
+    let options = options.application_name("lockgate");
     PgPoolOptions::new()
         .max_connections(max_connections)
         .connect_with(options)

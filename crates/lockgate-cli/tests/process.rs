@@ -2,120 +2,13 @@
 //! TERM with a job that outlives `shutdown_timeout` (G7), concurrent migrations (H21), the
 //! dead-letter CLI, schema checks and config errors.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::Duration;
+mod common;
 
-use lockgate_testkit::{wait_for, wait_for_count, TestDb};
+use std::path::Path;
+use std::process::{Child, Stdio};
 
-const WAIT: Duration = Duration::from_secs(20);
-
-fn lockgate(db: &TestDb, args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lockgate"));
-    cmd.args(args).env("DATABASE_URL", &db.url).env("LOCKGATE_LOG", "info,sqlx=warn");
-    cmd
-}
-
-fn output(db: &TestDb, args: &[&str]) -> Output {
-    lockgate(db, args).output().expect("lockgate runs")
-}
-
-fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
-
-/// A scratch directory with a config whose one job type runs `script` with `sh -c`.
-struct Setup {
-    dir: PathBuf,
-    config: PathBuf,
-}
-
-impl Setup {
-    fn new(script: &str, extra: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("lockgate-test-{}-{:08x}", std::process::id(), fastrand::u32(..)));
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = dir.join("lockgate.toml");
-        let script = script.replace("$DIR", dir.to_str().unwrap());
-        std::fs::write(
-            &config,
-            format!(
-                r#"
-[runtime]
-visibility_timeout = "2s"
-heartbeat_interval = "300ms"
-shutdown_timeout = "1s"
-poll_interval = "200ms"
-
-[[pool]]
-queues = ["default"]
-concurrency = 2
-
-[job_types.task]
-command = ["sh", "-c", {script:?}]
-{extra}
-"#
-            ),
-        )
-        .unwrap();
-        Self { dir, config }
-    }
-
-    fn run(&self, db: &TestDb) -> Child {
-        lockgate(db, &["run", "--config", self.config.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
-    }
-
-    fn starts(&self) -> usize {
-        std::fs::read_to_string(self.dir.join("starts")).map(|s| s.lines().count()).unwrap_or(0)
-    }
-
-    async fn wait_starts(&self, n: usize) {
-        wait_for(&format!("{n} job start(s)"), WAIT, || async { Ok((self.starts() >= n).then_some(())) })
-            .await
-            .unwrap();
-    }
-}
-
-impl Drop for Setup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// First start: record it and run for a long time; later starts: record and succeed.
-const LONG_FIRST_RUN: &str = "cat >/dev/null; echo start >> $DIR/starts; \
-    if [ ! -f $DIR/first ]; then touch $DIR/first; exec sleep 30; fi";
-
-async fn migrated_with_one_job(setup: &Setup) -> TestDb {
-    let db = TestDb::migrated().await.unwrap();
-    // Defining the job type is part of `lockgate run`; start once so the type exists, then enqueue.
-    let mut child = setup.run(&db);
-    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.job_types", 1, WAIT).await.unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
-    let o = output(&db, &["enqueue", "task", "{\"n\": 1}"]);
-    assert!(o.status.success(), "{}", text(&o));
-    db
-}
-
-fn signal(child: &Child, name: &str) {
-    let status = Command::new("kill").args(["-s", name, &child.id().to_string()]).status().unwrap();
-    assert!(status.success());
-}
-
-async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(std::time::Instant::now() < deadline, "the process did not exit within {WAIT:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+use common::*;
+use lockgate_testkit::{wait_for_count, TestDb};
 
 #[tokio::test]
 async fn g1_kill_9_mid_job_runs_it_again_after_the_visibility_timeout_and_archives_it_once() {

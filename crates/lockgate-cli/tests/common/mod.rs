@@ -1,0 +1,116 @@
+//! Shared arrangements for the tests that run the real `lockgate` binary as child processes:
+//! a scratch directory with a config, spawning and signalling processes, bounded waits.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use lockgate_testkit::{wait_for, wait_for_count, TestDb};
+
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// Short timings for tests: leases lapse in 2 s, polling every 200 ms; no health port (many
+/// processes run at once on this host).
+pub const DEFAULT_RUNTIME: &str = "visibility_timeout = \"2s\"\nheartbeat_interval = \"300ms\"\n\
+    shutdown_timeout = \"1s\"\npoll_interval = \"200ms\"\nhealth_listen = \"off\"";
+
+pub fn lockgate(db: &TestDb, args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lockgate"));
+    cmd.args(args).env("DATABASE_URL", &db.url).env("LOCKGATE_LOG", "info,sqlx=warn");
+    cmd
+}
+
+pub fn output(db: &TestDb, args: &[&str]) -> Output {
+    lockgate(db, args).output().expect("lockgate runs")
+}
+
+pub fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// A scratch directory with a config whose one job type runs `script` with `sh -c`.
+pub struct Setup {
+    pub dir: PathBuf,
+    pub config: PathBuf,
+}
+
+impl Setup {
+    pub fn new(script: &str, extra: &str) -> Self {
+        Self::with_runtime(DEFAULT_RUNTIME, script, extra)
+    }
+
+    /// A config with `runtime` as its [runtime] section and one job type `task` running `script`
+    /// (with `$DIR` replaced by the scratch directory) plus the `extra` job-type keys.
+    pub fn with_runtime(runtime: &str, script: &str, extra: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("lockgate-test-{}-{:08x}", std::process::id(), fastrand::u32(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("lockgate.toml");
+        let script = script.replace("$DIR", dir.to_str().unwrap());
+        let text = format!(
+            "[runtime]\n{runtime}\n\n[[pool]]\nqueues = [\"default\"]\nconcurrency = 2\n\n\
+             [job_types.task]\ncommand = [\"sh\", \"-c\", {script:?}]\n{extra}\n"
+        );
+        std::fs::write(&config, text).unwrap();
+        Self { dir, config }
+    }
+
+    pub fn run(&self, db: &TestDb) -> Child {
+        lockgate(db, &["run", "--config", self.config.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+
+    pub fn starts(&self) -> usize {
+        std::fs::read_to_string(self.dir.join("starts")).map(|s| s.lines().count()).unwrap_or(0)
+    }
+
+    pub async fn wait_starts(&self, n: usize) {
+        wait_for(&format!("{n} job start(s)"), WAIT, || async { Ok((self.starts() >= n).then_some(())) })
+            .await
+            .unwrap();
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// First start: record it and run for a long time; later starts: record and succeed.
+pub const LONG_FIRST_RUN: &str = "cat >/dev/null; echo start >> $DIR/starts; \
+    if [ ! -f $DIR/first ]; then touch $DIR/first; exec sleep 30; fi";
+
+pub async fn migrated_with_one_job(setup: &Setup) -> TestDb {
+    let db = TestDb::migrated().await.unwrap();
+    // Defining the job type is part of `lockgate run`; start once so the type exists, then enqueue.
+    let mut child = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'", 1, WAIT)
+        .await
+        .unwrap();
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
+    let o = output(&db, &["enqueue", "task", "{\"n\": 1}"]);
+    assert!(o.status.success(), "{}", text(&o));
+    db
+}
+
+pub fn signal(child: &Child, name: &str) {
+    let status = Command::new("kill").args(["-s", name, &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+}
+
+pub async fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(std::time::Instant::now() < deadline, "the process did not exit within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
