@@ -1,6 +1,8 @@
 //! Fenced completion (G2) and completion through a broken commit (H13), driven through the
 //! completer's own path (`worker::complete_deliveries`) against the real database.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -2,6 +2,8 @@
 //! with two connections and row locks, never with sleeps; every test ends with the invariant
 //! check (value = live leases <= limit, no lease on a missing message).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -1,6 +1,8 @@
 //! Enqueue from Rust and SQL: transactional (G8), batched, delayed, prioritised, and every bad
 //! input refused with an error that names it, leaving nothing behind.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::time::Duration;

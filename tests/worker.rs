@@ -2,6 +2,8 @@
 //! in place and then dead-letter; undecodable and unknown messages are dead-lettered with their
 //! reason; timeouts, heartbeats, lease loss, priorities and shutdown behave as documented.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::sync::{Arc, Mutex};

@@ -1,6 +1,7 @@
 //! Shared arrangements for the root test suites: a runtime running in the background against a
 //! fresh database, with timings short enough for tests and long enough to stay deterministic.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -2,6 +2,8 @@
 //! TERM with a job that outlives `shutdown_timeout` (G7), concurrent migrations (H21), the
 //! dead-letter CLI, schema checks and config errors.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::path::Path;

@@ -38,7 +38,7 @@ impl RawHandler for Handler {
         _args: Value,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), JobError>> + Send + '_>> {
         Box::pin(async move {
-            tokio::time::sleep(Duration::from_millis(5 + u64::from(ctx.msg_id.unsigned_abs() % 20) as u64)).await;
+            tokio::time::sleep(Duration::from_millis(5 + ctx.msg_id.unsigned_abs() % 20)).await;
             (self.0)(&ctx)
         })
     }

@@ -1,6 +1,7 @@
 //! Shared arrangements for the tests that run the real `lockgate` binary as child processes:
 //! a scratch directory with a config, spawning and signalling processes, bounded waits.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
 use std::path::PathBuf;
