@@ -30,12 +30,14 @@ pub struct BenchDb {
     server: PgConnectOptions,
     /// The harness's pool: fills, polling and resets. Never the pool being measured.
     pub pool: PgPool,
+    /// Whether measured pools keep sqlx's ping before every acquire (`test_before_acquire`).
+    pool_ping: bool,
     dropped: bool,
 }
 
 impl BenchDb {
     /// Creates and migrates a fresh database for `workload` on the server of `server_url`.
-    pub async fn create(server_url: &str, workload: &str) -> Result<Self> {
+    pub async fn create(server_url: &str, workload: &str, pool_ping: bool) -> Result<Self> {
         let server: PgConnectOptions = server_url.parse().with_context(|| format!("server URL {server_url:?}"))?;
         let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
         let n = CREATED.fetch_add(1, Ordering::Relaxed);
@@ -48,7 +50,7 @@ impl BenchDb {
         let options = server.clone().database(&name).application_name(CONTROL_APP);
         let pool = PgPoolOptions::new().max_connections(CONTROL_CONNECTIONS).connect_lazy_with(options);
         // From here on, dropping `db` drops the database, whatever fails next.
-        let db = Self { name, server, pool, dropped: false };
+        let db = Self { name, server, pool, pool_ping, dropped: false };
         lockgate::migrate(&db.pool).await.context("migrating the bench database")?;
         Ok(db)
     }
@@ -69,6 +71,7 @@ impl BenchDb {
         let options = self.server.clone().database(&self.name).application_name(MEASURED_APP);
         Ok(PgPoolOptions::new()
             .max_connections(max)
+            .test_before_acquire(self.pool_ping)
             .acquire_timeout(Duration::from_secs(60))
             .connect_with(options)
             .await?)

@@ -19,7 +19,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::bench_db::{close, BenchDb};
-use crate::probe::{cpu_seconds, rss_kib, FunctionStats};
+use crate::probe::{busy_percent, cpu_seconds, machine_cpu, rss_kib, FunctionStats};
 use crate::progress::Progress;
 use crate::queue::{Noop, QUEUE};
 
@@ -42,6 +42,9 @@ pub struct Drained {
     pub rss_samples: Vec<(u64, u64)>,
     /// This process's CPU time during the drain (the runtime's or the consumers' client side).
     pub cpu_seconds: Option<f64>,
+    /// The machine's busy CPU share during the drain: well under 100% means the drain waits
+    /// (on round trips and WAL flushes), not computes.
+    pub machine_busy_percent: Option<f64>,
     pub functions: FunctionStats,
 }
 
@@ -71,17 +74,17 @@ pub async fn lockgate(db: &BenchDb, spec: Spec, progress: &Progress, label: &str
     let bar = progress.bar(spec.jobs, format!("{label}: lockgate"));
     let stop = CancellationToken::new();
     let start = db_now(db).await?;
-    let cpu0 = cpu_seconds();
+    let (cpu0, machine0) = (cpu_seconds(), machine_cpu());
     let handle = tokio::spawn(runtime.run(stop.clone()));
     let watched = watch(db, spec, &bar, || handle.is_finished()).await;
-    let cpu = cpu_seconds().zip(cpu0).map(|(b, a)| b - a);
+    let usage = Usage::since(cpu0, machine0);
     stop.cancel();
     let ran = handle.await;
     close(pool).await;
     bar.finish_and_clear();
     let rss_samples = watched?;
     ran.context("the runtime panicked")?.context("the runtime failed")?;
-    finish(db, spec, start, before, rss_samples, cpu, progress).await
+    finish(db, spec, start, before, rss_samples, usage, progress).await
 }
 
 /// `spec.concurrency` consumers, each on its own connection, loop `pgmq.read(bench, 30, 16)`
@@ -93,7 +96,7 @@ pub async fn baseline(db: &BenchDb, spec: Spec, progress: &Progress, label: &str
     let bar = progress.bar(spec.jobs, format!("{label}: baseline"));
     let archived = Arc::new(AtomicU64::new(0));
     let start = db_now(db).await?;
-    let cpu0 = cpu_seconds();
+    let (cpu0, machine0) = (cpu_seconds(), machine_cpu());
     let mut consumers = JoinSet::new();
     for _ in 0..spec.concurrency {
         let (pool, archived, bar) = (pool.clone(), Arc::clone(&archived), bar.clone());
@@ -121,10 +124,10 @@ pub async fn baseline(db: &BenchDb, spec: Spec, progress: &Progress, label: &str
     while let Some(joined) = consumers.join_next().await {
         joined.context("a baseline consumer panicked")??;
     }
-    let cpu = cpu_seconds().zip(cpu0).map(|(b, a)| b - a);
+    let usage = Usage::since(cpu0, machine0);
     close(pool).await;
     bar.finish_and_clear();
-    finish(db, spec, start, before, Vec::new(), cpu, progress).await
+    finish(db, spec, start, before, Vec::new(), usage, progress).await
 }
 
 /// Polls the archive until `spec.jobs` rows are in it; returns (archived, RSS KiB) samples.
@@ -166,7 +169,7 @@ async fn finish(
     start: DateTime<Utc>,
     before: FunctionStats,
     rss_samples: Vec<(u64, u64)>,
-    cpu_seconds: Option<f64>,
+    usage: Usage,
     progress: &Progress,
 ) -> Result<Drained> {
     let end: Option<DateTime<Utc>> =
@@ -180,7 +183,29 @@ async fn finish(
         progress.warn(format!("session still open after its pool closed (its statistics may be missing): {session}"));
     }
     let functions = FunctionStats::read(&db.pool).await?.since(&before);
-    Ok(Drained { jobs: spec.jobs, seconds: micros as f64 / 1e6, rss_samples, cpu_seconds, functions })
+    Ok(Drained {
+        jobs: spec.jobs,
+        seconds: micros as f64 / 1e6,
+        rss_samples,
+        cpu_seconds: usage.process,
+        machine_busy_percent: usage.machine,
+        functions,
+    })
+}
+
+/// CPU used while a drain ran: this process's seconds, the machine's busy percent.
+struct Usage {
+    process: Option<f64>,
+    machine: Option<f64>,
+}
+
+impl Usage {
+    fn since(process_before: Option<f64>, machine_before: Option<(u64, u64)>) -> Self {
+        Self {
+            process: cpu_seconds().zip(process_before).map(|(b, a)| b - a),
+            machine: busy_percent(machine_before, machine_cpu()),
+        }
+    }
 }
 
 async fn db_now(db: &BenchDb) -> Result<DateTime<Utc>> {

@@ -39,6 +39,9 @@ pub struct Options {
     pub rounds: usize,
     /// Draw progress bars (they also hide themselves when stderr is not a terminal).
     pub progress: bool,
+    /// Measured pools ping each connection before handing it out (sqlx's default, and what
+    /// `lockgate run` does). Off shows what that extra round trip per statement costs.
+    pub pool_ping: bool,
 }
 
 /// drain: pre-enqueued no-op jobs, lockgate's runtime against N raw read+archive consumers.
@@ -48,6 +51,9 @@ pub struct DrainArgs {
     pub jobs: u64,
     #[arg(long, default_value_t = DRAIN_CONCURRENCY)]
     pub concurrency: usize,
+    /// Baseline consumers, when not `concurrency` (a diagnostic: the target then does not apply).
+    #[arg(long)]
+    pub baseline_consumers: Option<usize>,
 }
 
 /// enqueue: one job per transaction from one producer, against `pgmq.send`.
@@ -165,7 +171,7 @@ pub fn all(scale: f64) -> Vec<Workload> {
     vec![
         Workload::Enqueue(EnqueueArgs { jobs: n(ENQUEUE_JOBS) }),
         Workload::Bulk(BulkArgs { jobs: bulk_jobs, batch: BULK_BATCH.min(bulk_jobs) }),
-        Workload::Drain(DrainArgs { jobs: n(DRAIN_JOBS), concurrency: DRAIN_CONCURRENCY }),
+        Workload::Drain(DrainArgs { jobs: n(DRAIN_JOBS), concurrency: DRAIN_CONCURRENCY, baseline_consumers: None }),
         Workload::Latency(LatencyArgs {
             interval_ms: LATENCY_INTERVAL_MS,
             duration_s: (LATENCY_DURATION_S * scale).max(0.2),

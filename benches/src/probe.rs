@@ -72,3 +72,20 @@ pub fn cpu_seconds() -> Option<f64> {
     let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
     Some(ticks as f64 / 100.0)
 }
+
+/// The whole machine's CPU counters from the first line of `/proc/stat`: (busy, total) jiffies.
+/// Every process counts (PostgreSQL, this harness, and anything else running on the machine).
+pub fn machine_cpu() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|f| f.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal (guest time is already in user).
+    let total: u64 = fields.iter().take(8).sum();
+    let idle = fields.get(3)? + fields.get(4).unwrap_or(&0);
+    Some((total - idle, total))
+}
+
+/// The busy share of the machine's CPU between two `machine_cpu` readings, in percent.
+pub fn busy_percent(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+    let ((b0, t0), (b1, t1)) = (before?, after?);
+    (t1 > t0).then(|| 100.0 * (b1 - b0) as f64 / (t1 - t0) as f64)
+}

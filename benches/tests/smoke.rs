@@ -16,7 +16,7 @@ fn tiny_plan() -> Vec<Workload> {
     vec![
         Workload::Enqueue(EnqueueArgs { jobs: 30 }),
         Workload::Bulk(BulkArgs { jobs: 250, batch: 100 }),
-        Workload::Drain(DrainArgs { jobs: 100, concurrency: 4 }),
+        Workload::Drain(DrainArgs { jobs: 100, concurrency: 4, baseline_consumers: None }),
         Workload::Latency(LatencyArgs { interval_ms: 20, duration_s: 0.3, concurrency: 2 }),
         Workload::Depth(DepthArgs { depths: vec![60, 300], window: 40, concurrency: 4 }),
         Workload::Workers(WorkersArgs { jobs: 40, levels: vec![1, 4] }),
@@ -26,7 +26,7 @@ fn tiny_plan() -> Vec<Workload> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_workload_runs_at_a_tiny_size_and_reports_numbers() {
-    let options = Options { server_url: server_url(), rounds: 2, progress: false };
+    let options = Options { server_url: server_url(), rounds: 2, progress: false, pool_ping: true };
     let report = lockgate_bench::run(options, &tiny_plan(), "smoke".into()).await.expect("the tiny plan runs");
     let names: Vec<&str> = report.workloads.iter().map(|w| w.name.as_str()).collect();
     assert_eq!(names, ["enqueue", "bulk", "drain", "latency", "depth", "workers", "memory"]);

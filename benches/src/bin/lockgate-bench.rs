@@ -24,6 +24,9 @@ struct Cli {
     /// No progress bars.
     #[arg(long, global = true)]
     no_progress: bool,
+    /// Measured pools skip sqlx's ping before each acquire (on by default, as in `lockgate run`).
+    #[arg(long, global = true)]
+    no_pool_ping: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -69,7 +72,12 @@ async fn main() -> Result<()> {
         Command::Workers(a) => vec![Workload::Workers(a)],
         Command::Memory(a) => vec![Workload::Memory(a)],
     };
-    let options = Options { server_url: cli.server_url, rounds: cli.rounds, progress: !cli.no_progress };
+    let options = Options {
+        server_url: cli.server_url,
+        rounds: cli.rounds,
+        progress: !cli.no_progress,
+        pool_ping: !cli.no_pool_ping,
+    };
     let command = std::env::args().skip(1).collect::<Vec<_>>().join(" ");
     // Ctrl-C drops the running workload: its database is dropped on the way out (BenchDb's Drop).
     let report = tokio::select! {

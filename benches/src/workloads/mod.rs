@@ -43,7 +43,7 @@ pub struct Ctx {
 impl Ctx {
     pub async fn create_db(&self, workload: &str) -> Result<BenchDb> {
         let spinner = self.progress.spinner(format!("{workload}: creating and migrating a database"));
-        let db = BenchDb::create(&self.options.server_url, workload).await;
+        let db = BenchDb::create(&self.options.server_url, workload, self.options.pool_ping).await;
         spinner.finish_and_clear();
         db
     }
@@ -134,8 +134,13 @@ pub fn drain_diagnostics(who: &str, runs: &[Drained], functions: &[&str]) -> Vec
     }
     let mut lines: Vec<String> = total.describe(functions, jobs).into_iter().map(|l| format!("{who} {l}")).collect();
     let cpu: Option<f64> = runs.iter().map(|r| r.cpu_seconds).sum();
-    if let Some(cpu) = cpu {
-        lines.push(format!("{who} client CPU: {:.1} µs/job (this process, all threads)", cpu * 1e6 / jobs));
+    let busy = Summary::of(&runs.iter().filter_map(|r| r.machine_busy_percent).collect::<Vec<_>>());
+    if let (Some(cpu), Some(busy)) = (cpu, busy) {
+        lines.push(format!(
+            "{who} client CPU {:.1} µs/job (this process); machine CPU busy {:.0}% (median of rounds, all processes)",
+            cpu * 1e6 / jobs,
+            busy.median
+        ));
     }
     lines
 }
