@@ -8,8 +8,12 @@ use lockgate_bench::plan::{
     DEFAULT_SERVER_URL,
 };
 
+/// The bench server, else the server the rest of the test suite uses, else the local default.
 fn server_url() -> String {
-    std::env::var("LOCKGATE_BENCH_SERVER_URL").unwrap_or_else(|_| DEFAULT_SERVER_URL.to_string())
+    ["LOCKGATE_BENCH_SERVER_URL", "LOCKGATE_TEST_DATABASE_URL"]
+        .iter()
+        .find_map(|var| std::env::var(var).ok())
+        .unwrap_or_else(|| DEFAULT_SERVER_URL.to_string())
 }
 
 fn tiny_plan() -> Vec<Workload> {

@@ -38,6 +38,9 @@ enum Command {
         /// Multiply every size (jobs, depths, durations) by this; concurrency is never scaled.
         #[arg(long, default_value_t = 1.0)]
         scale: f64,
+        /// Leave these workloads out (comma-separated names, e.g. `--skip memory`).
+        #[arg(long, value_delimiter = ',')]
+        skip: Vec<String>,
     },
     /// Drain pre-enqueued no-op jobs: the runtime vs raw read+archive consumers.
     Drain(DrainArgs),
@@ -62,8 +65,15 @@ async fn main() -> Result<()> {
         return Err(anyhow!("--rounds must be at least 1"));
     }
     let plan = match cli.command {
-        Command::All { scale } if scale > 0.0 => plan::all(scale),
-        Command::All { .. } => return Err(anyhow!("--scale must be positive")),
+        Command::All { scale, .. } if scale <= 0.0 => return Err(anyhow!("--scale must be positive")),
+        Command::All { scale, skip } => {
+            let mut all = plan::all(scale);
+            if let Some(unknown) = skip.iter().find(|name| !all.iter().any(|w| w.name() == name.as_str())) {
+                return Err(anyhow!("--skip {unknown}: not a workload"));
+            }
+            all.retain(|w| !skip.iter().any(|name| name == w.name()));
+            all
+        }
         Command::Drain(a) => vec![Workload::Drain(a)],
         Command::Enqueue(a) => vec![Workload::Enqueue(a)],
         Command::Bulk(a) => vec![Workload::Bulk(a)],
