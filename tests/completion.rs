@@ -112,3 +112,41 @@ async fn h13_backend_terminated_before_commit_is_retried_and_archives_once() {
     assert_eq!(outcome, vec![Ok(ArchiveOutcome::Archived)], "nothing committed before the kill, so the retry archives");
     assert_eq!(db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(), 1, "archived exactly once");
 }
+
+#[tokio::test]
+async fn h18_a_completion_stalled_by_a_database_blip_lands_once_the_database_is_back() {
+    use lockgate::{JobContext, JobError, Registry};
+    use std::sync::Arc;
+
+    let db = TestDb::migrated().await.unwrap();
+    one_job(&db).await;
+    let proxy = Arc::new(FaultProxy::start("127.0.0.1:5432".into()).await.unwrap());
+    let pool = PgPoolOptions::new().max_connections(6).connect(&proxy.url_for(&db.url)).await.unwrap();
+    let starts = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut registry = Registry::new();
+    let (handler_proxy, handler_starts) = (Arc::clone(&proxy), Arc::clone(&starts));
+    registry
+        .register::<Noop, _>(move |_ctx: JobContext, _job: Noop| {
+            let (proxy, starts) = (Arc::clone(&handler_proxy), Arc::clone(&handler_starts));
+            async move {
+                starts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                // The database goes away just as the job finishes: its completion must wait.
+                proxy.freeze();
+                Ok::<(), JobError>(())
+            }
+        })
+        .unwrap();
+    let running = common::Running::start_on(pool, common::test_config(), registry, &["default"], 1);
+    lockgate_testkit::wait_for("the job to finish and the blip to begin", common::WAIT, || async {
+        Ok((starts.load(std::sync::atomic::Ordering::SeqCst) == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(), 0, "not completed during the blip");
+    proxy.thaw();
+    lockgate_testkit::wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, common::WAIT).await.unwrap();
+    running.stop().await;
+    assert_eq!(starts.load(std::sync::atomic::Ordering::SeqCst), 1, "the job ran once: its completion was retried");
+    let read_ct: i32 = sqlx::query_scalar("SELECT read_ct FROM pgmq.a_default").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(read_ct, 1);
+}

@@ -409,3 +409,60 @@ async fn a_panicking_handler_is_a_failed_attempt_not_a_job_stuck_in_flight() {
         sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
     assert_eq!(error, "handler panicked: boom in the handler");
 }
+
+#[tokio::test]
+async fn archive_retention_prunes_archived_jobs_older_than_the_retention() {
+    let (db, client) = setup().await;
+    for n in 0..3 {
+        enqueue(&client, n).await;
+    }
+    let claims = claim(&db.pool, &queue("default"), 3, Duration::from_secs(30)).await.unwrap();
+    let tokens: Vec<(i64, i32)> = claims.iter().map(|c| (c.msg_id, c.read_ct)).collect();
+    lockgate::sql::complete(&db.pool, &queue("default"), &tokens).await.unwrap();
+    sqlx::query("UPDATE pgmq.a_default SET archived_at = now() - interval '8 days' WHERE msg_id = $1")
+        .bind(tokens[0].0)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let retention = lockgate::maintenance::ArchiveRetention::new(
+        db.pool.clone(),
+        Duration::from_secs(7 * 24 * 3600),
+        Duration::from_secs(60),
+    );
+    assert_eq!(retention.run_once().await.unwrap(), 1, "only the job archived 8 days ago is pruned");
+    assert_eq!(db.count("SELECT 1 FROM pgmq.a_default").await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn queue_stats_count_ready_scheduled_running_and_dead_jobs() {
+    let (db, client) = setup().await;
+    for n in 0..4 {
+        enqueue(&client, n).await;
+    }
+    let later = EnqueueOptions { delay: Some(Duration::from_secs(600)), ..Default::default() };
+    client.enqueue(&Work { n: 9 }, &later).await.unwrap();
+    let claims = claim(&db.pool, &queue("default"), 3, Duration::from_secs(30)).await.unwrap();
+    lockgate::sql::retry(&db.pool, &claims[0], Duration::from_secs(600), "boom", 1).await.unwrap();
+    lockgate::sql::dead_letter(&db.pool, &claims[1], lockgate::sql::DeadLetterReason::AttemptsExhausted, "x", 3)
+        .await
+        .unwrap();
+    let stats = lockgate::sql::queue_stats(&db.pool).await.unwrap();
+    let s = stats.iter().find(|s| s.queue == "default").unwrap();
+    // 1 never claimed; 1 delayed + 1 waiting for its retry; 1 claimed; 1 dead-lettered.
+    assert_eq!((s.ready, s.scheduled, s.running, s.dead), (1, 2, 1, 1));
+    assert!(s.oldest_ready_seconds.is_some());
+}
+
+#[tokio::test]
+async fn a_runtime_starts_and_stops_twenty_times_leaving_nothing_behind() {
+    let (db, client) = setup().await;
+    for round in 0..20 {
+        enqueue(&client, round).await;
+        let calls = Counter::default();
+        let running = Running::start(&db, test_config(), failing_registry(calls, 0), &["default"], 2).await;
+        wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", i64::from(round) + 1, WAIT).await.unwrap();
+        running.stop().await;
+        assert_eq!(db.count("SELECT 1 FROM lockgate.processes").await.unwrap(), 0, "round {round}: deregistered");
+    }
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 0);
+}

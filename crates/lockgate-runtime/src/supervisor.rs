@@ -230,3 +230,38 @@ where
         pause = (pause * 2).min(MAX_RESTART_PAUSE);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_crashing_service_is_restarted_and_marks_the_process_crash_looping() {
+        let health = Arc::new(Health::default());
+        let token = CancellationToken::new();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&runs);
+        let task =
+            tokio::spawn(supervise("flaky", Arc::clone(&health), token.clone(), move |stop: CancellationToken| {
+                let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                async move {
+                    if run <= 3 {
+                        panic!("crash number {run}");
+                    }
+                    stop.cancelled().await;
+                }
+            }));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while runs.load(Ordering::SeqCst) < 4 {
+            assert!(std::time::Instant::now() < deadline, "the service was not restarted a fourth time");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let reasons = health.readiness().unwrap_err();
+        assert!(reasons.iter().any(|r| r == "flaky is crash-looping"), "{reasons:?}");
+        token.cancel();
+        task.await.unwrap();
+        assert_eq!(runs.load(Ordering::SeqCst), 4, "a cancelled service is not restarted");
+    }
+}
