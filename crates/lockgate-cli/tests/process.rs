@@ -194,3 +194,25 @@ async fn migrate_refuses_a_database_newer_than_the_binary() {
         sqlx::query_scalar("SELECT functions_checksum FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
     assert_eq!(checksum_before, checksum_after, "nothing was rewritten");
 }
+
+#[tokio::test]
+async fn operators_list_parked_jobs_and_discard_one_explicitly() {
+    let setup = Setup::new("cat >/dev/null", "concurrency = { limit = 1, key = [\"account\"] }");
+    let db = migrated_with_one_job(&setup).await;
+    let o = output(&db, &["enqueue", "task", "{\"account\": 1, \"n\": 1}"]);
+    assert!(text(&o).contains("enqueued job"), "{}", text(&o));
+    let o = output(&db, &["enqueue", "task", "{\"account\": 1, \"n\": 2}"]);
+    assert!(text(&o).contains("parked"), "{}", text(&o));
+    let o = output(&db, &["enqueue", "task", "{\"account\": 1, \"n\": 3}", "--concurrency-key", "task:[1]"]);
+    assert!(text(&o).contains("parked"), "{}", text(&o));
+    let listed = text(&output(&db, &["parked", "list", "--key", "task:[1]"]));
+    assert_eq!(listed.lines().count(), 3, "a header and two parked jobs: {listed}");
+    let status = text(&output(&db, &["status"]));
+    assert!(status.contains("task:[1]") && status.contains("PARKED"), "{status}");
+    let id: i64 = sqlx::query_scalar("SELECT min(id) FROM lockgate.parked").fetch_one(&db.pool).await.unwrap();
+    let o = output(&db, &["parked", "discard", &id.to_string()]);
+    assert!(o.status.success() && text(&o).contains("discarded"), "{}", text(&o));
+    let o = output(&db, &["parked", "discard", &id.to_string()]);
+    assert!(!o.status.success() && text(&o).contains("no parked job"), "{}", text(&o));
+    assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 1, "only the named job left");
+}
