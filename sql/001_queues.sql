@@ -5,6 +5,7 @@
 --
 -- Error codes raised by lockgate's functions (matched by the Rust layer):
 --   LG001 unknown queue · LG002 unknown job type · LG003 invalid argument
+--   LG004 concurrency limit reached (on_conflict raise)
 
 CREATE OR REPLACE FUNCTION lockgate._queue_table(queue text, kind text)
 RETURNS text LANGUAGE plpgsql STABLE AS $$

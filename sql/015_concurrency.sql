@@ -120,10 +120,13 @@ BEGIN
             EXIT WHEN NOT lockgate._acquire(key, jt.concurrency_limit);
         END IF;
         DELETE FROM lockgate.parked x WHERE x.id = p.id;
+        -- A type whose limit was removed runs unlimited: its message carries no key, so the
+        -- heartbeat does not look for a lease it will never have.
         EXECUTE format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id',
                        lockgate._queue_table(p.queue, 'q'))
            INTO new_msg_id
-          USING GREATEST(p.run_at, clock_timestamp()), p.args, p.headers;
+          USING GREATEST(p.run_at, clock_timestamp()), p.args,
+                CASE WHEN jt.concurrency_limit IS NULL THEN p.headers - 'ckey' ELSE p.headers END;
         IF jt.concurrency_limit IS NOT NULL THEN
             PERFORM lockgate._add_lease(key, p.queue, new_msg_id, p.run_at, jt.concurrency_duration_ms);
         END IF;
@@ -147,8 +150,16 @@ DECLARE
     gone bigint;
 BEGIN
     SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = headers->>'type';
-    IF NOT FOUND OR jt.concurrency_limit IS NULL OR jsonb_typeof(message) <> 'object' THEN
-        RETURN true;  -- the worker dead-letters an unknown type; an unlimited type needs no permit
+    IF NOT FOUND OR jsonb_typeof(message) <> 'object' THEN
+        RETURN true;  -- the worker dead-letters it, with the reason
+    END IF;
+    IF jt.concurrency_limit IS NULL THEN
+        -- Its type's limit was removed: it runs unlimited, and its message drops the key so the
+        -- heartbeat does not look for a lease.
+        EXECUTE format('UPDATE %s m SET headers = m.headers - ''ckey'' WHERE m.msg_id = $1 AND m.read_ct = $2',
+                       lockgate._queue_table(queue, 'q'))
+          USING msg_id, read_ct;
+        RETURN true;
     END IF;
     IF lockgate._acquire(key, jt.concurrency_limit) THEN
         PERFORM lockgate._add_lease(key, queue, msg_id, clock_timestamp(), jt.concurrency_duration_ms);

@@ -41,10 +41,13 @@ BEGIN
             orphaned := orphaned + k.n;
         END LOOP;
     END LOOP;
+    -- Room is judged against the type's current limit (a raised limit frees room at once); a
+    -- key whose type is gone or no longer limited is taken too, to dead-letter or release it.
     FOR k IN
         SELECT p.key FROM lockgate.parked p
           LEFT JOIN lockgate.semaphores s ON s.key = p.key
-         WHERE s.key IS NULL OR s.value < s.lim
+          LEFT JOIN lockgate.job_types jt ON jt.name = p.job_type
+         WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
          GROUP BY p.key ORDER BY min(p.parked_at) LIMIT max_keys
     LOOP
         n := lockgate._promote(k.key);

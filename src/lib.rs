@@ -36,8 +36,8 @@ pub use lockgate_core::{
     MAX_PRIORITY,
 };
 pub use lockgate_runtime::{
-    config, heartbeat, maintenance, worker, CancelReason, Client, EnqueueError, Handler, Job, JobContext, JobError,
-    PoolConfig, RawHandler, Registry, Runtime, RuntimeConfig, RuntimeError,
+    config, health, heartbeat, maintenance, process_registry, worker, CancelReason, Client, EnqueueError, Handler, Job,
+    JobContext, JobError, PoolConfig, RawHandler, Registry, Runtime, RuntimeConfig, RuntimeError,
 };
 pub use lockgate_sql::{check_schema, migrate, DbError, MigrateReport, PgPool, PgPoolOptions};
 

@@ -496,3 +496,38 @@ async fn discard_and_raise_keys_refuse_from_sql_and_from_rust() {
     assert_eq!(db.count("SELECT 1 FROM lockgate.leases WHERE key = 'strict'").await.unwrap(), 1);
     assert_invariants(&db).await;
 }
+
+async fn redefine(client: &Client, concurrency: Option<ConcurrencyPolicy>) {
+    let mut policy = JobPolicy::on_queue(common::queue("default"));
+    policy.concurrency = concurrency;
+    client.define_job_type(&JobTypeName::new(TYPE).unwrap(), &policy).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_raised_limit_frees_room_for_parked_jobs_at_the_next_sweep() {
+    let (db, client) = setup(1).await;
+    enqueue(&client, 1, 1).await;
+    let waiting = enqueue(&client, 1, 2).await;
+    let raised = ConcurrencyPolicy { key: vec!["account".into()], ..ConcurrencyPolicy::new(2) };
+    redefine(&client, Some(raised)).await;
+    assert_eq!(sweep(&db.pool, 10, None).await.unwrap().promoted, 1);
+    assert!(message_of(&db, waiting.job_id.0).await.is_some());
+    assert_eq!(value(&db, 1).await, 2);
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn a_removed_limit_lets_parked_jobs_run_unlimited_and_their_heartbeat_holds() {
+    let (db, client) = setup(1).await;
+    enqueue(&client, 1, 1).await;
+    let waiting = enqueue(&client, 1, 2).await;
+    redefine(&client, None).await;
+    assert_eq!(sweep(&db.pool, 10, None).await.unwrap().promoted, 1);
+    let (msg_id, _) = message_of(&db, waiting.job_id.0).await.expect("promoted");
+    let claims = claim(&db.pool, &common::queue("default"), 10, Duration::from_secs(30)).await.unwrap();
+    let c = claims.iter().find(|c| c.msg_id == msg_id).expect("claimed");
+    let renewed =
+        lockgate::sql::extend(&db.pool, &c.queue, &[(c.msg_id, c.read_ct)], Duration::from_secs(30)).await.unwrap();
+    assert_eq!(renewed, vec![msg_id], "an unlimited job is not reported lost for lack of a lease");
+    assert_invariants(&db).await;
+}

@@ -78,9 +78,13 @@ impl RuntimeConfig {
                 format!("at least twice heartbeat_interval ({:?})", self.heartbeat_interval),
             ));
         }
-        for (field, value) in
-            [("poll_interval", self.poll_interval), ("maintenance_interval", self.maintenance_interval)]
-        {
+        let intervals = [
+            ("poll_interval", self.poll_interval),
+            ("maintenance_interval", self.maintenance_interval),
+            ("sweep_interval", self.sweep_interval),
+            ("process_heartbeat_interval", self.process_heartbeat_interval),
+        ];
+        for (field, value) in intervals {
             if value.is_zero() {
                 return Err(ValidationError::new(field, "0s", "a positive duration"));
             }
@@ -135,6 +139,8 @@ mod tests {
     fn visibility_must_cover_two_heartbeats() {
         let cfg = RuntimeConfig { visibility_timeout: Duration::from_secs(5), ..Default::default() };
         assert_eq!(cfg.validate().unwrap_err().field, "visibility_timeout");
+        let cfg = RuntimeConfig { sweep_interval: Duration::ZERO, ..Default::default() };
+        assert_eq!(cfg.validate().unwrap_err().field, "sweep_interval");
         assert!(RuntimeConfig::default().validate().is_ok());
     }
 }

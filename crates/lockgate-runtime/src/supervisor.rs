@@ -15,8 +15,8 @@
 //! 3. the rest are cancelled and returned to their queue, visible at once, keeping their
 //!    permits; that statement lands before the pool's `run` returns (G7);
 //! 4. the heartbeat stops (it kept the leases of finishing jobs alive until now);
-//! 5. the process deregisters;
-//! 6. the registry, notifier, sweeps and health endpoints stop; `run` returns.
+//! 5. the registry stops, then the process deregisters;
+//! 6. the notifier, sweeps and health endpoints stop; `run` returns.
 //!
 //! Nothing here races that sequence with a timer (seed 002): the caller awaits `run` and exits
 //! only after it returns. A second signal or QUIT is the binary's immediate exit.
@@ -45,6 +45,8 @@ use crate::{PoolConfig, Registry, RuntimeConfig, RuntimeError};
 /// The first restart of a crashed service waits this long; doubled up to `MAX_RESTART_PAUSE`.
 const FIRST_RESTART_PAUSE: Duration = Duration::from_millis(200);
 const MAX_RESTART_PAUSE: Duration = Duration::from_secs(30);
+/// A service that ran this long before crashing is not crash-looping: its backoff starts over.
+const STABLE_RUN: Duration = Duration::from_secs(60);
 
 /// One process's worth of lockgate: worker pools, heartbeat, notifier, registry, sweeps.
 #[derive(Debug)]
@@ -192,11 +194,12 @@ impl Runtime {
 
         heartbeat_stop.cancel();
         let _ = heartbeat_task.await;
+        // The registry stops first, so no tick in flight can find the row gone and re-register.
+        registry_stop.cancel();
+        let _ = registry_task.await;
         if let Err(error) = process_registry.deregister().await {
             tracing::warn!(%error, "could not deregister; the row will be pruned after the alive threshold");
         }
-        registry_stop.cancel();
-        let _ = registry_task.await;
         services.cancel();
         tracker.close();
         tracker.wait().await;
@@ -214,7 +217,12 @@ where
 {
     let mut pause = FIRST_RESTART_PAUSE;
     loop {
+        let started = std::time::Instant::now();
         let outcome = tokio::spawn(make(token.clone())).await;
+        // A service that ran well for a while before crashing starts its backoff over.
+        if started.elapsed() > STABLE_RUN {
+            pause = FIRST_RESTART_PAUSE;
+        }
         if token.is_cancelled() {
             return;
         }

@@ -9,6 +9,7 @@ use lockgate_core::{Claim, JobHeaders, JobPolicy};
 use lockgate_sql::DeadLetterReason;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::persist::persist;
 use super::Shared;
@@ -17,10 +18,13 @@ use crate::in_flight::Delivery;
 use crate::{CancelReason, JobContext, JobError};
 
 /// Runs one claimed delivery to its final statement. The permit is the pool's concurrency slot.
-pub(crate) async fn execute(shared: Arc<Shared>, claim: Claim, claimed_at: Instant, _permit: OwnedSemaphorePermit) {
-    let delivery = Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct };
+pub(crate) async fn execute(shared: Arc<Shared>, claim: Claim, claimed_at: Instant, permit: OwnedSemaphorePermit) {
     let span = tracing::info_span!("job", queue = %claim.queue, msg_id = claim.msg_id, read_ct = claim.read_ct);
-    let _enter = span.enter();
+    run_delivery(shared, claim, claimed_at, permit).instrument(span).await;
+}
+
+async fn run_delivery(shared: Arc<Shared>, claim: Claim, claimed_at: Instant, _permit: OwnedSemaphorePermit) {
+    let delivery = Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct };
     let headers = match JobHeaders::decode(claim.headers.as_ref()) {
         Ok(headers) => headers,
         Err(reason) => {
