@@ -12,6 +12,8 @@ use lockgate::{PgPool, PgPoolOptions};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::ConnectOptions;
 
+use crate::progress::Progress;
+
 /// Connections of the harness's own pool (fills, polls, resets); workloads open their own.
 const CONTROL_CONNECTIONS: u32 = 4;
 
@@ -44,13 +46,16 @@ impl BenchDb {
         let name = format!("lg_bench_{}_{workload}_{n}_{nanos:x}", std::process::id());
         let mut admin = server.connect().await.with_context(|| format!("connecting to {server_url}"))?;
         sqlx::raw_sql(&format!("CREATE DATABASE {name}")).execute(&mut admin).await?;
-        // Function statistics give the report its per-job call counts and server times. Set
-        // before any session connects, so that every session of this database has it.
-        sqlx::raw_sql(&format!("ALTER DATABASE {name} SET track_functions = 'pl'")).execute(&mut admin).await?;
         let options = server.clone().database(&name).application_name(CONTROL_APP);
+        // Lazy: nothing connects before the ALTER below. From here on, dropping `db` drops the
+        // database, whatever fails next.
         let pool = PgPoolOptions::new().max_connections(CONTROL_CONNECTIONS).connect_lazy_with(options);
-        // From here on, dropping `db` drops the database, whatever fails next.
         let db = Self { name, server, pool, pool_ping, dropped: false };
+        // Function statistics give the report its per-job call counts and server times; every
+        // session of the database gets the setting. It needs a superuser: without one the
+        // measurements still run, and the diagnostics lack the function lines.
+        let track = format!("ALTER DATABASE {} SET track_functions = 'pl'", db.name);
+        let _ = sqlx::raw_sql(&track).execute(&mut admin).await;
         lockgate::migrate(&db.pool).await.context("migrating the bench database")?;
         Ok(db)
     }
@@ -80,7 +85,7 @@ impl BenchDb {
     /// Waits until no session but the harness's own is connected: measured pools are closed and
     /// their backends have exited (and so flushed their statistics). Returns the sessions still
     /// there after the wait, described, when they do not go (an empty list when all is well).
-    pub async fn wait_sessions_closed(&self) -> Result<Vec<String>> {
+    async fn wait_sessions_closed(&self) -> Result<Vec<String>> {
         let deadline = Instant::now() + SESSIONS_CLOSE_TIMEOUT;
         loop {
             let others: Vec<String> = sqlx::query_scalar(
@@ -95,6 +100,15 @@ impl BenchDb {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Waits for the measured sessions to leave (so that their statistics are flushed), and
+    /// warns about any that do not: the statistics read next may then be incomplete.
+    pub async fn settle(&self, progress: &Progress) -> Result<()> {
+        for session in self.wait_sessions_closed().await? {
+            progress.warn(format!("session still open after its pool closed (statistics may be missing): {session}"));
+        }
+        Ok(())
     }
 
     /// Closes the harness's pool and drops the database.

@@ -179,9 +179,7 @@ async fn finish(
             .await?;
     let Some(end) = end else { bail!("fewer than {} jobs were archived", spec.jobs) };
     let micros = (end - start).num_microseconds().unwrap_or(0).max(1);
-    for session in db.wait_sessions_closed().await? {
-        progress.warn(format!("session still open after its pool closed (its statistics may be missing): {session}"));
-    }
+    db.settle(progress).await?;
     let functions = FunctionStats::read(&db.pool).await?.since(&before);
     Ok(Drained {
         jobs: spec.jobs,

@@ -3,7 +3,7 @@
 //! harness process's resident memory and CPU time from `/proc/self`.
 //!
 //! Statistics reach the shared view when a backend exits, so `after` is read once the measured
-//! pools are closed and their sessions gone (`BenchDb::wait_sessions_closed`).
+//! pools are closed and their sessions gone (`BenchDb::settle`).
 
 use std::collections::BTreeMap;
 

@@ -117,10 +117,7 @@ async fn measure(ctx: &Ctx, db: &BenchDb, producer: Producer, jobs: u64, batch: 
     let cpu_seconds = cpu_seconds().zip(cpu0).map(|(b, a)| b - a);
     close(pool).await;
     bar.finish_and_clear();
-    for session in db.wait_sessions_closed().await? {
-        ctx.progress
-            .warn(format!("session still open after its pool closed (its statistics may be missing): {session}"));
-    }
+    db.settle(&ctx.progress).await?;
     let functions = FunctionStats::read(&db.pool).await?.since(&before);
     Ok(Enqueued { rate: jobs as f64 / seconds, cpu_seconds, functions })
 }
