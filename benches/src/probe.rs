@@ -29,6 +29,15 @@ impl FunctionStats {
         Ok(Self(rows.into_iter().map(|(name, calls, ms)| (name, (calls, ms))).collect()))
     }
 
+    /// Adds `other`'s calls and times to these (summing rounds).
+    pub fn add(&mut self, other: &Self) {
+        for (name, (calls, ms)) in &other.0 {
+            let entry = self.0.entry(name.clone()).or_default();
+            entry.0 += calls;
+            entry.1 += ms;
+        }
+    }
+
     /// What happened between `before` and `self`: functions called at least once.
     pub fn since(&self, before: &Self) -> Self {
         let delta = self.0.iter().filter_map(|(name, &(calls, ms))| {

@@ -17,6 +17,7 @@ use lockgate::Client;
 use crate::bench_db::BenchDb;
 use crate::drain::{self as draining, Drained, Spec};
 use crate::plan::Options;
+use crate::probe::FunctionStats;
 use crate::progress::Progress;
 use crate::queue;
 use crate::report::Row;
@@ -124,14 +125,8 @@ pub fn rates(runs: &[Drained]) -> Option<Summary> {
 /// summed), and the client's CPU per job.
 pub fn drain_diagnostics(who: &str, runs: &[Drained], functions: &[&str]) -> Vec<String> {
     let jobs: f64 = runs.iter().map(|r| r.jobs as f64).sum();
-    let mut total = crate::probe::FunctionStats::default();
-    for run in runs {
-        for (name, (calls, ms)) in &run.functions.0 {
-            let entry = total.0.entry(name.clone()).or_default();
-            entry.0 += calls;
-            entry.1 += ms;
-        }
-    }
+    let mut total = FunctionStats::default();
+    runs.iter().for_each(|run| total.add(&run.functions));
     let mut lines: Vec<String> = total.describe(functions, jobs).into_iter().map(|l| format!("{who} {l}")).collect();
     let cpu: Option<f64> = runs.iter().map(|r| r.cpu_seconds).sum();
     let busy = Summary::of(&runs.iter().filter_map(|r| r.machine_busy_percent).collect::<Vec<_>>());
