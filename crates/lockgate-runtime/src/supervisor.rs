@@ -95,13 +95,24 @@ impl Runtime {
             lockgate_sql::create_queue(&self.db, queue.as_str()).await?;
         }
         let policies = Arc::new(PolicyCache::load(&self.db).await?);
+        // The runtime's own pool: sized for its loops (not for handlers, which bring their own),
+        // and without sqlx's ping before every acquire — a round trip per statement that the
+        // loops do not need, since every one of them retries a statement that failed.
+        let total_concurrency: usize = self.pools.iter().map(|p| p.concurrency).sum();
+        let connections = 6 + 2 * self.pools.len() + total_concurrency / 2;
+        let db = PgPoolOptions::new()
+            .max_connections(u32::try_from(connections).unwrap_or(u32::MAX))
+            .test_before_acquire(false)
+            .connect_with(self.db.connect_options().as_ref().clone())
+            .await
+            .map_err(lockgate_sql::DbError::from)?;
         let services = CancellationToken::new();
         let tracker = TaskTracker::new();
         if let Some(addr) = self.config.health_listen {
             tracker.spawn(health::serve(addr, Arc::clone(&self.health), services.clone()));
         }
 
-        let mut notifier = Notifier::new(self.db.clone(), Arc::clone(&self.health));
+        let mut notifier = Notifier::new(db.clone(), Arc::clone(&self.health));
         let mut sets = Vec::new();
         let mut reports = Vec::new();
         let mut pool_parts = Vec::new();
@@ -140,13 +151,13 @@ impl Runtime {
             move |token| Arc::clone(&notifier).run(token)
         }));
         tracker.spawn(supervise("archive_retention", health.clone(), services.clone(), {
-            let (db, config) = (self.db.clone(), self.config.clone());
+            let (db, config) = (db.clone(), self.config.clone());
             move |token| {
                 ArchiveRetention::new(db.clone(), config.archive_retention, config.maintenance_interval).run(token)
             }
         }));
         tracker.spawn(supervise("concurrency_sweep", health.clone(), services.clone(), {
-            let (db, interval) = (self.db.clone(), self.config.sweep_interval);
+            let (db, interval) = (db.clone(), self.config.sweep_interval);
             move |token| ConcurrencySweep::new(db.clone(), interval).run(token)
         }));
         let registry_stop = CancellationToken::new();
@@ -156,7 +167,7 @@ impl Runtime {
         }));
         let heartbeat_stop = CancellationToken::new();
         let heartbeat_task = tokio::spawn(supervise("heartbeat", health.clone(), heartbeat_stop.clone(), {
-            let (db, config, sets) = (self.db.clone(), self.config.clone(), sets.clone());
+            let (db, config, sets) = (db.clone(), self.config.clone(), sets.clone());
             move |token| {
                 Heartbeat::new(db.clone(), sets.clone(), config.heartbeat_interval, config.visibility_timeout)
                     .run(token)
@@ -166,7 +177,7 @@ impl Runtime {
         let workers = TaskTracker::new();
         for (pool, in_flight, wake, last_tick) in pool_parts {
             let (db, config, registry, policies) =
-                (self.db.clone(), self.config.clone(), self.registry.clone(), policies.clone());
+                (db.clone(), self.config.clone(), self.registry.clone(), policies.clone());
             let owner = Arc::clone(&process_registry.owner);
             workers.spawn(supervise("worker_pool", health.clone(), shutdown.clone(), move |token| {
                 let pool = WorkerPool::new(

@@ -2,13 +2,18 @@
 //! request waiting when a batch starts joins it (one statement per queue), and each delivery
 //! still gets its own fenced outcome: `Archived` if this statement archived it, otherwise
 //! `AlreadyArchived`, or `Ambiguous` when an earlier try of the same batch broke mid-commit (H13).
+//!
+//! Executors hand a finished delivery over and go: their concurrency slot is free for the next
+//! job while the completion is written. The delivery stays in the in-flight set (renewed by the
+//! heartbeat) until its statement lands. The channel is bounded, so a slow database pushes back
+//! on the executors instead of letting finished work pile up without limit.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use lockgate_core::{ArchiveOutcome, QueueName};
 use lockgate_sql::PgPool;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use std::time::Instant;
 
@@ -23,36 +28,39 @@ const MAX_BATCH: usize = 256;
 /// statement failed permanently); the job then runs again after its visibility lapses.
 pub type Completion = Result<ArchiveOutcome, String>;
 
+/// Finished deliveries that may wait for the completer before executors must wait: two full
+/// batches, so one batch can be collected while the previous one commits.
+const QUEUE_CAPACITY: usize = 2 * MAX_BATCH;
+
 struct Request {
     delivery: Delivery,
-    reply: oneshot::Sender<Completion>,
+    job_id: lockgate_core::JobId,
 }
 
 /// The executors' handle on the completer. The completer stops when every handle is dropped.
 #[derive(Clone)]
 pub(crate) struct CompleterHandle {
-    tx: mpsc::UnboundedSender<Request>,
+    tx: mpsc::Sender<Request>,
 }
 
 impl CompleterHandle {
-    pub async fn complete(&self, delivery: Delivery) -> Completion {
-        let (reply, rx) = oneshot::channel();
-        if self.tx.send(Request { delivery, reply }).is_err() {
-            return Err("the completer has stopped".into());
+    /// Hands a finished delivery over; waits only while the completer's queue is full.
+    pub async fn submit(&self, delivery: Delivery, job_id: lockgate_core::JobId) {
+        if self.tx.send(Request { delivery, job_id }).await.is_err() {
+            tracing::warn!(%job_id, "the completer has stopped; the job will run again after its visibility lapses");
         }
-        rx.await.unwrap_or_else(|_| Err("the completer has stopped".into()))
     }
 }
 
 pub(crate) struct Completer {
     db: PgPool,
     in_flight: Arc<InFlight>,
-    rx: mpsc::UnboundedReceiver<Request>,
+    rx: mpsc::Receiver<Request>,
 }
 
 impl Completer {
     pub fn new(db: PgPool, in_flight: Arc<InFlight>) -> (Self, CompleterHandle) {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
         (Self { db, in_flight, rx }, CompleterHandle { tx })
     }
 
@@ -93,7 +101,14 @@ impl Completer {
         let outcomes = outcomes(&deliveries, result);
         for (r, outcome) in requests.into_iter().zip(outcomes) {
             self.in_flight.remove(&r.delivery);
-            let _ = r.reply.send(outcome);
+            let (queue, msg_id, job_id) = (&r.delivery.queue, r.delivery.msg_id, r.job_id);
+            match outcome {
+                Ok(ArchiveOutcome::Archived) => tracing::debug!(%queue, msg_id, %job_id, "archived"),
+                Ok(outcome) => tracing::info!(%queue, msg_id, %job_id, %outcome, "completion changed nothing"),
+                Err(error) => {
+                    tracing::warn!(%queue, msg_id, %job_id, %error, "completion not written; the job will run again")
+                }
+            }
         }
     }
 }

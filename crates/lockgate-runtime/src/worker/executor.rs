@@ -72,12 +72,7 @@ async fn run_delivery(shared: Arc<Shared>, claim: Claim, claimed_at: Instant, _p
         return;
     }
     match result {
-        Ok(()) => match shared.completer.complete(delivery).await {
-            Ok(outcome) => tracing::debug!(job_id = %ctx.job_id, %outcome, "completed"),
-            Err(error) => {
-                tracing::warn!(job_id = %ctx.job_id, %error, "completion not written; the job will run again")
-            }
-        },
+        Ok(()) => shared.completer.submit(delivery, ctx.job_id).await,
         Err(HandlerFailure::Decode(reason)) => finish(&shared, &delivery, |db| {
             let (claim, reason) = (&claim, &reason);
             async move { lockgate_sql::dead_letter(db, claim, DeadLetterReason::Undecodable, reason, attempt).await }

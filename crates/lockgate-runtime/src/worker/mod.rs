@@ -46,6 +46,11 @@ pub(crate) struct Shared {
 
 /// Pause after a failed claim, doubled up to the poll interval while the database is away.
 const CLAIM_RETRY_PAUSE: Duration = Duration::from_millis(100);
+/// With a backlog, a claim waits this long for more free slots when fewer than half of
+/// `CLAIM_BATCH_TARGET` are free: a millisecond costs little next to a commit per claim.
+const CLAIM_COALESCE: Duration = Duration::from_millis(1);
+/// The claim size the coalescing aims for (PGMQ users read 16 at a time).
+const CLAIM_BATCH_TARGET: usize = 16;
 
 pub struct WorkerPool {
     config: PoolConfig,
@@ -100,6 +105,7 @@ async fn fetch_loop(
     shutdown: &CancellationToken,
 ) {
     let mut pause = CLAIM_RETRY_PAUSE;
+    let mut backlog = false;
     loop {
         shared.last_tick.store(chrono::Utc::now().timestamp_millis(), Ordering::Relaxed);
         let first = tokio::select! {
@@ -111,10 +117,19 @@ async fn fetch_loop(
         while let Ok(p) = Arc::clone(slots).try_acquire_owned() {
             permits.push(p);
         }
+        // With a backlog, a claim for one free slot wastes a round trip and a commit: give the
+        // other slots a moment to free up so the claim carries a batch.
+        if backlog && permits.len() < config.concurrency.min(CLAIM_BATCH_TARGET) / 2 {
+            tokio::time::sleep(CLAIM_COALESCE).await;
+            while let Ok(p) = Arc::clone(slots).try_acquire_owned() {
+                permits.push(p);
+            }
+        }
         let claimed_at = std::time::Instant::now();
         let claims = match claim_in_order(config, shared, permits.len()).await {
             Ok(claims) => {
                 pause = CLAIM_RETRY_PAUSE;
+                backlog = claims.len() == permits.len();
                 claims
             }
             Err(error) => {
