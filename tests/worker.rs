@@ -466,3 +466,27 @@ async fn a_runtime_starts_and_stops_twenty_times_leaving_nothing_behind() {
     }
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 0);
 }
+
+#[tokio::test]
+async fn g7_shutdown_returns_jobs_claimed_ahead_at_once_and_running_ones_after_the_timeout() {
+    let db = long_setup(60_000).await;
+    Client::new(db.pool.clone()).enqueue(&Long { millis: 60_000 }, &EnqueueOptions::default()).await.unwrap();
+    let starts = Counter::default();
+    let reasons = Arc::new(Mutex::new(Vec::new()));
+    // One handler slot: the second job is claimed ahead and waits in memory.
+    let running = Running::start(&db, test_config(), long_registry(starts.clone(), Arc::clone(&reasons)), &["default"], 1).await;
+    wait_for("one job running and one claimed ahead", WAIT, || async {
+        let claimed = db.count("SELECT 1 FROM pgmq.q_default WHERE read_ct = 1").await?;
+        Ok((starts.get() == 1 && claimed == 2).then_some(()))
+    })
+    .await
+    .unwrap();
+    running.stop().await;
+    assert_eq!(starts.get(), 1, "the job claimed ahead never started");
+    let rows: Vec<(bool, i32)> = sqlx::query_as("SELECT vt <= now(), (headers->>'returns')::int FROM pgmq.q_default")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, vec![(true, 1), (true, 1)], "both back in the queue, ready, neither counted as an attempt");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
+}

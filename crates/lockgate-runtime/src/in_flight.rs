@@ -29,6 +29,8 @@ pub(crate) struct Delivery {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
+    /// Claimed ahead, waiting for a free handler slot; its handler has not started.
+    Waiting,
     Running,
     /// The handler returned; the final statement is on its way. Still renewed by the heartbeat.
     Finishing,
@@ -41,7 +43,8 @@ enum State {
 struct Entry {
     read_ct: i32,
     state: State,
-    ctx: JobContext,
+    /// Set when the executor takes the delivery over; `None` while it waits for a slot.
+    ctx: Option<JobContext>,
     /// Until when this delivery's visibility is known to hold (claim or last renewal).
     lease_until: Instant,
 }
@@ -57,9 +60,29 @@ impl InFlight {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn insert(&self, d: &Delivery, ctx: JobContext, lease_until: Instant) {
-        let entry = Entry { read_ct: d.read_ct, state: State::Running, ctx, lease_until };
+    /// Registers a claimed delivery, waiting for a handler slot (heartbeat renews it already).
+    pub fn insert_waiting(&self, d: &Delivery, lease_until: Instant) {
+        let entry = Entry { read_ct: d.read_ct, state: State::Waiting, ctx: None, lease_until };
         self.entries().insert((d.queue.clone(), d.msg_id), entry);
+    }
+
+    /// Waiting → Running, when the executor takes the delivery over with its handler's context.
+    /// False when shutdown returned it or its lease was lost meanwhile (a lost one is forgotten).
+    pub fn start(&self, d: &Delivery, ctx: JobContext) -> bool {
+        let mut entries = self.entries();
+        let key = (d.queue.clone(), d.msg_id);
+        match entries.get_mut(&key) {
+            Some(e) if e.read_ct == d.read_ct && e.state == State::Waiting => {
+                e.state = State::Running;
+                e.ctx = Some(ctx);
+                true
+            }
+            Some(e) if e.read_ct == d.read_ct && e.state == State::Lost => {
+                entries.remove(&key);
+                false
+            }
+            _ => false,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -92,7 +115,9 @@ impl InFlight {
         for e in self.entries().values_mut() {
             if e.state != State::Lost {
                 e.state = State::Lost;
-                e.ctx.fire(CancelReason::LeaseLost);
+                if let Some(ctx) = &e.ctx {
+                    ctx.fire(CancelReason::LeaseLost);
+                }
                 n += 1;
             }
         }
@@ -141,21 +166,26 @@ impl InFlight {
                 e.lease_until = until;
             } else if e.state != State::Lost {
                 e.state = State::Lost;
-                e.ctx.fire(CancelReason::LeaseLost);
+                if let Some(ctx) = &e.ctx {
+                    ctx.fire(CancelReason::LeaseLost);
+                }
                 lost += 1;
             }
         }
         lost
     }
 
-    /// Shutdown: every running delivery becomes releasing and its handler is cancelled.
-    /// Finishing ones are left to land their outcome.
-    pub fn begin_release(&self) -> Vec<Delivery> {
+    /// Shutdown: every delivery still waiting for a slot (and, with `running`, every running
+    /// one) becomes releasing and its handler is cancelled. Finishing ones are left to land
+    /// their outcome.
+    pub fn begin_release(&self, running: bool) -> Vec<Delivery> {
         let mut out = Vec::new();
         for ((queue, msg_id), e) in self.entries().iter_mut() {
-            if e.state == State::Running {
+            if e.state == State::Waiting || (running && e.state == State::Running) {
                 e.state = State::Releasing;
-                e.ctx.fire(CancelReason::Shutdown);
+                if let Some(ctx) = &e.ctx {
+                    ctx.fire(CancelReason::Shutdown);
+                }
                 out.push(Delivery { queue: queue.clone(), msg_id: *msg_id, read_ct: e.read_ct });
             }
         }

@@ -17,13 +17,20 @@ use crate::handler::HandlerFailure;
 use crate::in_flight::Delivery;
 use crate::{CancelReason, JobContext, JobError};
 
-/// Runs one claimed delivery to its final statement. The permit is the pool's concurrency slot.
-pub(crate) async fn execute(shared: Arc<Shared>, claim: Claim, claimed_at: Instant, permit: OwnedSemaphorePermit) {
+/// Runs one claimed delivery (registered as waiting in the in-flight set) to its final
+/// statement. The permits are its claim slot and its handler slot.
+pub(crate) async fn execute(
+    shared: Arc<Shared>,
+    claim: Claim,
+    claimed_at: Instant,
+    permits: [OwnedSemaphorePermit; 2],
+) {
     let span = tracing::info_span!("job", queue = %claim.queue, msg_id = claim.msg_id, read_ct = claim.read_ct);
-    run_delivery(shared, claim, claimed_at, permit).instrument(span).await;
+    run_delivery(shared, claim, claimed_at).instrument(span).await;
+    drop(permits);
 }
 
-async fn run_delivery(shared: Arc<Shared>, claim: Claim, claimed_at: Instant, _permit: OwnedSemaphorePermit) {
+async fn run_delivery(shared: Arc<Shared>, claim: Claim, claimed_at: Instant) {
     let delivery = Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct };
     let headers = match JobHeaders::decode(claim.headers.as_ref()) {
         Ok(headers) => headers,
@@ -64,7 +71,10 @@ async fn run_delivery(shared: Arc<Shared>, claim: Claim, claimed_at: Instant, _p
         cancel: CancellationToken::new(),
         reason: Default::default(),
     };
-    shared.in_flight.insert(&delivery, ctx.clone(), Instant::now() + shared.config.visibility_timeout);
+    if !shared.in_flight.start(&delivery, ctx.clone()) {
+        tracing::info!(job_id = %ctx.job_id, "claimed job given back before it started (shutdown or lease lost)");
+        return;
+    }
     let result = run_handler(&shared, &ctx, &policy, args).await;
     if !shared.in_flight.begin_finishing(&delivery) {
         // Shutdown is returning it, or its lease is lost: this delivery may write nothing more.
@@ -209,6 +219,7 @@ async fn dead_letter_now(shared: &Shared, claim: &Claim, reason: DeadLetterReaso
         || lockgate_sql::dead_letter(&shared.db, claim, reason, error, attempts),
     )
     .await;
+    shared.in_flight.remove(&Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct });
     if let Err(error) = result {
         tracing::warn!(%error, "dead-letter not written; the message will be delivered again");
     }

@@ -2,11 +2,14 @@
 //! order whenever it has free capacity, the executors that run them, and the completer that
 //! archives them in batches.
 //!
-//! Shutdown (the pool's part of the supervisor's order): stop claiming (nothing is ever claimed
-//! without a free slot, so no claimed job waits unstarted); give running jobs
-//! `shutdown_timeout`; then cancel the rest and return them to their queue, visible at once, in
-//! one fenced statement per queue that lands before `run` returns; let finishing jobs land their
-//! outcome; stop the completer last.
+//! The pool claims up to twice its concurrency: jobs claimed ahead wait in memory (renewed by
+//! the heartbeat like running ones) for a handler slot, so a freed slot never waits a claim
+//! round trip.
+//!
+//! Shutdown (the pool's part of the supervisor's order): stop claiming and return the jobs
+//! claimed ahead at once; give running jobs `shutdown_timeout`; then cancel the rest and return
+//! them to their queue, visible at once, in one fenced statement per queue that lands before
+//! `run` returns; let finishing jobs land their outcome; stop the completer last.
 
 mod completer;
 mod executor;
@@ -82,12 +85,16 @@ impl WorkerPool {
         let Self { config, shared, completer, wake } = self;
         let completer = tokio::spawn(completer.run());
         let tracker = TaskTracker::new();
-        let slots = Arc::new(Semaphore::new(config.concurrency));
-        fetch_loop(&config, &shared, &slots, &tracker, &wake, &shutdown).await;
-        tracing::info!(pool = %config.name, running = shared.in_flight.len(), "pool stopped claiming");
+        // Claim slots: the handler slots plus as many claimed ahead, so the next batch is in
+        // memory when a handler slot frees instead of one claim round trip away.
+        let slots = Arc::new(Semaphore::new(config.concurrency * 2));
+        let running = Arc::new(Semaphore::new(config.concurrency));
+        fetch_loop(&config, &shared, &slots, &running, &tracker, &wake, &shutdown).await;
+        tracing::info!(pool = %config.name, held = shared.in_flight.len(), "pool stopped claiming");
         tracker.close();
+        release(&shared, false).await;
         if tokio::time::timeout(shared.config.shutdown_timeout, tracker.wait()).await.is_err() {
-            release_running(&shared).await;
+            release(&shared, true).await;
             tracker.wait().await;
         }
         drop(shared);
@@ -100,6 +107,7 @@ async fn fetch_loop(
     config: &PoolConfig,
     shared: &Arc<Shared>,
     slots: &Arc<Semaphore>,
+    running: &Arc<Semaphore>,
     tracker: &TaskTracker,
     wake: &Notify,
     shutdown: &CancellationToken,
@@ -119,7 +127,7 @@ async fn fetch_loop(
         }
         // With a backlog, a claim for one free slot wastes a round trip and a commit: give the
         // other slots a moment to free up so the claim carries a batch.
-        if backlog && permits.len() < config.concurrency.min(CLAIM_BATCH_TARGET) / 2 {
+        if backlog && permits.len() < (config.concurrency * 2).min(CLAIM_BATCH_TARGET) / 2 {
             tokio::time::sleep(CLAIM_COALESCE).await;
             while let Ok(p) = Arc::clone(slots).try_acquire_owned() {
                 permits.push(p);
@@ -149,8 +157,21 @@ async fn fetch_loop(
             }
             continue;
         }
+        let lease_until = claimed_at + shared.config.visibility_timeout;
+        for c in &claims {
+            let delivery = Delivery { queue: c.queue.clone(), msg_id: c.msg_id, read_ct: c.read_ct };
+            shared.in_flight.insert_waiting(&delivery, lease_until);
+        }
+        // Start them in claim order (priority order) as handler slots free up; the next claim
+        // goes out as soon as the last of this batch has started. On shutdown the ones not
+        // started stay registered as waiting and are returned at once.
         for (claim, permit) in claims.into_iter().zip(permits) {
-            tracker.spawn(executor::execute(Arc::clone(shared), claim, claimed_at, permit));
+            let run = tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return,
+                run = Arc::clone(running).acquire_owned() => match run { Ok(r) => r, Err(_) => return },
+            };
+            tracker.spawn(executor::execute(Arc::clone(shared), claim, claimed_at, [permit, run]));
         }
     }
 }
@@ -176,9 +197,10 @@ async fn claim_in_order(
     Ok(claimed)
 }
 
-/// Shutdown: return every still-running delivery to its queue, visible at once (G7).
-async fn release_running(shared: &Shared) {
-    let deliveries = shared.in_flight.begin_release();
+/// Shutdown: return every delivery claimed ahead (and, with `running`, every one still running)
+/// to its queue, visible at once (G7).
+async fn release(shared: &Shared, running: bool) {
+    let deliveries = shared.in_flight.begin_release(running);
     let mut by_queue: HashMap<QueueName, Vec<Delivery>> = HashMap::new();
     for d in deliveries {
         by_queue.entry(d.queue.clone()).or_default().push(d);
