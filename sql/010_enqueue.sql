@@ -37,6 +37,13 @@ DECLARE
     delay_s double precision;
 BEGIN
     options := COALESCE(options, '{}');
+    queue := jt.queue;
+    priority := jt.priority;
+    vt := clock_timestamp();
+    immediate := true;
+    IF options = '{}' THEN
+        RETURN;  -- the common case: the type's policy as it is
+    END IF;
     IF jsonb_typeof(options) <> 'object' THEN
         RAISE EXCEPTION 'lockgate: enqueue options must be a JSON object' USING ERRCODE = 'LG003';
     END IF;
@@ -49,8 +56,6 @@ BEGIN
     IF options ? 'delay' AND options ? 'run_at' THEN
         RAISE EXCEPTION 'lockgate: give delay or run_at, not both' USING ERRCODE = 'LG003';
     END IF;
-    vt := clock_timestamp();
-    immediate := true;
     IF options ? 'delay' THEN
         IF jsonb_typeof(options->'delay') <> 'number' OR (options->>'delay')::double precision < 0 THEN
             RAISE EXCEPTION 'lockgate: invalid delay %: a number of seconds, 0 or more', options->'delay'
@@ -68,7 +73,6 @@ BEGIN
         vt := GREATEST((options->>'run_at')::timestamptz, vt);
         immediate := vt <= clock_timestamp();
     END IF;
-    priority := jt.priority;
     IF options ? 'priority' THEN
         IF jsonb_typeof(options->'priority') <> 'number' OR (options->>'priority') !~ '^[0-9]$' THEN
             RAISE EXCEPTION 'lockgate: invalid priority %: an integer from 0 to 9', options->'priority'
@@ -140,7 +144,6 @@ DECLARE
 BEGIN
     PERFORM lockgate._check_args(args);
     o := lockgate._resolve_options(jt, options);
-    PERFORM lockgate._queue_table(o.queue, 'q');
     r := lockgate._enqueue_one(jt, args, o.queue, o.priority, o.vt, o.immediate, o.ckey);
     RETURN QUERY SELECT o.queue, r.msg_id, r.job_id, r.status;
 END $$;
