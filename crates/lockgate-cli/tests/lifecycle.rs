@@ -87,7 +87,7 @@ async fn h01_seed_000_a_frozen_worker_pruned_as_dead_finishes_late_and_changes_n
 }
 
 #[tokio::test]
-async fn g7_seed_002_term_with_a_job_outliving_shutdown_timeout_returns_it_twenty_times_in_a_row() {
+async fn h03_seed_002_term_with_a_job_outliving_shutdown_timeout_returns_it_twenty_times_in_a_row() {
     let setup = Setup::with_runtime(
         REGISTRY_RUNTIME,
         "cat >/dev/null; echo start >> $DIR/starts; exec sleep 30",
