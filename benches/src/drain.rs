@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::bench_db::{close, BenchDb};
 use crate::probe::{busy_percent, cpu_seconds, machine_cpu, rss_kib, FunctionStats};
 use crate::progress::Progress;
-use crate::queue::{Noop, QUEUE};
+use crate::queue::{Hot, Keyed, Noop, QUEUE};
 
 /// Connections of the runtime's pool. The runtime uses a handful at once (one fetch loop and
 /// one completer per worker pool, the heartbeat); more would sit idle.
@@ -68,6 +68,8 @@ pub async fn lockgate(db: &BenchDb, spec: Spec, progress: &Progress, label: &str
     let pool = db.pool_warm(RUNTIME_CONNECTIONS, 3).await?;
     let mut registry = Registry::new();
     registry.register::<Noop, _>(|_ctx: JobContext, _job: Noop| async { Ok::<(), JobError>(()) })?;
+    registry.register::<Keyed, _>(|_ctx: JobContext, _job: Keyed| async { Ok::<(), JobError>(()) })?;
+    registry.register::<Hot, _>(|_ctx: JobContext, _job: Hot| async { Ok::<(), JobError>(()) })?;
     let pools = vec![PoolConfig::new("bench", vec![QueueName::new(QUEUE)?], spec.concurrency)];
     let runtime = Runtime::new(pool.clone(), RuntimeConfig::default(), registry, pools)?;
     let before = FunctionStats::read(&db.pool).await?;

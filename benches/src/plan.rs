@@ -31,6 +31,9 @@ pub const DEPTH_WINDOW: u64 = 10_000;
 pub const WORKERS_JOBS: u64 = 5_000;
 pub const WORKERS_LEVELS: [usize; 4] = [1, 4, 16, 64];
 pub const MEMORY_JOBS: u64 = 1_000_000;
+pub const LIMITED_JOBS: u64 = 20_000;
+pub const LIMITED_KEYS: u64 = 1_000;
+pub const HOT_JOBS: u64 = 5_000;
 
 /// Run-wide options.
 #[derive(Debug, Clone)]
@@ -112,6 +115,20 @@ pub struct MemoryArgs {
     pub concurrency: usize,
 }
 
+/// limited: jobs over keys limited to 1 against the unlimited drain of as many jobs, then a hot
+/// key limited to 10; the invariant check must pass after each.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct LimitedArgs {
+    #[arg(long, default_value_t = LIMITED_JOBS)]
+    pub jobs: u64,
+    #[arg(long, default_value_t = LIMITED_KEYS)]
+    pub keys: u64,
+    #[arg(long, default_value_t = HOT_JOBS)]
+    pub hot_jobs: u64,
+    #[arg(long, default_value_t = DRAIN_CONCURRENCY)]
+    pub concurrency: usize,
+}
+
 /// One workload with its sizes.
 #[derive(Debug, Clone)]
 pub enum Workload {
@@ -122,6 +139,7 @@ pub enum Workload {
     Depth(DepthArgs),
     Workers(WorkersArgs),
     Memory(MemoryArgs),
+    Limited(LimitedArgs),
 }
 
 impl Workload {
@@ -134,6 +152,7 @@ impl Workload {
             Self::Depth(_) => "depth",
             Self::Workers(_) => "workers",
             Self::Memory(_) => "memory",
+            Self::Limited(_) => "limited",
         }
     }
 
@@ -146,6 +165,7 @@ impl Workload {
             Self::Depth(a) => serde_json::to_value(a),
             Self::Workers(a) => serde_json::to_value(a),
             Self::Memory(a) => serde_json::to_value(a),
+            Self::Limited(a) => serde_json::to_value(a),
         };
         value.unwrap_or_default()
     }
@@ -179,6 +199,12 @@ pub fn all(scale: f64) -> Vec<Workload> {
         }),
         Workload::Depth(DepthArgs { window: n(DEPTH_WINDOW).min(depths[0]), depths, concurrency: DRAIN_CONCURRENCY }),
         Workload::Workers(WorkersArgs { jobs: n(WORKERS_JOBS), levels: WORKERS_LEVELS.to_vec() }),
+        Workload::Limited(LimitedArgs {
+            jobs: n(LIMITED_JOBS),
+            keys: n(LIMITED_KEYS).min(n(LIMITED_JOBS)),
+            hot_jobs: n(HOT_JOBS),
+            concurrency: DRAIN_CONCURRENCY,
+        }),
         Workload::Memory(MemoryArgs { jobs: n(MEMORY_JOBS), concurrency: DRAIN_CONCURRENCY }),
     ]
 }

@@ -7,7 +7,7 @@
 //! rows from an identical table.
 
 use anyhow::Result;
-use lockgate::{Client, EnqueueOptions, Job, JobPolicy, QueueName};
+use lockgate::{Client, ConcurrencyPolicy, EnqueueOptions, Job, JobPolicy, QueueName};
 use serde::{Deserialize, Serialize};
 
 use crate::bench_db::BenchDb;
@@ -32,10 +32,72 @@ impl Job for Noop {
     }
 }
 
-/// Defines the job type (creating queue `bench`) and creates the baseline's queue `raw`.
+/// A no-op job limited to one running per key `k` (the limited-drain workload).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Keyed {
+    pub k: u64,
+}
+
+impl Job for Keyed {
+    const TYPE: &'static str = "bench_keyed";
+
+    fn policy() -> JobPolicy {
+        let mut policy = Noop::policy();
+        policy.concurrency = Some(ConcurrencyPolicy { key: vec!["k".into()], ..ConcurrencyPolicy::new(1) });
+        policy
+    }
+}
+
+/// A no-op job whose whole type is one key limited to ten (the hot-key workload).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Hot {}
+
+impl Job for Hot {
+    const TYPE: &'static str = "bench_hot";
+
+    fn policy() -> JobPolicy {
+        let mut policy = Noop::policy();
+        policy.concurrency = Some(ConcurrencyPolicy::new(HOT_LIMIT));
+        policy
+    }
+}
+
+/// The hot key's limit, as the issue specifies.
+pub const HOT_LIMIT: u32 = 10;
+
+/// Enqueues `n` limited jobs spread round-robin over `keys` keys (or `n` hot-key jobs with
+/// `keys` = 0); most of them park. Not measured.
+pub async fn fill_limited(
+    db: &BenchDb,
+    client: &Client,
+    n: u64,
+    keys: u64,
+    progress: &Progress,
+    label: &str,
+) -> Result<()> {
+    let bar = progress.bar(n, format!("{label}: fill"));
+    let mut next = 0;
+    while next < n {
+        let chunk = (n - next).min(FILL_CHUNK as u64);
+        if keys == 0 {
+            client.enqueue_many(&vec![Hot {}; chunk as usize], &EnqueueOptions::default()).await?;
+        } else {
+            let jobs: Vec<Keyed> = (next..next + chunk).map(|i| Keyed { k: i % keys }).collect();
+            client.enqueue_many(&jobs, &EnqueueOptions::default()).await?;
+        }
+        next += chunk;
+        bar.inc(chunk);
+    }
+    bar.finish_and_clear();
+    vacuum(db).await
+}
+
+/// Defines the job types (creating queue `bench`) and creates the baseline's queue `raw`.
 pub async fn setup(db: &BenchDb) -> Result<Client> {
     let client = Client::new(db.pool.clone());
     client.define::<Noop>().await?;
+    client.define::<Keyed>().await?;
+    client.define::<Hot>().await?;
     sqlx::query("SELECT pgmq.create($1)").bind(RAW_QUEUE).execute(&db.pool).await?;
     Ok(client)
 }
@@ -67,11 +129,14 @@ pub async fn clear_archive(db: &BenchDb) -> Result<()> {
     Ok(())
 }
 
-/// Empties both queues and their archives.
+/// Empties both queues, their archives, and the concurrency tables.
 pub async fn reset(db: &BenchDb) -> Result<()> {
-    sqlx::raw_sql(&format!("TRUNCATE pgmq.q_{QUEUE}, pgmq.a_{QUEUE}, pgmq.q_{RAW_QUEUE}, pgmq.a_{RAW_QUEUE}"))
-        .execute(&db.pool)
-        .await?;
+    sqlx::raw_sql(&format!(
+        "TRUNCATE pgmq.q_{QUEUE}, pgmq.a_{QUEUE}, pgmq.q_{RAW_QUEUE}, pgmq.a_{RAW_QUEUE},
+                  lockgate.parked, lockgate.leases, lockgate.semaphores"
+    ))
+    .execute(&db.pool)
+    .await?;
     Ok(())
 }
 

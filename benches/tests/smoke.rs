@@ -4,7 +4,7 @@
 use std::process::Command;
 
 use lockgate_bench::plan::{
-    BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, MemoryArgs, Options, WorkersArgs, Workload,
+    BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LimitedArgs, MemoryArgs, Options, WorkersArgs, Workload,
     DEFAULT_SERVER_URL,
 };
 
@@ -24,6 +24,7 @@ fn tiny_plan() -> Vec<Workload> {
         Workload::Latency(LatencyArgs { interval_ms: 20, duration_s: 0.3, concurrency: 2 }),
         Workload::Depth(DepthArgs { depths: vec![60, 300], window: 40, concurrency: 4 }),
         Workload::Workers(WorkersArgs { jobs: 40, levels: vec![1, 4] }),
+        Workload::Limited(LimitedArgs { jobs: 120, keys: 10, hot_jobs: 60, concurrency: 4 }),
         Workload::Memory(MemoryArgs { jobs: 100, concurrency: 4 }),
     ]
 }
@@ -33,7 +34,7 @@ async fn every_workload_runs_at_a_tiny_size_and_reports_numbers() {
     let options = Options { server_url: server_url(), rounds: 2, progress: false, pool_ping: true };
     let report = lockgate_bench::run(options, &tiny_plan(), "smoke".into()).await.expect("the tiny plan runs");
     let names: Vec<&str> = report.workloads.iter().map(|w| w.name.as_str()).collect();
-    assert_eq!(names, ["enqueue", "bulk", "drain", "latency", "depth", "workers", "memory"]);
+    assert_eq!(names, ["enqueue", "bulk", "drain", "latency", "depth", "workers", "limited", "memory"]);
     for workload in &report.workloads {
         assert!(!workload.rows.is_empty(), "{} produced no rows", workload.name);
         for row in &workload.rows {

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use anyhow::{anyhow, Result};
 use clap::{Parser, Subcommand};
 use lockgate_bench::plan::{
-    self, BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, MemoryArgs, Options, WorkersArgs, Workload,
+    self, BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LimitedArgs, MemoryArgs, Options, WorkersArgs,
+    Workload,
 };
 
 #[derive(Debug, Parser)]
@@ -56,6 +57,8 @@ enum Command {
     Workers(WorkersArgs),
     /// Resident memory while the runtime drains a large queue.
     Memory(MemoryArgs),
+    /// Drain with concurrency limits: 1,000 keys limited to 1 vs unlimited; a hot key limited to 10.
+    Limited(LimitedArgs),
 }
 
 #[tokio::main]
@@ -81,6 +84,7 @@ async fn main() -> Result<()> {
         Command::Depth(a) => vec![Workload::Depth(a)],
         Command::Workers(a) => vec![Workload::Workers(a)],
         Command::Memory(a) => vec![Workload::Memory(a)],
+        Command::Limited(a) => vec![Workload::Limited(a)],
     };
     let options = Options {
         server_url: cli.server_url,

@@ -6,6 +6,7 @@ pub mod depth;
 pub mod drain;
 pub mod enqueue;
 pub mod latency;
+pub mod limited;
 pub mod memory;
 pub mod workers;
 
