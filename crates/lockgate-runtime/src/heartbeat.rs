@@ -32,14 +32,7 @@ impl Heartbeat {
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
-        let mut ticker = tokio::time::interval(self.interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                biased;
-                () = shutdown.cancelled() => return,
-                _ = ticker.tick() => {}
-            }
+        crate::ticker::every(self.interval, &shutdown, || async {
             let report = self.run_once().await;
             if report.lost > 0 || report.failed_queues > 0 {
                 tracing::warn!(
@@ -49,7 +42,8 @@ impl Heartbeat {
                     "heartbeat"
                 );
             }
-        }
+        })
+        .await;
     }
 
     pub async fn run_once(&self) -> HeartbeatReport {

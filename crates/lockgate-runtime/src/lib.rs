@@ -20,6 +20,7 @@ mod notifier;
 mod policies;
 pub mod process_registry;
 mod supervisor;
+mod ticker;
 pub mod worker;
 
 pub use client::Client;

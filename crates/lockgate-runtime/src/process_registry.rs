@@ -128,20 +128,14 @@ impl ProcessRegistry {
     }
 
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
-        let mut ticker = tokio::time::interval(self.interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                biased;
-                () = shutdown.cancelled() => return,
-                _ = ticker.tick() => {}
-            }
+        crate::ticker::every(self.interval, &shutdown, || async {
             match self.run_once().await {
                 Ok(report) if report == RegistryReport::default() => {}
                 Ok(report) => tracing::info!(?report, "process registry"),
                 Err(error) => tracing::warn!(%error, "process heartbeat failed"),
             }
-        }
+        })
+        .await;
     }
 
     pub async fn run_once(&self) -> Result<RegistryReport, DbError> {

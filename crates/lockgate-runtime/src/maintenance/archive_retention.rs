@@ -22,20 +22,14 @@ impl ArchiveRetention {
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
-        let mut ticker = tokio::time::interval(self.interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                biased;
-                () = shutdown.cancelled() => return,
-                _ = ticker.tick() => {}
-            }
+        crate::ticker::every(self.interval, &shutdown, || async {
             match self.run_once().await {
                 Ok(0) => {}
                 Ok(deleted) => tracing::info!(deleted, "pruned archived jobs"),
                 Err(error) => tracing::warn!(%error, "archive retention failed"),
             }
-        }
+        })
+        .await;
     }
 
     /// Prunes every queue's archive; returns how many rows it deleted.

@@ -23,14 +23,7 @@ impl ConcurrencySweep {
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
-        let mut ticker = tokio::time::interval(self.interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                biased;
-                () = shutdown.cancelled() => return,
-                _ = ticker.tick() => {}
-            }
+        crate::ticker::every(self.interval, &shutdown, || async {
             match self.run_once().await {
                 Ok(report) if report == SweepReport::default() => {}
                 Ok(report) => tracing::info!(
@@ -41,7 +34,8 @@ impl ConcurrencySweep {
                 ),
                 Err(error) => tracing::warn!(%error, "concurrency sweep failed"),
             }
-        }
+        })
+        .await;
     }
 
     pub async fn run_once(&self) -> Result<SweepReport, DbError> {
