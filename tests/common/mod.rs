@@ -42,7 +42,8 @@ impl Running {
         queues: &[&str],
         concurrency: usize,
     ) -> Self {
-        let pool = db.new_pool(10).await.expect("pool");
+        // Startup only: the runtime runs its loops on a pool of its own.
+        let pool = db.new_pool(3).await.expect("pool");
         Self::start_on(pool, config, registry, queues, concurrency)
     }
 
