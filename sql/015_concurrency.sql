@@ -61,7 +61,7 @@ CREATE OR REPLACE FUNCTION lockgate._release_leases(queue text, msg_ids bigint[]
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     k record;
-    promoted integer := 0;
+    promotions lockgate.promotion[] := '{}';
 BEGIN
     FOR k IN
         WITH gone AS (
@@ -70,9 +70,9 @@ BEGIN
         SELECT g.key, count(*)::integer AS n FROM gone g GROUP BY g.key ORDER BY g.key
     LOOP
         PERFORM lockgate._give_back(k.key, k.n);
-        promoted := promoted + lockgate._promote(k.key);
+        promotions := promotions || ARRAY(SELECT p FROM lockgate._promote(k.key) p);
     END LOOP;
-    RETURN promoted;
+    RETURN lockgate._send_promotions(promotions);
 END $$;
 
 -- Decrements a key's value by the number of lease rows the caller just deleted.
@@ -91,26 +91,28 @@ BEGIN
 END $$;
 
 -- Promotes parked jobs of key, best priority then oldest first, while a permit can be taken
--- through the guarded acquire. A promoted job becomes a new message, visible at its scheduled
--- time (a promoted scheduled job keeps its remaining delay, H9), holding a lease. A job whose
--- type no longer resolves is never promoted under a guessed limit: it is dead-lettered (H16).
--- Returns how many it promoted.
+-- through the guarded acquire: deletes each from the parked jobs and returns what to send
+-- (lockgate._send_promotions sends them, one statement per queue, in the same transaction). A
+-- promoted job becomes a new message, visible at its scheduled time (a promoted scheduled job
+-- keeps its remaining delay, H9), holding a lease. A job whose type no longer resolves is never
+-- promoted under a guessed limit: it is dead-lettered (H16). A type whose limit was removed runs
+-- unlimited: its message carries no key, so the heartbeat does not look for a lease.
 CREATE OR REPLACE FUNCTION lockgate._promote(key text)
-RETURNS integer LANGUAGE plpgsql AS $$
+RETURNS SETOF lockgate.promotion LANGUAGE plpgsql AS $$
 DECLARE
     p lockgate.parked;
     jt lockgate.job_types;
-    new_msg_id bigint;
-    promoted integer := 0;
 BEGIN
     LOOP
         SELECT * INTO p FROM lockgate.parked x WHERE x.key = _promote.key
          ORDER BY x.priority, x.id LIMIT 1 FOR UPDATE SKIP LOCKED;
         EXIT WHEN NOT FOUND;
-        SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = p.job_type;
-        IF NOT FOUND THEN
-            PERFORM lockgate._dead_letter_parked(p, format('job type "%s" no longer exists; a parked job is never promoted under a guessed limit', p.job_type));
-            CONTINUE;
+        IF jt.name IS DISTINCT FROM p.job_type THEN
+            SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = p.job_type;
+            IF NOT FOUND THEN
+                PERFORM lockgate._dead_letter_parked(p, format('job type "%s" no longer exists; a parked job is never promoted under a guessed limit', p.job_type));
+                CONTINUE;
+            END IF;
         END IF;
         IF NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = p.queue) THEN
             PERFORM lockgate._dead_letter_parked(p, format('queue "%s" no longer exists', p.queue));
@@ -120,22 +122,43 @@ BEGIN
             EXIT WHEN NOT lockgate._acquire(key, jt.concurrency_limit);
         END IF;
         DELETE FROM lockgate.parked x WHERE x.id = p.id;
-        -- A type whose limit was removed runs unlimited: its message carries no key, so the
-        -- heartbeat does not look for a lease it will never have.
-        EXECUTE format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id',
-                       lockgate._queue_table(p.queue, 'q'))
-           INTO new_msg_id
-          USING GREATEST(p.run_at, clock_timestamp()), p.args,
-                CASE WHEN jt.concurrency_limit IS NULL THEN p.headers - 'ckey' ELSE p.headers END;
-        IF jt.concurrency_limit IS NOT NULL THEN
-            PERFORM lockgate._add_lease(key, p.queue, new_msg_id, p.run_at, jt.concurrency_duration_ms);
-        END IF;
-        IF p.run_at <= clock_timestamp() THEN
-            PERFORM pg_notify('lockgate_' || p.queue, '');
-        END IF;
-        promoted := promoted + 1;
+        RETURN NEXT ROW(p.queue, GREATEST(p.run_at, clock_timestamp()), p.args,
+                        CASE WHEN jt.concurrency_limit IS NULL THEN p.headers - 'ckey' ELSE p.headers END,
+                        CASE WHEN jt.concurrency_limit IS NULL THEN NULL ELSE key END,
+                        jt.concurrency_duration_ms)::lockgate.promotion;
     END LOOP;
-    RETURN promoted;
+END $$;
+
+-- Sends promoted jobs: one INSERT per queue for their messages and one for their leases (matched
+-- by job id), and one notification per queue with a job visible now. Returns how many it sent.
+CREATE OR REPLACE FUNCTION lockgate._send_promotions(promotions lockgate.promotion[])
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    q record;
+BEGIN
+    IF cardinality(promotions) = 0 THEN
+        RETURN 0;
+    END IF;
+    FOR q IN SELECT DISTINCT u.queue, bool_or(u.vt <= clock_timestamp()) OVER (PARTITION BY u.queue) AS now_visible
+               FROM unnest(promotions) u LOOP
+        EXECUTE format(
+            'WITH src AS (SELECT u.* FROM unnest($1) WITH ORDINALITY AS u(queue, vt, args, headers, key, duration_ms, o)
+                           WHERE u.queue = $2),
+                  sent AS (INSERT INTO %s (vt, message, headers)
+                           SELECT src.vt, src.args, src.headers FROM src ORDER BY src.o
+                           RETURNING msg_id, vt, headers)
+             INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
+             SELECT $2, sent.msg_id, src.key, src.duration_ms,
+                    GREATEST(sent.vt, clock_timestamp()) + lockgate._lease_interval(src.duration_ms)
+               FROM sent JOIN src ON (src.headers->>''job_id'') = (sent.headers->>''job_id'')
+              WHERE src.key IS NOT NULL',
+            lockgate._queue_table(q.queue, 'q'))
+          USING promotions, q.queue;
+        IF q.now_visible THEN
+            PERFORM pg_notify('lockgate_' || q.queue, '');
+        END IF;
+    END LOOP;
+    RETURN cardinality(promotions);
 END $$;
 
 -- At claim: a delivery of a limited job whose lease is gone (it lapsed while the job waited, or

@@ -14,7 +14,7 @@ DECLARE
     at timestamptz := COALESCE(now_override, clock_timestamp());
     k record;
     q record;
-    n integer;
+    promotions lockgate.promotion[] := '{}';
 BEGIN
     expired := 0;
     orphaned := 0;
@@ -50,7 +50,7 @@ BEGIN
          WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
          GROUP BY p.key ORDER BY min(p.parked_at) LIMIT max_keys
     LOOP
-        n := lockgate._promote(k.key);
-        promoted := promoted + n;
+        promotions := promotions || ARRAY(SELECT p FROM lockgate._promote(k.key) p);
     END LOOP;
+    promoted := lockgate._send_promotions(promotions);
 END $$;

@@ -61,12 +61,17 @@ fn registry(db: &TestDb, worker: i32, slow_first_ms: Option<u64>, types: &[(&str
     registry
 }
 
+/// These stress tests each run several runtimes; one at a time keeps the server's connection
+/// count well under its limit while the rest of the suite runs beside them.
+static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn fast_config() -> RuntimeConfig {
     RuntimeConfig { sweep_interval: Duration::from_millis(200), ..test_config() }
 }
 
 #[tokio::test]
 async fn h05_a_holder_running_past_duration_with_a_healthy_heartbeat_keeps_its_permit() {
+    let _heavy = HEAVY.lock().await;
     let db = TestDb::migrated().await.unwrap();
     install_permit_monitor(&db).await;
     let types = [("serial", limited(1, Duration::from_secs(1)))];
@@ -91,6 +96,7 @@ async fn h05_a_holder_running_past_duration_with_a_healthy_heartbeat_keeps_its_p
 
 #[tokio::test]
 async fn g3_fifty_jobs_on_a_limit_one_key_with_a_holders_heartbeat_cut_never_admit_two() {
+    let _heavy = HEAVY.lock().await;
     let db = TestDb::migrated().await.unwrap();
     install_permit_monitor(&db).await;
     let types = [("serial", limited(1, Duration::from_secs(1)))];
@@ -101,7 +107,7 @@ async fn g3_fifty_jobs_on_a_limit_one_key_with_a_holders_heartbeat_cut_never_adm
 
     // Worker 0 reaches the database through a proxy; its first job runs 4 s.
     let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
-    let proxied = lockgate::PgPoolOptions::new().max_connections(10).connect(&proxy.url_for(&db.url)).await.unwrap();
+    let proxied = lockgate::PgPoolOptions::new().max_connections(3).connect(&proxy.url_for(&db.url)).await.unwrap();
     let mut workers =
         vec![Running::start_on(proxied, fast_config(), registry(&db, 0, Some(4000), &types), &["default"], 1)];
     wait_for("worker 0 to start a job", WAIT, || async {
@@ -161,6 +167,7 @@ async fn g3_fifty_jobs_on_a_limit_one_key_with_a_holders_heartbeat_cut_never_adm
 
 #[tokio::test]
 async fn g3_two_thousand_jobs_over_two_hundred_keys_never_exceed_their_limits() {
+    let _heavy = HEAVY.lock().await;
     let db = TestDb::migrated().await.unwrap();
     install_permit_monitor(&db).await;
     let types: Vec<(String, JobPolicy)> =

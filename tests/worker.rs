@@ -474,7 +474,8 @@ async fn g7_shutdown_returns_jobs_claimed_ahead_at_once_and_running_ones_after_t
     let starts = Counter::default();
     let reasons = Arc::new(Mutex::new(Vec::new()));
     // One handler slot: the second job is claimed ahead and waits in memory.
-    let running = Running::start(&db, test_config(), long_registry(starts.clone(), Arc::clone(&reasons)), &["default"], 1).await;
+    let running =
+        Running::start(&db, test_config(), long_registry(starts.clone(), Arc::clone(&reasons)), &["default"], 1).await;
     wait_for("one job running and one claimed ahead", WAIT, || async {
         let claimed = db.count("SELECT 1 FROM pgmq.q_default WHERE read_ct = 1").await?;
         Ok((starts.get() == 1 && claimed == 2).then_some(()))

@@ -43,7 +43,7 @@ impl Running {
         concurrency: usize,
     ) -> Self {
         // Startup only: the runtime runs its loops on a pool of its own.
-        let pool = db.new_pool(3).await.expect("pool");
+        let pool = db.new_pool(2).await.expect("pool");
         Self::start_on(pool, config, registry, queues, concurrency)
     }
 

@@ -99,7 +99,7 @@ impl Runtime {
         // and without sqlx's ping before every acquire — a round trip per statement that the
         // loops do not need, since every one of them retries a statement that failed.
         let total_concurrency: usize = self.pools.iter().map(|p| p.concurrency).sum();
-        let connections = 6 + 2 * self.pools.len() + total_concurrency / 2;
+        let connections = 4 + self.pools.len() + total_concurrency / 4;
         let db = PgPoolOptions::new()
             .max_connections(u32::try_from(connections).unwrap_or(u32::MAX))
             .test_before_acquire(false)

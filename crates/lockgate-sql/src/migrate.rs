@@ -26,6 +26,11 @@ const MIGRATIONS: &[Migration] = &[
     },
     Migration { version: 3, name: "concurrency", sql: include_str!("../../../migrations/0003_concurrency.sql") },
     Migration { version: 4, name: "processes", sql: include_str!("../../../migrations/0004_processes.sql") },
+    Migration {
+        version: 5,
+        name: "batched_promotion",
+        sql: include_str!("../../../migrations/0005_batched_promotion.sql"),
+    },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -49,7 +54,7 @@ const FUNCTIONS: &[&str] = &[
 ];
 
 /// The schema version this build expects.
-pub const LATEST_MIGRATION: i32 = 4;
+pub const LATEST_MIGRATION: i32 = 5;
 
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;
