@@ -216,3 +216,27 @@ async fn operators_list_parked_jobs_and_discard_one_explicitly() {
     assert!(!o.status.success() && text(&o).contains("no parked job"), "{}", text(&o));
     assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 1, "only the named job left");
 }
+
+/// A process is gone when /proc no longer lists it, or lists it only as a zombie.
+fn process_gone(pid: &str) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+#[tokio::test]
+async fn quit_kills_the_command_executors_children_before_exiting() {
+    // The child records its pid, then becomes a long sleep.
+    let setup = Setup::new("cat >/dev/null; echo $$ > $DIR/child; echo start >> $DIR/starts; exec sleep 60", "");
+    let db = migrated_with_one_job(&setup).await;
+    let mut child = setup.run(&db);
+    setup.wait_starts(1).await;
+    let pid = std::fs::read_to_string(setup.dir.join("child")).unwrap().trim().to_string();
+    assert!(!process_gone(&pid), "the job's child runs");
+    signal(&child, "QUIT");
+    assert_eq!(wait_exit(&mut child).await.code(), Some(131));
+    lockgate_testkit::wait_for("the job's child to be killed", WAIT, || async { Ok(process_gone(&pid).then_some(())) })
+        .await
+        .unwrap();
+}

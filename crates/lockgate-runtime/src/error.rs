@@ -30,6 +30,4 @@ pub enum RuntimeError {
     Config(#[from] ValidationError),
     #[error(transparent)]
     Database(#[from] DbError),
-    #[error("job type {0} has a handler but no policy: register it with a policy")]
-    MissingPolicy(String),
 }

@@ -180,12 +180,4 @@ impl Registry {
     pub fn job_types(&self) -> &[(JobTypeName, JobPolicy)] {
         &self.policies
     }
-
-    /// The queues of every registered job type.
-    pub fn queues(&self) -> Vec<lockgate_core::QueueName> {
-        let mut queues: Vec<_> = self.policies.iter().map(|(_, p)| p.queue.clone()).collect();
-        queues.sort();
-        queues.dedup();
-        queues
-    }
 }

@@ -30,7 +30,7 @@ pub(crate) async fn execute(
     drop(permits);
 }
 
-async fn run_delivery(shared: Arc<Shared>, claim: Claim, claimed_at: Instant) {
+async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant) {
     let delivery = Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct };
     let headers = match JobHeaders::decode(claim.headers.as_ref()) {
         Ok(headers) => headers,
@@ -38,7 +38,8 @@ async fn run_delivery(shared: Arc<Shared>, claim: Claim, claimed_at: Instant) {
             return dead_letter_now(&shared, &claim, DeadLetterReason::Undecodable, &reason, claim.read_ct).await
         }
     };
-    let Some(args) = claim.message.clone().filter(|m| m.is_object()) else {
+    // Moved out, not copied: the statements that follow read the row, not this value.
+    let Some(args) = claim.message.take().filter(|m| m.is_object()) else {
         let reason = "job arguments are not a JSON object";
         return dead_letter_now(&shared, &claim, DeadLetterReason::Undecodable, reason, claim.read_ct).await;
     };

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockgate_core::{Claim, JobHeaders, QueueName};
+use lockgate_core::{Claim, QueueName};
 use lockgate_sql::PgPool;
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -191,10 +191,15 @@ async fn claim_in_order(
         let owner = Some(shared.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
         let mut batch =
             lockgate_sql::claim_as(&shared.db, queue, want as i32, shared.config.visibility_timeout, owner).await?;
-        batch.sort_by_key(|c| (JobHeaders::decode(c.headers.as_ref()).map(|h| h.priority).unwrap_or(0), c.msg_id));
+        batch.sort_by_key(|c| (priority_of(c), c.msg_id));
         claimed.extend(batch);
     }
     Ok(claimed)
+}
+
+/// The priority a claim's headers carry (0 when absent, as the claim's own ORDER BY reads it).
+fn priority_of(claim: &Claim) -> i64 {
+    claim.headers.as_ref().and_then(|h| h.get("priority")).and_then(serde_json::Value::as_i64).unwrap_or(0)
 }
 
 /// Shutdown: return every delivery claimed ahead (and, with `running`, every one still running)
