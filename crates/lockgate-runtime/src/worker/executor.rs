@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::persist::persist;
+use super::slots::Slot;
 use super::Shared;
 use crate::handler::HandlerFailure;
 use crate::in_flight::Delivery;
@@ -23,7 +24,7 @@ pub(crate) async fn execute(
     shared: Arc<Shared>,
     claim: Claim,
     claimed_at: Instant,
-    permits: [OwnedSemaphorePermit; 2],
+    permits: (Slot, OwnedSemaphorePermit),
 ) {
     let span = tracing::info_span!("job", queue = %claim.queue, msg_id = claim.msg_id, read_ct = claim.read_ct);
     run_delivery(shared, claim, claimed_at).instrument(span).await;

@@ -2,9 +2,9 @@
 //! order whenever it has free capacity, the executors that run them, and the completer that
 //! archives them in batches.
 //!
-//! The pool claims up to twice its concurrency: jobs claimed ahead wait in memory (renewed by
+//! The pool claims ahead of its handler slots: jobs claimed ahead wait in memory (renewed by
 //! the heartbeat like running ones) for a handler slot, so a freed slot never waits a claim
-//! round trip.
+//! round trip. How far ahead adapts to the jobs' speed (see `slots`).
 //!
 //! Shutdown (the pool's part of the supervisor's order): stop claiming and return the jobs
 //! claimed ahead at once; give running jobs `shutdown_timeout`; then cancel the rest and return
@@ -14,6 +14,7 @@
 mod completer;
 mod executor;
 mod persist;
+mod slots;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -23,6 +24,8 @@ use std::time::Duration;
 use lockgate_core::{Claim, QueueName};
 use lockgate_sql::PgPool;
 use tokio::sync::{Notify, Semaphore};
+
+use slots::{ClaimSlots, Prefetch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -85,9 +88,7 @@ impl WorkerPool {
         let Self { config, shared, completer, wake } = self;
         let completer = tokio::spawn(completer.run());
         let tracker = TaskTracker::new();
-        // Claim slots: the handler slots plus as many claimed ahead, so the next batch is in
-        // memory when a handler slot frees instead of one claim round trip away.
-        let slots = Arc::new(Semaphore::new(config.concurrency * 2));
+        let slots = Arc::new(ClaimSlots::default());
         let running = Arc::new(Semaphore::new(config.concurrency));
         fetch_loop(&config, &shared, &slots, &running, &tracker, &wake, &shutdown).await;
         tracing::info!(pool = %config.name, held = shared.in_flight.len(), "pool stopped claiming");
@@ -106,7 +107,7 @@ impl WorkerPool {
 async fn fetch_loop(
     config: &PoolConfig,
     shared: &Arc<Shared>,
-    slots: &Arc<Semaphore>,
+    slots: &Arc<ClaimSlots>,
     running: &Arc<Semaphore>,
     tracker: &TaskTracker,
     wake: &Notify,
@@ -114,28 +115,25 @@ async fn fetch_loop(
 ) {
     let mut pause = CLAIM_RETRY_PAUSE;
     let mut backlog = false;
+    let mut prefetch = Prefetch::new(config.concurrency);
     loop {
         shared.last_tick.store(chrono::Utc::now().timestamp_millis(), Ordering::Relaxed);
-        let first = tokio::select! {
+        let limit = prefetch.limit(std::time::Instant::now());
+        let mut permits = tokio::select! {
             biased;
             () = shutdown.cancelled() => return,
-            permit = Arc::clone(slots).acquire_owned() => match permit { Ok(p) => p, Err(_) => return },
+            taken = slots.take(limit) => taken,
         };
-        let mut permits = vec![first];
-        while let Ok(p) = Arc::clone(slots).try_acquire_owned() {
-            permits.push(p);
-        }
         // With a backlog, a claim for one free slot wastes a round trip and a commit: give the
         // other slots a moment to free up so the claim carries a batch.
-        if backlog && permits.len() < (config.concurrency * 2).min(CLAIM_BATCH_TARGET) / 2 {
+        if backlog && permits.len() < limit.min(CLAIM_BATCH_TARGET) / 2 {
             tokio::time::sleep(CLAIM_COALESCE).await;
-            while let Ok(p) = Arc::clone(slots).try_acquire_owned() {
-                permits.push(p);
-            }
+            permits.extend(slots.try_take(limit));
         }
         let claimed_at = std::time::Instant::now();
         let claims = match claim_in_order(config, shared, permits.len()).await {
             Ok(claims) => {
+                prefetch.observe_claim(claimed_at.elapsed());
                 pause = CLAIM_RETRY_PAUSE;
                 backlog = claims.len() == permits.len();
                 claims
@@ -171,7 +169,8 @@ async fn fetch_loop(
                 () = shutdown.cancelled() => return,
                 run = Arc::clone(running).acquire_owned() => match run { Ok(r) => r, Err(_) => return },
             };
-            tracker.spawn(executor::execute(Arc::clone(shared), claim, claimed_at, [permit, run]));
+            tracker.spawn(executor::execute(Arc::clone(shared), claim, claimed_at, (permit, run)));
+            prefetch.observe_started(1);
         }
     }
 }
