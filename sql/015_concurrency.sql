@@ -56,23 +56,81 @@ $$;
 -- Deletes the leases of the given messages of one queue, gives their permits back, and
 -- promotes parked jobs of each key released. Returns how many jobs it promoted. Called inside
 -- the transaction of the completion, dead-letter or sweep that released them, after the fenced
--- statement that decided they were this caller's to release.
+-- statement that decided they were this caller's to release. Set-based: one statement each for
+-- the leases, the semaphore locks, the give-back and the common promotion, whatever the batch.
 CREATE OR REPLACE FUNCTION lockgate._release_leases(queue text, msg_ids bigint[])
-RETURNS integer LANGUAGE plpgsql AS $$
+RETURNS integer LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
-    k record;
-    promotions lockgate.promotion[] := '{}';
+    keys text[];
+    counts integer[];
 BEGIN
+    WITH gone AS (
+        DELETE FROM lockgate.leases l WHERE l.queue = _release_leases.queue AND l.msg_id = ANY (msg_ids)
+        RETURNING l.key)
+    SELECT array_agg(g.key ORDER BY g.key), array_agg(g.n ORDER BY g.key) INTO keys, counts
+      FROM (SELECT gone.key, count(*)::integer AS n FROM gone GROUP BY gone.key) g;
+    IF keys IS NULL THEN
+        RETURN 0;
+    END IF;
+    -- Locks are taken in key order (LockRows runs above the sort), the order every path keeps.
+    PERFORM 1 FROM lockgate.semaphores s WHERE s.key = ANY (keys) ORDER BY s.key FOR UPDATE;
+    UPDATE lockgate.semaphores s SET value = s.value - g.n, updated_at = now()
+      FROM unnest(keys, counts) AS g(key, n) WHERE s.key = g.key;
+    RETURN lockgate._send_promotions(lockgate._promote_keys(keys));
+END $$;
+
+-- Promotes the parked jobs of keys whose semaphore rows the caller holds locked, and returns
+-- what to send. The common case is one statement: for every key whose next parked job's type
+-- is limited, as many parked jobs of that type (best priority, then oldest; only to existing
+-- queues) as the type's current limit leaves room for, the permits taken in the same
+-- statement (the CHECK on value <= lim stands behind the arithmetic, G3). A key that still has
+-- room afterwards (its next job's type is gone or no longer limited, a job's queue is gone, or
+-- jobs of another type share its explicit key) goes through _promote, one job at a time, which
+-- dead-letters what can never run (H16) and releases what no longer needs a permit.
+CREATE OR REPLACE FUNCTION lockgate._promote_keys(keys text[])
+RETURNS lockgate.promotion[] LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    promotions lockgate.promotion[];
+    k text;
+BEGIN
+    WITH room AS (
+        SELECT s.key, jt.name AS job_type, jt.concurrency_limit AS lim, jt.concurrency_duration_ms AS duration_ms,
+               jt.concurrency_limit - s.value AS n
+          FROM lockgate.semaphores s
+         CROSS JOIN LATERAL (SELECT x.job_type FROM lockgate.parked x WHERE x.key = s.key
+                              ORDER BY x.priority, x.id LIMIT 1) head
+          JOIN lockgate.job_types jt ON jt.name = head.job_type
+         WHERE s.key = ANY (keys) AND jt.concurrency_limit > s.value),
+    picked AS (
+        SELECT p.id, r.key, r.lim, r.duration_ms
+          FROM room r
+         CROSS JOIN LATERAL (SELECT x.id FROM lockgate.parked x
+                              WHERE x.key = r.key AND x.job_type = r.job_type
+                                AND EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = x.queue)
+                              ORDER BY x.priority, x.id LIMIT r.n
+                                FOR UPDATE SKIP LOCKED) p),
+    taken AS (
+        UPDATE lockgate.semaphores s SET value = s.value + c.n, lim = c.lim, updated_at = now()
+          FROM (SELECT picked.key, picked.lim, count(*)::integer AS n FROM picked GROUP BY picked.key, picked.lim) c
+         WHERE s.key = c.key),
+    moved AS (
+        DELETE FROM lockgate.parked x USING picked WHERE x.id = picked.id
+        RETURNING x.queue, x.run_at, x.args, x.headers, x.key, picked.duration_ms, x.priority, x.id)
+    SELECT array_agg(ROW(m.queue, GREATEST(m.run_at, clock_timestamp()), m.args, m.headers, m.key,
+                         m.duration_ms)::lockgate.promotion ORDER BY m.priority, m.id)
+      INTO promotions FROM moved m;
+    promotions := COALESCE(promotions, '{}');
     FOR k IN
-        WITH gone AS (
-            DELETE FROM lockgate.leases l WHERE l.queue = _release_leases.queue AND l.msg_id = ANY (msg_ids)
-            RETURNING l.key)
-        SELECT g.key, count(*)::integer AS n FROM gone g GROUP BY g.key ORDER BY g.key
+        SELECT s.key FROM lockgate.semaphores s
+         CROSS JOIN LATERAL (SELECT x.job_type FROM lockgate.parked x WHERE x.key = s.key
+                              ORDER BY x.priority, x.id LIMIT 1) head
+          LEFT JOIN lockgate.job_types jt ON jt.name = head.job_type
+         WHERE s.key = ANY (keys) AND (jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit)
+         ORDER BY s.key
     LOOP
-        PERFORM lockgate._give_back(k.key, k.n);
-        promotions := promotions || ARRAY(SELECT p FROM lockgate._promote(k.key) p);
+        promotions := promotions || ARRAY(SELECT p FROM lockgate._promote(k) p);
     END LOOP;
-    RETURN lockgate._send_promotions(promotions);
+    RETURN promotions;
 END $$;
 
 -- Decrements a key's value by the number of lease rows the caller just deleted.
@@ -141,17 +199,19 @@ BEGIN
     END IF;
     FOR q IN SELECT DISTINCT u.queue, bool_or(u.vt <= clock_timestamp()) OVER (PARTITION BY u.queue) AS now_visible
                FROM unnest(promotions) u LOOP
+        -- Message ids are drawn up front, so the leases are written from the same rows as the
+        -- messages, without matching the inserted messages back to their promotions.
         EXECUTE format(
-            'WITH src AS (SELECT u.* FROM unnest($1) WITH ORDINALITY AS u(queue, vt, args, headers, key, duration_ms, o)
-                           WHERE u.queue = $2),
-                  sent AS (INSERT INTO %s (vt, message, headers)
-                           SELECT src.vt, src.args, src.headers FROM src ORDER BY src.o
-                           RETURNING msg_id, vt, headers)
+            'WITH src AS MATERIALIZED (
+                 SELECT nextval(pg_get_serial_sequence(%1$L, ''msg_id'')) AS msg_id, u.*
+                   FROM (SELECT * FROM unnest($1) WITH ORDINALITY AS u(queue, vt, args, headers, key, duration_ms, o)
+                          WHERE u.queue = $2 ORDER BY u.o) u),
+                  sent AS (INSERT INTO %1$s (msg_id, vt, message, headers) OVERRIDING SYSTEM VALUE
+                           SELECT src.msg_id, src.vt, src.args, src.headers FROM src)
              INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
-             SELECT $2, sent.msg_id, src.key, src.duration_ms,
-                    GREATEST(sent.vt, clock_timestamp()) + lockgate._lease_interval(src.duration_ms)
-               FROM sent JOIN src ON (src.headers->>''job_id'') = (sent.headers->>''job_id'')
-              WHERE src.key IS NOT NULL',
+             SELECT $2, src.msg_id, src.key, src.duration_ms,
+                    GREATEST(src.vt, clock_timestamp()) + lockgate._lease_interval(src.duration_ms)
+               FROM src WHERE src.key IS NOT NULL',
             lockgate._queue_table(q.queue, 'q'))
           USING promotions, q.queue;
         IF q.now_visible THEN

@@ -14,6 +14,8 @@ use std::sync::Arc;
 use lockgate_core::{ArchiveOutcome, QueueName};
 use lockgate_sql::PgPool;
 use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TryRecvError;
+use tokio::task::JoinSet;
 
 use std::time::Instant;
 
@@ -23,6 +25,9 @@ use crate::in_flight::{Delivery, InFlight};
 /// At most this many deliveries per statement: large enough to amortise a commit over a full
 /// batch of claims, small enough to keep one statement's locks short.
 const MAX_BATCH: usize = 256;
+
+/// Statements in flight at most (see `Completer::run`).
+const MAX_STATEMENTS: usize = 2;
 
 /// The delivery's outcome, or why it could not be written (its lease ended first, or the
 /// statement failed permanently); the job then runs again after its visibility lapses.
@@ -65,49 +70,78 @@ impl Completer {
     }
 
     /// Runs until every handle is dropped and the last request is answered.
+    ///
+    /// One statement is in flight while the completer keeps up. A second one starts only with a
+    /// full batch waiting, that is when the database is the bottleneck (long statements, such as
+    /// completions that promote parked jobs of many keys); a partial batch waits for the
+    /// statement in flight, so batches stay large. Two statements never deadlock: each locks
+    /// its own messages and leases, and semaphore rows in key order.
     pub async fn run(mut self) {
-        while let Some(first) = self.rx.recv().await {
-            let mut batch = vec![first];
-            while batch.len() < MAX_BATCH {
+        let mut pending: Vec<Request> = Vec::new();
+        let mut statements = JoinSet::new();
+        let mut open = true;
+        loop {
+            while open && pending.len() < MAX_BATCH {
                 match self.rx.try_recv() {
-                    Ok(request) => batch.push(request),
-                    Err(_) => break,
+                    Ok(request) => pending.push(request),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => open = false,
                 }
             }
-            let mut by_queue: HashMap<QueueName, Vec<Request>> = HashMap::new();
-            for request in batch {
-                by_queue.entry(request.delivery.queue.clone()).or_default().push(request);
+            let full = pending.len() >= MAX_BATCH && statements.len() < MAX_STATEMENTS;
+            if !pending.is_empty() && (statements.is_empty() || full) {
+                let batch = std::mem::take(&mut pending);
+                statements.spawn(complete_batch(self.db.clone(), Arc::clone(&self.in_flight), batch));
+                continue;
             }
-            for (queue, requests) in by_queue {
-                self.complete_queue(&queue, requests).await;
+            if !open && pending.is_empty() && statements.is_empty() {
+                return;
+            }
+            tokio::select! {
+                request = self.rx.recv(), if open && pending.len() < MAX_BATCH => match request {
+                    Some(request) => pending.push(request),
+                    None => open = false,
+                },
+                Some(_) = statements.join_next(), if !statements.is_empty() => {}
             }
         }
     }
+}
 
-    async fn complete_queue(&self, queue: &QueueName, requests: Vec<Request>) {
-        let deliveries: Vec<(i64, i32)> = requests.iter().map(|r| (r.delivery.msg_id, r.delivery.read_ct)).collect();
-        // The batch's lease is as long as its shortest member's.
-        let lease_until = || requests.iter().map(|r| self.in_flight.lease_until(&r.delivery)).min().flatten();
-        let result = persist("complete", lease_until, || async {
-            let _gate = self.in_flight.gate.read().await;
-            let result = lockgate_sql::complete(&self.db, queue, &deliveries).await;
-            if result.is_ok() {
-                // Still under the gate: no heartbeat can see a completed delivery as lost.
-                requests.iter().for_each(|r| self.in_flight.remove(&r.delivery));
-            }
-            result
-        })
-        .await;
-        let outcomes = outcomes(&deliveries, result);
-        for (r, outcome) in requests.into_iter().zip(outcomes) {
-            self.in_flight.remove(&r.delivery);
-            let (queue, msg_id, job_id) = (&r.delivery.queue, r.delivery.msg_id, r.job_id);
-            match outcome {
-                Ok(ArchiveOutcome::Archived) => tracing::debug!(%queue, msg_id, %job_id, "archived"),
-                Ok(outcome) => tracing::info!(%queue, msg_id, %job_id, %outcome, "completion changed nothing"),
-                Err(error) => {
-                    tracing::warn!(%queue, msg_id, %job_id, %error, "completion not written; the job will run again")
-                }
+/// Completes one batch: a statement per queue in it.
+async fn complete_batch(db: PgPool, in_flight: Arc<InFlight>, batch: Vec<Request>) {
+    let mut by_queue: HashMap<QueueName, Vec<Request>> = HashMap::new();
+    for request in batch {
+        by_queue.entry(request.delivery.queue.clone()).or_default().push(request);
+    }
+    for (queue, requests) in by_queue {
+        complete_queue(&db, &in_flight, &queue, requests).await;
+    }
+}
+
+async fn complete_queue(db: &PgPool, in_flight: &InFlight, queue: &QueueName, requests: Vec<Request>) {
+    let deliveries: Vec<(i64, i32)> = requests.iter().map(|r| (r.delivery.msg_id, r.delivery.read_ct)).collect();
+    // The batch's lease is as long as its shortest member's.
+    let lease_until = || requests.iter().map(|r| in_flight.lease_until(&r.delivery)).min().flatten();
+    let result = persist("complete", lease_until, || async {
+        let _gate = in_flight.gate.read().await;
+        let result = lockgate_sql::complete(db, queue, &deliveries).await;
+        if result.is_ok() {
+            // Still under the gate: no heartbeat can see a completed delivery as lost.
+            requests.iter().for_each(|r| in_flight.remove(&r.delivery));
+        }
+        result
+    })
+    .await;
+    let outcomes = outcomes(&deliveries, result);
+    for (r, outcome) in requests.into_iter().zip(outcomes) {
+        in_flight.remove(&r.delivery);
+        let (queue, msg_id, job_id) = (&r.delivery.queue, r.delivery.msg_id, r.job_id);
+        match outcome {
+            Ok(ArchiveOutcome::Archived) => tracing::debug!(%queue, msg_id, %job_id, "archived"),
+            Ok(outcome) => tracing::info!(%queue, msg_id, %job_id, %outcome, "completion changed nothing"),
+            Err(error) => {
+                tracing::warn!(%queue, msg_id, %job_id, %error, "completion not written; the job will run again")
             }
         }
     }
