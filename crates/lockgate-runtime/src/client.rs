@@ -1,23 +1,55 @@
 //! The producer side: enqueue typed or raw jobs, alone, in batches, or inside the caller's
 //! transaction (G8), and define job types. Every method is one round trip.
+//!
+//! Enqueues that run in their own transaction (`enqueue`, `enqueue_raw`, `enqueue_many`,
+//! `enqueue_many_raw`) go through the client's *lane*: one connection taken out of the pool on
+//! first use and kept by the client (shared by its clones). sqlx's pool tests every connection
+//! it takes back with a round trip (`ping` on release, whatever `test_before_acquire` says) and
+//! hands it back through a spawned task, which costs a producer in a loop about as much as its
+//! statement. When the lane is busy (another task of the same client is enqueueing), a call goes
+//! through the pool as before.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use lockgate_core::{EnqueueOptions, EnqueuedJob, JobPolicy, JobTypeName};
 use lockgate_sql::{DbError, PgPool};
 use serde_json::Value;
-use sqlx::PgConnection;
+use sqlx::{Connection, PgConnection};
+use tokio::sync::{Mutex, MutexGuard};
 
 use crate::{EnqueueError, Job};
 
-/// A handle for producers. Cheap to clone (it holds a pool).
+/// A lane connection idle for longer than this is pinged before it is used again, as the pool
+/// would (a server restart or an idle-session timeout may have closed it meanwhile).
+const LANE_IDLE_PING: Duration = Duration::from_secs(5);
+
+/// A handle for producers. Cheap to clone (it holds a pool, and shares its lane connection).
 #[derive(Debug, Clone)]
 pub struct Client {
     pool: PgPool,
+    lane: Arc<Mutex<Lane>>,
+}
+
+/// The client's own connection, detached from the pool, and when it was last used.
+#[derive(Debug, Default)]
+struct Lane {
+    conn: Option<PgConnection>,
+    last_used: Option<Instant>,
+}
+
+/// A lane in use: its connection is out of the lane until [`LaneUse::finish`] puts it back. If
+/// the caller's future is dropped before that (the statement was cancelled), the connection is
+/// dropped with it, since its protocol state is unknown.
+struct LaneUse<'a> {
+    lane: MutexGuard<'a, Lane>,
+    conn: PgConnection,
 }
 
 impl Client {
     /// Uses `pool`; the schema must be migrated (see [`Client::check_schema`]).
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self { pool, lane: Arc::default() }
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -42,7 +74,7 @@ impl Client {
     /// Enqueues one typed job in its own transaction.
     pub async fn enqueue<J: Job>(&self, job: &J, options: &EnqueueOptions) -> Result<EnqueuedJob, EnqueueError> {
         let args = to_args(J::TYPE, job)?;
-        Ok(lockgate_sql::enqueue(&self.pool, J::TYPE, &args, &options.to_json()?).await?)
+        self.enqueue_one(J::TYPE, &args, &options.to_json()?).await
     }
 
     /// Enqueues one typed job inside the caller's transaction: it exists if and only if that
@@ -63,7 +95,7 @@ impl Client {
         options: &EnqueueOptions,
     ) -> Result<Vec<EnqueuedJob>, EnqueueError> {
         let args = jobs.iter().map(|j| to_args(J::TYPE, j)).collect::<Result<Vec<_>, _>>()?;
-        Ok(lockgate_sql::enqueue_many(&self.pool, J::TYPE, &args, &options.to_json()?).await?)
+        self.enqueue_batch(J::TYPE, &args, &options.to_json()?).await
     }
 
     /// Enqueues many jobs of one type by name with JSON arguments, in one statement.
@@ -76,7 +108,7 @@ impl Client {
         for a in args {
             check_args(job_type, a)?;
         }
-        Ok(lockgate_sql::enqueue_many(&self.pool, job_type, args, &options.to_json()?).await?)
+        self.enqueue_batch(job_type, args, &options.to_json()?).await
     }
 
     /// Enqueues a job by type name with JSON arguments (the CLI's path).
@@ -87,7 +119,70 @@ impl Client {
         options: &EnqueueOptions,
     ) -> Result<EnqueuedJob, EnqueueError> {
         check_args(job_type, args)?;
-        Ok(lockgate_sql::enqueue(&self.pool, job_type, args, &options.to_json()?).await?)
+        self.enqueue_one(job_type, args, &options.to_json()?).await
+    }
+
+    async fn enqueue_one(&self, job_type: &str, args: &Value, options: &Value) -> Result<EnqueuedJob, EnqueueError> {
+        let Some(mut lane) = self.lane().await? else {
+            return Ok(lockgate_sql::enqueue(&self.pool, job_type, args, options).await?);
+        };
+        let result = lockgate_sql::enqueue(&mut lane.conn, job_type, args, options).await;
+        Ok(lane.finish(result)?)
+    }
+
+    async fn enqueue_batch(
+        &self,
+        job_type: &str,
+        args: &[Value],
+        options: &Value,
+    ) -> Result<Vec<EnqueuedJob>, EnqueueError> {
+        let Some(mut lane) = self.lane().await? else {
+            return Ok(lockgate_sql::enqueue_many(&self.pool, job_type, args, options).await?);
+        };
+        let result = lockgate_sql::enqueue_many(&mut lane.conn, job_type, args, options).await;
+        Ok(lane.finish(result)?)
+    }
+
+    /// The lane's connection, ready for a statement, or `None` when another task holds the
+    /// lane or the pool is closed (the caller then goes through the pool, which reports a closed
+    /// pool itself). Fails as the pool's `acquire` fails when no connection can be had.
+    async fn lane(&self) -> Result<Option<LaneUse<'_>>, DbError> {
+        let Ok(mut lane) = self.lane.try_lock() else { return Ok(None) };
+        if self.pool.is_closed() {
+            lane.conn = None;
+            return Ok(None);
+        }
+        let idle = lane.last_used.is_none_or(|at| at.elapsed() > LANE_IDLE_PING);
+        let conn = match lane.conn.take() {
+            Some(mut conn) if idle => conn.ping().await.is_ok().then_some(conn),
+            conn => conn,
+        };
+        let conn = match conn {
+            Some(conn) => conn,
+            // A connection from the pool, with the pool's options and `after_connect`, that no
+            // longer counts against it.
+            None => self.pool.acquire().await?.detach(),
+        };
+        Ok(Some(LaneUse { lane, conn }))
+    }
+}
+
+impl LaneUse<'_> {
+    /// Puts the connection back unless the statement's error says it may be broken (anything
+    /// but an error the server reported on a healthy session).
+    fn finish<T>(self, result: Result<T, DbError>) -> Result<T, DbError> {
+        let LaneUse { mut lane, conn } = self;
+        lane.last_used = Some(Instant::now());
+        let healthy = match &result {
+            Ok(_) => true,
+            Err(err @ DbError::Sqlx(sqlx::Error::Database(_))) => !err.is_transient(),
+            Err(DbError::Sqlx(_)) => false,
+            Err(_) => true,
+        };
+        if healthy {
+            lane.conn = Some(conn);
+        }
+        result
     }
 }
 
