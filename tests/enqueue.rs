@@ -141,3 +141,63 @@ async fn bad_rust_inputs_are_refused_before_or_by_the_database() {
     assert!(err.to_string().contains("max_attempts"), "{err}");
     assert_eq!(queued(&db).await, 0);
 }
+
+#[tokio::test]
+async fn every_enqueue_path_writes_the_same_headers() {
+    let (db, client) = setup().await;
+    let one = client.enqueue(&Note { text: "a".into() }, &EnqueueOptions::default()).await.unwrap();
+    let with_options = EnqueueOptions { priority: Some(3), ..Default::default() };
+    let two = client.enqueue(&Note { text: "b".into() }, &with_options).await.unwrap();
+    let many =
+        client.enqueue_many(&[Note { text: "c".into() }, Note { text: "d".into() }], &with_options).await.unwrap();
+    let sql: (i64, i64) =
+        sqlx::query_as("SELECT msg_id, job_id FROM lockgate.enqueue_many('note', ARRAY['{}']::jsonb[])")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let expected = [(&one, 0), (&two, 3), (&many[0], 3), (&many[1], 3)];
+    for (job, priority) in expected {
+        let headers: serde_json::Value = sqlx::query_scalar("SELECT headers FROM pgmq.q_default WHERE msg_id = $1")
+            .bind(job.msg_id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(headers, json!({"job_id": job.job_id.0, "type": "note", "priority": priority}));
+    }
+    let headers: serde_json::Value = sqlx::query_scalar("SELECT headers FROM pgmq.q_default WHERE msg_id = $1")
+        .bind(sql.0)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(headers, json!({"job_id": sql.1, "type": "note", "priority": 0}));
+    let ids: Vec<i64> = vec![one.job_id.0, two.job_id.0, many[0].job_id.0, many[1].job_id.0, sql.1];
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "job ids are distinct and increasing: {ids:?}");
+}
+
+#[tokio::test]
+async fn a_client_enqueues_concurrently_and_recovers_when_its_connection_is_killed() {
+    let (db, client) = setup().await;
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let client = client.clone();
+            tokio::spawn(async move { client.enqueue(&Note { text: i.to_string() }, &EnqueueOptions::default()).await })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap().unwrap();
+    }
+    assert_eq!(queued(&db).await, 20);
+    // Kill every other session of the database: the client's own connection among them.
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+          WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // The first enqueue may report the broken connection; the next ones go through.
+    let _ = client.enqueue(&Note { text: "after".into() }, &EnqueueOptions::default()).await;
+    client.enqueue(&Note { text: "after".into() }, &EnqueueOptions::default()).await.unwrap();
+    client.enqueue_many(&[Note { text: "x".into() }], &EnqueueOptions::default()).await.unwrap();
+    assert!(queued(&db).await >= 22);
+}
