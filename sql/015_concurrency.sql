@@ -84,8 +84,8 @@ END $$;
 -- is limited, as many parked jobs of that type (best priority, then oldest; only to existing
 -- queues) as the type's current limit leaves room for, the permits taken in the same
 -- statement (the CHECK on value <= lim stands behind the arithmetic, G3). A key that still has
--- room afterwards (its next job's type is gone or no longer limited, a job's queue is gone, or
--- jobs of another type share its explicit key) goes through _promote, one job at a time, which
+-- room afterwards (its next job's type is gone or no longer limited, its queue is gone, or jobs
+-- of another type share its explicit key) goes through _promote, one job at a time, which
 -- dead-letters what can never run (H16) and releases what no longer needs a permit.
 CREATE OR REPLACE FUNCTION lockgate._promote_keys(keys text[])
 RETURNS lockgate.promotion[] LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
@@ -97,10 +97,11 @@ BEGIN
         SELECT s.key, jt.name AS job_type, jt.concurrency_limit AS lim, jt.concurrency_duration_ms AS duration_ms,
                jt.concurrency_limit - s.value AS n
           FROM lockgate.semaphores s
-         CROSS JOIN LATERAL (SELECT x.job_type FROM lockgate.parked x WHERE x.key = s.key
+         CROSS JOIN LATERAL (SELECT x.job_type, x.queue FROM lockgate.parked x WHERE x.key = s.key
                               ORDER BY x.priority, x.id LIMIT 1) head
           JOIN lockgate.job_types jt ON jt.name = head.job_type
-         WHERE s.key = ANY (keys) AND jt.concurrency_limit > s.value),
+         WHERE s.key = ANY (keys) AND jt.concurrency_limit > s.value
+           AND EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = head.queue)),
     picked AS (
         SELECT p.id, r.key, r.lim, r.duration_ms
           FROM room r

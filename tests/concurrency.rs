@@ -531,3 +531,96 @@ async fn a_removed_limit_lets_parked_jobs_run_unlimited_and_their_heartbeat_hold
     assert_eq!(renewed, vec![msg_id], "an unlimited job is not reported lost for lack of a lease");
     assert_invariants(&db).await;
 }
+
+/// Completes every message of the default queue that is visible now, in one fenced statement.
+async fn complete_all_visible(db: &TestDb) -> usize {
+    let claims = claim(&db.pool, &common::queue("default"), 1000, Duration::from_secs(30)).await.unwrap();
+    let tokens: Vec<(i64, i32)> = claims.iter().map(|c| (c.msg_id, c.read_ct)).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let outcomes = complete_deliveries(&db.pool, &common::queue("default"), &tokens, deadline).await;
+    assert!(outcomes.iter().all(|o| *o == Ok(ArchiveOutcome::Archived)), "{outcomes:?}");
+    claims.len()
+}
+
+#[tokio::test]
+async fn one_completion_promotes_each_released_key_in_priority_order_up_to_its_current_limit() {
+    let (db, client) = setup(1).await;
+    // Ten keys, each with a holder and three parked jobs; key 0's parked jobs come in reverse
+    // priority, so its best-priority one (enqueued last) must be promoted first.
+    for account in 0..10 {
+        for n in 0..4 {
+            let options =
+                EnqueueOptions { priority: Some(if account == 0 { 3 - n } else { 0 } as i16), ..Default::default() };
+            client.enqueue_raw(TYPE, &json!({ "account": account, "n": n }), &options).await.unwrap();
+        }
+    }
+    assert_eq!(parked(&db).await, 30);
+    // Key 1's limit rises to 3 before its holder finishes: its release promotes three at once.
+    sqlx::query("UPDATE lockgate.job_types SET concurrency_limit = 3 WHERE name = $1")
+        .bind(TYPE)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(complete_all_visible(&db).await, 10, "one holder per key");
+    // Every key had room for three now: all thirty parked jobs were promoted by that completion.
+    assert_eq!(parked(&db).await, 0);
+    for account in 0..10 {
+        assert_eq!(value(&db, account).await, 3, "key {account}");
+    }
+    let first_of_key0: i64 = sqlx::query_scalar(
+        "SELECT (message->>'n')::bigint FROM pgmq.q_default WHERE message->>'account' = '0' ORDER BY msg_id LIMIT 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(first_of_key0, 3, "the best priority is sent first");
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn a_key_shared_by_two_types_promotes_each_job_under_its_own_types_limit() {
+    let (db, client) = setup(1).await;
+    let mut policy = JobPolicy::on_queue(common::queue("default"));
+    policy.concurrency = Some(ConcurrencyPolicy::new(2));
+    client.define_job_type(&JobTypeName::new("wide").unwrap(), &policy).await.unwrap();
+    let shared = EnqueueOptions { concurrency_key: Some("shared".into()), ..Default::default() };
+    let holder = client.enqueue_raw(TYPE, &json!({ "account": 1 }), &shared).await.unwrap();
+    let narrow = client.enqueue_raw(TYPE, &json!({ "account": 1 }), &shared).await.unwrap();
+    let wide = client.enqueue_raw("wide", &json!({}), &shared).await.unwrap();
+    assert_eq!((holder.status, narrow.status), (EnqueueStatus::Enqueued, EnqueueStatus::Parked));
+    // The shared key is full for the limit-1 type but has room for the limit-2 type.
+    assert_eq!(wide.status, EnqueueStatus::Enqueued);
+    complete_all_visible(&db).await;
+    // Both released; the limit-1 job is promoted under its own limit, nothing more.
+    assert_eq!(parked(&db).await, 0);
+    assert!(message_of(&db, narrow.job_id.0).await.is_some());
+    let value: i32 = sqlx::query_scalar("SELECT value FROM lockgate.semaphores WHERE key = 'shared'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(value, 1);
+    assert_invariants(&db).await;
+}
+
+#[tokio::test]
+async fn a_parked_job_whose_queue_is_gone_is_dead_lettered_and_the_next_one_promoted() {
+    let (db, client) = setup(1).await;
+    sqlx::query("SELECT lockgate.create_queue('doomed')").execute(&db.pool).await.unwrap();
+    enqueue(&client, 1, 1).await;
+    let to_doomed = EnqueueOptions { queue: Some(common::queue("doomed")), ..Default::default() };
+    let lost = client.enqueue_raw(TYPE, &json!({ "account": 1, "n": 2 }), &to_doomed).await.unwrap();
+    let next = enqueue(&client, 1, 3).await;
+    assert_eq!(parked(&db).await, 2);
+    sqlx::query("DELETE FROM lockgate.queues WHERE name = 'doomed'").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT pgmq.drop_queue('doomed')").execute(&db.pool).await.unwrap();
+    assert_eq!(complete_all_visible(&db).await, 1);
+    let reason: String = sqlx::query_scalar("SELECT error FROM lockgate.dead_letters WHERE job_id = $1")
+        .bind(lost.job_id.0)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(reason.contains("queue \"doomed\" no longer exists"), "{reason}");
+    assert!(message_of(&db, next.job_id.0).await.is_some(), "the next parked job runs");
+    assert_eq!((parked(&db).await, value(&db, 1).await), (0, 1));
+    assert_invariants(&db).await;
+}
