@@ -13,12 +13,13 @@ use std::sync::Arc;
 
 use lockgate_core::{ArchiveOutcome, QueueName};
 use lockgate_sql::PgPool;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Mutex};
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::task::JoinSet;
 
 use std::time::Instant;
 
+use super::held::HeldConnection;
 use super::persist::{persist, PersistError};
 use crate::in_flight::{Delivery, InFlight};
 
@@ -79,6 +80,8 @@ impl Completer {
     pub async fn run(mut self) {
         let mut pending: Vec<Request> = Vec::new();
         let mut statements = JoinSet::new();
+        // The connections of finished statements, kept for the next ones.
+        let mut idle: Vec<HeldConnection> = Vec::new();
         let mut open = true;
         loop {
             while open && pending.len() < MAX_BATCH {
@@ -91,7 +94,8 @@ impl Completer {
             let full = pending.len() >= MAX_BATCH && statements.len() < MAX_STATEMENTS;
             if !pending.is_empty() && (statements.is_empty() || full) {
                 let batch = std::mem::take(&mut pending);
-                statements.spawn(complete_batch(self.db.clone(), Arc::clone(&self.in_flight), batch));
+                let conn = idle.pop().unwrap_or_else(|| HeldConnection::new(self.db.clone()));
+                statements.spawn(complete_batch(conn, Arc::clone(&self.in_flight), batch));
                 continue;
             }
             if !open && pending.is_empty() && statements.is_empty() {
@@ -102,30 +106,32 @@ impl Completer {
                     Some(request) => pending.push(request),
                     None => open = false,
                 },
-                Some(_) = statements.join_next(), if !statements.is_empty() => {}
+                Some(joined) = statements.join_next(), if !statements.is_empty() => idle.extend(joined.ok()),
             }
         }
     }
 }
 
-/// Completes one batch: a statement per queue in it.
-async fn complete_batch(db: PgPool, in_flight: Arc<InFlight>, batch: Vec<Request>) {
+/// Completes one batch, a statement per queue in it, on `conn`; gives the connection back.
+async fn complete_batch(conn: HeldConnection, in_flight: Arc<InFlight>, batch: Vec<Request>) -> HeldConnection {
     let mut by_queue: HashMap<QueueName, Vec<Request>> = HashMap::new();
     for request in batch {
         by_queue.entry(request.delivery.queue.clone()).or_default().push(request);
     }
+    let conn = Mutex::new(conn);
     for (queue, requests) in by_queue {
-        complete_queue(&db, &in_flight, &queue, requests).await;
+        complete_queue(&conn, &in_flight, &queue, requests).await;
     }
+    conn.into_inner()
 }
 
-async fn complete_queue(db: &PgPool, in_flight: &InFlight, queue: &QueueName, requests: Vec<Request>) {
+async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queue: &QueueName, requests: Vec<Request>) {
     let deliveries: Vec<(i64, i32)> = requests.iter().map(|r| (r.delivery.msg_id, r.delivery.read_ct)).collect();
     // The batch's lease is as long as its shortest member's.
     let lease_until = || requests.iter().map(|r| in_flight.lease_until(&r.delivery)).min().flatten();
     let result = persist("complete", lease_until, || async {
         let _gate = in_flight.gate.read().await;
-        let result = lockgate_sql::complete(db, queue, &deliveries).await;
+        let result = conn.lock().await.run(async |c| lockgate_sql::complete(c, queue, &deliveries).await).await;
         if result.is_ok() {
             // Still under the gate: no heartbeat can see a completed delivery as lost.
             requests.iter().for_each(|r| in_flight.remove(&r.delivery));

@@ -13,6 +13,7 @@
 
 mod completer;
 mod executor;
+mod held;
 mod persist;
 mod slots;
 
@@ -25,6 +26,7 @@ use lockgate_core::{Claim, QueueName};
 use lockgate_sql::PgPool;
 use tokio::sync::{Notify, Semaphore};
 
+use held::HeldConnection;
 use slots::{ClaimSlots, Prefetch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -116,6 +118,7 @@ async fn fetch_loop(
     let mut pause = CLAIM_RETRY_PAUSE;
     let mut backlog = false;
     let mut prefetch = Prefetch::new(config.concurrency);
+    let mut conn = HeldConnection::new(shared.db.clone());
     loop {
         shared.last_tick.store(chrono::Utc::now().timestamp_millis(), Ordering::Relaxed);
         let limit = prefetch.limit(std::time::Instant::now());
@@ -131,7 +134,7 @@ async fn fetch_loop(
             permits.extend(slots.try_take(limit));
         }
         let claimed_at = std::time::Instant::now();
-        let claims = match claim_in_order(config, shared, permits.len()).await {
+        let claims = match claim_in_order(config, shared, &mut conn, permits.len()).await {
             Ok(claims) => {
                 prefetch.observe_claim(claimed_at.elapsed());
                 pause = CLAIM_RETRY_PAUSE;
@@ -179,6 +182,7 @@ async fn fetch_loop(
 async fn claim_in_order(
     config: &PoolConfig,
     shared: &Shared,
+    conn: &mut HeldConnection,
     room: usize,
 ) -> Result<Vec<Claim>, lockgate_sql::DbError> {
     let mut claimed = Vec::with_capacity(room);
@@ -188,8 +192,9 @@ async fn claim_in_order(
             break;
         }
         let owner = Some(shared.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
+        let visibility = shared.config.visibility_timeout;
         let mut batch =
-            lockgate_sql::claim_as(&shared.db, queue, want as i32, shared.config.visibility_timeout, owner).await?;
+            conn.run(async |c| lockgate_sql::claim_as(c, queue, want as i32, visibility, owner).await).await?;
         batch.sort_by_key(|c| (priority_of(c), c.msg_id));
         claimed.extend(batch);
     }

@@ -4,7 +4,7 @@
 //! at most `limit` deliveries: the ones running plus the ones claimed ahead, waiting in memory
 //! for a handler slot. How far ahead it claims adapts to the jobs: enough to cover what the
 //! handlers consume during about two claim round trips (so a freed handler slot never waits for
-//! a claim), never fewer than `concurrency` and never more than three times it. Fast jobs thus
+//! a claim), never fewer than `concurrency` and never more than five times it. Fast jobs thus
 //! get large claims, one commit carrying many jobs; slow jobs are never hoarded by one process
 //! while another has free handlers, since few of them finish during a round trip.
 
@@ -94,7 +94,7 @@ impl Prefetch {
             self.window_start = now;
         }
         let cover = (2.0 * self.rate * self.latency).ceil() as usize;
-        self.concurrency + cover.clamp(self.concurrency, 3 * self.concurrency)
+        self.concurrency + cover.clamp(self.concurrency, 5 * self.concurrency)
     }
 }
 
@@ -103,7 +103,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn slow_jobs_are_claimed_one_pool_ahead_and_fast_ones_up_to_three() {
+    fn slow_jobs_are_claimed_one_pool_ahead_and_fast_ones_up_to_five() {
         let start = Instant::now();
         let mut slow = Prefetch::new(16);
         slow.observe_claim(Duration::from_millis(2));
@@ -116,7 +116,7 @@ mod tests {
             fast.observe_started(2_000); // 20,000 jobs a second
             fast.limit(start + RATE_WINDOW * window);
         }
-        assert_eq!(fast.limit(start + RATE_WINDOW * 10), 64);
+        assert_eq!(fast.limit(start + RATE_WINDOW * 10), 96);
     }
 
     #[tokio::test]
