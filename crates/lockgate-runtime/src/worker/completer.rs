@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use lockgate_core::{ArchiveOutcome, QueueName};
 use lockgate_sql::PgPool;
-use tokio::sync::{mpsc, Mutex};
 use tokio::sync::mpsc::error::TryRecvError;
+use tokio::sync::{mpsc, Mutex};
 use tokio::task::JoinSet;
 
 use std::time::Instant;
