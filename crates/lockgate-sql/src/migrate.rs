@@ -31,6 +31,7 @@ const MIGRATIONS: &[Migration] = &[
         name: "batched_promotion",
         sql: include_str!("../../../migrations/0005_batched_promotion.sql"),
     },
+    Migration { version: 6, name: "claim_index", sql: include_str!("../../../migrations/0006_claim_index.sql") },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -54,7 +55,7 @@ const FUNCTIONS: &[&str] = &[
 ];
 
 /// The schema version this build expects.
-pub const LATEST_MIGRATION: i32 = 5;
+pub const LATEST_MIGRATION: i32 = 6;
 
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;

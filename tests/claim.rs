@@ -1,0 +1,85 @@
+//! The claim at the SQL seam: priority order across statements, and a claim's cost bounded by
+//! what it takes, not by how many delayed or in-flight messages the queue holds.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use lockgate::sql::claim;
+use lockgate::{Client, EnqueueOptions, JobPolicy, JobTypeName};
+use lockgate_testkit::TestDb;
+use serde_json::json;
+
+async fn setup() -> (TestDb, Client) {
+    let db = TestDb::migrated().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    client
+        .define_job_type(&JobTypeName::new("noop").unwrap(), &JobPolicy::on_queue(common::queue("claims")))
+        .await
+        .unwrap();
+    (db, client)
+}
+
+async fn enqueue(client: &Client, n: usize, options: &EnqueueOptions) {
+    let args = vec![json!({}); n];
+    client.enqueue_many_raw("noop", &args, options).await.unwrap();
+}
+
+fn priority(p: i16) -> EnqueueOptions {
+    EnqueueOptions { priority: Some(p), ..Default::default() }
+}
+
+#[tokio::test]
+async fn a_claim_takes_the_best_priority_first_and_fills_up_from_the_next_ones() {
+    let (db, client) = setup().await;
+    enqueue(&client, 10, &priority(3)).await;
+    enqueue(&client, 10, &priority(1)).await;
+    enqueue(&client, 5, &priority(0)).await;
+    let queue = common::queue("claims");
+    let priorities = |claims: &[lockgate::Claim]| {
+        let mut p: Vec<i64> =
+            claims.iter().map(|c| c.headers.as_ref().unwrap()["priority"].as_i64().unwrap()).collect();
+        p.sort_unstable();
+        p
+    };
+    let first = claim(&db.pool, &queue, 20, Duration::from_secs(30)).await.unwrap();
+    let expected: Vec<i64> = [vec![0; 5], vec![1; 10], vec![3; 5]].concat();
+    assert_eq!(priorities(&first), expected);
+    let rest = claim(&db.pool, &queue, 20, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(priorities(&rest), vec![3; 5]);
+    assert!(claim(&db.pool, &queue, 20, Duration::from_secs(30)).await.unwrap().is_empty());
+}
+
+/// Rows of the queue's table read in the current transaction, by scans and through indexes.
+async fn fetched(conn: &mut sqlx::PgConnection) -> i64 {
+    sqlx::query_scalar(
+        "SELECT seq_tup_read + COALESCE(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables
+          WHERE relid = 'pgmq.q_claims'::regclass",
+    )
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_claim_never_walks_the_delayed_or_in_flight_messages_of_its_priority() {
+    let (db, client) = setup().await;
+    // Five thousand scheduled jobs at the head of the queue, a thousand in flight, ten visible.
+    enqueue(&client, 5_000, &EnqueueOptions { delay: Some(Duration::from_secs(3600)), ..Default::default() }).await;
+    enqueue(&client, 1_000, &EnqueueOptions::default()).await;
+    let queue = common::queue("claims");
+    assert_eq!(claim(&db.pool, &queue, 1_000, Duration::from_secs(600)).await.unwrap().len(), 1_000);
+    enqueue(&client, 10, &EnqueueOptions::default()).await;
+    sqlx::query("ANALYZE pgmq.q_claims").execute(&db.pool).await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let before = fetched(&mut tx).await;
+    assert_eq!(claim(&mut *tx, &queue, 20, Duration::from_secs(30)).await.unwrap().len(), 10);
+    assert!(claim(&mut *tx, &queue, 20, Duration::from_secs(30)).await.unwrap().is_empty());
+    let walked = fetched(&mut tx).await - before;
+    // The claim index puts a priority's visible messages first; claims stop at the first that is not.
+    assert!(walked < 100, "two claims fetched {walked} rows of a queue with 6,000 invisible messages");
+    tx.rollback().await.unwrap();
+}
