@@ -4,8 +4,8 @@
 //! the last call's return; each producer gets a fresh pool, warmed before the clock starts.
 //!
 //! The single-enqueue workload also runs `Client::enqueue_in` on one held connection, as the
-//! baseline holds its connection: the difference from `Client::enqueue` is what the pool costs
-//! per call (acquire, sqlx's ping, release), the rest is lockgate's SQL.
+//! baseline holds its connection. `Client::enqueue` keeps a connection of its own between calls
+//! (see `Client`), so the two should match: a gap is what the client adds per call.
 
 use std::time::Instant;
 
