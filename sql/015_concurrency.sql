@@ -55,9 +55,9 @@ $$;
 
 -- Deletes the leases of the given messages of one queue, gives their permits back, and
 -- promotes parked jobs of each key released. Returns how many jobs it promoted. Called inside
--- the transaction of the completion, dead-letter or sweep that released them, after the fenced
--- statement that decided they were this caller's to release. Set-based: one statement each for
--- the leases, the semaphore locks, the give-back and the common promotion, whatever the batch.
+-- the transaction of the completion or dead-letter that released them, after the fenced
+-- statement that decided they were this caller's to release. Set-based: the same few statements
+-- whatever the batch.
 CREATE OR REPLACE FUNCTION lockgate._release_leases(queue text, msg_ids bigint[])
 RETURNS integer LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
@@ -74,33 +74,35 @@ BEGIN
     END IF;
     -- Locks are taken in key order (LockRows runs above the sort), the order every path keeps.
     PERFORM 1 FROM lockgate.semaphores s WHERE s.key = ANY (keys) ORDER BY s.key FOR UPDATE;
-    UPDATE lockgate.semaphores s SET value = s.value - g.n, updated_at = now()
-      FROM unnest(keys, counts) AS g(key, n) WHERE s.key = g.key;
-    RETURN lockgate._send_promotions(lockgate._promote_keys(keys));
+    RETURN lockgate._send_promotions(lockgate._promote_keys(keys, counts));
 END $$;
 
--- Promotes the parked jobs of keys whose semaphore rows the caller holds locked, and returns
--- what to send. The common case is one statement: for every key whose next parked job's type
--- is limited, as many parked jobs of that type (best priority, then oldest; only to existing
--- queues) as the type's current limit leaves room for, the permits taken in the same
--- statement (the CHECK on value <= lim stands behind the arithmetic, G3). A key that still has
--- room afterwards (its next job's type is gone or no longer limited, its queue is gone, or jobs
--- of another type share its explicit key) goes through _promote, one job at a time, which
--- dead-letters what can never run (H16) and releases what no longer needs a permit.
-CREATE OR REPLACE FUNCTION lockgate._promote_keys(keys text[])
+-- Gives back counts[i] permits of keys[i] (semaphore rows the caller holds locked) and promotes
+-- their parked jobs; returns what to send. The common case is one statement: for every key
+-- whose next parked job's type is limited and whose queue exists, as many parked jobs of that
+-- type (best priority, then oldest; only to existing queues) as the type's current limit leaves
+-- room for once the permits are back; the semaphore row is written once, with what was given
+-- back and what was taken (the CHECK on value <= lim stands behind the arithmetic, G3). A key
+-- that still has room afterwards (its next job's type is gone or no longer limited, its queue is
+-- gone, or jobs of another type share its explicit key) goes through _promote, one job at a
+-- time, which dead-letters what can never run (H16) and releases what no longer needs a permit.
+CREATE OR REPLACE FUNCTION lockgate._promote_keys(keys text[], counts integer[])
 RETURNS lockgate.promotion[] LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     promotions lockgate.promotion[];
     k text;
 BEGIN
-    WITH room AS (
+    WITH released AS (
+        SELECT g.key, g.n FROM unnest(keys, counts) AS g(key, n)),
+    room AS (
         SELECT s.key, jt.name AS job_type, jt.concurrency_limit AS lim, jt.concurrency_duration_ms AS duration_ms,
-               jt.concurrency_limit - s.value AS n
+               jt.concurrency_limit - (s.value - g.n) AS n
           FROM lockgate.semaphores s
+          JOIN released g ON g.key = s.key
          CROSS JOIN LATERAL (SELECT x.job_type, x.queue FROM lockgate.parked x WHERE x.key = s.key
                               ORDER BY x.priority, x.id LIMIT 1) head
           JOIN lockgate.job_types jt ON jt.name = head.job_type
-         WHERE s.key = ANY (keys) AND jt.concurrency_limit > s.value
+         WHERE jt.concurrency_limit > s.value - g.n
            AND EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = head.queue)),
     picked AS (
         SELECT p.id, r.key, r.lim, r.duration_ms
@@ -111,9 +113,12 @@ BEGIN
                               ORDER BY x.priority, x.id LIMIT r.n
                                 FOR UPDATE SKIP LOCKED) p),
     taken AS (
-        UPDATE lockgate.semaphores s SET value = s.value + c.n, lim = c.lim, updated_at = now()
-          FROM (SELECT picked.key, picked.lim, count(*)::integer AS n FROM picked GROUP BY picked.key, picked.lim) c
-         WHERE s.key = c.key),
+        SELECT picked.key, picked.lim, count(*)::integer AS n FROM picked GROUP BY picked.key, picked.lim),
+    written AS (
+        UPDATE lockgate.semaphores s
+           SET value = s.value - g.n + COALESCE(t.n, 0), lim = COALESCE(t.lim, s.lim), updated_at = now()
+          FROM released g LEFT JOIN taken t ON t.key = g.key
+         WHERE s.key = g.key),
     moved AS (
         DELETE FROM lockgate.parked x USING picked WHERE x.id = picked.id
         RETURNING x.queue, x.run_at, x.args, x.headers, x.key, picked.duration_ms, x.priority, x.id)
