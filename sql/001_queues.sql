@@ -41,5 +41,9 @@ BEGIN
         'CREATE INDEX IF NOT EXISTS %I ON pgmq.%I ((COALESCE((headers->>''priority'')::smallint, 0)), vt, msg_id)',
         'q_' || queue || '_lg_claim', 'q_' || queue);
     EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || queue || '_vt_idx');
+    -- msg_ids come from lockgate.job_id_seq, shared by every queue: a job's id is the msg_id of
+    -- its first message (migrations/0007_job_ids.sql).
+    EXECUTE format('ALTER TABLE pgmq.%I ALTER COLUMN msg_id DROP IDENTITY IF EXISTS', 'q_' || queue);
+    EXECUTE format('ALTER TABLE pgmq.%I ALTER COLUMN msg_id SET DEFAULT nextval(''lockgate.job_id_seq'')', 'q_' || queue);
     INSERT INTO lockgate.queues (name) VALUES (queue) ON CONFLICT DO NOTHING;
 END $$;

@@ -94,17 +94,25 @@ BEGIN
     END IF;
 END $$;
 
+-- The headers of a freshly enqueued job: its type, and its priority unless it is 0 (the claim
+-- reads a missing priority as 0). No job id: a job's id is the msg_id of its first message, and
+-- only a job sent again as a new message (promoted, retried from the dead letters) carries its
+-- id in the headers' job_id.
+CREATE OR REPLACE FUNCTION lockgate._headers(job_type text, priority smallint)
+RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN priority = 0 THEN jsonb_build_object('type', job_type)
+                ELSE jsonb_build_object('type', job_type, 'priority', priority) END
+$$;
+
 -- One job, its options already resolved: acquire-or-park (limited types), then send.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_one(
     jt lockgate.job_types, args jsonb, queue text, priority smallint, vt timestamptz, immediate boolean, explicit_key text,
     OUT msg_id bigint, OUT job_id bigint, OUT status text
 ) LANGUAGE plpgsql AS $$
 DECLARE
-    headers jsonb;
+    headers jsonb := lockgate._headers(jt.name, priority);
     key text;
 BEGIN
-    job_id := nextval('lockgate.job_id_seq');
-    headers := jsonb_build_object('job_id', job_id, 'type', jt.name, 'priority', priority);
     IF jt.concurrency_limit IS NOT NULL THEN
         key := lockgate._concurrency_key(jt, args, explicit_key);
         headers := headers || jsonb_build_object('ckey', key);
@@ -113,10 +121,13 @@ BEGIN
                 RAISE EXCEPTION 'lockgate: concurrency limit % reached for key "%"', jt.concurrency_limit, key
                     USING ERRCODE = 'LG004';
             END IF;
+            -- No message yet: the job's id comes from the sequence every msg_id comes from.
+            job_id := nextval('lockgate.job_id_seq');
             status := 'discarded';
             IF jt.concurrency_on_conflict = 'block' THEN
                 INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
-                VALUES (key, _enqueue_one.queue, jt.name, _enqueue_one.job_id, args, headers, _enqueue_one.priority, vt);
+                VALUES (key, _enqueue_one.queue, jt.name, _enqueue_one.job_id, args,
+                        headers || jsonb_build_object('job_id', _enqueue_one.job_id), _enqueue_one.priority, vt);
                 status := 'parked';
             END IF;
             RETURN;
@@ -126,6 +137,7 @@ BEGIN
                    lockgate._queue_table(queue, 'q'))
        INTO msg_id
       USING vt, args, headers;
+    job_id := msg_id;
     IF key IS NOT NULL THEN
         PERFORM lockgate._add_lease(key, queue, msg_id, vt, jt.concurrency_duration_ms);
     END IF;
@@ -154,11 +166,11 @@ BEGIN
     END IF;
     IF jt.concurrency_limit IS NULL AND (options IS NULL OR options = '{}') THEN
         queue := jt.queue;
-        job_id := nextval('lockgate.job_id_seq');
         EXECUTE format('INSERT INTO pgmq.%I (vt, message, headers) VALUES (clock_timestamp(), $1, $2) RETURNING msg_id',
                        'q_' || jt.queue)
            INTO msg_id
-          USING args, jsonb_build_object('job_id', job_id, 'type', jt.name, 'priority', jt.priority);
+          USING args, lockgate._headers(jt.name, jt.priority);
+        job_id := msg_id;
         PERFORM pg_notify('lockgate_' || jt.queue, '');
         status := 'enqueued';
         RETURN NEXT;
@@ -181,11 +193,16 @@ END $$;
 CREATE OR REPLACE FUNCTION lockgate.enqueue_many(job_type text, args jsonb[], options jsonb DEFAULT '{}')
 RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
-    jt lockgate.job_types := lockgate.job_policy(job_type);
+    jt lockgate.job_types;
     o record;
+    tbl text;
     bad record;
     inserted bigint;
 BEGIN
+    SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = enqueue_many.job_type;
+    IF NOT FOUND THEN
+        jt := lockgate.job_policy(job_type);  -- raises LG002 naming the type
+    END IF;
     IF jt.concurrency_limit IS NOT NULL THEN
         SELECT a.v, a.i INTO bad FROM unnest(args) WITH ORDINALITY a(v, i)
          WHERE a.v IS NULL OR jsonb_typeof(a.v) <> 'object' OR pg_column_size(a.v) > 1048576
@@ -202,17 +219,24 @@ BEGIN
              ORDER BY ordered.i;
         RETURN;
     END IF;
-    o := lockgate._resolve_options(jt, options);
-    -- The headers are built as text around each job id: cheaper per row than jsonb_build_object,
-    -- and the same jsonb value.
+    IF options IS NULL OR options = '{}' THEN
+        -- The common case needs no option parsing, and the type's queue exists (job_types.queue
+        -- references lockgate.queues), so its table name is formatted directly.
+        tbl := format('pgmq.%I', 'q_' || jt.queue);
+        SELECT jt.queue AS queue, jt.priority AS priority, clock_timestamp() AS vt, true AS immediate INTO o;
+    ELSE
+        o := lockgate._resolve_options(jt, options);
+        tbl := lockgate._queue_table(o.queue, 'q');
+    END IF;
+    -- Every job of the call has the same headers (its id is its msg_id): nothing is built per row.
     RETURN QUERY EXECUTE format(
         'INSERT INTO %s (vt, message, headers)
-         SELECT $1, a.v, (''{"job_id": '' || nextval(''lockgate.job_id_seq'') || $2)::jsonb
+         SELECT $1, a.v, $2
            FROM unnest($3::jsonb[]) a(v)
           WHERE jsonb_typeof(a.v) = ''object'' AND pg_column_size(a.v) <= 1048576
-         RETURNING $4::text, msg_id, (headers->>''job_id'')::bigint, ''enqueued''::text',
-        lockgate._queue_table(o.queue, 'q'))
-      USING o.vt, format(', "type": %s, "priority": %s}', to_jsonb(jt.name), o.priority), args, o.queue;
+         RETURNING $4::text, msg_id, msg_id, ''enqueued''::text',
+        tbl)
+      USING o.vt, lockgate._headers(jt.name, o.priority), args, o.queue;
     GET DIAGNOSTICS inserted = ROW_COUNT;
     IF inserted < cardinality(args) THEN
         SELECT a.v, a.i INTO bad FROM unnest(args) WITH ORDINALITY a(v, i)

@@ -205,14 +205,15 @@ BEGIN
     END IF;
     FOR q IN SELECT DISTINCT u.queue, bool_or(u.vt <= clock_timestamp()) OVER (PARTITION BY u.queue) AS now_visible
                FROM unnest(promotions) u LOOP
-        -- Message ids are drawn up front, so the leases are written from the same rows as the
-        -- messages, without matching the inserted messages back to their promotions.
+        -- Message ids are drawn up front (from the sequence every queue's msg_id defaults to), so
+        -- the leases are written from the same rows as the messages, without matching the
+        -- inserted messages back to their promotions.
         EXECUTE format(
             'WITH src AS MATERIALIZED (
-                 SELECT nextval(pg_get_serial_sequence(%1$L, ''msg_id'')) AS msg_id, u.*
+                 SELECT nextval(''lockgate.job_id_seq'') AS msg_id, u.*
                    FROM (SELECT * FROM unnest($1) WITH ORDINALITY AS u(queue, vt, args, headers, key, duration_ms, o)
                           WHERE u.queue = $2 ORDER BY u.o) u),
-                  sent AS (INSERT INTO %1$s (msg_id, vt, message, headers) OVERRIDING SYSTEM VALUE
+                  sent AS (INSERT INTO %1$s (msg_id, vt, message, headers)
                            SELECT src.msg_id, src.vt, src.args, src.headers FROM src)
              INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
              SELECT $2, src.msg_id, src.key, src.duration_ms,
@@ -258,8 +259,10 @@ BEGIN
                    lockgate._queue_table(queue, 'q'))
        INTO gone USING msg_id, read_ct;
     IF gone IS NOT NULL THEN
+        -- Promoted later as a new message, the job keeps its id in the headers.
         INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
-        VALUES (key, queue, jt.name, (headers->>'job_id')::bigint, message, headers - 'returns' - 'retry_at',
+        VALUES (key, queue, jt.name, COALESCE((headers->>'job_id')::bigint, msg_id), message,
+                headers - 'returns' - 'retry_at' || jsonb_build_object('job_id', COALESCE((headers->>'job_id')::bigint, msg_id)),
                 COALESCE((headers->>'priority')::smallint, 0), clock_timestamp());
     END IF;
     RETURN false;

@@ -1,5 +1,6 @@
 -- Dead-letter: move a delivery's message to lockgate.dead_letters with its reason, its last
 -- error appended to the attempt history, and its attempt count. Fenced on (msg_id, read_ct).
+-- The job id is the headers' job_id, or for a job on its first message its msg_id.
 -- Header fields are read defensively: this is also the path for messages that are not
 -- lockgate's, and it must never fail on them (a message that cannot be dead-lettered would be
 -- retried forever). Its permit is given back and the next parked job of its key promoted, in
@@ -18,7 +19,8 @@ BEGIN
              RETURNING m.msg_id, m.message, m.headers, m.enqueued_at)
          INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
          SELECT $3, g.msg_id,
-                CASE WHEN g.headers->>''job_id'' ~ ''^[0-9]{1,18}$'' THEN (g.headers->>''job_id'')::bigint END,
+                CASE WHEN g.headers->>''job_id'' ~ ''^[0-9]{1,18}$'' THEN (g.headers->>''job_id'')::bigint
+                     WHEN jsonb_typeof(g.headers) = ''object'' AND g.headers ? ''type'' THEN g.msg_id END,
                 CASE WHEN jsonb_typeof(g.headers) = ''object'' THEN g.headers->>''type'' END,
                 g.message,
                 CASE WHEN jsonb_typeof(g.headers) = ''object''

@@ -22,7 +22,10 @@ BEGIN
                        lockgate._queue_table(dl.queue, 'q'))
            INTO new_msg_id
           USING dl.args,
-                CASE WHEN jsonb_typeof(dl.headers) = 'object' THEN dl.headers - 'returns' - 'retry_at' ELSE dl.headers END;
+                CASE WHEN jsonb_typeof(dl.headers) <> 'object' THEN dl.headers
+                     WHEN dl.job_id IS NULL THEN dl.headers - 'returns' - 'retry_at'
+                     -- A new message: the job keeps its id in the headers.
+                     ELSE dl.headers - 'returns' - 'retry_at' || jsonb_build_object('job_id', dl.job_id) END;
         PERFORM pg_notify('lockgate_' || dl.queue, '');
         queue := dl.queue;
         msg_id := new_msg_id;

@@ -40,7 +40,7 @@ async fn a_claim_takes_the_best_priority_first_and_fills_up_from_the_next_ones()
     let queue = common::queue("claims");
     let priorities = |claims: &[lockgate::Claim]| {
         let mut p: Vec<i64> =
-            claims.iter().map(|c| c.headers.as_ref().unwrap()["priority"].as_i64().unwrap()).collect();
+            claims.iter().map(|c| c.headers.as_ref().unwrap()["priority"].as_i64().unwrap_or(0)).collect();
         p.sort_unstable();
         p
     };

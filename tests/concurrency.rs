@@ -66,7 +66,7 @@ async fn complete(db: &TestDb, c: &Claim) -> ArchiveOutcome {
 /// The message of `job_id`, if it exists: (msg_id, visible_at - now in seconds).
 async fn message_of(db: &TestDb, job_id: i64) -> Option<(i64, f64)> {
     sqlx::query_as(
-        "SELECT msg_id, extract(epoch FROM vt - now())::float8 FROM pgmq.q_default WHERE (headers->>'job_id')::bigint = $1",
+        "SELECT msg_id, extract(epoch FROM vt - now())::float8 FROM pgmq.q_default WHERE COALESCE((headers->>'job_id')::bigint, msg_id) = $1",
     )
     .bind(job_id)
     .fetch_optional(&db.pool)

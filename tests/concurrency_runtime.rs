@@ -132,9 +132,11 @@ async fn g3_fifty_jobs_on_a_limit_one_key_with_a_holders_heartbeat_cut_never_adm
     .unwrap();
     proxy.thaw();
     wait_for("all 50 jobs archived", Duration::from_secs(60), || async {
-        let n: i64 = sqlx::query_scalar("SELECT count(DISTINCT headers->>'job_id') FROM pgmq.a_default")
-            .fetch_one(&db.pool)
-            .await?;
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT COALESCE((headers->>'job_id')::bigint, msg_id)) FROM pgmq.a_default",
+        )
+        .fetch_one(&db.pool)
+        .await?;
         Ok((n == 50).then_some(()))
     })
     .await

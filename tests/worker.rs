@@ -325,7 +325,7 @@ async fn g7_shutdown_returns_running_jobs_to_their_queue_visible_at_once() {
     assert_eq!(returns, 1);
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0, "nothing failed");
     let claims = claim(&db.pool, &queue("default"), 1, Duration::from_secs(30)).await.unwrap();
-    let headers = lockgate::JobHeaders::decode(claims[0].headers.as_ref()).unwrap();
+    let headers = lockgate::JobHeaders::decode(claims[0].headers.as_ref(), claims[0].msg_id).unwrap();
     assert_eq!(claims[0].attempt(&headers), 1, "the returned delivery is not counted as an attempt");
 }
 

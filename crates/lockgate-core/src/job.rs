@@ -14,8 +14,9 @@ use crate::{QueueName, ValidationError};
 /// store. The SQL functions enforce the same bound for SQL producers.
 pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 
-/// A job's identity across deliveries and dead-letter retries (a PGMQ `msg_id` changes when a
-/// dead-lettered job is retried; the job id does not).
+/// A job's identity across deliveries, promotion and dead-letter retries: the `msg_id` of its
+/// first message (every lockgate queue draws its msg_ids from one sequence, so they are unique
+/// across queues). A job sent again as a new message keeps it in its headers' `job_id`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct JobId(pub i64);
@@ -107,25 +108,45 @@ impl EnqueueOptions {
 }
 
 /// The lockgate fields of a message's PGMQ headers.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct JobHeaders {
+    /// The job's id: the msg_id of its first message. A job sent again as a new message
+    /// (promoted from the parked jobs, retried from the dead letters) carries it as `job_id`.
     pub job_id: JobId,
     #[serde(rename = "type")]
     pub job_type: String,
-    #[serde(default)]
     pub priority: i16,
     /// How many times a shutdown returned this job to its queue; those deliveries are not
     /// attempts (G7: a job that was only being shut down is not failed).
-    #[serde(default)]
     pub returns: i32,
 }
 
+/// The headers as stored: `job_id` and `priority` may be absent.
+#[derive(Deserialize)]
+struct StoredHeaders {
+    job_id: Option<JobId>,
+    #[serde(rename = "type")]
+    job_type: String,
+    #[serde(default)]
+    priority: i16,
+    #[serde(default)]
+    returns: i32,
+}
+
 impl JobHeaders {
-    /// Decodes headers, or says why they are not lockgate's (the message is then dead-lettered).
-    pub fn decode(headers: Option<&Value>) -> Result<Self, String> {
+    /// Decodes the headers of message `msg_id`, or says why they are not lockgate's (the message
+    /// is then dead-lettered).
+    pub fn decode(headers: Option<&Value>, msg_id: i64) -> Result<Self, String> {
         let headers = headers.ok_or("message has no lockgate headers")?;
         // Deserialized from the borrowed value: no copy of the headers per delivery.
-        JobHeaders::deserialize(headers).map_err(|e| format!("message headers are not lockgate's: {e}"))
+        let stored =
+            StoredHeaders::deserialize(headers).map_err(|e| format!("message headers are not lockgate's: {e}"))?;
+        Ok(Self {
+            job_id: stored.job_id.unwrap_or(JobId(msg_id)),
+            job_type: stored.job_type,
+            priority: stored.priority,
+            returns: stored.returns,
+        })
     }
 }
 
@@ -162,10 +183,12 @@ mod tests {
 
     #[test]
     fn headers_without_lockgate_fields_are_refused_with_a_reason() {
-        let err = JobHeaders::decode(Some(&json!({"x": 1}))).unwrap_err();
+        let err = JobHeaders::decode(Some(&json!({"x": 1})), 1).unwrap_err();
         assert!(err.contains("not lockgate's"), "{err}");
-        assert!(JobHeaders::decode(None).is_err());
-        let ok = JobHeaders::decode(Some(&json!({"job_id": 7, "type": "t"}))).unwrap();
-        assert_eq!(ok.job_id, JobId(7));
+        assert!(JobHeaders::decode(None, 1).is_err());
+        let sent_again = JobHeaders::decode(Some(&json!({"job_id": 7, "type": "t", "priority": 3})), 9).unwrap();
+        assert_eq!((sent_again.job_id, sent_again.priority), (JobId(7), 3));
+        let first = JobHeaders::decode(Some(&json!({"type": "t"})), 9).unwrap();
+        assert_eq!((first.job_id, first.priority), (JobId(9), 0), "a job on its first message has its msg_id as id");
     }
 }

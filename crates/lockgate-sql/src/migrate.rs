@@ -32,6 +32,7 @@ const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../migrations/0005_batched_promotion.sql"),
     },
     Migration { version: 6, name: "claim_index", sql: include_str!("../../../migrations/0006_claim_index.sql") },
+    Migration { version: 7, name: "job_ids", sql: include_str!("../../../migrations/0007_job_ids.sql") },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -55,7 +56,7 @@ const FUNCTIONS: &[&str] = &[
 ];
 
 /// The schema version this build expects.
-pub const LATEST_MIGRATION: i32 = 6;
+pub const LATEST_MIGRATION: i32 = 7;
 
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;

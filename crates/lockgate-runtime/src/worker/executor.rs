@@ -33,7 +33,7 @@ pub(crate) async fn execute(
 
 async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant) {
     let delivery = Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct };
-    let headers = match JobHeaders::decode(claim.headers.as_ref()) {
+    let headers = match JobHeaders::decode(claim.headers.as_ref(), claim.msg_id) {
         Ok(headers) => headers,
         Err(reason) => {
             return dead_letter_now(&shared, &claim, DeadLetterReason::Undecodable, &reason, claim.read_ct).await
