@@ -105,10 +105,13 @@ async fn failed_attempts_retry_in_place_and_then_succeed() {
 #[tokio::test]
 async fn last_failed_attempt_dead_letters_with_every_error_and_dlq_retry_runs_it_again() {
     let (db, client) = setup().await;
-    enqueue(&client, 1).await;
+    let job = client.enqueue(&Work { n: 1 }, &EnqueueOptions::default()).await.unwrap();
     let calls = Counter::default();
     let running = Running::start(&db, test_config(), failing_registry(calls.clone(), 3), &["default"], 2).await;
     wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await.unwrap();
+    let dead_id: i64 =
+        sqlx::query_scalar("SELECT job_id FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(dead_id, job.job_id.0, "the dead letter keeps the job's id (its first msg_id)");
     let (reason, error, attempts, errors): (String, String, i32, serde_json::Value) =
         sqlx::query_as("SELECT reason, error, attempts, headers->'errors' FROM lockgate.dead_letters")
             .fetch_one(&db.pool)
@@ -123,6 +126,13 @@ async fn last_failed_attempt_dead_letters_with_every_error_and_dlq_retry_runs_it
     let retried = dlq_retry(&db.pool, &DlqFilter::default()).await.unwrap();
     assert_eq!(retried.len(), 1);
     wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    let (msg_id, job_id): (i64, i64) =
+        sqlx::query_as("SELECT msg_id, (headers->>'job_id')::bigint FROM pgmq.a_default")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_ne!(msg_id, job.job_id.0, "the retry is a new message");
+    assert_eq!(job_id, job.job_id.0, "which carries the job's id");
     running.stop().await;
     assert_eq!(calls.get(), 4, "the retried dead letter ran again and succeeded");
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
