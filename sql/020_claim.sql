@@ -31,9 +31,12 @@ BEGIN
         got := 0;
         FOR r IN EXECUTE format(
             'WITH best AS (
+                 -- A LATERAL probe with its own LIMIT: the planner cannot turn it into a semi-join
+                 -- over the whole table, as it may an EXISTS when most messages are visible.
                  SELECT p FROM generate_series($5 + 1, 9) p
-                  WHERE EXISTS (SELECT 1 FROM %1$s m
-                                 WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = p AND m.vt <= $4)
+                  CROSS JOIN LATERAL (SELECT 1 FROM %1$s m
+                                       WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = p AND m.vt <= $4
+                                       LIMIT 1) visible
                   LIMIT 1),
              next AS (
                  SELECT m.msg_id FROM %1$s m

@@ -83,3 +83,21 @@ async fn a_claim_never_walks_the_delayed_or_in_flight_messages_of_its_priority()
     assert!(walked < 100, "two claims fetched {walked} rows of a queue with 6,000 invisible messages");
     tx.rollback().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_claim_reads_about_what_it_takes_from_a_deep_queue_of_visible_messages() {
+    let (db, client) = setup().await;
+    for _ in 0..10 {
+        enqueue(&client, 1_000, &EnqueueOptions::default()).await;
+    }
+    sqlx::query("ANALYZE pgmq.q_claims").execute(&db.pool).await.unwrap();
+    let queue = common::queue("claims");
+    let mut tx = db.pool.begin().await.unwrap();
+    let before = fetched(&mut tx).await;
+    assert_eq!(claim(&mut *tx, &queue, 20, Duration::from_secs(30)).await.unwrap().len(), 20);
+    let read = fetched(&mut tx).await - before;
+    // With nearly every message visible the planner may prefer one pass over the whole table to
+    // a probe per priority; the claim must not let it.
+    assert!(read < 100, "a claim of 20 read {read} rows of a queue of 10,000");
+    tx.rollback().await.unwrap();
+}
