@@ -55,7 +55,7 @@ impl ClaimSlots {
 }
 
 /// How often the handlers' consumption rate is re-measured.
-const RATE_WINDOW: Duration = Duration::from_millis(100);
+const RATE_WINDOW: Duration = Duration::from_millis(10);
 /// Weight of the newest measurement in the moving averages.
 const SMOOTHING: f64 = 0.5;
 
