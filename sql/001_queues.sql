@@ -23,6 +23,8 @@ END $$;
 -- Locks: advisory xact lock on the queue name. Callers: migrate, define_job_type, Client, CLI.
 CREATE OR REPLACE FUNCTION lockgate.create_queue(queue text)
 RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    top bigint;
 BEGIN
     IF queue IS NULL OR queue !~ '^[a-z][a-z0-9_]{0,46}$' THEN
         RAISE EXCEPTION 'lockgate: invalid queue name "%"', queue
@@ -42,8 +44,14 @@ BEGIN
         'q_' || queue || '_lg_claim', 'q_' || queue);
     EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || queue || '_vt_idx');
     -- msg_ids come from lockgate.job_id_seq, shared by every queue: a job's id is the msg_id of
-    -- its first message (migrations/0007_job_ids.sql).
+    -- its first message (migrations/0007_job_ids.sql). A PGMQ queue created before lockgate
+    -- adopted it may hold messages already: the sequence moves above their ids.
     EXECUTE format('ALTER TABLE pgmq.%I ALTER COLUMN msg_id DROP IDENTITY IF EXISTS', 'q_' || queue);
     EXECUTE format('ALTER TABLE pgmq.%I ALTER COLUMN msg_id SET DEFAULT nextval(''lockgate.job_id_seq'')', 'q_' || queue);
+    EXECUTE format('SELECT GREATEST((SELECT max(msg_id) FROM pgmq.%I), (SELECT max(msg_id) FROM pgmq.%I))',
+                   'q_' || queue, 'a_' || queue) INTO top;
+    IF top > (SELECT last_value FROM lockgate.job_id_seq) THEN
+        PERFORM setval('lockgate.job_id_seq', top);
+    END IF;
     INSERT INTO lockgate.queues (name) VALUES (queue) ON CONFLICT DO NOTHING;
 END $$;

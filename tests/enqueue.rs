@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use lockgate::{Client, DbError, EnqueueError, EnqueueOptions, Job, JobPolicy};
+use lockgate::{Client, DbError, EnqueueError, EnqueueOptions, Job, JobPolicy, JobTypeName};
 use lockgate_testkit::TestDb;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -207,4 +207,23 @@ async fn a_client_enqueues_concurrently_and_recovers_when_its_connection_is_kill
     client.enqueue(&Note { text: "after".into() }, &EnqueueOptions::default()).await.unwrap();
     client.enqueue_many(&[Note { text: "x".into() }], &EnqueueOptions::default()).await.unwrap();
     assert!(queued(&db).await >= 22);
+}
+
+#[tokio::test]
+async fn a_pgmq_queue_adopted_with_messages_in_it_takes_new_ids_above_them() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT pgmq.create('adopted')").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT pgmq.send_batch('adopted', array_fill('{}'::jsonb, ARRAY[500]))")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let client = Client::new(db.pool.clone());
+    client
+        .define_job_type(&JobTypeName::new("noop").unwrap(), &JobPolicy::on_queue(common::queue("adopted")))
+        .await
+        .unwrap();
+    // Without moving the shared sequence above the queue's own ids, this enqueue would collide
+    // with message 1 of the queue.
+    let job = client.enqueue_raw("noop", &json!({}), &EnqueueOptions::default()).await.unwrap();
+    assert!(job.msg_id.unwrap() > 500, "{job:?}");
 }
