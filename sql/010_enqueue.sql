@@ -26,6 +26,20 @@ BEGIN
     END IF;
 END $$;
 
+-- Raises for the first element of args that _check_args refuses, naming its position.
+CREATE OR REPLACE FUNCTION lockgate._check_all_args(args jsonb[])
+RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    bad record;
+BEGIN
+    SELECT a.v, a.i INTO bad FROM unnest(args) WITH ORDINALITY a(v, i)
+     WHERE a.v IS NULL OR jsonb_typeof(a.v) <> 'object' OR pg_column_size(a.v) > 1048576
+     LIMIT 1;
+    IF FOUND THEN
+        PERFORM lockgate._check_args(bad.v, bad.i::integer);
+    END IF;
+END $$;
+
 -- Resolves the options object against the job type's policy: target queue, priority, visible-at,
 -- and an explicit concurrency key.
 CREATE OR REPLACE FUNCTION lockgate._resolve_options(
@@ -193,24 +207,12 @@ END $$;
 CREATE OR REPLACE FUNCTION lockgate.enqueue_many(job_type text, args jsonb[], options jsonb DEFAULT '{}')
 RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
-    jt lockgate.job_types;
-    o record;
-    tbl text;
-    bad record;
+    jt lockgate.job_types := lockgate.job_policy(job_type);
+    o record := lockgate._resolve_options(jt, options);
     inserted bigint;
 BEGIN
-    SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = enqueue_many.job_type;
-    IF NOT FOUND THEN
-        jt := lockgate.job_policy(job_type);  -- raises LG002 naming the type
-    END IF;
     IF jt.concurrency_limit IS NOT NULL THEN
-        SELECT a.v, a.i INTO bad FROM unnest(args) WITH ORDINALITY a(v, i)
-         WHERE a.v IS NULL OR jsonb_typeof(a.v) <> 'object' OR pg_column_size(a.v) > 1048576
-         LIMIT 1;
-        IF FOUND THEN
-            PERFORM lockgate._check_args(bad.v, bad.i::integer);
-        END IF;
-        o := lockgate._resolve_options(jt, options);
+        PERFORM lockgate._check_all_args(args);
         RETURN QUERY
             SELECT o.queue, e.msg_id, e.job_id, e.status
               FROM (SELECT a.v, a.i FROM unnest(args) WITH ORDINALITY a(v, i)
@@ -219,15 +221,6 @@ BEGIN
              ORDER BY ordered.i;
         RETURN;
     END IF;
-    IF options IS NULL OR options = '{}' THEN
-        -- The common case needs no option parsing, and the type's queue exists (job_types.queue
-        -- references lockgate.queues), so its table name is formatted directly.
-        tbl := format('pgmq.%I', 'q_' || jt.queue);
-        SELECT jt.queue AS queue, jt.priority AS priority, clock_timestamp() AS vt, true AS immediate INTO o;
-    ELSE
-        o := lockgate._resolve_options(jt, options);
-        tbl := lockgate._queue_table(o.queue, 'q');
-    END IF;
     -- Every job of the call has the same headers (its id is its msg_id): nothing is built per row.
     RETURN QUERY EXECUTE format(
         'INSERT INTO %s (vt, message, headers)
@@ -235,14 +228,11 @@ BEGIN
            FROM unnest($3::jsonb[]) a(v)
           WHERE jsonb_typeof(a.v) = ''object'' AND pg_column_size(a.v) <= 1048576
          RETURNING $4::text, msg_id, msg_id, ''enqueued''::text',
-        tbl)
+        lockgate._queue_table(o.queue, 'q'))
       USING o.vt, lockgate._headers(jt.name, o.priority), args, o.queue;
     GET DIAGNOSTICS inserted = ROW_COUNT;
     IF inserted < cardinality(args) THEN
-        SELECT a.v, a.i INTO bad FROM unnest(args) WITH ORDINALITY a(v, i)
-         WHERE a.v IS NULL OR jsonb_typeof(a.v) <> 'object' OR pg_column_size(a.v) > 1048576
-         LIMIT 1;
-        PERFORM lockgate._check_args(bad.v, bad.i::integer);
+        PERFORM lockgate._check_all_args(args);  -- raises for the first bad one, undoing the insert
     END IF;
     IF o.immediate AND inserted > 0 THEN
         PERFORM pg_notify('lockgate_' || o.queue, '');

@@ -237,6 +237,7 @@ RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
     jt lockgate.job_types;
     key text := headers->>'ckey';
+    job bigint := COALESCE((headers->>'job_id')::bigint, msg_id);
     gone bigint;
 BEGIN
     SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = headers->>'type';
@@ -261,8 +262,7 @@ BEGIN
     IF gone IS NOT NULL THEN
         -- Promoted later as a new message, the job keeps its id in the headers.
         INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
-        VALUES (key, queue, jt.name, COALESCE((headers->>'job_id')::bigint, msg_id), message,
-                headers - 'returns' - 'retry_at' || jsonb_build_object('job_id', COALESCE((headers->>'job_id')::bigint, msg_id)),
+        VALUES (key, queue, jt.name, job, message, headers - 'returns' - 'retry_at' || jsonb_build_object('job_id', job),
                 COALESCE((headers->>'priority')::smallint, 0), clock_timestamp());
     END IF;
     RETURN false;

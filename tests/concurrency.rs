@@ -624,3 +624,43 @@ async fn a_parked_job_whose_queue_is_gone_is_dead_lettered_and_the_next_one_prom
     assert_eq!((parked(&db).await, value(&db, 1).await), (0, 1));
     assert_invariants(&db).await;
 }
+
+#[tokio::test]
+async fn two_completions_racing_on_one_key_each_promote_against_the_others_commit() {
+    // Two holders of a limit-2 key and two parked jobs; the completer may run two statements at
+    // once, so both holders can finish in racing transactions.
+    let (db, client) = setup(2).await;
+    for n in 0..4 {
+        enqueue(&client, 1, n).await;
+    }
+    let holders = claim(&db.pool, &common::queue("default"), 10, Duration::from_secs(30)).await.unwrap();
+    assert_eq!((holders.len(), parked(&db).await), (2, 2));
+    // The first completion promotes a job and holds the key's row until it commits.
+    let mut first = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT lockgate.complete('default', ARRAY[$1::bigint], ARRAY[$2::integer])")
+        .bind(holders[0].msg_id)
+        .bind(holders[0].read_ct)
+        .execute(&mut *first)
+        .await
+        .unwrap();
+    let pool = db.new_pool(2).await.unwrap();
+    let c = holders[1].clone();
+    let second = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        complete_deliveries(&pool, &c.queue, &[(c.msg_id, c.read_ct)], deadline).await
+    });
+    wait_for("the second completion to wait on the key's lock", common::WAIT, || async {
+        Ok(sqlx::query_scalar::<_, i32>(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_optional(&db.pool)
+        .await?)
+    })
+    .await
+    .unwrap();
+    first.commit().await.unwrap();
+    // The second one judges room on the first one's committed take: one more promotion, no more.
+    assert_eq!(second.await.unwrap(), vec![Ok(ArchiveOutcome::Archived)]);
+    assert_eq!((value(&db, 1).await, parked(&db).await), (2, 0));
+    assert_invariants(&db).await;
+}
