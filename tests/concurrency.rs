@@ -74,6 +74,27 @@ async fn message_of(db: &TestDb, job_id: i64) -> Option<(i64, f64)> {
     .unwrap()
 }
 
+/// Completes `c` on a pool of its own, in the background, once that completion is waiting on a
+/// row lock another transaction of the test holds.
+async fn complete_behind_a_lock(db: &TestDb, c: &Claim) -> tokio::task::JoinHandle<Vec<lockgate::worker::Completion>> {
+    let pool = db.new_pool(2).await.unwrap();
+    let c = c.clone();
+    let completion = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        complete_deliveries(&pool, &c.queue, &[(c.msg_id, c.read_ct)], deadline).await
+    });
+    wait_for("the completion to wait on the key's lock", common::WAIT, || async {
+        Ok(sqlx::query_scalar::<_, i32>(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_optional(&db.pool)
+        .await?)
+    })
+    .await
+    .unwrap();
+    completion
+}
+
 async fn assert_invariants(db: &TestDb) {
     sweep(&db.pool, 1000, None).await.unwrap();
     let violations = check_invariants(&db.pool).await.unwrap();
@@ -173,21 +194,7 @@ async fn h06_park_racing_a_completion_is_promoted_by_it() {
             .unwrap();
     assert_eq!(row.2, "parked");
     // The completion runs meanwhile and must wait on that lock.
-    let pool = db.new_pool(2).await.unwrap();
-    let c = holder.clone();
-    let completion = tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        complete_deliveries(&pool, &c.queue, &[(c.msg_id, c.read_ct)], deadline).await
-    });
-    wait_for("the completion to wait on the key's lock", common::WAIT, || async {
-        Ok(sqlx::query_scalar::<_, i32>(
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_optional(&db.pool)
-        .await?)
-    })
-    .await
-    .unwrap();
+    let completion = complete_behind_a_lock(&db, &holder).await;
     parking.commit().await.unwrap();
     assert_eq!(completion.await.unwrap(), vec![Ok(ArchiveOutcome::Archived)]);
     assert!(message_of(&db, row.1).await.is_some(), "promoted by the completion itself, no sweep ran");
@@ -643,21 +650,7 @@ async fn two_completions_racing_on_one_key_each_promote_against_the_others_commi
         .execute(&mut *first)
         .await
         .unwrap();
-    let pool = db.new_pool(2).await.unwrap();
-    let c = holders[1].clone();
-    let second = tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        complete_deliveries(&pool, &c.queue, &[(c.msg_id, c.read_ct)], deadline).await
-    });
-    wait_for("the second completion to wait on the key's lock", common::WAIT, || async {
-        Ok(sqlx::query_scalar::<_, i32>(
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_optional(&db.pool)
-        .await?)
-    })
-    .await
-    .unwrap();
+    let second = complete_behind_a_lock(&db, &holders[1]).await;
     first.commit().await.unwrap();
     // The second one judges room on the first one's committed take: one more promotion, no more.
     assert_eq!(second.await.unwrap(), vec![Ok(ArchiveOutcome::Archived)]);
