@@ -16,11 +16,23 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
     END
 $$;
 
--- A lease's silence budget: the type's duration, floored at twice the heartbeat interval (H10).
+-- The floor of every lease's silence budget: twice the heartbeat interval (H10).
+CREATE OR REPLACE FUNCTION lockgate._lease_floor_ms()
+RETURNS bigint LANGUAGE sql STABLE AS $$
+    SELECT 2 * COALESCE((SELECT s.heartbeat_interval_ms FROM lockgate.settings s), 5000)
+$$;
+
+-- A lease's silence budget: the type's duration, floored. A plain expression, so the planner
+-- inlines it; statements over many leases pass the floor as (SELECT lockgate._lease_floor_ms()),
+-- which is read once per statement rather than once per row.
+CREATE OR REPLACE FUNCTION lockgate._lease_interval(duration_ms bigint, floor_ms bigint)
+RETURNS interval LANGUAGE sql IMMUTABLE AS $$
+    SELECT make_interval(secs => GREATEST(duration_ms, floor_ms) / 1000.0)
+$$;
+
 CREATE OR REPLACE FUNCTION lockgate._lease_interval(duration_ms bigint)
 RETURNS interval LANGUAGE sql STABLE AS $$
-    SELECT make_interval(secs => GREATEST(duration_ms,
-        2 * COALESCE((SELECT s.heartbeat_interval_ms FROM lockgate.settings s), 5000)) / 1000.0)
+    SELECT lockgate._lease_interval(duration_ms, lockgate._lease_floor_ms())
 $$;
 
 -- Takes one permit of key if value < limit; true when taken. Either way the key's semaphore row
@@ -64,8 +76,11 @@ DECLARE
     keys text[];
     counts integer[];
 BEGIN
+    -- Joins with unnest rather than "= ANY (array)": a parameter array is searched linearly for
+    -- every row a plan filters, and without statistics the planner may filter a whole table.
     WITH gone AS (
-        DELETE FROM lockgate.leases l WHERE l.queue = _release_leases.queue AND l.msg_id = ANY (msg_ids)
+        DELETE FROM lockgate.leases l USING unnest(msg_ids) AS r(msg_id)
+         WHERE l.queue = _release_leases.queue AND l.msg_id = r.msg_id
         RETURNING l.key)
     SELECT array_agg(g.key ORDER BY g.key), array_agg(g.n ORDER BY g.key) INTO keys, counts
       FROM (SELECT gone.key, count(*)::integer AS n FROM gone GROUP BY gone.key) g;
@@ -73,15 +88,17 @@ BEGIN
         RETURN 0;
     END IF;
     -- Locks are taken in key order (LockRows runs above the sort), the order every path keeps.
-    PERFORM 1 FROM lockgate.semaphores s WHERE s.key = ANY (keys) ORDER BY s.key FOR UPDATE;
+    PERFORM 1 FROM lockgate.semaphores s JOIN unnest(keys) AS k(key) ON k.key = s.key
+      ORDER BY s.key FOR UPDATE OF s;
     RETURN lockgate._send_promotions(lockgate._promote_keys(keys, counts));
 END $$;
 
 -- Gives back counts[i] permits of keys[i] (semaphore rows the caller holds locked) and promotes
 -- their parked jobs; returns what to send. The common case is one statement: for every key
--- whose next parked job's type is limited and whose queue exists, as many parked jobs of that
--- type (best priority, then oldest; only to existing queues) as the type's current limit leaves
--- room for once the permits are back; the semaphore row is written once, with what was given
+-- whose next parked job's type is limited and whose queue exists, its next parked jobs (best
+-- priority, then oldest), as many as that type's current limit leaves room for once the permits
+-- are back, less any among them of another type or bound for a queue that is gone; the
+-- semaphore row is written once, with what was given
 -- back and what was taken (the CHECK on value <= lim stands behind the arithmetic, G3). A key
 -- that still has room afterwards (its next job's type is gone or no longer limited, its queue is
 -- gone, or jobs of another type share its explicit key) goes through _promote, one job at a
@@ -104,21 +121,31 @@ BEGIN
           JOIN lockgate.job_types jt ON jt.name = head.job_type
          WHERE jt.concurrency_limit > s.value - g.n
            AND EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = head.queue)),
+    -- The type and queue are checked after the LIMIT, not inside it: a filter there makes the
+    -- planner expect almost no matching rows, and without statistics it then reads and sorts
+    -- every parked job of the key instead of taking the first few from the index.
     picked AS (
         SELECT p.id, r.key, r.lim, r.duration_ms
           FROM room r
-         CROSS JOIN LATERAL (SELECT x.id FROM lockgate.parked x
-                              WHERE x.key = r.key AND x.job_type = r.job_type
-                                AND EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = x.queue)
+         CROSS JOIN LATERAL (SELECT x.id, x.job_type, x.queue FROM lockgate.parked x
+                              WHERE x.key = r.key
                               ORDER BY x.priority, x.id LIMIT r.n
-                                FOR UPDATE SKIP LOCKED) p),
-    taken AS (
-        SELECT picked.key, picked.lim, count(*)::integer AS n FROM picked GROUP BY picked.key, picked.lim),
+                                FOR UPDATE SKIP LOCKED) p
+         WHERE p.job_type = r.job_type
+           AND EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = p.queue)),
+    -- Given back and taken, per key, gathered by aggregation rather than a join of the two: the
+    -- planner cannot estimate either side and may join them by nested loop, batch × batch.
+    change AS (
+        SELECT u.key, sum(u.n)::integer AS n, max(u.lim) AS lim
+          FROM (SELECT g.key, -g.n AS n, NULL::integer AS lim FROM released g
+                UNION ALL
+                SELECT picked.key, 1, picked.lim FROM picked) u
+         GROUP BY u.key),
     written AS (
         UPDATE lockgate.semaphores s
-           SET value = s.value - g.n + COALESCE(t.n, 0), lim = COALESCE(t.lim, s.lim), updated_at = now()
-          FROM released g LEFT JOIN taken t ON t.key = g.key
-         WHERE s.key = g.key),
+           SET value = s.value + c.n, lim = COALESCE(c.lim, s.lim), updated_at = now()
+          FROM change c
+         WHERE s.key = c.key),
     moved AS (
         DELETE FROM lockgate.parked x USING picked WHERE x.id = picked.id
         RETURNING x.queue, x.run_at, x.args, x.headers, x.key, picked.duration_ms, x.priority, x.id)
@@ -128,10 +155,11 @@ BEGIN
     promotions := COALESCE(promotions, '{}');
     FOR k IN
         SELECT s.key FROM lockgate.semaphores s
+          JOIN unnest(keys) AS g(key) ON g.key = s.key
          CROSS JOIN LATERAL (SELECT x.job_type FROM lockgate.parked x WHERE x.key = s.key
                               ORDER BY x.priority, x.id LIMIT 1) head
           LEFT JOIN lockgate.job_types jt ON jt.name = head.job_type
-         WHERE s.key = ANY (keys) AND (jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit)
+         WHERE jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
          ORDER BY s.key
     LOOP
         promotions := promotions || ARRAY(SELECT p FROM lockgate._promote(k) p);
@@ -217,7 +245,8 @@ BEGIN
                            SELECT src.msg_id, src.vt, src.args, src.headers FROM src)
              INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
              SELECT $2, src.msg_id, src.key, src.duration_ms,
-                    GREATEST(src.vt, clock_timestamp()) + lockgate._lease_interval(src.duration_ms)
+                    GREATEST(src.vt, clock_timestamp())
+                    + lockgate._lease_interval(src.duration_ms, (SELECT lockgate._lease_floor_ms()))
                FROM src WHERE src.key IS NOT NULL',
             lockgate._queue_table(q.queue, 'q'))
           USING promotions, q.queue;

@@ -11,8 +11,10 @@ RETURNS SETOF bigint LANGUAGE plpgsql AS $$
 BEGIN
     RETURN QUERY EXECUTE format(
         'WITH leased AS (
-             UPDATE lockgate.leases l SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms)
-              WHERE l.queue = $4 AND l.msg_id = ANY ($1)
+             UPDATE lockgate.leases l
+                SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms()))
+               FROM unnest($1::bigint[]) AS d(msg_id)
+              WHERE l.queue = $4 AND l.msg_id = d.msg_id
              RETURNING l.msg_id)
          UPDATE %s m SET vt = clock_timestamp() + make_interval(secs => $3)
            FROM unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)

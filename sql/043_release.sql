@@ -18,7 +18,8 @@ BEGIN
               WHERE m.msg_id = d.msg_id AND m.read_ct = d.read_ct
              RETURNING m.msg_id),
          renewed AS (
-             UPDATE lockgate.leases l SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms)
+             UPDATE lockgate.leases l
+                SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms()))
                FROM released r WHERE l.queue = $3 AND l.msg_id = r.msg_id)
          SELECT msg_id FROM released',
         lockgate._queue_table(queue, 'q'))

@@ -657,3 +657,47 @@ async fn two_completions_racing_on_one_key_each_promote_against_the_others_commi
     assert_eq!((value(&db, 1).await, parked(&db).await), (2, 0));
     assert_invariants(&db).await;
 }
+
+/// Rows of `table` read in the current transaction, by scans and through indexes.
+async fn rows_read(conn: &mut sqlx::PgConnection, table: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT seq_tup_read + COALESCE(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables WHERE relid = $1::regclass",
+    )
+    .bind(table)
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_completion_promotes_from_the_head_of_each_key_even_without_planner_statistics() {
+    let (db, client) = setup(1).await;
+    // 100 keys with 40 jobs each: one holder and 39 parked per key. Nothing is analyzed, as on a
+    // fresh database before autovacuum has looked at the tables.
+    for round in 0..40 {
+        let args: Vec<_> = (0..100).map(|account| json!({ "account": account, "n": round })).collect();
+        client.enqueue_many_raw(TYPE, &args, &EnqueueOptions::default()).await.unwrap();
+    }
+    assert_eq!(parked(&db).await, 3_900);
+    let claims = claim(&db.pool, &common::queue("default"), 1000, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(claims.len(), 100);
+    let ids: Vec<i64> = claims.iter().map(|c| c.msg_id).collect();
+    let cts: Vec<i32> = claims.iter().map(|c| c.read_ct).collect();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let before = rows_read(&mut tx, "lockgate.parked").await;
+    let archived: Vec<i64> = sqlx::query_scalar("SELECT lockgate.complete('default', $1, $2)")
+        .bind(&ids)
+        .bind(&cts)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    let read = rows_read(&mut tx, "lockgate.parked").await - before;
+    tx.commit().await.unwrap();
+    assert_eq!(archived.len(), 100);
+    assert_eq!(parked(&db).await, 3_800, "one promotion per key");
+    // The next parked job of a key is its first in the key's index. A plan that reads all 39 of
+    // them and sorts would read about 4,000 rows here.
+    assert!(read < 1_000, "promoting 100 jobs read {read} parked rows");
+    assert_invariants(&db).await;
+}
