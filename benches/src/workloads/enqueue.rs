@@ -1,19 +1,22 @@
-//! enqueue and bulk: one producer enqueues no-op jobs, one per transaction
-//! (`Client::enqueue` against `pgmq.send`) or in calls of `batch` (`Client::enqueue_many` against
-//! `pgmq.send_batch`). Targets: ≥ 0.8× the baseline. Timed on the client, from the first call to
-//! the last call's return; each producer gets a fresh pool, warmed before the clock starts.
+//! enqueue and bulk: producers enqueue no-op jobs, one per transaction (`Client::enqueue` against
+//! `pgmq.send`) or in calls of `batch` (`Client::enqueue_many` against `pgmq.send_batch`).
+//! Targets: ≥ 0.8× the baseline. Each round interleaves the producers in short turns (20 single
+//! enqueues, or one call of a batch, then the next producer; who goes first rotates) and times
+//! every call on the client; a producer's rate is its jobs over the sum of its calls' times. A burst from the machine's other tenants then falls on every producer alike, where
+//! back-to-back one-second runs let it fall on one of them. Each producer has its own pool, warmed
+//! before the first call.
 //!
 //! The single-enqueue workload also runs `Client::enqueue_in` on one held connection, as the
 //! baseline holds its connection. `Client::enqueue` keeps a connection of its own between calls
 //! (see `Client`), so the two should match: a gap is what the client adds per call.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use indicatif::ProgressBar;
 use lockgate::{Client, EnqueueOptions};
 use serde_json::{json, Value};
-use sqlx::PgConnection;
+use sqlx::pool::PoolConnection;
+use sqlx::{PgConnection, PgPool, Postgres};
 
 use super::{Ctx, Outcome};
 use crate::bench_db::{close, BenchDb};
@@ -62,7 +65,8 @@ pub async fn run_single(ctx: &Ctx, args: &EnqueueArgs) -> Result<Outcome> {
         Row::new("enqueue", format!("{measure}, enqueue_in on a held connection"), "jobs/s", held)
             .baseline("pgmq.send", rate(1)),
     ];
-    let functions = [&["lockgate.enqueue"][..], &["pgmq.send"], &["lockgate.enqueue"]];
+    // Both lockgate producers call lockgate.enqueue in the same round: its figures cover both.
+    let functions = [(&["lockgate.enqueue"][..], 2 * args.jobs), (&["pgmq.send"], args.jobs), (&[], args.jobs)];
     Ok(Outcome { rows, diagnostics: diagnostics(&producers, &runs, &functions, args.jobs) })
 }
 
@@ -73,11 +77,11 @@ pub async fn run_bulk(ctx: &Ctx, args: &BulkArgs) -> Result<Outcome> {
     let Some(client) = rate(0) else { bail!("bulk ran no rounds") };
     let measure = format!("{} jobs in calls of {}", args.jobs, args.batch);
     let rows = vec![Row::new("bulk", measure, "jobs/s", client).baseline("pgmq.send_batch", rate(1)).ratio_target(0.8)];
-    let functions = [&["lockgate.enqueue_many"][..], &["pgmq.send_batch"]];
+    let functions = [(&["lockgate.enqueue_many"][..], args.jobs), (&["pgmq.send_batch"], args.jobs)];
     Ok(Outcome { rows, diagnostics: diagnostics(&producers, &runs, &functions, args.jobs) })
 }
 
-/// Every round runs every producer, starting with a different one each round.
+/// Every round runs every producer, interleaved in turns, on freshly emptied queues.
 async fn rounds(
     ctx: &Ctx,
     workload: &str,
@@ -90,10 +94,8 @@ async fn rounds(
     let mut runs: Vec<Vec<Enqueued>> = producers.iter().map(|_| Vec::new()).collect();
     for round in 0..ctx.options.rounds {
         let label = ctx.label(workload, round);
-        for k in 0..producers.len() {
-            let i = (round + k) % producers.len();
-            queue::reset(&db).await?;
-            let run = measure(ctx, &db, producers[i], jobs, batch, &label).await?;
+        queue::reset(&db).await?;
+        for (i, run) in interleaved(ctx, &db, producers, jobs, batch, &label).await?.into_iter().enumerate() {
             ctx.progress.note(format!("{label}: {} {:.0} jobs/s", producers[i].name(), run.rate));
             runs[i].push(run);
         }
@@ -102,86 +104,141 @@ async fn rounds(
     Ok(runs)
 }
 
-async fn measure(ctx: &Ctx, db: &BenchDb, producer: Producer, jobs: u64, batch: u64, label: &str) -> Result<Enqueued> {
-    let pool = db.pool_warm(1, 1).await?;
-    let before = FunctionStats::read(&db.pool).await?;
-    let bar = ctx.progress.bar(jobs, format!("{label}: {}", producer.name()));
-    let cpu0 = cpu_seconds();
-    let started = Instant::now();
-    match producer {
-        Producer::Client => client_loop(&Client::new(pool.clone()), jobs, batch, &bar).await?,
-        Producer::HeldConnection => held_loop(&mut *pool.acquire().await?, jobs, &bar).await?,
-        Producer::Raw => raw_loop(&mut *pool.acquire().await?, jobs, batch, &bar).await?,
+/// One producer's pool, connection and running totals within a round.
+struct Lane {
+    producer: Producer,
+    pool: PgPool,
+    client: Client,
+    /// The connection the baseline and `enqueue_in` hold (the client keeps its own).
+    conn: Option<PoolConnection<Postgres>>,
+    elapsed: Duration,
+    cpu_seconds: Option<f64>,
+}
+
+impl Lane {
+    async fn open(db: &BenchDb, producer: Producer) -> Result<Self> {
+        let pool = db.pool_warm(1, 1).await?;
+        let conn = match producer {
+            Producer::Client => None,
+            Producer::HeldConnection | Producer::Raw => Some(pool.acquire().await?),
+        };
+        Ok(Self {
+            producer,
+            client: Client::new(pool.clone()),
+            pool,
+            conn,
+            elapsed: Duration::ZERO,
+            cpu_seconds: Some(0.0),
+        })
     }
-    let seconds = started.elapsed().as_secs_f64();
-    let cpu_seconds = cpu_seconds().zip(cpu0).map(|(b, a)| b - a);
-    close(pool).await;
+
+    /// One call of `n` jobs: `Client::enqueue` / `enqueue_many`, `Client::enqueue_in`, or
+    /// `pgmq.send` / `send_batch`. Times it, and adds the process's CPU time meanwhile.
+    async fn call(&mut self, n: usize, batch: u64, noops: &[Noop], raw: &[Value]) -> Result<()> {
+        let options = EnqueueOptions::default();
+        let cpu0 = cpu_seconds();
+        let started = Instant::now();
+        match (self.producer, self.conn.as_deref_mut(), batch) {
+            (Producer::Client, _, 1) => drop(self.client.enqueue(&noops[0], &options).await?),
+            (Producer::Client, _, _) => drop(self.client.enqueue_many(&noops[..n], &options).await?),
+            (Producer::HeldConnection, Some(conn), _) => drop(Client::enqueue_in(conn, &noops[0], &options).await?),
+            (Producer::Raw, Some(conn), 1) => raw_send(conn, &raw[0]).await?,
+            (Producer::Raw, Some(conn), _) => raw_send_batch(conn, &raw[..n]).await?,
+            (Producer::HeldConnection | Producer::Raw, None, _) => {
+                bail!("{} holds no connection", self.producer.name())
+            }
+        }
+        self.elapsed += started.elapsed();
+        self.cpu_seconds = match (self.cpu_seconds, cpu0, cpu_seconds()) {
+            (Some(total), Some(a), Some(b)) => Some(total + b - a),
+            _ => None,
+        };
+        Ok(())
+    }
+}
+
+/// Calls a producer makes in a row before the next producer's turn: 20 single enqueues, or one
+/// call of a batch, some 5–10 ms of work here. Short, so that drift on the machine falls on every
+/// producer alike (the per-round ratios of single enqueue now agree within ±0.01, where one-second
+/// runs back to back disagreed by ±0.05); more than one single enqueue, so that the call which
+/// wakes a backend that sat idle through the other producers' turns is one call in twenty.
+fn calls_per_turn(batch: u64) -> u64 {
+    (20 / batch.max(1)).max(1)
+}
+
+/// One round: `jobs` jobs from every producer, taking turns of `calls_per_turn` calls.
+async fn interleaved(
+    ctx: &Ctx,
+    db: &BenchDb,
+    producers: &[Producer],
+    jobs: u64,
+    batch: u64,
+    label: &str,
+) -> Result<Vec<Enqueued>> {
+    let mut lanes = Vec::new();
+    for &producer in producers {
+        lanes.push(Lane::open(db, producer).await?);
+    }
+    let (noops, raw) = (vec![Noop {}; batch as usize], vec![json!({}); batch as usize]);
+    let before = FunctionStats::read(&db.pool).await?;
+    let bar = ctx.progress.bar(jobs * producers.len() as u64, format!("{label}: interleaved"));
+    let (mut left, mut turn) = (jobs, 0);
+    while left > 0 {
+        let turn_jobs = left.min(batch * calls_per_turn(batch));
+        for k in 0..lanes.len() {
+            let at = (turn + k) % lanes.len();
+            let lane = &mut lanes[at];
+            let mut lane_left = turn_jobs;
+            while lane_left > 0 {
+                let n = lane_left.min(batch);
+                lane.call(n as usize, batch, &noops, &raw).await?;
+                lane_left -= n;
+            }
+        }
+        left -= turn_jobs;
+        turn += 1;
+        bar.inc(turn_jobs * lanes.len() as u64);
+    }
     bar.finish_and_clear();
+    let mut runs = Vec::new();
+    for lane in lanes {
+        drop(lane.conn);
+        drop(lane.client);
+        close(lane.pool).await;
+        runs.push((lane.elapsed, lane.cpu_seconds));
+    }
     db.settle(&ctx.progress).await?;
     let functions = FunctionStats::read(&db.pool).await?.since(&before);
-    Ok(Enqueued { rate: jobs as f64 / seconds, cpu_seconds, functions })
+    Ok(runs
+        .into_iter()
+        .map(|(elapsed, cpu_seconds)| Enqueued {
+            rate: jobs as f64 / elapsed.as_secs_f64(),
+            cpu_seconds,
+            functions: functions.clone(),
+        })
+        .collect())
 }
 
-/// `Client::enqueue` per job, or `Client::enqueue_many` per `batch` jobs.
-async fn client_loop(client: &Client, jobs: u64, batch: u64, bar: &ProgressBar) -> Result<()> {
-    let (options, noops) = (EnqueueOptions::default(), vec![Noop {}; batch as usize]);
-    let mut left = jobs;
-    while left > 0 {
-        let n = left.min(batch) as usize;
-        if batch == 1 {
-            client.enqueue(&noops[0], &options).await?;
-        } else {
-            client.enqueue_many(&noops[..n], &options).await?;
-        }
-        left -= n as u64;
-        bar.inc(n as u64);
-    }
+async fn raw_send(conn: &mut PgConnection, args: &Value) -> Result<()> {
+    sqlx::query_scalar::<_, i64>("SELECT pgmq.send($1, $2)").bind(RAW_QUEUE).bind(args).fetch_one(conn).await?;
     Ok(())
 }
 
-/// `Client::enqueue_in` per job on one held connection.
-async fn held_loop(conn: &mut PgConnection, jobs: u64, bar: &ProgressBar) -> Result<()> {
-    let options = EnqueueOptions::default();
-    for _ in 0..jobs {
-        Client::enqueue_in(&mut *conn, &Noop {}, &options).await?;
-        bar.inc(1);
-    }
+async fn raw_send_batch(conn: &mut PgConnection, args: &[Value]) -> Result<()> {
+    sqlx::query_scalar::<_, i64>("SELECT pgmq.send_batch($1, $2)").bind(RAW_QUEUE).bind(args).fetch_all(conn).await?;
     Ok(())
 }
 
-/// `pgmq.send` per job, or `pgmq.send_batch` per `batch` jobs, on one held connection.
-async fn raw_loop(conn: &mut PgConnection, jobs: u64, batch: u64, bar: &ProgressBar) -> Result<()> {
-    let raw: Vec<Value> = vec![json!({}); batch as usize];
-    let mut left = jobs;
-    while left > 0 {
-        let n = left.min(batch) as usize;
-        if batch == 1 {
-            sqlx::query_scalar::<_, i64>("SELECT pgmq.send($1, $2)")
-                .bind(RAW_QUEUE)
-                .bind(&raw[0])
-                .fetch_one(&mut *conn)
-                .await?;
-        } else {
-            sqlx::query_scalar::<_, i64>("SELECT pgmq.send_batch($1, $2)")
-                .bind(RAW_QUEUE)
-                .bind(&raw[..n])
-                .fetch_all(&mut *conn)
-                .await?;
-        }
-        left -= n as u64;
-        bar.inc(n as u64);
-    }
-    Ok(())
-}
-
-/// Per producer, its last round's function calls and server time, and its client CPU.
-fn diagnostics(producers: &[Producer], runs: &[Vec<Enqueued>], functions: &[&[&str]], jobs: u64) -> Vec<String> {
+/// Per producer, its last round's client CPU, and the server time of the functions it calls
+/// (with the jobs those calls carried, which for a function two producers call is both's).
+fn diagnostics(producers: &[Producer], runs: &[Vec<Enqueued>], functions: &[(&[&str], u64)], jobs: u64) -> Vec<String> {
     let mut lines = Vec::new();
-    for ((producer, runs), names) in producers.iter().zip(runs).zip(functions) {
+    for ((producer, runs), (names, calls_jobs)) in producers.iter().zip(runs).zip(functions) {
         let Some(last) = runs.last() else { continue };
         let who = producer.name();
-        lines
-            .extend(last.functions.describe(names, jobs as f64).into_iter().map(|l| format!("{who} (last round) {l}")));
+        lines.extend(
+            last.functions.describe(names, *calls_jobs as f64).into_iter().map(|l| format!("{who} (last round) {l}")),
+        );
         if let Some(cpu) = last.cpu_seconds {
             lines.push(format!("{who} (last round) client CPU: {:.1} µs/job", cpu * 1e6 / jobs as f64));
         }
