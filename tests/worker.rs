@@ -464,6 +464,42 @@ async fn queue_stats_count_ready_scheduled_running_and_dead_jobs() {
 }
 
 #[tokio::test]
+async fn a_prune_in_the_middle_of_registration_cannot_fail_the_start() {
+    let (db, client) = setup().await;
+    // Worker rows wait for an advisory lock the test holds, so registration stops between the
+    // supervisor's row and its children's, where a prune can strike.
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.hold_worker_rows() RETURNS trigger LANGUAGE plpgsql AS
+             $$ BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NEW; END $$;
+         CREATE TRIGGER hold_worker_rows BEFORE INSERT ON lockgate.processes
+             FOR EACH ROW WHEN (NEW.kind = 'worker') EXECUTE FUNCTION public.hold_worker_rows();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut holder = db.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(4242)").execute(&mut *holder).await.unwrap();
+    let running = Running::start(&db, test_config(), failing_registry(Counter::default(), 0), &["default"], 2).await;
+    wait_for_count(
+        &db.pool,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted",
+        1,
+        WAIT,
+    )
+    .await
+    .unwrap();
+    // The prune: every row it can see goes. A supervisor row committed on its own would go here,
+    // and its worker row would then fail on the foreign key, failing the start.
+    sqlx::query("DELETE FROM lockgate.processes").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT pg_advisory_unlock(4242)").execute(&mut *holder).await.unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'worker'", 1, WAIT).await.unwrap();
+    assert!(!running.task.is_finished(), "the runtime is still running");
+    enqueue(&client, 1).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    running.stop().await;
+}
+
+#[tokio::test]
 async fn a_runtime_starts_and_stops_twenty_times_leaving_nothing_behind() {
     let (db, client) = setup().await;
     for round in 0..20 {

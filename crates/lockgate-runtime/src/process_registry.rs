@@ -81,14 +81,19 @@ impl ProcessRegistry {
     /// Inserts this process's rows; the supervisor's id becomes the owner tag of claims.
     pub async fn register(&self) -> Result<i64, DbError> {
         let meta = json!({ "version": env!("CARGO_PKG_VERSION"), "health": self.health.summary() });
-        let id = lockgate_sql::register_process(&self.db, "supervisor", &self.name, &self.host, self.pid, None, &meta)
+        // One transaction: a prune (or an operator's DELETE) between the supervisor's row and its
+        // children's would otherwise fail the children on their foreign key, and with it the
+        // process's start. Now it sees all the rows or none; if it deletes them, the next
+        // heartbeat finds them gone and registers again.
+        let mut tx = self.db.begin().await?;
+        let id = lockgate_sql::register_process(&mut *tx, "supervisor", &self.name, &self.host, self.pid, None, &meta)
             .await?;
         let mut rows = Vec::new();
         for pool in &self.pools {
             let meta = self.pool_metadata(pool);
             rows.push(
                 lockgate_sql::register_process(
-                    &self.db,
+                    &mut *tx,
                     "worker",
                     &pool.config.name,
                     &self.host,
@@ -101,7 +106,7 @@ impl ProcessRegistry {
         }
         rows.push(
             lockgate_sql::register_process(
-                &self.db,
+                &mut *tx,
                 "dispatcher",
                 "dispatcher",
                 &self.host,
@@ -111,6 +116,7 @@ impl ProcessRegistry {
             )
             .await?,
         );
+        tx.commit().await?;
         *self.rows.lock().await = rows;
         self.owner.store(id, Ordering::SeqCst);
         self.health.set_registered(true);
