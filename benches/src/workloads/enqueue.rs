@@ -104,13 +104,20 @@ async fn rounds(
     Ok(runs)
 }
 
-/// One producer's pool, connection and running totals within a round.
+/// What a producer enqueues through.
+enum Handle {
+    /// `Client::enqueue` / `enqueue_many` (the client keeps a connection of its own).
+    Client(Client),
+    /// `Client::enqueue_in` on a held connection.
+    Held(PoolConnection<Postgres>),
+    /// `pgmq.send` / `send_batch` on a held connection.
+    Raw(PoolConnection<Postgres>),
+}
+
+/// One producer's pool, handle and running totals within a round.
 struct Lane {
-    producer: Producer,
     pool: PgPool,
-    client: Client,
-    /// The connection the baseline and `enqueue_in` hold (the client keeps its own).
-    conn: Option<PoolConnection<Postgres>>,
+    handle: Handle,
     elapsed: Duration,
     cpu_seconds: Option<f64>,
 }
@@ -118,35 +125,26 @@ struct Lane {
 impl Lane {
     async fn open(db: &BenchDb, producer: Producer) -> Result<Self> {
         let pool = db.pool_warm(1, 1).await?;
-        let conn = match producer {
-            Producer::Client => None,
-            Producer::HeldConnection | Producer::Raw => Some(pool.acquire().await?),
+        let handle = match producer {
+            Producer::Client => Handle::Client(Client::new(pool.clone())),
+            Producer::HeldConnection => Handle::Held(pool.acquire().await?),
+            Producer::Raw => Handle::Raw(pool.acquire().await?),
         };
-        Ok(Self {
-            producer,
-            client: Client::new(pool.clone()),
-            pool,
-            conn,
-            elapsed: Duration::ZERO,
-            cpu_seconds: Some(0.0),
-        })
+        Ok(Self { pool, handle, elapsed: Duration::ZERO, cpu_seconds: Some(0.0) })
     }
 
-    /// One call of `n` jobs: `Client::enqueue` / `enqueue_many`, `Client::enqueue_in`, or
-    /// `pgmq.send` / `send_batch`. Times it, and adds the process's CPU time meanwhile.
+    /// One call of `n` jobs (one job when `batch` is 1). Times it, and adds the process's CPU
+    /// time meanwhile.
     async fn call(&mut self, n: usize, batch: u64, noops: &[Noop], raw: &[Value]) -> Result<()> {
         let options = EnqueueOptions::default();
         let cpu0 = cpu_seconds();
         let started = Instant::now();
-        match (self.producer, self.conn.as_deref_mut(), batch) {
-            (Producer::Client, _, 1) => drop(self.client.enqueue(&noops[0], &options).await?),
-            (Producer::Client, _, _) => drop(self.client.enqueue_many(&noops[..n], &options).await?),
-            (Producer::HeldConnection, Some(conn), _) => drop(Client::enqueue_in(conn, &noops[0], &options).await?),
-            (Producer::Raw, Some(conn), 1) => raw_send(conn, &raw[0]).await?,
-            (Producer::Raw, Some(conn), _) => raw_send_batch(conn, &raw[..n]).await?,
-            (Producer::HeldConnection | Producer::Raw, None, _) => {
-                bail!("{} holds no connection", self.producer.name())
-            }
+        match &mut self.handle {
+            Handle::Client(client) if batch == 1 => drop(client.enqueue(&noops[0], &options).await?),
+            Handle::Client(client) => drop(client.enqueue_many(&noops[..n], &options).await?),
+            Handle::Held(conn) => drop(Client::enqueue_in(conn, &noops[0], &options).await?),
+            Handle::Raw(conn) if batch == 1 => raw_send(conn, &raw[0]).await?,
+            Handle::Raw(conn) => raw_send_batch(conn, &raw[..n]).await?,
         }
         self.elapsed += started.elapsed();
         self.cpu_seconds = match (self.cpu_seconds, cpu0, cpu_seconds()) {
@@ -202,8 +200,7 @@ async fn interleaved(
     bar.finish_and_clear();
     let mut runs = Vec::new();
     for lane in lanes {
-        drop(lane.conn);
-        drop(lane.client);
+        drop(lane.handle);
         close(lane.pool).await;
         runs.push((lane.elapsed, lane.cpu_seconds));
     }
