@@ -98,8 +98,8 @@ END $$;
 -- whose next parked job's type is limited and whose queue exists, its next parked jobs (best
 -- priority, then oldest), as many as that type's current limit leaves room for once the permits
 -- are back, less any among them of another type or bound for a queue that is gone; the
--- semaphore row is written once, with what was given
--- back and what was taken (the CHECK on value <= lim stands behind the arithmetic, G3). A key
+-- semaphore row is written once, with what was given back and what was taken (the CHECK on
+-- value <= lim stands behind the arithmetic, G3). A key
 -- that still has room afterwards (its next job's type is gone or no longer limited, its queue is
 -- gone, or jobs of another type share its explicit key) goes through _promote, one job at a
 -- time, which dead-letters what can never run (H16) and releases what no longer needs a permit.

@@ -52,17 +52,6 @@ async fn a_claim_takes_the_best_priority_first_and_fills_up_from_the_next_ones()
     assert!(claim(&db.pool, &queue, 20, Duration::from_secs(30)).await.unwrap().is_empty());
 }
 
-/// Rows of the queue's table read in the current transaction, by scans and through indexes.
-async fn fetched(conn: &mut sqlx::PgConnection) -> i64 {
-    sqlx::query_scalar(
-        "SELECT seq_tup_read + COALESCE(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables
-          WHERE relid = 'pgmq.q_claims'::regclass",
-    )
-    .fetch_one(conn)
-    .await
-    .unwrap()
-}
-
 #[tokio::test]
 async fn a_claim_never_walks_the_delayed_or_in_flight_messages_of_its_priority() {
     let (db, client) = setup().await;
@@ -75,10 +64,10 @@ async fn a_claim_never_walks_the_delayed_or_in_flight_messages_of_its_priority()
     sqlx::query("ANALYZE pgmq.q_claims").execute(&db.pool).await.unwrap();
 
     let mut tx = db.pool.begin().await.unwrap();
-    let before = fetched(&mut tx).await;
+    let before = common::rows_read(&mut tx, "pgmq.q_claims").await;
     assert_eq!(claim(&mut *tx, &queue, 20, Duration::from_secs(30)).await.unwrap().len(), 10);
     assert!(claim(&mut *tx, &queue, 20, Duration::from_secs(30)).await.unwrap().is_empty());
-    let walked = fetched(&mut tx).await - before;
+    let walked = common::rows_read(&mut tx, "pgmq.q_claims").await - before;
     // The claim index puts a priority's visible messages first; claims stop at the first that is not.
     assert!(walked < 100, "two claims fetched {walked} rows of a queue with 6,000 invisible messages");
     tx.rollback().await.unwrap();
@@ -93,9 +82,9 @@ async fn a_claim_reads_about_what_it_takes_from_a_deep_queue_of_visible_messages
     sqlx::query("ANALYZE pgmq.q_claims").execute(&db.pool).await.unwrap();
     let queue = common::queue("claims");
     let mut tx = db.pool.begin().await.unwrap();
-    let before = fetched(&mut tx).await;
+    let before = common::rows_read(&mut tx, "pgmq.q_claims").await;
     assert_eq!(claim(&mut *tx, &queue, 20, Duration::from_secs(30)).await.unwrap().len(), 20);
-    let read = fetched(&mut tx).await - before;
+    let read = common::rows_read(&mut tx, "pgmq.q_claims").await - before;
     // With nearly every message visible the planner may prefer one pass over the whole table to
     // a probe per priority; the claim must not let it.
     assert!(read < 100, "a claim of 20 read {read} rows of a queue of 10,000");

@@ -658,17 +658,6 @@ async fn two_completions_racing_on_one_key_each_promote_against_the_others_commi
     assert_invariants(&db).await;
 }
 
-/// Rows of `table` read in the current transaction, by scans and through indexes.
-async fn rows_read(conn: &mut sqlx::PgConnection, table: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT seq_tup_read + COALESCE(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables WHERE relid = $1::regclass",
-    )
-    .bind(table)
-    .fetch_one(conn)
-    .await
-    .unwrap()
-}
-
 #[tokio::test]
 async fn a_completion_promotes_from_the_head_of_each_key_even_without_planner_statistics() {
     let (db, client) = setup(1).await;
@@ -685,14 +674,14 @@ async fn a_completion_promotes_from_the_head_of_each_key_even_without_planner_st
     let cts: Vec<i32> = claims.iter().map(|c| c.read_ct).collect();
 
     let mut tx = db.pool.begin().await.unwrap();
-    let before = rows_read(&mut tx, "lockgate.parked").await;
+    let before = common::rows_read(&mut tx, "lockgate.parked").await;
     let archived: Vec<i64> = sqlx::query_scalar("SELECT lockgate.complete('default', $1, $2)")
         .bind(&ids)
         .bind(&cts)
         .fetch_all(&mut *tx)
         .await
         .unwrap();
-    let read = rows_read(&mut tx, "lockgate.parked").await - before;
+    let read = common::rows_read(&mut tx, "lockgate.parked").await - before;
     tx.commit().await.unwrap();
     assert_eq!(archived.len(), 100);
     assert_eq!(parked(&db).await, 3_800, "one promotion per key");

@@ -153,3 +153,15 @@ pub async fn assert_invariants_after_sweep(db: &TestDb) {
         sqlx::query_scalar("SELECT count(*) FROM permit_violations").fetch_one(&db.pool).await.expect("monitor");
     assert_eq!(over, 0, "a commit left a key with more leases than its limit");
 }
+
+/// Rows of `table` read in the current transaction, by scans and through indexes: what a
+/// statement costs, independent of the machine's speed.
+pub async fn rows_read(conn: &mut sqlx::PgConnection, table: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT seq_tup_read + COALESCE(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables WHERE relid = $1::regclass",
+    )
+    .bind(table)
+    .fetch_one(conn)
+    .await
+    .expect("table statistics of this transaction")
+}

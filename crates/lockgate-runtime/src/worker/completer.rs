@@ -118,6 +118,9 @@ async fn complete_batch(conn: HeldConnection, in_flight: Arc<InFlight>, batch: V
     for request in batch {
         by_queue.entry(request.delivery.queue.clone()).or_default().push(request);
     }
+    // Behind a Mutex because `persist` may run its attempt more than once: each attempt's future
+    // borrows the connection anew. (An async closure borrowing it mutably would do, but rustc
+    // cannot yet prove such a future `Send` for the spawned task.)
     let conn = Mutex::new(conn);
     for (queue, requests) in by_queue {
         complete_queue(&conn, &in_flight, &queue, requests).await;
