@@ -1,20 +1,34 @@
 -- Claim: take up to qty visible messages of a queue, lowest priority value first, then the one
 -- visible longest (its scheduled time, or its retry time), then the oldest, making them
--- invisible for vt_seconds and incrementing read_ct. Each returned row is one
--- delivery; (queue, msg_id, read_ct) is its fencing token for every later step.
--- A claimed job of a limited type whose lease is gone takes a permit again or is parked
--- (lockgate._reacquire), and is then not returned: nothing runs without its permit (G3).
+-- invisible for vt_seconds and incrementing read_ct. Each returned row is one delivery;
+-- (queue, msg_id, read_ct) is its fencing token for every later step, and budget_seconds is how
+-- long its visibility holds, counted from the start of the claim.
+--
+-- Nothing runs without its permit (G3, H24): a claimed job of a limited type is returned only
+-- holding a live lease that this statement locked and renewed, and its visibility never
+-- outlives that lease (vt <= expires_at), so the holder's budget ends no later than its permit.
+-- A claimed limited job whose lease lapsed (or was expired by a sweep) takes a permit again
+-- through the guarded acquire, or is parked, and is then not returned. A message no worker could
+-- run (headers or arguments that are not lockgate's, H29) is dead-lettered here with its reason:
+-- no message content can make a claim fail.
+--
 -- One priority at a time, through the claim index (priority, vt, msg_id): within a priority the
 -- visible messages come first, so a claim never scans the delayed or in-flight ones after them.
 -- Each statement finds the next priority holding a visible message (one index probe per
 -- priority, stopping at the first) and claims from it; with every job at one priority, a full
 -- claim is one statement.
--- Locks: FOR UPDATE SKIP LOCKED on the claimed rows, so concurrent claimers never wait or collide.
--- Each claimed message records its owner (the claiming process's supervisor id, or NULL), so
--- pruning a dead process can make its in-flight jobs visible at once.
+--
+-- Locks, in the order every path keeps (docs/design.md, "Lock order"): the claimed message rows
+-- (FOR UPDATE SKIP LOCKED: concurrent claimers never wait or collide), then their lease rows
+-- (renewed in the same statement; a sweep may hold one for the instant it takes to delete it),
+-- then, only for jobs whose lease is gone, semaphore rows in key order, never waiting for one:
+-- a key held by an open producer transaction puts its job back for a moment instead (H28).
+-- Each claimed message records its owner (the claiming process's supervisor id, or NULL), and
+-- loses its retry_at mark (it is running, not waiting).
 -- Callers: the worker's fetch loop. qty = batch size, vt_seconds = visibility timeout.
 CREATE OR REPLACE FUNCTION lockgate.claim(queue text, qty integer, vt_seconds double precision, owner bigint DEFAULT NULL)
-RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb)
+RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
+               budget_seconds double precision)
 LANGUAGE plpgsql AS $$
 DECLARE
     tbl text := lockgate._queue_table(queue, 'q');
@@ -24,8 +38,13 @@ DECLARE
     got integer;
     left_to_claim integer := qty;
     -- Bound as a value, not called in the statements: clock_timestamp() is volatile, so a
-    -- condition on it could not bound the index scan.
+    -- condition on it could not bound the index scan. Budgets are counted from here.
     at timestamptz := clock_timestamp();
+    problem text;
+    -- Limited jobs whose lease is gone, decided after the claim statements, in key order.
+    unleased lockgate._claimed[] := '{}';
+    u lockgate._claimed;
+    lease_end timestamptz;
 BEGIN
     WHILE left_to_claim > 0 AND after < 9 LOOP
         got := 0;
@@ -39,29 +58,47 @@ BEGIN
                                        LIMIT 1) visible
                   LIMIT 1),
              next AS (
-                 SELECT m.msg_id FROM %1$s m
+                 SELECT m.msg_id, jsonb_typeof(m.headers) = ''object'' AND m.headers ? ''ckey'' AS limited
+                   FROM %1$s m
                   WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = (SELECT best.p FROM best) AND m.vt <= $4
                   ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0), m.vt, m.msg_id
                   LIMIT $1
-                    FOR UPDATE SKIP LOCKED)
+                    FOR UPDATE SKIP LOCKED),
+             -- The live leases of the limited ones, renewed (and so locked) before the claim
+             -- commits. A lease already past its end is not renewed: its permit may have been
+             -- given to another job; the job takes one again or parks (lockgate._reacquire).
+             leased AS (
+                 UPDATE lockgate.leases l
+                    SET expires_at = clock_timestamp()
+                                     + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms()))
+                   FROM next
+                  WHERE next.limited AND l.queue = $6 AND l.msg_id = next.msg_id
+                    AND l.expires_at > clock_timestamp()
+                 RETURNING l.msg_id, l.expires_at)
              UPDATE %1$s m
-                SET vt = clock_timestamp() + make_interval(secs => $2),
+                SET vt = LEAST(clock_timestamp() + make_interval(secs => $2), leased.expires_at),
                     read_ct = m.read_ct + 1,
                     last_read_at = clock_timestamp(),
-                    headers = CASE WHEN $3 IS NULL OR jsonb_typeof(m.headers) <> ''object'' THEN m.headers
-                                   ELSE m.headers || jsonb_build_object(''owner'', $3) END
-               FROM next
+                    headers = CASE WHEN jsonb_typeof(m.headers) <> ''object'' THEN m.headers
+                                   WHEN $3 IS NULL THEN m.headers - ''retry_at''
+                                   ELSE m.headers - ''retry_at'' || jsonb_build_object(''owner'', $3) END
+               FROM next LEFT JOIN leased ON leased.msg_id = next.msg_id
               WHERE m.msg_id = next.msg_id
-             RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, (SELECT best.p FROM best) AS p',
+             RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, m.vt,
+                       next.limited, leased.msg_id IS NOT NULL AS leased, (SELECT best.p FROM best) AS p',
             tbl)
-          USING left_to_claim, vt_seconds, owner, at, after
+          USING left_to_claim, vt_seconds, owner, at, after, queue
         LOOP
             got := got + 1;
             after := r.p;
             left_to_claim := left_to_claim - 1;
-            IF r.headers ? 'ckey'
-               AND NOT EXISTS (SELECT 1 FROM lockgate.leases l WHERE l.queue = claim.queue AND l.msg_id = r.msg_id)
-               AND NOT lockgate._reacquire(claim.queue, r.msg_id, r.read_ct, r.message, r.headers) THEN
+            problem := lockgate._malformed(r.message, r.headers);
+            IF problem IS NOT NULL THEN
+                PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable', problem, r.read_ct);
+                CONTINUE;
+            END IF;
+            IF r.limited AND NOT r.leased THEN
+                unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers)::lockgate._claimed;
                 CONTINUE;
             END IF;
             msg_id := r.msg_id;
@@ -69,9 +106,116 @@ BEGIN
             enqueued_at := r.enqueued_at;
             message := r.message;
             headers := r.headers;
+            budget_seconds := extract(epoch FROM r.vt - at);
             RETURN NEXT;
         END LOOP;
         -- Nothing visible (or all of it locked by other claimers) at any later priority.
         EXIT WHEN got = 0;
     END LOOP;
+    -- Semaphore rows are taken in key order, the order every path keeps (H31).
+    FOR u IN SELECT * FROM unnest(unleased) x ORDER BY x.headers->>'ckey', x.msg_id LOOP
+        lease_end := lockgate._reacquire(queue, u, vt_seconds);
+        CONTINUE WHEN lease_end IS NULL;
+        msg_id := u.msg_id;
+        read_ct := u.read_ct;
+        enqueued_at := u.enqueued_at;
+        message := u.message;
+        headers := u.headers;
+        budget_seconds := extract(epoch FROM LEAST(clock_timestamp() + make_interval(secs => vt_seconds), lease_end) - at);
+        RETURN NEXT;
+    END LOOP;
+END $$;
+
+-- Why a claimed message cannot be a lockgate job, or NULL when it can: the checks the worker's
+-- decoding makes, made in SQL so that the claim can dead-letter such a message instead of
+-- failing on it (H29). Never raises, whatever JSON it is given.
+CREATE OR REPLACE FUNCTION lockgate._malformed(message jsonb, headers jsonb)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE
+        WHEN headers IS NULL OR jsonb_typeof(headers) <> 'object' THEN
+            format('message headers are not a JSON object (got %s)', COALESCE(jsonb_typeof(headers), 'none'))
+        WHEN jsonb_typeof(headers->'type') IS DISTINCT FROM 'string' THEN
+            format('message headers carry no job type string at "type" (got %s)', COALESCE(jsonb_typeof(headers->'type'), 'nothing'))
+        WHEN jsonb_typeof(headers->'job_id') NOT IN ('number', 'null')
+          OR (jsonb_typeof(headers->'job_id') = 'number' AND headers->>'job_id' !~ '^[0-9]{1,18}$') THEN
+            format('job_id %s in the headers is not a positive integer', headers->'job_id')
+        WHEN headers ? 'ckey' AND (jsonb_typeof(headers->'ckey') IS DISTINCT FROM 'string' OR headers->>'ckey' = '') THEN
+            format('concurrency key %s in the headers is not a non-empty string', headers->'ckey')
+        WHEN jsonb_typeof(headers->'priority') NOT IN ('number', 'null')
+          OR (jsonb_typeof(headers->'priority') = 'number' AND headers->>'priority' !~ '^[0-9]$') THEN
+            format('priority %s in the headers is not an integer from 0 to 9', headers->'priority')
+        WHEN jsonb_typeof(headers->'returns') NOT IN ('number', 'null')
+          OR (jsonb_typeof(headers->'returns') = 'number' AND headers->>'returns' !~ '^[0-9]{1,9}$') THEN
+            format('returns %s in the headers is not a count', headers->'returns')
+        WHEN message IS NULL OR jsonb_typeof(message) <> 'object' THEN
+            format('job arguments are not a JSON object (got %s)', COALESCE(jsonb_typeof(message), 'none'))
+    END
+$$;
+
+-- At claim, for a limited job whose lease is gone (it lapsed while the job waited or while its
+-- holder was silent, and a sweep may have given its permit to another job): take a permit again
+-- through the guarded acquire and return the new lease's end; or park the job (its key is full),
+-- put it back for a moment (its key's row is held by another transaction, H28), or dead-letter it
+-- (its type is gone, H16), and return NULL: then it is not run. Never runs without a permit (G3).
+-- Locks: the key's semaphore row, without waiting; an expired lease still bound to the message.
+-- The message row is already locked by the claim. Callers: lockgate.claim.
+CREATE OR REPLACE FUNCTION lockgate._reacquire(queue text, c lockgate._claimed, vt_seconds double precision)
+RETURNS timestamptz LANGUAGE plpgsql AS $$
+DECLARE
+    jt lockgate.job_types;
+    ckey text := c.headers->>'ckey';
+    job bigint := COALESCE((c.headers->>'job_id')::bigint, c.msg_id);
+    tbl text := lockgate._queue_table(queue, 'q');
+    stale integer;
+    lease_end timestamptz;
+BEGIN
+    SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = c.headers->>'type';
+    IF NOT FOUND THEN
+        PERFORM lockgate.dead_letter(queue, c.msg_id, c.read_ct, 'unknown_job_type',
+            format('job type "%s" is not defined in lockgate.job_types', c.headers->>'type'), c.read_ct);
+        RETURN NULL;
+    END IF;
+    IF jt.concurrency_limit IS NULL THEN
+        -- Its type's limit was removed: it runs unlimited, and its message drops the key so the
+        -- heartbeat does not look for a lease.
+        EXECUTE format('UPDATE %s m SET headers = m.headers - ''ckey'' WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
+          USING c.msg_id, c.read_ct;
+        RETURN 'infinity';
+    END IF;
+    PERFORM 1 FROM lockgate.semaphores s WHERE s.key = ckey FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND AND EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = ckey) THEN
+        -- Another transaction holds the key (an open producer transaction, a completion): do
+        -- not wait for it with this claim's rows locked. The job waits a second, and this
+        -- delivery counts as a return, not an attempt.
+        EXECUTE format(
+            'UPDATE %s m SET vt = clock_timestamp() + interval ''1 second'',
+                             headers = m.headers || jsonb_build_object(''retry_at'', clock_timestamp() + interval ''1 second'',
+                                                                       ''returns'', COALESCE((m.headers->>''returns'')::integer, 0) + 1)
+              WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
+          USING c.msg_id, c.read_ct;
+        RETURN NULL;
+    END IF;
+    -- A lease past its end that no sweep has removed yet gives its permit back first.
+    WITH gone AS (DELETE FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id RETURNING l.key)
+    SELECT count(*) INTO stale FROM gone;
+    IF stale > 0 THEN
+        PERFORM lockgate._give_back(ckey, stale);
+    END IF;
+    IF lockgate._acquire(ckey, jt.concurrency_limit) THEN
+        INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
+        VALUES (queue, c.msg_id, ckey, jt.concurrency_duration_ms,
+                clock_timestamp() + lockgate._lease_interval(jt.concurrency_duration_ms))
+        RETURNING expires_at INTO lease_end;
+        -- The visibility never outlives the lease.
+        EXECUTE format('UPDATE %s m SET vt = LEAST(m.vt, $3) WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
+          USING c.msg_id, c.read_ct, lease_end;
+        RETURN lease_end;
+    END IF;
+    EXECUTE format('DELETE FROM %s m WHERE m.msg_id = $1 AND m.read_ct = $2', tbl) USING c.msg_id, c.read_ct;
+    -- Promoted later as a new message, the job keeps its id in the headers.
+    INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
+    VALUES (ckey, queue, jt.name, job, c.message,
+            c.headers - 'returns' - 'retry_at' - 'owner' || jsonb_build_object('job_id', job),
+            COALESCE((c.headers->>'priority')::smallint, 0), clock_timestamp());
+    RETURN NULL;
 END $$;

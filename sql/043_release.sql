@@ -1,5 +1,7 @@
 -- Release (shutdown return, G7): make unfinished deliveries visible at once and count the
 -- return, so the next delivery is not counted as another attempt. Fenced on (msg_id, read_ct).
+-- The message is marked waiting (retry_at), so a heartbeat that raced the return does not push
+-- its visibility out again (sql/030_extend.sql); the next claim clears the mark.
 -- Permits are kept: the job re-runs holding them, and the lease is renewed so it survives until
 -- the next delivery's heartbeat. Returns the msg_ids released.
 -- Locks: the updated message rows, then their leases. Callers: the worker pool on shutdown.
@@ -11,7 +13,7 @@ BEGIN
              UPDATE %s m
                 SET vt = clock_timestamp(),
                     headers = CASE WHEN jsonb_typeof(m.headers) = ''object''
-                                   THEN m.headers - ''retry_at'' || jsonb_build_object(''returns'',
+                                   THEN m.headers || jsonb_build_object(''retry_at'', clock_timestamp(), ''returns'',
                                         COALESCE((m.headers->>''returns'')::integer, 0) + 1)
                                    ELSE m.headers END
                FROM unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)

@@ -12,8 +12,8 @@ BEGIN
         queue := q.name;
         EXECUTE format(
             'SELECT count(*) FILTER (WHERE vt <= now()),
-                    count(*) FILTER (WHERE vt > now() AND (read_ct = 0 OR (headers->>''retry_at'')::timestamptz = vt)),
-                    count(*) FILTER (WHERE vt > now() AND read_ct > 0 AND (headers->>''retry_at'')::timestamptz IS DISTINCT FROM vt),
+                    count(*) FILTER (WHERE vt > now() AND (read_ct = 0 OR headers ? ''retry_at'')),
+                    count(*) FILTER (WHERE vt > now() AND read_ct > 0 AND NOT headers ? ''retry_at''),
                     extract(epoch FROM now() - min(vt) FILTER (WHERE vt <= now()))::double precision
                FROM %s', lockgate._queue_table(q.name, 'q'))
            INTO ready, scheduled, running, oldest_ready_seconds;

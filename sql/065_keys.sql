@@ -29,9 +29,12 @@ RETURNS boolean LANGUAGE sql AS $$
     SELECT EXISTS (SELECT 1 FROM gone)
 $$;
 
--- The concurrency invariants, as rows of violations (none when all hold): for every key,
--- value = number of live leases <= limit; and no lease points at a message that no longer
--- exists (run it after a sweep, which repairs such leases). Every concurrency test ends with it.
+-- The concurrency invariants, as rows of violations (none when all hold). Over permits: for
+-- every key, value = number of live leases <= limit; no lease points at a message that no longer
+-- exists (run it after a sweep, which repairs such leases). Over deliveries (G3, H24): every
+-- limited job in flight (claimed, not waiting, still invisible) holds a lease of its own key that
+-- lasts at least as long as its visibility (so its holder's budget ends before its permit), and
+-- no key has more such deliveries than its limit. Every concurrency test ends with it.
 CREATE OR REPLACE FUNCTION lockgate.check_invariants()
 RETURNS TABLE (key text, problem text) LANGUAGE plpgsql STABLE AS $$
 DECLARE
@@ -48,6 +51,27 @@ BEGIN
             'SELECT l.key, format(''lease on missing message %%s/%%s'', l.queue, l.msg_id)
                FROM lockgate.leases l WHERE l.queue = $1
                 AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)',
+            lockgate._queue_table(q.name, 'q'))
+          USING q.name;
+        RETURN QUERY EXECUTE format(
+            'WITH in_flight AS (
+                 SELECT m.msg_id, m.vt, m.headers->>''ckey'' AS key, l.key AS lease_key, l.expires_at
+                   FROM %s m
+                   LEFT JOIN lockgate.leases l ON l.queue = $1 AND l.msg_id = m.msg_id
+                  WHERE jsonb_typeof(m.headers) = ''object'' AND m.headers ? ''ckey''
+                    AND m.read_ct > 0 AND m.vt > now() AND NOT m.headers ? ''retry_at'')
+             SELECT f.key, CASE
+                        WHEN f.lease_key IS NULL THEN format(''delivery %%s/%%s in flight without a lease'', $1, f.msg_id)
+                        WHEN f.lease_key <> f.key THEN format(''delivery %%s/%%s holds a lease of key %%s'', $1, f.msg_id, f.lease_key)
+                        ELSE format(''delivery %%s/%%s visible at %%s outlives its lease (ends %%s)'', $1, f.msg_id, f.vt, f.expires_at)
+                    END
+               FROM in_flight f
+              WHERE f.lease_key IS NULL OR f.lease_key <> f.key OR f.expires_at < f.vt
+             UNION ALL
+             SELECT f.key, format(''%%s deliveries in flight holding leases, limit %%s'', count(*), s.lim)
+               FROM in_flight f JOIN lockgate.semaphores s ON s.key = f.key
+              WHERE f.lease_key = f.key AND f.expires_at >= f.vt
+              GROUP BY f.key, s.lim HAVING count(*) > s.lim',
             lockgate._queue_table(q.name, 'q'))
           USING q.name;
     END LOOP;

@@ -2,9 +2,11 @@
 -- one); heartbeat_processes renews a process's rows and returns the ids that still exist (a
 -- missing supervisor id means this process was pruned: it must stop, hand back, re-register);
 -- prune_processes deletes supervisors silent past the alive threshold (their services go with
--- them, ON DELETE CASCADE) and makes their in-flight jobs visible at once. Correctness never
--- rests on this: a wrongly pruned process's deliveries are stale, and the fence stops them.
--- Locks: process rows; prune also updates the pruned owners' message rows.
+-- them, ON DELETE CASCADE) and makes visible at once those of their in-flight jobs that were not
+-- renewed within the threshold either: a process whose registry heartbeat stalled while its job
+-- heartbeats went on keeps its jobs (H26, seed 000), and re-registers when it finds its row gone.
+-- Correctness never rests on this: a delivery made visible is fenced as any other.
+-- Locks: process rows; prune also updates the pruned owners' silent message rows (SKIP LOCKED).
 -- Callers: the runtime's registry service; lockgate status; operators.
 
 CREATE OR REPLACE FUNCTION lockgate.register_process(
@@ -47,15 +49,20 @@ BEGIN
         pruned_id := dead.id;
         released := 0;
         FOR q IN SELECT name FROM lockgate.queues LOOP
-            -- Running deliveries of the dead owner (not ones waiting out a retry backoff).
+            -- Running deliveries of the dead owner (not ones waiting out a retry backoff) that no
+            -- claim or heartbeat renewed within the threshold (last_read_at is the last renewal).
             EXECUTE format(
-                'WITH r AS (UPDATE %s m SET vt = clock_timestamp()
-                             WHERE m.headers->>''owner'' = $1::text AND m.vt > clock_timestamp()
-                               AND (m.headers->>''retry_at'')::timestamptz IS DISTINCT FROM m.vt
-                            RETURNING 1)
+                'WITH silent AS (
+                     SELECT m.msg_id FROM %1$s m
+                      WHERE m.headers->>''owner'' = $1::text AND m.vt > clock_timestamp()
+                        AND NOT m.headers ? ''retry_at''
+                        AND m.last_read_at < clock_timestamp() - make_interval(secs => $2)
+                      ORDER BY m.msg_id
+                        FOR UPDATE SKIP LOCKED),
+                 r AS (UPDATE %1$s m SET vt = clock_timestamp() FROM silent WHERE m.msg_id = silent.msg_id RETURNING 1)
                  SELECT count(*) FROM r',
                 lockgate._queue_table(q.name, 'q'))
-               INTO n USING dead.id;
+               INTO n USING dead.id, alive_threshold_seconds;
             released := released + n;
         END LOOP;
         RETURN NEXT;

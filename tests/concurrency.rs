@@ -287,11 +287,16 @@ async fn h10_a_duration_below_the_heartbeat_is_floored_at_acquire_promotion_and_
     assert!(lease_seconds(&db).await > 9.0, "floored at twice the 5 s heartbeat when acquired");
     let waiting = enqueue(&client, 1, 2).await;
     let holder = claim_one(&db).await;
-    let renewed =
-        lockgate::sql::extend(&db.pool, &holder.queue, &[(holder.msg_id, holder.read_ct)], Duration::from_secs(30))
-            .await
-            .unwrap();
-    assert_eq!(renewed, vec![holder.msg_id]);
+    let renewed = lockgate::sql::extend(
+        &db.pool,
+        &holder.queue,
+        &[(holder.msg_id, holder.read_ct)],
+        Duration::from_secs(30),
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(renewed.renewed.iter().map(|r| r.0).collect::<Vec<_>>(), vec![holder.msg_id]);
     assert!(lease_seconds(&db).await > 9.0, "floored when renewed");
     assert_eq!(complete(&db, &holder).await, ArchiveOutcome::Archived);
     assert!(message_of(&db, waiting.job_id.0).await.is_some());
@@ -464,10 +469,10 @@ async fn g3_a_delivery_whose_lease_lapsed_takes_a_permit_again_or_parks_instead_
     assert_eq!(second.status, EnqueueStatus::Enqueued, "the freed permit went to a new job");
     // The silent holder's heartbeat can no longer renew it.
     let renewed =
-        lockgate::sql::extend(&db.pool, &stale.queue, &[(stale.msg_id, stale.read_ct)], Duration::from_secs(30))
+        lockgate::sql::extend(&db.pool, &stale.queue, &[(stale.msg_id, stale.read_ct)], Duration::from_secs(30), None)
             .await
             .unwrap();
-    assert!(renewed.is_empty(), "a delivery without its lease is reported lost");
+    assert_eq!(renewed, lockgate::sql::Renewal::default(), "a delivery without its lease is reported lost");
     // Its message is redelivered: the key is full, so it parks instead of running.
     db.expire_visibility("default", stale.msg_id).await.unwrap();
     let claims = claim(&db.pool, &stale.queue, 10, Duration::from_secs(30)).await.unwrap();
@@ -533,9 +538,14 @@ async fn a_removed_limit_lets_parked_jobs_run_unlimited_and_their_heartbeat_hold
     let (msg_id, _) = message_of(&db, waiting.job_id.0).await.expect("promoted");
     let claims = claim(&db.pool, &common::queue("default"), 10, Duration::from_secs(30)).await.unwrap();
     let c = claims.iter().find(|c| c.msg_id == msg_id).expect("claimed");
-    let renewed =
-        lockgate::sql::extend(&db.pool, &c.queue, &[(c.msg_id, c.read_ct)], Duration::from_secs(30)).await.unwrap();
-    assert_eq!(renewed, vec![msg_id], "an unlimited job is not reported lost for lack of a lease");
+    let renewed = lockgate::sql::extend(&db.pool, &c.queue, &[(c.msg_id, c.read_ct)], Duration::from_secs(30), None)
+        .await
+        .unwrap();
+    assert_eq!(
+        renewed.renewed.iter().map(|r| r.0).collect::<Vec<_>>(),
+        vec![msg_id],
+        "an unlimited job is not reported lost for lack of a lease"
+    );
     assert_invariants(&db).await;
 }
 

@@ -160,6 +160,10 @@ pub struct Claim {
     pub enqueued_at: DateTime<Utc>,
     pub message: Option<Value>,
     pub headers: Option<Value>,
+    /// How long this delivery's visibility (and, for a limited job, its lease, which the
+    /// visibility never outlives) holds in the database, counted from before the claim was
+    /// sent. A worker must have stopped the job's handler before this runs out (H27).
+    pub budget: std::time::Duration,
 }
 
 impl Claim {

@@ -50,13 +50,15 @@ pub async fn claim_as<'c>(
     visibility: Duration,
     owner: Option<i64>,
 ) -> Result<Vec<Claim>, DbError> {
-    let rows = sqlx::query("SELECT msg_id, read_ct, enqueued_at, message, headers FROM lockgate.claim($1, $2, $3, $4)")
-        .bind(queue.as_str())
-        .bind(qty)
-        .bind(visibility.as_secs_f64())
-        .bind(owner)
-        .fetch_all(db)
-        .await?;
+    let rows = sqlx::query(
+        "SELECT msg_id, read_ct, enqueued_at, message, headers, budget_seconds FROM lockgate.claim($1, $2, $3, $4)",
+    )
+    .bind(queue.as_str())
+    .bind(qty)
+    .bind(visibility.as_secs_f64())
+    .bind(owner)
+    .fetch_all(db)
+    .await?;
     Ok(rows
         .into_iter()
         .map(|row| Claim {
@@ -66,25 +68,50 @@ pub async fn claim_as<'c>(
             enqueued_at: row.get(2),
             message: row.get(3),
             headers: row.get(4),
+            budget: seconds(row.get(5)),
         })
         .collect())
 }
 
-/// Extends the visibility of the given deliveries; returns the msg_ids still owned.
+/// What one renewal did, per delivery asked about. A delivery in neither list is lost: its
+/// message was completed or re-claimed, or (for a limited job) its lease is gone.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Renewal {
+    /// Renewed deliveries, each with its new budget: how long its visibility and lease now hold,
+    /// counted from before the statement was sent.
+    pub renewed: Vec<(i64, Duration)>,
+    /// Deliveries whose rows another statement held locked (their own completion, retry or
+    /// release, or a sweep expiring the lease): not renewed and not lost; ask again next tick.
+    pub busy: Vec<i64>,
+}
+
+/// Renews the visibility and leases of the given deliveries (fenced on their tokens; never
+/// waits for a row lock). `owner` re-tags the messages with this process's registry id.
 pub async fn extend<'c>(
     db: impl PgExecutor<'c>,
     queue: &QueueName,
     deliveries: &[(i64, i32)],
     visibility: Duration,
-) -> Result<Vec<i64>, DbError> {
+    owner: Option<i64>,
+) -> Result<Renewal, DbError> {
     let (ids, cts) = split(deliveries);
-    Ok(sqlx::query_scalar("SELECT lockgate.extend($1, $2, $3, $4)")
+    let rows = sqlx::query("SELECT msg_id, budget_seconds FROM lockgate.extend($1, $2, $3, $4, $5)")
         .bind(queue.as_str())
         .bind(ids)
         .bind(cts)
         .bind(visibility.as_secs_f64())
+        .bind(owner)
         .fetch_all(db)
-        .await?)
+        .await?;
+    let mut renewal = Renewal::default();
+    for row in rows {
+        let msg_id: i64 = row.get(0);
+        match row.get::<Option<f64>, _>(1) {
+            Some(budget) => renewal.renewed.push((msg_id, seconds(budget))),
+            None => renewal.busy.push(msg_id),
+        }
+    }
+    Ok(renewal)
 }
 
 /// Fenced archive of finished deliveries; returns the msg_ids this call archived.
@@ -153,6 +180,11 @@ pub async fn release<'c>(
         .bind(cts)
         .fetch_all(db)
         .await?)
+}
+
+/// A budget in seconds from SQL as a Duration (negative or non-finite reads as none left).
+fn seconds(budget: f64) -> Duration {
+    Duration::try_from_secs_f64(budget).unwrap_or(Duration::ZERO)
 }
 
 fn split(deliveries: &[(i64, i32)]) -> (Vec<i64>, Vec<i32>) {

@@ -64,8 +64,11 @@ impl DbError {
             | sqlx::Error::Protocol(_) => true,
             sqlx::Error::Database(db) => db.code().is_some_and(|code| {
                 // 08: connection exception; 57P01..03: admin shutdown, crash shutdown, cannot
-                // connect now; 40001/40P01: serialization failure and deadlock (retry is the fix).
-                code.starts_with("08") || matches!(code.as_ref(), "57P01" | "57P02" | "57P03" | "40001" | "40P01")
+                // connect now; 40001/40P01: serialization failure and deadlock (retry is the fix);
+                // 55P03/57014: the runtime's lock_timeout or statement_timeout gave up waiting
+                // (a producer's open transaction, say) while the delivery still had budget (H28).
+                code.starts_with("08")
+                    || matches!(code.as_ref(), "57P01" | "57P02" | "57P03" | "40001" | "40P01" | "55P03" | "57014")
             }),
             _ => false,
         }

@@ -21,7 +21,7 @@ pub use concurrency::{
     check_invariants, discard_parked, key_stats, parked_jobs, record_heartbeat_interval, sweep, KeyStats, ParkedJob,
     SweepReport,
 };
-pub use deliveries::{claim, claim_as, complete, dead_letter, extend, release, retry, DeadLetterReason};
+pub use deliveries::{claim, claim_as, complete, dead_letter, extend, release, retry, DeadLetterReason, Renewal};
 pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter};
 pub use enqueue::{enqueue, enqueue_many};
 pub use error::DbError;

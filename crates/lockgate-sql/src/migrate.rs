@@ -33,6 +33,7 @@ const MIGRATIONS: &[Migration] = &[
     },
     Migration { version: 6, name: "claim_index", sql: include_str!("../../../migrations/0006_claim_index.sql") },
     Migration { version: 7, name: "job_ids", sql: include_str!("../../../migrations/0007_job_ids.sql") },
+    Migration { version: 8, name: "fenced_leases", sql: include_str!("../../../migrations/0008_fenced_leases.sql") },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -56,7 +57,7 @@ const FUNCTIONS: &[&str] = &[
 ];
 
 /// The schema version this build expects.
-pub const LATEST_MIGRATION: i32 = 7;
+pub const LATEST_MIGRATION: i32 = 8;
 
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;

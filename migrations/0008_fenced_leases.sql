@@ -1,0 +1,23 @@
+-- Permits that hold under every schedule (issue 10). A claim renews (or re-acquires) the lease of
+-- every limited job it returns and reports each delivery's budget; the heartbeat is fenced on the
+-- delivery's token for the lease as for the message, never waits for a row lock, and reports
+-- which deliveries it skipped. Both return types change, so sql/ recreates them.
+DROP FUNCTION IF EXISTS lockgate.claim(text, integer, double precision, bigint);
+DROP FUNCTION IF EXISTS lockgate.extend(text, bigint[], integer[], double precision);
+DROP FUNCTION IF EXISTS lockgate._reacquire(text, bigint, integer, jsonb, jsonb);
+
+-- Lease renewals (claim, heartbeat, retry, shutdown return) rewrite expires_at on every
+-- delivery; without an index on it they are HOT updates. The sweep that looks for expired leases
+-- reads the whole table instead, which holds one row per permit held: small, and read once per
+-- sweep interval.
+DROP INDEX IF EXISTS lockgate.leases_expires_at_idx;
+
+-- A claimed delivery as lockgate.claim holds it while it decides a limited job whose lease is
+-- gone (sql/020_claim.sql).
+CREATE TYPE lockgate._claimed AS (
+    msg_id      bigint,
+    read_ct     integer,
+    enqueued_at timestamptz,
+    message     jsonb,
+    headers     jsonb
+);

@@ -1,0 +1,491 @@
+//! The permit protocol under the schedules that broke it (issue 10): a claim after a lease
+//! lapsed, a claim racing a sweep, a stale renewal, a prune of a process whose jobs are healthy,
+//! message content that is not lockgate's, and a mixed load that must show no deadlock. Each
+//! test drives the public SQL API the way psql would, and checks the database's own view of who
+//! may run: `lockgate.check_invariants()` now covers deliveries as well as leases.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use lockgate_testkit::{wait_for, TestDb};
+use sqlx::{Connection, PgConnection, PgPool, Row};
+
+/// A delivery as `lockgate.claim` returns it: (msg_id, read_ct, budget in seconds).
+type Delivery = (i64, i32, f64);
+
+async fn limited(limit: i32, duration_ms: i64) -> TestDb {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query(
+        "SELECT lockgate.define_job_type('lim', concurrency_limit => $1, concurrency_key => array['k'],
+                                         concurrency_duration_ms => $2)",
+    )
+    .bind(limit)
+    .bind(duration_ms)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    db
+}
+
+async fn enqueue(db: &PgPool, k: i64) -> (Option<i64>, i64, String) {
+    let row =
+        sqlx::query("SELECT msg_id, job_id, status FROM lockgate.enqueue('lim', jsonb_build_object('k', $1::bigint))")
+            .bind(k)
+            .fetch_one(db)
+            .await
+            .unwrap();
+    (row.get(0), row.get(1), row.get(2))
+}
+
+async fn claim(db: impl sqlx::PgExecutor<'_>, qty: i32) -> Vec<Delivery> {
+    sqlx::query_as("SELECT msg_id, read_ct, budget_seconds FROM lockgate.claim('default', $1, 30)")
+        .bind(qty)
+        .fetch_all(db)
+        .await
+        .unwrap()
+}
+
+async fn sweep(db: impl sqlx::PgExecutor<'_>) -> (i32, i32, i32) {
+    sqlx::query_as("SELECT expired, orphaned, promoted FROM lockgate.sweep()").fetch_one(db).await.unwrap()
+}
+
+/// What a backlog longer than `duration` (or a silent holder) does to every lease: ends it.
+async fn lapse_leases(db: &PgPool) {
+    sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(db).await.unwrap();
+}
+
+async fn lapse_visibility(db: &PgPool) {
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second'").execute(db).await.unwrap();
+}
+
+async fn violations(db: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT key || ': ' || problem FROM lockgate.check_invariants()").fetch_all(db).await.unwrap()
+}
+
+/// Deliveries the database lets run now: claimed, not waiting, still invisible, holding a lease
+/// that lasts at least as long as their visibility.
+async fn entitled(db: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pgmq.q_default m JOIN lockgate.leases l ON l.queue = 'default' AND l.msg_id = m.msg_id
+          WHERE m.read_ct > 0 AND m.vt > now() AND NOT m.headers ? 'retry_at' AND l.expires_at >= m.vt",
+    )
+    .fetch_one(db)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn h24_a_claim_after_the_lease_lapsed_takes_a_permit_again_and_the_sweep_admits_no_second() {
+    // The reproduction of issue 10, defect 1, on one connection.
+    let db = limited(1, 60_000).await;
+    let (m, _, status) = enqueue(&db.pool, 1).await;
+    assert_eq!(status, "enqueued");
+    assert_eq!(enqueue(&db.pool, 1).await.2, "parked");
+    lapse_leases(&db.pool).await;
+
+    let first = claim(&db.pool, 10).await;
+    assert_eq!(first.iter().map(|d| d.0).collect::<Vec<_>>(), vec![m.unwrap()], "M is claimed");
+    let live: bool = sqlx::query_scalar(
+        "SELECT expires_at >= (SELECT vt FROM pgmq.q_default WHERE msg_id = $1) FROM lockgate.leases WHERE msg_id = $1",
+    )
+    .bind(m)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(live, "the claim returned M holding a live lease that outlasts its visibility");
+    assert_eq!(sweep(&db.pool).await, (0, 0, 0), "nothing expired: the claim renewed M's lease");
+    assert!(claim(&db.pool, 10).await.is_empty(), "P stays parked while M holds the only permit");
+    assert_eq!(entitled(&db.pool).await, 1);
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
+async fn h24_a_delivery_whose_lease_was_swept_parks_behind_the_promoted_job() {
+    let db = limited(1, 60_000).await;
+    let (m, m_job, _) = enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 1).await;
+    let first = claim(&db.pool, 10).await;
+    assert_eq!(first.len(), 1);
+    // M's holder goes silent past both budgets; the sweep gives the permit to P.
+    lapse_leases(&db.pool).await;
+    lapse_visibility(&db.pool).await;
+    assert_eq!(sweep(&db.pool).await, (1, 0, 1));
+    let second = claim(&db.pool, 10).await;
+    assert_eq!(second.len(), 1, "only P runs: {second:?}");
+    assert_ne!(Some(second[0].0), m, "M must not run beside P on a limit-1 key");
+    let parked: Vec<i64> = sqlx::query_scalar("SELECT job_id FROM lockgate.parked").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(parked, vec![m_job], "M waits for the permit again, keeping its job id");
+    assert_eq!(entitled(&db.pool).await, 1);
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
+async fn h24_a_claim_racing_an_uncommitted_sweep_never_returns_the_delivery_it_is_expiring() {
+    let db = limited(1, 60_000).await;
+    let (m, _, _) = enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 1).await;
+    claim(&db.pool, 10).await;
+    lapse_leases(&db.pool).await;
+    lapse_visibility(&db.pool).await;
+
+    // The sweep expires M's lease and promotes P, and has not committed yet.
+    let mut sweeper = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut sweeper).await.unwrap();
+    assert_eq!(sweep(&mut sweeper).await, (1, 0, 1));
+    let during = tokio::time::timeout(Duration::from_secs(10), claim(&db.pool, 10)).await.expect("claim never waits");
+    assert!(during.is_empty(), "nothing may run while the sweep holds the key: {during:?}");
+    sqlx::query("COMMIT").execute(&mut sweeper).await.unwrap();
+
+    // M was put back for a second (its key was held); then it parks behind P.
+    lapse_visibility(&db.pool).await;
+    let after = claim(&db.pool, 10).await;
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_ne!(Some(after[0].0), m);
+    assert_eq!(entitled(&db.pool).await, 1);
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
+async fn h25_a_stale_delivery_renews_neither_the_message_nor_the_successors_lease() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let stale = claim(&db.pool, 1).await.remove(0);
+    lapse_visibility(&db.pool).await;
+    let current = claim(&db.pool, 1).await.remove(0);
+    assert_eq!(current.1, stale.1 + 1);
+    let before: (f64, f64) = sqlx::query_as(
+        "SELECT extract(epoch FROM l.expires_at)::float8, extract(epoch FROM m.vt)::float8
+           FROM lockgate.leases l JOIN pgmq.q_default m ON m.msg_id = l.msg_id",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let renewed: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.extend('default', $1, $2, 300)")
+        .bind(vec![stale.0])
+        .bind(vec![stale.1])
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert!(renewed.is_empty(), "a stale token is not owned");
+    let after: (f64, f64) = sqlx::query_as(
+        "SELECT extract(epoch FROM l.expires_at)::float8, extract(epoch FROM m.vt)::float8
+           FROM lockgate.leases l JOIN pgmq.q_default m ON m.msg_id = l.msg_id",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(before, after, "the stale renewal changed nothing");
+
+    // The current delivery renews both, and its visibility never outlives its lease.
+    let budget: f64 = sqlx::query_scalar("SELECT budget_seconds FROM lockgate.extend('default', $1, $2, 300)")
+        .bind(vec![current.0])
+        .bind(vec![current.1])
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!((55.0..=60.5).contains(&budget), "budget capped by the 60 s lease, got {budget}");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
+async fn h25_a_heartbeat_never_waits_for_a_row_lock_and_reports_the_delivery_busy() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let d = claim(&db.pool, 1).await.remove(0);
+    // The delivery's own completion holds its message row (not committed yet).
+    let mut completer = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut completer).await.unwrap();
+    sqlx::query("SELECT lockgate.complete('default', $1, $2)")
+        .bind(vec![d.0])
+        .bind(vec![d.1])
+        .execute(&mut completer)
+        .await
+        .unwrap();
+    let renewal = sqlx::query_as("SELECT msg_id, budget_seconds FROM lockgate.extend('default', $1, $2, 30)")
+        .bind(vec![d.0])
+        .bind(vec![d.1])
+        .fetch_all(&db.pool);
+    let rows: Vec<(i64, Option<f64>)> = tokio::time::timeout(Duration::from_secs(3), renewal)
+        .await
+        .expect("the heartbeat waited for a row lock")
+        .unwrap();
+    assert_eq!(rows, vec![(d.0, None)], "busy: neither renewed nor lost");
+    sqlx::query("COMMIT").execute(&mut completer).await.unwrap();
+    let rows: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.extend('default', $1, $2, 30)")
+        .bind(vec![d.0])
+        .bind(vec![d.1])
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert!(rows.is_empty(), "once completed, the delivery is no longer owned");
+}
+
+#[tokio::test]
+async fn g7_a_heartbeat_that_raced_a_shutdown_return_does_not_hide_the_job_again() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let d = claim(&db.pool, 1).await.remove(0);
+    let released: Vec<i64> = sqlx::query_scalar("SELECT lockgate.release('default', $1, $2)")
+        .bind(vec![d.0])
+        .bind(vec![d.1])
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(released, vec![d.0]);
+    // The heartbeat read its deliveries before the return and renews after it.
+    let renewed: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.extend('default', $1, $2, 30)")
+        .bind(vec![d.0])
+        .bind(vec![d.1])
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert!(renewed.is_empty(), "a returned job is not renewed");
+    assert_eq!(claim(&db.pool, 1).await.len(), 1, "the returned job is visible at once");
+}
+
+#[tokio::test]
+async fn h26_a_prune_returns_only_deliveries_that_went_silent_not_healthy_ones() {
+    let db = limited(2, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 1).await;
+    let owner: i64 = sqlx::query_scalar("SELECT lockgate.register_process('supervisor', 'p', 'h', 1)")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let claimed: Vec<Delivery> =
+        sqlx::query_as("SELECT msg_id, read_ct, budget_seconds FROM lockgate.claim('default', 2, 300, $1)")
+            .bind(owner)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let (healthy, silent) = (claimed[0], claimed[1]);
+    // Both were claimed a minute ago; only the healthy one's heartbeat renewed it since. The
+    // process's own registry heartbeat stalled for as long.
+    sqlx::query("UPDATE pgmq.q_default SET last_read_at = now() - interval '60 seconds'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE lockgate.processes SET last_heartbeat_at = now() - interval '60 seconds'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT * FROM lockgate.extend('default', $1, $2, 300, $3)")
+        .bind(vec![healthy.0])
+        .bind(vec![healthy.1])
+        .bind(owner)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let pruned: Vec<(i64, i64)> = sqlx::query_as("SELECT pruned_id, released FROM lockgate.prune_processes(30)")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(pruned, vec![(owner, 1)], "the process is pruned, one silent delivery returned");
+    let visible: Vec<i64> =
+        sqlx::query_scalar("SELECT msg_id FROM pgmq.q_default WHERE vt <= now()").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(visible, vec![silent.0], "the healthy delivery stays with its running holder");
+    let still_owned: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.extend('default', $1, $2, 300)")
+        .bind(vec![healthy.0])
+        .bind(vec![healthy.1])
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(still_owned, vec![healthy.0]);
+}
+
+#[tokio::test]
+async fn h29_no_message_content_makes_a_claim_fail_each_is_dead_lettered_with_its_reason() {
+    let db = limited(1, 60_000).await;
+    let bad = [
+        (r#"{"k":1}"#, r#"{"type":"lim","ckey":"lim","job_id":"abc"}"#, "job_id"),
+        (r#"{"k":1}"#, r#"{"type":"lim","ckey":null}"#, "concurrency key"),
+        (r#"{"k":1}"#, r#"{"type":"lim","ckey":""}"#, "concurrency key"),
+        (r#"{"k":1}"#, r#"[1,2]"#, "headers are not a JSON object"),
+        (r#"{"k":1}"#, r#""ckey""#, "headers are not a JSON object"),
+        (r#"{"k":1}"#, r#"{"type":7}"#, "job type"),
+        (r#"{"k":1}"#, r#"{"type":"lim","returns":"x"}"#, "returns"),
+        (r#"[1]"#, r#"{"type":"lim"}"#, "arguments"),
+        (r#"null"#, r#"{"type":"lim"}"#, "arguments"),
+    ];
+    for (body, headers, _) in &bad {
+        sqlx::query("SELECT pgmq.send('default', $1::jsonb, $2::jsonb)")
+            .bind(body)
+            .bind(headers)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    sqlx::query("SELECT pgmq.send('default', NULL::jsonb, NULL::jsonb)").execute(&db.pool).await.unwrap();
+    let (good, _, _) = enqueue(&db.pool, 1).await;
+
+    let claimed = claim(&db.pool, 20).await;
+    assert_eq!(claimed.iter().map(|d| d.0).collect::<Vec<_>>(), vec![good.unwrap()], "only the job runs");
+    let errors: Vec<String> =
+        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters WHERE reason = 'undecodable' ORDER BY msg_id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(errors.len(), bad.len() + 1, "{errors:?}");
+    for ((_, _, what), error) in bad.iter().zip(&errors) {
+        assert!(error.contains(what), "{error:?} should name {what:?}");
+    }
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
+async fn g3_check_invariants_sees_a_delivery_without_its_lease_and_a_key_over_its_limit() {
+    // The check every concurrency test ends with must be able to fail.
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 2).await;
+    let claimed = claim(&db.pool, 2).await;
+    assert_eq!(claimed.len(), 2);
+    assert!(violations(&db.pool).await.is_empty());
+    // Key 2's job runs on, and its lease is gone (what the old claim allowed).
+    sqlx::query("DELETE FROM lockgate.leases WHERE key = 'lim:[2]'").execute(&db.pool).await.unwrap();
+    sqlx::query("UPDATE lockgate.semaphores SET value = 0 WHERE key = 'lim:[2]'").execute(&db.pool).await.unwrap();
+    let found = violations(&db.pool).await;
+    assert!(found.iter().any(|v| v.contains("without a lease")), "{found:?}");
+    // Two deliveries of key 1 in flight, each with a lease, on a limit of 1.
+    sqlx::query("UPDATE pgmq.q_default SET headers = headers || '{\"ckey\": \"lim:[1]\"}'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE lockgate.leases SET key = 'lim:[1]'").execute(&db.pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
+         SELECT 'default', msg_id, 'lim:[1]', 60000, vt + interval '1 minute' FROM pgmq.q_default
+          WHERE msg_id NOT IN (SELECT msg_id FROM lockgate.leases)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let found = violations(&db.pool).await;
+    assert!(found.iter().any(|v| v.contains("2 deliveries in flight holding leases, limit 1")), "{found:?}");
+}
+
+/// One worker of the mixed load: loops over claims, renewals, completions, retries, returns,
+/// sweeps, prunes and enqueues for `run_for`, counting deadlocks (SQLSTATE 40P01) it is told of.
+async fn mixed_load_worker(url: String, seed: u64, run_for: Duration) -> anyhow::Result<(u64, u64)> {
+    let mut conn = PgConnection::connect(&url).await?;
+    // Never heartbeated: pruned within the run, with its deliveries.
+    let owner: i64 = sqlx::query_scalar("SELECT lockgate.register_process('supervisor', 'load', 'h', 1)")
+        .fetch_one(&mut conn)
+        .await?;
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let deadline = Instant::now() + run_for;
+    let (mut statements, mut deadlocks) = (0, 0);
+    let mut held: Vec<(i64, i32)> = Vec::new();
+    while Instant::now() < deadline {
+        let result = match rng.u8(..10) {
+            0..=2 => {
+                let keys: Vec<i64> = (0..rng.usize(1..20)).map(|_| rng.i64(0..15)).collect();
+                sqlx::query(
+                    "SELECT lockgate.enqueue_many('lim', array_agg(jsonb_build_object('k', k))) FROM unnest($1::bigint[]) k",
+                )
+                .bind(keys)
+                .execute(&mut conn)
+                .await
+                .map(|_| ())
+            }
+            3 | 4 => match sqlx::query_as::<_, Delivery>(
+                "SELECT msg_id, read_ct, budget_seconds FROM lockgate.claim('default', 8, 1, $1)",
+            )
+            .bind(owner)
+            .fetch_all(&mut conn)
+            .await
+            {
+                Ok(claimed) => {
+                    held.extend(claimed.iter().map(|d| (d.0, d.1)));
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            },
+            5 => {
+                let (ids, cts): (Vec<i64>, Vec<i32>) = held.iter().copied().unzip();
+                sqlx::query("SELECT * FROM lockgate.extend('default', $1, $2, 1)")
+                    .bind(ids)
+                    .bind(cts)
+                    .execute(&mut conn)
+                    .await
+                    .map(|_| ())
+            }
+            6 => {
+                let n = rng.usize(..=held.len());
+                let (ids, cts): (Vec<i64>, Vec<i32>) = held.drain(..n).unzip();
+                sqlx::query("SELECT lockgate.complete('default', $1, $2)")
+                    .bind(ids)
+                    .bind(cts)
+                    .execute(&mut conn)
+                    .await
+                    .map(|_| ())
+            }
+            7 => match held.pop() {
+                Some((id, ct)) if rng.bool() => sqlx::query("SELECT lockgate.retry('default', $1, $2, 0.05, 'x', 1)")
+                    .bind(id)
+                    .bind(ct)
+                    .execute(&mut conn)
+                    .await
+                    .map(|_| ()),
+                Some((id, ct)) => sqlx::query("SELECT lockgate.release('default', $1, $2)")
+                    .bind(vec![id])
+                    .bind(vec![ct])
+                    .execute(&mut conn)
+                    .await
+                    .map(|_| ()),
+                None => Ok(()),
+            },
+            8 => sqlx::query("SELECT lockgate.sweep()").execute(&mut conn).await.map(|_| ()),
+            _ => {
+                // Holders go silent under load (visibility and lease lapse together); the sweep,
+                // later claims and prunes must sort it out.
+                sqlx::query(
+                    "WITH x AS (SELECT msg_id FROM pgmq.q_default WHERE vt > now() ORDER BY random() LIMIT 3
+                                   FOR UPDATE SKIP LOCKED),
+                          m AS (UPDATE pgmq.q_default q SET vt = now() FROM x WHERE q.msg_id = x.msg_id RETURNING q.msg_id)
+                     UPDATE lockgate.leases l SET expires_at = now() FROM m WHERE l.queue = 'default' AND l.msg_id = m.msg_id",
+                )
+                .execute(&mut conn)
+                .await
+                .map(|_| ())
+                .and(sqlx::query("SELECT * FROM lockgate.prune_processes(0.1)").execute(&mut conn).await.map(|_| ()))
+            }
+        };
+        statements += 1;
+        if let Err(e) = result {
+            match e.as_database_error().and_then(|d| d.code()) {
+                Some(code) if code == "40P01" => deadlocks += 1,
+                _ => return Err(e.into()),
+            }
+        }
+    }
+    Ok((statements, deadlocks))
+}
+
+#[tokio::test]
+async fn h31_a_mixed_load_of_every_path_shows_no_deadlock() {
+    let db = limited(2, 500).await;
+    let run_for = Duration::from_secs(8);
+    let workers: Vec<_> =
+        (0..6).map(|i| tokio::spawn(mixed_load_worker(db.url.clone(), 0x5eed + i, run_for))).collect();
+    let (mut statements, mut deadlocks) = (0, 0);
+    for w in workers {
+        let (s, d) = w.await.unwrap().unwrap();
+        statements += s;
+        deadlocks += d;
+    }
+    assert!(statements > 500, "the load ran: {statements} statements");
+    // The server's own count, once its statistics are flushed, must agree.
+    let server: i64 = wait_for("deadlock statistics", Duration::from_secs(5), || async {
+        let n: i64 = sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+            .fetch_one(&db.pool)
+            .await?;
+        Ok(Some(n))
+    })
+    .await
+    .unwrap();
+    assert_eq!((deadlocks, server), (0, 0), "deadlocks seen by clients and by the server over {statements} statements");
+    sweep(&db.pool).await;
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
