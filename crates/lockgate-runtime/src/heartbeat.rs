@@ -1,12 +1,25 @@
-//! The heartbeat: one task per process that, every `heartbeat_interval`, extends the visibility
-//! of every delivery the process holds — one fenced statement per queue per tick (G6). A
-//! delivery the statement does not return has lost its lease: its handler's cancellation fires
-//! and it can write nothing more.
+//! The heartbeat: one task per process that, every `heartbeat_interval`, renews the visibility
+//! and leases of every delivery the process holds — one fenced statement per queue per tick
+//! (G6). A delivery the statement does not return has lost its lease: its handler's cancellation
+//! fires and it can write nothing more. A delivery it reports busy (another statement held its
+//! rows) is neither renewed nor lost, and is asked about again next tick.
+//!
+//! Isolation (H28): the heartbeat renews on a connection of its own, outside the runtime's pool,
+//! so neither an exhausted pool nor statements queued on it can delay a renewal; the renewal
+//! never waits for a row lock; and each renewal has a budget of half an interval on the server
+//! (`statement_timeout`) and one interval on this side. A renewal that has not answered by then
+//! (the server is gone, or the network silently dropped it) is abandoned with its connection,
+//! and the next tick starts on a fresh one. Even a heartbeat stuck in a hung TCP call cannot let
+//! a handler outlive its lease: the pool's watchdog fences on the budgets alone (H27).
 
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lockgate_sql::PgPool;
+use lockgate_core::QueueName;
+use lockgate_sql::{DbError, Renewal};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, PgConnection};
 use tokio_util::sync::CancellationToken;
 
 use crate::in_flight::InFlight;
@@ -15,57 +28,124 @@ use crate::in_flight::InFlight;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HeartbeatReport {
     pub renewed: usize,
+    /// Skipped because another statement held their rows; asked again next tick.
+    pub busy: usize,
     pub lost: usize,
     pub failed_queues: usize,
 }
 
+/// Why one renewal statement did not answer.
+#[derive(Debug, thiserror::Error)]
+enum RenewError {
+    #[error("no answer within {0:?}; the connection is dropped")]
+    NoAnswer(Duration),
+    #[error(transparent)]
+    Database(#[from] DbError),
+}
+
 pub struct Heartbeat {
-    db: PgPool,
+    /// The heartbeat's own connection's options, with its statement budget.
+    connect: PgConnectOptions,
+    conn: Option<PgConnection>,
     sets: Vec<Arc<InFlight>>,
     interval: Duration,
     visibility: Duration,
+    /// This process's registry id: renewed messages are re-tagged with it (H26).
+    owner: Arc<AtomicI64>,
 }
 
 impl Heartbeat {
-    pub(crate) fn new(db: PgPool, sets: Vec<Arc<InFlight>>, interval: Duration, visibility: Duration) -> Self {
-        Self { db, sets, interval, visibility }
+    pub(crate) fn new(
+        connect: PgConnectOptions,
+        sets: Vec<Arc<InFlight>>,
+        interval: Duration,
+        visibility: Duration,
+        owner: Arc<AtomicI64>,
+    ) -> Self {
+        Self { connect, conn: None, sets, interval, visibility, owner }
     }
 
-    pub async fn run(self, shutdown: CancellationToken) {
-        crate::ticker::every(self.interval, &shutdown, || async {
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let mut ticker = tokio::time::interval(self.interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
             let report = self.run_once().await;
             if report.lost > 0 || report.failed_queues > 0 {
                 tracing::warn!(
                     renewed = report.renewed,
+                    busy = report.busy,
                     lost = report.lost,
                     failed_queues = report.failed_queues,
                     "heartbeat"
                 );
+            } else if report.busy > 0 {
+                tracing::debug!(renewed = report.renewed, busy = report.busy, "heartbeat");
             }
-        })
-        .await;
+        }
     }
 
-    pub async fn run_once(&self) -> HeartbeatReport {
+    pub async fn run_once(&mut self) -> HeartbeatReport {
         let mut report = HeartbeatReport::default();
-        for set in &self.sets {
-            let _gate = set.gate.write().await;
+        let owner = Some(self.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
+        let sets = self.sets.clone();
+        for set in &sets {
             for (queue, asked) in set.renewable() {
-                // The lease end is measured from before the statement: the database's own
-                // clock starts the new visibility no earlier than this.
-                let until = Instant::now() + self.visibility;
-                match lockgate_sql::extend(&self.db, &queue, &asked, self.visibility).await {
-                    Ok(renewed) => {
-                        report.renewed += renewed.len();
-                        report.lost += set.renewed(&queue, &asked, &renewed, until);
+                // The new budget counts from before the statement is sent: the database starts
+                // it no earlier than this, whatever its clock says (H27).
+                let sent_at = Instant::now();
+                match self.extend(&queue, &asked, owner).await {
+                    Ok(renewal) => {
+                        let r = set.renewed(&queue, &asked, &renewal, sent_at);
+                        report.renewed += r.renewed;
+                        report.busy += r.busy;
+                        report.lost += r.lost;
                     }
                     Err(error) => {
-                        tracing::warn!(%queue, %error, "heartbeat failed");
+                        tracing::warn!(%queue, %error, "renewal failed; the next tick tries again");
                         report.failed_queues += 1;
                     }
                 }
             }
         }
         report
+    }
+
+    /// One renewal on the heartbeat's connection (opened first if there is none), answered
+    /// within one interval or abandoned with its connection.
+    async fn extend(
+        &mut self,
+        queue: &QueueName,
+        asked: &[(i64, i32)],
+        owner: Option<i64>,
+    ) -> Result<Renewal, RenewError> {
+        let (connect, visibility, conn) = (&self.connect, self.visibility, &mut self.conn);
+        let answered = tokio::time::timeout(self.interval, async {
+            let conn = match conn {
+                Some(conn) => conn,
+                None => conn.insert(connect.connect().await.map_err(DbError::from)?),
+            };
+            lockgate_sql::extend(&mut *conn, queue, asked, visibility, owner).await
+        })
+        .await;
+        match answered {
+            Ok(Ok(renewal)) => Ok(renewal),
+            Ok(Err(error)) => {
+                // A broken connection is replaced; a statement error (an unknown queue, say)
+                // leaves it usable for the other queues.
+                if error.is_transient() {
+                    self.conn = None;
+                }
+                Err(error.into())
+            }
+            Err(_) => {
+                self.conn = None;
+                Err(RenewError::NoAnswer(self.interval))
+            }
+        }
     }
 }

@@ -1,23 +1,46 @@
 //! The in-flight set of one worker pool: every delivery it is running or finishing, with the
-//! context whose cancellation signal reaches the handler.
+//! context whose cancellation signal reaches the handler, and until when its budget is known to
+//! hold in the database.
 //!
-//! Ownership: entries are inserted by the executor before a handler starts, renewed or marked
-//! lost by the heartbeat, moved to releasing by the shutdown path, and removed by whoever lands
-//! the delivery's final statement (completer, retry, dead-letter, release).
+//! Ownership: entries are inserted by the fetch loop when a delivery is claimed, renewed (or
+//! marked lost) by the heartbeat, fenced by the pool's watchdog, moved through shutdown's states
+//! by the pool and the executor, and removed by whoever lands the delivery's final statement
+//! (completer, retry, dead-letter, release) or gives it up.
 //!
-//! The `gate` orders those statements against the heartbeat: a transition (complete, retry,
-//! dead-letter, release) runs its statement under the read side; the heartbeat renews under the
-//! write side. So a heartbeat can never renew a delivery after its retry set the backoff
-//! visibility (which would push the retry out), nor report a just-completed job as lost.
+//! No lock orders the final statements against the heartbeat any more (H28: a completion
+//! blocked on a producer's row lock had held the old gate and stalled every renewal). The
+//! database keeps them apart instead: the renewal skips rows another statement holds (`busy`)
+//! and never renews a message a retry or a return marked as waiting, and a delivery whose final
+//! statement is on its way is not reported lost when its row disappears (`renewed`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use lockgate_core::QueueName;
-use tokio::sync::RwLock;
+use lockgate_core::{JobId, QueueName};
+use lockgate_sql::Renewal;
 
 use crate::{CancelReason, JobContext};
+
+/// How often the pool's watchdog looks for deliveries whose budget is running out (H27).
+pub(crate) const FENCE_TICK: Duration = Duration::from_millis(50);
+
+/// How long a cancelled handler may take to return on its own before its task is aborted: enough
+/// to close a file, roll back a transaction or kill a command's process group, short enough not
+/// to delay a shutdown's return of jobs.
+pub(crate) const CANCEL_GRACE: Duration = Duration::from_millis(100);
+
+/// How long an aborted handler task may take to be dropped. A task that is not gone by then
+/// never yields (it blocks its thread): it has not ended, and its delivery is never returned.
+pub(crate) const ABORT_WAIT: Duration = Duration::from_millis(100);
+
+/// How long before its budget runs out a running delivery's handler is cancelled (H27): the
+/// watchdog may notice up to one tick late, the handler then has its grace and the abort its
+/// wait, and 50 ms cover a busy scheduler. The budget is counted on this process's monotonic
+/// clock from before the claim or renewal was sent, so the handler has ended before the database
+/// can consider the lease over, whatever the two hosts' wall clocks say.
+pub(crate) const FENCE_MARGIN: Duration =
+    Duration::from_millis((FENCE_TICK.as_millis() + CANCEL_GRACE.as_millis() + ABORT_WAIT.as_millis() + 50) as u64);
 
 /// A delivery's fencing token.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -34,9 +57,16 @@ enum State {
     Running,
     /// The handler returned; the final statement is on its way. Still renewed by the heartbeat.
     Finishing,
-    /// Shutdown is returning it to its queue.
-    Releasing,
-    /// The heartbeat found it owned by nobody or by a newer delivery.
+    /// Shutdown cancelled the handler; the pool returns the delivery once the handler has ended
+    /// (H30). Still renewed meanwhile, so the job keeps its visibility and permit.
+    Stopping,
+    /// No handler runs for it any more (it ended after shutdown's cancellation, or never
+    /// started): shutdown returns it to its queue.
+    Stopped,
+    /// The release statement is on its way.
+    Returning,
+    /// Lost (the heartbeat found it owned by nobody or by a newer delivery) or fenced (its budget
+    /// ran out before a renewal): it may write nothing more.
     Lost,
 }
 
@@ -45,14 +75,40 @@ struct Entry {
     state: State,
     /// Set when the executor takes the delivery over; `None` while it waits for a slot.
     ctx: Option<JobContext>,
-    /// Until when this delivery's visibility is known to hold (claim or last renewal).
+    /// Until when this delivery's visibility (and lease) is known to hold in the database:
+    /// the instant before its claim or last renewal was sent, plus the budget it returned.
     lease_until: Instant,
+}
+
+/// Why a handler's outcome may not be written (`InFlight::begin_finishing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Finish {
+    /// The delivery is still owned: write its outcome.
+    Write,
+    /// Its lease is lost or fenced; the entry is forgotten.
+    Lost,
+    /// Shutdown is returning it; tell the pool whether the handler ended (`stopped`).
+    Shutdown,
+}
+
+/// What one renewal did to the deliveries it asked about (`InFlight::renewed`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Renewed {
+    pub renewed: usize,
+    pub busy: usize,
+    pub lost: usize,
+}
+
+/// A delivery the watchdog cancelled, for its log line.
+pub(crate) struct Fenced {
+    pub delivery: Delivery,
+    pub job_id: Option<JobId>,
+    pub overdue_by: Duration,
 }
 
 #[derive(Default)]
 pub(crate) struct InFlight {
     entries: Mutex<HashMap<(QueueName, i64), Entry>>,
-    pub gate: RwLock<()>,
 }
 
 impl InFlight {
@@ -67,17 +123,19 @@ impl InFlight {
     }
 
     /// Waiting → Running, when the executor takes the delivery over with its handler's context.
-    /// False when shutdown returned it or its lease was lost meanwhile (a lost one is forgotten).
-    pub fn start(&self, d: &Delivery, ctx: JobContext) -> bool {
+    /// False when shutdown returned it, its lease was lost, or its budget is too short to start a
+    /// handler that could still be stopped in time (H27); a lost or expiring one is forgotten
+    /// (its visibility lapses and it is delivered again).
+    pub fn start(&self, d: &Delivery, ctx: JobContext, now: Instant) -> bool {
         let mut entries = self.entries();
         let key = (d.queue.clone(), d.msg_id);
         match entries.get_mut(&key) {
-            Some(e) if e.read_ct == d.read_ct && e.state == State::Waiting => {
+            Some(e) if e.read_ct == d.read_ct && e.state == State::Waiting && now + FENCE_MARGIN < e.lease_until => {
                 e.state = State::Running;
                 e.ctx = Some(ctx);
                 true
             }
-            Some(e) if e.read_ct == d.read_ct && e.state == State::Lost => {
+            Some(e) if e.read_ct == d.read_ct && matches!(e.state, State::Lost | State::Waiting) => {
                 entries.remove(&key);
                 false
             }
@@ -89,39 +147,40 @@ impl InFlight {
         self.entries().len()
     }
 
-    /// Running → Finishing. False when shutdown or the heartbeat took the delivery away first:
-    /// then the handler's outcome must not be written. A lost delivery is forgotten here (no
-    /// one else will); a releasing one is left to the release.
-    pub fn begin_finishing(&self, d: &Delivery) -> bool {
+    /// Running → Finishing when the delivery is still owned. A lost one is forgotten here (no one
+    /// else will); one that shutdown is returning is left to it.
+    pub fn begin_finishing(&self, d: &Delivery) -> Finish {
         let mut entries = self.entries();
         let key = (d.queue.clone(), d.msg_id);
         match entries.get_mut(&key) {
             Some(e) if e.read_ct == d.read_ct && e.state == State::Running => {
                 e.state = State::Finishing;
-                true
+                Finish::Write
             }
+            Some(e) if e.read_ct == d.read_ct && e.state == State::Stopping => Finish::Shutdown,
             Some(e) if e.read_ct == d.read_ct && e.state == State::Lost => {
                 entries.remove(&key);
-                false
+                Finish::Lost
             }
-            _ => false,
+            _ => Finish::Lost,
         }
     }
 
-    /// The process was pruned: every delivery it holds is stale. Marks them all lost and
-    /// cancels their handlers; returns how many.
-    pub fn abandon_all(&self) -> usize {
-        let mut n = 0;
-        for e in self.entries().values_mut() {
-            if e.state != State::Lost {
-                e.state = State::Lost;
-                if let Some(ctx) = &e.ctx {
-                    ctx.fire(CancelReason::LeaseLost);
+    /// Shutdown's cancelled handler is over: `ended` says whether it really ended (then the pool
+    /// returns the delivery), or would not stop within its grace (then it is forgotten and its
+    /// visibility lapses, so the job cannot run twice at once, H30).
+    pub fn stopped(&self, d: &Delivery, ended: bool) {
+        let mut entries = self.entries();
+        let key = (d.queue.clone(), d.msg_id);
+        if entries.get(&key).is_some_and(|e| e.read_ct == d.read_ct && e.state == State::Stopping) {
+            if ended {
+                if let Some(e) = entries.get_mut(&key) {
+                    e.state = State::Stopped;
                 }
-                n += 1;
+            } else {
+                entries.remove(&key);
             }
         }
-        n
     }
 
     pub fn remove(&self, d: &Delivery) {
@@ -149,11 +208,16 @@ impl InFlight {
         out
     }
 
-    /// Records a heartbeat's result for one queue: renewed deliveries get a new lease end;
-    /// the others lost their lease and their handlers are cancelled. Returns how many were lost.
-    pub fn renewed(&self, queue: &QueueName, asked: &[(i64, i32)], renewed: &[i64], until: Instant) -> usize {
-        let renewed: std::collections::HashSet<i64> = renewed.iter().copied().collect();
-        let mut lost = 0;
+    /// Records a renewal of one queue's deliveries, sent at `sent_at`: renewed ones get a new
+    /// lease end; busy ones keep theirs (another statement held their rows; asked again next
+    /// tick); the rest lost their lease, and their handlers are cancelled. A delivery whose final
+    /// statement is on its way (finishing or returning) and is missing was most likely settled
+    /// by that very statement: it is neither counted nor reported as lost, and its statement's
+    /// own fence decides.
+    pub fn renewed(&self, queue: &QueueName, asked: &[(i64, i32)], renewal: &Renewal, sent_at: Instant) -> Renewed {
+        let budgets: HashMap<i64, Duration> = renewal.renewed.iter().copied().collect();
+        let busy: HashSet<i64> = renewal.busy.iter().copied().collect();
+        let mut report = Renewed::default();
         let mut entries = self.entries();
         for (msg_id, read_ct) in asked {
             let Some(e) = entries.get_mut(&(queue.clone(), *msg_id)) else {
@@ -162,33 +226,168 @@ impl InFlight {
             if e.read_ct != *read_ct {
                 continue;
             }
-            if renewed.contains(msg_id) {
-                e.lease_until = until;
-            } else if e.state != State::Lost {
+            if let Some(budget) = budgets.get(msg_id) {
+                // Never shortened: a renewal that answered after a later one must not undo it.
+                e.lease_until = e.lease_until.max(sent_at + *budget);
+                report.renewed += 1;
+            } else if busy.contains(msg_id) {
+                report.busy += 1;
+            } else if !matches!(e.state, State::Lost | State::Finishing | State::Returning) {
                 e.state = State::Lost;
                 if let Some(ctx) = &e.ctx {
                     ctx.fire(CancelReason::LeaseLost);
                 }
-                lost += 1;
+                report.lost += 1;
             }
         }
-        lost
+        report
     }
 
-    /// Shutdown: every delivery still waiting for a slot (and, with `running`, every running
-    /// one) becomes releasing and its handler is cancelled. Finishing ones are left to land
-    /// their outcome.
-    pub fn begin_release(&self, running: bool) -> Vec<Delivery> {
-        let mut out = Vec::new();
+    /// The watchdog's tick (H27): cancels every running handler whose budget ends within
+    /// `FENCE_MARGIN` of `now`, and marks its delivery lost. Returns them for logging.
+    pub fn fence(&self, now: Instant) -> Vec<Fenced> {
+        let mut fenced = Vec::new();
         for ((queue, msg_id), e) in self.entries().iter_mut() {
-            if e.state == State::Waiting || (running && e.state == State::Running) {
-                e.state = State::Releasing;
+            if e.state == State::Running && now + FENCE_MARGIN >= e.lease_until {
+                e.state = State::Lost;
+                if let Some(ctx) = &e.ctx {
+                    ctx.fire(CancelReason::LeaseLost);
+                }
+                fenced.push(Fenced {
+                    delivery: Delivery { queue: queue.clone(), msg_id: *msg_id, read_ct: e.read_ct },
+                    job_id: e.ctx.as_ref().map(|c| c.job_id),
+                    overdue_by: (now + FENCE_MARGIN).saturating_duration_since(e.lease_until),
+                });
+            }
+        }
+        fenced
+    }
+
+    /// Shutdown, first step: deliveries claimed ahead that no handler took yet have nothing to
+    /// stop; they are returned at once.
+    pub fn stop_waiting(&self) {
+        for e in self.entries().values_mut() {
+            if e.state == State::Waiting {
+                e.state = State::Stopped;
+            }
+        }
+    }
+
+    /// Shutdown, after `shutdown_timeout`: cancels every running handler. The deliveries are
+    /// returned only once their handlers have ended (`stopped`). Returns how many were cancelled.
+    pub fn stop_running(&self) -> usize {
+        let mut n = 0;
+        for e in self.entries().values_mut() {
+            if e.state == State::Running {
+                e.state = State::Stopping;
                 if let Some(ctx) = &e.ctx {
                     ctx.fire(CancelReason::Shutdown);
                 }
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// The deliveries that no handler runs for any more, to be returned to their queue now.
+    pub fn take_stopped(&self) -> Vec<Delivery> {
+        let mut out = Vec::new();
+        for ((queue, msg_id), e) in self.entries().iter_mut() {
+            if e.state == State::Stopped {
+                e.state = State::Returning;
                 out.push(Delivery { queue: queue.clone(), msg_id: *msg_id, read_ct: e.read_ct });
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delivery(msg_id: i64) -> Delivery {
+        Delivery { queue: QueueName::new("q").expect("valid"), msg_id, read_ct: 1 }
+    }
+
+    fn ctx(msg_id: i64) -> JobContext {
+        JobContext {
+            job_id: JobId(msg_id),
+            job_type: "t".into(),
+            queue: "q".into(),
+            msg_id,
+            attempt: 1,
+            max_attempts: 1,
+            cancel: Default::default(),
+            reason: Default::default(),
+        }
+    }
+
+    #[test]
+    fn h27_the_watchdog_cancels_a_running_handler_before_its_budget_ends() {
+        let set = InFlight::default();
+        let now = Instant::now();
+        let (d, c) = (delivery(1), ctx(1));
+        set.insert_waiting(&d, now + Duration::from_secs(2));
+        assert!(set.start(&d, c.clone(), now));
+        assert!(set.fence(now).is_empty());
+        // Renewed: the end moves out, and an older renewal answering late cannot pull it back.
+        let renewal = Renewal { renewed: vec![(1, Duration::from_secs(2))], busy: vec![] };
+        set.renewed(&d.queue, &[(1, 1)], &renewal, now + Duration::from_secs(1));
+        set.renewed(&d.queue, &[(1, 1)], &renewal, now);
+        assert!(set.fence(now + Duration::from_secs(2)).is_empty());
+        // Busy: neither renewed nor lost.
+        let busy = Renewal { renewed: vec![], busy: vec![1] };
+        assert_eq!(set.renewed(&d.queue, &[(1, 1)], &busy, now).busy, 1);
+        assert!(!c.is_cancelled());
+        let fenced = set.fence(now + Duration::from_secs(3) - FENCE_MARGIN);
+        assert_eq!(fenced.len(), 1);
+        assert_eq!(c.cancel_reason(), Some(CancelReason::LeaseLost));
+        assert_eq!(set.begin_finishing(&d), Finish::Lost);
+        assert_eq!(set.len(), 0);
+    }
+
+    #[test]
+    fn h27_a_delivery_whose_budget_is_nearly_over_never_starts() {
+        let set = InFlight::default();
+        let now = Instant::now();
+        let d = delivery(1);
+        set.insert_waiting(&d, now + FENCE_MARGIN);
+        assert!(!set.start(&d, ctx(1), now));
+        assert_eq!(set.len(), 0, "forgotten: its visibility lapses and it is delivered again");
+    }
+
+    #[test]
+    fn h28_a_finishing_delivery_settled_by_its_own_statement_is_not_lost() {
+        let set = InFlight::default();
+        let now = Instant::now();
+        let (d, c) = (delivery(1), ctx(1));
+        set.insert_waiting(&d, now + Duration::from_secs(2));
+        assert!(set.start(&d, c.clone(), now));
+        assert_eq!(set.begin_finishing(&d), Finish::Write);
+        let gone = Renewal::default();
+        assert_eq!(set.renewed(&d.queue, &[(1, 1)], &gone, now), Renewed::default());
+        assert!(set.lease_until(&d).is_some(), "its completion still retries until its lease ends");
+    }
+
+    #[test]
+    fn h30_shutdown_returns_a_delivery_only_after_its_handler_ended() {
+        let set = InFlight::default();
+        let now = Instant::now();
+        let (ended, stuck, waiting) = (delivery(1), delivery(2), delivery(3));
+        for d in [&ended, &stuck, &waiting] {
+            set.insert_waiting(d, now + Duration::from_secs(2));
+        }
+        assert!(set.start(&ended, ctx(1), now));
+        assert!(set.start(&stuck, ctx(2), now));
+        set.stop_waiting();
+        assert_eq!(set.take_stopped(), vec![waiting.clone()]);
+        assert_eq!(set.stop_running(), 2);
+        assert!(set.take_stopped().is_empty(), "nothing returned while handlers run");
+        assert_eq!(set.begin_finishing(&ended), Finish::Shutdown);
+        set.stopped(&ended, true);
+        set.stopped(&stuck, false);
+        assert_eq!(set.take_stopped(), vec![ended]);
+        assert!(set.lease_until(&stuck).is_none(), "a handler that would not stop is not returned");
     }
 }

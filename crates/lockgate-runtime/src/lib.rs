@@ -4,9 +4,11 @@
 //!
 //! The pipeline of one job: the fetch loop of a [`worker`] pool claims a batch of deliveries
 //! (one round trip per queue), registers each in the process's in-flight set (which the
-//! [`heartbeat`] renews), and runs its handler; the outcome goes to the completer (a batched,
-//! fenced archive), or to a fenced retry or dead-letter. See `supervisor` for the lifecycle.
+//! [`heartbeat`] renews and the pool's watchdog fences), and runs its handler; the outcome goes
+//! to the completer (a batched, fenced archive), or to a fenced retry or dead-letter. See
+//! `supervisor` for the lifecycle.
 
+mod budgets;
 mod client;
 pub mod config;
 mod error;

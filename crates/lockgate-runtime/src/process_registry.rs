@@ -3,10 +3,13 @@
 //! its own connection, prunes processes silent past the alive threshold, and deregisters on
 //! shutdown.
 //!
-//! A process that finds its own row gone was pruned as dead while it was alive (seed 000). It
-//! never carries on unregistered: it abandons every delivery it holds (the pruner made them
-//! visible; they are stale now and the fence makes their outcomes harmless), cancels their
-//! handlers, and registers again under a new id before its next claim is tagged.
+//! A process that finds its own row gone was pruned as dead while it was alive (seed 000, H26):
+//! its registry heartbeat stalled while its job heartbeats may well have kept renewing. It
+//! never carries on unregistered: it registers again under a new id before its next claim is
+//! tagged. It does not give up the deliveries it holds: a prune returns only the deliveries that
+//! were not renewed within the alive threshold, so the healthy ones are still owned by their
+//! delivery tokens and keep running; the job heartbeat re-tags them with the new id at its next
+//! tick, and finds out which ones, if any, were lost (their handlers are cancelled then).
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
@@ -170,11 +173,11 @@ impl ProcessRegistry {
 
     async fn on_pruned(&self, old_id: i64) -> Result<(), DbError> {
         self.health.set_registered(false);
-        let abandoned: usize = self.pools.iter().map(|p| p.in_flight.abandon_all()).sum();
+        let held: usize = self.pools.iter().map(|p| p.in_flight.len()).sum();
         tracing::error!(
             process_id = old_id,
-            abandoned,
-            "this process was pruned as dead while alive; abandoned its deliveries and is registering again"
+            held,
+            "this process was pruned as dead while alive; registering again (its renewed deliveries stay its own)"
         );
         self.register().await.map(|_| ())
     }

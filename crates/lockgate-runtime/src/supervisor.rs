@@ -12,8 +12,9 @@
 //! 1. the process reports draining, and every pool stops claiming (nothing is claimed without
 //!    a free slot, so no claimed job waits unstarted);
 //! 2. running jobs get `shutdown_timeout` to finish;
-//! 3. the rest are cancelled and returned to their queue, visible at once, keeping their
-//!    permits; that statement lands before the pool's `run` returns (G7);
+//! 3. the rest are cancelled, and each is returned to its queue, visible at once, keeping its
+//!    permit, once its handler (and every process it started) has ended (H30); that statement
+//!    lands before the pool's `run` returns (G7);
 //! 4. the heartbeat stops (it kept the leases of finishing jobs alive until now);
 //! 5. the registry stops, then the process deregisters;
 //! 6. the notifier, sweeps and health endpoints stop; `run` returns.
@@ -32,6 +33,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::budgets::Budget;
 use crate::health::{self, Health};
 use crate::heartbeat::Heartbeat;
 use crate::in_flight::InFlight;
@@ -98,12 +100,15 @@ impl Runtime {
         // The runtime's own pool: sized for its loops (not for handlers, which bring their own),
         // and without sqlx's ping before every acquire — a round trip per statement that the
         // loops do not need, since every one of them retries a statement that failed.
+        // Its statements have lock and statement budgets that fit inside the lease (H28); the
+        // caller's pool, which handlers and producers use, keeps its own settings.
         let total_concurrency: usize = self.pools.iter().map(|p| p.concurrency).sum();
         let connections = 4 + self.pools.len() + total_concurrency / 4;
+        let options = self.db.connect_options().as_ref().clone();
         let db = PgPoolOptions::new()
             .max_connections(u32::try_from(connections).unwrap_or(u32::MAX))
             .test_before_acquire(false)
-            .connect_with(self.db.connect_options().as_ref().clone())
+            .connect_with(Budget::runtime(&self.config).apply(options.clone()))
             .await
             .map_err(lockgate_sql::DbError::from)?;
         let services = CancellationToken::new();
@@ -131,7 +136,7 @@ impl Runtime {
         }
         let registry_db = PgPoolOptions::new()
             .max_connections(1)
-            .connect_with(self.db.connect_options().as_ref().clone())
+            .connect_with(Budget::registry(&self.config).apply(options.clone()))
             .await
             .map_err(lockgate_sql::DbError::from)?;
         let process_registry = Arc::new(ProcessRegistry::new(
@@ -166,11 +171,19 @@ impl Runtime {
             move |token| Arc::clone(&registry).run(token)
         }));
         let heartbeat_stop = CancellationToken::new();
+        // The heartbeat renews on a connection of its own, not one of the runtime pool's (H28).
         let heartbeat_task = tokio::spawn(supervise("heartbeat", health.clone(), heartbeat_stop.clone(), {
-            let (db, config, sets) = (db.clone(), self.config.clone(), sets.clone());
+            let connect = Budget::heartbeat(&self.config).apply(options.clone());
+            let (config, sets, owner) = (self.config.clone(), sets.clone(), Arc::clone(&process_registry.owner));
             move |token| {
-                Heartbeat::new(db.clone(), sets.clone(), config.heartbeat_interval, config.visibility_timeout)
-                    .run(token)
+                let beat = Heartbeat::new(
+                    connect.clone(),
+                    sets.clone(),
+                    config.heartbeat_interval,
+                    config.visibility_timeout,
+                    Arc::clone(&owner),
+                );
+                beat.run(token)
             }
         }));
 

@@ -15,7 +15,7 @@ use super::persist::persist;
 use super::slots::Slot;
 use super::Shared;
 use crate::handler::HandlerFailure;
-use crate::in_flight::Delivery;
+use crate::in_flight::{Delivery, Finish, ABORT_WAIT, CANCEL_GRACE};
 use crate::{CancelReason, JobContext, JobError};
 
 /// Runs one claimed delivery (registered as waiting in the in-flight set) to its final
@@ -36,17 +36,20 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
     let headers = match JobHeaders::decode(claim.headers.as_ref(), claim.msg_id) {
         Ok(headers) => headers,
         Err(reason) => {
-            return dead_letter_now(&shared, &claim, DeadLetterReason::Undecodable, &reason, claim.read_ct).await
+            return dead_letter_now(&shared, &claim, claimed_at, DeadLetterReason::Undecodable, &reason, claim.read_ct)
+                .await
         }
     };
     // Moved out, not copied: the statements that follow read the row, not this value.
     let Some(args) = claim.message.take().filter(|m| m.is_object()) else {
         let reason = "job arguments are not a JSON object";
-        return dead_letter_now(&shared, &claim, DeadLetterReason::Undecodable, reason, claim.read_ct).await;
+        return dead_letter_now(&shared, &claim, claimed_at, DeadLetterReason::Undecodable, reason, claim.read_ct)
+            .await;
     };
     let Some(policy) = shared.policies.get(&shared.db, &headers.job_type, claimed_at).await else {
         let reason = format!("job type {:?} is not defined in lockgate.job_types", headers.job_type);
-        return dead_letter_now(&shared, &claim, DeadLetterReason::UnknownJobType, &reason, claim.read_ct).await;
+        return dead_letter_now(&shared, &claim, claimed_at, DeadLetterReason::UnknownJobType, &reason, claim.read_ct)
+            .await;
     };
     let attempt = claim.attempt(&headers);
     if attempt > policy.max_attempts {
@@ -57,6 +60,7 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         return dead_letter_now(
             &shared,
             &claim,
+            claimed_at,
             DeadLetterReason::AttemptsExhausted,
             &reason,
             policy.max_attempts as i32,
@@ -73,15 +77,35 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         cancel: CancellationToken::new(),
         reason: Default::default(),
     };
-    if !shared.in_flight.start(&delivery, ctx.clone()) {
-        tracing::info!(job_id = %ctx.job_id, "claimed job given back before it started (shutdown or lease lost)");
+    if !shared.in_flight.start(&delivery, ctx.clone(), Instant::now()) {
+        tracing::info!(
+            job_id = %ctx.job_id,
+            "claimed job given back before it started (shutdown, lease lost, or too little budget left to start it)"
+        );
         return;
     }
-    let result = run_handler(&shared, &ctx, &policy, args).await;
-    if !shared.in_flight.begin_finishing(&delivery) {
-        // Shutdown is returning it, or its lease is lost: this delivery may write nothing more.
-        tracing::info!(job_id = %ctx.job_id, reason = ?ctx.cancel_reason(), "delivery given up without an outcome");
-        return;
+    let (result, ended) = run_handler(&shared, &ctx, &policy, args).await;
+    match shared.in_flight.begin_finishing(&delivery) {
+        Finish::Write => {}
+        Finish::Lost => {
+            // Its lease is lost or fenced: this delivery may write nothing more.
+            tracing::info!(job_id = %ctx.job_id, reason = ?ctx.cancel_reason(), ended, "delivery given up without an outcome");
+            if !ended {
+                tracing::warn!(job_id = %ctx.job_id, "the cancelled handler did not stop within its grace");
+            }
+            return;
+        }
+        Finish::Shutdown => {
+            // Returned to its queue by the pool only if the handler really ended (H30).
+            shared.in_flight.stopped(&delivery, ended);
+            if !ended {
+                tracing::warn!(
+                    job_id = %ctx.job_id,
+                    "handler did not stop within its grace: not returned to its queue, its visibility lapses instead"
+                );
+            }
+            return;
+        }
     }
     match result {
         Ok(()) => shared.completer.submit(delivery, ctx.job_id).await,
@@ -95,16 +119,18 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
 }
 
 /// Runs the handler until it returns, its timeout passes, or its cancellation fires (then it
-/// gets `CANCEL_GRACE` to return on its own before it is aborted).
+/// gets `CANCEL_GRACE` to return on its own before it is aborted). Also says whether the handler
+/// has ended: false only when an aborted handler's task was still not gone after `ABORT_WAIT`
+/// (it blocks its thread), so the delivery must not be given to anyone else by this process.
 async fn run_handler(
     shared: &Shared,
     ctx: &JobContext,
     policy: &JobPolicy,
     args: serde_json::Value,
-) -> Result<(), HandlerFailure> {
+) -> (Result<(), HandlerFailure>, bool) {
     let Some(handler) = shared.registry.handler(&ctx.job_type) else {
         let msg = format!("no handler for job type {:?} in this process", ctx.job_type);
-        return Err(HandlerFailure::Failed(JobError::new(msg)));
+        return (Err(HandlerFailure::Failed(JobError::new(msg))), true);
     };
     let call = handler(ctx.clone(), args);
     let timeout = policy.timeout;
@@ -125,20 +151,21 @@ async fn run_handler(
     }));
     tokio::select! {
         biased;
-        joined = &mut task.0 => joined_result(joined),
+        joined = &mut task.0 => (joined_result(joined), true),
         () = ctx.cancelled() => {
-            // Let the handler see the signal and wind down; then stop it.
+            // Let the handler see the signal and wind down; then stop it, and wait until its
+            // task is really gone (its destructors, such as a command's kill, have run).
             match tokio::time::timeout(CANCEL_GRACE, &mut task.0).await {
-                Ok(joined) => joined_result(joined),
-                Err(_) => Err(HandlerFailure::Failed(JobError::new("cancelled"))),
+                Ok(joined) => (joined_result(joined), true),
+                Err(_) => {
+                    task.0.abort();
+                    let ended = tokio::time::timeout(ABORT_WAIT, &mut task.0).await.is_ok();
+                    (Err(HandlerFailure::Failed(JobError::new("cancelled"))), ended)
+                }
             }
         }
     }
 }
-
-/// How long a cancelled handler may take to return on its own before it is aborted: enough to
-/// close a file or roll back a transaction, short enough not to delay a shutdown's return.
-const CANCEL_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Aborts the handler's task when the executor stops waiting for it.
 struct AbortOnDrop(tokio::task::JoinHandle<Result<(), HandlerFailure>>);
@@ -182,26 +209,15 @@ async fn fail(shared: &Shared, claim: &Claim, delivery: &Delivery, policy: &JobP
     }
 }
 
-/// Lands a retry or dead-letter statement through blips, under the in-flight gate.
+/// Lands a retry or dead-letter statement through blips. A heartbeat racing it cannot push a
+/// retry's backoff out: the renewal skips the rows the statement holds and never renews a message
+/// the retry marked as waiting.
 async fn finish<'a, F, Fut>(shared: &'a Shared, delivery: &Delivery, statement: F)
 where
     F: Fn(&'a lockgate_sql::PgPool) -> Fut,
     Fut: std::future::Future<Output = Result<bool, lockgate_sql::DbError>>,
 {
-    let result = persist(
-        "finish",
-        || shared.in_flight.lease_until(delivery),
-        || async {
-            let _gate = shared.in_flight.gate.read().await;
-            let result = statement(&shared.db).await;
-            if result.is_ok() {
-                // Still under the gate: no heartbeat can renew a retry's backoff away.
-                shared.in_flight.remove(delivery);
-            }
-            result
-        },
-    )
-    .await;
+    let result = persist("finish", || shared.in_flight.lease_until(delivery), || statement(&shared.db)).await;
     shared.in_flight.remove(delivery);
     match result {
         Ok((true, _)) => {}
@@ -211,9 +227,16 @@ where
 }
 
 /// Dead-letters a delivery that never reached a handler (it is not in the in-flight set).
-async fn dead_letter_now(shared: &Shared, claim: &Claim, reason: DeadLetterReason, error: &str, attempts: i32) {
+async fn dead_letter_now(
+    shared: &Shared,
+    claim: &Claim,
+    claimed_at: Instant,
+    reason: DeadLetterReason,
+    error: &str,
+    attempts: i32,
+) {
     tracing::warn!(reason = reason.as_str(), error, "dead-lettering undeliverable message");
-    let lease_until = Instant::now() + shared.config.visibility_timeout;
+    let lease_until = claimed_at + claim.budget;
     let attempts = u32::try_from(attempts).unwrap_or(1);
     let result = persist(
         "dead_letter",

@@ -1,15 +1,26 @@
 //! A worker pool: the fetch loop that claims deliveries from its queues in strict priority
-//! order whenever it has free capacity, the executors that run them, and the completer that
-//! archives them in batches.
+//! order whenever it has free capacity, the executors that run them, the completer that
+//! archives them in batches, and the watchdog that cancels a handler whose budget is running out.
 //!
 //! The pool claims ahead of its handler slots: jobs claimed ahead wait in memory (renewed by
 //! the heartbeat like running ones) for a handler slot, so a freed slot never waits a claim
 //! round trip. How far ahead adapts to the jobs' speed (see `slots`).
 //!
+//! Each queue's claim stands alone (H29): an error on one queue is logged and that queue alone
+//! waits before its next try, while the pool's other queues carry on.
+//!
+//! Self-fencing (H27): the watchdog ticks every `FENCE_TICK` on its own task, independent of the
+//! heartbeat (which may be stuck in a hung TCP call), and cancels every running handler whose
+//! budget, as last renewed, ends within `FENCE_MARGIN`, measured on this process's monotonic
+//! clock. A partitioned worker thus stops its handlers before the database can let anyone else
+//! take their permits.
+//!
 //! Shutdown (the pool's part of the supervisor's order): stop claiming and return the jobs
-//! claimed ahead at once; give running jobs `shutdown_timeout`; then cancel the rest and return
-//! them to their queue, visible at once, in one fenced statement per queue that lands before
-//! `run` returns; let finishing jobs land their outcome; stop the completer last.
+//! claimed ahead at once; give running jobs `shutdown_timeout`; then cancel the rest, wait for
+//! each handler to end (a command's whole process group killed and reaped), and return only
+//! those, visible at once, in one fenced statement per queue that lands before `run` returns
+//! (H30); a handler that will not stop within its grace is not returned, and its visibility
+//! lapses instead. Finishing jobs land their outcome; the completer stops last.
 
 mod completer;
 mod executor;
@@ -20,7 +31,7 @@ mod slots;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lockgate_core::{Claim, QueueName};
 use lockgate_sql::PgPool;
@@ -31,7 +42,7 @@ use slots::{ClaimSlots, Prefetch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::in_flight::{Delivery, InFlight};
+use crate::in_flight::{Delivery, InFlight, FENCE_TICK};
 use crate::policies::PolicyCache;
 use crate::{PoolConfig, Registry, RuntimeConfig};
 pub use completer::{complete_deliveries, Completion};
@@ -52,7 +63,7 @@ pub(crate) struct Shared {
     pub last_tick: Arc<AtomicI64>,
 }
 
-/// Pause after a failed claim, doubled up to the poll interval while the database is away.
+/// Pause after a failed claim on a queue, doubled up to the poll interval while it keeps failing.
 const CLAIM_RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// With a backlog, a claim waits this long for more free slots when fewer than half of
 /// `CLAIM_BATCH_TARGET` are free: a millisecond costs little next to a commit per claim.
@@ -89,21 +100,60 @@ impl WorkerPool {
     pub async fn run(self, shutdown: CancellationToken) {
         let Self { config, shared, completer, wake } = self;
         let completer = tokio::spawn(completer.run());
+        let fence_stop = CancellationToken::new();
+        let watchdog = tokio::spawn(watchdog(Arc::clone(&shared.in_flight), fence_stop.clone()));
         let tracker = TaskTracker::new();
         let slots = Arc::new(ClaimSlots::default());
         let running = Arc::new(Semaphore::new(config.concurrency));
         fetch_loop(&config, &shared, &slots, &running, &tracker, &wake, &shutdown).await;
         tracing::info!(pool = %config.name, held = shared.in_flight.len(), "pool stopped claiming");
         tracker.close();
-        release(&shared, false).await;
+        // Claimed ahead, never started: nothing to stop, so they go back at once.
+        shared.in_flight.stop_waiting();
+        return_stopped(&shared).await;
         if tokio::time::timeout(shared.config.shutdown_timeout, tracker.wait()).await.is_err() {
-            release(&shared, true).await;
+            let cancelled = shared.in_flight.stop_running();
+            tracing::info!(pool = %config.name, cancelled, "shutdown_timeout passed; cancelling running jobs");
+            // Every executor ends once its handler has ended, or once it gave up on one that
+            // would not stop (H30); only then are the stopped ones returned.
             tracker.wait().await;
+            return_stopped(&shared).await;
         }
         drop(shared);
         let _ = completer.await;
+        fence_stop.cancel();
+        let _ = watchdog.await;
         tracing::info!(pool = %config.name, "pool drained");
     }
+}
+
+/// The pool's self-fencing watchdog (H27): see the module docs.
+async fn watchdog(in_flight: Arc<InFlight>, stop: CancellationToken) {
+    let mut ticker = tokio::time::interval(FENCE_TICK);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        for fenced in in_flight.fence(Instant::now()) {
+            let Delivery { queue, msg_id, .. } = &fenced.delivery;
+            tracing::warn!(
+                %queue,
+                msg_id,
+                job_id = fenced.job_id.map(|id| id.0),
+                overdue_ms = fenced.overdue_by.as_millis() as u64,
+                "no renewal landed in time: cancelling the handler before its lease can end in the database"
+            );
+        }
+    }
+}
+
+/// A queue whose last claim failed waits until `until` before it is claimed from again (H29).
+struct QueueBackoff {
+    until: Instant,
+    pause: Duration,
 }
 
 async fn fetch_loop(
@@ -115,13 +165,13 @@ async fn fetch_loop(
     wake: &Notify,
     shutdown: &CancellationToken,
 ) {
-    let mut pause = CLAIM_RETRY_PAUSE;
     let mut backlog = false;
     let mut prefetch = Prefetch::new(config.concurrency);
     let mut conn = HeldConnection::new(shared.db.clone());
+    let mut backoff: HashMap<QueueName, QueueBackoff> = HashMap::new();
     loop {
         shared.last_tick.store(chrono::Utc::now().timestamp_millis(), Ordering::Relaxed);
-        let limit = prefetch.limit(std::time::Instant::now());
+        let limit = prefetch.limit(Instant::now());
         let mut permits = tokio::select! {
             biased;
             () = shutdown.cancelled() => return,
@@ -133,35 +183,29 @@ async fn fetch_loop(
             tokio::time::sleep(CLAIM_COALESCE).await;
             permits.extend(slots.try_take(limit));
         }
-        let claimed_at = std::time::Instant::now();
-        let claims = match claim_in_order(config, shared, &mut conn, permits.len()).await {
-            Ok(claims) => {
-                prefetch.observe_claim(claimed_at.elapsed());
-                pause = CLAIM_RETRY_PAUSE;
-                backlog = claims.len() == permits.len();
-                claims
-            }
-            Err(error) => {
-                tracing::warn!(pool = %config.name, %error, "claim failed; retrying");
-                drop(permits);
-                tokio::select! { () = shutdown.cancelled() => return, () = tokio::time::sleep(pause) => {} }
-                pause = (pause * 2).min(shared.config.poll_interval.max(CLAIM_RETRY_PAUSE));
-                continue;
-            }
-        };
+        let claimed_at = Instant::now();
+        let (claims, all_ok) = claim_in_order(config, shared, &mut conn, permits.len(), &mut backoff).await;
+        if all_ok {
+            prefetch.observe_claim(claimed_at.elapsed());
+        }
+        backlog = claims.len() == permits.len();
         if claims.is_empty() {
             drop(permits);
+            // A queue backing off is retried when its pause ends, even with no wake-up.
+            let poll = shared.config.poll_interval;
+            let retry = backoff.values().map(|b| b.until.saturating_duration_since(Instant::now())).min();
+            let idle = retry.map_or(poll, |r| r.min(poll));
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = wake.notified() => {}
-                () = tokio::time::sleep(shared.config.poll_interval) => {}
+                () = tokio::time::sleep(idle) => {}
             }
             continue;
         }
-        let lease_until = claimed_at + shared.config.visibility_timeout;
         for c in &claims {
             let delivery = Delivery { queue: c.queue.clone(), msg_id: c.msg_id, read_ct: c.read_ct };
-            shared.in_flight.insert_waiting(&delivery, lease_until);
+            // The claim's budget started before the claim was sent (H27).
+            shared.in_flight.insert_waiting(&delivery, claimed_at + c.budget);
         }
         // Start them in claim order (priority order) as handler slots free up; the next claim
         // goes out as soon as the last of this batch has started. On shutdown the ones not
@@ -179,26 +223,49 @@ async fn fetch_loop(
 }
 
 /// Claims up to `room` deliveries, earlier queues first; each queue's batch in priority order.
+/// Each queue stands alone (H29): one whose claim fails is logged and backs off, and the others
+/// are claimed from as usual. Returns the claims and whether every queue tried answered.
 async fn claim_in_order(
     config: &PoolConfig,
     shared: &Shared,
     conn: &mut HeldConnection,
     room: usize,
-) -> Result<Vec<Claim>, lockgate_sql::DbError> {
+    backoff: &mut HashMap<QueueName, QueueBackoff>,
+) -> (Vec<Claim>, bool) {
     let mut claimed = Vec::with_capacity(room);
+    let mut all_ok = true;
     for queue in &config.queues {
         let want = room - claimed.len();
         if want == 0 {
             break;
         }
+        if backoff.get(queue).is_some_and(|b| Instant::now() < b.until) {
+            continue;
+        }
         let owner = Some(shared.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
         let visibility = shared.config.visibility_timeout;
-        let mut batch =
-            conn.run(async |c| lockgate_sql::claim_as(c, queue, want as i32, visibility, owner).await).await?;
-        batch.sort_by_key(|c| (priority_of(c), c.msg_id));
-        claimed.extend(batch);
+        match conn.run(async |c| lockgate_sql::claim_as(c, queue, want as i32, visibility, owner).await).await {
+            Ok(mut batch) => {
+                backoff.remove(queue);
+                batch.sort_by_key(|c| (priority_of(c), c.msg_id));
+                claimed.extend(batch);
+            }
+            Err(error) => {
+                all_ok = false;
+                let longest = shared.config.poll_interval.max(CLAIM_RETRY_PAUSE);
+                let pause = backoff.get(queue).map_or(CLAIM_RETRY_PAUSE, |b| (b.pause * 2).min(longest));
+                backoff.insert(queue.clone(), QueueBackoff { until: Instant::now() + pause, pause });
+                tracing::warn!(
+                    pool = %config.name,
+                    %queue,
+                    %error,
+                    retry_in_ms = pause.as_millis() as u64,
+                    "claim failed on this queue; the pool's other queues carry on"
+                );
+            }
+        }
     }
-    Ok(claimed)
+    (claimed, all_ok)
 }
 
 /// The priority a claim's headers carry (0 when absent, as the claim's own ORDER BY reads it).
@@ -206,26 +273,18 @@ fn priority_of(claim: &Claim) -> i64 {
     claim.headers.as_ref().and_then(|h| h.get("priority")).and_then(serde_json::Value::as_i64).unwrap_or(0)
 }
 
-/// Shutdown: return every delivery claimed ahead (and, with `running`, every one still running)
-/// to its queue, visible at once (G7).
-async fn release(shared: &Shared, running: bool) {
-    let deliveries = shared.in_flight.begin_release(running);
+/// Shutdown: return every delivery no handler runs for any more to its queue, visible at once
+/// (G7), one fenced statement per queue.
+async fn return_stopped(shared: &Shared) {
     let mut by_queue: HashMap<QueueName, Vec<Delivery>> = HashMap::new();
-    for d in deliveries {
+    for d in shared.in_flight.take_stopped() {
         by_queue.entry(d.queue.clone()).or_default().push(d);
     }
     for (queue, deliveries) in by_queue {
         let tokens: Vec<(i64, i32)> = deliveries.iter().map(|d| (d.msg_id, d.read_ct)).collect();
         let lease_until = || deliveries.iter().map(|d| shared.in_flight.lease_until(d)).min().flatten();
-        let result = persist::persist("release", lease_until, || async {
-            let _gate = shared.in_flight.gate.read().await;
-            let result = lockgate_sql::release(&shared.db, &queue, &tokens).await;
-            if result.is_ok() {
-                deliveries.iter().for_each(|d| shared.in_flight.remove(d));
-            }
-            result
-        })
-        .await;
+        let result =
+            persist::persist("release", lease_until, || lockgate_sql::release(&shared.db, &queue, &tokens)).await;
         for d in &deliveries {
             shared.in_flight.remove(d);
         }
