@@ -1,48 +1,135 @@
 //! The command executor: runs a program with the job's arguments as JSON on stdin. Exit status
-//! 0 succeeds; otherwise the attempt fails with the end of stderr as its error. The child is
-//! killed if the attempt is cancelled (timeout, shutdown, lease lost), because the runtime drops
-//! the future and the child was spawned with `kill_on_drop`; and on an immediate exit (QUIT, a
-//! second TERM), which runs no destructors, `kill_children` kills every child still running so
-//! none outlives its process and runs beside the job's next delivery.
+//! 0 succeeds; otherwise the attempt fails with the end of stderr as its error.
+//!
+//! The program runs in a process group of its own (its pid is the group's id), so the program
+//! and every process it starts can be stopped together (H27, H30). When the attempt is cancelled
+//! (shutdown, lease lost, self-fencing), the handler sends SIGKILL to the whole group, reaps the
+//! program, and returns only once no process of the group is left alive: the runtime returns a
+//! job, or lets another worker take its permit, only after that. When the program exits on its
+//! own, whatever it left running in its group is killed the same way, so nothing of a finished
+//! job runs beside its key's next job. If the handler is dropped instead (its type's timeout, or
+//! the runtime aborting a handler past its grace), the group is killed from the drop. On an
+//! immediate exit (QUIT, a second TERM), which runs no destructors, `kill_children` kills every
+//! group still running. A process that leaves its group on purpose (`setsid`) is out of reach.
+//!
+//! Groups are killed with `kill -KILL -- -<pgid>` (kill(1), POSIX) rather than a libc call: the
+//! workspace forbids unsafe code, and this saves a dependency for a call made once per job.
 
 use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::process::Stdio;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use lockgate::{JobContext, JobError, RawHandler};
 use serde_json::Value;
-use tokio::io::AsyncWriteExt;
-use tokio::process::Command;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
 
 /// Errors keep the last 2 KiB of stderr: enough to diagnose, bounded for the attempt history.
 const STDERR_TAIL: usize = 2048;
 
-/// Pids of running children: inserted at spawn, removed when the child is reaped.
-static CHILDREN: Mutex<Option<HashSet<u32>>> = Mutex::new(None);
+/// How long stderr may stay open once the group is gone (a process that left the group with
+/// `setsid` may hold it): the error message is not worth waiting longer for.
+const STDERR_DRAIN: Duration = Duration::from_millis(100);
 
-fn children() -> std::sync::MutexGuard<'static, Option<HashSet<u32>>> {
-    CHILDREN.lock().unwrap_or_else(|e| e.into_inner())
+/// How often a killed group is checked for survivors.
+const REAP_POLL: Duration = Duration::from_millis(5);
+
+/// Process group ids of running commands: inserted at spawn, removed once the group is gone.
+static GROUPS: Mutex<Option<HashSet<u32>>> = Mutex::new(None);
+
+fn groups() -> std::sync::MutexGuard<'static, Option<HashSet<u32>>> {
+    GROUPS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Kills every command child still running (for exits that skip destructors).
+/// Kills every command's process group still running (for exits that skip destructors).
 pub fn kill_children() {
-    let pids: Vec<String> = children().iter().flatten().map(|pid| pid.to_string()).collect();
-    if !pids.is_empty() {
-        let _ = std::process::Command::new("kill").arg("-KILL").args(&pids).status();
+    let targets: Vec<String> = groups().iter().flatten().map(|pgid| format!("-{pgid}")).collect();
+    if !targets.is_empty() {
+        let _ = std::process::Command::new("kill")
+            .arg("-KILL")
+            .arg("--")
+            .args(&targets)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
     }
 }
 
-/// Forgets a child's pid when its wait ends (or is abandoned).
-struct Tracked(Option<u32>);
+/// One command's process group, killed when the handler is dropped before it was reaped.
+struct Group {
+    pgid: u32,
+    gone: bool,
+}
 
-impl Drop for Tracked {
+impl Group {
+    fn new(pgid: u32) -> Self {
+        groups().get_or_insert_with(HashSet::new).insert(pgid);
+        Self { pgid, gone: false }
+    }
+
+    /// Kills every process of the group, reaps the program, and waits until no process of the
+    /// group is alive (its other members are reaped by whoever inherited them).
+    async fn kill_and_reap(&mut self, child: &mut Child) {
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.pgid)])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await;
+        let _ = child.wait().await;
+        while group_alive(self.pgid) {
+            tokio::time::sleep(REAP_POLL).await;
+        }
+        self.gone = true;
+    }
+}
+
+impl Drop for Group {
     fn drop(&mut self) {
-        if let (Some(pid), Some(set)) = (self.0, children().as_mut()) {
-            set.remove(&pid);
+        if !self.gone {
+            // Dropped mid-run: no await is possible here, so kill synchronously; the program
+            // itself is reaped by tokio (`kill_on_drop`).
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.pgid)])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        if let Some(set) = groups().as_mut() {
+            set.remove(&self.pgid);
         }
     }
+}
+
+/// Whether any process of group `pgid` is alive (not a zombie), read from /proc. Where /proc is
+/// not readable, kill(1) with signal 0 answers instead (zombies count as alive there).
+fn group_alive(pgid: u32) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return std::process::Command::new("kill")
+            .args(["-0", "--", &format!("-{pgid}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+    };
+    dir.flatten().filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()).any(|pid| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| in_group_and_alive(&stat, pgid))
+    })
+}
+
+/// Parses `/proc/<pid>/stat`: `pid (comm) state ppid pgrp ...`; comm may hold spaces and
+/// parentheses, so the fields are read after the last `)`.
+fn in_group_and_alive(stat: &str, pgid: u32) -> bool {
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+        return false;
+    };
+    let mut fields = rest.split_whitespace();
+    let state = fields.next();
+    let pgrp = fields.nth(1).and_then(|p| p.parse::<u32>().ok());
+    pgrp == Some(pgid) && !matches!(state, Some("Z" | "X" | "x"))
 }
 
 pub struct CommandExecutor {
@@ -64,34 +151,69 @@ impl CommandExecutor {
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| JobError::new(format!("could not start {program}: {e}")))?;
-        let _tracked = Tracked(child.id());
-        if let Some(pid) = child.id() {
-            children().get_or_insert_with(HashSet::new).insert(pid);
-        }
-        if let Some(mut stdin) = child.stdin.take() {
-            // A program that exits without reading its input is not an error of ours.
-            let _ = stdin.write_all(args.to_string().as_bytes()).await;
-        }
-        let output = child.wait_with_output().await?;
-        if output.status.success() {
+        let pgid = child.id().ok_or_else(|| JobError::new(format!("{program} exited before it could be tracked")))?;
+        let mut group = Group::new(pgid);
+        // stderr is read from the start (a full pipe would block the program) and kept apart,
+        // since a process the program left behind may hold it open until the group is killed.
+        let stderr = child.stderr.take().map(|mut pipe| {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let _ = pipe.read_to_end(&mut buf).await;
+                buf
+            })
+        });
+        let stdin = child.stdin.take();
+        let input = args.to_string();
+        let feed = async move {
+            if let Some(mut stdin) = stdin {
+                // A program that exits without reading its input is not an error of ours.
+                let _ = stdin.write_all(input.as_bytes()).await;
+            }
+        };
+        let status = tokio::select! {
+            (_, status) = async { tokio::join!(feed, child.wait()) } => Some(status),
+            () = ctx.cancelled() => None,
+        };
+        group.kill_and_reap(&mut child).await;
+        let Some(status) = status else {
+            return Err(JobError::new(format!("{program} was cancelled ({:?})", ctx.cancel_reason())));
+        };
+        let status = status?;
+        if status.success() {
             return Ok(());
         }
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let tail = &stderr[stderr.len().saturating_sub(STDERR_TAIL)..];
-        let tail = tail.trim();
-        Err(JobError::new(if tail.is_empty() {
-            format!("{program} exited with {}", output.status)
-        } else {
-            tail.to_string()
-        }))
+        let stderr = match stderr {
+            Some(task) => tokio::time::timeout(STDERR_DRAIN, task).await.ok().and_then(Result::ok).unwrap_or_default(),
+            None => Vec::new(),
+        };
+        let stderr = String::from_utf8_lossy(&stderr);
+        let from = (stderr.len().saturating_sub(STDERR_TAIL)..stderr.len())
+            .find(|i| stderr.is_char_boundary(*i))
+            .unwrap_or(stderr.len());
+        let tail = stderr[from..].trim();
+        Err(JobError::new(if tail.is_empty() { format!("{program} exited with {status}") } else { tail.to_string() }))
     }
 }
 
 impl RawHandler for CommandExecutor {
     fn call(&self, ctx: JobContext, args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
         Box::pin(self.run(ctx, args))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_lines_are_read_after_the_command_name() {
+        assert!(in_group_and_alive("42 (sleep) S 1 40 40 0", 40));
+        assert!(!in_group_and_alive("42 (sleep) Z 1 40 40 0", 40), "a zombie has ended");
+        assert!(!in_group_and_alive("42 (sleep) S 1 41 41 0", 40));
+        assert!(in_group_and_alive("42 (a) b (c) R 1 40 40 0", 40));
     }
 }
