@@ -56,7 +56,11 @@ impl Running {
         concurrency: usize,
     ) -> Self {
         let pools = vec![PoolConfig::new("test", queues.iter().map(|q| queue(q)).collect(), concurrency)];
-        let runtime = Runtime::new(pool, config, registry, pools).expect("valid runtime");
+        Self::spawn(Runtime::new(pool, config, registry, pools).expect("valid runtime"))
+    }
+
+    /// Runs a runtime the caller built (e.g. one with a name of its own).
+    pub fn spawn(runtime: Runtime) -> Self {
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(runtime.run(shutdown.clone()));
         Self { shutdown, task }

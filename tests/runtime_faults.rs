@@ -1,0 +1,400 @@
+//! The runtime under the faults that broke it (issue 10): a producer transaction held open on a
+//! key while a completion of that key blocks (H28), a worker partitioned from the database while
+//! it holds a limit-1 job (H27), a process whose registry heartbeat stalls while its jobs renew
+//! (H26), a queue whose claim fails beside healthy ones (H29), and shutdown returning a job only
+//! after its handler has ended (H30).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use common::{install_permit_monitor, max_overlap, queue, test_config, Counter, Running, WAIT};
+use lockgate::{
+    CancelReason, Client, ConcurrencyPolicy, EnqueueOptions, JobContext, JobError, JobPolicy, JobTypeName, OnConflict,
+    PgPool, PoolConfig, RawHandler, Registry, Runtime, RuntimeConfig,
+};
+use lockgate_testkit::{wait_for, wait_for_count, FaultProxy, TestDb};
+use serde_json::{json, Value};
+use sqlx::Connection;
+
+fn limited(queue_name: &str, limit: u32, duration: Duration) -> JobPolicy {
+    let mut policy = JobPolicy::on_queue(queue(queue_name));
+    policy.concurrency =
+        Some(ConcurrencyPolicy { limit, key: vec!["key".into()], duration, on_conflict: OnConflict::Block });
+    policy
+}
+
+/// Records every start (in memory and in `runs`), sleeps `args.ms` unless cancelled, and records
+/// its end, or, when cancelled, why and whether its visibility and lease were still live in the
+/// database at that instant.
+struct Probe {
+    /// A direct pool: the handler's own writes never go through a worker's faulty network.
+    pool: PgPool,
+    worker: i32,
+    starts: Counter,
+    /// The first run of this worker sleeps this long instead of `args.ms`.
+    first_ms: Option<u64>,
+    /// Jobs with `"hold": true` run until the test notifies this.
+    hold: Arc<tokio::sync::Notify>,
+    cancels: Arc<Mutex<Vec<Cancelled>>>,
+}
+
+#[derive(Debug, Clone)]
+struct Cancelled {
+    reason: Option<CancelReason>,
+    visible_later: bool,
+    lease_live: Option<bool>,
+}
+
+impl RawHandler for Probe {
+    fn call(&self, ctx: JobContext, args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(async move {
+            let first = self.starts.bump() == 1;
+            let key = args["key"].to_string();
+            common::run_started(&self.pool, ctx.job_id.0, &key, self.worker).await;
+            let ms = self.first_ms.filter(|_| first).unwrap_or_else(|| args["ms"].as_u64().unwrap_or(10));
+            let hold = args["hold"].as_bool().unwrap_or(false);
+            let work = async {
+                if hold {
+                    self.hold.notified().await;
+                } else {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+            };
+            tokio::select! {
+                () = work => {}
+                () = ctx.cancelled() => {
+                    let (visible_later, lease_live): (bool, Option<bool>) = sqlx::query_as(&format!(
+                        "SELECT (SELECT vt > clock_timestamp() FROM pgmq.q_{q} WHERE msg_id = $1),
+                                (SELECT expires_at > clock_timestamp() FROM lockgate.leases WHERE msg_id = $1)",
+                        q = ctx.queue
+                    ))
+                    .bind(ctx.msg_id)
+                    .fetch_one(&self.pool)
+                    .await
+                    .unwrap();
+                    let reason = ctx.cancel_reason();
+                    self.cancels.lock().unwrap().push(Cancelled { reason, visible_later, lease_live });
+                }
+            }
+            common::run_ended(&self.pool, ctx.job_id.0, self.worker).await;
+            Ok(())
+        })
+    }
+}
+
+fn probe_registry(probe: Probe, types: &[(&str, JobPolicy)]) -> Registry {
+    let probe = Arc::new(probe);
+    let mut registry = Registry::new();
+    for (name, policy) in types {
+        registry.register_raw(JobTypeName::new(*name).unwrap(), policy.clone(), probe.clone()).unwrap();
+    }
+    registry
+}
+
+fn probe(db: &TestDb, worker: i32, starts: &Counter) -> Probe {
+    Probe {
+        pool: db.pool.clone(),
+        worker,
+        starts: starts.clone(),
+        first_ms: None,
+        hold: Arc::default(),
+        cancels: Arc::default(),
+    }
+}
+
+async fn define(db: &TestDb, types: &[(&str, JobPolicy)]) -> Client {
+    let client = Client::new(db.pool.clone());
+    for (name, policy) in types {
+        client.define_job_type(&JobTypeName::new(*name).unwrap(), policy).await.unwrap();
+    }
+    client
+}
+
+async fn started(db: &TestDb, job_id: i64) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM runs WHERE job_id = $1").bind(job_id).fetch_one(&db.pool).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h28_a_producer_transaction_held_open_on_a_key_never_delays_other_renewals() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types =
+        [("lim", limited("default", 2, Duration::from_secs(30))), ("long", JobPolicy::on_queue(queue("default")))];
+    let client = define(&db, &types).await;
+    let long =
+        client.enqueue_raw("long", &json!({"key": "l", "ms": 60_000}), &EnqueueOptions::default()).await.unwrap();
+    let held = client.enqueue_raw("lim", &json!({"key": 1, "hold": true}), &EnqueueOptions::default()).await.unwrap();
+    let (starts, config) = (Counter::default(), test_config());
+    let probe = probe(&db, 0, &starts);
+    let (hold, cancels) = (Arc::clone(&probe.hold), Arc::clone(&probe.cancels));
+    let running = Running::start(&db, config.clone(), probe_registry(probe, &types), &["default"], 4).await;
+    wait_for("both jobs to start", WAIT, || async {
+        Ok((started(&db, long.job_id.0).await == 1 && started(&db, held.job_id.0).await == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    // A producer enqueues on key 1 in a transaction it keeps open: it holds the key's semaphore
+    // row. Then key 1's running job finishes, and its completion waits for that row.
+    let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let mut tx = producer.begin().await.unwrap();
+    sqlx::query("SELECT lockgate.enqueue('lim', '{\"key\": 1, \"ms\": 10}')").execute(&mut *tx).await.unwrap();
+    hold.notify_one();
+    let blocked_at: chrono::DateTime<chrono::Utc> =
+        wait_for("a completion blocked behind the producer's lock", WAIT, || async {
+            Ok(sqlx::query_scalar(
+                "SELECT now() FROM pg_stat_activity
+                  WHERE datname = current_database() AND wait_event_type = 'Lock' LIMIT 1",
+            )
+            .fetch_optional(&db.pool)
+            .await?)
+        })
+        .await
+        .unwrap();
+    // While the transaction stays open, the long job keeps being renewed, well past the point
+    // where its visibility would have lapsed had renewals waited behind the completion.
+    let past_lapse = blocked_at + config.visibility_timeout * 2;
+    wait_for("the long job renewed past two visibility timeouts", WAIT, || async {
+        let vt: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT vt FROM pgmq.q_default WHERE msg_id = $1")
+            .bind(long.msg_id)
+            .fetch_one(&db.pool)
+            .await?;
+        Ok((vt > past_lapse).then_some(()))
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    // Both limited jobs end (the held one's completion landed once the row was free).
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 2, WAIT).await.unwrap();
+    running.stop().await;
+    assert_eq!(started(&db, long.job_id.0).await, 1, "the long job was started exactly once");
+    assert_eq!(started(&db, held.job_id.0).await, 1, "the blocked completion landed: its job ran once");
+    let reasons: Vec<_> = cancels.lock().unwrap().iter().map(|c| c.reason).collect();
+    assert_eq!(reasons, vec![Some(CancelReason::Shutdown)], "only shutdown ever cancelled the long job");
+    common::assert_invariants_after_sweep(&db).await;
+}
+
+fn fast_config() -> RuntimeConfig {
+    RuntimeConfig { sweep_interval: Duration::from_millis(200), ..test_config() }
+}
+
+async fn archived_jobs(db: &TestDb) -> i64 {
+    sqlx::query_scalar("SELECT count(DISTINCT COALESCE((headers->>'job_id')::bigint, msg_id)) FROM pgmq.a_default")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h27_a_partitioned_worker_cancels_its_handler_before_its_lease_can_expire() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types = [("serial", limited("default", 1, Duration::from_secs(2)))];
+    let client = define(&db, &types).await;
+    for n in 0..2 {
+        client.enqueue_raw("serial", &json!({"key": 1, "ms": 10, "n": n}), &EnqueueOptions::default()).await.unwrap();
+    }
+    // Worker 0 reaches the database only through a proxy; its first job would run a minute.
+    let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let proxied = lockgate::PgPoolOptions::new().max_connections(3).connect(&proxy.url_for(&db.url)).await.unwrap();
+    let mut partitioned = probe(&db, 0, &Counter::default());
+    partitioned.first_ms = Some(60_000);
+    let cancels = Arc::clone(&partitioned.cancels);
+    let w0 = Running::start_on(proxied, fast_config(), probe_registry(partitioned, &types), &["default"], 1);
+    wait_for("worker 0 to start a job", WAIT, || async {
+        db.count("SELECT 1 FROM runs WHERE worker = 0").await.map(|n| (n > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    // Partition it: its renewals (and everything else it says) stop reaching the database.
+    proxy.freeze();
+    let w1 =
+        Running::start(&db, fast_config(), probe_registry(probe(&db, 1, &Counter::default()), &types), &["default"], 1)
+            .await;
+    let cancelled =
+        wait_for("worker 0 to cancel its own handler", WAIT, || async { Ok(cancels.lock().unwrap().first().cloned()) })
+            .await
+            .unwrap();
+    assert_eq!(cancelled.reason, Some(CancelReason::LeaseLost));
+    assert!(cancelled.visible_later, "cancelled while its message was still invisible to everyone else");
+    assert_eq!(cancelled.lease_live, Some(true), "cancelled while its lease was still live in the database");
+    wait_for("both jobs archived by worker 1", WAIT, || async { Ok((archived_jobs(&db).await == 2).then_some(())) })
+        .await
+        .unwrap();
+    proxy.thaw();
+    w0.stop().await;
+    w1.stop().await;
+    assert_eq!(max_overlap(&db.pool, -1).await, vec![("1".to_string(), 1)], "no overlap, counting every worker");
+    let (ended, next_start): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) = sqlx::query_as(
+        "SELECT (SELECT ended_at FROM runs WHERE worker = 0), (SELECT min(started_at) FROM runs WHERE worker = 1)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(ended < next_start, "worker 1 was admitted only after worker 0's handler ended");
+    common::assert_invariants_after_sweep(&db).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h26_a_process_pruned_while_its_jobs_renew_keeps_running_them() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types = [("work", JobPolicy::on_queue(queue("default")))];
+    let client = define(&db, &types).await;
+    let job = client.enqueue_raw("work", &json!({"key": 1, "ms": 4000}), &EnqueueOptions::default()).await.unwrap();
+    let config = RuntimeConfig {
+        process_heartbeat_interval: Duration::from_millis(200),
+        alive_threshold: Duration::from_secs(1),
+        ..test_config()
+    };
+    let starts = Counter::default();
+    let victim_probe = probe(&db, 0, &starts);
+    let cancels = Arc::clone(&victim_probe.cancels);
+    let pools = vec![PoolConfig::new("test", vec![queue("default")], 1)];
+    let runtime =
+        Runtime::new(db.new_pool(2).await.unwrap(), config.clone(), probe_registry(victim_probe, &types), pools)
+            .unwrap()
+            .with_name("victim");
+    let victim = Running::spawn(runtime);
+    wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+    let first_id: i64 = sqlx::query_scalar("SELECT id FROM lockgate.processes WHERE name = 'victim'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    // The victim's registry heartbeat stalls (its statements land, but its row's heartbeat time
+    // stays put), while its job heartbeat carries on.
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.stall_victim() RETURNS trigger LANGUAGE plpgsql AS
+             $$ BEGIN NEW.last_heartbeat_at := OLD.last_heartbeat_at; RETURN NEW; END $$;
+         CREATE TRIGGER stall_victim BEFORE UPDATE ON lockgate.processes
+             FOR EACH ROW WHEN (OLD.name = 'victim') EXECUTE FUNCTION public.stall_victim();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // Another process on the same queue prunes it, and would run the job if it were given up.
+    let other = Running::start(&db, config, probe_registry(probe(&db, 1, &starts), &types), &["default"], 1).await;
+    let second_id: i64 = wait_for("the victim to be pruned and to register again", WAIT, || async {
+        Ok(sqlx::query_scalar("SELECT id FROM lockgate.processes WHERE name = 'victim' AND id <> $1")
+            .bind(first_id)
+            .fetch_optional(&db.pool)
+            .await?)
+    })
+    .await
+    .unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    other.stop().await;
+    victim.stop().await;
+    assert_eq!(starts.get(), 1, "the job ran once, by the pruned process");
+    assert_eq!(started(&db, job.job_id.0).await, 1);
+    assert!(cancels.lock().unwrap().is_empty(), "the pruned process never cancelled its healthy job");
+    let (read_ct, owner): (i32, i64) =
+        sqlx::query_as("SELECT read_ct, (headers->>'owner')::bigint FROM pgmq.a_default")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(read_ct, 1, "delivered once");
+    assert!(owner >= second_id, "renewals re-tagged the message with the new registration ({owner} < {second_id})");
+    common::assert_invariants_after_sweep(&db).await;
+}
+
+#[tokio::test]
+async fn h29_a_queue_whose_claim_fails_never_stops_the_pools_other_queues() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types = [("good_work", JobPolicy::on_queue(queue("good")))];
+    let client = define(&db, &types).await;
+    let starts = Counter::default();
+    // "bad" comes first in the pool's order, so its failing claim runs before every claim of "good".
+    let running =
+        Running::start(&db, test_config(), probe_registry(probe(&db, 0, &starts), &types), &["bad", "good"], 2).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'", 1, WAIT)
+        .await
+        .unwrap();
+    sqlx::query("DROP TABLE pgmq.q_bad").execute(&db.pool).await.unwrap();
+    for n in 0..5 {
+        client.enqueue_raw("good_work", &json!({"n": n}), &EnqueueOptions::default()).await.unwrap();
+    }
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_good", 5, WAIT).await.unwrap();
+    running.stop().await;
+    assert_eq!(starts.get(), 5);
+}
+
+/// Runs until cancelled; then takes `wind_down` to return (awaiting, or blocking its thread), and
+/// records the wall-clock instant it ended, however it ended (returned or dropped).
+struct Stubborn {
+    starts: Counter,
+    wind_down: Duration,
+    blocking: bool,
+    ended: Arc<Mutex<Option<SystemTime>>>,
+}
+
+struct RecordEnd(Arc<Mutex<Option<SystemTime>>>);
+
+impl Drop for RecordEnd {
+    fn drop(&mut self) {
+        *self.0.lock().unwrap() = Some(SystemTime::now());
+    }
+}
+
+impl RawHandler for Stubborn {
+    fn call(&self, ctx: JobContext, _args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(async move {
+            let _end = RecordEnd(Arc::clone(&self.ended));
+            self.starts.bump();
+            ctx.cancelled().await;
+            if self.blocking {
+                std::thread::sleep(self.wind_down);
+            } else {
+                tokio::time::sleep(self.wind_down).await;
+            }
+            Ok(())
+        })
+    }
+}
+
+async fn stubborn_run(wind_down: Duration, blocking: bool) -> (TestDb, Option<SystemTime>) {
+    let db = TestDb::migrated().await.unwrap();
+    let types = [("stubborn", JobPolicy::on_queue(queue("default")))];
+    let client = define(&db, &types).await;
+    client.enqueue_raw("stubborn", &json!({}), &EnqueueOptions::default()).await.unwrap();
+    let (starts, ended) = (Counter::default(), Arc::new(Mutex::new(None)));
+    let handler = Arc::new(Stubborn { starts: starts.clone(), wind_down, blocking, ended: Arc::clone(&ended) });
+    let mut registry = Registry::new();
+    registry.register_raw(JobTypeName::new("stubborn").unwrap(), types[0].1.clone(), handler).unwrap();
+    let config = RuntimeConfig { shutdown_timeout: Duration::from_millis(200), ..test_config() };
+    let running = Running::start(&db, config, registry, &["default"], 1).await;
+    wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+    running.stop().await;
+    let ended = *ended.lock().unwrap();
+    (db, ended)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h30_shutdown_returns_a_job_only_after_its_handler_has_ended() {
+    // The handler takes 50 ms to wind down after shutdown cancels it, within its grace.
+    let (db, ended) = stubborn_run(Duration::from_millis(50), false).await;
+    let ended: chrono::DateTime<chrono::Utc> = ended.expect("the handler ended before the runtime stopped").into();
+    let (returned_at, returns): (chrono::DateTime<chrono::Utc>, Option<i32>) =
+        sqlx::query_as("SELECT vt, (headers->>'returns')::int FROM pgmq.q_default").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(returns, Some(1), "returned to its queue");
+    assert!(returned_at >= ended, "returned at {returned_at}, before its handler ended at {ended}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn h30_a_handler_that_will_not_stop_is_not_returned_and_its_visibility_lapses_instead() {
+    // The handler blocks its thread for 1.5 s after shutdown cancels it: it cannot be aborted.
+    let (db, ended) = stubborn_run(Duration::from_millis(1500), true).await;
+    assert!(ended.is_none(), "the runtime stopped while the handler was still running");
+    let (invisible, returns): (bool, Option<i32>) =
+        sqlx::query_as("SELECT vt > clock_timestamp(), (headers->>'returns')::int FROM pgmq.q_default")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(invisible && returns.is_none(), "not returned while its handler runs; its visibility lapses instead");
+}
