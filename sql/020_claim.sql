@@ -147,6 +147,9 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
         WHEN jsonb_typeof(headers->'returns') NOT IN ('number', 'null')
           OR (jsonb_typeof(headers->'returns') = 'number' AND headers->>'returns' !~ '^[0-9]{1,9}$') THEN
             format('returns %s in the headers is not a count', headers->'returns')
+        WHEN jsonb_typeof(headers->'attempts_before') NOT IN ('number', 'null')
+          OR (jsonb_typeof(headers->'attempts_before') = 'number' AND headers->>'attempts_before' !~ '^[0-9]{1,9}$') THEN
+            format('attempts_before %s in the headers is not a count', headers->'attempts_before')
         WHEN message IS NULL OR jsonb_typeof(message) <> 'object' THEN
             format('job arguments are not a JSON object (got %s)', COALESCE(jsonb_typeof(message), 'none'))
     END
@@ -212,10 +215,14 @@ BEGIN
         RETURN lease_end;
     END IF;
     EXECUTE format('DELETE FROM %s m WHERE m.msg_id = $1 AND m.read_ct = $2', tbl) USING c.msg_id, c.read_ct;
-    -- Promoted later as a new message, the job keeps its id in the headers.
+    -- Promoted later as a new message (read_ct 0), the job keeps its id in the headers, and the
+    -- attempts its earlier deliveries made in attempts_before (this one never ran, H32).
     INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
     VALUES (ckey, queue, jt.name, job, c.message,
-            c.headers - 'returns' - 'retry_at' - 'owner' || jsonb_build_object('job_id', job),
+            c.headers - 'returns' - 'retry_at' - 'owner'
+                || jsonb_build_object('job_id', job, 'attempts_before',
+                       COALESCE((c.headers->>'attempts_before')::integer, 0)
+                       + GREATEST(c.read_ct - 1 - COALESCE((c.headers->>'returns')::integer, 0), 0)),
             COALESCE((c.headers->>'priority')::smallint, 0), clock_timestamp());
     RETURN NULL;
 END $$;

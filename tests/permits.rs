@@ -489,3 +489,45 @@ async fn h31_a_mixed_load_of_every_path_shows_no_deadlock() {
     sweep(&db.pool).await;
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
+
+#[tokio::test]
+async fn h32_a_job_parked_again_at_claim_keeps_counting_its_attempts() {
+    let db = limited(1, 60_000).await;
+    let (m, m_job, _) = enqueue(&db.pool, 1).await;
+    assert_eq!(claim(&db.pool, 1).await.len(), 1, "M's first attempt starts (and its worker dies)");
+    // M's holder went silent; the sweep frees the permit and a new job Q takes it.
+    lapse_leases(&db.pool).await;
+    lapse_visibility(&db.pool).await;
+    assert_eq!(sweep(&db.pool).await.0, 1);
+    let (q, _, status) = enqueue(&db.pool, 1).await;
+    assert_eq!(status, "enqueued");
+    // M's next delivery finds the key full and parks: it never ran, and its first run counts.
+    let claimed = claim(&db.pool, 10).await;
+    assert_eq!(claimed.iter().map(|d| d.0).collect::<Vec<_>>(), vec![q.unwrap()]);
+    let q = claimed[0];
+    sqlx::query("SELECT lockgate.complete('default', $1, $2)")
+        .bind(vec![q.0])
+        .bind(vec![q.1])
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let promoted: (i64, i32, serde_json::Value) =
+        sqlx::query_as("SELECT msg_id, read_ct, headers FROM lockgate.claim('default', 1, 30)")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_ne!(Some(promoted.0), m, "promoted as a new message");
+    let headers = lockgate::JobHeaders::decode(Some(&promoted.2), promoted.0).unwrap();
+    assert_eq!(headers.job_id.0, m_job);
+    let claim = lockgate::Claim {
+        queue: lockgate::QueueName::new("default").unwrap(),
+        msg_id: promoted.0,
+        read_ct: promoted.1,
+        enqueued_at: chrono::Utc::now(),
+        message: None,
+        headers: Some(promoted.2.clone()),
+        budget: Duration::from_secs(30),
+    };
+    assert_eq!(claim.attempt(&headers), 2, "the run before parking counts: {}", promoted.2);
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}

@@ -119,6 +119,10 @@ pub struct JobHeaders {
     /// How many times a shutdown returned this job to its queue; those deliveries are not
     /// attempts (G7: a job that was only being shut down is not failed).
     pub returns: i32,
+    /// Attempts made by the job's earlier messages: a job parked again at claim (its lease
+    /// lapsed and its key was full) is promoted as a new message whose `read_ct` starts over,
+    /// so its count carries on here (H32).
+    pub attempts_before: i32,
 }
 
 /// The headers as stored: `job_id` and `priority` may be absent.
@@ -131,6 +135,8 @@ struct StoredHeaders {
     priority: i16,
     #[serde(default)]
     returns: i32,
+    #[serde(default)]
+    attempts_before: i32,
 }
 
 impl JobHeaders {
@@ -146,6 +152,7 @@ impl JobHeaders {
             job_type: stored.job_type,
             priority: stored.priority,
             returns: stored.returns,
+            attempts_before: stored.attempts_before,
         })
     }
 }
@@ -167,10 +174,11 @@ pub struct Claim {
 }
 
 impl Claim {
-    /// The attempt this delivery is: deliveries minus shutdown returns. A delivery lost to a
-    /// crash counts as an attempt, so a job that kills its worker cannot loop forever.
+    /// The attempt this delivery is: deliveries minus shutdown returns, plus the attempts of
+    /// the job's earlier messages. A delivery lost to a crash counts as an attempt, so a job
+    /// that kills its worker cannot loop forever.
     pub fn attempt(&self, headers: &JobHeaders) -> u32 {
-        u32::try_from(self.read_ct - headers.returns).unwrap_or(1).max(1)
+        u32::try_from(self.read_ct - headers.returns + headers.attempts_before).unwrap_or(1).max(1)
     }
 }
 
