@@ -1,5 +1,6 @@
 //! Processes that survive the real world, with the real binary: pruning a live worker that was
 //! frozen (seed 000), TERM with a job that outlives `shutdown_timeout`, twenty times (seed 002),
+//! TERM returning a command job only once every process it started has ended (H30),
 //! kill -9 and pruning, backends terminated mid-run, a killed LISTEN connection, a process
 //! whose row was deleted under it, health endpoints, and a PostgreSQL restart (run alone).
 
@@ -115,6 +116,57 @@ async fn h03_seed_002_term_with_a_job_outliving_shutdown_timeout_returns_it_twen
         );
         assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0, "round {round}: nothing failed");
     }
+    invariants(&db).await;
+}
+
+/// Whether `pid` is a live process (not a zombie awaiting its reaper).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()) != Some("Z"))
+}
+
+#[tokio::test]
+async fn h30_term_returns_a_command_job_only_after_every_process_it_started_has_ended() {
+    // The first run starts a child and a grandchild (each records its pid) and waits for them;
+    // every run first records which processes of an earlier run are still alive.
+    let script = "cat >/dev/null; \
+        for p in $(cat $DIR/pids 2>/dev/null); do \
+          if [ -r /proc/$p/stat ] && [ \"$(cut -d' ' -f3 /proc/$p/stat)\" != Z ]; then echo $p >> $DIR/alive_at_start; fi; \
+        done; \
+        echo start >> $DIR/starts; \
+        if [ ! -f $DIR/first ]; then touch $DIR/first; \
+          sleep 30 & echo $! >> $DIR/pids; \
+          ( sh -c 'echo $$ >> $DIR/pids; exec sleep 30'; true ) & echo $! >> $DIR/pids; \
+          echo $$ >> $DIR/pids; wait; \
+        fi";
+    let setup = Setup::with_runtime(REGISTRY_RUNTIME, script, "concurrency = { limit = 1 }");
+    let db = migrated_with_one_job(&setup).await;
+    let mut first = setup.run(&db);
+    wait_registered(&db, &first).await;
+    setup.wait_starts(1).await;
+    let pids = wait_for("the first run's four processes", WAIT, || async {
+        let pids: Vec<u32> = std::fs::read_to_string(setup.dir.join("pids"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        Ok((pids.len() == 4).then_some(pids))
+    })
+    .await
+    .unwrap();
+    // A second process waits on the same queue: it is woken the moment the job is returned.
+    let second = setup.run(&db);
+    wait_registered(&db, &second).await;
+    signal(&first, "TERM");
+    let status = wait_exit(&mut first).await;
+    assert!(status.success(), "graceful exit, got {status}");
+    let survivors: Vec<u32> = pids.iter().copied().filter(|p| alive(*p)).collect();
+    assert!(survivors.is_empty(), "processes of the returned run still alive after exit: {survivors:?}");
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    stop(second).await;
+    assert_eq!(setup.starts(), 2, "returned once, run again once");
+    let overlapping = std::fs::read_to_string(setup.dir.join("alive_at_start")).unwrap_or_default();
+    assert!(overlapping.is_empty(), "the next run started while these old processes were alive: {overlapping}");
     invariants(&db).await;
 }
 
