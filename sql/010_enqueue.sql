@@ -130,6 +130,10 @@ BEGIN
     IF jt.concurrency_limit IS NOT NULL THEN
         key := lockgate._concurrency_key(jt, args, explicit_key);
         headers := headers || jsonb_build_object('ckey', key);
+        IF explicit_key IS NOT NULL THEN
+            -- Kept as given when the type's key paths change (a claim re-derives the others).
+            headers := headers || jsonb_build_object('ckey_explicit', true);
+        END IF;
         IF NOT lockgate._acquire(key, jt.concurrency_limit) THEN
             IF jt.concurrency_on_conflict = 'raise' THEN
                 RAISE EXCEPTION 'lockgate: concurrency limit % reached for key "%"', jt.concurrency_limit, key

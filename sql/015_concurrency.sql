@@ -215,7 +215,7 @@ BEGIN
         END IF;
         DELETE FROM lockgate.parked x WHERE x.id = p.id;
         RETURN NEXT ROW(p.queue, GREATEST(p.run_at, clock_timestamp()), p.args,
-                        CASE WHEN jt.concurrency_limit IS NULL THEN p.headers - 'ckey' ELSE p.headers END,
+                        CASE WHEN jt.concurrency_limit IS NULL THEN p.headers - 'ckey' - 'ckey_explicit' ELSE p.headers END,
                         CASE WHEN jt.concurrency_limit IS NULL THEN NULL ELSE key END,
                         jt.concurrency_duration_ms)::lockgate.promotion;
     END LOOP;

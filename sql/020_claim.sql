@@ -58,12 +58,22 @@ BEGIN
                                        LIMIT 1) visible
                   LIMIT 1),
              next AS (
-                 SELECT m.msg_id, jsonb_typeof(m.headers) = ''object'' AND m.headers ? ''ckey'' AS limited
+                 -- limited: the job needs a permit (it carries a key, or its type gained a limit
+                 -- since it was enqueued); rekey: its permit must be of another key than the one
+                 -- it holds (its type gained a limit or changed its key paths, H33).
+                 SELECT m.msg_id,
+                        jsonb_typeof(m.headers) = ''object'' AND (m.headers ? ''ckey'' OR jt.concurrency_limit IS NOT NULL)
+                            AS limited,
+                        jsonb_typeof(m.headers) = ''object'' AND jt.concurrency_limit IS NOT NULL
+                            AND NOT m.headers ? ''ckey_explicit''
+                            AND m.headers->>''ckey'' IS DISTINCT FROM lockgate._concurrency_key(jt, m.message, NULL)
+                            AS rekey
                    FROM %1$s m
+                   LEFT JOIN lockgate.job_types jt ON jt.name = m.headers->>''type''
                   WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = (SELECT best.p FROM best) AND m.vt <= $4
                   ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0), m.vt, m.msg_id
                   LIMIT $1
-                    FOR UPDATE SKIP LOCKED),
+                    FOR UPDATE OF m SKIP LOCKED),
              -- The live leases of the limited ones, renewed (and so locked) before the claim
              -- commits. A lease already past its end is not renewed: its permit may have been
              -- given to another job; the job takes one again or parks (lockgate._reacquire).
@@ -72,7 +82,7 @@ BEGIN
                     SET expires_at = clock_timestamp()
                                      + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms()))
                    FROM next
-                  WHERE next.limited AND l.queue = $6 AND l.msg_id = next.msg_id
+                  WHERE next.limited AND NOT next.rekey AND l.queue = $6 AND l.msg_id = next.msg_id
                     AND l.expires_at > clock_timestamp()
                  RETURNING l.msg_id, l.expires_at)
              UPDATE %1$s m
@@ -113,7 +123,7 @@ BEGIN
         EXIT WHEN got = 0;
     END LOOP;
     -- Semaphore rows are taken in key order, the order every path keeps (H31).
-    FOR u IN SELECT * FROM unnest(unleased) x ORDER BY x.headers->>'ckey', x.msg_id LOOP
+    FOR u IN SELECT * FROM unnest(unleased) x ORDER BY x.headers->>'ckey' NULLS FIRST, x.msg_id LOOP
         lease_end := lockgate._reacquire(queue, u, vt_seconds);
         CONTINUE WHEN lease_end IS NULL;
         msg_id := u.msg_id;
@@ -156,20 +166,24 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
 $$;
 
 -- At claim, for a limited job whose lease is gone (it lapsed while the job waited or while its
--- holder was silent, and a sweep may have given its permit to another job): take a permit again
--- through the guarded acquire and return the new lease's end; or park the job (its key is full),
--- put it back for a moment (its key's row is held by another transaction, H28), or dead-letter it
--- (its type is gone, H16), and return NULL: then it is not run. Never runs without a permit (G3).
--- Locks: the key's semaphore row, without waiting; an expired lease still bound to the message.
--- The message row is already locked by the claim. Callers: lockgate.claim.
+-- holder was silent, and a sweep may have given its permit to another job), or whose permit must
+-- be of another key (its type gained a limit or changed its key paths since it was enqueued,
+-- H33): give back any lease it still holds, then take a permit of the key its type's current
+-- policy gives it through the guarded acquire and return the new lease's end; or park the job
+-- (that key is full), put it back for a moment (a key's row is held by another transaction,
+-- H28), or dead-letter it (its type is gone, H16), and return NULL: then it is not run. Never runs
+-- without a permit (G3).
+-- Locks: semaphore rows, never waiting for one (so the order between the old and the new key
+-- cannot deadlock); the lease bound to the message. The message row is already locked by the
+-- claim. Callers: lockgate.claim.
 CREATE OR REPLACE FUNCTION lockgate._reacquire(queue text, c lockgate._claimed, vt_seconds double precision)
 RETURNS timestamptz LANGUAGE plpgsql AS $$
 DECLARE
     jt lockgate.job_types;
-    ckey text := c.headers->>'ckey';
+    ckey text;
+    held text;
     job bigint := COALESCE((c.headers->>'job_id')::bigint, c.msg_id);
     tbl text := lockgate._queue_table(queue, 'q');
-    stale integer;
     lease_end timestamptz;
 BEGIN
     SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = c.headers->>'type';
@@ -181,28 +195,28 @@ BEGIN
     IF jt.concurrency_limit IS NULL THEN
         -- Its type's limit was removed: it runs unlimited, and its message drops the key so the
         -- heartbeat does not look for a lease.
-        EXECUTE format('UPDATE %s m SET headers = m.headers - ''ckey'' WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
+        EXECUTE format('UPDATE %s m SET headers = m.headers - ''ckey'' - ''ckey_explicit'' WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
           USING c.msg_id, c.read_ct;
         RETURN 'infinity';
     END IF;
-    PERFORM 1 FROM lockgate.semaphores s WHERE s.key = ckey FOR UPDATE SKIP LOCKED;
-    IF NOT FOUND AND EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = ckey) THEN
-        -- Another transaction holds the key (an open producer transaction, a completion): do
-        -- not wait for it with this claim's rows locked. The job waits a second, and this
-        -- delivery counts as a return, not an attempt.
-        EXECUTE format(
-            'UPDATE %s m SET vt = clock_timestamp() + interval ''1 second'',
-                             headers = m.headers || jsonb_build_object(''retry_at'', clock_timestamp() + interval ''1 second'',
-                                                                       ''returns'', COALESCE((m.headers->>''returns'')::integer, 0) + 1)
-              WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
-          USING c.msg_id, c.read_ct;
-        RETURN NULL;
+    ckey := CASE WHEN c.headers ? 'ckey_explicit' THEN c.headers->>'ckey'
+                 ELSE lockgate._concurrency_key(jt, c.message, NULL) END;
+    -- A lease still bound to the message (past its end, or of its old key) gives its permit back.
+    SELECT l.key INTO held FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id;
+    IF held IS NOT NULL THEN
+        IF NOT lockgate._lock_key_now(held) THEN
+            RETURN lockgate._put_back(tbl, c);
+        END IF;
+        DELETE FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id;
+        PERFORM lockgate._give_back(held, 1);
     END IF;
-    -- A lease past its end that no sweep has removed yet gives its permit back first.
-    WITH gone AS (DELETE FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id RETURNING l.key)
-    SELECT count(*) INTO stale FROM gone;
-    IF stale > 0 THEN
-        PERFORM lockgate._give_back(ckey, stale);
+    IF NOT lockgate._lock_key_now(ckey) THEN
+        RETURN lockgate._put_back(tbl, c);
+    END IF;
+    IF c.headers->>'ckey' IS DISTINCT FROM ckey THEN
+        c.headers := c.headers || jsonb_build_object('ckey', ckey);
+        EXECUTE format('UPDATE %s m SET headers = $3 WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
+          USING c.msg_id, c.read_ct, c.headers;
     END IF;
     IF lockgate._acquire(ckey, jt.concurrency_limit) THEN
         INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
@@ -224,5 +238,29 @@ BEGIN
                        COALESCE((c.headers->>'attempts_before')::integer, 0)
                        + GREATEST(c.read_ct - 1 - COALESCE((c.headers->>'returns')::integer, 0), 0)),
             COALESCE((c.headers->>'priority')::smallint, 0), clock_timestamp());
+    RETURN NULL;
+END $$;
+
+-- Locks a key's semaphore row if no other transaction holds it; true when locked (or when the
+-- key has no row yet: the guarded acquire creates it). Never waits.
+CREATE OR REPLACE FUNCTION lockgate._lock_key_now(key text)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM lockgate.semaphores s WHERE s.key = _lock_key_now.key FOR UPDATE SKIP LOCKED;
+    RETURN FOUND OR NOT EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = _lock_key_now.key);
+END $$;
+
+-- Puts a claimed delivery back for a second without running it (a key it needs is held by
+-- another transaction, such as an open producer transaction): the delivery counts as a return,
+-- not an attempt. Returns NULL, for lockgate._reacquire to return.
+CREATE OR REPLACE FUNCTION lockgate._put_back(tbl text, c lockgate._claimed)
+RETURNS timestamptz LANGUAGE plpgsql AS $$
+BEGIN
+    EXECUTE format(
+        'UPDATE %s m SET vt = clock_timestamp() + interval ''1 second'',
+                         headers = m.headers || jsonb_build_object(''retry_at'', clock_timestamp() + interval ''1 second'',
+                                                                   ''returns'', COALESCE((m.headers->>''returns'')::integer, 0) + 1)
+          WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
+      USING c.msg_id, c.read_ct;
     RETURN NULL;
 END $$;

@@ -531,3 +531,95 @@ async fn h32_a_job_parked_again_at_claim_keeps_counting_its_attempts() {
     assert_eq!(claim.attempt(&headers), 2, "the run before parking counts: {}", promoted.2);
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
+
+async fn define(db: &PgPool, limit: Option<i32>, key: &[&str]) {
+    sqlx::query("SELECT lockgate.define_job_type('lim', concurrency_limit => $1, concurrency_key => $2)")
+        .bind(limit)
+        .bind(key.iter().map(|k| k.to_string()).collect::<Vec<_>>())
+        .execute(db)
+        .await
+        .unwrap();
+}
+
+async fn enqueue_args(db: &PgPool, args: serde_json::Value) -> String {
+    sqlx::query_scalar("SELECT status FROM lockgate.enqueue('lim', $1)").bind(args).fetch_one(db).await.unwrap()
+}
+
+async fn complete_all(db: &PgPool, deliveries: &[Delivery]) {
+    let (ids, cts): (Vec<i64>, Vec<i32>) = deliveries.iter().map(|d| (d.0, d.1)).unzip();
+    sqlx::query("SELECT lockgate.complete('default', $1, $2)").bind(ids).bind(cts).execute(db).await.unwrap();
+}
+
+#[tokio::test]
+async fn h33_a_limit_added_to_a_type_applies_to_the_jobs_already_queued() {
+    let db = TestDb::migrated().await.unwrap();
+    define(&db.pool, None, &[]).await;
+    for b in 0..3 {
+        assert_eq!(enqueue_args(&db.pool, serde_json::json!({"k": 1, "b": b})).await, "enqueued");
+    }
+    define(&db.pool, Some(1), &["k"]).await;
+    let first = claim(&db.pool, 10).await;
+    assert_eq!(first.len(), 1, "queued before the limit, they still take its permits: {first:?}");
+    assert_eq!(entitled(&db.pool).await, 1);
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+    complete_all(&db.pool, &first).await;
+    let second = claim(&db.pool, 10).await;
+    assert_eq!(second.len(), 1, "the next one was parked and is promoted by the completion");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
+async fn h33_changed_key_paths_give_queued_and_parked_jobs_their_new_keys_without_over_admitting() {
+    let db = TestDb::migrated().await.unwrap();
+    define(&db.pool, Some(1), &["k"]).await;
+    assert_eq!(enqueue_args(&db.pool, serde_json::json!({"k": 1, "b": 1})).await, "enqueued");
+    assert_eq!(enqueue_args(&db.pool, serde_json::json!({"k": 1, "b": 2})).await, "parked");
+    define(&db.pool, Some(1), &["k", "b"]).await;
+    assert_eq!(enqueue_args(&db.pool, serde_json::json!({"k": 1, "b": 1})).await, "enqueued");
+    // The queued job of the old key takes a permit of its new key ("lim:[1, 1]"), which the job
+    // enqueued since holds: it parks, giving the old key's permit back; that promotes the job
+    // parked under the old key, whose claim moves it to its own new key.
+    let mut ran = 0;
+    for _ in 0..10 {
+        let claimed = claim(&db.pool, 10).await;
+        assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+        let per_key: Vec<(String, i64)> = sqlx::query_as(
+            // Grouped by the key the current policy derives, whatever key a message carries.
+            "SELECT message::text, count(*) FROM pgmq.q_default WHERE read_ct > 0 AND vt > now()
+              AND NOT headers ? 'retry_at' GROUP BY 1 HAVING count(*) > 1",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        assert!(per_key.is_empty(), "a key ran twice: {per_key:?}");
+        ran += claimed.len();
+        complete_all(&db.pool, &claimed).await;
+        sweep(&db.pool).await;
+        lapse_visibility(&db.pool).await;
+    }
+    assert_eq!(ran, 3, "every job ran once");
+    let left: i64 = db.count("SELECT 1 FROM pgmq.q_default UNION ALL SELECT 1 FROM lockgate.parked").await.unwrap();
+    assert_eq!(left, 0);
+    let held: i64 = sqlx::query_scalar("SELECT COALESCE(sum(value), 0) FROM lockgate.semaphores")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(held, 0, "every permit given back");
+}
+
+#[tokio::test]
+async fn h33_a_lowered_limit_admits_no_new_job_until_the_running_ones_are_below_it() {
+    let db = limited(3, 60_000).await;
+    for _ in 0..3 {
+        enqueue(&db.pool, 1).await;
+    }
+    let running = claim(&db.pool, 10).await;
+    assert_eq!(running.len(), 3);
+    define(&db.pool, Some(1), &["k"]).await;
+    assert_eq!(enqueue(&db.pool, 1).await.2, "parked", "three hold the key; the limit is now one");
+    complete_all(&db.pool, &running[..2]).await;
+    assert!(claim(&db.pool, 10).await.is_empty(), "one still runs: nothing is promoted");
+    complete_all(&db.pool, &running[2..]).await;
+    assert_eq!(claim(&db.pool, 10).await.len(), 1, "promoted once the key is free");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
