@@ -1,0 +1,348 @@
+//! The database side of the model test: the connections a schedule runs on, the calls into the
+//! public SQL API (adapting to the claim/extend signatures before and after the budget change,
+//! so the same test runs against an older commit), the reset between cases, and what the checks
+//! read back.
+
+use std::collections::BTreeMap;
+
+use anyhow::{Context, Result};
+use serde_json::Value;
+use sqlx::{Connection, PgConnection, Row};
+
+use super::ops::{Queue, Ty};
+
+/// Visibility every claim and renewal asks for.
+pub const VT_SECONDS: f64 = 30.0;
+/// The limited types' duration: longer than the visibility, as in production, so a lease lapsing
+/// before its message's visibility only happens to a waiting job (a backlog) or a silent holder.
+pub const DURATION_MS: i64 = 60_000;
+
+/// The connections of one run: a producer, two workers (each its own "process" in the
+/// registry), a dispatcher (sweeps, prunes) and an observer that moves clocks and reads state.
+pub struct Conns {
+    pub producer: PgConnection,
+    pub workers: [PgConnection; 2],
+    pub worker_pids: [i32; 2],
+    pub dispatcher: PgConnection,
+    pub observer: PgConnection,
+}
+
+impl Conns {
+    pub async fn open(url: &str) -> Result<Self> {
+        let mut workers = [PgConnection::connect(url).await?, PgConnection::connect(url).await?];
+        let mut worker_pids = [0; 2];
+        for (w, conn) in workers.iter_mut().enumerate() {
+            worker_pids[w] = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *conn).await?;
+        }
+        Ok(Self {
+            producer: PgConnection::connect(url).await?,
+            workers,
+            worker_pids,
+            dispatcher: PgConnection::connect(url).await?,
+            observer: PgConnection::connect(url).await?,
+        })
+    }
+}
+
+/// Which shape of the API this database has: `claim` returning `budget_seconds`, `extend`
+/// taking an owner and returning `(msg_id, budget_seconds)` — or the older ones.
+#[derive(Clone, Copy, Debug)]
+pub struct Api {
+    pub claim_budget: bool,
+    pub extend_budget: bool,
+}
+
+impl Api {
+    pub async fn detect(conn: &mut PgConnection) -> Result<Self> {
+        let claim_budget: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                             WHERE n.nspname = 'lockgate' AND p.proname = 'claim'
+                               AND 'budget_seconds' = ANY (p.proargnames))",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        let extend_budget: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                             WHERE n.nspname = 'lockgate' AND p.proname = 'extend'
+                               AND 'budget_seconds' = ANY (p.proargnames))",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        Ok(Self { claim_budget, extend_budget })
+    }
+}
+
+/// One row a claim returned.
+#[derive(Clone, Debug)]
+pub struct Claimed {
+    pub msg_id: i64,
+    pub read_ct: i32,
+    pub headers: Value,
+    /// Seconds the holder may run (the visibility on the older API).
+    pub budget: f64,
+}
+
+impl Claimed {
+    pub fn job_id(&self) -> i64 {
+        self.headers.get("job_id").and_then(Value::as_i64).unwrap_or(self.msg_id)
+    }
+    pub fn key(&self) -> Option<String> {
+        self.headers.get("ckey").and_then(Value::as_str).map(str::to_string)
+    }
+    pub fn ty(&self) -> Option<Ty> {
+        self.headers.get("type").and_then(Value::as_str).and_then(Ty::from_name)
+    }
+}
+
+pub async fn claim(conn: &mut PgConnection, api: Api, queue: Queue, qty: u8, owner: i64) -> Result<Vec<Claimed>> {
+    let budget = if api.claim_budget { "budget_seconds" } else { "$3::float8" };
+    let rows = sqlx::query(&format!("SELECT msg_id, read_ct, headers, {budget} FROM lockgate.claim($1, $2, $3, $4)"))
+        .bind(queue.name())
+        .bind(i32::from(qty))
+        .bind(VT_SECONDS)
+        .bind(owner)
+        .fetch_all(&mut *conn)
+        .await
+        .context("lockgate.claim")?;
+    Ok(rows
+        .into_iter()
+        .map(|r| Claimed {
+            msg_id: r.get(0),
+            read_ct: r.get(1),
+            headers: r.get::<Option<Value>, _>(2).unwrap_or(Value::Null),
+            budget: r.get::<Option<f64>, _>(3).unwrap_or(0.0),
+        })
+        .collect())
+}
+
+/// Renews deliveries; per msg_id returned: Some(budget) renewed, None skipped (locked). A
+/// delivery missing from the result is lost.
+pub async fn extend(
+    conn: &mut PgConnection,
+    api: Api,
+    queue: Queue,
+    tokens: &[(i64, i32)],
+    owner: i64,
+) -> Result<BTreeMap<i64, Option<f64>>> {
+    let (ids, cts): (Vec<i64>, Vec<i32>) = tokens.iter().copied().unzip();
+    // The older extend took no owner and returned the renewed msg_ids; their budget was the
+    // visibility asked for.
+    let sql = if api.extend_budget {
+        "SELECT msg_id, budget_seconds FROM lockgate.extend($1, $2, $3, $4, $5)"
+    } else {
+        "SELECT e, $4::float8 FROM lockgate.extend($1, $2, $3, $4) e"
+    };
+    let mut query = sqlx::query(sql).bind(queue.name()).bind(ids).bind(cts).bind(VT_SECONDS);
+    if api.extend_budget {
+        query = query.bind(owner);
+    }
+    let rows = query.fetch_all(&mut *conn).await.context("lockgate.extend")?;
+    Ok(rows.into_iter().map(|r| (r.get::<i64, _>(0), r.get::<Option<f64>, _>(1))).collect())
+}
+
+/// The msg_ids a fenced completion archived.
+pub async fn complete(conn: &mut PgConnection, queue: Queue, msg_id: i64, read_ct: i32) -> Result<Vec<i64>> {
+    let rows = sqlx::query("SELECT * FROM lockgate.complete($1, ARRAY[$2::bigint], ARRAY[$3::integer])")
+        .bind(queue.name())
+        .bind(msg_id)
+        .bind(read_ct)
+        .fetch_all(&mut *conn)
+        .await
+        .context("lockgate.complete")?;
+    Ok(rows.into_iter().map(|r| r.get::<i64, _>(0)).collect())
+}
+
+pub async fn retry(conn: &mut PgConnection, queue: Queue, msg_id: i64, read_ct: i32, delay: f64) -> Result<bool> {
+    sqlx::query_scalar("SELECT lockgate.retry($1, $2, $3, $4, 'model: attempt failed', 1)")
+        .bind(queue.name())
+        .bind(msg_id)
+        .bind(read_ct)
+        .bind(delay)
+        .fetch_one(&mut *conn)
+        .await
+        .context("lockgate.retry")
+}
+
+pub async fn release(conn: &mut PgConnection, queue: Queue, msg_id: i64, read_ct: i32) -> Result<Vec<i64>> {
+    let rows = sqlx::query("SELECT * FROM lockgate.release($1, ARRAY[$2::bigint], ARRAY[$3::integer])")
+        .bind(queue.name())
+        .bind(msg_id)
+        .bind(read_ct)
+        .fetch_all(&mut *conn)
+        .await
+        .context("lockgate.release")?;
+    Ok(rows.into_iter().map(|r| r.get::<i64, _>(0)).collect())
+}
+
+pub async fn dead_letter(conn: &mut PgConnection, queue: Queue, msg_id: i64, read_ct: i32) -> Result<bool> {
+    sqlx::query_scalar("SELECT lockgate.dead_letter($1, $2, $3, 'attempts_exhausted', 'model: last attempt failed', 1)")
+        .bind(queue.name())
+        .bind(msg_id)
+        .bind(read_ct)
+        .fetch_one(&mut *conn)
+        .await
+        .context("lockgate.dead_letter")
+}
+
+pub async fn sweep(conn: &mut PgConnection) -> Result<String> {
+    sqlx::query_scalar("SELECT row_to_json(s)::text FROM lockgate.sweep(1000) s")
+        .fetch_one(&mut *conn)
+        .await
+        .context("lockgate.sweep")
+}
+
+pub async fn define_types(conn: &mut PgConnection, lim_limit: u32, limb_limit: u32) -> Result<()> {
+    define(conn, Ty::Lim, Some(lim_limit)).await?;
+    define(conn, Ty::Free, None).await?;
+    define(conn, Ty::LimB, Some(limb_limit)).await
+}
+
+pub async fn define(conn: &mut PgConnection, ty: Ty, limit: Option<u32>) -> Result<()> {
+    sqlx::query(
+        "SELECT lockgate.define_job_type($1, queue => $2, concurrency_limit => $3,
+                concurrency_key => CASE WHEN $3 IS NULL THEN NULL ELSE array['k'] END,
+                concurrency_duration_ms => $4)",
+    )
+    .bind(ty.name())
+    .bind(ty.queue().name())
+    .bind(limit.map(|l| l as i32))
+    .bind(DURATION_MS)
+    .execute(&mut *conn)
+    .await
+    .context("lockgate.define_job_type")?;
+    Ok(())
+}
+
+pub async fn register(conn: &mut PgConnection, worker: usize) -> Result<i64> {
+    sqlx::query_scalar("SELECT lockgate.register_process('supervisor', $1, 'model-host', $2)")
+        .bind(format!("model-worker-{worker}"))
+        .bind(1000 + worker as i32)
+        .fetch_one(&mut *conn)
+        .await
+        .context("lockgate.register_process")
+}
+
+/// Empties every table a case writes and restarts the id sequences, so each case starts from
+/// the same state and a shrunk schedule replays with the same ids.
+pub async fn reset(conn: &mut PgConnection) -> Result<()> {
+    sqlx::raw_sql(
+        "SELECT lockgate.create_queue('default'), lockgate.create_queue('other');
+         TRUNCATE pgmq.q_default, pgmq.a_default, pgmq.q_other, pgmq.a_other, lockgate.leases, lockgate.semaphores,
+                  lockgate.parked, lockgate.dead_letters, lockgate.processes RESTART IDENTITY CASCADE;
+         ALTER SEQUENCE lockgate.job_id_seq RESTART;",
+    )
+    .execute(&mut *conn)
+    .await
+    .context("resetting the database between cases")?;
+    Ok(())
+}
+
+/// Everything a stale operation must leave untouched, as one comparable text.
+pub async fn snapshot(conn: &mut PgConnection) -> Result<String> {
+    let mut parts = Vec::new();
+    for q in Queue::ALL {
+        parts.push(format!(
+            "(SELECT string_agg(format('%s/%s/%s/%s', msg_id, read_ct, vt, headers), ' ' ORDER BY msg_id) FROM {})",
+            q.table("q")
+        ));
+        parts.push(format!("(SELECT string_agg(msg_id::text, ' ' ORDER BY msg_id) FROM {})", q.table("a")));
+    }
+    parts.push(
+        "(SELECT string_agg(format('%s/%s/%s/%s', queue, msg_id, key, expires_at), ' ' ORDER BY queue, msg_id)
+            FROM lockgate.leases)"
+            .into(),
+    );
+    parts.push(
+        "(SELECT string_agg(format('%s/%s/%s', key, lim, value), ' ' ORDER BY key) FROM lockgate.semaphores)".into(),
+    );
+    parts.push("(SELECT string_agg(format('%s/%s', id, job_id), ' ' ORDER BY id) FROM lockgate.parked)".into());
+    parts.push(
+        "(SELECT string_agg(format('%s/%s', job_id, reason), ' ' ORDER BY job_id) FROM lockgate.dead_letters)".into(),
+    );
+    let sql = format!("SELECT concat_ws(' | ', {})", parts.join(", "));
+    Ok(sqlx::query_scalar(&sql).fetch_one(&mut *conn).await?)
+}
+
+/// A message as the checks see it.
+#[derive(Clone, Debug)]
+pub struct Message {
+    pub queue: Queue,
+    pub msg_id: i64,
+    pub job_id: i64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Lease {
+    pub queue: String,
+    pub msg_id: i64,
+    pub key: String,
+    pub live: bool,
+}
+
+/// The database state every check reads, in one snapshot (REPEATABLE READ).
+#[derive(Debug, Default)]
+pub struct State {
+    pub messages: Vec<Message>,
+    pub archived: Vec<(Queue, i64)>,
+    pub parked: Vec<(i64, String)>,
+    pub dead: Vec<i64>,
+    pub leases: Vec<Lease>,
+    pub semaphores: Vec<(String, i32, i32)>,
+    pub invariants: Vec<(Option<String>, Option<String>)>,
+}
+
+impl State {
+    pub async fn read(conn: &mut PgConnection) -> Result<Self> {
+        let mut tx = conn.begin().await?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ").execute(&mut *tx).await?;
+        let mut state = State::default();
+        for q in Queue::ALL {
+            let rows = sqlx::query(&format!(
+                "SELECT msg_id, COALESCE((headers->>'job_id')::bigint, msg_id) FROM {}",
+                q.table("q")
+            ))
+            .fetch_all(&mut *tx)
+            .await?;
+            state.messages.extend(rows.into_iter().map(|r| Message { queue: q, msg_id: r.get(0), job_id: r.get(1) }));
+            let archived: Vec<i64> = sqlx::query_scalar(&format!(
+                "SELECT COALESCE((headers->>'job_id')::bigint, msg_id) FROM {}",
+                q.table("a")
+            ))
+            .fetch_all(&mut *tx)
+            .await?;
+            state.archived.extend(archived.into_iter().map(|j| (q, j)));
+        }
+        state.parked = sqlx::query_as("SELECT job_id, key FROM lockgate.parked").fetch_all(&mut *tx).await?;
+        state.dead = sqlx::query_scalar("SELECT job_id FROM lockgate.dead_letters WHERE job_id IS NOT NULL")
+            .fetch_all(&mut *tx)
+            .await?;
+        state.leases = sqlx::query("SELECT queue, msg_id, key, expires_at > clock_timestamp() FROM lockgate.leases")
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .map(|r| Lease { queue: r.get(0), msg_id: r.get(1), key: r.get(2), live: r.get(3) })
+            .collect();
+        state.semaphores =
+            sqlx::query_as("SELECT key, lim, value FROM lockgate.semaphores").fetch_all(&mut *tx).await?;
+        state.invariants = sqlx::query_as("SELECT key, problem FROM lockgate.check_invariants()")
+            .fetch_all(&mut *tx)
+            .await
+            .context("lockgate.check_invariants")?;
+        tx.rollback().await?;
+        Ok(state)
+    }
+
+    pub fn lease(&self, queue: Queue, msg_id: i64) -> Option<&Lease> {
+        self.leases.iter().find(|l| l.queue == queue.name() && l.msg_id == msg_id)
+    }
+}
+
+/// check_invariants() as it stands after a sweep, without keeping the sweep (rolled back), for
+/// the problems a sweep is there to repair.
+pub async fn invariants_after_sweep(conn: &mut PgConnection) -> Result<Vec<(Option<String>, Option<String>)>> {
+    let mut tx = conn.begin().await?;
+    sqlx::query("SELECT lockgate.sweep(1000)").execute(&mut *tx).await?;
+    let rows = sqlx::query_as("SELECT key, problem FROM lockgate.check_invariants()").fetch_all(&mut *tx).await?;
+    tx.rollback().await?;
+    Ok(rows)
+}

@@ -1,0 +1,256 @@
+//! The operations a schedule is made of, as plain data (so proptest can generate and shrink them),
+//! and how they are generated. Operations name their targets by position ("the 3rd running
+//! delivery"), resolved when they run, so a shrunk schedule stays meaningful after earlier
+//! operations are removed.
+
+use std::fmt;
+
+use proptest::collection::vec;
+use proptest::prelude::*;
+
+/// The job types of the model: two limited ones on two queues and an unlimited one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Ty {
+    /// Limited, key from argument `k`, on queue `default`.
+    Lim,
+    /// Unlimited, on queue `default` (its jobs share claims with `lim`).
+    Free,
+    /// Limited, key from argument `k`, on queue `other`.
+    LimB,
+}
+
+impl Ty {
+    pub const ALL: [Ty; 3] = [Ty::Lim, Ty::Free, Ty::LimB];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Ty::Lim => "lim",
+            Ty::Free => "free",
+            Ty::LimB => "limb",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Ty> {
+        Ty::ALL.into_iter().find(|t| t.name() == name)
+    }
+
+    pub fn queue(self) -> Queue {
+        match self {
+            Ty::Lim | Ty::Free => Queue::Default,
+            Ty::LimB => Queue::Other,
+        }
+    }
+
+    pub fn limited(self) -> bool {
+        self != Ty::Free
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Queue {
+    Default,
+    Other,
+}
+
+impl Queue {
+    pub const ALL: [Queue; 2] = [Queue::Default, Queue::Other];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Queue::Default => "default",
+            Queue::Other => "other",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Queue> {
+        Queue::ALL.into_iter().find(|q| q.name() == name)
+    }
+
+    /// `pgmq.q_<name>` (kind "q") or `pgmq.a_<name>` (kind "a").
+    pub fn table(self, kind: &str) -> String {
+        format!("pgmq.{kind}_{}", self.name())
+    }
+}
+
+/// How the holder of a running delivery finishes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    Complete,
+    /// A failed attempt retried in place, visible at once or after an hour's backoff.
+    Retry {
+        backoff: bool,
+    },
+    /// Shutdown return: visible at once, keeping its permit.
+    Release,
+    DeadLetter,
+}
+
+/// What a stale delivery (its message re-claimed, or finished by someone) tries to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StaleAction {
+    Complete,
+    Retry,
+    Release,
+    DeadLetter,
+    Extend,
+}
+
+#[derive(Clone, Debug)]
+pub enum Op {
+    /// `lockgate.enqueue` on the producer connection, committed.
+    Enqueue { ty: Ty, k: u8 },
+    /// `lockgate.enqueue_many` on the producer connection, committed.
+    EnqueueMany { ty: Ty, ks: Vec<u8> },
+    /// An enqueue inside a transaction that is rolled back; the model is checked while it is open.
+    EnqueueRolledBack { ty: Ty, k: u8 },
+    /// `lockgate.claim` on worker connection `worker`, as that worker's registered process.
+    Claim { worker: usize, queue: Queue, qty: u8 },
+    /// A claim on a worker connection while a sweep on the dispatcher connection has run but not
+    /// committed; the sweep commits once the claim waits on its locks (or has returned).
+    ClaimRacingSweep { worker: usize, queue: Queue, qty: u8 },
+    /// A heartbeat renewing the running deliveries picked by the bits of `mask` (first 8).
+    Extend { mask: u8 },
+    /// The holder of the `pick`-th running delivery finishes it.
+    Finish { pick: usize, how: Finish },
+    /// The holder of the `pick`-th delivery that ran out of budget or was told it lost — frozen
+    /// and thawed, say — finishes it anyway: whatever the database answers, every check must
+    /// still hold.
+    Thaw { pick: usize, how: Finish },
+    /// The `pick`-th provably stale delivery token is used.
+    Stale { pick: usize, action: StaleAction },
+    /// `lockgate.sweep` on the dispatcher connection.
+    Sweep,
+    /// The registry heartbeat of worker `worker`'s process stalls past the alive threshold while
+    /// its job heartbeats stay healthy; `lockgate.prune_processes` runs; the process re-registers.
+    Prune { worker: usize },
+    /// Clock: the lease of the `pick`-th visible (waiting) message runs out — what a backlog
+    /// longer than the duration does.
+    LapseLease { pick: usize },
+    /// Clock: the visibility of the `pick`-th invisible message passes (a holder silent past its
+    /// visibility while its lease still holds, or a retry's backoff elapsing).
+    LapseVisibility { pick: usize },
+    /// Clock: the holder of the `pick`-th running delivery goes silent past its budget:
+    /// visibility and lease both run out.
+    Silence { pick: usize },
+    /// `lockgate.define_job_type` again with another limit.
+    Redefine { ty: Ty, limit: u32 },
+}
+
+/// One generated case: the initial limits of `lim` and `limb`, and the schedule.
+#[derive(Clone, Debug)]
+pub struct Case {
+    pub lim_limit: u32,
+    pub limb_limit: u32,
+    pub ops: Vec<Op>,
+}
+
+impl Op {
+    /// The operation's name, for the run's summary.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Op::Enqueue { .. } => "enqueue",
+            Op::EnqueueMany { .. } => "enqueue_many",
+            Op::EnqueueRolledBack { .. } => "enqueue rolled back",
+            Op::Claim { .. } => "claim",
+            Op::ClaimRacingSweep { .. } => "claim racing a sweep",
+            Op::Extend { .. } => "extend",
+            Op::Finish { how: Finish::Complete, .. } => "complete",
+            Op::Finish { how: Finish::Retry { .. }, .. } => "retry",
+            Op::Finish { how: Finish::Release, .. } => "release",
+            Op::Finish { how: Finish::DeadLetter, .. } => "dead_letter",
+            Op::Thaw { .. } => "finish after the budget ran out",
+            Op::Stale { .. } => "stale token",
+            Op::Sweep => "sweep",
+            Op::Prune { .. } => "prune",
+            Op::LapseLease { .. } => "lease runs out",
+            Op::LapseVisibility { .. } => "visibility passes",
+            Op::Silence { .. } => "holder silent",
+            Op::Redefine { .. } => "redefine limit",
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Op::Enqueue { ty, k } => write!(f, "enqueue {} {{k:{k}}}", ty.name()),
+            Op::EnqueueMany { ty, ks } => write!(f, "enqueue_many {} k={ks:?}", ty.name()),
+            Op::EnqueueRolledBack { ty, k } => {
+                write!(f, "enqueue {} {{k:{k}}} in a transaction rolled back", ty.name())
+            }
+            Op::Claim { worker, queue, qty } => write!(f, "claim {qty} from {} as worker {worker}", queue.name()),
+            Op::ClaimRacingSweep { worker, queue, qty } => {
+                write!(f, "claim {qty} from {} as worker {worker} racing an uncommitted sweep", queue.name())
+            }
+            Op::Extend { mask } => write!(f, "extend running deliveries of mask {mask:#010b}"),
+            Op::Finish { pick, how } => write!(f, "{how:?} running delivery #{pick}"),
+            Op::Thaw { pick, how } => write!(f, "{how:?} by the out-of-budget holder of delivery #{pick}"),
+            Op::Stale { pick, action } => write!(f, "stale {action:?} with stale token #{pick}"),
+            Op::Sweep => write!(f, "sweep"),
+            Op::Prune { worker } => write!(f, "registry of worker {worker} stalls; prune_processes"),
+            Op::LapseLease { pick } => write!(f, "clock: lease of waiting message #{pick} runs out"),
+            Op::LapseVisibility { pick } => write!(f, "clock: visibility of invisible message #{pick} passes"),
+            Op::Silence { pick } => write!(f, "clock: holder of running delivery #{pick} silent past its budget"),
+            Op::Redefine { ty, limit } => write!(f, "redefine {} with limit {limit}", ty.name()),
+        }
+    }
+}
+
+fn ty() -> impl Strategy<Value = Ty> {
+    prop_oneof![3 => Just(Ty::Lim), 1 => Just(Ty::Free), 2 => Just(Ty::LimB)]
+}
+
+fn queue() -> impl Strategy<Value = Queue> {
+    prop_oneof![2 => Just(Queue::Default), 1 => Just(Queue::Other)]
+}
+
+fn finish() -> impl Strategy<Value = Finish> {
+    prop_oneof![
+        4 => Just(Finish::Complete),
+        2 => any::<bool>().prop_map(|backoff| Finish::Retry { backoff }),
+        2 => Just(Finish::Release),
+        1 => Just(Finish::DeadLetter),
+    ]
+}
+
+fn stale_action() -> impl Strategy<Value = StaleAction> {
+    prop_oneof![
+        Just(StaleAction::Complete),
+        Just(StaleAction::Retry),
+        Just(StaleAction::Release),
+        Just(StaleAction::DeadLetter),
+        Just(StaleAction::Extend),
+    ]
+}
+
+/// Weighted so that keys fill up, jobs wait long enough for leases to lapse, and sweeps and
+/// claims interleave with them often.
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        8 => (ty(), 0..2u8).prop_map(|(ty, k)| Op::Enqueue { ty, k }),
+        1 => (ty(), vec(0..2u8, 1..4)).prop_map(|(ty, ks)| Op::EnqueueMany { ty, ks }),
+        1 => (ty(), 0..2u8).prop_map(|(ty, k)| Op::EnqueueRolledBack { ty, k }),
+        7 => (0..2usize, queue(), 1..4u8).prop_map(|(worker, queue, qty)| Op::Claim { worker, queue, qty }),
+        2 => (0..2usize, queue(), 1..4u8).prop_map(|(worker, queue, qty)| Op::ClaimRacingSweep { worker, queue, qty }),
+        2 => any::<u8>().prop_map(|mask| Op::Extend { mask }),
+        5 => (0..8usize, finish()).prop_map(|(pick, how)| Op::Finish { pick, how }),
+        1 => (0..8usize, finish()).prop_map(|(pick, how)| Op::Thaw { pick, how }),
+        3 => (0..8usize, stale_action()).prop_map(|(pick, action)| Op::Stale { pick, action }),
+        4 => Just(Op::Sweep),
+        1 => (0..2usize).prop_map(|worker| Op::Prune { worker }),
+        3 => (0..4usize).prop_map(|pick| Op::LapseLease { pick }),
+        2 => (0..4usize).prop_map(|pick| Op::LapseVisibility { pick }),
+        2 => (0..8usize).prop_map(|pick| Op::Silence { pick }),
+        1 => (prop_oneof![Just(Ty::Lim), Just(Ty::LimB)], 1..=3u32).prop_map(|(ty, limit)| Op::Redefine { ty, limit }),
+    ]
+}
+
+/// Schedules of 1 to `max_steps` operations (shrinking can take a failing one down to the
+/// few steps that matter).
+pub fn case(max_steps: usize) -> impl Strategy<Value = Case> {
+    (1..=2u32, 1..=3u32, vec(op(), 1..=max_steps.max(1))).prop_map(|(lim_limit, limb_limit, ops)| Case {
+        lim_limit,
+        limb_limit,
+        ops,
+    })
+}

@@ -1,0 +1,279 @@
+//! The reference model: what a correct permit protocol must look like from the outside. It holds
+//! every job ever committed and where it must be, every delivery a claim handed out and whether
+//! its holder still believes it runs the job, and the limits in force. After every step it is
+//! compared with the database (`Model::check`).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::db::State;
+use super::ops::{Queue, Ty};
+
+/// Where a committed job must be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fate {
+    /// In its queue table or parked (which of the two is the protocol's business).
+    Live,
+    Archived,
+    DeadLettered,
+}
+
+/// What the holder of a delivery believes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Holder {
+    /// Runs the job: claimed, not finished, never told it lost it, budget not run out.
+    Running,
+    /// Stopped without finishing: told it lost the delivery, or its budget ran out (a worker
+    /// cancels its handler before then, H27).
+    Fenced(String),
+    /// Finished it (complete, retry, release or dead-letter), whatever the database answered.
+    Finished(String),
+}
+
+#[derive(Clone, Debug)]
+pub struct Delivery {
+    pub id: usize,
+    pub worker: usize,
+    pub queue: Queue,
+    pub msg_id: i64,
+    pub read_ct: i32,
+    pub job_id: i64,
+    pub ty: Option<Ty>,
+    pub key: Option<String>,
+    pub holder: Holder,
+}
+
+impl Delivery {
+    pub fn token(&self) -> String {
+        format!("({}, {}, {})", self.queue.name(), self.msg_id, self.read_ct)
+    }
+    pub fn describe(&self) -> String {
+        format!(
+            "delivery d{} {} of job {} key {} by worker {} [{:?}]",
+            self.id,
+            self.token(),
+            self.job_id,
+            self.key.as_deref().unwrap_or("-"),
+            self.worker,
+            self.holder
+        )
+    }
+}
+
+/// Which checks are enforced (all by default; LOCKGATE_MODEL_CHECKS=a keeps only (a), to show
+/// that the over-admission itself is found and not only its precursor).
+#[derive(Clone, Debug)]
+pub struct Checks(pub String);
+
+impl Checks {
+    pub fn on(&self, c: char) -> bool {
+        self.0.contains(c)
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Model {
+    pub limits: BTreeMap<Ty, u32>,
+    /// Per key, the jobs that held a permit when their type's limit was lowered: they may go on
+    /// running (nothing preempts them), so the key's bound is the larger of the new limit and
+    /// how many of them still run. Any other admission must fit the new limit.
+    pub carried: BTreeMap<String, BTreeSet<i64>>,
+    pub jobs: BTreeMap<i64, Fate>,
+    /// Job ids returned inside transactions that were rolled back: they must never be seen.
+    pub rolled_back: BTreeSet<i64>,
+    pub deliveries: Vec<Delivery>,
+    /// The newest read_ct a claim returned per message.
+    pub newest_read: BTreeMap<(Queue, i64), i32>,
+    /// Messages this model archived or dead-lettered.
+    pub gone: BTreeSet<(Queue, i64)>,
+    /// Each worker's registered process id (the claims' owner).
+    pub owners: [i64; 2],
+}
+
+impl Model {
+    /// Indices of running deliveries, in claim order.
+    pub fn running(&self) -> Vec<usize> {
+        (0..self.deliveries.len()).filter(|&i| self.deliveries[i].holder == Holder::Running).collect()
+    }
+
+    /// Indices of deliveries whose holder stopped without finishing, in claim order.
+    pub fn fenced(&self) -> Vec<usize> {
+        (0..self.deliveries.len()).filter(|&i| matches!(self.deliveries[i].holder, Holder::Fenced(_))).collect()
+    }
+
+    /// Indices of deliveries whose token is provably stale: a later claim of the same message was
+    /// seen, or the message was archived or dead-lettered.
+    pub fn stale(&self) -> Vec<usize> {
+        (0..self.deliveries.len())
+            .filter(|&i| {
+                let d = &self.deliveries[i];
+                self.gone.contains(&(d.queue, d.msg_id))
+                    || self.newest_read.get(&(d.queue, d.msg_id)).is_some_and(|&n| n > d.read_ct)
+            })
+            .collect()
+    }
+
+    /// A clock moved past a row of this message: every holder running it has run out of budget.
+    pub fn fence_message(&mut self, queue: Queue, msg_id: i64, why: &str) -> Vec<usize> {
+        let mut fenced = Vec::new();
+        for d in &mut self.deliveries {
+            if d.queue == queue && d.msg_id == msg_id && d.holder == Holder::Running {
+                d.holder = Holder::Fenced(why.to_string());
+                fenced.push(d.id);
+            }
+        }
+        fenced
+    }
+
+    pub fn add_delivery(
+        &mut self,
+        worker: usize,
+        queue: Queue,
+        msg_id: i64,
+        read_ct: i32,
+        job_id: i64,
+        ty: Option<Ty>,
+        key: Option<String>,
+        budget: f64,
+    ) -> usize {
+        let id = self.deliveries.len();
+        let newest = self.newest_read.entry((queue, msg_id)).or_insert(read_ct);
+        *newest = (*newest).max(read_ct);
+        let holder =
+            if budget > 0.0 { Holder::Running } else { Holder::Fenced(format!("claimed with budget {budget}")) };
+        self.deliveries.push(Delivery { id, worker, queue, msg_id, read_ct, job_id, ty, key, holder });
+        id
+    }
+
+    fn bound(&self, ty: Ty, key: &str) -> u32 {
+        let limit = self.limits.get(&ty).copied().unwrap_or(u32::MAX);
+        let carried = self.carried.get(key).map_or(0, |jobs| {
+            self.deliveries
+                .iter()
+                .filter(|d| d.holder == Holder::Running && d.key.as_deref() == Some(key) && jobs.contains(&d.job_id))
+                .count() as u32
+        });
+        limit.max(carried)
+    }
+
+    /// The checks that compare the model with one snapshot of the database: (a), (b), (c), (d),
+    /// (e) as check_invariants() reports it before any sweep, and (g). Returns the violations.
+    pub fn check(&self, st: &State, checks: &Checks) -> Vec<String> {
+        let mut out = Vec::new();
+        let running: Vec<&Delivery> = self.deliveries.iter().filter(|d| d.holder == Holder::Running).collect();
+
+        // (a) G3: per key, the deliveries entitled to run never exceed the key's limit.
+        if checks.on('a') {
+            let mut per_key: BTreeMap<(&str, Ty), Vec<&Delivery>> = BTreeMap::new();
+            for d in &running {
+                if let (Some(key), Some(ty)) = (d.key.as_deref(), d.ty) {
+                    if ty.limited() {
+                        per_key.entry((key, ty)).or_default().push(d);
+                    }
+                }
+            }
+            for ((key, ty), ds) in per_key {
+                let bound = self.bound(ty, key);
+                if ds.len() as u32 > bound {
+                    let who: Vec<String> = ds.iter().map(|d| d.describe()).collect();
+                    out.push(format!(
+                        "(a) over-admission: key {key} has {} deliveries entitled to run, limit {bound}: {}",
+                        ds.len(),
+                        who.join("; ")
+                    ));
+                }
+            }
+        }
+
+        // (b) H24: a delivery entitled to run holds a live lease of its own key.
+        if checks.on('b') {
+            for d in &running {
+                let (Some(key), Some(true)) = (d.key.as_deref(), d.ty.map(Ty::limited)) else { continue };
+                match st.lease(d.queue, d.msg_id) {
+                    None => out.push(format!("(b) {} runs without a lease row", d.describe())),
+                    Some(l) if !l.live => out.push(format!("(b) {} runs on an expired lease", d.describe())),
+                    Some(l) if l.key != key => {
+                        out.push(format!("(b) {} runs on a lease of another key {}", d.describe(), l.key))
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+
+        // (c) G2/H2: value = lease rows of the key, and value <= lim.
+        if checks.on('c') {
+            let mut leases: BTreeMap<&str, i32> = BTreeMap::new();
+            for l in &st.leases {
+                *leases.entry(l.key.as_str()).or_default() += 1;
+            }
+            for (key, lim, value) in &st.semaphores {
+                let n = leases.remove(key.as_str()).unwrap_or(0);
+                if *value != n {
+                    out.push(format!("(c) key {key}: semaphore value {value} but {n} lease rows"));
+                }
+                if value > lim || *value < 0 {
+                    out.push(format!("(c) key {key}: semaphore value {value} outside 0..={lim}"));
+                }
+            }
+            for (key, n) in leases {
+                out.push(format!("(c) key {key}: {n} lease rows but no semaphore row"));
+            }
+        }
+
+        // (d) G1: every committed job is in exactly one place, the one the model expects; no
+        // rolled-back or unknown job appears anywhere.
+        if checks.on('d') {
+            let mut seen: BTreeMap<i64, Vec<String>> = BTreeMap::new();
+            for m in &st.messages {
+                seen.entry(m.job_id).or_default().push(format!("queue {} as msg {}", m.queue.name(), m.msg_id));
+            }
+            for (job, _) in &st.parked {
+                seen.entry(*job).or_default().push("parked".into());
+            }
+            for (q, job) in &st.archived {
+                seen.entry(*job).or_default().push(format!("archive of {}", q.name()));
+            }
+            for job in &st.dead {
+                seen.entry(*job).or_default().push("dead letters".into());
+            }
+            for (job, places) in &seen {
+                if self.rolled_back.contains(job) {
+                    out.push(format!("(d) job {job}, enqueued in a rolled-back transaction, is in {places:?}"));
+                } else if !self.jobs.contains_key(job) {
+                    out.push(format!("(d) unknown job {job} is in {places:?}"));
+                }
+            }
+            for (job, fate) in &self.jobs {
+                let places = seen.get(job).cloned().unwrap_or_default();
+                let expected = |p: &String| match fate {
+                    Fate::Live => p.starts_with("queue") || p == "parked",
+                    Fate::Archived => p.starts_with("archive"),
+                    Fate::DeadLettered => p == "dead letters",
+                };
+                if places.len() != 1 || !expected(&places[0]) {
+                    out.push(format!("(d) job {job} should be {fate:?} exactly once, but is in {places:?}"));
+                }
+            }
+        }
+
+        // (e) check_invariants() before any sweep; the runner re-asks after a sweep (rolled
+        // back) before calling it a violation.
+        if checks.on('e') && !st.invariants.is_empty() {
+            out.push(format!("(e) check_invariants(): {:?}", st.invariants));
+        }
+
+        // (g) H26: a job has at most one delivery entitled to run.
+        if checks.on('g') {
+            let mut per_job: BTreeMap<i64, Vec<&Delivery>> = BTreeMap::new();
+            for d in &running {
+                per_job.entry(d.job_id).or_default().push(d);
+            }
+            for (job, ds) in per_job {
+                if ds.len() > 1 {
+                    let who: Vec<String> = ds.iter().map(|d| d.describe()).collect();
+                    out.push(format!("(g) job {job} runs twice at once: {}", who.join("; ")));
+                }
+            }
+        }
+        out
+    }
+}
