@@ -101,9 +101,11 @@ impl Runtime {
         // and without sqlx's ping before every acquire — a round trip per statement that the
         // loops do not need, since every one of them retries a statement that failed.
         // Its statements have lock and statement budgets that fit inside the lease (H28); the
-        // caller's pool, which handlers and producers use, keeps its own settings.
+        // caller's pool, which handlers and producers use, keeps its own settings. The heartbeat
+        // no longer draws from it (it has a connection of its own), so the pool is one smaller
+        // and the process opens no more connections than before.
         let total_concurrency: usize = self.pools.iter().map(|p| p.concurrency).sum();
-        let connections = 4 + self.pools.len() + total_concurrency / 4;
+        let connections = 3 + self.pools.len() + total_concurrency / 4;
         let options = self.db.connect_options().as_ref().clone();
         let db = PgPoolOptions::new()
             .max_connections(u32::try_from(connections).unwrap_or(u32::MAX))
