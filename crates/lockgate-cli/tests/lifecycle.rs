@@ -1,6 +1,7 @@
 //! Processes that survive the real world, with the real binary: pruning a live worker that was
 //! frozen (seed 000), TERM with a job that outlives `shutdown_timeout`, twenty times (seed 002),
-//! TERM returning a command job only once every process it started has ended (H30),
+//! TERM returning a command job only once every process it started has ended (H30), a partitioned
+//! process killing its command's whole group before its lease can expire (H27),
 //! kill -9 and pruning, backends terminated mid-run, a killed LISTEN connection, a process
 //! whose row was deleted under it, health endpoints, and a PostgreSQL restart (run alone).
 
@@ -8,11 +9,11 @@
 
 mod common;
 
-use std::process::Child;
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use common::*;
-use lockgate_testkit::{wait_for, wait_for_count, TestDb};
+use lockgate_testkit::{wait_for, wait_for_count, FaultProxy, TestDb};
 
 /// Fast process heartbeats and pruning, for tests that exercise the registry.
 const REGISTRY_RUNTIME: &str = "visibility_timeout = \"30s\"\nheartbeat_interval = \"300ms\"\n\
@@ -125,26 +126,22 @@ fn alive(pid: u32) -> bool {
         .is_ok_and(|stat| stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()) != Some("Z"))
 }
 
-#[tokio::test]
-async fn h30_term_returns_a_command_job_only_after_every_process_it_started_has_ended() {
-    // The first run starts a child and a grandchild (each records its pid) and waits for them;
-    // every run first records which processes of an earlier run are still alive.
-    let script = "cat >/dev/null; \
-        for p in $(cat $DIR/pids 2>/dev/null); do \
-          if [ -r /proc/$p/stat ] && [ \"$(cut -d' ' -f3 /proc/$p/stat)\" != Z ]; then echo $p >> $DIR/alive_at_start; fi; \
-        done; \
-        echo start >> $DIR/starts; \
-        if [ ! -f $DIR/first ]; then touch $DIR/first; \
-          sleep 30 & echo $! >> $DIR/pids; \
-          ( sh -c 'echo $$ >> $DIR/pids; exec sleep 30'; true ) & echo $! >> $DIR/pids; \
-          echo $$ >> $DIR/pids; wait; \
-        fi";
-    let setup = Setup::with_runtime(REGISTRY_RUNTIME, script, "concurrency = { limit = 1 }");
-    let db = migrated_with_one_job(&setup).await;
-    let mut first = setup.run(&db);
-    wait_registered(&db, &first).await;
-    setup.wait_starts(1).await;
-    let pids = wait_for("the first run's four processes", WAIT, || async {
+/// The first run starts a child and a grandchild (each records its pid, as does the script) and
+/// waits for them; every run first records which processes of an earlier run are still alive.
+const FORKING_FIRST_RUN: &str = "cat >/dev/null; \
+    for p in $(cat $DIR/pids 2>/dev/null); do \
+      if [ -r /proc/$p/stat ] && [ \"$(cut -d' ' -f3 /proc/$p/stat)\" != Z ]; then echo $p >> $DIR/alive_at_start; fi; \
+    done; \
+    echo start >> $DIR/starts; \
+    if [ ! -f $DIR/first ]; then touch $DIR/first; \
+      sleep 30 & echo $! >> $DIR/pids; \
+      ( sh -c 'echo $$ >> $DIR/pids; exec sleep 30'; true ) & echo $! >> $DIR/pids; \
+      echo $$ >> $DIR/pids; wait; \
+    fi";
+
+/// The pids the first run of `FORKING_FIRST_RUN` recorded, once all four are there.
+async fn first_run_pids(setup: &Setup) -> Vec<u32> {
+    wait_for("the first run's four processes", WAIT, || async {
         let pids: Vec<u32> = std::fs::read_to_string(setup.dir.join("pids"))
             .unwrap_or_default()
             .lines()
@@ -153,7 +150,22 @@ async fn h30_term_returns_a_command_job_only_after_every_process_it_started_has_
         Ok((pids.len() == 4).then_some(pids))
     })
     .await
-    .unwrap();
+    .unwrap()
+}
+
+/// What the later runs found still alive of the first one when they started.
+fn alive_at_next_start(setup: &Setup) -> String {
+    std::fs::read_to_string(setup.dir.join("alive_at_start")).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn h30_term_returns_a_command_job_only_after_every_process_it_started_has_ended() {
+    let setup = Setup::with_runtime(REGISTRY_RUNTIME, FORKING_FIRST_RUN, "concurrency = { limit = 1 }");
+    let db = migrated_with_one_job(&setup).await;
+    let mut first = setup.run(&db);
+    wait_registered(&db, &first).await;
+    setup.wait_starts(1).await;
+    let pids = first_run_pids(&setup).await;
     // A second process waits on the same queue: it is woken the moment the job is returned.
     let second = setup.run(&db);
     wait_registered(&db, &second).await;
@@ -165,8 +177,42 @@ async fn h30_term_returns_a_command_job_only_after_every_process_it_started_has_
     wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
     stop(second).await;
     assert_eq!(setup.starts(), 2, "returned once, run again once");
-    let overlapping = std::fs::read_to_string(setup.dir.join("alive_at_start")).unwrap_or_default();
+    let overlapping = alive_at_next_start(&setup);
     assert!(overlapping.is_empty(), "the next run started while these old processes were alive: {overlapping}");
+    invariants(&db).await;
+}
+
+#[tokio::test]
+async fn h27_a_partitioned_process_kills_its_commands_whole_group_before_its_lease_can_expire() {
+    let runtime = format!("{DEFAULT_RUNTIME}\nsweep_interval = \"200ms\"");
+    let setup = Setup::with_runtime(&runtime, FORKING_FIRST_RUN, "concurrency = { limit = 1 }");
+    let db = migrated_with_one_job(&setup).await;
+    // The first process reaches the database only through a proxy.
+    let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let mut partitioned = lockgate(&db, &["run", "--config", setup.config.to_str().unwrap()])
+        .env("DATABASE_URL", proxy.url_for(&db.url))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    setup.wait_starts(1).await;
+    let pids = first_run_pids(&setup).await;
+    // Partition it mid-job; a second process, connected directly, waits for the job.
+    proxy.freeze();
+    let other = setup.run(&db);
+    wait_registered(&db, &other).await;
+    // The job comes back to the second process once the first one's lease is over; by then the
+    // first process has killed its command's whole group, on its own clock.
+    setup.wait_starts(2).await;
+    let overlapping = alive_at_next_start(&setup);
+    assert!(overlapping.is_empty(), "the next run started while these old processes were alive: {overlapping}");
+    assert!(pids.iter().all(|p| !alive(*p)), "every process of the partitioned run has ended");
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    proxy.thaw();
+    signal(&partitioned, "TERM");
+    assert!(wait_exit(&mut partitioned).await.success());
+    stop(other).await;
+    assert_eq!(setup.starts(), 2);
     invariants(&db).await;
 }
 
