@@ -158,7 +158,7 @@ async fn undecodable_messages_are_dead_lettered_with_their_reason() {
         .await
         .unwrap();
     assert_eq!(rows[0].0, "undecodable");
-    assert!(rows[0].1.contains("no lockgate headers"), "{}", rows[0].1);
+    assert!(rows[0].1.contains("headers are not a JSON object"), "{}", rows[0].1);
     assert_eq!(rows[1].0, "undecodable");
     assert!(rows[1].1.contains("arguments do not decode"), "{}", rows[1].1);
     assert_eq!(calls.get(), 0, "no handler ran");
