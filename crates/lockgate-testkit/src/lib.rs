@@ -5,6 +5,7 @@
 //! The server is taken from `LOCKGATE_TEST_DATABASE_URL`, else the local default
 //! `postgres://postgres@127.0.0.1:5432/postgres`.
 
+pub mod chaos;
 mod proxy;
 
 pub use proxy::FaultProxy;
