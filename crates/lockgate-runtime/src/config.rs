@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use lockgate_core::{QueueName, ValidationError};
 
+use crate::in_flight::FENCE_MARGIN;
+
 /// How long a claimed job stays invisible without a heartbeat. A dead worker's jobs come back
 /// after at most this long (G5); 30 s is SQS's default and keeps recovery quick.
 pub const DEFAULT_VISIBILITY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -66,16 +68,22 @@ impl Default for RuntimeConfig {
 }
 
 impl RuntimeConfig {
-    /// G6: every lease is at least twice the heartbeat interval, so one late tick never loses it.
+    /// G6: every lease is at least twice the heartbeat interval, so one late tick never loses it;
+    /// and, since a handler is cancelled `FENCE_MARGIN` before its budget runs out (H27), the
+    /// visibility timeout also covers that margin, or every handler would be fenced between two
+    /// healthy renewals.
     pub fn validate(&self) -> Result<(), ValidationError> {
         if self.heartbeat_interval.is_zero() {
             return Err(ValidationError::new("heartbeat_interval", "0s", "a positive duration"));
         }
-        if self.visibility_timeout < self.heartbeat_interval * 2 {
+        if self.visibility_timeout < self.heartbeat_interval * 2 + FENCE_MARGIN {
             return Err(ValidationError::new(
                 "visibility_timeout",
                 format!("{:?}", self.visibility_timeout),
-                format!("at least twice heartbeat_interval ({:?})", self.heartbeat_interval),
+                format!(
+                    "at least twice heartbeat_interval ({:?}) plus the {FENCE_MARGIN:?} self-fencing margin",
+                    self.heartbeat_interval
+                ),
             ));
         }
         let intervals = [
@@ -138,6 +146,13 @@ mod tests {
     #[test]
     fn visibility_must_cover_two_heartbeats() {
         let cfg = RuntimeConfig { visibility_timeout: Duration::from_secs(5), ..Default::default() };
+        assert_eq!(cfg.validate().unwrap_err().field, "visibility_timeout");
+        // Twice the interval is not enough: a handler is fenced 300 ms before its budget ends.
+        let cfg = RuntimeConfig {
+            visibility_timeout: Duration::from_millis(200),
+            heartbeat_interval: Duration::from_millis(100),
+            ..Default::default()
+        };
         assert_eq!(cfg.validate().unwrap_err().field, "visibility_timeout");
         let cfg = RuntimeConfig { sweep_interval: Duration::ZERO, ..Default::default() };
         assert_eq!(cfg.validate().unwrap_err().field, "sweep_interval");
