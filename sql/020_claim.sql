@@ -182,6 +182,7 @@ DECLARE
     jt lockgate.job_types;
     ckey text;
     held text;
+    stale integer;
     job bigint := COALESCE((c.headers->>'job_id')::bigint, c.msg_id);
     tbl text := lockgate._queue_table(queue, 'q');
     lease_end timestamptz;
@@ -207,8 +208,11 @@ BEGIN
         IF NOT lockgate._lock_key_now(held) THEN
             RETURN lockgate._put_back(tbl, c);
         END IF;
-        DELETE FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id;
-        PERFORM lockgate._give_back(held, 1);
+        -- Only the rows deleted here are given back: a sweep may have expired the lease since it
+        -- was read (G2).
+        WITH gone AS (DELETE FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id RETURNING 1)
+        SELECT count(*) INTO stale FROM gone;
+        PERFORM lockgate._give_back(held, stale);
     END IF;
     IF NOT lockgate._lock_key_now(ckey) THEN
         RETURN lockgate._put_back(tbl, c);
