@@ -604,6 +604,31 @@ async fn soak(size: Size, seed: u64) {
             });
             eprintln!("chaos soak: {}", faults.last().unwrap().describe());
         }
+        // A process that exited on its own (outside a fault of ours) is noted and restarted: that
+        // is a problem unless the server was restarting around then (a start may fail to connect).
+        let busy: HashSet<usize> = active.iter().filter_map(Active::proc_idx).collect();
+        for idx in (0..3).filter(|i| !busy.contains(i)) {
+            let exited = procs.procs[idx].child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            if let Some(status) = exited {
+                let label = procs.procs[idx].label();
+                let now = Utc::now();
+                let near_restart = faults.iter().any(|f| {
+                    f.kind == "postgres-restart" && f.ended.is_some_and(|e| now - e < chrono::Duration::seconds(15))
+                });
+                faults.push(Fault {
+                    kind: "exited",
+                    target: label.clone(),
+                    pid: procs.procs[idx].pid(),
+                    began: now,
+                    ended: Some(now),
+                    detail: format!("{status}, restarted"),
+                    problem: (!near_restart)
+                        .then(|| format!("{label} exited on its own with {status} at {} (see its log)", ts(now))),
+                });
+                procs.procs[idx].child = None;
+                procs.spawn(idx, &db);
+            }
+        }
         // Start a new fault.
         if Instant::now() >= next_fault {
             next_fault = Instant::now() + Duration::from_millis(rng.u64(700..2000));
@@ -1136,7 +1161,19 @@ async fn analyse(
         *per_job.entry(x.job).or_default() += 1;
     }
     r.jobs_run_twice = per_job.values().filter(|&&n| n > 1).count();
-    let oracle = Oracle::new(&runs, faults, procs);
+    let fates: Vec<(i64, String, i64, i32, Option<String>)> = sqlx::query_as(
+        "SELECT COALESCE((headers->>'job_id')::bigint, msg_id), 'archived', msg_id, read_ct, headers->>'owner'
+           FROM pgmq.a_soak
+         UNION ALL
+         SELECT COALESCE(job_id, (headers->>'job_id')::bigint, msg_id), 'dead-lettered (' || reason || ')', msg_id,
+                attempts, headers->>'owner'
+           FROM lockgate.dead_letters",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let mut oracle = Oracle::new(&runs, faults, procs);
+    oracle.fates = fates.into_iter().map(|(job, fate, msg, ct, owner)| (job, (fate, msg, ct, owner))).collect();
     oracle.check(&mut r);
     r
 }
@@ -1177,6 +1214,8 @@ struct Oracle<'a> {
     stops: HashMap<i32, Vec<Window>>,
     faults: &'a [Fault],
     procs: &'a Procs,
+    /// How each job ended in lockgate's own tables: fate, last msg_id, read_ct, owner.
+    fates: HashMap<i64, (String, i64, i32, Option<String>)>,
 }
 
 enum Holder<'a> {
@@ -1198,7 +1237,7 @@ impl<'a> Oracle<'a> {
                 stops.entry(pid as i32).or_default().push((f.began, f.ended));
             }
         }
-        Self { runs, by_bpid, by_kid, stops, faults, procs }
+        Self { runs, by_bpid, by_kid, stops, faults, procs, fates: HashMap::new() }
     }
 
     /// The run that held backend `bpid`'s slot when `at` looked: the latest run of that backend
@@ -1241,6 +1280,28 @@ impl<'a> Oracle<'a> {
             self.procs.describe(x.wpid),
             ts(x.try_at)
         )
+    }
+
+    /// What lockgate recorded about the run's job: how it ended, and the lines of the run's
+    /// process log that name its last message.
+    fn lockgate_view(&self, x: &Run) -> String {
+        let Some((fate, msg, read_ct, owner)) = self.fates.get(&x.job) else {
+            return "\n        lockgate: the job never finished".to_string();
+        };
+        let mut out = format!(
+            "\n        lockgate: {fate} as msg {msg} (read_ct {read_ct}, last owner {})",
+            owner.as_deref().unwrap_or("-")
+        );
+        let label = u32::try_from(x.wpid).ok().and_then(|p| self.procs.pids.get(&p)).map(|i| i.label.clone());
+        if let Some(text) = label.and_then(|l| std::fs::read_to_string(self.procs.dir.join(format!("{l}.log"))).ok()) {
+            let (a, b) = (format!("msg_id={msg} "), format!("msg_id={msg}}}"));
+            let lines: Vec<&str> = text.lines().filter(|l| l.contains(&a) || l.contains(&b)).collect();
+            for l in lines.iter().rev().take(6).rev() {
+                let l: String = l.chars().take(260).collect();
+                write!(out, "\n          log: {l}").unwrap();
+            }
+        }
+        out
     }
 
     fn faults_between(&self, from: DateTime<Utc>, to: DateTime<Utc>) -> Vec<&'a Fault> {
@@ -1332,11 +1393,13 @@ impl<'a> Oracle<'a> {
                     ts(x.try_at),
                     self.describe(x)
                 );
+                d.push_str(&self.lockgate_view(x));
                 for h in &others {
                     match h {
                         Holder::Run(h) => {
                             let stale = if h.job == x.job { " [the SAME job, still running]" } else { "" };
                             write!(d, "\n    still running:  {}{stale}", self.describe(h)).unwrap();
+                            d.push_str(&self.lockgate_view(h));
                         }
                         Holder::Unrecorded(b) => {
                             write!(d, "\n    still running:  an unrecorded run on backend {b}").unwrap();
