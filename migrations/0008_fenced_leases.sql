@@ -5,6 +5,10 @@
 DROP FUNCTION IF EXISTS lockgate.claim(text, integer, double precision, bigint);
 DROP FUNCTION IF EXISTS lockgate.extend(text, bigint[], integer[], double precision);
 DROP FUNCTION IF EXISTS lockgate._reacquire(text, bigint, integer, jsonb, jsonb);
+DROP FUNCTION IF EXISTS lockgate._reacquire(text, lockgate._claimed, double precision);
+DROP FUNCTION IF EXISTS lockgate._lock_key_now(text);
+-- A prune no longer returns jobs to their queue; it reports how many are still in flight.
+DROP FUNCTION IF EXISTS lockgate.prune_processes(double precision);
 
 -- Lease renewals (claim, heartbeat, retry, shutdown return) rewrite expires_at on every
 -- delivery; without an index on it they are HOT updates. The sweep that looks for expired leases

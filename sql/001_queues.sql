@@ -18,6 +18,14 @@ BEGIN
     RETURN format('pgmq.%I', kind || '_' || queue);
 END $$;
 
+-- The queues whose PGMQ table exists: loops over every queue (sweep, prune, invariants, status)
+-- skip a queue whose table was dropped behind lockgate's back (pgmq.drop_queue) instead of
+-- failing for every other queue. check_invariants reports such queues.
+CREATE OR REPLACE FUNCTION lockgate._live_queues()
+RETURNS SETOF text LANGUAGE sql STABLE AS $$
+    SELECT q.name FROM lockgate.queues q WHERE to_regclass(format('pgmq.%I', 'q_' || q.name)) IS NOT NULL ORDER BY q.name
+$$;
+
 -- Creates a queue if it does not exist. Safe to run from many sessions at once (H21): the
 -- advisory lock serialises creators of the same name until commit.
 -- Locks: advisory xact lock on the queue name. Callers: migrate, define_job_type, Client, CLI.

@@ -129,6 +129,10 @@ DECLARE
 BEGIN
     IF jt.concurrency_limit IS NOT NULL THEN
         key := lockgate._concurrency_key(jt, args, explicit_key);
+        IF length(key) > 512 THEN
+            RAISE EXCEPTION 'lockgate: the concurrency key derived from the arguments is % characters, more than the 512 allowed', length(key)
+                USING ERRCODE = 'LG003', DETAIL = format('key paths %s of job type "%s"', jt.concurrency_key, jt.name);
+        END IF;
         headers := headers || jsonb_build_object('ckey', key);
         IF explicit_key IS NOT NULL THEN
             -- Kept as given when the type's key paths change (a claim re-derives the others).

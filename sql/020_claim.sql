@@ -44,8 +44,12 @@ DECLARE
     -- Limited jobs whose lease is gone, decided after the claim statements, in key order.
     unleased lockgate._claimed[] := '{}';
     u lockgate._claimed;
-    lease_end timestamptz;
+    visible_at timestamptz;
 BEGIN
+    IF vt_seconds IS NULL OR NOT vt_seconds > 0 OR vt_seconds IN ('infinity', 'NaN') THEN
+        RAISE EXCEPTION 'lockgate: invalid visibility timeout % seconds: a positive, finite number', vt_seconds
+            USING ERRCODE = 'LG003';
+    END IF;
     WHILE left_to_claim > 0 AND after < 9 LOOP
         got := 0;
         FOR r IN EXECUTE format(
@@ -124,16 +128,31 @@ BEGIN
     END LOOP;
     -- Semaphore rows are taken in key order, the order every path keeps (H31).
     FOR u IN SELECT * FROM unnest(unleased) x ORDER BY x.headers->>'ckey' NULLS FIRST, x.msg_id LOOP
-        lease_end := lockgate._reacquire(queue, u, vt_seconds);
-        CONTINUE WHEN lease_end IS NULL;
+        visible_at := lockgate._reacquire(queue, u);
+        CONTINUE WHEN visible_at IS NULL;
         msg_id := u.msg_id;
         read_ct := u.read_ct;
         enqueued_at := u.enqueued_at;
         message := u.message;
         headers := u.headers;
-        budget_seconds := extract(epoch FROM LEAST(clock_timestamp() + make_interval(secs => vt_seconds), lease_end) - at);
+        -- The budget ends when the message becomes visible again, however long this took.
+        budget_seconds := extract(epoch FROM visible_at - at);
         RETURN NEXT;
     END LOOP;
+    -- Messages at a priority outside 0..9 (sent with raw PGMQ) are never claimed by the probes
+    -- above: dead-letter them rather than leave them waiting forever (H29).
+    IF left_to_claim > 0 THEN
+        FOR r IN EXECUTE format(
+            'SELECT m.msg_id, m.read_ct, m.headers->''priority'' AS p FROM %1$s m
+              WHERE (COALESCE((m.headers->>''priority'')::smallint, 0) < 0 OR COALESCE((m.headers->>''priority'')::smallint, 0) > 9)
+                AND m.vt <= $1
+              LIMIT $2 FOR UPDATE SKIP LOCKED', tbl)
+          USING at, left_to_claim
+        LOOP
+            PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable',
+                format('priority %s in the headers is not an integer from 0 to 9', r.p), r.read_ct);
+        END LOOP;
+    END IF;
 END $$;
 
 -- Why a claimed message cannot be a lockgate job, or NULL when it can: the checks the worker's
@@ -147,10 +166,11 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
         WHEN jsonb_typeof(headers->'type') IS DISTINCT FROM 'string' THEN
             format('message headers carry no job type string at "type" (got %s)', COALESCE(jsonb_typeof(headers->'type'), 'nothing'))
         WHEN jsonb_typeof(headers->'job_id') NOT IN ('number', 'null')
-          OR (jsonb_typeof(headers->'job_id') = 'number' AND headers->>'job_id' !~ '^[0-9]{1,18}$') THEN
+          OR (jsonb_typeof(headers->'job_id') = 'number' AND headers->>'job_id' !~ '^[1-9][0-9]{0,17}$') THEN
             format('job_id %s in the headers is not a positive integer', headers->'job_id')
-        WHEN headers ? 'ckey' AND (jsonb_typeof(headers->'ckey') IS DISTINCT FROM 'string' OR headers->>'ckey' = '') THEN
-            format('concurrency key %s in the headers is not a non-empty string', headers->'ckey')
+        WHEN headers ? 'ckey' AND (jsonb_typeof(headers->'ckey') IS DISTINCT FROM 'string'
+                                   OR length(headers->>'ckey') NOT BETWEEN 1 AND 512) THEN
+            format('concurrency key %s in the headers is not a string of 1 to 512 characters', left(headers->>'ckey', 100))
         WHEN jsonb_typeof(headers->'priority') NOT IN ('number', 'null')
           OR (jsonb_typeof(headers->'priority') = 'number' AND headers->>'priority' !~ '^[0-9]$') THEN
             format('priority %s in the headers is not an integer from 0 to 9', headers->'priority')
@@ -171,12 +191,13 @@ $$;
 -- H33): give back any lease it still holds, then take a permit of the key its type's current
 -- policy gives it through the guarded acquire and return the new lease's end; or park the job
 -- (that key is full), put it back for a moment (a key's row is held by another transaction,
--- H28), or dead-letter it (its type is gone, H16), and return NULL: then it is not run. Never runs
--- without a permit (G3).
+-- H28), or dead-letter it (its type is gone, H16; its key is too long), and return NULL: then it
+-- is not run. Returns when the message becomes visible again (the end of the delivery's budget,
+-- never after its lease). Never runs without a permit (G3).
 -- Locks: semaphore rows, never waiting for one (so the order between the old and the new key
 -- cannot deadlock); the lease bound to the message. The message row is already locked by the
 -- claim. Callers: lockgate.claim.
-CREATE OR REPLACE FUNCTION lockgate._reacquire(queue text, c lockgate._claimed, vt_seconds double precision)
+CREATE OR REPLACE FUNCTION lockgate._reacquire(queue text, c lockgate._claimed)
 RETURNS timestamptz LANGUAGE plpgsql AS $$
 DECLARE
     jt lockgate.job_types;
@@ -186,6 +207,7 @@ DECLARE
     job bigint := COALESCE((c.headers->>'job_id')::bigint, c.msg_id);
     tbl text := lockgate._queue_table(queue, 'q');
     lease_end timestamptz;
+    visible_at timestamptz;
 BEGIN
     SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = c.headers->>'type';
     IF NOT FOUND THEN
@@ -196,16 +218,23 @@ BEGIN
     IF jt.concurrency_limit IS NULL THEN
         -- Its type's limit was removed: it runs unlimited, and its message drops the key so the
         -- heartbeat does not look for a lease.
-        EXECUTE format('UPDATE %s m SET headers = m.headers - ''ckey'' - ''ckey_explicit'' WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
-          USING c.msg_id, c.read_ct;
-        RETURN 'infinity';
+        EXECUTE format('UPDATE %s m SET headers = m.headers - ''ckey'' - ''ckey_explicit''
+                         WHERE m.msg_id = $1 AND m.read_ct = $2 RETURNING m.vt', tbl)
+           INTO visible_at USING c.msg_id, c.read_ct;
+        RETURN visible_at;
     END IF;
     ckey := CASE WHEN c.headers ? 'ckey_explicit' THEN c.headers->>'ckey'
                  ELSE lockgate._concurrency_key(jt, c.message, NULL) END;
+    IF length(ckey) > 512 THEN
+        PERFORM lockgate.dead_letter(queue, c.msg_id, c.read_ct, 'undecodable',
+            format('concurrency key derived from the arguments is %s characters, more than the 512 allowed', length(ckey)),
+            c.read_ct);
+        RETURN NULL;
+    END IF;
     -- A lease still bound to the message (past its end, or of its old key) gives its permit back.
     SELECT l.key INTO held FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id;
     IF held IS NOT NULL THEN
-        IF NOT lockgate._lock_key_now(held) THEN
+        IF NOT lockgate._lock_key_now(held, NULL) THEN
             RETURN lockgate._put_back(tbl, c);
         END IF;
         -- Only the rows deleted here are given back: a sweep may have expired the lease since it
@@ -214,7 +243,7 @@ BEGIN
         SELECT count(*) INTO stale FROM gone;
         PERFORM lockgate._give_back(held, stale);
     END IF;
-    IF NOT lockgate._lock_key_now(ckey) THEN
+    IF NOT lockgate._lock_key_now(ckey, jt.concurrency_limit) THEN
         RETURN lockgate._put_back(tbl, c);
     END IF;
     IF c.headers->>'ckey' IS DISTINCT FROM ckey THEN
@@ -228,9 +257,9 @@ BEGIN
                 clock_timestamp() + lockgate._lease_interval(jt.concurrency_duration_ms))
         RETURNING expires_at INTO lease_end;
         -- The visibility never outlives the lease.
-        EXECUTE format('UPDATE %s m SET vt = LEAST(m.vt, $3) WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
-          USING c.msg_id, c.read_ct, lease_end;
-        RETURN lease_end;
+        EXECUTE format('UPDATE %s m SET vt = LEAST(m.vt, $3) WHERE m.msg_id = $1 AND m.read_ct = $2 RETURNING m.vt', tbl)
+           INTO visible_at USING c.msg_id, c.read_ct, lease_end;
+        RETURN visible_at;
     END IF;
     EXECUTE format('DELETE FROM %s m WHERE m.msg_id = $1 AND m.read_ct = $2', tbl) USING c.msg_id, c.read_ct;
     -- Promoted later as a new message (read_ct 0), the job keeps its id in the headers, and the
@@ -245,13 +274,33 @@ BEGIN
     RETURN NULL;
 END $$;
 
--- Locks a key's semaphore row if no other transaction holds it; true when locked (or when the
--- key has no row yet: the guarded acquire creates it). Never waits.
-CREATE OR REPLACE FUNCTION lockgate._lock_key_now(key text)
+-- Locks a key's semaphore row if no other transaction holds it; true when locked. Never waits:
+-- a key with no row yet is created (value 0, limit lim) under a lock_timeout of a few
+-- milliseconds, so a row another transaction is inserting (an open producer transaction's
+-- first enqueue of the key) makes it false instead of a wait. lim NULL: the key's row exists.
+CREATE OR REPLACE FUNCTION lockgate._lock_key_now(key text, lim integer)
 RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    saved text := current_setting('lock_timeout');
 BEGIN
     PERFORM 1 FROM lockgate.semaphores s WHERE s.key = _lock_key_now.key FOR UPDATE SKIP LOCKED;
-    RETURN FOUND OR NOT EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = _lock_key_now.key);
+    IF FOUND THEN
+        RETURN true;
+    END IF;
+    IF EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = _lock_key_now.key) OR lim IS NULL THEN
+        RETURN false;
+    END IF;
+    BEGIN
+        PERFORM set_config('lock_timeout', '5ms', true);
+        INSERT INTO lockgate.semaphores (key, lim, value) VALUES (_lock_key_now.key, _lock_key_now.lim, 0)
+        ON CONFLICT ON CONSTRAINT semaphores_pkey DO NOTHING;
+        PERFORM set_config('lock_timeout', saved, true);
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', saved, true);
+        RETURN false;
+    END;
+    PERFORM 1 FROM lockgate.semaphores s WHERE s.key = _lock_key_now.key FOR UPDATE SKIP LOCKED;
+    RETURN FOUND;
 END $$;
 
 -- Puts a claimed delivery back for a second without running it (a key it needs is held by

@@ -25,6 +25,10 @@ DECLARE
     owned bigint[];
     limited bigint[];
 BEGIN
+    IF vt_seconds IS NULL OR NOT vt_seconds > 0 OR vt_seconds IN ('infinity', 'NaN') THEN
+        RAISE EXCEPTION 'lockgate: invalid visibility timeout % seconds: a positive, finite number', vt_seconds
+            USING ERRCODE = 'LG003';
+    END IF;
     -- The deliveries still owned and not waiting, locked in msg_id order.
     EXECUTE format(
         'SELECT array_agg(x.msg_id), array_agg(x.msg_id) FILTER (WHERE x.limited)

@@ -8,7 +8,7 @@ LANGUAGE plpgsql STABLE AS $$
 DECLARE
     q record;
 BEGIN
-    FOR q IN SELECT name FROM lockgate.queues ORDER BY name LOOP
+    FOR q IN SELECT lockgate._live_queues() AS name LOOP
         queue := q.name;
         EXECUTE format(
             'SELECT count(*) FILTER (WHERE vt <= now()),

@@ -30,8 +30,9 @@ RETURNS boolean LANGUAGE sql AS $$
 $$;
 
 -- The concurrency invariants, as rows of violations (none when all hold). Over permits: for
--- every key, value = number of live leases <= limit; no lease points at a message that no longer
--- exists (run it after a sweep, which repairs such leases). Over deliveries (G3, H24): every
+-- every key, value = number of live leases <= limit; no expired lease points at a message that
+-- no longer exists (run it after a sweep, which frees such leases once they expire; before then
+-- the message's holder may still be running). Over deliveries (G3, H24): every
 -- limited job in flight (claimed, not waiting, still invisible) holds a lease of its own key that
 -- lasts at least as long as its visibility (so its holder's budget ends before its permit), and
 -- no key has more such deliveries than its limit. Every concurrency test ends with it.
@@ -46,10 +47,13 @@ BEGIN
          GROUP BY s.key, s.value HAVING s.value <> count(l.msg_id);
     RETURN QUERY
         SELECT s.key, format('value %s above limit %s', s.value, s.lim) FROM lockgate.semaphores s WHERE s.value > s.lim;
-    FOR q IN SELECT name FROM lockgate.queues LOOP
+    RETURN QUERY
+        SELECT NULL::text, format('queue %s has no PGMQ table (dropped outside lockgate)', q2.name)
+          FROM lockgate.queues q2 WHERE q2.name NOT IN (SELECT lockgate._live_queues());
+    FOR q IN SELECT lockgate._live_queues() AS name LOOP
         RETURN QUERY EXECUTE format(
-            'SELECT l.key, format(''lease on missing message %%s/%%s'', l.queue, l.msg_id)
-               FROM lockgate.leases l WHERE l.queue = $1
+            'SELECT l.key, format(''expired lease on missing message %%s/%%s'', l.queue, l.msg_id)
+               FROM lockgate.leases l WHERE l.queue = $1 AND l.expires_at < now()
                 AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)',
             lockgate._queue_table(q.name, 'q'))
           USING q.name;

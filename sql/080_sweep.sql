@@ -1,6 +1,8 @@
 -- The concurrency sweep (dispatcher), in one transaction:
--- 1. delete leases whose silence budget ran out, and leases whose message no longer exists,
---    giving their permits back (a dead holder's permit is freed within one sweep, G5);
+-- 1. delete leases whose silence budget ran out, giving their permits back (a dead holder's
+--    permit is freed within one sweep, G5). A lease whose message no longer exists (removed
+--    outside lockgate, by pgmq.archive or pgmq.delete) is no exception: its holder may still be
+--    running until its budget ends, so it too is freed only when it expires (counted as orphaned);
 -- 2. promote parked jobs of keys that can take a permit now — filtered in SQL, oldest-waiting
 --    key first, at most max_keys keys per pass — so thousands of held keys can never starve a
 --    key whose holder died (H15). Keys whose holders are alive promote at their completion.
@@ -25,31 +27,28 @@ DECLARE
     q record;
     promotions lockgate.promotion[] := '{}';
 BEGIN
-    -- Leases whose message no longer exists (removed outside lockgate): repaired with the
-    -- expired ones. Found without locks; the delete below locks what it removes.
+    -- Expired leases whose message no longer exists, for the count. Found without locks.
     FOR q IN SELECT DISTINCT l.queue FROM lockgate.leases l
-              WHERE EXISTS (SELECT 1 FROM lockgate.queues x WHERE x.name = l.queue) LOOP
+              WHERE l.expires_at < at AND l.queue IN (SELECT lockgate._live_queues()) LOOP
         EXECUTE format(
             'SELECT $2 || COALESCE(array_agg(l.msg_id), ''{}'') FROM lockgate.leases l
-              WHERE l.queue = $1 AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)',
+              WHERE l.queue = $1 AND l.expires_at < $3 AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)',
             lockgate._queue_table(q.queue, 'q'))
-          INTO orphan_ids USING q.queue, orphan_ids;
+          INTO orphan_ids USING q.queue, orphan_ids, at;
         orphan_queues := orphan_queues || array_fill(q.queue, ARRAY[cardinality(orphan_ids) - cardinality(orphan_queues)]);
     END LOOP;
-    -- 1. Keys with an expired or orphaned lease whose semaphore row is free now.
+    -- 1. Keys with an expired lease whose semaphore row is free now.
     SELECT array_agg(s.key ORDER BY s.key) INTO keys
       FROM (SELECT x.key FROM lockgate.semaphores x
-             WHERE x.key IN (SELECT l.key FROM lockgate.leases l WHERE l.expires_at < at
-                             UNION ALL
-                             SELECT l.key FROM lockgate.leases l JOIN unnest(orphan_queues, orphan_ids) AS o(queue, msg_id)
-                                 ON l.queue = o.queue AND l.msg_id = o.msg_id)
+             WHERE x.key IN (SELECT l.key FROM lockgate.leases l WHERE l.expires_at < at)
              ORDER BY x.key
                FOR UPDATE OF x SKIP LOCKED) s;
     WITH doomed AS (
-        SELECT x.queue, x.msg_id, x.expires_at >= at AS orphan
+        SELECT x.queue, x.msg_id,
+               (x.queue, x.msg_id) IN (SELECT o.queue, o.msg_id FROM unnest(orphan_queues, orphan_ids) AS o(queue, msg_id))
+                   AS orphan
           FROM lockgate.leases x JOIN unnest(keys) AS sk(key) ON sk.key = x.key
          WHERE x.expires_at < at
-            OR (x.queue, x.msg_id) IN (SELECT o.queue, o.msg_id FROM unnest(orphan_queues, orphan_ids) AS o(queue, msg_id))
          ORDER BY x.queue, x.msg_id
            FOR UPDATE OF x SKIP LOCKED),
     gone AS (

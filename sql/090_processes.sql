@@ -2,12 +2,13 @@
 -- one); heartbeat_processes renews a process's rows and returns the ids that still exist (a
 -- missing supervisor id means this process was pruned: it must stop, hand back, re-register);
 -- prune_processes deletes supervisors silent past the alive threshold (their services go with
--- them, ON DELETE CASCADE) and makes visible at once those of their in-flight jobs that were not
--- renewed within the threshold either: a process whose registry heartbeat stalled while its job
--- heartbeats went on keeps its jobs (H26, seed 000), and re-registers when it finds its row gone.
--- Correctness never rests on this: a delivery made visible is fenced as any other.
--- Locks: process rows; prune also updates the pruned owners' silent message rows (SKIP LOCKED).
--- Callers: the runtime's registry service; lockgate status; operators.
+-- them, ON DELETE CASCADE). It leaves their jobs alone: a process silent in the registry may be
+-- alive (its registry heartbeat stalled while its job heartbeats went on, seed 000, H26), or
+-- partitioned and about to stop its handlers by its own clock (H27); either way its deliveries'
+-- budgets are theirs until they run out, and only then do the jobs come back. Making them
+-- visible sooner would run a job twice at once. A process that finds its own row gone
+-- re-registers and keeps its jobs.
+-- Locks: process rows. Callers: the runtime's registry service; lockgate status; operators.
 
 CREATE OR REPLACE FUNCTION lockgate.register_process(
     kind text, name text, host text, pid integer, supervisor_id bigint DEFAULT NULL, metadata jsonb DEFAULT '{}'
@@ -32,9 +33,10 @@ RETURNS void LANGUAGE sql AS $$
     DELETE FROM lockgate.processes p WHERE p.id = deregister_process.process_id
 $$;
 
--- Returns the ids of the supervisors it pruned and how many in-flight jobs it made visible.
+-- Returns the ids of the supervisors it pruned and how many of their jobs are still in flight
+-- (they come back when their visibility lapses).
 CREATE OR REPLACE FUNCTION lockgate.prune_processes(alive_threshold_seconds double precision)
-RETURNS TABLE (pruned_id bigint, released bigint) LANGUAGE plpgsql AS $$
+RETURNS TABLE (pruned_id bigint, in_flight bigint) LANGUAGE plpgsql AS $$
 DECLARE
     dead record;
     q record;
@@ -47,23 +49,14 @@ BEGIN
         RETURNING p.id
     LOOP
         pruned_id := dead.id;
-        released := 0;
-        FOR q IN SELECT name FROM lockgate.queues LOOP
-            -- Running deliveries of the dead owner (not ones waiting out a retry backoff) that no
-            -- claim or heartbeat renewed within the threshold (last_read_at is the last renewal).
+        in_flight := 0;
+        FOR q IN SELECT lockgate._live_queues() AS name LOOP
             EXECUTE format(
-                'WITH silent AS (
-                     SELECT m.msg_id FROM %1$s m
-                      WHERE m.headers->>''owner'' = $1::text AND m.vt > clock_timestamp()
-                        AND NOT m.headers ? ''retry_at''
-                        AND m.last_read_at < clock_timestamp() - make_interval(secs => $2)
-                      ORDER BY m.msg_id
-                        FOR UPDATE SKIP LOCKED),
-                 r AS (UPDATE %1$s m SET vt = clock_timestamp() FROM silent WHERE m.msg_id = silent.msg_id RETURNING 1)
-                 SELECT count(*) FROM r',
+                'SELECT count(*) FROM %s m
+                  WHERE m.headers->>''owner'' = $1::text AND m.vt > clock_timestamp() AND NOT m.headers ? ''retry_at''',
                 lockgate._queue_table(q.name, 'q'))
-               INTO n USING dead.id, alive_threshold_seconds;
-            released := released + n;
+               INTO n USING dead.id;
+            in_flight := in_flight + n;
         END LOOP;
         RETURN NEXT;
     END LOOP;

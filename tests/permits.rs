@@ -60,7 +60,10 @@ async fn lapse_visibility(db: &PgPool) {
 }
 
 async fn violations(db: &PgPool) -> Vec<String> {
-    sqlx::query_scalar("SELECT key || ': ' || problem FROM lockgate.check_invariants()").fetch_all(db).await.unwrap()
+    sqlx::query_scalar("SELECT COALESCE(key || ': ', '') || problem FROM lockgate.check_invariants()")
+        .fetch_all(db)
+        .await
+        .unwrap()
 }
 
 /// Deliveries the database lets run now: claimed, not waiting, still invisible, holding a lease
@@ -245,7 +248,7 @@ async fn g7_a_heartbeat_that_raced_a_shutdown_return_does_not_hide_the_job_again
 }
 
 #[tokio::test]
-async fn h26_a_prune_returns_only_deliveries_that_went_silent_not_healthy_ones() {
+async fn h26_a_prune_never_returns_a_delivery_before_its_budget_ends() {
     let db = limited(2, 60_000).await;
     enqueue(&db.pool, 1).await;
     enqueue(&db.pool, 1).await;
@@ -260,8 +263,9 @@ async fn h26_a_prune_returns_only_deliveries_that_went_silent_not_healthy_ones()
             .await
             .unwrap();
     let (healthy, silent) = (claimed[0], claimed[1]);
-    // Both were claimed a minute ago; only the healthy one's heartbeat renewed it since. The
-    // process's own registry heartbeat stalled for as long.
+    // The process's registry heartbeat stalled for a minute. One of its deliveries kept renewing;
+    // the other went silent as long, but its holder (partitioned, say) still has budget left and
+    // will stop its handler by its own clock only when that runs out.
     sqlx::query("UPDATE pgmq.q_default SET last_read_at = now() - interval '60 seconds'")
         .execute(&db.pool)
         .await
@@ -277,21 +281,26 @@ async fn h26_a_prune_returns_only_deliveries_that_went_silent_not_healthy_ones()
         .execute(&db.pool)
         .await
         .unwrap();
-    let pruned: Vec<(i64, i64)> = sqlx::query_as("SELECT pruned_id, released FROM lockgate.prune_processes(30)")
+    let pruned: Vec<(i64, i64)> = sqlx::query_as("SELECT pruned_id, in_flight FROM lockgate.prune_processes(30)")
         .fetch_all(&db.pool)
         .await
         .unwrap();
-    assert_eq!(pruned, vec![(owner, 1)], "the process is pruned, one silent delivery returned");
-    let visible: Vec<i64> =
-        sqlx::query_scalar("SELECT msg_id FROM pgmq.q_default WHERE vt <= now()").fetch_all(&db.pool).await.unwrap();
-    assert_eq!(visible, vec![silent.0], "the healthy delivery stays with its running holder");
+    assert_eq!(pruned, vec![(owner, 2)], "the process is pruned; both its jobs are still in flight");
+    assert!(claim(&db.pool, 10).await.is_empty(), "neither job is handed to another worker");
     let still_owned: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.extend('default', $1, $2, 300)")
-        .bind(vec![healthy.0])
-        .bind(vec![healthy.1])
+        .bind(vec![healthy.0, silent.0])
+        .bind(vec![healthy.1, silent.1])
         .fetch_all(&db.pool)
         .await
         .unwrap();
-    assert_eq!(still_owned, vec![healthy.0]);
+    assert_eq!(still_owned.len(), 2, "both deliveries are still their holder's");
+    // Once the silent one's budget has run out, it comes back as any lapsed delivery does.
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second' WHERE msg_id = $1")
+        .bind(silent.0)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(claim(&db.pool, 10).await.iter().map(|d| d.0).collect::<Vec<_>>(), vec![silent.0]);
 }
 
 #[tokio::test]
@@ -622,4 +631,126 @@ async fn h33_a_lowered_limit_admits_no_new_job_until_the_running_ones_are_below_
     complete_all(&db.pool, &running[2..]).await;
     assert_eq!(claim(&db.pool, 10).await.len(), 1, "promoted once the key is free");
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
+async fn h28_a_claim_never_waits_for_a_producer_creating_the_key_it_needs() {
+    // A job queued before its type gained a limit needs a permit of a key no row exists for yet;
+    // an open producer transaction is inserting that very row.
+    let db = TestDb::migrated().await.unwrap();
+    define(&db.pool, None, &[]).await;
+    enqueue_args(&db.pool, serde_json::json!({"k": 1})).await;
+    define(&db.pool, Some(1), &["k"]).await;
+    let mut producer = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut producer).await.unwrap();
+    assert_eq!(enqueue_args_on(&mut producer, serde_json::json!({"k": 1})).await, "enqueued");
+    let during = tokio::time::timeout(Duration::from_secs(3), claim(&db.pool, 10)).await.expect("the claim waited");
+    assert!(during.is_empty(), "the job is put back, not run: {during:?}");
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    // The producer's job took the permit; the old job, visible again, parks behind it.
+    lapse_visibility(&db.pool).await;
+    let after = claim(&db.pool, 10).await;
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert!(after[0].2 <= 30.5, "the budget never exceeds the visibility: {}", after[0].2);
+    assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 1);
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+async fn enqueue_args_on(conn: &mut PgConnection, args: serde_json::Value) -> String {
+    sqlx::query_scalar("SELECT status FROM lockgate.enqueue('lim', $1)").bind(args).fetch_one(conn).await.unwrap()
+}
+
+#[tokio::test]
+async fn h29_a_key_too_long_for_the_index_is_refused_at_enqueue_and_dead_lettered_at_claim() {
+    let db = limited(1, 60_000).await;
+    let long = "x".repeat(6000);
+    let refused = sqlx::query("SELECT * FROM lockgate.enqueue('lim', jsonb_build_object('k', $1::text))")
+        .bind(&long)
+        .execute(&db.pool)
+        .await
+        .unwrap_err();
+    assert!(refused.to_string().contains("more than the 512 allowed"), "{refused}");
+    // Sent behind lockgate's back, with an explicit key and with a key its type derives.
+    sqlx::query(
+        "SELECT pgmq.send('default', '{}'::jsonb, jsonb_build_object('type', 'lim', 'ckey', $1::text, 'ckey_explicit', true))",
+    )
+    .bind(&long)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("SELECT pgmq.send('default', jsonb_build_object('k', $1::text), '{\"type\": \"lim\"}'::jsonb)")
+        .bind(&long)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pgmq.send('default', '{}'::jsonb, '{\"type\": \"lim\", \"priority\": 10}'::jsonb)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let (good, _, _) = enqueue(&db.pool, 1).await;
+    let claimed = claim(&db.pool, 10).await;
+    assert_eq!(claimed.iter().map(|d| d.0).collect::<Vec<_>>(), vec![good.unwrap()], "the queue is not stalled");
+    let errors: Vec<String> = sqlx::query_scalar("SELECT error FROM lockgate.dead_letters ORDER BY msg_id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    assert!(errors[0].contains("1 to 512 characters"), "{}", errors[0]);
+    assert!(errors[1].contains("more than the 512 allowed"), "{}", errors[1]);
+    assert!(errors[2].contains("priority 10"), "{}", errors[2]);
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
+async fn g3_a_lease_whose_message_was_removed_behind_lockgates_back_is_freed_only_when_it_expires() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 1).await;
+    let holder = claim(&db.pool, 1).await.remove(0);
+    // Archived by plain PGMQ while its holder may still be running.
+    sqlx::query("SELECT pgmq.archive('default', $1)").bind(holder.0).execute(&db.pool).await.unwrap();
+    assert_eq!(sweep(&db.pool).await, (0, 0, 0), "the holder's budget is not over: nothing is freed");
+    assert!(claim(&db.pool, 10).await.is_empty());
+    lapse_leases(&db.pool).await;
+    assert_eq!(sweep(&db.pool).await, (0, 1, 1), "freed once expired, and the parked job promoted");
+    assert_eq!(claim(&db.pool, 10).await.len(), 1);
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
+async fn g5_a_queue_dropped_behind_lockgates_back_stops_no_sweep_and_is_reported() {
+    let db = limited(1, 60_000).await;
+    sqlx::query("SELECT lockgate.define_job_type('other', queue => 'other', concurrency_limit => 1)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('other', '{}')").execute(&db.pool).await.unwrap();
+    enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 1).await;
+    let holder = claim(&db.pool, 1).await.remove(0);
+    sqlx::query("SELECT pgmq.drop_queue('other')").execute(&db.pool).await.unwrap();
+    complete_all(&db.pool, &[holder]).await;
+    lapse_leases(&db.pool).await;
+    sweep(&db.pool).await;
+    assert_eq!(claim(&db.pool, 10).await.len(), 1, "the default queue carries on");
+    let found = violations(&db.pool).await;
+    assert!(found.iter().any(|v| v.contains("queue other has no PGMQ table")), "{found:?}");
+    sqlx::query("SELECT * FROM lockgate.prune_processes(1)").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.queue_stats()").execute(&db.pool).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_claim_or_renewal_with_a_visibility_that_is_not_positive_is_refused() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    for vt in ["0", "-5", "'NaN'", "'infinity'", "NULL"] {
+        let err = sqlx::query(&format!("SELECT * FROM lockgate.claim('default', 1, {vt})")).execute(&db.pool).await;
+        assert!(err.unwrap_err().to_string().contains("invalid visibility timeout"), "claim with {vt}");
+        let err = sqlx::query(&format!("SELECT * FROM lockgate.extend('default', '{{1}}', '{{1}}', {vt})"))
+            .execute(&db.pool)
+            .await;
+        assert!(err.unwrap_err().to_string().contains("invalid visibility timeout"), "extend with {vt}");
+    }
+    let untouched: i32 = sqlx::query_scalar("SELECT read_ct FROM pgmq.q_default").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(untouched, 0);
 }

@@ -36,9 +36,10 @@ pub(crate) struct PoolReport {
 pub struct RegistryReport {
     /// This process found its own row gone and registered again.
     pub reregistered: bool,
-    /// Other processes pruned, and the in-flight jobs that made visible.
+    /// Other processes pruned, and how many of their jobs were still in flight (left alone: they
+    /// come back when their visibility lapses, H26).
     pub pruned: usize,
-    pub released: i64,
+    pub in_flight: i64,
 }
 
 pub(crate) struct ProcessRegistry {
@@ -163,10 +164,10 @@ impl ProcessRegistry {
             self.on_pruned(owner).await?;
             report.reregistered = true;
         }
-        for (id, released) in lockgate_sql::prune_processes(&self.db, self.alive_threshold.as_secs_f64()).await? {
-            tracing::warn!(process_id = id, released, "pruned a process silent past the alive threshold");
+        for (id, in_flight) in lockgate_sql::prune_processes(&self.db, self.alive_threshold.as_secs_f64()).await? {
+            tracing::warn!(process_id = id, in_flight, "pruned a process silent past the alive threshold");
             report.pruned += 1;
-            report.released += released;
+            report.in_flight += in_flight;
         }
         Ok(report)
     }

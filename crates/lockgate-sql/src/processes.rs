@@ -52,12 +52,13 @@ pub async fn deregister_process<'c>(db: impl PgExecutor<'c>, supervisor_id: i64)
     Ok(())
 }
 
-/// Prunes supervisors silent past `alive_threshold_seconds`; returns `(pruned id, jobs made visible)`.
+/// Prunes supervisors silent past `alive_threshold_seconds`; returns `(pruned id, jobs still in
+/// flight)`. Their jobs are left alone: they come back when their visibility lapses (H26).
 pub async fn prune_processes<'c>(
     db: impl PgExecutor<'c>,
     alive_threshold_seconds: f64,
 ) -> Result<Vec<(i64, i64)>, DbError> {
-    Ok(sqlx::query_as("SELECT pruned_id, released FROM lockgate.prune_processes($1)")
+    Ok(sqlx::query_as("SELECT pruned_id, in_flight FROM lockgate.prune_processes($1)")
         .bind(alive_threshold_seconds)
         .fetch_all(db)
         .await?)
