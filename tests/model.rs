@@ -49,7 +49,7 @@ use sqlx::{Connection, PgConnection};
 
 use model::db::{self, Api, Claimed, Conns, State};
 use model::ops::{self, Case, Finish, Op, Queue, StaleAction, Ty};
-use model::reference::{Checks, Fate, Holder, Model};
+use model::reference::{Checks, Delivery, Fate, Holder, Model};
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -265,7 +265,14 @@ impl Run<'_> {
         let mut said = Vec::new();
         for r in &rows {
             let (vt_left, lease_left) = self.time_left(queue, r.msg_id).await?;
-            let limited = r.ty().is_some_and(Ty::limited) && r.key().is_some();
+            // The key is the one the message carries once the claim committed: a claim may give a
+            // job a key its type gained after it was enqueued (H33).
+            let key = self.message_key(queue, r.msg_id).await?;
+            if key != r.key() {
+                *self.stats.entry("claim returned a ckey other than its message's").or_default() += 1;
+            }
+            // A job whose type is limited when it is claimed must run holding a permit (G3).
+            let limited = key.is_some() || r.ty().is_some_and(|ty| self.model.limits.contains_key(&ty));
             if self.api.claim_budget {
                 problems.extend(
                     self.budget_problems("claim", queue, r.msg_id, r.budget, limited, vt_left, lease_left, started),
@@ -280,14 +287,26 @@ impl Run<'_> {
                     self.model.jobs.get(&r.job_id())
                 ));
             }
-            let id = self.model.add_delivery(worker, queue, r.msg_id, r.read_ct, r.job_id(), r.ty(), r.key(), r.budget);
+            let delivery = Delivery {
+                id: 0,
+                worker,
+                queue,
+                msg_id: r.msg_id,
+                read_ct: r.read_ct,
+                job_id: r.job_id(),
+                ty: r.ty(),
+                key: key.clone(),
+                limited,
+                holder: Holder::Running,
+            };
+            let id = self.model.add_delivery(delivery, r.budget);
             said.push(format!(
                 "d{id} ({}, {}, {}) job {} key {} lease {}",
                 queue.name(),
                 r.msg_id,
                 r.read_ct,
                 r.job_id(),
-                r.key().unwrap_or_else(|| "-".into()),
+                key.unwrap_or_else(|| "-".into()),
                 match lease_left {
                     Some(l) => format!("{l:+.1}s"),
                     None => "none".into(),
@@ -298,6 +317,15 @@ impl Run<'_> {
             bail!("{}", problems.join("\n  "));
         }
         Ok(if said.is_empty() { "nothing".into() } else { said.join("; ") })
+    }
+
+    /// The concurrency key a message carries now.
+    async fn message_key(&mut self, queue: Queue, msg_id: i64) -> Result<Option<String>> {
+        Ok(sqlx::query_scalar(&format!("SELECT headers->>'ckey' FROM {} WHERE msg_id = $1", queue.table("q")))
+            .bind(msg_id)
+            .fetch_optional(&mut self.c.observer)
+            .await?
+            .flatten())
     }
 
     /// Seconds until the message's visibility and its lease (if any) end.
@@ -442,7 +470,7 @@ impl Run<'_> {
             for (&i, healthy) in ds.iter().zip(healthy) {
                 let (msg_id, limited) = {
                     let d = &self.model.deliveries[i];
-                    (d.msg_id, d.ty.is_some_and(Ty::limited) && d.key.is_some())
+                    (d.msg_id, d.limited)
                 };
                 if let (true, Some(Some(budget))) = (self.api.extend_budget, renewed.get(&msg_id)) {
                     let (vt_left, lease_left) = self.time_left(queue, msg_id).await?;
@@ -477,7 +505,7 @@ impl Run<'_> {
     /// limited job, a live lease.
     async fn current(&mut self, i: usize) -> Result<bool> {
         let d = &self.model.deliveries[i];
-        let limited = d.ty.is_some_and(Ty::limited) && d.key.is_some();
+        let limited = d.limited;
         Ok(sqlx::query_scalar(&format!(
             "SELECT EXISTS (SELECT 1 FROM {} m WHERE m.msg_id = $1 AND m.read_ct = $2)
                 AND (NOT $3 OR EXISTS (SELECT 1 FROM lockgate.leases l
@@ -898,26 +926,45 @@ fn h26_model_a_prune_never_hands_a_healthy_delivery_to_another_worker() {
     )]);
 }
 
-/// Defect 10: a lowered limit lets the jobs admitted before it finish, and admits no other job past it.
+/// Defect 10: a lowered limit lets the jobs admitted before it finish, and admits no other job
+/// past it; a limit added to a type applies to its jobs already queued.
 #[test]
-fn h33_model_a_lowered_limit_admits_no_new_job_past_it() {
-    replay_known_schedules(vec![(
-        "three jobs hold permits under limit 3, two run; the limit drops to 1; the third (admitted before) may \
+fn h33_model_a_redefined_limit_admits_no_job_past_it() {
+    replay_known_schedules(vec![
+        (
+            "three jobs hold permits under limit 3, two run; the limit drops to 1; the third (admitted before) may \
          still run, the fourth stays parked until the key is below the new limit",
-        Case {
-            lim_limit: 2,
-            limb_limit: 3,
-            ops: vec![
-                Op::EnqueueMany { ty: Ty::LimB, ks: vec![0, 0, 0, 0] },
-                Op::Claim { worker: 0, queue: Queue::Other, qty: 2 },
-                Op::Redefine { ty: Ty::LimB, limit: 1 },
-                Op::Finish { pick: 0, how: Finish::Complete },
-                Op::Sweep,
-                Op::Claim { worker: 1, queue: Queue::Other, qty: 10 },
-                Op::Finish { pick: 0, how: Finish::Complete },
-                Op::Sweep,
-                Op::Claim { worker: 1, queue: Queue::Other, qty: 10 },
-            ],
-        },
-    )]);
+            Case {
+                lim_limit: 2,
+                limb_limit: 3,
+                ops: vec![
+                    Op::EnqueueMany { ty: Ty::LimB, ks: vec![0, 0, 0, 0] },
+                    Op::Claim { worker: 0, queue: Queue::Other, qty: 2 },
+                    Op::Redefine { ty: Ty::LimB, limit: 1 },
+                    Op::Finish { pick: 0, how: Finish::Complete },
+                    Op::Sweep,
+                    Op::Claim { worker: 1, queue: Queue::Other, qty: 10 },
+                    Op::Finish { pick: 0, how: Finish::Complete },
+                    Op::Sweep,
+                    Op::Claim { worker: 1, queue: Queue::Other, qty: 10 },
+                ],
+            },
+        ),
+        (
+            "two jobs of an unlimited type wait; the type gains limit 1; a claim runs one of them, with a permit",
+            schedule(
+                1,
+                vec![
+                    Op::Enqueue { ty: Ty::Free, k: 0 },
+                    Op::Enqueue { ty: Ty::Free, k: 0 },
+                    Op::Redefine { ty: Ty::Free, limit: 1 },
+                    claim(0),
+                    claim(1),
+                    Op::Finish { pick: 0, how: Finish::Complete },
+                    Op::Sweep,
+                    claim(1),
+                ],
+            ),
+        ),
+    ]);
 }

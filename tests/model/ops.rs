@@ -13,7 +13,8 @@ use proptest::prelude::*;
 pub enum Ty {
     /// Limited, key from argument `k`, on queue `default`.
     Lim,
-    /// Unlimited, on queue `default` (its jobs share claims with `lim`).
+    /// Unlimited, on queue `default` (its jobs share claims with `lim`), until a redefinition
+    /// gives it a limit (key from `k` too).
     Free,
     /// Limited, key from argument `k`, on queue `other`.
     LimB,
@@ -39,10 +40,6 @@ impl Ty {
             Ty::Lim | Ty::Free => Queue::Default,
             Ty::LimB => Queue::Other,
         }
-    }
-
-    pub fn limited(self) -> bool {
-        self != Ty::Free
     }
 }
 
@@ -132,7 +129,7 @@ pub enum Op {
     /// Clock: the holder of the `pick`-th running delivery goes silent past its budget:
     /// visibility and lease both run out.
     Silence { pick: usize },
-    /// `lockgate.define_job_type` again with another limit.
+    /// `lockgate.define_job_type` again with another limit (for `free`: its first).
     Redefine { ty: Ty, limit: u32 },
 }
 
@@ -241,7 +238,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0..4usize).prop_map(|pick| Op::LapseLease { pick }),
         2 => (0..4usize).prop_map(|pick| Op::LapseVisibility { pick }),
         2 => (0..8usize).prop_map(|pick| Op::Silence { pick }),
-        1 => (prop_oneof![Just(Ty::Lim), Just(Ty::LimB)], 1..=3u32).prop_map(|(ty, limit)| Op::Redefine { ty, limit }),
+        1 => (ty(), 1..=3u32).prop_map(|(ty, limit)| Op::Redefine { ty, limit }),
     ]
 }
 

@@ -39,6 +39,8 @@ pub struct Delivery {
     pub job_id: i64,
     pub ty: Option<Ty>,
     pub key: Option<String>,
+    /// Its type was limited when it was claimed: it must run holding a permit.
+    pub limited: bool,
     pub holder: Holder,
 }
 
@@ -124,23 +126,14 @@ impl Model {
         fenced
     }
 
-    pub fn add_delivery(
-        &mut self,
-        worker: usize,
-        queue: Queue,
-        msg_id: i64,
-        read_ct: i32,
-        job_id: i64,
-        ty: Option<Ty>,
-        key: Option<String>,
-        budget: f64,
-    ) -> usize {
-        let id = self.deliveries.len();
-        let newest = self.newest_read.entry((queue, msg_id)).or_insert(read_ct);
-        *newest = (*newest).max(read_ct);
-        let holder =
-            if budget > 0.0 { Holder::Running } else { Holder::Fenced(format!("claimed with budget {budget}")) };
-        self.deliveries.push(Delivery { id, worker, queue, msg_id, read_ct, job_id, ty, key, holder });
+    /// Records a delivery a claim returned (its `id` and `holder` are set here); returns its id.
+    pub fn add_delivery(&mut self, mut d: Delivery, budget: f64) -> usize {
+        d.id = self.deliveries.len();
+        let newest = self.newest_read.entry((d.queue, d.msg_id)).or_insert(d.read_ct);
+        *newest = (*newest).max(d.read_ct);
+        d.holder = if budget > 0.0 { Holder::Running } else { Holder::Fenced(format!("claimed with budget {budget}")) };
+        let id = d.id;
+        self.deliveries.push(d);
         id
     }
 
@@ -165,10 +158,8 @@ impl Model {
         if checks.on('a') {
             let mut per_key: BTreeMap<(&str, Ty), Vec<&Delivery>> = BTreeMap::new();
             for d in &running {
-                if let (Some(key), Some(ty)) = (d.key.as_deref(), d.ty) {
-                    if ty.limited() {
-                        per_key.entry((key, ty)).or_default().push(d);
-                    }
+                if let (true, Some(key), Some(ty)) = (d.limited, d.key.as_deref(), d.ty) {
+                    per_key.entry((key, ty)).or_default().push(d);
                 }
             }
             for ((key, ty), ds) in per_key {
@@ -187,7 +178,13 @@ impl Model {
         // (b) H24: a delivery entitled to run holds a live lease of its own key.
         if checks.on('b') {
             for d in &running {
-                let (Some(key), Some(true)) = (d.key.as_deref(), d.ty.map(Ty::limited)) else { continue };
+                if !d.limited {
+                    continue;
+                }
+                let Some(key) = d.key.as_deref() else {
+                    out.push(format!("(b) {} of a limited type runs with no concurrency key", d.describe()));
+                    continue;
+                };
                 match st.lease(d.queue, d.msg_id) {
                     None => out.push(format!("(b) {} runs without a lease row", d.describe())),
                     Some(l) if !l.live => out.push(format!("(b) {} runs on an expired lease", d.describe())),
