@@ -26,9 +26,8 @@ pub const DEFAULT_MAINTENANCE_INTERVAL: Duration = Duration::from_secs(30);
 pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 /// Process rows are renewed every 5 s, on their own timer and connection.
 pub const DEFAULT_PROCESS_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(5);
-/// A process silent for a minute is pruned. Recovery of its jobs does not wait for this (their
-/// visibility lapses after `visibility_timeout`); pruning cleans the registry and returns what
-/// is still invisible at once.
+/// A process silent for a minute is pruned. Recovery of its jobs never rests on this: they come
+/// back when their visibility lapses, and pruning only cleans the registry (H26).
 pub const DEFAULT_ALIVE_THRESHOLD: Duration = Duration::from_secs(60);
 
 /// Process-wide settings of the runtime.
