@@ -269,6 +269,7 @@ struct Proc {
     proxied: bool,
     generation: u32,
     child: Option<Child>,
+    spawned: Instant,
 }
 
 impl Proc {
@@ -301,6 +302,7 @@ impl Procs {
     fn spawn(&mut self, idx: usize, db: &TestDb) {
         let p = &mut self.procs[idx];
         p.generation += 1;
+        p.spawned = Instant::now();
         let log = std::fs::File::create(self.dir.join(format!("{}.log", p.label()))).unwrap();
         let url = if p.proxied { &self.proxied_url } else { &self.direct_url };
         let child = common::lockgate(db, &["run", "--config", self.config.to_str().unwrap()])
@@ -523,7 +525,9 @@ async fn soak(size: Size, seed: u64) {
 
     let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
     let mut procs = Procs {
-        procs: (0..3).map(|idx| Proc { idx, proxied: idx == 0, generation: 0, child: None }).collect(),
+        procs: (0..3)
+            .map(|idx| Proc { idx, proxied: idx == 0, generation: 0, child: None, spawned: Instant::now() })
+            .collect(),
         pids: HashMap::new(),
         config: config_path,
         dir: dir.clone(),
@@ -622,8 +626,22 @@ async fn soak(size: Size, seed: u64) {
                     began: now,
                     ended: Some(now),
                     detail: format!("{status}, restarted"),
-                    problem: (!near_restart)
-                        .then(|| format!("{label} exited on its own with {status} at {} (see its log)", ts(now))),
+                    problem: (!near_restart).then(|| {
+                        let log = std::fs::read_to_string(dir.join(format!("{label}.log"))).unwrap_or_default();
+                        let last: String = log.lines().last().unwrap_or("(empty log)").chars().take(300).collect();
+                        let blips: Vec<String> = faults
+                            .iter()
+                            .filter(|f| f.kind == "backend-kill" && now - f.began < chrono::Duration::seconds(3))
+                            .map(Fault::describe)
+                            .collect();
+                        format!(
+                            "H19: {label} exited on its own with {status} at {}, {:.1}s after it was started; \
+                             backend kills in the 3 s before: {}; the last line of its log: {last}",
+                            ts(now),
+                            procs.procs[idx].spawned.elapsed().as_secs_f64(),
+                            if blips.is_empty() { "none".to_string() } else { blips.join("; ") }
+                        )
+                    }),
                 });
                 procs.procs[idx].child = None;
                 procs.spawn(idx, &db);
@@ -689,7 +707,12 @@ async fn soak(size: Size, seed: u64) {
                     active.push(Active::Stop { idx: pick, pids, until: Instant::now() + d, fault });
                 }
                 "term-restart" => {
+                    // A deploy stops a process that is up: one TERMed before it installed its
+                    // signal handlers just dies of the signal, with nothing to return.
                     let Some(pid) = procs.procs[pick].pid() else { continue };
+                    if procs.procs[pick].spawned.elapsed() < Duration::from_secs(2) {
+                        continue;
+                    }
                     faults.push(Fault {
                         kind,
                         target: procs.procs[pick].label(),
