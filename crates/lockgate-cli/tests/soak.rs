@@ -408,12 +408,24 @@ enum Active {
         until: Instant,
         fault: usize,
     },
+    /// A healthy process whose registry row is kept looking dead (its heartbeat backdated every
+    /// tick), as a stalled registry connection would: the others prune it while its job
+    /// heartbeats are fine.
+    Stale {
+        idx: usize,
+        pid: u32,
+        until: Instant,
+        fault: usize,
+    },
 }
 
 impl Active {
     fn proc_idx(&self) -> Option<usize> {
         match self {
-            Active::Stop { idx, .. } | Active::Down { idx, .. } | Active::Terminating { idx, .. } => Some(*idx),
+            Active::Stop { idx, .. }
+            | Active::Down { idx, .. }
+            | Active::Terminating { idx, .. }
+            | Active::Stale { idx, .. } => Some(*idx),
             Active::Partition { .. } => Some(0),
             Active::Hold { .. } => None,
         }
@@ -424,7 +436,8 @@ impl Active {
             | Active::Partition { until, .. }
             | Active::Down { until, .. }
             | Active::Hold { until, .. }
-            | Active::Terminating { until, .. } => *until,
+            | Active::Terminating { until, .. }
+            | Active::Stale { until, .. } => *until,
         }
     }
     /// Whether the fault should end now.
@@ -573,6 +586,18 @@ async fn soak(size: Size, seed: u64) {
         if now >= chaos_start + size.chaos {
             break;
         }
+        // Keep stale registry rows looking dead.
+        for a in &active {
+            if let Active::Stale { pid, .. } = a {
+                let _ = sqlx::query(
+                    "UPDATE lockgate.processes SET last_heartbeat_at = now() - interval '1 hour'
+                      WHERE pid = $1 AND kind = 'supervisor'",
+                )
+                .bind(*pid as i32)
+                .execute(&db.pool)
+                .await;
+            }
+        }
         // End faults whose time is up.
         let mut i = 0;
         while i < active.len() {
@@ -655,7 +680,7 @@ async fn soak(size: Size, seed: u64) {
             let free: Vec<usize> = (0..3).filter(|i| !busy.contains(i)).collect();
             let mut kinds: Vec<&'static str> = vec!["backend-kill"];
             if !free.is_empty() {
-                kinds.extend(["kill-9", "sigstop", "sigstop-tree", "term-restart"]);
+                kinds.extend(["kill-9", "sigstop", "sigstop-tree", "term-restart", "false-prune"]);
             }
             if !busy.contains(&0) {
                 kinds.extend(["partition", "partition"]);
@@ -705,6 +730,20 @@ async fn soak(size: Size, seed: u64) {
                         problem: None,
                     });
                     active.push(Active::Stop { idx: pick, pids, until: Instant::now() + d, fault });
+                }
+                "false-prune" => {
+                    let Some(pid) = procs.procs[pick].pid() else { continue };
+                    let d = Duration::from_millis(rng.u64(1500..3000));
+                    faults.push(Fault {
+                        kind,
+                        target: procs.procs[pick].label(),
+                        pid: Some(pid),
+                        began: Utc::now(),
+                        ended: None,
+                        detail: format!("registry heartbeat backdated for {d:?}"),
+                        problem: None,
+                    });
+                    active.push(Active::Stale { idx: pick, pid, until: Instant::now() + d, fault });
                 }
                 "term-restart" => {
                     // A deploy stops a process that is up: one TERMed before it installed its
@@ -874,7 +913,25 @@ async fn soak(size: Size, seed: u64) {
     let report = analyse(&db, &procs, &faults, drain_took, drained, &stall).await;
     problems.extend(faults.iter().filter_map(|f| f.problem.clone()));
     problems.extend(report.problems.iter().cloned());
-    let summary = report.summary(seed, &faults, chaos_took, drain_took, enqueue_errors, started.elapsed());
+    let mut summary = report.summary(seed, &faults, chaos_took, drain_took, enqueue_errors, started.elapsed());
+    // What lockgate itself logged about the faults (evidence that they bit), from every log.
+    let logs: String = std::fs::read_dir(&dir)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
+                .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .unwrap_or_default();
+    for (what, needle) in [
+        ("logged: prunes", "pruned a process silent"),
+        ("logged: lease lost, given up", "LeaseLost"),
+        ("logged: handler outlived grace", "did not stop within its grace"),
+        ("logged: ambiguous completions", "Ambiguous"),
+    ] {
+        writeln!(summary, "  {what:<31} {}", logs.lines().filter(|l| l.contains(needle)).count()).unwrap();
+    }
     eprintln!("{summary}");
     if !problems.is_empty() {
         scratch.keep = true;
@@ -906,6 +963,9 @@ async fn end_fault(a: Active, faults: &mut [Fault], procs: &mut Procs, proxy: &F
         }
         Active::Partition { fault, .. } => {
             proxy.thaw();
+            faults[fault].ended = Some(Utc::now());
+        }
+        Active::Stale { fault, .. } => {
             faults[fault].ended = Some(Utc::now());
         }
         Active::Down { idx, fault, .. } => {
@@ -1464,7 +1524,7 @@ impl Report {
     ) -> String {
         let count = |kinds: &[&str]| faults.iter().filter(|f| kinds.contains(&f.kind)).count();
         let mut s = String::new();
-        let mut row = |k: &str, v: String| writeln!(s, "  {k:<30} {v}").unwrap();
+        let mut row = |k: &str, v: String| writeln!(s, "  {k:<31} {v}").unwrap();
         row("seed", seed.to_string());
         row("time", format!("{chaos:.1?} of faults, {drain:.1?} of drain, {total:.1?} in all"));
         row(
@@ -1486,6 +1546,7 @@ impl Report {
         row("partitions (proxied p0)", count(&["partition"]).to_string());
         row("backend kills", count(&["backend-kill"]).to_string());
         row("held producer transactions", count(&["held-txn"]).to_string());
+        row("false prunes (registry stalled)", count(&["false-prune"]).to_string());
         row("postgres restarts", count(&["postgres-restart"]).to_string());
         row("archived / dead-lettered", format!("{} / {}", self.archived, self.dead));
         row("lost", self.lost.to_string());
