@@ -16,6 +16,11 @@ DROP FUNCTION IF EXISTS lockgate.prune_processes(double precision);
 -- sweep interval.
 DROP INDEX IF EXISTS lockgate.leases_expires_at_idx;
 
+-- Bumped whenever a type's key paths change or it gains or loses its limit; a limited job's
+-- message records the version its key was derived under (header kv, left out while 0), so a claim
+-- can tell, without deriving the key again, that the job must take a permit of another key (H33).
+ALTER TABLE lockgate.job_types ADD COLUMN concurrency_key_version integer NOT NULL DEFAULT 0;
+
 -- A claimed delivery as lockgate.claim holds it while it decides a limited job whose lease is
 -- gone (sql/020_claim.sql).
 CREATE TYPE lockgate._claimed AS (

@@ -60,7 +60,11 @@ BEGIN
         backoff_jitter = EXCLUDED.backoff_jitter, timeout_ms = EXCLUDED.timeout_ms,
         concurrency_limit = EXCLUDED.concurrency_limit, concurrency_key = EXCLUDED.concurrency_key,
         concurrency_duration_ms = EXCLUDED.concurrency_duration_ms,
-        concurrency_on_conflict = EXCLUDED.concurrency_on_conflict, updated_at = now();
+        concurrency_on_conflict = EXCLUDED.concurrency_on_conflict, updated_at = now(),
+        -- Jobs queued or parked under another key derivation are re-keyed at their claim (H33).
+        concurrency_key_version = t.concurrency_key_version
+            + CASE WHEN t.concurrency_key IS DISTINCT FROM EXCLUDED.concurrency_key
+                     OR (t.concurrency_limit IS NULL) <> (EXCLUDED.concurrency_limit IS NULL) THEN 1 ELSE 0 END;
 END $$;
 
 -- The policy of one job type, or LG002 naming it.

@@ -134,6 +134,9 @@ BEGIN
                 USING ERRCODE = 'LG003', DETAIL = format('key paths %s of job type "%s"', jt.concurrency_key, jt.name);
         END IF;
         headers := headers || jsonb_build_object('ckey', key);
+        IF jt.concurrency_key_version <> 0 THEN
+            headers := headers || jsonb_build_object('kv', jt.concurrency_key_version);
+        END IF;
         IF explicit_key IS NOT NULL THEN
             -- Kept as given when the type's key paths change (a claim re-derives the others).
             headers := headers || jsonb_build_object('ckey_explicit', true);

@@ -40,7 +40,10 @@ DECLARE
     -- Bound as a value, not called in the statements: clock_timestamp() is volatile, so a
     -- condition on it could not bound the index scan. Budgets are counted from here.
     at timestamptz := clock_timestamp();
-    problem text;
+    -- The limited types and their key derivations' versions, read once per claim.
+    keyed_types text[];
+    key_versions integer[];
+    i integer;
     -- Limited jobs whose lease is gone, decided after the claim statements, in key order.
     unleased lockgate._claimed[] := '{}';
     u lockgate._claimed;
@@ -50,6 +53,8 @@ BEGIN
         RAISE EXCEPTION 'lockgate: invalid visibility timeout % seconds: a positive, finite number', vt_seconds
             USING ERRCODE = 'LG003';
     END IF;
+    SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
+      FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;
     WHILE left_to_claim > 0 AND after < 9 LOOP
         got := 0;
         FOR r IN EXECUTE format(
@@ -62,22 +67,12 @@ BEGIN
                                        LIMIT 1) visible
                   LIMIT 1),
              next AS (
-                 -- limited: the job needs a permit (it carries a key, or its type gained a limit
-                 -- since it was enqueued); rekey: its permit must be of another key than the one
-                 -- it holds (its type gained a limit or changed its key paths, H33).
-                 SELECT m.msg_id,
-                        jsonb_typeof(m.headers) = ''object'' AND (m.headers ? ''ckey'' OR jt.concurrency_limit IS NOT NULL)
-                            AS limited,
-                        jsonb_typeof(m.headers) = ''object'' AND jt.concurrency_limit IS NOT NULL
-                            AND NOT m.headers ? ''ckey_explicit''
-                            AND m.headers->>''ckey'' IS DISTINCT FROM lockgate._concurrency_key(jt, m.message, NULL)
-                            AS rekey
+                 SELECT m.msg_id, jsonb_typeof(m.headers) = ''object'' AND m.headers ? ''ckey'' AS limited
                    FROM %1$s m
-                   LEFT JOIN lockgate.job_types jt ON jt.name = m.headers->>''type''
                   WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = (SELECT best.p FROM best) AND m.vt <= $4
                   ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0), m.vt, m.msg_id
                   LIMIT $1
-                    FOR UPDATE OF m SKIP LOCKED),
+                    FOR UPDATE SKIP LOCKED),
              -- The live leases of the limited ones, renewed (and so locked) before the claim
              -- commits. A lease already past its end is not renewed: its permit may have been
              -- given to another job; the job takes one again or parks (lockgate._reacquire).
@@ -86,7 +81,7 @@ BEGIN
                     SET expires_at = clock_timestamp()
                                      + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms()))
                    FROM next
-                  WHERE next.limited AND NOT next.rekey AND l.queue = $6 AND l.msg_id = next.msg_id
+                  WHERE next.limited AND l.queue = $6 AND l.msg_id = next.msg_id
                     AND l.expires_at > clock_timestamp()
                  RETURNING l.msg_id, l.expires_at)
              UPDATE %1$s m
@@ -98,7 +93,8 @@ BEGIN
                                    ELSE m.headers - ''retry_at'' || jsonb_build_object(''owner'', $3) END
                FROM next LEFT JOIN leased ON leased.msg_id = next.msg_id
               WHERE m.msg_id = next.msg_id
-             RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, m.vt,
+             RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers,
+                       extract(epoch FROM m.vt - $4) AS budget, lockgate._malformed(m.message, m.headers) AS problem,
                        next.limited, leased.msg_id IS NOT NULL AS leased, (SELECT best.p FROM best) AS p',
             tbl)
           USING left_to_claim, vt_seconds, owner, at, after, queue
@@ -106,12 +102,17 @@ BEGIN
             got := got + 1;
             after := r.p;
             left_to_claim := left_to_claim - 1;
-            problem := lockgate._malformed(r.message, r.headers);
-            IF problem IS NOT NULL THEN
-                PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable', problem, r.read_ct);
+            IF r.problem IS NOT NULL THEN
+                PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable', r.problem, r.read_ct);
                 CONTINUE;
             END IF;
-            IF r.limited AND NOT r.leased THEN
+            -- A job whose type gained a limit, or whose key was derived under other key paths,
+            -- takes a permit of the key the current policy gives it (H33); the lease this statement
+            -- renewed, if any, is given back there.
+            i := array_position(keyed_types, r.headers->>'type');
+            IF (r.limited AND NOT r.leased)
+               OR (i IS NOT NULL AND NOT r.headers ? 'ckey_explicit'
+                   AND (NOT r.limited OR COALESCE((r.headers->>'kv')::integer, 0) <> key_versions[i])) THEN
                 unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers)::lockgate._claimed;
                 CONTINUE;
             END IF;
@@ -120,25 +121,28 @@ BEGIN
             enqueued_at := r.enqueued_at;
             message := r.message;
             headers := r.headers;
-            budget_seconds := extract(epoch FROM r.vt - at);
+            budget_seconds := r.budget;
             RETURN NEXT;
         END LOOP;
         -- Nothing visible (or all of it locked by other claimers) at any later priority.
         EXIT WHEN got = 0;
     END LOOP;
-    -- Semaphore rows are taken in key order, the order every path keeps (H31).
-    FOR u IN SELECT * FROM unnest(unleased) x ORDER BY x.headers->>'ckey' NULLS FIRST, x.msg_id LOOP
-        visible_at := lockgate._reacquire(queue, u);
-        CONTINUE WHEN visible_at IS NULL;
-        msg_id := u.msg_id;
-        read_ct := u.read_ct;
-        enqueued_at := u.enqueued_at;
-        message := u.message;
-        headers := u.headers;
-        -- The budget ends when the message becomes visible again, however long this took.
-        budget_seconds := extract(epoch FROM visible_at - at);
-        RETURN NEXT;
-    END LOOP;
+    IF cardinality(unleased) > 0 THEN
+        -- Semaphore rows are taken in key order, the order every path keeps (H31).
+        FOR u IN SELECT * FROM unnest(unleased) x ORDER BY x.headers->>'ckey' NULLS FIRST, x.msg_id LOOP
+            visible_at := lockgate._reacquire(queue, u);
+            CONTINUE WHEN visible_at IS NULL;
+            msg_id := u.msg_id;
+            read_ct := u.read_ct;
+            enqueued_at := u.enqueued_at;
+            message := u.message;
+            -- As _reacquire left them (it may have given the job its key).
+            EXECUTE format('SELECT m.headers FROM %s m WHERE m.msg_id = $1', tbl) INTO headers USING u.msg_id;
+            -- The budget ends when the message becomes visible again, however long this took.
+            budget_seconds := extract(epoch FROM visible_at - at);
+            RETURN NEXT;
+        END LOOP;
+    END IF;
     -- Messages at a priority outside 0..9 (sent with raw PGMQ) are never claimed by the probes
     -- above: dead-letter them rather than leave them waiting forever (H29).
     IF left_to_claim > 0 THEN
@@ -157,9 +161,10 @@ END $$;
 
 -- Why a claimed message cannot be a lockgate job, or NULL when it can: the checks the worker's
 -- decoding makes, made in SQL so that the claim can dead-letter such a message instead of
--- failing on it (H29). Never raises, whatever JSON it is given.
+-- failing on it (H29). Never raises, whatever JSON it is given. STABLE, as format() is: declared
+-- IMMUTABLE it would not be inlined into the claim statement, and would cost a call per row.
 CREATE OR REPLACE FUNCTION lockgate._malformed(message jsonb, headers jsonb)
-RETURNS text LANGUAGE sql IMMUTABLE AS $$
+RETURNS text LANGUAGE sql STABLE AS $$
     SELECT CASE
         WHEN headers IS NULL OR jsonb_typeof(headers) <> 'object' THEN
             format('message headers are not a JSON object (got %s)', COALESCE(jsonb_typeof(headers), 'none'))
@@ -177,6 +182,9 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
         WHEN jsonb_typeof(headers->'returns') NOT IN ('number', 'null')
           OR (jsonb_typeof(headers->'returns') = 'number' AND headers->>'returns' !~ '^[0-9]{1,9}$') THEN
             format('returns %s in the headers is not a count', headers->'returns')
+        WHEN jsonb_typeof(headers->'kv') NOT IN ('number', 'null')
+          OR (jsonb_typeof(headers->'kv') = 'number' AND headers->>'kv' !~ '^[0-9]{1,9}$') THEN
+            format('kv %s in the headers is not a count', headers->'kv')
         WHEN jsonb_typeof(headers->'attempts_before') NOT IN ('number', 'null')
           OR (jsonb_typeof(headers->'attempts_before') = 'number' AND headers->>'attempts_before' !~ '^[0-9]{1,9}$') THEN
             format('attempts_before %s in the headers is not a count', headers->'attempts_before')
@@ -246,8 +254,9 @@ BEGIN
     IF NOT lockgate._lock_key_now(ckey, jt.concurrency_limit) THEN
         RETURN lockgate._put_back(tbl, c);
     END IF;
-    IF c.headers->>'ckey' IS DISTINCT FROM ckey THEN
-        c.headers := c.headers || jsonb_build_object('ckey', ckey);
+    IF c.headers->>'ckey' IS DISTINCT FROM ckey OR COALESCE((c.headers->>'kv')::integer, 0) <> jt.concurrency_key_version THEN
+        c.headers := c.headers - 'kv' || jsonb_build_object('ckey', ckey)
+            || CASE WHEN jt.concurrency_key_version = 0 THEN '{}' ELSE jsonb_build_object('kv', jt.concurrency_key_version) END;
         EXECUTE format('UPDATE %s m SET headers = $3 WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
           USING c.msg_id, c.read_ct, c.headers;
     END IF;
