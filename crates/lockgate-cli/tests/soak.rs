@@ -1366,7 +1366,7 @@ impl<'a> Oracle<'a> {
     }
 
     /// What lockgate recorded about the run's job: how it ended, and the lines of the run's
-    /// process log that name its last message.
+    /// process log that name the job or its last message.
     fn lockgate_view(&self, x: &Run) -> String {
         let Some((fate, msg, read_ct, owner)) = self.fates.get(&x.job) else {
             return "\n        lockgate: the job never finished".to_string();
@@ -1377,8 +1377,15 @@ impl<'a> Oracle<'a> {
         );
         let label = u32::try_from(x.wpid).ok().and_then(|p| self.procs.pids.get(&p)).map(|i| i.label.clone());
         if let Some(text) = label.and_then(|l| std::fs::read_to_string(self.procs.dir.join(format!("{l}.log"))).ok()) {
-            let (a, b) = (format!("msg_id={msg} "), format!("msg_id={msg}}}"));
-            let lines: Vec<&str> = text.lines().filter(|l| l.contains(&a) || l.contains(&b)).collect();
+            let needles = [
+                format!("msg_id={msg} "),
+                format!("msg_id={msg}}}"),
+                format!("job_id={} ", x.job),
+                format!("job_id={}}}", x.job),
+            ];
+            let tail = format!("job_id={}", x.job);
+            let lines: Vec<&str> =
+                text.lines().filter(|l| needles.iter().any(|n| l.contains(n.as_str())) || l.ends_with(&tail)).collect();
             for l in lines.iter().rev().take(6).rev() {
                 let l: String = l.chars().take(260).collect();
                 write!(out, "\n          log: {l}").unwrap();
