@@ -270,6 +270,8 @@ struct Proc {
     generation: u32,
     child: Option<Child>,
     spawned: Instant,
+    /// Exits in a row while starting; bounded, so a database that is gone ends the soak.
+    failed_starts: u32,
 }
 
 impl Proc {
@@ -539,7 +541,14 @@ async fn soak(size: Size, seed: u64) {
     let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
     let mut procs = Procs {
         procs: (0..3)
-            .map(|idx| Proc { idx, proxied: idx == 0, generation: 0, child: None, spawned: Instant::now() })
+            .map(|idx| Proc {
+                idx,
+                proxied: idx == 0,
+                generation: 0,
+                child: None,
+                spawned: Instant::now(),
+                failed_starts: 0,
+            })
             .collect(),
         pids: HashMap::new(),
         config: config_path,
@@ -633,38 +642,56 @@ async fn soak(size: Size, seed: u64) {
             });
             eprintln!("chaos soak: {}", faults.last().unwrap().describe());
         }
-        // A process that exited on its own (outside a fault of ours) is noted and restarted: that
-        // is a problem unless the server was restarting around then (a start may fail to connect).
+        // A process that exited on its own (outside a fault of ours) is noted and restarted. That
+        // is a problem unless the server was restarting around then, or the process was still
+        // starting (`lockgate run` gives up when its start-up statements fail: counted, shown).
         let busy: HashSet<usize> = active.iter().filter_map(Active::proc_idx).collect();
         for idx in (0..3).filter(|i| !busy.contains(i)) {
             let exited = procs.procs[idx].child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_none() && procs.procs[idx].spawned.elapsed() >= Duration::from_secs(5) {
+                procs.procs[idx].failed_starts = 0;
+            }
             if let Some(status) = exited {
                 let label = procs.procs[idx].label();
                 let now = Utc::now();
+                let uptime = procs.procs[idx].spawned.elapsed();
                 let near_restart = faults.iter().any(|f| {
                     f.kind == "postgres-restart" && f.ended.is_some_and(|e| now - e < chrono::Duration::seconds(15))
                 });
+                let log = std::fs::read_to_string(dir.join(format!("{label}.log"))).unwrap_or_default();
+                let last: String = log.lines().last().unwrap_or("(empty log)").chars().take(300).collect();
+                let blips: Vec<String> = faults
+                    .iter()
+                    .filter(|f| f.kind == "backend-kill" && now - f.began < chrono::Duration::seconds(3))
+                    .map(Fault::describe)
+                    .collect();
+                let blips = if blips.is_empty() { "none".to_string() } else { blips.join("; ") };
+                let starting = uptime < Duration::from_secs(5);
+                if starting {
+                    procs.procs[idx].failed_starts += 1;
+                    assert!(
+                        procs.procs[idx].failed_starts < 8,
+                        "chaos soak seed {seed}: {label} could not start 8 times in a row; its last log line: {last}"
+                    );
+                } else {
+                    procs.procs[idx].failed_starts = 0;
+                }
                 faults.push(Fault {
-                    kind: "exited",
+                    kind: if starting { "exited-starting" } else { "exited" },
                     target: label.clone(),
                     pid: procs.procs[idx].pid(),
                     began: now,
                     ended: Some(now),
-                    detail: format!("{status}, restarted"),
-                    problem: (!near_restart).then(|| {
-                        let log = std::fs::read_to_string(dir.join(format!("{label}.log"))).unwrap_or_default();
-                        let last: String = log.lines().last().unwrap_or("(empty log)").chars().take(300).collect();
-                        let blips: Vec<String> = faults
-                            .iter()
-                            .filter(|f| f.kind == "backend-kill" && now - f.began < chrono::Duration::seconds(3))
-                            .map(Fault::describe)
-                            .collect();
+                    detail: format!(
+                        "{status} {:.1}s after its start, restarted; its last log line: {last}",
+                        uptime.as_secs_f64()
+                    ),
+                    problem: (!near_restart && !starting).then(|| {
                         format!(
                             "H19: {label} exited on its own with {status} at {}, {:.1}s after it was started; \
-                             backend kills in the 3 s before: {}; the last line of its log: {last}",
+                             backend kills in the 3 s before: {blips}; the last line of its log: {last}",
                             ts(now),
-                            procs.procs[idx].spawned.elapsed().as_secs_f64(),
-                            if blips.is_empty() { "none".to_string() } else { blips.join("; ") }
+                            uptime.as_secs_f64(),
                         )
                     }),
                 });
@@ -1555,6 +1582,7 @@ impl Report {
         row("held producer transactions", count(&["held-txn"]).to_string());
         row("false prunes (registry stalled)", count(&["false-prune"]).to_string());
         row("postgres restarts", count(&["postgres-restart"]).to_string());
+        row("exited on their own", format!("{} (+{} while starting)", count(&["exited"]), count(&["exited-starting"])));
         row("archived / dead-lettered", format!("{} / {}", self.archived, self.dead));
         row("lost", self.lost.to_string());
         row("archived twice", self.archived_twice.to_string());
