@@ -519,7 +519,8 @@ async fn soak(size: Size, seed: u64) {
 
     let dir = std::env::temp_dir().join(format!("lockgate-soak-{}-{:08x}", std::process::id(), fastrand::u32(..)));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut scratch = Scratch { dir: dir.clone(), keep: false };
+    // SOAK_KEEP=1 keeps the logs of a passing run too.
+    let mut scratch = Scratch { dir: dir.clone(), keep: std::env::var("SOAK_KEEP").is_ok_and(|v| v == "1") };
     std::fs::write(dir.join("handler.sh"), HANDLER_SH).unwrap();
     std::fs::write(dir.join("run.sql"), RUN_SQL).unwrap();
     let handler = dir.join("handler.sh");
@@ -976,6 +977,9 @@ async fn soak(size: Size, seed: u64) {
         writeln!(msg, "\n{summary}").unwrap();
         panic!("{msg}");
     }
+    if scratch.keep {
+        eprintln!("chaos soak: process logs kept in {}", dir.display());
+    }
     drop(scratch);
 }
 
@@ -1076,6 +1080,12 @@ struct Report {
     same_job_at_once: usize,
     excused_frozen: usize,
     release_lag: usize,
+    /// Runs still going when their SIGSTOPped process was continued, and the longest time one
+    /// of them (that recorded its end) went on after the SIGCONT.
+    running_at_thaw: usize,
+    longest_after_thaw: chrono::Duration,
+    /// That run, described, with its stop and the other runs of its job after the SIGCONT.
+    longest_after_thaw_run: String,
 }
 
 fn since(t: DateTime<Utc>) -> String {
@@ -1426,6 +1436,43 @@ impl<'a> Oracle<'a> {
     }
 
     fn check(&self, r: &mut Report) {
+        // How long a thawed process's stale runs went on (a handler keeps running while its
+        // process is stopped; after SIGCONT the process should stop it at once).
+        for (pid, windows) in &self.stops {
+            for (b, e) in windows {
+                let Some(e) = e else { continue };
+                for x in self.runs.iter().filter(|x| x.wpid == *pid && x.try_at < *e) {
+                    match x.ended_at {
+                        Some(end) if end > *e => {
+                            r.running_at_thaw += 1;
+                            if end - *e > r.longest_after_thaw {
+                                r.longest_after_thaw = end - *e;
+                                let stop = self
+                                    .faults
+                                    .iter()
+                                    .find(|f| f.began == *b && f.pid == u32::try_from(*pid).ok())
+                                    .map_or_else(String::new, Fault::describe);
+                                let again: Vec<String> = self
+                                    .runs
+                                    .iter()
+                                    .filter(|y| y.job == x.job && y.id != x.id && y.try_at > x.try_at)
+                                    .map(|y| {
+                                        format!("run #{} on {} at {}", y.id, self.procs.describe(y.wpid), ts(y.try_at))
+                                    })
+                                    .collect();
+                                r.longest_after_thaw_run = format!(
+                                    "{}; stopped by {stop}; later runs of its job: {}",
+                                    self.describe(x),
+                                    if again.is_empty() { "none".to_string() } else { again.join(", ") }
+                                );
+                            }
+                        }
+                        None => r.running_at_thaw += 1,
+                        Some(_) => {}
+                    }
+                }
+            }
+        }
         let lookback = chrono::Duration::from_std(FAULT_LOOKBACK).unwrap();
         let mut details: Vec<String> = Vec::new();
         let mut by_cause: BTreeMap<String, usize> = BTreeMap::new();
@@ -1600,6 +1647,17 @@ impl Report {
             row(&format!("max runs at once, limit {lim}"), format!("{locks} (locks), {intervals} (intervals)"));
         }
         row("job re-run beside itself", format!("{} (not frozen)", self.same_job_at_once));
+        row(
+            "runs going at a SIGCONT",
+            format!(
+                "{} (the longest went on {:.2}s after it)",
+                self.running_at_thaw,
+                self.longest_after_thaw.num_milliseconds() as f64 / 1000.0
+            ),
+        );
+        if !self.longest_after_thaw_run.is_empty() {
+            row("  that run", self.longest_after_thaw_run.clone());
+        }
         row(
             "overlaps past the limit",
             format!(
