@@ -293,7 +293,9 @@ struct PidInfo {
 
 struct Procs {
     procs: Vec<Proc>,
-    pids: HashMap<u32, PidInfo>,
+    /// Every lockgate process by pid, oldest first: pids wrap around on this host within
+    /// minutes (every run starts two processes), so one pid may name several of them.
+    pids: HashMap<u32, Vec<PidInfo>>,
     config: PathBuf,
     dir: PathBuf,
     direct_url: String,
@@ -315,8 +317,12 @@ impl Procs {
             .stderr(Stdio::from(log))
             .spawn()
             .unwrap();
-        self.pids
-            .insert(child.id(), PidInfo { label: p.label(), proxied: p.proxied, started: Utc::now(), killed: None });
+        self.pids.entry(child.id()).or_default().push(PidInfo {
+            label: p.label(),
+            proxied: p.proxied,
+            started: Utc::now(),
+            killed: None,
+        });
         p.child = Some(child);
     }
 
@@ -326,14 +332,20 @@ impl Procs {
         let pid = child.id();
         chaos::kill_tree(pid);
         let _ = child.wait();
-        if let Some(info) = self.pids.get_mut(&pid) {
+        if let Some(info) = self.pids.get_mut(&pid).and_then(|v| v.last_mut()) {
             info.killed = Some(Utc::now());
         }
         Some(pid)
     }
 
-    fn describe(&self, pid: i32) -> String {
-        match u32::try_from(pid).ok().and_then(|p| self.pids.get(&p)) {
+    /// The lockgate process that had `pid` at `at`: the latest one started by then.
+    fn process(&self, pid: i32, at: DateTime<Utc>) -> Option<&PidInfo> {
+        let all = self.pids.get(&u32::try_from(pid).ok()?)?;
+        all.iter().rev().find(|i| i.started <= at).or(all.first())
+    }
+
+    fn describe(&self, pid: i32, at: DateTime<Utc>) -> String {
+        match self.process(pid, at) {
             Some(i) => format!(
                 "{} (pid {pid}{}, up {}{})",
                 i.label,
@@ -1380,7 +1392,7 @@ impl<'a> Oracle<'a> {
 
     fn describe(&self, x: &Run) -> String {
         let mut end = x.ended_at.map_or("cut short (no end recorded)".to_string(), |e| format!("ended {}", ts(e)));
-        let killed = u32::try_from(x.wpid).ok().and_then(|p| self.procs.pids.get(&p)).and_then(|i| i.killed);
+        let killed = self.procs.process(x.wpid, x.try_at).and_then(|i| i.killed);
         if let (Some(e), Some(k)) = (x.ended_at, killed) {
             if e > k + chrono::Duration::milliseconds(100) {
                 write!(
@@ -1397,7 +1409,7 @@ impl<'a> Oracle<'a> {
             x.job,
             x.attempt,
             x.planned_ms,
-            self.procs.describe(x.wpid),
+            self.procs.describe(x.wpid, x.try_at),
             ts(x.try_at)
         )
     }
@@ -1412,7 +1424,7 @@ impl<'a> Oracle<'a> {
             "\n        lockgate: {fate} as msg {msg} (read_ct {read_ct}, last owner {})",
             owner.as_deref().unwrap_or("-")
         );
-        let label = u32::try_from(x.wpid).ok().and_then(|p| self.procs.pids.get(&p)).map(|i| i.label.clone());
+        let label = self.procs.process(x.wpid, x.try_at).map(|i| i.label.clone());
         if let Some(text) = label.and_then(|l| std::fs::read_to_string(self.procs.dir.join(format!("{l}.log"))).ok()) {
             let needles = [
                 format!("msg_id={msg} "),
@@ -1437,10 +1449,11 @@ impl<'a> Oracle<'a> {
 
     fn check(&self, r: &mut Report) {
         // How long a thawed process's stale runs went on (a handler keeps running while its
-        // process is stopped; after SIGCONT the process should stop it at once).
+        // process is stopped; after a SIGCONT past the lease the process should stop it at once).
         for (pid, windows) in &self.stops {
             for (b, e) in windows {
-                let Some(e) = e else { continue };
+                // Only stops past the lease (the end of the fault phase cuts the last ones short).
+                let Some(e) = e.filter(|e| *e - *b > chrono::Duration::from_std(LEASE).unwrap()) else { continue };
                 for x in self.runs.iter().filter(|x| x.wpid == *pid && x.try_at < *e) {
                     match x.ended_at {
                         Some(end) if end > *e => {
@@ -1457,7 +1470,12 @@ impl<'a> Oracle<'a> {
                                     .iter()
                                     .filter(|y| y.job == x.job && y.id != x.id && y.try_at > x.try_at)
                                     .map(|y| {
-                                        format!("run #{} on {} at {}", y.id, self.procs.describe(y.wpid), ts(y.try_at))
+                                        format!(
+                                            "run #{} on {} at {}",
+                                            y.id,
+                                            self.procs.describe(y.wpid, y.try_at),
+                                            ts(y.try_at)
+                                        )
                                     })
                                     .collect();
                                 r.longest_after_thaw_run = format!(
