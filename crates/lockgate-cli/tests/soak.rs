@@ -1453,7 +1453,11 @@ impl<'a> Oracle<'a> {
         for (pid, windows) in &self.stops {
             for (b, e) in windows {
                 // Only stops past the lease (the end of the fault phase cuts the last ones short).
-                let Some(e) = e.filter(|e| *e - *b > chrono::Duration::from_std(LEASE).unwrap()) else { continue };
+                let Some(thawed) = *e else { continue };
+                if thawed - *b <= chrono::Duration::from_std(LEASE).unwrap() {
+                    continue;
+                }
+                let e = &thawed;
                 for x in self.runs.iter().filter(|x| x.wpid == *pid && x.try_at < *e) {
                     match x.ended_at {
                         Some(end) if end > *e => {
