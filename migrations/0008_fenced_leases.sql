@@ -28,5 +28,6 @@ CREATE TYPE lockgate._claimed AS (
     read_ct     integer,
     enqueued_at timestamptz,
     message     jsonb,
-    headers     jsonb
+    headers     jsonb,
+    vt          timestamptz
 );

@@ -40,11 +40,16 @@ DECLARE
     -- Bound as a value, not called in the statements: clock_timestamp() is volatile, so a
     -- condition on it could not bound the index scan. Budgets are counted from here.
     at timestamptz := clock_timestamp();
+    problem text;
     -- The limited types and their key derivations' versions, read once per claim.
     keyed_types text[];
     key_versions integer[];
     i integer;
-    -- Limited jobs whose lease is gone, decided after the claim statements, in key order.
+    -- Limited jobs, whose leases are renewed after the claim statements; those whose lease is
+    -- gone or of another key, decided after that, in key order.
+    limited lockgate._claimed[] := '{}';
+    leased_ids bigint[];
+    lease_ends timestamptz[];
     unleased lockgate._claimed[] := '{}';
     u lockgate._claimed;
     visible_at timestamptz;
@@ -72,48 +77,42 @@ BEGIN
                   WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = (SELECT best.p FROM best) AND m.vt <= $4
                   ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0), m.vt, m.msg_id
                   LIMIT $1
-                    FOR UPDATE SKIP LOCKED),
-             -- The live leases of the limited ones, renewed (and so locked) before the claim
-             -- commits. A lease already past its end is not renewed: its permit may have been
-             -- given to another job; the job takes one again or parks (lockgate._reacquire).
-             leased AS (
-                 UPDATE lockgate.leases l
-                    SET expires_at = clock_timestamp()
-                                     + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms()))
-                   FROM next
-                  WHERE next.limited AND l.queue = $6 AND l.msg_id = next.msg_id
-                    AND l.expires_at > clock_timestamp()
-                 RETURNING l.msg_id, l.expires_at)
+                    FOR UPDATE SKIP LOCKED)
              UPDATE %1$s m
-                SET vt = LEAST(clock_timestamp() + make_interval(secs => $2), leased.expires_at),
+                SET vt = clock_timestamp() + make_interval(secs => $2),
                     read_ct = m.read_ct + 1,
                     last_read_at = clock_timestamp(),
                     headers = CASE WHEN jsonb_typeof(m.headers) <> ''object'' THEN m.headers
                                    WHEN $3 IS NULL THEN m.headers - ''retry_at''
                                    ELSE m.headers - ''retry_at'' || jsonb_build_object(''owner'', $3) END
-               FROM next LEFT JOIN leased ON leased.msg_id = next.msg_id
+               FROM next
               WHERE m.msg_id = next.msg_id
-             RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers,
-                       extract(epoch FROM m.vt - $4) AS budget, lockgate._malformed(m.message, m.headers) AS problem,
-                       next.limited, leased.msg_id IS NOT NULL AS leased, (SELECT best.p FROM best) AS p',
+             RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, m.vt,
+                       next.limited, (SELECT best.p FROM best) AS p',
             tbl)
-          USING left_to_claim, vt_seconds, owner, at, after, queue
+          USING left_to_claim, vt_seconds, owner, at, after
         LOOP
             got := got + 1;
             after := r.p;
             left_to_claim := left_to_claim - 1;
-            IF r.problem IS NOT NULL THEN
-                PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable', r.problem, r.read_ct);
+            -- Checked here, not in the statement: a statement run by EXECUTE is planned at every
+            -- call, and planning the inlined check cost more than the claim's own work.
+            problem := lockgate._malformed(r.message, r.headers);
+            IF problem IS NOT NULL THEN
+                PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable', problem, r.read_ct);
                 CONTINUE;
             END IF;
             -- A job whose type gained a limit, or whose key was derived under other key paths,
-            -- takes a permit of the key the current policy gives it (H33); the lease this statement
-            -- renewed, if any, is given back there.
+            -- takes a permit of the key the current policy gives it (H33), giving back the one it
+            -- holds.
             i := array_position(keyed_types, r.headers->>'type');
-            IF (r.limited AND NOT r.leased)
-               OR (i IS NOT NULL AND NOT r.headers ? 'ckey_explicit'
-                   AND (NOT r.limited OR COALESCE((r.headers->>'kv')::integer, 0) <> key_versions[i])) THEN
-                unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers)::lockgate._claimed;
+            IF i IS NOT NULL AND NOT r.headers ? 'ckey_explicit'
+               AND (NOT r.limited OR COALESCE((r.headers->>'kv')::integer, 0) <> key_versions[i]) THEN
+                unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt)::lockgate._claimed;
+                CONTINUE;
+            END IF;
+            IF r.limited THEN
+                limited := limited || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt)::lockgate._claimed;
                 CONTINUE;
             END IF;
             msg_id := r.msg_id;
@@ -121,12 +120,45 @@ BEGIN
             enqueued_at := r.enqueued_at;
             message := r.message;
             headers := r.headers;
-            budget_seconds := r.budget;
+            budget_seconds := extract(epoch FROM r.vt - at);
             RETURN NEXT;
         END LOOP;
         -- Nothing visible (or all of it locked by other claimers) at any later priority.
         EXIT WHEN got = 0;
     END LOOP;
+    IF cardinality(limited) > 0 THEN
+        -- The live leases of the limited jobs, renewed (and so locked) before the claim commits;
+        -- this claim holds their messages, so only a sweep expiring a lease could race it, and
+        -- the renewal waits for that sweep and then finds the lease gone. A lease already past
+        -- its end is not renewed: its permit may have been given to another job; the job takes
+        -- one again or parks (lockgate._reacquire). Unlimited jobs never pay for this statement.
+        WITH renewed AS (
+            UPDATE lockgate.leases l
+               SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms()))
+              FROM unnest(limited) c
+             WHERE l.queue = claim.queue AND l.msg_id = c.msg_id AND l.expires_at > clock_timestamp()
+            RETURNING l.msg_id, l.expires_at)
+        SELECT array_agg(renewed.msg_id), array_agg(renewed.expires_at) INTO leased_ids, lease_ends FROM renewed;
+        FOR u IN SELECT * FROM unnest(limited) LOOP
+            i := array_position(leased_ids, u.msg_id);
+            IF i IS NULL THEN
+                unleased := unleased || u;
+                CONTINUE;
+            END IF;
+            IF lease_ends[i] < u.vt THEN
+                -- The visibility never outlives the lease (a duration shorter than the visibility).
+                EXECUTE format('UPDATE %s m SET vt = $2 WHERE m.msg_id = $1', tbl) USING u.msg_id, lease_ends[i];
+                u.vt := lease_ends[i];
+            END IF;
+            msg_id := u.msg_id;
+            read_ct := u.read_ct;
+            enqueued_at := u.enqueued_at;
+            message := u.message;
+            headers := u.headers;
+            budget_seconds := extract(epoch FROM u.vt - at);
+            RETURN NEXT;
+        END LOOP;
+    END IF;
     IF cardinality(unleased) > 0 THEN
         -- Semaphore rows are taken in key order, the order every path keeps (H31).
         FOR u IN SELECT * FROM unnest(unleased) x ORDER BY x.headers->>'ckey' NULLS FIRST, x.msg_id LOOP
