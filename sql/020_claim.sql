@@ -48,8 +48,8 @@ DECLARE
     -- Limited jobs, whose leases are renewed after the claim statements; those whose lease is
     -- gone or of another key, decided after that, in key order.
     limited lockgate._claimed[] := '{}';
-    leased_ids bigint[];
-    lease_ends timestamptz[];
+    lease_end timestamptz;
+    floor_ms bigint := lockgate._lease_floor_ms();
     unleased lockgate._claimed[] := '{}';
     u lockgate._claimed;
     visible_at timestamptz;
@@ -126,39 +126,34 @@ BEGIN
         -- Nothing visible (or all of it locked by other claimers) at any later priority.
         EXIT WHEN got = 0;
     END LOOP;
-    IF cardinality(limited) > 0 THEN
-        -- The live leases of the limited jobs, renewed (and so locked) before the claim commits;
-        -- this claim holds their messages, so only a sweep expiring a lease could race it, and
-        -- the renewal waits for that sweep and then finds the lease gone. A lease already past
-        -- its end is not renewed: its permit may have been given to another job; the job takes
-        -- one again or parks (lockgate._reacquire). Unlimited jobs never pay for this statement.
-        WITH renewed AS (
-            UPDATE lockgate.leases l
-               SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms()))
-              FROM unnest(limited) c
-             WHERE l.queue = claim.queue AND l.msg_id = c.msg_id AND l.expires_at > clock_timestamp()
-            RETURNING l.msg_id, l.expires_at)
-        SELECT array_agg(renewed.msg_id), array_agg(renewed.expires_at) INTO leased_ids, lease_ends FROM renewed;
-        FOR u IN SELECT * FROM unnest(limited) LOOP
-            i := array_position(leased_ids, u.msg_id);
-            IF i IS NULL THEN
-                unleased := unleased || u;
-                CONTINUE;
-            END IF;
-            IF lease_ends[i] < u.vt THEN
-                -- The visibility never outlives the lease (a duration shorter than the visibility).
-                EXECUTE format('UPDATE %s m SET vt = $2 WHERE m.msg_id = $1', tbl) USING u.msg_id, lease_ends[i];
-                u.vt := lease_ends[i];
-            END IF;
-            msg_id := u.msg_id;
-            read_ct := u.read_ct;
-            enqueued_at := u.enqueued_at;
-            message := u.message;
-            headers := u.headers;
-            budget_seconds := extract(epoch FROM u.vt - at);
-            RETURN NEXT;
-        END LOOP;
-    END IF;
+    -- The live leases of the limited jobs, renewed (and so locked) before the claim commits; this
+    -- claim holds their messages, so only a sweep expiring a lease could race it, and the renewal
+    -- waits for that sweep and then finds the lease gone. A lease already past its end is not
+    -- renewed: its permit may have been given to another job; the job takes one again or parks
+    -- (lockgate._reacquire). One primary-key lookup per job, a plan that holds without statistics;
+    -- unlimited jobs never pay for it.
+    FOR u IN SELECT * FROM unnest(limited) LOOP
+        UPDATE lockgate.leases l
+           SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms, floor_ms)
+         WHERE l.queue = claim.queue AND l.msg_id = u.msg_id AND l.expires_at > clock_timestamp()
+        RETURNING l.expires_at INTO lease_end;
+        IF NOT FOUND THEN
+            unleased := unleased || u;
+            CONTINUE;
+        END IF;
+        IF lease_end < u.vt THEN
+            -- The visibility never outlives the lease (a duration shorter than the visibility).
+            EXECUTE format('UPDATE %s m SET vt = $2 WHERE m.msg_id = $1', tbl) USING u.msg_id, lease_end;
+            u.vt := lease_end;
+        END IF;
+        msg_id := u.msg_id;
+        read_ct := u.read_ct;
+        enqueued_at := u.enqueued_at;
+        message := u.message;
+        headers := u.headers;
+        budget_seconds := extract(epoch FROM u.vt - at);
+        RETURN NEXT;
+    END LOOP;
     IF cardinality(unleased) > 0 THEN
         -- Semaphore rows are taken in key order, the order every path keeps (H31).
         FOR u IN SELECT * FROM unnest(unleased) x ORDER BY x.headers->>'ckey' NULLS FIRST, x.msg_id LOOP
@@ -176,14 +171,22 @@ BEGIN
         END LOOP;
     END IF;
     -- Messages at a priority outside 0..9 (sent with raw PGMQ) are never claimed by the probes
-    -- above: dead-letter them rather than leave them waiting forever (H29).
-    IF left_to_claim > 0 THEN
+    -- above: dead-letter them rather than leave them waiting forever (H29). Looked for only when
+    -- nothing else was there to claim, from both ends of the claim index.
+    IF left_to_claim = qty THEN
         FOR r IN EXECUTE format(
-            'SELECT m.msg_id, m.read_ct, m.headers->''priority'' AS p FROM %1$s m
-              WHERE (COALESCE((m.headers->>''priority'')::smallint, 0) < 0 OR COALESCE((m.headers->>''priority'')::smallint, 0) > 9)
-                AND m.vt <= $1
-              LIMIT $2 FOR UPDATE SKIP LOCKED', tbl)
-          USING at, left_to_claim
+            'WITH below AS (
+                 SELECT m.msg_id FROM %1$s m
+                  WHERE COALESCE((m.headers->>''priority'')::smallint, 0) < 0 AND m.vt <= $1
+                  ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0) LIMIT $2),
+             above AS (
+                 SELECT m.msg_id FROM %1$s m
+                  WHERE COALESCE((m.headers->>''priority'')::smallint, 0) > 9 AND m.vt <= $1
+                  ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0) DESC LIMIT $2)
+             SELECT m.msg_id, m.read_ct, m.headers->''priority'' AS p FROM %1$s m
+              WHERE m.msg_id IN (SELECT msg_id FROM below UNION ALL SELECT msg_id FROM above)
+                FOR UPDATE SKIP LOCKED', tbl)
+          USING at, qty
         LOOP
             PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable',
                 format('priority %s in the headers is not an integer from 0 to 9', r.p), r.read_ct);

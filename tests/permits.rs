@@ -690,6 +690,8 @@ async fn h29_a_key_too_long_for_the_index_is_refused_at_enqueue_and_dead_lettere
     let (good, _, _) = enqueue(&db.pool, 1).await;
     let claimed = claim(&db.pool, 10).await;
     assert_eq!(claimed.iter().map(|d| d.0).collect::<Vec<_>>(), vec![good.unwrap()], "the queue is not stalled");
+    // A priority outside 0-9 is looked for once nothing else is there to claim.
+    assert!(claim(&db.pool, 10).await.is_empty());
     let errors: Vec<String> = sqlx::query_scalar("SELECT error FROM lockgate.dead_letters ORDER BY msg_id")
         .fetch_all(&db.pool)
         .await
