@@ -172,8 +172,11 @@ BEGIN
     END IF;
     -- Messages at a priority outside 0..9 (sent with raw PGMQ) are never claimed by the probes
     -- above: dead-letter them rather than leave them waiting forever (H29). Looked for only when
-    -- nothing else was there to claim, from both ends of the claim index.
-    IF left_to_claim = qty THEN
+    -- nothing else was there to claim, at most once every 5 s per session (an idle worker claims
+    -- in a loop), from both ends of the claim index.
+    IF left_to_claim = qty
+       AND COALESCE(current_setting('lockgate.priority_probe_at', true), '') < to_char(at - interval '5 seconds', 'YYYYMMDDHH24MISS') THEN
+        PERFORM set_config('lockgate.priority_probe_at', to_char(at, 'YYYYMMDDHH24MISS'), false);
         FOR r IN EXECUTE format(
             'WITH below AS (
                  SELECT m.msg_id FROM %1$s m
