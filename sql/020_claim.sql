@@ -132,28 +132,30 @@ BEGIN
     -- renewed: its permit may have been given to another job; the job takes one again or parks
     -- (lockgate._reacquire). One primary-key lookup per job, a plan that holds without statistics;
     -- unlimited jobs never pay for it.
-    FOR u IN SELECT * FROM unnest(limited) LOOP
-        UPDATE lockgate.leases l
-           SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms, floor_ms)
-         WHERE l.queue = claim.queue AND l.msg_id = u.msg_id AND l.expires_at > clock_timestamp()
-        RETURNING l.expires_at INTO lease_end;
-        IF NOT FOUND THEN
-            unleased := unleased || u;
-            CONTINUE;
-        END IF;
-        IF lease_end < u.vt THEN
-            -- The visibility never outlives the lease (a duration shorter than the visibility).
-            EXECUTE format('UPDATE %s m SET vt = $2 WHERE m.msg_id = $1', tbl) USING u.msg_id, lease_end;
-            u.vt := lease_end;
-        END IF;
-        msg_id := u.msg_id;
-        read_ct := u.read_ct;
-        enqueued_at := u.enqueued_at;
-        message := u.message;
-        headers := u.headers;
-        budget_seconds := extract(epoch FROM u.vt - at);
-        RETURN NEXT;
-    END LOOP;
+    IF cardinality(limited) > 0 THEN
+        FOR u IN SELECT * FROM unnest(limited) LOOP
+            UPDATE lockgate.leases l
+               SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms, floor_ms)
+             WHERE l.queue = claim.queue AND l.msg_id = u.msg_id AND l.expires_at > clock_timestamp()
+            RETURNING l.expires_at INTO lease_end;
+            IF NOT FOUND THEN
+                unleased := unleased || u;
+                CONTINUE;
+            END IF;
+            IF lease_end < u.vt THEN
+                -- The visibility never outlives the lease (a duration shorter than the visibility).
+                EXECUTE format('UPDATE %s m SET vt = $2 WHERE m.msg_id = $1', tbl) USING u.msg_id, lease_end;
+                u.vt := lease_end;
+            END IF;
+            msg_id := u.msg_id;
+            read_ct := u.read_ct;
+            enqueued_at := u.enqueued_at;
+            message := u.message;
+            headers := u.headers;
+            budget_seconds := extract(epoch FROM u.vt - at);
+            RETURN NEXT;
+        END LOOP;
+    END IF;
     IF cardinality(unleased) > 0 THEN
         -- Semaphore rows are taken in key order, the order every path keeps (H31).
         FOR u IN SELECT * FROM unnest(unleased) x ORDER BY x.headers->>'ckey' NULLS FIRST, x.msg_id LOOP

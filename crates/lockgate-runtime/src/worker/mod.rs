@@ -129,14 +129,7 @@ impl WorkerPool {
 
 /// The pool's self-fencing watchdog (H27): see the module docs.
 async fn watchdog(in_flight: Arc<InFlight>, stop: CancellationToken) {
-    let mut ticker = tokio::time::interval(FENCE_TICK);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            biased;
-            () = stop.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
+    crate::ticker::every(FENCE_TICK, &stop, || async {
         for fenced in in_flight.fence(Instant::now()) {
             let Delivery { queue, msg_id, .. } = &fenced.delivery;
             tracing::warn!(
@@ -147,7 +140,8 @@ async fn watchdog(in_flight: Arc<InFlight>, stop: CancellationToken) {
                 "no renewal landed in time: cancelling the handler before its lease can end in the database"
             );
         }
-    }
+    })
+    .await;
 }
 
 /// A queue whose last claim failed waits until `until` before it is claimed from again (H29).
