@@ -1015,9 +1015,15 @@ async fn end_fault(a: Active, faults: &mut [Fault], procs: &mut Procs, proxy: &F
             procs.spawn(idx, db);
             faults[fault].ended = Some(Utc::now());
         }
-        Active::Terminating { idx, fault, .. } => {
+        Active::Terminating { idx, fault, until } => {
             let label = procs.procs[idx].label();
-            let status = procs.procs[idx].child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            // Ended by the fault phase's end as well as when due: either way the process gets its
+            // whole window to finish its graceful shutdown before it counts as stuck.
+            let mut status = procs.procs[idx].child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            while status.is_none() && Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                status = procs.procs[idx].child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            }
             let f = &mut faults[fault];
             match status {
                 Some(s) if s.success() => f.detail = format!("exited 0 after {}", since(f.began)),
