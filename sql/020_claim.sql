@@ -5,8 +5,10 @@
 -- long its visibility holds, counted from the start of the claim.
 --
 -- Nothing runs without its permit (G3, H24): a claimed job of a limited type is returned only
--- holding a live lease that this statement locked and renewed, and its visibility never
--- outlives that lease (vt <= expires_at), so the holder's budget ends no later than its permit.
+-- holding a live lease whose end is at or after its new visibility's (vt <= expires_at), so the
+-- holder's budget ends no later than its permit: a lease that already outlasts the visibility is
+-- only read (nothing but this delivery's own fenced steps can remove it before its end), one that
+-- does not is renewed and locked by this claim, and the visibility is cut to it if still shorter.
 -- A claimed limited job whose lease lapsed (or was expired by a sweep) takes a permit again
 -- through the guarded acquire, or is parked, and is then not returned. A message no worker could
 -- run (headers or arguments that are not lockgate's, H29) is dead-lettered here with its reason:
@@ -25,10 +27,21 @@
 -- a key held by an open producer transaction puts its job back for a moment instead (H28).
 -- Each claimed message records its owner (the claiming process's supervisor id, or NULL), and
 -- loses its retry_at mark (it is running, not waiting).
+--
+-- Attempts count runs that started (H32). last_read_at is when the current delivery started
+-- running. A worker that claims more than it starts at once (its claim-ahead) says how many start
+-- at once (start_now, in claim order; NULL: all of them): the others are returned with
+-- claimed_ahead true and last_read_at NULL, and the worker records each one's start
+-- (lockgate.complete's started arguments set last_read_at; not an indexed column, so a HOT update).
+-- A claim that finds a delivered message (read_ct > 0) whose last_read_at is still NULL — its
+-- worker died before starting it — counts that delivery as a return, not an attempt; at most 3
+-- times per job (header unstarted), so a job that kills its worker the instant it starts, before
+-- its start is recorded, still runs out of attempts.
 -- Callers: the worker's fetch loop. qty = batch size, vt_seconds = visibility timeout.
-CREATE OR REPLACE FUNCTION lockgate.claim(queue text, qty integer, vt_seconds double precision, owner bigint DEFAULT NULL)
+CREATE OR REPLACE FUNCTION lockgate.claim(queue text, qty integer, vt_seconds double precision, owner bigint DEFAULT NULL,
+                                          start_now integer DEFAULT NULL)
 RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
-               budget_seconds double precision)
+               budget_seconds double precision, claimed_ahead boolean)
 LANGUAGE plpgsql AS $$
 DECLARE
     tbl text := lockgate._queue_table(queue, 'q');
@@ -72,25 +85,29 @@ BEGIN
                                        LIMIT 1) visible
                   LIMIT 1),
              next AS (
-                 SELECT m.msg_id, jsonb_typeof(m.headers) = ''object'' AND m.headers ? ''ckey'' AS limited
+                 SELECT m.msg_id, m.vt AS was, jsonb_typeof(m.headers) = ''object'' AND m.headers ? ''ckey'' AS limited,
+                        m.read_ct > 0 AND m.last_read_at IS NULL AS unconfirmed
                    FROM %1$s m
                   WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = (SELECT best.p FROM best) AND m.vt <= $4
                   ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0), m.vt, m.msg_id
                   LIMIT $1
-                    FOR UPDATE SKIP LOCKED)
+                    FOR UPDATE SKIP LOCKED),
+             ranked AS (SELECT next.*, row_number() OVER (ORDER BY next.was, next.msg_id) AS rn FROM next)
              UPDATE %1$s m
                 SET vt = clock_timestamp() + make_interval(secs => $2),
                     read_ct = m.read_ct + 1,
-                    last_read_at = clock_timestamp(),
+                    last_read_at = CASE WHEN ranked.rn > $7 THEN NULL ELSE clock_timestamp() END,
                     headers = CASE WHEN jsonb_typeof(m.headers) <> ''object'' THEN m.headers
                                    WHEN $3 IS NULL THEN m.headers - ''retry_at''
                                    ELSE m.headers - ''retry_at'' || jsonb_build_object(''owner'', $3) END
-               FROM next
-              WHERE m.msg_id = next.msg_id
-             RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, m.vt,
-                       next.limited, (SELECT best.p FROM best) AS p',
+               FROM ranked
+              WHERE m.msg_id = ranked.msg_id
+             RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, m.vt, m.last_read_at IS NULL AS ahead,
+                       ranked.limited, ranked.unconfirmed, (SELECT best.p FROM best) AS p,
+                       CASE WHEN ranked.limited THEN (SELECT l.expires_at FROM lockgate.leases l
+                                                     WHERE l.queue = $6 AND l.msg_id = m.msg_id) END AS lease_end',
             tbl)
-          USING left_to_claim, vt_seconds, owner, at, after
+          USING left_to_claim, vt_seconds, owner, at, after, queue, start_now - (qty - left_to_claim)
         LOOP
             got := got + 1;
             after := r.p;
@@ -102,17 +119,32 @@ BEGIN
                 PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable', problem, r.read_ct);
                 CONTINUE;
             END IF;
+            IF r.unconfirmed AND COALESCE((r.headers->>'unstarted')::integer, 0) < 3 THEN
+                -- The last delivery was claimed ahead and its start never recorded: its worker died
+                -- before running it, so it was a return, not an attempt (H32).
+                r.headers := r.headers || jsonb_build_object(
+                    'returns', COALESCE((r.headers->>'returns')::integer, 0) + 1,
+                    'unstarted', COALESCE((r.headers->>'unstarted')::integer, 0) + 1);
+                EXECUTE format('UPDATE %s m SET headers = $2 WHERE m.msg_id = $1', tbl) USING r.msg_id, r.headers;
+            END IF;
             -- A job whose type gained a limit, or whose key was derived under other key paths,
             -- takes a permit of the key the current policy gives it (H33), giving back the one it
             -- holds.
             i := array_position(keyed_types, r.headers->>'type');
             IF i IS NOT NULL AND NOT r.headers ? 'ckey_explicit'
                AND (NOT r.limited OR COALESCE((r.headers->>'kv')::integer, 0) <> key_versions[i]) THEN
-                unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt)::lockgate._claimed;
+                unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
                 CONTINUE;
             END IF;
-            IF r.limited THEN
-                limited := limited || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt)::lockgate._claimed;
+            -- A lease that outlasts the new visibility needs nothing more: until its end only this
+            -- delivery's own fenced steps can remove it (a sweep frees only leases past their end,
+            -- and every other step on it needs the message row this claim holds).
+            IF r.limited AND r.lease_end IS NULL THEN
+                unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
+                CONTINUE;
+            END IF;
+            IF r.limited AND r.lease_end < r.vt THEN
+                limited := limited || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
                 CONTINUE;
             END IF;
             msg_id := r.msg_id;
@@ -121,17 +153,19 @@ BEGIN
             message := r.message;
             headers := r.headers;
             budget_seconds := extract(epoch FROM r.vt - at);
+            claimed_ahead := r.ahead;
             RETURN NEXT;
         END LOOP;
         -- Nothing visible (or all of it locked by other claimers) at any later priority.
         EXIT WHEN got = 0;
     END LOOP;
-    -- The live leases of the limited jobs, renewed (and so locked) before the claim commits; this
-    -- claim holds their messages, so only a sweep expiring a lease could race it, and the renewal
-    -- waits for that sweep and then finds the lease gone. A lease already past its end is not
-    -- renewed: its permit may have been given to another job; the job takes one again or parks
-    -- (lockgate._reacquire). One primary-key lookup per job, a plan that holds without statistics;
-    -- unlimited jobs never pay for it.
+    -- The leases that end before the new visibility would (a backlog older than the limit's
+    -- duration, or a duration shorter than the visibility), renewed (and so locked) before the
+    -- claim commits; this claim holds their messages, so only a sweep expiring a lease could race
+    -- it, and the renewal waits for that sweep and then finds the lease gone. A lease already past
+    -- its end is not renewed: its permit may have been given to another job; the job takes one
+    -- again or parks (lockgate._reacquire). One primary-key lookup per job, a plan that holds
+    -- without statistics; jobs whose lease outlasts their visibility never pay for it.
     IF cardinality(limited) > 0 THEN
         FOR u IN SELECT * FROM unnest(limited) LOOP
             UPDATE lockgate.leases l
@@ -153,6 +187,7 @@ BEGIN
             message := u.message;
             headers := u.headers;
             budget_seconds := extract(epoch FROM u.vt - at);
+            claimed_ahead := u.ahead;
             RETURN NEXT;
         END LOOP;
     END IF;
@@ -169,6 +204,7 @@ BEGIN
             EXECUTE format('SELECT m.headers FROM %s m WHERE m.msg_id = $1', tbl) INTO headers USING u.msg_id;
             -- The budget ends when the message becomes visible again, however long this took.
             budget_seconds := extract(epoch FROM visible_at - at);
+            claimed_ahead := u.ahead;
             RETURN NEXT;
         END LOOP;
     END IF;
@@ -222,6 +258,9 @@ RETURNS text LANGUAGE sql STABLE AS $$
         WHEN jsonb_typeof(headers->'returns') NOT IN ('number', 'null')
           OR (jsonb_typeof(headers->'returns') = 'number' AND headers->>'returns' !~ '^[0-9]{1,9}$') THEN
             format('returns %s in the headers is not a count', headers->'returns')
+        WHEN jsonb_typeof(headers->'unstarted') NOT IN ('number', 'null')
+          OR (jsonb_typeof(headers->'unstarted') = 'number' AND headers->>'unstarted' !~ '^[0-9]{1,9}$') THEN
+            format('unstarted %s in the headers is not a count', headers->'unstarted')
         WHEN jsonb_typeof(headers->'kv') NOT IN ('number', 'null')
           OR (jsonb_typeof(headers->'kv') = 'number' AND headers->>'kv' !~ '^[0-9]{1,9}$') THEN
             format('kv %s in the headers is not a count', headers->'kv')
@@ -354,12 +393,14 @@ END $$;
 
 -- Puts a claimed delivery back for a second without running it (a key it needs is held by
 -- another transaction, such as an open producer transaction): the delivery counts as a return,
--- not an attempt. Returns NULL, for lockgate._reacquire to return.
+-- not an attempt (once: last_read_at is set, so the next claim does not count it again as a
+-- delivery claimed ahead and never started). Returns NULL, for lockgate._reacquire to return.
 CREATE OR REPLACE FUNCTION lockgate._put_back(tbl text, c lockgate._claimed)
 RETURNS timestamptz LANGUAGE plpgsql AS $$
 BEGIN
     EXECUTE format(
         'UPDATE %s m SET vt = clock_timestamp() + interval ''1 second'',
+                         last_read_at = COALESCE(m.last_read_at, clock_timestamp()),
                          headers = m.headers || jsonb_build_object(''retry_at'', clock_timestamp() + interval ''1 second'',
                                                                    ''returns'', COALESCE((m.headers->>''returns'')::integer, 0) + 1)
           WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)

@@ -12,8 +12,8 @@
 -- Returns one row per delivery asked about that is still owned: budget_seconds is how long its
 -- visibility now holds, counted from the start of the call, or NULL when it was busy. A delivery
 -- missing from the result is lost. owner, when given, re-tags the messages with the caller's
--- registry id (a process registered again after a prune keeps its running jobs, H26), and
--- last_read_at records the renewal (a prune only returns deliveries silent past its threshold).
+-- registry id (a process registered again after a prune keeps its running jobs, H26).
+-- last_read_at is left alone: it records when the delivery started (H32, sql/020_claim.sql).
 -- Locks: the message rows, then their lease rows, both SKIP LOCKED. Callers: the heartbeat, per
 -- queue per tick.
 CREATE OR REPLACE FUNCTION lockgate.extend(queue text, msg_ids bigint[], read_cts integer[], vt_seconds double precision,
@@ -56,7 +56,6 @@ BEGIN
          renewed AS (
              UPDATE %1$s m
                 SET vt = LEAST(clock_timestamp() + make_interval(secs => $2), leased.expires_at),
-                    last_read_at = clock_timestamp(),
                     headers = CASE WHEN $5::bigint IS NULL OR m.headers->>''owner'' = $5::text THEN m.headers
                                    ELSE m.headers || jsonb_build_object(''owner'', $5::bigint) END
                FROM unnest($1::bigint[]) AS o(msg_id) LEFT JOIN leased ON leased.msg_id = o.msg_id

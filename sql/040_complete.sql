@@ -5,14 +5,31 @@
 -- the next parked jobs promoted (G2, H1, H6, H7). Returns the msg_ids this call archived; the
 -- caller reports every other one as AlreadyArchived (or Ambiguous on a retry after a broken
 -- commit). Batch counts and uniqueness release will hang here too, gated the same way.
--- Locks: the deleted message rows, their lease rows, then semaphore rows in key order.
--- Callers: the completer, batching many deliveries of one queue.
-CREATE OR REPLACE FUNCTION lockgate.complete(queue text, msg_ids bigint[], read_cts integer[])
+--
+-- started_ids/started_cts: deliveries claimed ahead that have started since (H32): their start
+-- is recorded (last_read_at, NULL until then), fenced on (msg_id, read_ct), so their run counts
+-- as an attempt even if their worker dies. Riding on the completions' statement, a start costs
+-- no commit of its own while jobs finish, and a HOT update (last_read_at is in no index).
+-- Locks: the started message rows, the deleted message rows, their lease rows, then semaphore
+-- rows in key order. Callers: the completer, batching many deliveries of one queue.
+CREATE OR REPLACE FUNCTION lockgate.complete(queue text, msg_ids bigint[], read_cts integer[],
+                                             started_ids bigint[] DEFAULT NULL, started_cts integer[] DEFAULT NULL)
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$
 DECLARE
     archived bigint[];
     limited bigint[];
 BEGIN
+    IF cardinality(started_ids) > 0 THEN
+        EXECUTE format(
+            'UPDATE %s m SET last_read_at = clock_timestamp()
+               FROM unnest($1::bigint[], $2::integer[]) AS s(msg_id, read_ct)
+              WHERE m.msg_id = s.msg_id AND m.read_ct = s.read_ct AND m.last_read_at IS NULL',
+            lockgate._queue_table(queue, 'q'))
+          USING started_ids, started_cts;
+    END IF;
+    IF cardinality(msg_ids) = 0 THEN
+        RETURN;
+    END IF;
     EXECUTE format(
         'WITH done AS (
              DELETE FROM %1$s m

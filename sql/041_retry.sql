@@ -1,7 +1,8 @@
 -- Retry in place: a failed attempt keeps its message and its permit, and becomes
 -- visible again after the backoff. The error joins the attempt history in the headers, and
 -- retry_at marks the delivery as waiting (not running) for status. Fenced on (msg_id, read_ct):
--- a stale delivery's failure changes nothing. The lease is stretched to cover the backoff
+-- a stale delivery's failure changes nothing. The run started, so its start is recorded if it
+-- was not yet (last_read_at, H32). The lease is stretched to cover the backoff
 -- (G6). Returns whether this delivery still owned it.
 -- Locks: the message row, then its lease row. Callers: the worker after a failed attempt.
 CREATE OR REPLACE FUNCTION lockgate.retry(
@@ -14,6 +15,7 @@ BEGIN
     EXECUTE format(
         'UPDATE %s m
             SET vt = $3,
+                last_read_at = COALESCE(m.last_read_at, clock_timestamp()),
                 headers = m.headers
                     || jsonb_build_object(''retry_at'', $3)
                     || jsonb_build_object(''errors'', COALESCE(m.headers->''errors'', ''[]'')

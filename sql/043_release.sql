@@ -1,5 +1,7 @@
 -- Release (shutdown return, G7): make unfinished deliveries visible at once and count the
--- return, so the next delivery is not counted as another attempt. Fenced on (msg_id, read_ct).
+-- return, so the next delivery is not counted as another attempt (and set last_read_at of a
+-- delivery claimed ahead, so the next claim does not count it as a second return, H32). Fenced
+-- on (msg_id, read_ct).
 -- The message is marked waiting (retry_at), so a heartbeat that raced the return does not push
 -- its visibility out again (sql/030_extend.sql); the next claim clears the mark.
 -- Permits are kept: the job re-runs holding them, and the lease is renewed so it survives until
@@ -12,6 +14,7 @@ BEGIN
         'WITH released AS (
              UPDATE %s m
                 SET vt = clock_timestamp(),
+                    last_read_at = COALESCE(m.last_read_at, clock_timestamp()),
                     headers = CASE WHEN jsonb_typeof(m.headers) = ''object''
                                    THEN m.headers || jsonb_build_object(''retry_at'', clock_timestamp(), ''returns'',
                                         COALESCE((m.headers->>''returns'')::integer, 0) + 1)

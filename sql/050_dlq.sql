@@ -23,9 +23,10 @@ BEGIN
            INTO new_msg_id
           USING dl.args,
                 CASE WHEN jsonb_typeof(dl.headers) <> 'object' THEN dl.headers
-                     WHEN dl.job_id IS NULL THEN dl.headers - 'returns' - 'retry_at' - 'attempts_before'
+                     WHEN dl.job_id IS NULL THEN dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted'
                      -- A new message with a fresh set of attempts: the job keeps its id in the headers.
-                     ELSE dl.headers - 'returns' - 'retry_at' - 'attempts_before' || jsonb_build_object('job_id', dl.job_id) END;
+                     ELSE dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted'
+                          || jsonb_build_object('job_id', dl.job_id) END;
         PERFORM pg_notify('lockgate_' || dl.queue, '');
         queue := dl.queue;
         msg_id := new_msg_id;

@@ -536,9 +536,75 @@ async fn h32_a_job_parked_again_at_claim_keeps_counting_its_attempts() {
         message: None,
         headers: Some(promoted.2.clone()),
         budget: Duration::from_secs(30),
+        claimed_ahead: false,
     };
     assert_eq!(claim.attempt(&headers), 2, "the run before parking counts: {}", promoted.2);
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+/// Claims with `start_now` (None: every delivery starts at once) and returns each delivery's
+/// (msg_id, read_ct, attempt as the worker counts it, claimed ahead).
+async fn claim_attempts(db: &PgPool, qty: i32, start_now: Option<i32>) -> Vec<(i64, i32, u32, bool)> {
+    let queue = lockgate::QueueName::new("default").unwrap();
+    let claims = lockgate::sql::claim_as(db, &queue, qty, Duration::from_secs(30), None, start_now).await.unwrap();
+    let mut claimed: Vec<_> = claims
+        .into_iter()
+        .map(|c| {
+            let headers = lockgate::JobHeaders::decode(c.headers.as_ref(), c.msg_id).unwrap();
+            (c.msg_id, c.read_ct, c.attempt(&headers), c.claimed_ahead)
+        })
+        .collect();
+    claimed.sort();
+    claimed
+}
+
+#[tokio::test]
+async fn h32_a_delivery_claimed_ahead_counts_as_an_attempt_only_once_its_start_is_recorded() {
+    let db = limited(1, 60_000).await;
+    for k in 1..=3 {
+        enqueue(&db.pool, k).await;
+    }
+    // One handler slot is free: the first starts at once, the other two are claimed ahead.
+    let first = claim_attempts(&db.pool, 3, Some(1)).await;
+    assert_eq!(first.iter().map(|d| d.3).collect::<Vec<_>>(), vec![false, true, true], "{first:?}");
+    assert!(first.iter().all(|d| d.2 == 1));
+    // The second starts (its start rides on a completion statement); then the worker is killed.
+    let default = lockgate::QueueName::new("default").unwrap();
+    let started = lockgate::sql::complete(&db.pool, &default, &[], &[(first[1].0, first[1].1)]).await.unwrap();
+    assert!(started.is_empty(), "recording a start archives nothing");
+    lapse_visibility(&db.pool).await;
+    let next = claim_attempts(&db.pool, 3, None).await;
+    let attempts: Vec<(i64, u32)> = next.iter().map(|d| (d.0, d.2)).collect();
+    assert_eq!(
+        attempts,
+        vec![(first[0].0, 2), (first[1].0, 2), (first[2].0, 1)],
+        "the two runs that started count; the one that never started does not"
+    );
+    // All three claimed ahead; the third is returned by a shutdown, the other two are lost to a
+    // crash before they start: each of these deliveries is one return, none an attempt.
+    lapse_visibility(&db.pool).await;
+    let ahead = claim_attempts(&db.pool, 3, Some(0)).await;
+    assert!(ahead.iter().all(|d| d.3));
+    assert_eq!(lockgate::sql::release(&db.pool, &default, &[(ahead[2].0, ahead[2].1)]).await.unwrap().len(), 1);
+    lapse_visibility(&db.pool).await;
+    let again: Vec<u32> = claim_attempts(&db.pool, 3, None).await.iter().map(|d| d.2).collect();
+    assert_eq!(again, vec![3, 3, 2]);
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
+async fn h32_a_job_whose_worker_keeps_dying_before_its_start_is_recorded_still_runs_out_of_attempts() {
+    let db = limited(1, 60_000).await;
+    let (m, _, _) = enqueue(&db.pool, 1).await;
+    // Claimed ahead five times, and each time its worker died before the start was recorded:
+    // the first three count as returns, the next two as attempts (the run may have started and
+    // killed the process within a round trip).
+    for _ in 0..5 {
+        assert!(claim_attempts(&db.pool, 1, Some(0)).await[0].3);
+        lapse_visibility(&db.pool).await;
+    }
+    let last = claim_attempts(&db.pool, 1, None).await;
+    assert_eq!((Some(last[0].0), last[0].1, last[0].2), (m, 6, 3));
 }
 
 async fn define(db: &PgPool, limit: Option<i32>, key: &[&str]) {

@@ -428,7 +428,7 @@ async fn archive_retention_prunes_archived_jobs_older_than_the_retention() {
     }
     let claims = claim(&db.pool, &queue("default"), 3, Duration::from_secs(30)).await.unwrap();
     let tokens: Vec<(i64, i32)> = claims.iter().map(|c| (c.msg_id, c.read_ct)).collect();
-    lockgate::sql::complete(&db.pool, &queue("default"), &tokens).await.unwrap();
+    lockgate::sql::complete(&db.pool, &queue("default"), &tokens, &[]).await.unwrap();
     sqlx::query("UPDATE pgmq.a_default SET archived_at = now() - interval '8 days' WHERE msg_id = $1")
         .bind(tokens[0].0)
         .execute(&db.pool)

@@ -242,6 +242,40 @@ async fn h17_kill_9_worker_is_pruned_and_its_job_runs_again_once_its_budget_ends
 }
 
 #[tokio::test]
+async fn h32_kill_9_counts_the_runs_that_started_and_not_the_jobs_claimed_ahead() {
+    // Job 1 succeeds at once; the other first starts run long, later ones succeed at once. One
+    // attempt each.
+    let script = "args=$(cat); echo start >> $DIR/starts; \
+        case \"$args\" in *'\"n\":1}'*|*'\"n\": 1}'*) exit 0;; esac; \
+        if [ $(wc -l < $DIR/starts) -le 3 ]; then exec sleep 30; fi";
+    let setup = Setup::with_runtime(REGISTRY_RUNTIME, script, "max_attempts = 1");
+    let db = migrated_with_one_job(&setup).await;
+    for n in 2..=4 {
+        let o = output(&db, &["enqueue", "task", &format!("{{\"n\": {n}}}")]);
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    let mut victim = setup.run(&db);
+    // One claim of four: two start at once (concurrency 2), two are claimed ahead. The first
+    // job finishes at once and the third starts in its slot: its start is recorded, so only the
+    // fourth, still waiting in memory, has no start time.
+    setup.wait_starts(3).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.q_default WHERE read_ct = 1", 3, WAIT).await.unwrap();
+    let waiting = "SELECT count(*) FROM pgmq.q_default WHERE read_ct = 1 AND last_read_at IS NULL";
+    wait_for_count(&db.pool, waiting, 1, WAIT).await.unwrap();
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let other = setup.run(&db);
+    // The two that were running used their one attempt; the one that never started runs now.
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 2, WAIT).await.unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 2, WAIT).await.unwrap();
+    stop(other).await;
+    assert_eq!(setup.starts(), 4, "each job started once");
+    let reasons: Vec<String> =
+        sqlx::query_scalar("SELECT reason FROM lockgate.dead_letters").fetch_all(&db.pool).await.unwrap();
+    assert!(reasons.iter().all(|r| r == "attempts_exhausted"), "{reasons:?}");
+}
+
+#[tokio::test]
 async fn a_process_whose_row_was_deleted_registers_again_and_claims_under_its_new_id() {
     let setup = Setup::with_runtime(REGISTRY_RUNTIME, "cat >/dev/null; echo start >> $DIR/starts", "");
     let db = TestDb::migrated().await.unwrap();

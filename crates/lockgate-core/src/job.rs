@@ -171,12 +171,16 @@ pub struct Claim {
     /// visibility never outlives) holds in the database, counted from before the claim was
     /// sent. A worker must have stopped the job's handler before this runs out (H27).
     pub budget: std::time::Duration,
+    /// Claimed ahead of a free handler slot: its start must be recorded (`lockgate.complete`'s
+    /// started arguments) for its run to count as an attempt (H32).
+    pub claimed_ahead: bool,
 }
 
 impl Claim {
-    /// The attempt this delivery is: deliveries minus shutdown returns, plus the attempts of
-    /// the job's earlier messages. A delivery lost to a crash counts as an attempt, so a job
-    /// that kills its worker cannot loop forever.
+    /// The attempt this delivery is: deliveries minus returns (shutdown returns, and deliveries
+    /// claimed ahead whose worker died before starting them), plus the attempts of the job's
+    /// earlier messages. A run lost to a crash counts as an attempt, so a job that kills its
+    /// worker cannot loop forever (H32).
     pub fn attempt(&self, headers: &JobHeaders) -> u32 {
         u32::try_from(self.read_ct - headers.returns + headers.attempts_before).unwrap_or(1).max(1)
     }

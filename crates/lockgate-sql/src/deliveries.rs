@@ -38,25 +38,30 @@ pub async fn claim<'c>(
     qty: i32,
     visibility: Duration,
 ) -> Result<Vec<Claim>, DbError> {
-    claim_as(db, queue, qty, visibility, None).await
+    claim_as(db, queue, qty, visibility, None, None).await
 }
 
-/// Claims as `owner` (a registered supervisor's id), recorded on each message so that pruning
-/// a dead owner can make its in-flight jobs visible at once.
+/// Claims as `owner` (a registered supervisor's id, recorded on each message). With
+/// `start_now`, only that many of the claimed deliveries (in claim order) start at once; the
+/// others are claimed ahead ([`Claim::claimed_ahead`]), and each one's start must be recorded
+/// ([`complete`]'s `started`) for its run to count as an attempt (H32).
 pub async fn claim_as<'c>(
     db: impl PgExecutor<'c>,
     queue: &QueueName,
     qty: i32,
     visibility: Duration,
     owner: Option<i64>,
+    start_now: Option<i32>,
 ) -> Result<Vec<Claim>, DbError> {
     let rows = sqlx::query(
-        "SELECT msg_id, read_ct, enqueued_at, message, headers, budget_seconds FROM lockgate.claim($1, $2, $3, $4)",
+        "SELECT msg_id, read_ct, enqueued_at, message, headers, budget_seconds, claimed_ahead
+         FROM lockgate.claim($1, $2, $3, $4, $5)",
     )
     .bind(queue.as_str())
     .bind(qty)
     .bind(visibility.as_secs_f64())
     .bind(owner)
+    .bind(start_now)
     .fetch_all(db)
     .await?;
     Ok(rows
@@ -69,6 +74,7 @@ pub async fn claim_as<'c>(
             message: row.get(3),
             headers: row.get(4),
             budget: seconds(row.get(5)),
+            claimed_ahead: row.get(6),
         })
         .collect())
 }
@@ -114,17 +120,22 @@ pub async fn extend<'c>(
     Ok(renewal)
 }
 
-/// Fenced archive of finished deliveries; returns the msg_ids this call archived.
+/// Fenced archive of finished deliveries; returns the msg_ids this call archived. In the same
+/// statement, records the start of the deliveries in `started` that were claimed ahead (H32).
 pub async fn complete<'c>(
     db: impl PgExecutor<'c>,
     queue: &QueueName,
     deliveries: &[(i64, i32)],
+    started: &[(i64, i32)],
 ) -> Result<Vec<i64>, DbError> {
     let (ids, cts) = split(deliveries);
-    Ok(sqlx::query_scalar("SELECT lockgate.complete($1, $2, $3)")
+    let (started_ids, started_cts) = split(started);
+    Ok(sqlx::query_scalar("SELECT lockgate.complete($1, $2, $3, $4, $5)")
         .bind(queue.as_str())
         .bind(ids)
         .bind(cts)
+        .bind(started_ids)
+        .bind(started_cts)
         .fetch_all(db)
         .await?)
 }

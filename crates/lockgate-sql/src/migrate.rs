@@ -34,6 +34,7 @@ const MIGRATIONS: &[Migration] = &[
     Migration { version: 6, name: "claim_index", sql: include_str!("../../../migrations/0006_claim_index.sql") },
     Migration { version: 7, name: "job_ids", sql: include_str!("../../../migrations/0007_job_ids.sql") },
     Migration { version: 8, name: "fenced_leases", sql: include_str!("../../../migrations/0008_fenced_leases.sql") },
+    Migration { version: 9, name: "started_runs", sql: include_str!("../../../migrations/0009_started_runs.sql") },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.

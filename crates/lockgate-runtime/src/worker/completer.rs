@@ -3,6 +3,10 @@
 //! still gets its own fenced outcome: `Archived` if this statement archived it, otherwise
 //! `AlreadyArchived`, or `Ambiguous` when an earlier try of the same batch broke mid-commit (H13).
 //!
+//! The same statements record the start of deliveries claimed ahead (H32): an executor hands
+//! the start over as its handler begins, and the next statement carries it, so while jobs finish
+//! a start costs no commit of its own.
+//!
 //! Executors hand a finished delivery over and go: their concurrency slot is free for the next
 //! job while the completion is written. The delivery stays in the in-flight set (renewed by the
 //! heartbeat) until its statement lands. The channel is bounded, so a slow database pushes back
@@ -27,6 +31,12 @@ use crate::in_flight::{Delivery, InFlight};
 /// batch of claims, small enough to keep one statement's locks short.
 const MAX_BATCH: usize = 256;
 
+/// How long a start waits for a completion statement to ride on before it gets one of its own.
+const START_RECORD_WAIT: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// How long a statement that only records starts retries a blip.
+const RECORD_START_TRIES: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Statements in flight at most (see `Completer::run`).
 const MAX_STATEMENTS: usize = 2;
 
@@ -38,9 +48,19 @@ pub type Completion = Result<ArchiveOutcome, String>;
 /// batches, so one batch can be collected while the previous one commits.
 const QUEUE_CAPACITY: usize = 2 * MAX_BATCH;
 
-struct Request {
-    delivery: Delivery,
-    job_id: lockgate_core::JobId,
+enum Request {
+    /// A finished delivery, to archive.
+    Complete { delivery: Delivery, job_id: lockgate_core::JobId },
+    /// A delivery claimed ahead whose handler has started, to record.
+    Started(Delivery),
+}
+
+impl Request {
+    fn delivery(&self) -> &Delivery {
+        match self {
+            Request::Complete { delivery, .. } | Request::Started(delivery) => delivery,
+        }
+    }
 }
 
 /// The executors' handle on the completer. The completer stops when every handle is dropped.
@@ -52,8 +72,15 @@ pub(crate) struct CompleterHandle {
 impl CompleterHandle {
     /// Hands a finished delivery over; waits only while the completer's queue is full.
     pub async fn submit(&self, delivery: Delivery, job_id: lockgate_core::JobId) {
-        if self.tx.send(Request { delivery, job_id }).await.is_err() {
+        if self.tx.send(Request::Complete { delivery, job_id }).await.is_err() {
             tracing::warn!(%job_id, "the completer has stopped; the job will run again after its visibility lapses");
+        }
+    }
+
+    /// Hands over the start of a delivery claimed ahead, to be recorded by the next statement.
+    pub async fn record_start(&self, delivery: Delivery) {
+        if self.tx.send(Request::Started(delivery)).await.is_err() {
+            tracing::warn!("the completer has stopped; a job's start is not recorded");
         }
     }
 }
@@ -77,38 +104,73 @@ impl Completer {
     /// completions that promote parked jobs of many keys); a partial batch waits for the
     /// statement in flight, so batches stay large. Two statements never deadlock: each locks
     /// its own messages and leases, and semaphore rows in key order.
+    ///
+    /// Starts to record ride on the next completion statement. Starts alone wait up to
+    /// `START_RECORD_WAIT` for one: a job that finishes by then needs no record at all.
     pub async fn run(mut self) {
-        let mut pending: Vec<Request> = Vec::new();
+        let mut pending = Pending::default();
         let mut statements = JoinSet::new();
         // The connections of finished statements, kept for the next ones.
         let mut idle: Vec<HeldConnection> = Vec::new();
         let mut open = true;
         loop {
-            while open && pending.len() < MAX_BATCH {
+            while open && pending.requests.len() < MAX_BATCH {
                 match self.rx.try_recv() {
                     Ok(request) => pending.push(request),
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => open = false,
                 }
             }
-            let full = pending.len() >= MAX_BATCH && statements.len() < MAX_STATEMENTS;
-            if !pending.is_empty() && (statements.is_empty() || full) {
-                let batch = std::mem::take(&mut pending);
+            let full = pending.requests.len() >= MAX_BATCH && statements.len() < MAX_STATEMENTS;
+            let starts_due = pending.first_start.is_some_and(|at| !open || at.elapsed() >= START_RECORD_WAIT)
+                || pending.requests.len() >= MAX_BATCH;
+            if (pending.completions > 0 || starts_due) && (statements.is_empty() || full) {
+                let batch = pending.take();
                 let conn = idle.pop().unwrap_or_else(|| HeldConnection::new(self.db.clone()));
                 statements.spawn(complete_batch(conn, Arc::clone(&self.in_flight), batch));
                 continue;
             }
-            if !open && pending.is_empty() && statements.is_empty() {
+            if !open && pending.requests.is_empty() && statements.is_empty() {
                 return;
             }
+            let starts_wait = pending.first_start.map(|at| tokio::time::Instant::from_std(at + START_RECORD_WAIT));
             tokio::select! {
-                request = self.rx.recv(), if open && pending.len() < MAX_BATCH => match request {
+                request = self.rx.recv(), if open && pending.requests.len() < MAX_BATCH => match request {
                     Some(request) => pending.push(request),
                     None => open = false,
                 },
                 Some(joined) = statements.join_next(), if !statements.is_empty() => idle.extend(joined.ok()),
+                () = tokio::time::sleep_until(starts_wait.unwrap_or_else(tokio::time::Instant::now)),
+                    if starts_wait.is_some() && statements.is_empty() => {}
             }
         }
+    }
+}
+
+/// The requests waiting for the next statement.
+#[derive(Default)]
+struct Pending {
+    requests: Vec<Request>,
+    completions: usize,
+    /// When the oldest start waiting arrived.
+    first_start: Option<Instant>,
+}
+
+impl Pending {
+    fn push(&mut self, request: Request) {
+        match request {
+            Request::Complete { .. } => self.completions += 1,
+            Request::Started(_) => {
+                self.first_start.get_or_insert_with(Instant::now);
+            }
+        }
+        self.requests.push(request);
+    }
+
+    fn take(&mut self) -> Vec<Request> {
+        self.completions = 0;
+        self.first_start = None;
+        std::mem::take(&mut self.requests)
     }
 }
 
@@ -116,7 +178,7 @@ impl Completer {
 async fn complete_batch(conn: HeldConnection, in_flight: Arc<InFlight>, batch: Vec<Request>) -> HeldConnection {
     let mut by_queue: HashMap<QueueName, Vec<Request>> = HashMap::new();
     for request in batch {
-        by_queue.entry(request.delivery.queue.clone()).or_default().push(request);
+        by_queue.entry(request.delivery().queue.clone()).or_default().push(request);
     }
     // Behind a Mutex because `persist` may run its attempt more than once: each attempt's future
     // borrows the connection anew. (An async closure borrowing it mutably would do, but rustc
@@ -129,20 +191,41 @@ async fn complete_batch(conn: HeldConnection, in_flight: Arc<InFlight>, batch: V
 }
 
 async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queue: &QueueName, requests: Vec<Request>) {
-    let deliveries: Vec<(i64, i32)> = requests.iter().map(|r| (r.delivery.msg_id, r.delivery.read_ct)).collect();
-    // The batch's lease is as long as its shortest member's.
-    let lease_until = || requests.iter().map(|r| in_flight.lease_until(&r.delivery)).min().flatten();
+    let mut finished = Vec::new();
+    let mut started = Vec::new();
+    for request in requests {
+        match request {
+            Request::Complete { delivery, job_id } => finished.push((delivery, job_id)),
+            Request::Started(delivery) => started.push((delivery.msg_id, delivery.read_ct)),
+        }
+    }
+    let deliveries: Vec<(i64, i32)> = finished.iter().map(|(d, _)| (d.msg_id, d.read_ct)).collect();
+    // A start whose completion is in this statement needs no record: the run is archived.
+    started.retain(|s| !deliveries.contains(s));
+    // The batch's lease is as long as its shortest member's (starts alone: a few seconds).
+    let starts_until = Instant::now() + RECORD_START_TRIES;
+    let lease_until = || {
+        let ends = finished.iter().map(|(d, _)| in_flight.lease_until(d));
+        if finished.is_empty() {
+            Some(starts_until)
+        } else {
+            ends.min().flatten()
+        }
+    };
     // A heartbeat racing this statement skips the rows it holds, and one that finds a delivery
     // gone after it committed does not report it lost (it is finishing): no lock between them
     // (H28).
     let result = persist("complete", lease_until, || async {
-        conn.lock().await.run(async |c| lockgate_sql::complete(c, queue, &deliveries).await).await
+        conn.lock().await.run(async |c| lockgate_sql::complete(c, queue, &deliveries, &started).await).await
     })
     .await;
+    if let (Err(error), false) = (&result, started.is_empty()) {
+        tracing::warn!(%queue, %error, started = started.len(), "could not record that claimed-ahead jobs started");
+    }
     let outcomes = outcomes(&deliveries, result);
-    for (r, outcome) in requests.into_iter().zip(outcomes) {
-        in_flight.remove(&r.delivery);
-        let (queue, msg_id, job_id) = (&r.delivery.queue, r.delivery.msg_id, r.job_id);
+    for ((delivery, job_id), outcome) in finished.into_iter().zip(outcomes) {
+        in_flight.remove(&delivery);
+        let (queue, msg_id) = (&delivery.queue, delivery.msg_id);
         match outcome {
             Ok(ArchiveOutcome::Archived) => tracing::debug!(%queue, msg_id, %job_id, "archived"),
             Ok(outcome) => tracing::info!(%queue, msg_id, %job_id, %outcome, "completion changed nothing"),
@@ -162,7 +245,7 @@ pub async fn complete_deliveries(
     deliveries: &[(i64, i32)],
     deadline: Instant,
 ) -> Vec<Completion> {
-    let result = persist("complete", || Some(deadline), || lockgate_sql::complete(db, queue, deliveries)).await;
+    let result = persist("complete", || Some(deadline), || lockgate_sql::complete(db, queue, deliveries, &[])).await;
     outcomes(deliveries, result)
 }
 

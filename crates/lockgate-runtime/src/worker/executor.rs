@@ -84,6 +84,11 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         );
         return;
     }
+    if claim.claimed_ahead {
+        // Recorded by the completer's next statement, so this run counts as an attempt even if
+        // the process dies while it runs (H32).
+        shared.completer.record_start(delivery.clone()).await;
+    }
     let (result, ended) = run_handler(&shared, &ctx, &policy, args).await;
     match shared.in_flight.begin_finishing(&delivery) {
         Finish::Write => {}

@@ -178,7 +178,8 @@ async fn fetch_loop(
             permits.extend(slots.try_take(limit));
         }
         let claimed_at = Instant::now();
-        let (claims, all_ok) = claim_in_order(config, shared, &mut conn, permits.len(), &mut backoff).await;
+        let start_now = running.available_permits();
+        let (claims, all_ok) = claim_in_order(config, shared, &mut conn, permits.len(), start_now, &mut backoff).await;
         if all_ok {
             prefetch.observe_claim(claimed_at.elapsed());
         }
@@ -217,6 +218,8 @@ async fn fetch_loop(
 }
 
 /// Claims up to `room` deliveries, earlier queues first; each queue's batch in priority order.
+/// The first `start_now` start at once (there are that many free handler slots); the claim
+/// marks the others as claimed ahead, and their executors record their start (H32).
 /// Each queue stands alone (H29): one whose claim fails is logged and backs off, and the others
 /// are claimed from as usual. Returns the claims and whether every queue tried answered.
 async fn claim_in_order(
@@ -224,6 +227,7 @@ async fn claim_in_order(
     shared: &Shared,
     conn: &mut HeldConnection,
     room: usize,
+    start_now: usize,
     backoff: &mut HashMap<QueueName, QueueBackoff>,
 ) -> (Vec<Claim>, bool) {
     let mut claimed = Vec::with_capacity(room);
@@ -238,10 +242,12 @@ async fn claim_in_order(
         }
         let owner = Some(shared.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
         let visibility = shared.config.visibility_timeout;
-        match conn.run(async |c| lockgate_sql::claim_as(c, queue, want as i32, visibility, owner).await).await {
+        let now = Some(start_now.saturating_sub(claimed.len()) as i32);
+        match conn.run(async |c| lockgate_sql::claim_as(c, queue, want as i32, visibility, owner, now).await).await {
             Ok(mut batch) => {
                 backoff.remove(queue);
-                batch.sort_by_key(|c| (priority_of(c), c.msg_id));
+                // The deliveries the claim did not mark as claimed ahead take the free slots.
+                batch.sort_by_key(|c| (priority_of(c), c.claimed_ahead, c.msg_id));
                 claimed.extend(batch);
             }
             Err(error) => {
