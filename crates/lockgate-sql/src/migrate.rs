@@ -58,7 +58,7 @@ const FUNCTIONS: &[&str] = &[
 ];
 
 /// The schema version this build expects.
-pub const LATEST_MIGRATION: i32 = 8;
+pub const LATEST_MIGRATION: i32 = MIGRATIONS[MIGRATIONS.len() - 1].version;
 
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;

@@ -31,10 +31,13 @@ pub fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
-/// A scratch directory with a config whose one job type runs `script` with `sh -c`.
+/// A scratch directory with a config whose one job type runs `script` with `sh -c`. The
+/// processes it started that are still running when it is dropped (a test that failed half-way)
+/// are killed, so a failed test leaves nothing behind.
 pub struct Setup {
     pub dir: PathBuf,
     pub config: PathBuf,
+    started: std::sync::Mutex<Vec<u32>>,
 }
 
 impl Setup {
@@ -54,15 +57,17 @@ impl Setup {
              [job_types.task]\ncommand = [\"sh\", \"-c\", {script:?}]\n{extra}\n"
         );
         std::fs::write(&config, text).unwrap();
-        Self { dir, config }
+        Self { dir, config, started: Default::default() }
     }
 
     pub fn run(&self, db: &TestDb) -> Child {
-        lockgate(db, &["run", "--config", self.config.to_str().unwrap()])
+        let child = lockgate(db, &["run", "--config", self.config.to_str().unwrap()])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap()
+            .unwrap();
+        self.started.lock().unwrap().push(child.id());
+        child
     }
 
     pub fn starts(&self) -> usize {
@@ -78,6 +83,14 @@ impl Setup {
 
 impl Drop for Setup {
     fn drop(&mut self) {
+        let config = self.config.to_string_lossy().into_owned();
+        for pid in self.started.lock().map(|p| p.clone()).unwrap_or_default() {
+            // Only a process still running this setup's config (the pid may have been reused).
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&config) {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
