@@ -242,6 +242,35 @@ async fn h17_kill_9_worker_is_pruned_and_its_job_runs_again_once_its_budget_ends
 }
 
 #[tokio::test]
+async fn h19_a_backend_terminated_while_the_process_starts_up_is_retried_not_fatal() {
+    use sqlx::Connection;
+    let setup = Setup::with_runtime(REGISTRY_RUNTIME, "cat >/dev/null", "");
+    let db = TestDb::migrated().await.unwrap();
+    // Start-up defines the job types: hold that table so the process waits there.
+    let mut blocker = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
+    sqlx::query("LOCK TABLE lockgate.job_types IN ACCESS EXCLUSIVE MODE").execute(&mut blocker).await.unwrap();
+    let child = setup.run(&db);
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                    WHERE datname = current_database() AND application_name = 'lockgate' AND wait_event_type = 'Lock'";
+    wait_for_count(&db.pool, waiting, 1, WAIT).await.unwrap();
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
+          WHERE datname = current_database() AND application_name = 'lockgate'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(killed >= 1);
+    sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
+    wait_registered(&db, &child).await;
+    let o = output(&db, &["enqueue", "task", "{}"]);
+    assert!(o.status.success(), "{}", text(&o));
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    stop(child).await;
+}
+
+#[tokio::test]
 async fn h32_kill_9_counts_the_runs_that_started_and_not_the_jobs_claimed_ahead() {
     // Job 1 succeeds at once; the other first starts run long, later ones succeed at once. One
     // attempt each.

@@ -3,7 +3,8 @@
 //!
 //! Startup: check the schema, record the registry's job-type policies and this process's
 //! heartbeat interval (which floors every lease), create the pools' queues, load the policy
-//! cache, register in `lockgate.processes`, then start the health endpoints, the notifier, the
+//! cache, register in `lockgate.processes` (each step retried while the database is restarting
+//! or drops the connection, H19), then start the health endpoints, the notifier, the
 //! heartbeat, the process registry, the maintenance sweeps and the worker pools. Each service
 //! runs supervised: one that panics or stops on its own is logged and restarted with backoff,
 //! and three crashes within a minute make the process not ready.
@@ -88,15 +89,18 @@ impl Runtime {
 
     /// Runs until `shutdown` fires, then shuts down in the documented order.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), RuntimeError> {
-        lockgate_sql::check_schema(&self.db).await?;
+        let db = &self.db;
+        let up = &shutdown;
+        start_up("check the schema", up, || lockgate_sql::check_schema(db)).await?;
         for (name, policy) in self.registry.job_types() {
-            lockgate_sql::define_job_type(&self.db, name, policy).await?;
+            start_up("define a job type", up, || lockgate_sql::define_job_type(db, name, policy)).await?;
         }
-        lockgate_sql::record_heartbeat_interval(&self.db, self.config.heartbeat_interval).await?;
+        let interval = self.config.heartbeat_interval;
+        start_up("record the heartbeat interval", up, || lockgate_sql::record_heartbeat_interval(db, interval)).await?;
         for queue in self.pools.iter().flat_map(|p| &p.queues) {
-            lockgate_sql::create_queue(&self.db, queue.as_str()).await?;
+            start_up("create a queue", up, || lockgate_sql::create_queue(db, queue.as_str())).await?;
         }
-        let policies = Arc::new(PolicyCache::load(&self.db).await?);
+        let policies = Arc::new(start_up("load the job types", up, || PolicyCache::load(db)).await?);
         // The runtime's own pool: sized for its loops (not for handlers, which bring their own),
         // and without sqlx's ping before every acquire — a round trip per statement that the
         // loops do not need, since every one of them retries a statement that failed.
@@ -107,12 +111,15 @@ impl Runtime {
         let total_concurrency: usize = self.pools.iter().map(|p| p.concurrency).sum();
         let connections = 3 + self.pools.len() + total_concurrency / 4;
         let options = self.db.connect_options().as_ref().clone();
-        let db = PgPoolOptions::new()
-            .max_connections(u32::try_from(connections).unwrap_or(u32::MAX))
-            .test_before_acquire(false)
-            .connect_with(Budget::runtime(&self.config).apply(options.clone()))
-            .await
-            .map_err(lockgate_sql::DbError::from)?;
+        let db = start_up("connect", up, || async {
+            PgPoolOptions::new()
+                .max_connections(u32::try_from(connections).unwrap_or(u32::MAX))
+                .test_before_acquire(false)
+                .connect_with(Budget::runtime(&self.config).apply(options.clone()))
+                .await
+                .map_err(lockgate_sql::DbError::from)
+        })
+        .await?;
         let services = CancellationToken::new();
         let tracker = TaskTracker::new();
         if let Some(addr) = self.config.health_listen {
@@ -136,11 +143,14 @@ impl Runtime {
             });
             pool_parts.push((pool.clone(), in_flight, wake, last_tick));
         }
-        let registry_db = PgPoolOptions::new()
-            .max_connections(1)
-            .connect_with(Budget::registry(&self.config).apply(options.clone()))
-            .await
-            .map_err(lockgate_sql::DbError::from)?;
+        let registry_db = start_up("connect", up, || async {
+            PgPoolOptions::new()
+                .max_connections(1)
+                .connect_with(Budget::registry(&self.config).apply(options.clone()))
+                .await
+                .map_err(lockgate_sql::DbError::from)
+        })
+        .await?;
         let process_registry = Arc::new(ProcessRegistry::new(
             registry_db,
             self.name.clone(),
@@ -149,7 +159,7 @@ impl Runtime {
             self.config.process_heartbeat_interval,
             self.config.alive_threshold,
         ));
-        process_registry.register().await?;
+        start_up("register the process", up, || process_registry.register()).await?;
 
         let notifier = Arc::new(notifier);
         let health = &self.health;
@@ -236,6 +246,30 @@ impl Runtime {
 
 /// Runs the service `make` builds until `token` fires; restarts it with backoff whenever it
 /// panics or returns early, and records each crash in `health`.
+/// Runs one start-up step, riding out a database that is restarting or that terminated the
+/// connection (H19): a transient error is logged and retried with backoff until the step succeeds
+/// or shutdown is asked for; any other error ends the start.
+async fn start_up<T, F, Fut>(what: &str, shutdown: &CancellationToken, mut step: F) -> Result<T, RuntimeError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, lockgate_sql::DbError>>,
+{
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let error = match step().await {
+            Ok(value) => return Ok(value),
+            Err(error) if error.is_transient() && !shutdown.is_cancelled() => error,
+            Err(error) => return Err(error.into()),
+        };
+        tracing::warn!(%error, retry_in_ms = pause.as_millis() as u64, "could not {what} at start-up; retrying");
+        tokio::select! {
+            () = shutdown.cancelled() => return Err(error.into()),
+            () = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
 async fn supervise<F, Fut>(name: &'static str, health: Arc<Health>, token: CancellationToken, mut make: F)
 where
     F: FnMut(CancellationToken) -> Fut,
