@@ -123,7 +123,7 @@ BEGIN
                 -- The last delivery was claimed ahead and its start never recorded: its worker died
                 -- before running it, so it was a return, not an attempt (H32).
                 r.headers := r.headers || jsonb_build_object(
-                    'returns', COALESCE((r.headers->>'returns')::integer, 0) + 1,
+                    'returns', LEAST(COALESCE((r.headers->>'returns')::integer, 0) + 1, 999999999),
                     'unstarted', COALESCE((r.headers->>'unstarted')::integer, 0) + 1);
                 EXECUTE format('UPDATE %s m SET headers = $2 WHERE m.msg_id = $1', tbl) USING r.msg_id, r.headers;
             END IF;
@@ -138,7 +138,11 @@ BEGIN
             END IF;
             -- A lease that outlasts the new visibility needs nothing more: until its end only this
             -- delivery's own fenced steps can remove it (a sweep frees only leases past their end,
-            -- and every other step on it needs the message row this claim holds).
+            -- and every other step on it needs the message row this claim holds). Read from the
+            -- statement's snapshot, the end may be older than the row: a release or retry of the
+            -- last delivery can commit between the snapshot and the message's lock; but no step
+            -- ever moves a lease's end earlier (each renews it to GREATEST(old, new)), so the end
+            -- read is a lower bound of the end that holds.
             IF r.limited AND r.lease_end IS NULL THEN
                 unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
                 CONTINUE;
@@ -169,7 +173,7 @@ BEGIN
     IF cardinality(limited) > 0 THEN
         FOR u IN SELECT * FROM unnest(limited) LOOP
             UPDATE lockgate.leases l
-               SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms, floor_ms)
+               SET expires_at = GREATEST(l.expires_at, clock_timestamp() + lockgate._lease_interval(l.duration_ms, floor_ms))
              WHERE l.queue = claim.queue AND l.msg_id = u.msg_id AND l.expires_at > clock_timestamp()
             RETURNING l.expires_at INTO lease_end;
             IF NOT FOUND THEN
@@ -402,7 +406,7 @@ BEGIN
         'UPDATE %s m SET vt = clock_timestamp() + interval ''1 second'',
                          last_read_at = COALESCE(m.last_read_at, clock_timestamp()),
                          headers = m.headers || jsonb_build_object(''retry_at'', clock_timestamp() + interval ''1 second'',
-                                                                   ''returns'', COALESCE((m.headers->>''returns'')::integer, 0) + 1)
+                                                                   ''returns'', LEAST(COALESCE((m.headers->>''returns'')::integer, 0) + 1, 999999999))
           WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
       USING c.msg_id, c.read_ct;
     RETURN NULL;

@@ -44,8 +44,8 @@ BEGIN
     RETURN QUERY EXECUTE format(
         'WITH leased AS (
              UPDATE lockgate.leases l
-                SET expires_at = clock_timestamp()
-                                 + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms()))
+                SET expires_at = GREATEST(l.expires_at, clock_timestamp()
+                                 + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms())))
                FROM (SELECT x.queue, x.msg_id FROM lockgate.leases x JOIN unnest($4::bigint[]) AS k(msg_id)
                         ON x.queue = $3 AND x.msg_id = k.msg_id
                      WHERE x.expires_at > clock_timestamp()

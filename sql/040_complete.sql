@@ -10,8 +10,8 @@
 -- is recorded (last_read_at, NULL until then), fenced on (msg_id, read_ct), so their run counts
 -- as an attempt even if their worker dies. Riding on the completions' statement, a start costs
 -- no commit of its own while jobs finish, and a HOT update (last_read_at is in no index).
--- Locks: the started message rows, the deleted message rows, their lease rows, then semaphore
--- rows in key order. Callers: the completer, batching many deliveries of one queue.
+-- Locks: the started message rows in msg_id order (as a release locks its rows), the deleted
+-- message rows, their lease rows, then semaphore rows in key order. Callers: the completer, batching many deliveries of one queue.
 CREATE OR REPLACE FUNCTION lockgate.complete(queue text, msg_ids bigint[], read_cts integer[],
                                              started_ids bigint[] DEFAULT NULL, started_cts integer[] DEFAULT NULL)
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$
@@ -21,9 +21,12 @@ DECLARE
 BEGIN
     IF cardinality(started_ids) > 0 THEN
         EXECUTE format(
-            'UPDATE %s m SET last_read_at = clock_timestamp()
-               FROM unnest($1::bigint[], $2::integer[]) AS s(msg_id, read_ct)
-              WHERE m.msg_id = s.msg_id AND m.read_ct = s.read_ct AND m.last_read_at IS NULL',
+            'UPDATE %1$s m SET last_read_at = clock_timestamp()
+               FROM (SELECT x.msg_id FROM %1$s x JOIN unnest($1::bigint[], $2::integer[]) AS s(msg_id, read_ct)
+                         ON x.msg_id = s.msg_id AND x.read_ct = s.read_ct
+                      WHERE x.last_read_at IS NULL
+                      ORDER BY x.msg_id FOR UPDATE OF x) started
+              WHERE m.msg_id = started.msg_id',
             lockgate._queue_table(queue, 'q'))
           USING started_ids, started_cts;
     END IF;

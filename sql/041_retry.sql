@@ -26,7 +26,7 @@ BEGIN
        INTO found_id
       USING retry.msg_id, retry.read_ct, retry_at, error, attempt;
     IF found_id IS NOT NULL THEN
-        UPDATE lockgate.leases l SET expires_at = retry_at + lockgate._lease_interval(l.duration_ms)
+        UPDATE lockgate.leases l SET expires_at = GREATEST(l.expires_at, retry_at + lockgate._lease_interval(l.duration_ms))
          WHERE l.queue = retry.queue AND l.msg_id = retry.msg_id;
     END IF;
     RETURN found_id IS NOT NULL;

@@ -6,25 +6,28 @@
 -- its visibility out again (sql/030_extend.sql); the next claim clears the mark.
 -- Permits are kept: the job re-runs holding them, and the lease is renewed so it survives until
 -- the next delivery's heartbeat. Returns the msg_ids released.
--- Locks: the updated message rows, then their leases. Callers: the worker pool on shutdown.
+-- Locks: the updated message rows in msg_id order (as complete's start records do), then their
+-- leases. Callers: the worker pool on shutdown.
 CREATE OR REPLACE FUNCTION lockgate.release(queue text, msg_ids bigint[], read_cts integer[])
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$
 BEGIN
     RETURN QUERY EXECUTE format(
         'WITH released AS (
-             UPDATE %s m
+             UPDATE %1$s m
                 SET vt = clock_timestamp(),
                     last_read_at = COALESCE(m.last_read_at, clock_timestamp()),
                     headers = CASE WHEN jsonb_typeof(m.headers) = ''object''
                                    THEN m.headers || jsonb_build_object(''retry_at'', clock_timestamp(), ''returns'',
-                                        COALESCE((m.headers->>''returns'')::integer, 0) + 1)
+                                        LEAST(COALESCE((m.headers->>''returns'')::integer, 0) + 1, 999999999))
                                    ELSE m.headers END
-               FROM unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)
-              WHERE m.msg_id = d.msg_id AND m.read_ct = d.read_ct
+               FROM (SELECT x.msg_id FROM %1$s x JOIN unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)
+                         ON x.msg_id = d.msg_id AND x.read_ct = d.read_ct
+                      ORDER BY x.msg_id FOR UPDATE OF x) d
+              WHERE m.msg_id = d.msg_id
              RETURNING m.msg_id),
          renewed AS (
              UPDATE lockgate.leases l
-                SET expires_at = clock_timestamp() + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms()))
+                SET expires_at = GREATEST(l.expires_at, clock_timestamp() + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms())))
                FROM released r WHERE l.queue = $3 AND l.msg_id = r.msg_id)
          SELECT msg_id FROM released',
         lockgate._queue_table(queue, 'q'))

@@ -607,6 +607,82 @@ async fn h32_a_job_whose_worker_keeps_dying_before_its_start_is_recorded_still_r
     assert_eq!((Some(last[0].0), last[0].1, last[0].2), (m, 6, 3));
 }
 
+#[tokio::test]
+async fn h24_no_step_moves_a_lease_end_earlier_so_a_claim_may_trust_the_end_it_read() {
+    // A claim reads a lease's end from its statement's snapshot; a release or retry of the last
+    // delivery may commit after that snapshot. That is safe only if no step ever moves an end
+    // earlier: each renewal keeps the later of the old end and the new one.
+    let db = limited(1, 20_000).await;
+    enqueue(&db.pool, 1).await;
+    let default = lockgate::QueueName::new("default").unwrap();
+    let far = "UPDATE lockgate.leases SET expires_at = now() + interval '1 hour'";
+    let end = "SELECT expires_at > now() + interval '50 minutes' FROM lockgate.leases";
+    let d = claim(&db.pool, 1).await.remove(0);
+    sqlx::query(far).execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.extend('default', $1, $2, 30)")
+        .bind(vec![d.0])
+        .bind(vec![d.1])
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert!(sqlx::query_scalar::<_, bool>(end).fetch_one(&db.pool).await.unwrap(), "renewal kept the later end");
+    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'boom', 1)")
+        .bind(d.0)
+        .bind(d.1)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert!(sqlx::query_scalar::<_, bool>(end).fetch_one(&db.pool).await.unwrap(), "retry kept the later end");
+    let d = claim(&db.pool, 1).await.remove(0);
+    assert_eq!(lockgate::sql::release(&db.pool, &default, &[(d.0, d.1)]).await.unwrap().len(), 1);
+    assert!(sqlx::query_scalar::<_, bool>(end).fetch_one(&db.pool).await.unwrap(), "release kept the later end");
+    sqlx::query("UPDATE lockgate.leases SET expires_at = now() + interval '1 second'").execute(&db.pool).await.unwrap();
+    let d = claim(&db.pool, 1).await.remove(0);
+    assert!(d.2 <= 20.5, "a lease ending sooner than the visibility is renewed and caps the budget: {}", d.2);
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
+async fn h31_start_records_and_a_shutdown_return_lock_their_rows_in_one_order() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('plain')").execute(&db.pool).await.unwrap();
+    // Enough rows that each statement finds its own rows through the index, in the order given.
+    sqlx::query(
+        "SELECT count(*) FROM lockgate.enqueue_many('plain', ARRAY(SELECT '{}'::jsonb FROM generate_series(1, 5000)))",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE pgmq.q_default").execute(&db.pool).await.unwrap();
+    let default = lockgate::QueueName::new("default").unwrap();
+    let both = lockgate::sql::claim_as(&db.pool, &default, 2, Duration::from_secs(30), None, Some(0)).await.unwrap();
+    let (x, y) = ((both[0].msg_id, both[0].read_ct), (both[1].msg_id, both[1].read_ct));
+    // Another statement holds X: the start records of X and Y, and a release of Y and X, queue
+    // behind it. Locking in different orders, they would deadlock once it lets go.
+    let mut holder = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM pgmq.q_default WHERE msg_id = $1 FOR UPDATE")
+        .bind(x.0)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let waiting =
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    let records = tokio::spawn({
+        let (pool, q) = (db.pool.clone(), default.clone());
+        async move { lockgate::sql::complete(&pool, &q, &[], &[x, y]).await }
+    });
+    lockgate_testkit::wait_for_count(&db.pool, waiting, 1, Duration::from_secs(10)).await.unwrap();
+    let release = tokio::spawn({
+        let (pool, q) = (db.pool.clone(), default.clone());
+        async move { lockgate::sql::release(&pool, &q, &[y, x]).await }
+    });
+    lockgate_testkit::wait_for_count(&db.pool, waiting, 2, Duration::from_secs(10)).await.unwrap();
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    records.await.unwrap().expect("start records land");
+    assert_eq!(release.await.unwrap().expect("the release lands, no deadlock").len(), 2);
+}
+
 async fn define(db: &PgPool, limit: Option<i32>, key: &[&str]) {
     sqlx::query("SELECT lockgate.define_job_type('lim', concurrency_limit => $1, concurrency_key => $2)")
         .bind(limit)

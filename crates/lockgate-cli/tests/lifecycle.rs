@@ -435,12 +435,7 @@ async fn h19_postgres_restarted_during_a_run_loses_nothing() {
     })
     .await
     .unwrap();
-    let cluster = std::fs::read_dir("/etc/postgresql").unwrap().next().unwrap().unwrap().file_name();
-    let restarted = std::process::Command::new("pg_ctlcluster")
-        .args(["--skip-systemctl-redirect", cluster.to_str().unwrap(), "main", "restart"])
-        .status()
-        .unwrap();
-    assert!(restarted.success());
+    lockgate_testkit::chaos::restart_postgres().unwrap();
     wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1000, Duration::from_secs(120)).await.unwrap();
     stop(child).await;
     assert_eq!(

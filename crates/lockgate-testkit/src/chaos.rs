@@ -88,6 +88,9 @@ pub async fn terminate_backends_named(pool: &PgPool, name: &str) -> Result<i64> 
 
 /// Restarts the local PostgreSQL cluster (`pg_ctlcluster --skip-systemctl-redirect <version>
 /// main restart`). Only for tests that run alone: every other test's connections break.
+/// pg_ctl waits up to 180 s for the shutdown, not its default 60: a connection attempted while the
+/// server shuts down gets a child that waits `authentication_timeout` (60 s) for a startup packet,
+/// which a frozen or partitioned client never sends, and the server exits only after it.
 pub fn restart_postgres() -> Result<()> {
     let cluster = std::fs::read_dir("/etc/postgresql")
         .context("no /etc/postgresql: not a Debian-style PostgreSQL install")?
@@ -98,7 +101,7 @@ pub fn restart_postgres() -> Result<()> {
     let status = Command::new("pg_ctlcluster")
         .arg("--skip-systemctl-redirect")
         .arg(&cluster)
-        .args(["main", "restart"])
+        .args(["main", "restart", "--", "-t", "180"])
         .status()
         .context("running pg_ctlcluster")?;
     if !status.success() {

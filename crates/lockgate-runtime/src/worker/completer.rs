@@ -34,9 +34,6 @@ const MAX_BATCH: usize = 256;
 /// How long a start waits for a completion statement to ride on before it gets one of its own.
 const START_RECORD_WAIT: std::time::Duration = std::time::Duration::from_millis(5);
 
-/// How long a statement that only records starts retries a blip.
-const RECORD_START_TRIES: std::time::Duration = std::time::Duration::from_secs(5);
-
 /// Statements in flight at most (see `Completer::run`).
 const MAX_STATEMENTS: usize = 2;
 
@@ -192,25 +189,23 @@ async fn complete_batch(conn: HeldConnection, in_flight: Arc<InFlight>, batch: V
 
 async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queue: &QueueName, requests: Vec<Request>) {
     let mut finished = Vec::new();
-    let mut started = Vec::new();
+    let mut starting = Vec::new();
     for request in requests {
         match request {
             Request::Complete { delivery, job_id } => finished.push((delivery, job_id)),
-            Request::Started(delivery) => started.push((delivery.msg_id, delivery.read_ct)),
+            Request::Started(delivery) => starting.push(delivery),
         }
     }
     let deliveries: Vec<(i64, i32)> = finished.iter().map(|(d, _)| (d.msg_id, d.read_ct)).collect();
     // A start whose completion is in this statement needs no record: the run is archived.
-    started.retain(|s| !deliveries.contains(s));
-    // The batch's lease is as long as its shortest member's (starts alone: a few seconds).
-    let starts_until = Instant::now() + RECORD_START_TRIES;
+    starting.retain(|d| !deliveries.contains(&(d.msg_id, d.read_ct)));
+    let started: Vec<(i64, i32)> = starting.iter().map(|d| (d.msg_id, d.read_ct)).collect();
+    // The batch's lease is as long as its shortest member's (starts alone: theirs).
     let lease_until = || {
-        let ends = finished.iter().map(|(d, _)| in_flight.lease_until(d));
-        if finished.is_empty() {
-            Some(starts_until)
-        } else {
-            ends.min().flatten()
-        }
+        let completing = finished.iter().map(|(d, _)| d);
+        let members: Vec<&Delivery> =
+            if finished.is_empty() { starting.iter().collect() } else { completing.collect() };
+        members.into_iter().map(|d| in_flight.lease_until(d)).min().flatten()
     };
     // A heartbeat racing this statement skips the rows it holds, and one that finds a delivery
     // gone after it committed does not report it lost (it is finishing): no lock between them
