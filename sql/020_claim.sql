@@ -16,9 +16,9 @@
 --
 -- One priority at a time, through the claim index (priority, vt, msg_id): within a priority the
 -- visible messages come first, so a claim never scans the delayed or in-flight ones after them.
--- Each statement finds the next priority holding a visible message (one index probe per
--- priority, stopping at the first) and claims from it; with every job at one priority, a full
--- claim is one statement.
+-- A small statement finds the next priority holding a visible message (one index probe per
+-- priority, stopping at the first), and the claim statement claims from it; with every job at
+-- one priority, a full claim is those two statements, and a claim that finds nothing is one.
 --
 -- Locks, in the order every path keeps (docs/design.md, "Lock order"): the claimed message rows
 -- (FOR UPDATE SKIP LOCKED: concurrent claimers never wait or collide), then their lease rows
@@ -48,6 +48,7 @@ DECLARE
     r record;
     -- The priority claimed from last; each statement takes the next one holding a visible message.
     after integer := -1;
+    best integer;
     got integer;
     left_to_claim integer := qty;
     -- Bound as a value, not called in the statements: clock_timestamp() is volatile, so a
@@ -74,21 +75,26 @@ BEGIN
     SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
       FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;
     WHILE left_to_claim > 0 AND after < 9 LOOP
+        -- The next priority holding a visible message: a statement of its own, small to plan, so
+        -- that an idle worker's claim (most claims, when workers outnumber jobs) ends here. A
+        -- LATERAL probe with its own LIMIT: the planner cannot turn it into a semi-join over the
+        -- whole table, as it may an EXISTS when most messages are visible.
+        EXECUTE format(
+            'SELECT p FROM generate_series($1 + 1, 9) p
+              CROSS JOIN LATERAL (SELECT 1 FROM %s m
+                                   WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = p AND m.vt <= $2
+                                   LIMIT 1) visible
+              LIMIT 1', tbl)
+          INTO best USING after, at;
+        EXIT WHEN best IS NULL;
+        after := best;
         got := 0;
         FOR r IN EXECUTE format(
-            'WITH best AS (
-                 -- A LATERAL probe with its own LIMIT: the planner cannot turn it into a semi-join
-                 -- over the whole table, as it may an EXISTS when most messages are visible.
-                 SELECT p FROM generate_series($5 + 1, 9) p
-                  CROSS JOIN LATERAL (SELECT 1 FROM %1$s m
-                                       WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = p AND m.vt <= $4
-                                       LIMIT 1) visible
-                  LIMIT 1),
-             next AS (
+            'WITH next AS (
                  SELECT m.msg_id, m.vt AS was, jsonb_typeof(m.headers) = ''object'' AND m.headers ? ''ckey'' AS limited,
                         m.read_ct > 0 AND m.last_read_at IS NULL AS unconfirmed
                    FROM %1$s m
-                  WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = (SELECT best.p FROM best) AND m.vt <= $4
+                  WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = $5 AND m.vt <= $4
                   ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0), m.vt, m.msg_id
                   LIMIT $1
                     FOR UPDATE SKIP LOCKED),
@@ -103,14 +109,13 @@ BEGIN
                FROM ranked
               WHERE m.msg_id = ranked.msg_id
              RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, m.vt, m.last_read_at IS NULL AS ahead,
-                       ranked.limited, ranked.unconfirmed, (SELECT best.p FROM best) AS p,
+                       ranked.limited, ranked.unconfirmed,
                        CASE WHEN ranked.limited THEN (SELECT l.expires_at FROM lockgate.leases l
                                                      WHERE l.queue = $6 AND l.msg_id = m.msg_id) END AS lease_end',
             tbl)
-          USING left_to_claim, vt_seconds, owner, at, after, queue, start_now - (qty - left_to_claim)
+          USING left_to_claim, vt_seconds, owner, at, best, queue, start_now - (qty - left_to_claim)
         LOOP
             got := got + 1;
-            after := r.p;
             left_to_claim := left_to_claim - 1;
             -- Checked here, not in the statement: a statement run by EXECUTE is planned at every
             -- call, and planning the inlined check cost more than the claim's own work.
@@ -160,7 +165,7 @@ BEGIN
             claimed_ahead := r.ahead;
             RETURN NEXT;
         END LOOP;
-        -- Nothing visible (or all of it locked by other claimers) at any later priority.
+        -- What was visible at that priority was all taken by other claimers meanwhile.
         EXIT WHEN got = 0;
     END LOOP;
     -- The leases that end before the new visibility would (a backlog older than the limit's

@@ -102,8 +102,9 @@ impl Completer {
     /// statement in flight, so batches stay large. Two statements never deadlock: each locks
     /// its own messages and leases, and semaphore rows in key order.
     ///
-    /// Starts to record ride on the next completion statement. Starts alone wait up to
-    /// `START_RECORD_WAIT` for one: a job that finishes by then needs no record at all.
+    /// A start to record rides on the first statement after it is `START_RECORD_WAIT` old, or
+    /// gets one of its own then: a job that finishes sooner needs no record at all (its
+    /// completion archives the run), so fast jobs cost nothing extra.
     pub async fn run(mut self) {
         let mut pending = Pending::default();
         let mut statements = JoinSet::new();
@@ -111,28 +112,29 @@ impl Completer {
         let mut idle: Vec<HeldConnection> = Vec::new();
         let mut open = true;
         loop {
-            while open && pending.requests.len() < MAX_BATCH {
+            while open && pending.finished.len() < MAX_BATCH {
                 match self.rx.try_recv() {
                     Ok(request) => pending.push(request),
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => open = false,
                 }
             }
-            let full = pending.requests.len() >= MAX_BATCH && statements.len() < MAX_STATEMENTS;
-            let starts_due = pending.first_start.is_some_and(|at| !open || at.elapsed() >= START_RECORD_WAIT)
-                || pending.requests.len() >= MAX_BATCH;
-            if (pending.completions > 0 || starts_due) && (statements.is_empty() || full) {
-                let batch = pending.take();
-                let conn = idle.pop().unwrap_or_else(|| HeldConnection::new(self.db.clone()));
-                statements.spawn(complete_batch(conn, Arc::clone(&self.in_flight), batch));
+            let full = pending.finished.len() >= MAX_BATCH && statements.len() < MAX_STATEMENTS;
+            let starts_due = pending.next_start_due(open).is_some_and(|due| due <= Instant::now());
+            if (!pending.finished.is_empty() || starts_due) && (statements.is_empty() || full) {
+                let batch = pending.take(open);
+                if !batch.is_empty() {
+                    let conn = idle.pop().unwrap_or_else(|| HeldConnection::new(self.db.clone()));
+                    statements.spawn(complete_batch(conn, Arc::clone(&self.in_flight), batch));
+                }
                 continue;
             }
-            if !open && pending.requests.is_empty() && statements.is_empty() {
+            if !open && pending.finished.is_empty() && pending.starts.is_empty() && statements.is_empty() {
                 return;
             }
-            let starts_wait = pending.first_start.map(|at| tokio::time::Instant::from_std(at + START_RECORD_WAIT));
+            let starts_wait = pending.next_start_due(open).map(tokio::time::Instant::from_std);
             tokio::select! {
-                request = self.rx.recv(), if open && pending.requests.len() < MAX_BATCH => match request {
+                request = self.rx.recv(), if open && pending.finished.len() < MAX_BATCH => match request {
                     Some(request) => pending.push(request),
                     None => open = false,
                 },
@@ -147,27 +149,36 @@ impl Completer {
 /// The requests waiting for the next statement.
 #[derive(Default)]
 struct Pending {
-    requests: Vec<Request>,
-    completions: usize,
-    /// When the oldest start waiting arrived.
-    first_start: Option<Instant>,
+    /// Completions.
+    finished: Vec<Request>,
+    /// Starts to record, oldest first, with when each arrived.
+    starts: Vec<(Delivery, Instant)>,
 }
 
 impl Pending {
     fn push(&mut self, request: Request) {
         match request {
-            Request::Complete { .. } => self.completions += 1,
-            Request::Started(_) => {
-                self.first_start.get_or_insert_with(Instant::now);
-            }
+            Request::Complete { .. } => self.finished.push(request),
+            Request::Started(delivery) => self.starts.push((delivery, Instant::now())),
         }
-        self.requests.push(request);
     }
 
-    fn take(&mut self) -> Vec<Request> {
-        self.completions = 0;
-        self.first_start = None;
-        std::mem::take(&mut self.requests)
+    /// When the oldest start waiting is due (at once while closing).
+    fn next_start_due(&self, open: bool) -> Option<Instant> {
+        let (_, at) = self.starts.first()?;
+        Some(if open { *at + START_RECORD_WAIT } else { *at })
+    }
+
+    /// Every completion, and the starts that are due. A start whose completion goes in this
+    /// batch is dropped for good: the run is being archived.
+    fn take(&mut self, open: bool) -> Vec<Request> {
+        let mut batch = std::mem::take(&mut self.finished);
+        let done: HashSet<(i64, i32)> = batch.iter().map(|r| (r.delivery().msg_id, r.delivery().read_ct)).collect();
+        self.starts.retain(|(d, _)| !done.contains(&(d.msg_id, d.read_ct)));
+        let now = Instant::now();
+        let due = self.starts.partition_point(|(_, at)| !open || now.duration_since(*at) >= START_RECORD_WAIT);
+        batch.extend(self.starts.drain(..due).map(|(d, _)| Request::Started(d)));
+        batch
     }
 }
 
