@@ -4,8 +4,8 @@
 //! `AlreadyArchived`, or `Ambiguous` when an earlier try of the same batch broke mid-commit (H13).
 //!
 //! The same statements record the start of deliveries claimed ahead (H32): an executor hands
-//! the start over as its handler begins, and the next statement carries it, so while jobs finish
-//! a start costs no commit of its own.
+//! the start over as its handler begins, and the first statement after it is 5 ms old carries
+//! it, so while jobs finish a start costs no commit of its own, and a job done sooner none at all.
 //!
 //! Executors hand a finished delivery over and go: their concurrency slot is free for the next
 //! job while the completion is written. The delivery stays in the in-flight set (renewed by the
