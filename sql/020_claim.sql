@@ -49,7 +49,6 @@ DECLARE
     -- The priority claimed from last; each statement takes the next one holding a visible message.
     after integer := -1;
     best integer;
-    got integer;
     left_to_claim integer := qty;
     -- Bound as a value, not called in the statements: clock_timestamp() is volatile, so a
     -- condition on it could not bound the index scan. Budgets are counted from here.
@@ -88,7 +87,6 @@ BEGIN
           INTO best USING after, at;
         EXIT WHEN best IS NULL;
         after := best;
-        got := 0;
         FOR r IN EXECUTE format(
             'WITH next AS (
                  SELECT m.msg_id, m.vt AS was, jsonb_typeof(m.headers) = ''object'' AND m.headers ? ''ckey'' AS limited,
@@ -115,7 +113,6 @@ BEGIN
             tbl)
           USING left_to_claim, vt_seconds, owner, at, best, queue, start_now - (qty - left_to_claim)
         LOOP
-            got := got + 1;
             left_to_claim := left_to_claim - 1;
             -- Checked here, not in the statement: a statement run by EXECUTE is planned at every
             -- call, and planning the inlined check cost more than the claim's own work.
@@ -165,8 +162,8 @@ BEGIN
             claimed_ahead := r.ahead;
             RETURN NEXT;
         END LOOP;
-        -- What was visible at that priority was all taken by other claimers meanwhile.
-        EXIT WHEN got = 0;
+        -- What was visible at that priority may all have been taken by other claimers meanwhile:
+        -- the next probe looks at the later priorities.
     END LOOP;
     -- The leases that end before the new visibility would (a backlog older than the limit's
     -- duration, or a duration shorter than the visibility), renewed (and so locked) before the

@@ -173,8 +173,10 @@ impl Pending {
     /// batch is dropped for good: the run is being archived.
     fn take(&mut self, open: bool) -> Vec<Request> {
         let mut batch = std::mem::take(&mut self.finished);
-        let done: HashSet<(i64, i32)> = batch.iter().map(|r| (r.delivery().msg_id, r.delivery().read_ct)).collect();
-        self.starts.retain(|(d, _)| !done.contains(&(d.msg_id, d.read_ct)));
+        // Keyed on the queue too: one completer serves every queue of its pool, and queues that
+        // PGMQ created before lockgate adopted them may share msg_ids.
+        let done: HashSet<Delivery> = batch.iter().map(|r| r.delivery().clone()).collect();
+        self.starts.retain(|(d, _)| !done.contains(d));
         let now = Instant::now();
         let due = self.starts.partition_point(|(_, at)| !open || now.duration_since(*at) >= START_RECORD_WAIT);
         batch.extend(self.starts.drain(..due).map(|(d, _)| Request::Started(d)));
@@ -273,5 +275,28 @@ fn outcomes(deliveries: &[(i64, i32)], result: Result<(Vec<i64>, bool), PersistE
                 .collect()
         }
         Err(error) => deliveries.iter().map(|_| Err(error.to_string())).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delivery(queue: &str, msg_id: i64) -> Delivery {
+        Delivery { queue: QueueName::new(queue).unwrap(), msg_id, read_ct: 1 }
+    }
+
+    #[test]
+    fn a_start_is_dropped_only_for_its_own_completion_and_never_for_another_queues() {
+        let mut pending = Pending::default();
+        pending.push(Request::Started(delivery("qa", 1)));
+        pending.push(Request::Started(delivery("qb", 1)));
+        pending.push(Request::Complete { delivery: delivery("qa", 1), job_id: lockgate_core::JobId(1) });
+        // Closing: every start is due at once.
+        let batch = pending.take(false);
+        let starts: Vec<&Delivery> =
+            batch.iter().filter(|r| matches!(r, Request::Started(_))).map(Request::delivery).collect();
+        assert_eq!(starts, vec![&delivery("qb", 1)], "qa's start goes with its completion; qb's is still written");
+        assert!(pending.starts.is_empty());
     }
 }
