@@ -53,6 +53,26 @@ async fn a_claim_takes_the_best_priority_first_and_fills_up_from_the_next_ones()
 }
 
 #[tokio::test]
+async fn a_claim_whose_best_priority_another_claimer_holds_goes_on_to_the_next_one() {
+    use sqlx::Connection;
+    let (db, client) = setup().await;
+    enqueue(&client, 2, &priority(0)).await;
+    enqueue(&client, 3, &priority(1)).await;
+    // Another claimer holds both priority-0 messages (its claim has not committed yet).
+    let mut other = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut other).await.unwrap();
+    sqlx::query("SELECT 1 FROM pgmq.q_claims WHERE NOT headers ? 'priority' OR headers->>'priority' = '0' FOR UPDATE")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    let claims = claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.unwrap();
+    let priorities: Vec<i64> =
+        claims.iter().map(|c| c.headers.as_ref().unwrap()["priority"].as_i64().unwrap_or(0)).collect();
+    assert_eq!(priorities, vec![1, 1, 1], "the visible work of the next priority, not an empty claim");
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+}
+
+#[tokio::test]
 async fn a_claim_never_walks_the_delayed_or_in_flight_messages_of_its_priority() {
     let (db, client) = setup().await;
     // Five thousand scheduled jobs at the head of the queue, a thousand in flight, ten visible.

@@ -254,13 +254,7 @@ async fn h19_a_backend_terminated_while_the_process_starts_up_is_retried_not_fat
     let waiting = "SELECT count(*) FROM pg_stat_activity
                     WHERE datname = current_database() AND application_name = 'lockgate' AND wait_event_type = 'Lock'";
     wait_for_count(&db.pool, waiting, 1, WAIT).await.unwrap();
-    let killed: i64 = sqlx::query_scalar(
-        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
-          WHERE datname = current_database() AND application_name = 'lockgate'",
-    )
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
+    let killed = lockgate_testkit::chaos::terminate_backends_named(&db.pool, "lockgate").await.unwrap();
     assert!(killed >= 1);
     sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
     wait_registered(&db, &child).await;
@@ -341,13 +335,7 @@ async fn h19_backends_terminated_repeatedly_during_two_thousand_jobs_lose_nothin
             break;
         }
         if done >= 200 * (kills + 1) {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
-                  WHERE datname = current_database() AND application_name = 'lockgate'",
-            )
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+            let n = lockgate_testkit::chaos::terminate_backends_named(&db.pool, "lockgate").await.unwrap();
             assert!(n > 0, "there were lockgate backends to terminate");
             kills += 1;
         }

@@ -31,7 +31,8 @@ use crate::in_flight::{Delivery, InFlight};
 /// batch of claims, small enough to keep one statement's locks short.
 const MAX_BATCH: usize = 256;
 
-/// How long a start waits for a completion statement to ride on before it gets one of its own.
+/// How old a start is before it is recorded (on the next completion statement, or one of its own):
+/// a job that finishes sooner is archived before its start would be written, and needs none.
 const START_RECORD_WAIT: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// Statements in flight at most (see `Completer::run`).
@@ -74,7 +75,8 @@ impl CompleterHandle {
         }
     }
 
-    /// Hands over the start of a delivery claimed ahead, to be recorded by the next statement.
+    /// Hands over the start of a delivery claimed ahead, to be recorded once it is
+    /// `START_RECORD_WAIT` old unless its completion comes first.
     pub async fn record_start(&self, delivery: Delivery) {
         if self.tx.send(Request::Started(delivery)).await.is_err() {
             tracing::warn!("the completer has stopped; a job's start is not recorded");
@@ -123,10 +125,8 @@ impl Completer {
             let starts_due = pending.next_start_due(open).is_some_and(|due| due <= Instant::now());
             if (!pending.finished.is_empty() || starts_due) && (statements.is_empty() || full) {
                 let batch = pending.take(open);
-                if !batch.is_empty() {
-                    let conn = idle.pop().unwrap_or_else(|| HeldConnection::new(self.db.clone()));
-                    statements.spawn(complete_batch(conn, Arc::clone(&self.in_flight), batch));
-                }
+                let conn = idle.pop().unwrap_or_else(|| HeldConnection::new(self.db.clone()));
+                statements.spawn(complete_batch(conn, Arc::clone(&self.in_flight), batch));
                 continue;
             }
             if !open && pending.finished.is_empty() && pending.starts.is_empty() && statements.is_empty() {
@@ -209,9 +209,8 @@ async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queu
             Request::Started(delivery) => starting.push(delivery),
         }
     }
+    // (A start whose completion is in this batch was already left out by `Pending::take`.)
     let deliveries: Vec<(i64, i32)> = finished.iter().map(|(d, _)| (d.msg_id, d.read_ct)).collect();
-    // A start whose completion is in this statement needs no record: the run is archived.
-    starting.retain(|d| !deliveries.contains(&(d.msg_id, d.read_ct)));
     let started: Vec<(i64, i32)> = starting.iter().map(|d| (d.msg_id, d.read_ct)).collect();
     // The batch's lease is as long as its shortest member's (starts alone: theirs).
     let lease_until = || {
