@@ -3,6 +3,9 @@
 -- Concurrency: concurrency_limit NULL means unlimited; concurrency_key lists argument paths
 -- ('account.id') whose values, after the type's name, make the key; concurrency_on_conflict is
 -- 'block' (park), 'discard' or 'raise' (LG004).
+-- Uniqueness: unique_mode NULL means none; 'until_executed' (a lock from enqueue until the job is
+-- terminal) or 'while_executing' (a lock while a run is running); unique_key lists argument paths
+-- as concurrency_key does; unique_on_conflict is 'reject' (LG005) or 'discard' (status duplicate).
 -- Locks: the job_types row (upsert). Callers: Client::define_job_type, lockgate run, SQL users.
 
 CREATE OR REPLACE FUNCTION lockgate.define_job_type(
@@ -17,7 +20,10 @@ CREATE OR REPLACE FUNCTION lockgate.define_job_type(
     concurrency_limit       integer DEFAULT NULL,
     concurrency_key         text[] DEFAULT NULL,
     concurrency_duration_ms bigint DEFAULT 900000,
-    concurrency_on_conflict text DEFAULT 'block'
+    concurrency_on_conflict text DEFAULT 'block',
+    unique_mode             text DEFAULT NULL,
+    unique_key              text[] DEFAULT NULL,
+    unique_on_conflict      text DEFAULT 'reject'
 ) RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
     IF name IS NULL OR name !~ '^[A-Za-z][A-Za-z0-9_.:-]{0,127}$' THEN
@@ -46,21 +52,37 @@ BEGIN
         RAISE EXCEPTION 'lockgate: invalid concurrency on_conflict "%": block, discard or raise', concurrency_on_conflict
             USING ERRCODE = 'LG003';
     END IF;
+    IF unique_mode IS NOT NULL AND unique_mode NOT IN ('until_executed', 'while_executing') THEN
+        RAISE EXCEPTION 'lockgate: invalid unique mode "%": until_executed or while_executing', unique_mode
+            USING ERRCODE = 'LG003';
+    END IF;
+    IF unique_on_conflict IS NULL OR unique_on_conflict NOT IN ('reject', 'discard') THEN
+        RAISE EXCEPTION 'lockgate: invalid unique on_conflict "%": reject or discard', unique_on_conflict
+            USING ERRCODE = 'LG003';
+    END IF;
+    IF EXISTS (SELECT 1 FROM unnest(concurrency_key || unique_key) p WHERE p IS NULL OR p !~ '^[^.]+(\.[^.]+)*$') THEN
+        RAISE EXCEPTION 'lockgate: invalid key path in %: argument paths such as "account" or "account.id"',
+            array_to_string(concurrency_key || unique_key, ', ', 'NULL') USING ERRCODE = 'LG003';
+    END IF;
     PERFORM lockgate.create_queue(queue);
     INSERT INTO lockgate.job_types AS t
         (name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms,
-         concurrency_limit, concurrency_key, concurrency_duration_ms, concurrency_on_conflict)
+         concurrency_limit, concurrency_key, concurrency_duration_ms, concurrency_on_conflict,
+         unique_mode, unique_key, unique_on_conflict)
     VALUES (define_job_type.name, define_job_type.queue, define_job_type.priority, define_job_type.max_attempts,
             define_job_type.backoff_base_ms, define_job_type.backoff_max_ms, define_job_type.backoff_jitter,
             define_job_type.timeout_ms, define_job_type.concurrency_limit, define_job_type.concurrency_key,
-            define_job_type.concurrency_duration_ms, define_job_type.concurrency_on_conflict)
+            define_job_type.concurrency_duration_ms, define_job_type.concurrency_on_conflict,
+            define_job_type.unique_mode, define_job_type.unique_key, define_job_type.unique_on_conflict)
     ON CONFLICT ON CONSTRAINT job_types_pkey DO UPDATE SET
         queue = EXCLUDED.queue, priority = EXCLUDED.priority, max_attempts = EXCLUDED.max_attempts,
         backoff_base_ms = EXCLUDED.backoff_base_ms, backoff_max_ms = EXCLUDED.backoff_max_ms,
         backoff_jitter = EXCLUDED.backoff_jitter, timeout_ms = EXCLUDED.timeout_ms,
         concurrency_limit = EXCLUDED.concurrency_limit, concurrency_key = EXCLUDED.concurrency_key,
         concurrency_duration_ms = EXCLUDED.concurrency_duration_ms,
-        concurrency_on_conflict = EXCLUDED.concurrency_on_conflict, updated_at = now(),
+        concurrency_on_conflict = EXCLUDED.concurrency_on_conflict,
+        unique_mode = EXCLUDED.unique_mode, unique_key = EXCLUDED.unique_key,
+        unique_on_conflict = EXCLUDED.unique_on_conflict, updated_at = now(),
         -- Jobs queued or parked under another key derivation are re-keyed at their claim (H33).
         concurrency_key_version = t.concurrency_key_version
             + CASE WHEN t.concurrency_key IS DISTINCT FROM EXCLUDED.concurrency_key

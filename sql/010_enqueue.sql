@@ -2,12 +2,16 @@
 -- caller's transaction (G8): the job exists if and only if that transaction commits.
 -- Arguments are a JSON object (the PGMQ message); lockgate's fields go in the PGMQ headers.
 -- options: {"delay": seconds >= 0} or {"run_at": timestamptz}, {"priority": 0..9}, {"queue": name},
--- {"concurrency_key": text} (only for types with a concurrency limit).
+-- {"concurrency_key": text} (only for types with a concurrency limit), {"unique_key": text} (only
+-- for types with uniqueness), {"batch": id} (an open batch, lockgate.create_batch).
 -- Each row returned has a status: 'enqueued' (a message exists, msg_id set), 'parked' (its key
--- is full and on_conflict is block: it waits in lockgate.parked) or 'discarded' (full, discard).
--- A full key with on_conflict raise fails with LG004. Acquire-or-park and the send are one
--- transaction under the key's semaphore row lock, so no crash window needs repairing (H11).
--- Locks: the key's semaphore row (limited types); inserts into pgmq.q_<queue>.
+-- is full and on_conflict is block: it waits in lockgate.parked), 'discarded' (full, discard) or
+-- 'duplicate' (its unique key is held and its type discards duplicates: job_id names the job
+-- holding the key). A full key with on_conflict raise fails with LG004, a held unique key with
+-- on_conflict reject with LG005. The uniqueness lock, acquire-or-park, the send and the batch's
+-- count are one transaction, so no crash window needs repairing (H11).
+-- Locks, in this order: the unique lock row (types with until_executed uniqueness), the key's
+-- semaphore row (limited types), inserts into pgmq.q_<queue>, then the batch row.
 -- Callers: the Rust Client, the CLI, SQL producers, triggers.
 
 -- Refuses anything that is not a JSON object of at most 1 MiB (MAX_PAYLOAD_BYTES in Rust).
@@ -44,7 +48,8 @@ END $$;
 -- and an explicit concurrency key.
 CREATE OR REPLACE FUNCTION lockgate._resolve_options(
     jt lockgate.job_types, options jsonb,
-    OUT queue text, OUT priority smallint, OUT vt timestamptz, OUT immediate boolean, OUT ckey text
+    OUT queue text, OUT priority smallint, OUT vt timestamptz, OUT immediate boolean, OUT ckey text,
+    OUT ukey text, OUT batch bigint
 ) LANGUAGE plpgsql STABLE AS $$
 DECLARE
     unknown text;
@@ -62,10 +67,10 @@ BEGIN
         RAISE EXCEPTION 'lockgate: enqueue options must be a JSON object' USING ERRCODE = 'LG003';
     END IF;
     SELECT string_agg(k, ', ') INTO unknown FROM jsonb_object_keys(options) k
-     WHERE k NOT IN ('delay', 'run_at', 'priority', 'queue', 'concurrency_key');
+     WHERE k NOT IN ('delay', 'run_at', 'priority', 'queue', 'concurrency_key', 'unique_key', 'batch');
     IF unknown IS NOT NULL THEN
         RAISE EXCEPTION 'lockgate: unknown enqueue option(s): %', unknown
-            USING ERRCODE = 'LG003', DETAIL = 'allowed: delay, run_at, priority, queue, concurrency_key';
+            USING ERRCODE = 'LG003', DETAIL = 'allowed: delay, run_at, priority, queue, concurrency_key, unique_key, batch';
     END IF;
     IF options ? 'delay' AND options ? 'run_at' THEN
         RAISE EXCEPTION 'lockgate: give delay or run_at, not both' USING ERRCODE = 'LG003';
@@ -106,6 +111,24 @@ BEGIN
         END IF;
         ckey := options->>'concurrency_key';
     END IF;
+    IF options ? 'unique_key' THEN
+        IF jt.unique_mode IS NULL THEN
+            RAISE EXCEPTION 'lockgate: job type "%" has no uniqueness, so it takes no unique_key', jt.name
+                USING ERRCODE = 'LG003';
+        END IF;
+        IF jsonb_typeof(options->'unique_key') <> 'string' OR length(options->>'unique_key') NOT BETWEEN 1 AND 512 THEN
+            RAISE EXCEPTION 'lockgate: invalid unique_key %: a string of 1 to 512 characters', options->'unique_key'
+                USING ERRCODE = 'LG003';
+        END IF;
+        ukey := options->>'unique_key';
+    END IF;
+    IF options ? 'batch' THEN
+        IF jsonb_typeof(options->'batch') <> 'number' OR (options->>'batch') !~ '^[1-9][0-9]{0,17}$' THEN
+            RAISE EXCEPTION 'lockgate: invalid batch %: the id lockgate.create_batch returned', options->'batch'
+                USING ERRCODE = 'LG003';
+        END IF;
+        batch := (options->>'batch')::bigint;
+    END IF;
 END $$;
 
 -- The headers of a freshly enqueued job: its type, and its priority unless it is 0 (the claim
@@ -118,15 +141,47 @@ RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
                 ELSE jsonb_build_object('type', job_type, 'priority', priority) END
 $$;
 
--- One job, its options already resolved: acquire-or-park (limited types), then send.
+-- One job, its options already resolved: take its uniqueness lock (until_executed types), then
+-- acquire-or-park (limited types), then send. A job with uniqueness draws its id first, so the
+-- lock names its owner before the message exists; the message is sent with that id.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_one(
     jt lockgate.job_types, args jsonb, queue text, priority smallint, vt timestamptz, immediate boolean, explicit_key text,
+    explicit_ukey text, batch bigint,
     OUT msg_id bigint, OUT job_id bigint, OUT status text
 ) LANGUAGE plpgsql AS $$
 DECLARE
     headers jsonb := lockgate._headers(jt.name, priority);
     key text;
+    ukey text;
+    holder bigint;
 BEGIN
+    IF batch IS NOT NULL THEN
+        headers := headers || jsonb_build_object('batch', batch);
+    END IF;
+    IF jt.unique_mode IS NOT NULL THEN
+        ukey := lockgate._key_of(jt.name, jt.unique_key, args, explicit_ukey);
+        IF length(ukey) > 512 THEN
+            RAISE EXCEPTION 'lockgate: the unique key derived from the arguments is % characters, more than the 512 allowed', length(ukey)
+                USING ERRCODE = 'LG003', DETAIL = format('key paths %s of job type "%s"', jt.unique_key, jt.name);
+        END IF;
+        IF jt.unique_mode = 'while_executing' THEN
+            -- Taken by the claim that starts a run (lockgate._start_unique).
+            headers := headers || jsonb_build_object('wkey', ukey);
+        ELSE
+            job_id := nextval('lockgate.job_id_seq');
+            holder := lockgate._take_unique(ukey, 'until_executed', jt.name, queue, job_id, job_id);
+            IF holder IS NOT NULL THEN
+                IF jt.unique_on_conflict = 'reject' THEN
+                    RAISE EXCEPTION 'lockgate: unique key "%" of job type "%" is held by job %', ukey, jt.name, holder
+                        USING ERRCODE = 'LG005', DETAIL = format('job %s', holder);
+                END IF;
+                job_id := holder;
+                status := 'duplicate';
+                RETURN;
+            END IF;
+            headers := headers || jsonb_build_object('ukey', ukey);
+        END IF;
+    END IF;
     IF jt.concurrency_limit IS NOT NULL THEN
         key := lockgate._concurrency_key(jt, args, explicit_key);
         IF length(key) > 512 THEN
@@ -147,21 +202,33 @@ BEGIN
                     USING ERRCODE = 'LG004';
             END IF;
             -- No message yet: the job's id comes from the sequence every msg_id comes from.
-            job_id := nextval('lockgate.job_id_seq');
+            job_id := COALESCE(job_id, nextval('lockgate.job_id_seq'));
             status := 'discarded';
             IF jt.concurrency_on_conflict = 'block' THEN
                 INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
                 VALUES (key, _enqueue_one.queue, jt.name, _enqueue_one.job_id, args,
                         headers || jsonb_build_object('job_id', _enqueue_one.job_id), _enqueue_one.priority, vt);
                 status := 'parked';
+                -- A parked job keeps its uniqueness lock, with no message until it is promoted.
+                UPDATE lockgate.unique_locks u SET msg_id = NULL WHERE u.key = ukey AND ukey IS NOT NULL AND headers ? 'ukey';
+            ELSIF headers ? 'ukey' THEN
+                -- Discarded by its concurrency policy: it gives its uniqueness lock back.
+                DELETE FROM lockgate.unique_locks u WHERE u.key = ukey;
             END IF;
             RETURN;
         END IF;
     END IF;
-    EXECUTE format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id',
-                   lockgate._queue_table(queue, 'q'))
-       INTO msg_id
-      USING vt, args, headers;
+    IF job_id IS NULL THEN
+        EXECUTE format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id',
+                       lockgate._queue_table(queue, 'q'))
+           INTO msg_id
+          USING vt, args, headers;
+    ELSE
+        EXECUTE format('INSERT INTO %s (msg_id, vt, message, headers) VALUES ($4, $1, $2, $3) RETURNING msg_id',
+                       lockgate._queue_table(queue, 'q'))
+           INTO msg_id
+          USING vt, args, headers, job_id;
+    END IF;
     job_id := msg_id;
     IF key IS NOT NULL THEN
         PERFORM lockgate._add_lease(key, queue, msg_id, vt, jt.concurrency_duration_ms);
@@ -189,7 +256,7 @@ BEGIN
     IF args IS NULL OR jsonb_typeof(args) <> 'object' OR pg_column_size(args) > 1048576 THEN
         PERFORM lockgate._check_args(args);
     END IF;
-    IF jt.concurrency_limit IS NULL AND (options IS NULL OR options = '{}') THEN
+    IF jt.concurrency_limit IS NULL AND jt.unique_mode IS NULL AND (options IS NULL OR options = '{}') THEN
         queue := jt.queue;
         EXECUTE format('INSERT INTO pgmq.%I (vt, message, headers) VALUES (clock_timestamp(), $1, $2) RETURNING msg_id',
                        'q_' || jt.queue)
@@ -202,7 +269,10 @@ BEGIN
         RETURN;
     END IF;
     o := lockgate._resolve_options(jt, options);
-    r := lockgate._enqueue_one(jt, args, o.queue, o.priority, o.vt, o.immediate, o.ckey);
+    r := lockgate._enqueue_one(jt, args, o.queue, o.priority, o.vt, o.immediate, o.ckey, o.ukey, o.batch);
+    IF o.batch IS NOT NULL THEN
+        PERFORM lockgate._add_to_batch(o.batch, CASE WHEN r.status IN ('enqueued', 'parked') THEN 1 ELSE 0 END);
+    END IF;
     queue := o.queue;
     msg_id := r.msg_id;
     job_id := r.job_id;
@@ -211,25 +281,42 @@ BEGIN
 END $$;
 
 -- Many jobs of one type sharing one options object, in one call; rows come back in the order
--- of args. Unlimited types take one set-based INSERT, which checks the arguments as it goes
--- and raises for the first bad one afterwards (the raise undoes the insert); its rows come back
--- in insertion order, the order of args. Limited types take each job's permit in key order (so
--- concurrent batches lock semaphore rows in one order and cannot deadlock).
+-- of args. Unlimited types without uniqueness or batch take one set-based INSERT, which checks
+-- the arguments as it goes and raises for the first bad one afterwards (the raise undoes the
+-- insert); its rows come back in insertion order, the order of args. Other types take each job
+-- in key order — the unique key, then the concurrency key — so concurrent calls lock unique
+-- lock rows and semaphore rows in one order (a call with both kinds of key may still meet
+-- another in a deadlock, which PostgreSQL breaks by failing one call, undone as a whole).
 CREATE OR REPLACE FUNCTION lockgate.enqueue_many(job_type text, args jsonb[], options jsonb DEFAULT '{}')
 RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
     jt lockgate.job_types := lockgate.job_policy(job_type);
     o record := lockgate._resolve_options(jt, options);
     inserted bigint;
+    r record;
 BEGIN
-    IF jt.concurrency_limit IS NOT NULL THEN
+    IF jt.concurrency_limit IS NOT NULL OR jt.unique_mode IS NOT NULL OR o.batch IS NOT NULL THEN
         PERFORM lockgate._check_all_args(args);
-        RETURN QUERY
-            SELECT o.queue, e.msg_id, e.job_id, e.status
+        inserted := 0;
+        FOR r IN
+            SELECT e.msg_id, e.job_id, e.status
               FROM (SELECT a.v, a.i FROM unnest(args) WITH ORDINALITY a(v, i)
-                     ORDER BY lockgate._concurrency_key(jt, a.v, o.ckey), a.i) AS ordered,
-                   LATERAL lockgate._enqueue_one(jt, ordered.v, o.queue, o.priority, o.vt, o.immediate, o.ckey) e
-             ORDER BY ordered.i;
+                     ORDER BY CASE WHEN jt.unique_mode = 'until_executed' THEN lockgate._key_of(jt.name, jt.unique_key, a.v, o.ukey) END,
+                              CASE WHEN jt.concurrency_limit IS NOT NULL THEN lockgate._concurrency_key(jt, a.v, o.ckey) END,
+                              a.i) AS ordered,
+                   LATERAL lockgate._enqueue_one(jt, ordered.v, o.queue, o.priority, o.vt, o.immediate, o.ckey, o.ukey, o.batch) e
+             ORDER BY ordered.i
+        LOOP
+            queue := o.queue;
+            msg_id := r.msg_id;
+            job_id := r.job_id;
+            status := r.status;
+            inserted := inserted + CASE WHEN r.status IN ('enqueued', 'parked') THEN 1 ELSE 0 END;
+            RETURN NEXT;
+        END LOOP;
+        IF o.batch IS NOT NULL THEN
+            PERFORM lockgate._add_to_batch(o.batch, inserted::integer);
+        END IF;
         RETURN;
     END IF;
     -- Every job of the call has the same headers (its id is its msg_id): nothing is built per row.

@@ -5,15 +5,22 @@
 -- decrements by exactly the rows it deleted, so value = live leases at every commit (G2, H2, H7).
 -- Lock order: lease rows, then semaphore rows in key order, then parked rows.
 
--- The key of a job: explicit if given, else the type's name, plus the values at its key paths.
-CREATE OR REPLACE FUNCTION lockgate._concurrency_key(jt lockgate.job_types, args jsonb, explicit text)
+-- A key of a job (concurrency or uniqueness): explicit if given, else the type's name, plus the
+-- values at the key paths (dotted, e.g. 'account.id').
+CREATE OR REPLACE FUNCTION lockgate._key_of(type_name text, paths text[], args jsonb, explicit text)
 RETURNS text LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE
         WHEN explicit IS NOT NULL THEN explicit
-        WHEN jt.concurrency_key IS NULL OR cardinality(jt.concurrency_key) = 0 THEN jt.name
-        ELSE jt.name || ':' || (SELECT jsonb_agg(COALESCE(args #> string_to_array(p, '.'), 'null') ORDER BY o)
-                                  FROM unnest(jt.concurrency_key) WITH ORDINALITY u(p, o))::text
+        WHEN paths IS NULL OR cardinality(paths) = 0 THEN type_name
+        ELSE type_name || ':' || (SELECT jsonb_agg(COALESCE(args #> string_to_array(p, '.'), 'null') ORDER BY o)
+                                    FROM unnest(paths) WITH ORDINALITY u(p, o))::text
     END
+$$;
+
+-- The concurrency key of a job.
+CREATE OR REPLACE FUNCTION lockgate._concurrency_key(jt lockgate.job_types, args jsonb, explicit text)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT lockgate._key_of(jt.name, jt.concurrency_key, args, explicit)
 $$;
 
 -- The floor of every lease's silence budget: twice the heartbeat interval (H10).
@@ -173,13 +180,18 @@ RETURNS void LANGUAGE sql AS $$
     UPDATE lockgate.semaphores s SET value = s.value - n, updated_at = now() WHERE s.key = _give_back.key
 $$;
 
--- Moves a parked job to the dead letters (its type no longer resolves, or its queue is gone).
+-- Moves a parked job to the dead letters (its type no longer resolves, or its queue is gone),
+-- releasing its uniqueness lock and counting it as failed in its batch.
 CREATE OR REPLACE FUNCTION lockgate._dead_letter_parked(p lockgate.parked, why text)
 RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM lockgate.parked x WHERE x.id = p.id;
     INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
     VALUES (p.queue, NULL, p.job_id, p.job_type, p.args, p.headers, 'unknown_job_type', why, 0, p.parked_at);
+    PERFORM lockgate._release_unique(p.queue, ARRAY[p.job_id]);
+    IF lockgate._batch_of(p.headers) IS NOT NULL THEN
+        PERFORM lockgate._count_batches(ARRAY[lockgate._batch_of(p.headers)], true);
+    END IF;
 END $$;
 
 -- Promotes parked jobs of key, best priority then oldest first, while a permit can be taken
@@ -222,7 +234,8 @@ BEGIN
 END $$;
 
 -- Sends promoted jobs: one INSERT per queue for their messages and one for their leases (matched
--- by job id), and one notification per queue with a job visible now. Returns how many it sent.
+-- by job id), and one notification per queue with a job visible now; the uniqueness locks of
+-- jobs that hold one move to their new messages. Returns how many it sent.
 CREATE OR REPLACE FUNCTION lockgate._send_promotions(promotions lockgate.promotion[])
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
@@ -242,7 +255,11 @@ BEGIN
                    FROM (SELECT * FROM unnest($1) WITH ORDINALITY AS u(queue, vt, args, headers, key, duration_ms, o)
                           WHERE u.queue = $2 ORDER BY u.o) u),
                   sent AS (INSERT INTO %1$s (msg_id, vt, message, headers)
-                           SELECT src.msg_id, src.vt, src.args, src.headers FROM src)
+                           SELECT src.msg_id, src.vt, src.args, src.headers FROM src),
+                  moved AS (UPDATE lockgate.unique_locks u SET msg_id = src.msg_id, acquired_at = now()
+                              FROM src
+                             WHERE src.headers ? ''ukey'' AND u.queue = $2
+                               AND u.job_id = (src.headers->>''job_id'')::bigint)
              INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
              SELECT $2, src.msg_id, src.key, src.duration_ms,
                     GREATEST(src.vt, clock_timestamp())

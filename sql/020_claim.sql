@@ -26,7 +26,8 @@
 -- then, only for jobs whose lease is gone, semaphore rows in key order, never waiting for one:
 -- a key held by an open producer transaction puts its job back for a moment instead (H28).
 -- Each claimed message records its owner (the claiming process's supervisor id, or NULL), and
--- loses its retry_at mark (it is running, not waiting).
+-- loses its retry_at mark (it is running, not waiting). A job of a while_executing type takes
+-- its unique key last (lockgate._start_unique), or is put back or discarded as a duplicate.
 --
 -- Attempts count runs that started (H32). last_read_at is when the current delivery started
 -- running. A worker that claims more than it starts at once (its claim-ahead) says how many start
@@ -153,6 +154,10 @@ BEGIN
                 limited := limited || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
                 CONTINUE;
             END IF;
+            IF r.headers ? 'wkey' AND NOT lockgate._start_unique(queue,
+                   ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed) THEN
+                CONTINUE;
+            END IF;
             msg_id := r.msg_id;
             read_ct := r.read_ct;
             enqueued_at := r.enqueued_at;
@@ -187,6 +192,7 @@ BEGIN
                 EXECUTE format('UPDATE %s m SET vt = $2 WHERE m.msg_id = $1', tbl) USING u.msg_id, lease_end;
                 u.vt := lease_end;
             END IF;
+            CONTINUE WHEN u.headers ? 'wkey' AND NOT lockgate._start_unique(queue, u);
             msg_id := u.msg_id;
             read_ct := u.read_ct;
             enqueued_at := u.enqueued_at;
@@ -202,6 +208,7 @@ BEGIN
         FOR u IN SELECT * FROM unnest(unleased) x ORDER BY x.headers->>'ckey' NULLS FIRST, x.msg_id LOOP
             visible_at := lockgate._reacquire(queue, u);
             CONTINUE WHEN visible_at IS NULL;
+            CONTINUE WHEN u.headers ? 'wkey' AND NOT lockgate._start_unique(queue, u);
             msg_id := u.msg_id;
             read_ct := u.read_ct;
             enqueued_at := u.enqueued_at;
@@ -258,6 +265,15 @@ RETURNS text LANGUAGE sql STABLE AS $$
         WHEN headers ? 'ckey' AND (jsonb_typeof(headers->'ckey') IS DISTINCT FROM 'string'
                                    OR length(headers->>'ckey') NOT BETWEEN 1 AND 512) THEN
             format('concurrency key %s in the headers is not a string of 1 to 512 characters', left(headers->>'ckey', 100))
+        WHEN headers ? 'ukey' AND (jsonb_typeof(headers->'ukey') IS DISTINCT FROM 'string'
+                                   OR length(headers->>'ukey') NOT BETWEEN 1 AND 512) THEN
+            format('unique key %s in the headers is not a string of 1 to 512 characters', left(headers->>'ukey', 100))
+        WHEN headers ? 'wkey' AND (jsonb_typeof(headers->'wkey') IS DISTINCT FROM 'string'
+                                   OR length(headers->>'wkey') NOT BETWEEN 1 AND 512) THEN
+            format('unique key %s in the headers is not a string of 1 to 512 characters', left(headers->>'wkey', 100))
+        WHEN jsonb_typeof(headers->'batch') NOT IN ('number', 'null')
+          OR (jsonb_typeof(headers->'batch') = 'number' AND headers->>'batch' !~ '^[1-9][0-9]{0,17}$') THEN
+            format('batch %s in the headers is not a batch id', headers->'batch')
         WHEN jsonb_typeof(headers->'priority') NOT IN ('number', 'null')
           OR (jsonb_typeof(headers->'priority') = 'number' AND headers->>'priority' !~ '^[0-9]$') THEN
             format('priority %s in the headers is not an integer from 0 to 9', headers->'priority')
@@ -365,6 +381,9 @@ BEGIN
                        COALESCE((c.headers->>'attempts_before')::integer, 0)
                        + GREATEST(c.read_ct - 1 - COALESCE((c.headers->>'returns')::integer, 0), 0)),
             COALESCE((c.headers->>'priority')::smallint, 0), clock_timestamp());
+    IF c.headers ? 'ukey' OR c.headers ? 'wkey' THEN
+        PERFORM lockgate._move_unique(queue, ARRAY[job], ARRAY[NULL::bigint]);
+    END IF;
     RETURN NULL;
 END $$;
 

@@ -2,22 +2,26 @@
 -- (msg_id, read_ct) still matches, so a stale delivery can never archive a message that a newer
 -- delivery owns (PGMQ's own archive matches msg_id alone). In the same transaction, and only for
 -- the rows this statement archived, the jobs' leases are deleted, their permits given back and
--- the next parked jobs promoted (G2, H1, H6, H7). Returns the msg_ids this call archived; the
--- caller reports every other one as AlreadyArchived (or Ambiguous on a retry after a broken
--- commit). Batch counts and uniqueness release will hang here too, gated the same way.
+-- the next parked jobs promoted (G2, H1, H6, H7), their uniqueness locks released (H14) and
+-- their batches counted, finishing a batch whose last job this is (H22). Returns the msg_ids
+-- this call archived; the caller reports every other one as AlreadyArchived (or Ambiguous on a
+-- retry after a broken commit).
 --
 -- started_ids/started_cts: deliveries claimed ahead that have started since (H32): their start
 -- is recorded (last_read_at, NULL until then), fenced on (msg_id, read_ct), so their run counts
 -- as an attempt even if their worker dies. Riding on the completions' statement, a start costs
 -- no commit of its own while jobs finish, and a HOT update (last_read_at is in no index).
 -- Locks: the started message rows in msg_id order (as a release locks its rows), the deleted
--- message rows, their lease rows, then semaphore rows in key order. Callers: the completer, batching many deliveries of one queue.
+-- message rows, their lease rows, then semaphore rows in key order, then unique lock rows, then
+-- batch rows in id order. Callers: the completer, batching many deliveries of one queue.
 CREATE OR REPLACE FUNCTION lockgate.complete(queue text, msg_ids bigint[], read_cts integer[],
                                              started_ids bigint[] DEFAULT NULL, started_cts integer[] DEFAULT NULL)
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$
 DECLARE
     archived bigint[];
     limited bigint[];
+    uniq bigint[];
+    batches bigint[];
 BEGIN
     IF cardinality(started_ids) > 0 THEN
         EXECUTE format(
@@ -43,12 +47,21 @@ BEGIN
              INSERT INTO %2$s (msg_id, vt, read_ct, enqueued_at, last_read_at, message, headers)
              SELECT msg_id, vt, read_ct, enqueued_at, last_read_at, message, headers FROM done
              RETURNING msg_id, headers)
-         SELECT array_agg(msg_id), array_agg(msg_id) FILTER (WHERE headers ? ''ckey'') FROM ins',
+         SELECT array_agg(msg_id), array_agg(msg_id) FILTER (WHERE headers ? ''ckey''),
+                array_agg(COALESCE((headers->>''job_id'')::bigint, msg_id)) FILTER (WHERE headers ? ''ukey'' OR headers ? ''wkey''),
+                array_agg(lockgate._batch_of(headers)) FILTER (WHERE headers ? ''batch'')
+           FROM ins',
         lockgate._queue_table(queue, 'q'), lockgate._queue_table(queue, 'a'))
-       INTO archived, limited
+       INTO archived, limited, uniq, batches
       USING msg_ids, read_cts;
     IF limited IS NOT NULL THEN
         PERFORM lockgate._release_leases(queue, limited);
+    END IF;
+    IF uniq IS NOT NULL THEN
+        PERFORM lockgate._release_unique(queue, uniq);
+    END IF;
+    IF batches IS NOT NULL THEN
+        PERFORM lockgate._count_batches(batches, false);
     END IF;
     RETURN QUERY SELECT unnest(archived);
 END $$;

@@ -3,14 +3,17 @@
 -- retry_at marks the delivery as waiting (not running) for status. Fenced on (msg_id, read_ct):
 -- a stale delivery's failure changes nothing. The run started, so its start is recorded if it
 -- was not yet (last_read_at, H32). The lease is stretched to cover the backoff
--- (G6). Returns whether this delivery still owned it.
--- Locks: the message row, then its lease row. Callers: the worker after a failed attempt.
+-- (G6). The run has ended, so a while_executing uniqueness lock is given back (the next run
+-- takes it again). Returns whether this delivery still owned it.
+-- Locks: the message row, then its lease row, then its unique lock. Callers: the worker after a
+-- failed attempt.
 CREATE OR REPLACE FUNCTION lockgate.retry(
     queue text, msg_id bigint, read_ct integer, delay_seconds double precision, error text, attempt integer
 ) RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
     retry_at timestamptz := clock_timestamp() + make_interval(secs => delay_seconds);
     found_id bigint;
+    found_headers jsonb;
 BEGIN
     EXECUTE format(
         'UPDATE %s m
@@ -21,13 +24,16 @@ BEGIN
                     || jsonb_build_object(''errors'', COALESCE(m.headers->''errors'', ''[]'')
                           || jsonb_build_array(jsonb_build_object(''attempt'', $5, ''at'', clock_timestamp(), ''error'', left($4, 4000))))
           WHERE m.msg_id = $1 AND m.read_ct = $2
-         RETURNING m.msg_id',
+         RETURNING m.msg_id, m.headers',
         lockgate._queue_table(queue, 'q'))
-       INTO found_id
+       INTO found_id, found_headers
       USING retry.msg_id, retry.read_ct, retry_at, error, attempt;
     IF found_id IS NOT NULL THEN
         UPDATE lockgate.leases l SET expires_at = GREATEST(l.expires_at, retry_at + lockgate._lease_interval(l.duration_ms))
          WHERE l.queue = retry.queue AND l.msg_id = retry.msg_id;
+        IF found_headers ? 'wkey' THEN
+            PERFORM lockgate._release_unique(queue, ARRAY[COALESCE(lockgate._job_id_of(found_headers), found_id)], true);
+        END IF;
     END IF;
     RETURN found_id IS NOT NULL;
 END $$;

@@ -3,15 +3,17 @@
 -- The job id is the headers' job_id, or for a job on its first message its msg_id.
 -- Header fields are read defensively: this is also the path for messages that are not
 -- lockgate's, and it must never fail on them (a message that cannot be dead-lettered would be
--- retried forever). Its permit is given back and the next parked job of its key promoted, in
--- the same transaction, only when this delivery removed the message. Returns whether it did.
--- Locks: the deleted row, its lease, the key's semaphore row.
+-- retried forever). Its permit is given back and the next parked job of its key promoted, its
+-- uniqueness lock released and its batch counted as failed, in the same transaction, only when
+-- this delivery removed the message. Returns whether it did.
+-- Locks: the deleted row, its lease, the key's semaphore row, its unique lock, its batch row.
 -- Callers: the worker (last attempt failed, undecodable, unknown type).
 CREATE OR REPLACE FUNCTION lockgate.dead_letter(
     queue text, msg_id bigint, read_ct integer, reason text, error text, attempts integer
 ) RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
     found_id bigint;
+    found_headers jsonb;
 BEGIN
     EXECUTE format(
         'WITH gone AS (
@@ -29,12 +31,18 @@ BEGIN
                      ELSE g.headers END,
                 $4, left($5, 4000), $6, g.enqueued_at
            FROM gone g
-         RETURNING msg_id',
+         RETURNING msg_id, headers',
         lockgate._queue_table(queue, 'q'))
-       INTO found_id
+       INTO found_id, found_headers
       USING dead_letter.msg_id, dead_letter.read_ct, queue, reason, error, attempts;
     IF found_id IS NOT NULL THEN
         PERFORM lockgate._release_leases(queue, ARRAY[found_id]);
+        IF jsonb_typeof(found_headers) = 'object' AND (found_headers ? 'ukey' OR found_headers ? 'wkey') THEN
+            PERFORM lockgate._release_unique(queue, ARRAY[COALESCE(lockgate._job_id_of(found_headers), found_id)]);
+        END IF;
+        IF lockgate._batch_of(found_headers) IS NOT NULL THEN
+            PERFORM lockgate._count_batches(ARRAY[lockgate._batch_of(found_headers)], true);
+        END IF;
     END IF;
     RETURN found_id IS NOT NULL;
 END $$;

@@ -5,9 +5,10 @@
 -- The message is marked waiting (retry_at), so a heartbeat that raced the return does not push
 -- its visibility out again (sql/030_extend.sql); the next claim clears the mark.
 -- Permits are kept: the job re-runs holding them, and the lease is renewed so it survives until
--- the next delivery's heartbeat. Returns the msg_ids released.
+-- the next delivery's heartbeat. The runs have ended: while_executing uniqueness locks are
+-- given back (the next run takes them again). Returns the msg_ids released.
 -- Locks: the updated message rows in msg_id order (as complete's start records do), then their
--- leases. Callers: the worker pool on shutdown.
+-- leases, then their unique locks. Callers: the worker pool on shutdown.
 CREATE OR REPLACE FUNCTION lockgate.release(queue text, msg_ids bigint[], read_cts integer[])
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$
 BEGIN
@@ -24,11 +25,15 @@ BEGIN
                          ON x.msg_id = d.msg_id AND x.read_ct = d.read_ct
                       ORDER BY x.msg_id FOR UPDATE OF x) d
               WHERE m.msg_id = d.msg_id
-             RETURNING m.msg_id),
+             RETURNING m.msg_id, m.headers),
          renewed AS (
              UPDATE lockgate.leases l
                 SET expires_at = GREATEST(l.expires_at, clock_timestamp() + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms())))
-               FROM released r WHERE l.queue = $3 AND l.msg_id = r.msg_id)
+               FROM released r WHERE l.queue = $3 AND l.msg_id = r.msg_id),
+         unlocked AS (
+             DELETE FROM lockgate.unique_locks u USING released r
+              WHERE r.headers ? ''wkey'' AND u.queue = $3 AND u.mode = ''while_executing''
+                AND u.job_id = COALESCE(lockgate._job_id_of(r.headers), r.msg_id))
          SELECT msg_id FROM released',
         lockgate._queue_table(queue, 'q'))
       USING msg_ids, read_cts, queue;

@@ -1,36 +1,53 @@
 -- Dead-letter operations. Filters: only_queue (NULL = every queue) and job_ids (NULL = every job).
 -- dlq_retry sends each matching dead letter back to its queue as a new message with the same
 -- job id and attempt history (its attempt count starts again), then removes the dead letter,
--- in one transaction. dlq_purge deletes them for good (an operator's explicit discard).
--- Locks: the dead_letters rows (SKIP LOCKED: two operators never retry the same row twice).
--- Callers: lockgate dlq retry|purge, the dashboard, SQL operators.
+-- in one transaction: status 'enqueued'. A job of an until_executed type takes its unique key
+-- again (its own job never counts as a duplicate of itself); when another job holds the key
+-- now, the dead letter stays where it is: status 'duplicate', job_id naming the holder. A job
+-- that was counted as failed in a batch runs outside it (the batch's count is final).
+-- dlq_purge deletes them for good (an operator's explicit discard).
+-- Locks: the dead_letters rows (SKIP LOCKED: two operators never retry the same row twice),
+-- unique lock rows. Callers: lockgate dlq retry|purge, the dashboard, SQL operators.
 CREATE OR REPLACE FUNCTION lockgate.dlq_retry(only_queue text DEFAULT NULL, job_ids bigint[] DEFAULT NULL)
-RETURNS TABLE (queue text, msg_id bigint, job_id bigint) LANGUAGE plpgsql AS $$
+RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
-    dl record;
+    dl lockgate.dead_letters;
     new_msg_id bigint;
+    holder bigint;
 BEGIN
     FOR dl IN
-        DELETE FROM lockgate.dead_letters d
-         WHERE d.id IN (SELECT x.id FROM lockgate.dead_letters x
-                         WHERE (dlq_retry.only_queue IS NULL OR x.queue = dlq_retry.only_queue)
-                           AND (dlq_retry.job_ids IS NULL OR x.job_id = ANY (dlq_retry.job_ids))
-                         ORDER BY x.id FOR UPDATE SKIP LOCKED)
-        RETURNING d.*
+        SELECT * FROM lockgate.dead_letters x
+         WHERE (dlq_retry.only_queue IS NULL OR x.queue = dlq_retry.only_queue)
+           AND (dlq_retry.job_ids IS NULL OR x.job_id = ANY (dlq_retry.job_ids))
+         ORDER BY x.id FOR UPDATE SKIP LOCKED
     LOOP
-        EXECUTE format('INSERT INTO %s (vt, message, headers) VALUES (clock_timestamp(), $1, $2) RETURNING msg_id',
+        new_msg_id := nextval('lockgate.job_id_seq');
+        queue := dl.queue;
+        IF jsonb_typeof(dl.headers) = 'object' AND jsonb_typeof(dl.headers->'ukey') = 'string' THEN
+            holder := lockgate._take_unique(dl.headers->>'ukey', 'until_executed', dl.job_type, dl.queue,
+                                            COALESCE(dl.job_id, new_msg_id), new_msg_id);
+            IF holder IS NOT NULL THEN
+                msg_id := NULL;
+                job_id := holder;
+                status := 'duplicate';
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
+        END IF;
+        EXECUTE format('INSERT INTO %s (msg_id, vt, message, headers) VALUES ($3, clock_timestamp(), $1, $2)',
                        lockgate._queue_table(dl.queue, 'q'))
-           INTO new_msg_id
           USING dl.args,
                 CASE WHEN jsonb_typeof(dl.headers) <> 'object' THEN dl.headers
-                     WHEN dl.job_id IS NULL THEN dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted'
+                     WHEN dl.job_id IS NULL THEN dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted' - 'batch'
                      -- A new message with a fresh set of attempts: the job keeps its id in the headers.
-                     ELSE dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted'
-                          || jsonb_build_object('job_id', dl.job_id) END;
+                     ELSE dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted' - 'batch'
+                          || jsonb_build_object('job_id', dl.job_id) END,
+                new_msg_id;
+        DELETE FROM lockgate.dead_letters x WHERE x.id = dl.id;
         PERFORM pg_notify('lockgate_' || dl.queue, '');
-        queue := dl.queue;
         msg_id := new_msg_id;
         job_id := dl.job_id;
+        status := 'enqueued';
         RETURN NEXT;
     END LOOP;
 END $$;

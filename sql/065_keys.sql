@@ -22,12 +22,23 @@ RETURNS SETOF lockgate.parked LANGUAGE sql STABLE AS $$
      ORDER BY p.key, p.priority, p.id LIMIT max_rows
 $$;
 
--- Deletes one parked job for good; returns whether it existed.
+-- Deletes one parked job for good, releasing its uniqueness lock and counting it as failed in
+-- its batch; returns whether it existed.
 CREATE OR REPLACE FUNCTION lockgate.discard_parked(parked_id bigint)
-RETURNS boolean LANGUAGE sql AS $$
-    WITH gone AS (DELETE FROM lockgate.parked p WHERE p.id = parked_id RETURNING 1)
-    SELECT EXISTS (SELECT 1 FROM gone)
-$$;
+RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    p lockgate.parked;
+BEGIN
+    DELETE FROM lockgate.parked x WHERE x.id = parked_id RETURNING x.* INTO p;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM lockgate._release_unique(p.queue, ARRAY[p.job_id]);
+    IF lockgate._batch_of(p.headers) IS NOT NULL THEN
+        PERFORM lockgate._count_batches(ARRAY[lockgate._batch_of(p.headers)], true);
+    END IF;
+    RETURN true;
+END $$;
 
 -- The concurrency invariants, as rows of violations (none when all hold). Over permits: for
 -- every key, value = number of live leases <= limit; no expired lease points at a message that

@@ -19,12 +19,18 @@
 //! - (f) a stale token's complete/retry/release/dead_letter/extend changes nothing (G2, H1, H25),
 //!   and no call succeeds for a token that was not current;
 //! - (g) a job never has two deliveries entitled to run (H26);
-//! - (h) a current delivery of a healthy holder is never refused its renewal or its finish.
+//! - (h) a current delivery of a healthy holder is never refused its renewal or its finish;
+//! - (i) uniqueness (issue 11; `uniq` is unique until executed, duplicates discarded): the lock
+//!   rows are exactly one per live `uniq` job, owned by it, and an enqueue reports a duplicate
+//!   exactly when a live job holds the key — so no stale or duplicate completion, dead letter or
+//!   release ever drops a successor's lock (G2, H14);
+//! - (j) the batch every job is enqueued into counts exactly the committed jobs, the archived
+//!   ones as succeeded and the dead-lettered ones as failed, at every commit (G2, H22).
 //!
 //! Time is simulated by moving database times into the past, never by sleeping.
 //!
 //! Size: LOCKGATE_MODEL_CASES (default 64) cases of 1 to LOCKGATE_MODEL_STEPS (default 80)
-//! steps; LOCKGATE_MODEL_SEED replays a run; LOCKGATE_MODEL_CHECKS (default "abcdefgh") keeps
+//! steps; LOCKGATE_MODEL_SEED replays a run; LOCKGATE_MODEL_CHECKS (default "abcdefghij") keeps
 //! only some checks. See docs/testing.md.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -73,8 +79,9 @@ impl Run<'_> {
     }
 
     async fn setup(&mut self, case: &Case) -> Result<()> {
-        db::reset(&mut self.c.observer).await?;
-        db::define_types(&mut self.c.observer, case.lim_limit, case.limb_limit).await?;
+        db::reset(&mut self.c.observer, self.api).await?;
+        db::define_types(&mut self.c.observer, self.api, case.lim_limit, case.limb_limit).await?;
+        self.model.bookkeeping = self.api.bookkeeping;
         self.model.limits.insert(Ty::Lim, case.lim_limit);
         self.model.limits.insert(Ty::LimB, case.limb_limit);
         for w in 0..2 {
@@ -95,36 +102,47 @@ impl Run<'_> {
         match op {
             Op::Enqueue { ty, k } => {
                 let rows: Vec<(Option<i64>, i64, String)> =
-                    sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2)")
+                    sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
                         .bind(ty.name())
                         .bind(json!({ "k": k }))
+                        .bind(db::enqueue_options(self.api))
                         .fetch_all(&mut self.c.producer)
                         .await?;
-                self.enqueued(&rows)
+                self.enqueued(*ty, &[*k], &rows)
             }
             Op::EnqueueMany { ty, ks } => {
                 let args: Vec<serde_json::Value> = ks.iter().map(|k| json!({ "k": k })).collect();
                 let rows: Vec<(Option<i64>, i64, String)> =
-                    sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue_many($1, $2)")
+                    sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue_many($1, $2, $3)")
                         .bind(ty.name())
                         .bind(args)
+                        .bind(db::enqueue_options(self.api))
                         .fetch_all(&mut self.c.producer)
                         .await?;
-                self.enqueued(&rows)
+                self.enqueued(*ty, ks, &rows)
             }
             Op::EnqueueRolledBack { ty, k } => {
                 let mut tx = self.c.producer.begin().await?;
                 let (msg_id, job_id, status): (Option<i64>, i64, String) =
-                    sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2)")
+                    sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
                         .bind(ty.name())
                         .bind(json!({ "k": k }))
+                        .bind(db::enqueue_options(self.api))
                         .fetch_one(&mut *tx)
                         .await?;
-                self.model.rolled_back.insert(job_id);
+                // A duplicate's job_id names the live job holding the key: nothing of this
+                // enqueue exists, and that job must not be taken for a rolled-back one.
+                let duplicate = status == "duplicate";
+                if !duplicate {
+                    self.model.rolled_back.insert(job_id);
+                }
                 // While the transaction is open, others must see nothing of it (G8).
-                let state = State::read(&mut self.c.observer).await?;
+                let state = State::read(&mut self.c.observer, self.api).await?;
                 let violations = self.model.check(&state, &self.checks);
                 tx.rollback().await?;
+                if duplicate {
+                    self.check_duplicate(*ty, *k, job_id)?;
+                }
                 if !violations.is_empty() {
                     bail!("while the enqueue's transaction was open:\n  {}", violations.join("\n  "));
                 }
@@ -234,20 +252,29 @@ impl Run<'_> {
                         self.model.carried.entry(key).or_default().insert(job);
                     }
                 }
-                db::define(&mut self.c.observer, *ty, Some(*limit)).await?;
+                db::define(&mut self.c.observer, self.api, *ty, Some(*limit)).await?;
                 self.model.limits.insert(*ty, *limit);
                 Ok(format!("{} limit {old} -> {limit}", ty.name()))
             }
         }
     }
 
-    fn enqueued(&mut self, rows: &[(Option<i64>, i64, String)]) -> Result<String> {
+    /// Records the jobs an enqueue of `ty` with keys `ks` (in argument order) returned.
+    fn enqueued(&mut self, ty: Ty, ks: &[u8], rows: &[(Option<i64>, i64, String)]) -> Result<String> {
         let mut said = Vec::new();
-        for (msg_id, job_id, status) in rows {
+        for ((msg_id, job_id, status), k) in rows.iter().zip(ks) {
             match status.as_str() {
                 "enqueued" | "parked" => {
+                    if let Some(key) = self.model.unique_key(ty, *k) {
+                        if let Some(holder) = self.model.live_holder(&key) {
+                            bail!("(i) job {job_id} was {status} with unique key {key} that live job {holder} holds");
+                        }
+                        self.model.unique.insert(*job_id, key);
+                    }
                     self.model.jobs.insert(*job_id, Fate::Live);
+                    self.model.batch_total += 1;
                 }
+                "duplicate" => self.check_duplicate(ty, *k, *job_id)?,
                 other => bail!("enqueue of a blocking type returned status {other} for job {job_id}"),
             }
             said.push(match msg_id {
@@ -256,6 +283,18 @@ impl Run<'_> {
             });
         }
         Ok(said.join(", "))
+    }
+
+    /// (i) An enqueue reported a duplicate: the key must be held by that live job.
+    fn check_duplicate(&self, ty: Ty, k: u8, holder: i64) -> Result<()> {
+        let key = self.model.unique_key(ty, k);
+        match key.as_deref().and_then(|key| self.model.live_holder(key)) {
+            Some(h) if h == holder => Ok(()),
+            other => bail!(
+                "(i) enqueue of {} k {k} reported a duplicate of job {holder}, but the key's live holder is {other:?}",
+                ty.name()
+            ),
+        }
     }
 
     /// Records what a claim returned, and checks each returned delivery at once: its job is
@@ -628,7 +667,7 @@ impl Run<'_> {
 
     /// Every check against the database, after a step.
     async fn check(&mut self) -> Result<()> {
-        let state = State::read(&mut self.c.observer).await?;
+        let state = State::read(&mut self.c.observer, self.api).await?;
         let mut violations = self.model.check(&state, &self.checks);
         if self.checks.on('e') && !state.invariants.is_empty() {
             // What a sweep repairs is not a violation; what survives a sweep is.
@@ -761,7 +800,7 @@ impl Harness {
 fn g3_model_random_schedules_never_admit_more_than_the_limit_lose_nothing_and_fence_stale_tokens() {
     let cases: u32 = env_or("LOCKGATE_MODEL_CASES", 64);
     let max_steps: usize = env_or("LOCKGATE_MODEL_STEPS", 80);
-    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefgh".to_string()));
+    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghij".to_string()));
     let seed: u64 = match std::env::var("LOCKGATE_MODEL_SEED") {
         Ok(s) => s
             .trim_start_matches("0x")
@@ -844,7 +883,7 @@ fn g3_model_random_schedules_never_admit_more_than_the_limit_lose_nothing_and_fe
 /// Runs fixed schedules through the same model and checks, each from a clean database; fails
 /// with the first one's trace that breaks a check.
 fn replay_known_schedules(schedules: Vec<(&str, Case)>) {
-    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefgh".to_string()));
+    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghij".to_string()));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let db = rt.block_on(TestDb::migrated()).expect("a migrated test database");
     let mut harness = Harness { db, conns: None, api: None, stats: BTreeMap::new() };
@@ -966,4 +1005,32 @@ fn h33_model_a_redefined_limit_admits_no_job_past_it() {
             ),
         ),
     ]);
+}
+
+/// Issue 11 (H14, H22): a finished unique job's stale and duplicate deliveries never drop its
+/// successor's lock, and never count in the batch again.
+#[test]
+fn h14_model_a_stale_delivery_never_releases_a_successors_unique_lock_or_counts_twice() {
+    const UNIQ0: Op = Op::Enqueue { ty: Ty::Uniq, k: 0 };
+    replay_known_schedules(vec![(
+        "job A runs, its visibility passes, it is claimed again and completed; B takes the key; A's stale \
+         delivery completes, dead-letters, retries and releases; a third enqueue is B's duplicate",
+        schedule(
+            1,
+            vec![
+                UNIQ0,
+                claim(0),
+                Op::LapseVisibility { pick: 0 },
+                claim(1),
+                Op::Finish { pick: 0, how: Finish::Complete },
+                UNIQ0,
+                Op::Stale { pick: 0, action: StaleAction::Complete },
+                Op::Stale { pick: 0, action: StaleAction::DeadLetter },
+                Op::Stale { pick: 1, action: StaleAction::Complete },
+                Op::Stale { pick: 0, action: StaleAction::Retry },
+                Op::Stale { pick: 0, action: StaleAction::Release },
+                UNIQ0,
+            ],
+        ),
+    )]);
 }

@@ -50,6 +50,9 @@ impl Conns {
 pub struct Api {
     pub claim_budget: bool,
     pub extend_budget: bool,
+    /// Uniqueness locks and batches exist (issue 11): the `uniq` type is then defined and every
+    /// job goes into one open batch.
+    pub bookkeeping: bool,
 }
 
 impl Api {
@@ -68,7 +71,9 @@ impl Api {
         )
         .fetch_one(&mut *conn)
         .await?;
-        Ok(Self { claim_budget, extend_budget })
+        let bookkeeping: bool =
+            sqlx::query_scalar("SELECT to_regclass('lockgate.unique_locks') IS NOT NULL").fetch_one(&mut *conn).await?;
+        Ok(Self { claim_budget, extend_budget, bookkeeping })
     }
 }
 
@@ -191,18 +196,25 @@ pub async fn sweep(conn: &mut PgConnection) -> Result<String> {
         .context("lockgate.sweep")
 }
 
-pub async fn define_types(conn: &mut PgConnection, lim_limit: u32, limb_limit: u32) -> Result<()> {
-    define(conn, Ty::Lim, Some(lim_limit)).await?;
-    define(conn, Ty::Free, None).await?;
-    define(conn, Ty::LimB, Some(limb_limit)).await
+pub async fn define_types(conn: &mut PgConnection, api: Api, lim_limit: u32, limb_limit: u32) -> Result<()> {
+    define(conn, api, Ty::Lim, Some(lim_limit)).await?;
+    define(conn, api, Ty::Free, None).await?;
+    define(conn, api, Ty::LimB, Some(limb_limit)).await?;
+    // Without uniqueness (an older schema), just another unlimited type.
+    define(conn, api, Ty::Uniq, None).await
 }
 
-pub async fn define(conn: &mut PgConnection, ty: Ty, limit: Option<u32>) -> Result<()> {
-    sqlx::query(
+pub async fn define(conn: &mut PgConnection, api: Api, ty: Ty, limit: Option<u32>) -> Result<()> {
+    let unique = if api.bookkeeping && ty == Ty::Uniq {
+        ", unique_mode => 'until_executed', unique_key => array['k'], unique_on_conflict => 'discard'"
+    } else {
+        ""
+    };
+    sqlx::query(&format!(
         "SELECT lockgate.define_job_type($1, queue => $2, concurrency_limit => $3,
                 concurrency_key => CASE WHEN $3 IS NULL THEN NULL ELSE array['k'] END,
-                concurrency_duration_ms => $4)",
-    )
+                concurrency_duration_ms => $4{unique})"
+    ))
     .bind(ty.name())
     .bind(ty.queue().name())
     .bind(limit.map(|l| l as i32))
@@ -212,6 +224,18 @@ pub async fn define(conn: &mut PgConnection, ty: Ty, limit: Option<u32>) -> Resu
     .context("lockgate.define_job_type")?;
     Ok(())
 }
+
+/// The enqueue options of every job: into the run's batch, where batches exist.
+pub fn enqueue_options(api: Api) -> Value {
+    if api.bookkeeping {
+        serde_json::json!({ "batch": BATCH })
+    } else {
+        serde_json::json!({})
+    }
+}
+
+/// The one batch every job of a case goes into (the first id after the reset), left open.
+pub const BATCH: i64 = 1;
 
 pub async fn register(conn: &mut PgConnection, worker: usize) -> Result<i64> {
     sqlx::query_scalar("SELECT lockgate.register_process('supervisor', $1, 'model-host', $2)")
@@ -224,7 +248,7 @@ pub async fn register(conn: &mut PgConnection, worker: usize) -> Result<i64> {
 
 /// Empties every table a case writes and restarts the id sequences, so each case starts from
 /// the same state and a shrunk schedule replays with the same ids.
-pub async fn reset(conn: &mut PgConnection) -> Result<()> {
+pub async fn reset(conn: &mut PgConnection, api: Api) -> Result<()> {
     sqlx::raw_sql(
         "SELECT lockgate.create_queue('default'), lockgate.create_queue('other');
          TRUNCATE pgmq.q_default, pgmq.a_default, pgmq.q_other, pgmq.a_other, lockgate.leases, lockgate.semaphores,
@@ -234,6 +258,15 @@ pub async fn reset(conn: &mut PgConnection) -> Result<()> {
     .execute(&mut *conn)
     .await
     .context("resetting the database between cases")?;
+    if api.bookkeeping {
+        sqlx::raw_sql(
+            "TRUNCATE lockgate.unique_locks, lockgate.batches RESTART IDENTITY;
+             SELECT lockgate.create_batch();",
+        )
+        .execute(&mut *conn)
+        .await
+        .context("resetting uniqueness locks and batches")?;
+    }
     Ok(())
 }
 
@@ -259,6 +292,19 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<String> {
     parts.push(
         "(SELECT string_agg(format('%s/%s', job_id, reason), ' ' ORDER BY job_id) FROM lockgate.dead_letters)".into(),
     );
+    let bookkeeping: bool =
+        sqlx::query_scalar("SELECT to_regclass('lockgate.unique_locks') IS NOT NULL").fetch_one(&mut *conn).await?;
+    if bookkeeping {
+        parts.push(
+            "(SELECT string_agg(format('%s/%s/%s', key, job_id, msg_id), ' ' ORDER BY key) FROM lockgate.unique_locks)"
+                .into(),
+        );
+        parts.push(
+            "(SELECT string_agg(format('%s/%s/%s/%s', id, total, succeeded, failed), ' ' ORDER BY id)
+                FROM lockgate.batches)"
+                .into(),
+        );
+    }
     let sql = format!("SELECT concat_ws(' | ', {})", parts.join(", "));
     Ok(sqlx::query_scalar(&sql).fetch_one(&mut *conn).await?)
 }
@@ -289,10 +335,14 @@ pub struct State {
     pub leases: Vec<Lease>,
     pub semaphores: Vec<(String, i32, i32)>,
     pub invariants: Vec<(Option<String>, Option<String>)>,
+    /// Uniqueness locks: (key, owning job).
+    pub unique_locks: Vec<(String, i64)>,
+    /// The case's batch: (total, succeeded, failed).
+    pub batch: Option<(i64, i64, i64)>,
 }
 
 impl State {
-    pub async fn read(conn: &mut PgConnection) -> Result<Self> {
+    pub async fn read(conn: &mut PgConnection, api: Api) -> Result<Self> {
         let mut tx = conn.begin().await?;
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ").execute(&mut *tx).await?;
         let mut state = State::default();
@@ -328,6 +378,15 @@ impl State {
             .fetch_all(&mut *tx)
             .await
             .context("lockgate.check_invariants")?;
+        if api.bookkeeping {
+            state.unique_locks = sqlx::query_as("SELECT key, job_id FROM lockgate.unique_locks ORDER BY key")
+                .fetch_all(&mut *tx)
+                .await?;
+            state.batch = sqlx::query_as("SELECT total, succeeded, failed FROM lockgate.batches WHERE id = $1")
+                .bind(BATCH)
+                .fetch_optional(&mut *tx)
+                .await?;
+        }
         tx.rollback().await?;
         Ok(state)
     }

@@ -18,16 +18,20 @@ pub enum Ty {
     Free,
     /// Limited, key from argument `k`, on queue `other`.
     LimB,
+    /// Unique until executed, key from argument `k`, duplicates discarded; unlimited (until a
+    /// redefinition gives it a limit), on queue `default`. Plain unlimited on an older schema.
+    Uniq,
 }
 
 impl Ty {
-    pub const ALL: [Ty; 3] = [Ty::Lim, Ty::Free, Ty::LimB];
+    pub const ALL: [Ty; 4] = [Ty::Lim, Ty::Free, Ty::LimB, Ty::Uniq];
 
     pub fn name(self) -> &'static str {
         match self {
             Ty::Lim => "lim",
             Ty::Free => "free",
             Ty::LimB => "limb",
+            Ty::Uniq => "uniq",
         }
     }
 
@@ -37,7 +41,7 @@ impl Ty {
 
     pub fn queue(self) -> Queue {
         match self {
-            Ty::Lim | Ty::Free => Queue::Default,
+            Ty::Lim | Ty::Free | Ty::Uniq => Queue::Default,
             Ty::LimB => Queue::Other,
         }
     }
@@ -194,7 +198,7 @@ impl fmt::Display for Op {
 }
 
 fn ty() -> impl Strategy<Value = Ty> {
-    prop_oneof![3 => Just(Ty::Lim), 1 => Just(Ty::Free), 2 => Just(Ty::LimB)]
+    prop_oneof![3 => Just(Ty::Lim), 1 => Just(Ty::Free), 2 => Just(Ty::LimB), 2 => Just(Ty::Uniq)]
 }
 
 fn queue() -> impl Strategy<Value = Queue> {

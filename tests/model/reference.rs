@@ -89,6 +89,12 @@ pub struct Model {
     pub gone: BTreeSet<(Queue, i64)>,
     /// Each worker's registered process id (the claims' owner).
     pub owners: [i64; 2],
+    /// Uniqueness locks and batches exist in this database (see db::Api).
+    pub bookkeeping: bool,
+    /// The unique key of each committed job of a unique type.
+    pub unique: BTreeMap<i64, String>,
+    /// Committed jobs enqueued into the case's batch.
+    pub batch_total: i64,
 }
 
 impl Model {
@@ -135,6 +141,19 @@ impl Model {
         let id = d.id;
         self.deliveries.push(d);
         id
+    }
+
+    /// The unique key a job of `ty` with argument `k` takes, if its type is unique.
+    pub fn unique_key(&self, ty: Ty, k: u8) -> Option<String> {
+        (self.bookkeeping && ty == Ty::Uniq).then(|| format!("uniq:[{k}]"))
+    }
+
+    /// The live job holding unique key `key`, if any.
+    pub fn live_holder(&self, key: &str) -> Option<i64> {
+        self.unique
+            .iter()
+            .find(|(job, k)| k.as_str() == key && self.jobs.get(job) == Some(&Fate::Live))
+            .map(|(j, _)| *j)
     }
 
     fn bound(&self, ty: Ty, key: &str) -> u32 {
@@ -256,6 +275,29 @@ impl Model {
         // back) before calling it a violation.
         if checks.on('e') && !st.invariants.is_empty() {
             out.push(format!("(e) check_invariants(): {:?}", st.invariants));
+        }
+
+        // (i) G2/H14: one lock row per live unique job, owned by it; none for a finished one.
+        if checks.on('i') && self.bookkeeping {
+            let mut expected: Vec<(String, i64)> = self
+                .unique
+                .iter()
+                .filter(|(job, _)| self.jobs.get(job) == Some(&Fate::Live))
+                .map(|(job, key)| (key.clone(), *job))
+                .collect();
+            expected.sort();
+            if st.unique_locks != expected {
+                out.push(format!("(i) unique locks {:?}, expected {expected:?}", st.unique_locks));
+            }
+        }
+
+        // (j) G2/H22: the batch counts every committed job once, by its fate.
+        if checks.on('j') && self.bookkeeping {
+            let count = |fate: Fate| self.jobs.values().filter(|f| **f == fate).count() as i64;
+            let expected = (self.batch_total, count(Fate::Archived), count(Fate::DeadLettered));
+            if st.batch != Some(expected) {
+                out.push(format!("(j) batch (total, succeeded, failed) is {:?}, expected {expected:?}", st.batch));
+            }
         }
 
         // (g) H26: a job has at most one delivery entitled to run.

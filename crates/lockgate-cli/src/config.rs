@@ -29,6 +29,7 @@
 //! timeout = "5m"
 //! priority = 0
 //! concurrency = { limit = 1, key = ["account_id"], duration = "15m", on_conflict = "block" }
+//! unique = { mode = "until_executed", key = ["image_id"], on_conflict = "reject" }
 //! ```
 
 use std::collections::BTreeMap;
@@ -38,8 +39,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use lockgate::config::DEFAULT_CONCURRENCY;
 use lockgate::{
-    Backoff, ConcurrencyPolicy, JobPolicy, JobTypeName, OnConflict, PoolConfig, QueueName, RuntimeConfig,
-    DEFAULT_CONCURRENCY_DURATION,
+    Backoff, ConcurrencyPolicy, JobPolicy, JobTypeName, OnConflict, PoolConfig, QueueName, RuntimeConfig, UniqueMode,
+    UniqueOnConflict, UniquePolicy, DEFAULT_CONCURRENCY_DURATION,
 };
 use serde::Deserialize;
 
@@ -90,6 +91,16 @@ struct JobTypeSection {
     http: Option<String>,
     sql: Option<String>,
     concurrency: Option<ConcurrencySection>,
+    unique: Option<UniqueSection>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UniqueSection {
+    mode: String,
+    #[serde(default)]
+    key: Vec<String>,
+    on_conflict: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -221,6 +232,13 @@ fn job_type(name: &str, s: &JobTypeSection) -> Result<JobTypeConfig> {
             on_conflict: c.on_conflict.as_deref().map_or(Ok(OnConflict::Block), OnConflict::parse)?,
         });
     }
+    if let Some(u) = &s.unique {
+        policy.unique = Some(UniquePolicy {
+            mode: UniqueMode::parse(&u.mode)?,
+            key: u.key.clone(),
+            on_conflict: u.on_conflict.as_deref().map_or(Ok(UniqueOnConflict::Reject), UniqueOnConflict::parse)?,
+        });
+    }
     policy.validate().with_context(|| format!("job type {name}"))?;
     let executor = match (&s.command, &s.http, &s.sql) {
         (Some(cmd), None, None) if !cmd.is_empty() => Executor::Command(cmd.clone()),
@@ -283,6 +301,7 @@ mod tests {
             backoff = { base = "2s", max = "1h", jitter = 0.2 }
             timeout = "5m"
             concurrency = { limit = 2, key = ["account.id"], duration = "1m", on_conflict = "discard" }
+            unique = { mode = "while_executing", key = ["image"], on_conflict = "discard" }
             "#,
         )
         .unwrap();
@@ -294,6 +313,9 @@ mod tests {
         assert_eq!((concurrency.limit, concurrency.on_conflict), (2, OnConflict::Discard));
         assert_eq!(concurrency.key, vec!["account.id".to_string()]);
         assert_eq!(c.pools(&jobs).unwrap()[0].concurrency, 4);
+        let unique = jobs[0].policy.unique.clone().unwrap();
+        assert_eq!((unique.mode, unique.on_conflict), (UniqueMode::WhileExecuting, UniqueOnConflict::Discard));
+        assert_eq!(unique.key, vec!["image".to_string()]);
     }
 
     #[test]
@@ -312,5 +334,11 @@ mod tests {
         assert!(err("[job_types.x]\nsql = \"s\"\nconcurrency = { limit = 1, on_conflict = \"wait\" }")
             .contains("block, discard or raise"));
         assert!(err("[job_types.x]\nsql = \"s\"\ntimeout = \"-1s\"").contains("invalid job_types.x.timeout"));
+        assert!(err("[job_types.x]\nsql = \"s\"\nunique = { mode = \"forever\" }")
+            .contains("until_executed or while_executing"));
+        assert!(err("[job_types.x]\nsql = \"s\"\nunique = { mode = \"until_executed\", on_conflict = \"raise\" }")
+            .contains("reject or discard"));
+        assert!(err("[job_types.x]\nsql = \"s\"\nunique = { mode = \"until_executed\", key = [\"a..b\"] }")
+            .contains("unique.key"));
     }
 }

@@ -35,6 +35,9 @@ enum Command {
     /// List, retry or purge dead-lettered jobs.
     #[command(subcommand)]
     Dlq(commands::dlq::Command),
+    /// Create, close and show batches of jobs (progress and callbacks).
+    #[command(subcommand)]
+    Batch(commands::batch::Command),
     /// List jobs waiting for a concurrency permit, or discard one explicitly.
     #[command(subcommand)]
     Parked(commands::parked::Command),
@@ -63,6 +66,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Status(args) => commands::status::run(url, args).await,
         Command::Dlq(command) => commands::dlq::run(url, command).await,
         Command::Parked(command) => commands::parked::run(url, command).await,
+        Command::Batch(command) => commands::batch::run(url, command).await,
         Command::Demo(args) => commands::demo::run(url, args).await,
     }
 }

@@ -36,6 +36,9 @@ pub enum EnqueueStatus {
     Parked,
     /// Its concurrency key was full and its type discards on conflict: nothing was stored.
     Discarded,
+    /// Its unique key is held by another job (whose id the result carries) and its type
+    /// discards duplicates: nothing was stored.
+    Duplicate,
 }
 
 impl EnqueueStatus {
@@ -44,6 +47,7 @@ impl EnqueueStatus {
             "enqueued" => Some(Self::Enqueued),
             "parked" => Some(Self::Parked),
             "discarded" => Some(Self::Discarded),
+            "duplicate" => Some(Self::Duplicate),
             _ => None,
         }
     }
@@ -53,6 +57,7 @@ impl EnqueueStatus {
             Self::Enqueued => "enqueued",
             Self::Parked => "parked",
             Self::Discarded => "discarded",
+            Self::Duplicate => "duplicate",
         }
     }
 }
@@ -63,8 +68,20 @@ pub struct EnqueuedJob {
     pub queue: String,
     /// The PGMQ message, when the job was enqueued (not parked or discarded).
     pub msg_id: Option<i64>,
+    /// The job's id; for a `Duplicate`, the id of the job that holds the unique key.
     pub job_id: JobId,
     pub status: EnqueueStatus,
+}
+
+/// A batch's id, as `lockgate.create_batch` returns it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct BatchId(pub i64);
+
+impl std::fmt::Display for BatchId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
 }
 
 /// Per-enqueue overrides of the job type's policy.
@@ -78,6 +95,10 @@ pub struct EnqueueOptions {
     pub queue: Option<QueueName>,
     /// An explicit concurrency key, replacing the one derived from the arguments.
     pub concurrency_key: Option<String>,
+    /// An explicit unique key, replacing the one derived from the arguments.
+    pub unique_key: Option<String>,
+    /// Enqueue into this open batch.
+    pub batch: Option<BatchId>,
 }
 
 impl EnqueueOptions {
@@ -102,6 +123,12 @@ impl EnqueueOptions {
         }
         if let Some(key) = &self.concurrency_key {
             map.insert("concurrency_key".into(), json!(key));
+        }
+        if let Some(key) = &self.unique_key {
+            map.insert("unique_key".into(), json!(key));
+        }
+        if let Some(batch) = self.batch {
+            map.insert("batch".into(), json!(batch.0));
         }
         Ok(Value::Object(map))
     }

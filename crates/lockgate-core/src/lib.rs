@@ -9,7 +9,10 @@ mod outcome;
 mod policy;
 
 pub use error::ValidationError;
-pub use job::{Claim, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobHeaders, JobId, MAX_PAYLOAD_BYTES};
+pub use job::{BatchId, Claim, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobHeaders, JobId, MAX_PAYLOAD_BYTES};
 pub use names::{JobTypeName, QueueName};
 pub use outcome::ArchiveOutcome;
-pub use policy::{Backoff, ConcurrencyPolicy, JobPolicy, OnConflict, DEFAULT_CONCURRENCY_DURATION, MAX_PRIORITY};
+pub use policy::{
+    Backoff, ConcurrencyPolicy, JobPolicy, OnConflict, UniqueMode, UniqueOnConflict, UniquePolicy,
+    DEFAULT_CONCURRENCY_DURATION, MAX_PRIORITY,
+};

@@ -118,15 +118,91 @@ impl ConcurrencyPolicy {
         if self.duration.is_zero() {
             return Err(ValidationError::new("concurrency.duration", "0s", "a positive duration"));
         }
-        if let Some(bad) = self.key.iter().find(|p| p.is_empty() || p.split('.').any(str::is_empty)) {
-            return Err(ValidationError::new(
-                "concurrency.key",
-                bad,
-                "argument paths such as \"account\" or \"account.id\"",
-            ));
-        }
-        Ok(())
+        validate_key_paths("concurrency.key", &self.key)
     }
+}
+
+/// When a job type's uniqueness lock is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UniqueMode {
+    /// From enqueue until the job succeeds, is dead-lettered or discarded: at most one job per
+    /// key is queued, parked or running. A retry keeps the lock.
+    UntilExecuted,
+    /// While a run is running: jobs of one key may queue up, but at most one runs at a time.
+    WhileExecuting,
+}
+
+impl UniqueMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::UntilExecuted => "until_executed",
+            Self::WhileExecuting => "while_executing",
+        }
+    }
+
+    pub fn parse(value: &str) -> Result<Self, ValidationError> {
+        match value {
+            "until_executed" => Ok(Self::UntilExecuted),
+            "while_executing" => Ok(Self::WhileExecuting),
+            other => Err(ValidationError::new("unique.mode", other, "until_executed or while_executing")),
+        }
+    }
+}
+
+/// What happens to a job whose unique key another job holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UniqueOnConflict {
+    /// The enqueue fails with a matchable error (SQLSTATE LG005) naming the holder. For
+    /// `while_executing`, the job waits (it is put back for a second) until the holder's run ends.
+    #[default]
+    Reject,
+    /// The enqueue reports `duplicate` with the holder's job id and stores nothing. For
+    /// `while_executing`, the job is archived as a duplicate when its run would start.
+    Discard,
+}
+
+impl UniqueOnConflict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reject => "reject",
+            Self::Discard => "discard",
+        }
+    }
+
+    pub fn parse(value: &str) -> Result<Self, ValidationError> {
+        match value {
+            "reject" => Ok(Self::Reject),
+            "discard" => Ok(Self::Discard),
+            other => Err(ValidationError::new("unique.on_conflict", other, "reject or discard")),
+        }
+    }
+}
+
+/// At most one job per unique key holds its lock (G2, H14).
+#[derive(Debug, Clone, PartialEq)]
+pub struct UniquePolicy {
+    pub mode: UniqueMode,
+    /// Argument paths (dotted) whose values, after the job type's name, make the key. Empty: one
+    /// key for the whole job type. An enqueue may give the key explicitly instead.
+    pub key: Vec<String>,
+    pub on_conflict: UniqueOnConflict,
+}
+
+impl UniquePolicy {
+    pub fn new(mode: UniqueMode) -> Self {
+        Self { mode, key: Vec::new(), on_conflict: UniqueOnConflict::Reject }
+    }
+
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        validate_key_paths("unique.key", &self.key)
+    }
+}
+
+fn validate_key_paths(field: &'static str, paths: &[String]) -> Result<(), ValidationError> {
+    if let Some(bad) = paths.iter().find(|p| p.is_empty() || p.split('.').any(str::is_empty)) {
+        return Err(ValidationError::new(field, bad, "argument paths such as \"account\" or \"account.id\""));
+    }
+    Ok(())
 }
 
 /// The stored policy of one job type.
@@ -143,6 +219,8 @@ pub struct JobPolicy {
     pub timeout: Option<Duration>,
     /// A limit on how many jobs of one key run at once; `None` is unlimited.
     pub concurrency: Option<ConcurrencyPolicy>,
+    /// At most one job per key enqueued (until_executed) or running (while_executing).
+    pub unique: Option<UniquePolicy>,
 }
 
 impl JobPolicy {
@@ -155,6 +233,7 @@ impl JobPolicy {
             backoff: Backoff::default(),
             timeout: None,
             concurrency: None,
+            unique: None,
         }
     }
 
@@ -168,6 +247,9 @@ impl JobPolicy {
         }
         if let Some(concurrency) = &self.concurrency {
             concurrency.validate()?;
+        }
+        if let Some(unique) = &self.unique {
+            unique.validate()?;
         }
         self.backoff.validate()
     }

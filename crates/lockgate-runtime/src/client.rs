@@ -12,8 +12,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lockgate_core::{EnqueueOptions, EnqueuedJob, JobPolicy, JobTypeName};
-use lockgate_sql::{DbError, PgPool};
+use lockgate_core::{BatchId, EnqueueOptions, EnqueuedJob, JobPolicy, JobTypeName};
+use lockgate_sql::{BatchCallbacks, BatchInfo, DbError, PgPool};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::{Mutex, MutexGuard};
@@ -69,6 +69,27 @@ impl Client {
     pub async fn define_job_type(&self, name: &JobTypeName, policy: &JobPolicy) -> Result<(), EnqueueError> {
         policy.validate()?;
         Ok(lockgate_sql::define_job_type(&self.pool, name, policy).await?)
+    }
+
+    /// Creates an open batch with optional callbacks (job types that must be defined). Enqueue
+    /// into it with `EnqueueOptions::batch`, in any number of calls, then [`Client::close_batch`].
+    pub async fn create_batch(&self, callbacks: &BatchCallbacks) -> Result<BatchId, EnqueueError> {
+        if callbacks.properties.as_ref().is_some_and(|p| !p.is_object()) {
+            return Err(EnqueueError::NotAnObject { job_type: "batch properties".into() });
+        }
+        Ok(lockgate_sql::create_batch(&self.pool, callbacks).await?)
+    }
+
+    /// Closes a batch: no job can be added any more, and it finishes (enqueueing its callbacks)
+    /// when its last job is counted, or at once if none is pending. Returns `closed` or
+    /// `finished`. Closing twice is an error.
+    pub async fn close_batch(&self, batch: BatchId) -> Result<String, EnqueueError> {
+        Ok(lockgate_sql::close_batch(&self.pool, batch).await?)
+    }
+
+    /// A batch's progress (total, succeeded, failed, pending), or `None` for an unknown id.
+    pub async fn batch(&self, batch: BatchId) -> Result<Option<BatchInfo>, DbError> {
+        lockgate_sql::batch_info(&self.pool, batch).await
     }
 
     /// Enqueues one typed job in its own transaction.

@@ -38,7 +38,7 @@ use crate::budgets::Budget;
 use crate::health::{self, Health};
 use crate::heartbeat::Heartbeat;
 use crate::in_flight::InFlight;
-use crate::maintenance::{ArchiveRetention, ConcurrencySweep};
+use crate::maintenance::{ArchiveRetention, BookkeepingSweep, ConcurrencySweep};
 use crate::notifier::Notifier;
 use crate::policies::PolicyCache;
 use crate::process_registry::{PoolReport, ProcessRegistry};
@@ -176,6 +176,11 @@ impl Runtime {
         tracker.spawn(supervise("concurrency_sweep", health.clone(), services.clone(), {
             let (db, interval) = (db.clone(), self.config.sweep_interval);
             move |token| ConcurrencySweep::new(db.clone(), interval).run(token)
+        }));
+        tracker.spawn(supervise("bookkeeping_sweep", health.clone(), services.clone(), {
+            let (db, interval, reap_interval) =
+                (db.clone(), self.config.sweep_interval, self.config.maintenance_interval);
+            move |token| BookkeepingSweep::new(db.clone(), interval, reap_interval).run(token)
         }));
         let registry_stop = CancellationToken::new();
         let registry_task = tokio::spawn(supervise("process_registry", health.clone(), registry_stop.clone(), {

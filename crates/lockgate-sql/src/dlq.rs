@@ -64,9 +64,11 @@ pub async fn dlq_list<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter, limit: i6
         .collect())
 }
 
-/// Sends matching dead letters back to their queues; returns the new messages.
+/// Sends matching dead letters back to their queues; returns the new messages (`Enqueued`), and
+/// the dead letters left where they are because another job holds their unique key
+/// (`Duplicate`, with the holder's job id).
 pub async fn dlq_retry<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter) -> Result<Vec<EnqueuedJob>, DbError> {
-    let rows = sqlx::query("SELECT queue, msg_id, job_id FROM lockgate.dlq_retry($1, $2)")
+    let rows = sqlx::query("SELECT queue, msg_id, job_id, status FROM lockgate.dlq_retry($1, $2)")
         .bind(filter.queue.as_deref())
         .bind(filter.job_ids.as_deref())
         .fetch_all(db)
@@ -75,9 +77,10 @@ pub async fn dlq_retry<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter) -> Resul
         .iter()
         .map(|r| EnqueuedJob {
             queue: r.get(0),
-            msg_id: Some(r.get(1)),
+            msg_id: r.get(1),
             job_id: JobId(r.get::<Option<i64>, _>(2).unwrap_or_default()),
-            status: EnqueueStatus::Enqueued,
+            // The SQL function returns only these two statuses.
+            status: EnqueueStatus::parse(r.get(3)).unwrap_or(EnqueueStatus::Enqueued),
         })
         .collect())
 }

@@ -2,7 +2,10 @@
 
 use std::time::Duration;
 
-use lockgate_core::{Backoff, ConcurrencyPolicy, JobPolicy, JobTypeName, OnConflict, QueueName};
+use lockgate_core::{
+    Backoff, ConcurrencyPolicy, JobPolicy, JobTypeName, OnConflict, QueueName, UniqueMode, UniqueOnConflict,
+    UniquePolicy,
+};
 use sqlx::{PgExecutor, Row};
 
 use crate::DbError;
@@ -14,7 +17,8 @@ pub async fn define_job_type<'c>(
     policy: &JobPolicy,
 ) -> Result<(), DbError> {
     let concurrency = policy.concurrency.as_ref();
-    sqlx::query("SELECT lockgate.define_job_type($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)")
+    let unique = policy.unique.as_ref();
+    sqlx::query("SELECT lockgate.define_job_type($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)")
         .bind(name.as_str())
         .bind(policy.queue.as_str())
         .bind(i32::from(policy.priority))
@@ -27,6 +31,9 @@ pub async fn define_job_type<'c>(
         .bind(concurrency.map(|c| c.key.clone()).filter(|k| !k.is_empty()))
         .bind(millis(concurrency.map_or(lockgate_core::DEFAULT_CONCURRENCY_DURATION, |c| c.duration)))
         .bind(concurrency.map_or(OnConflict::Block, |c| c.on_conflict).as_str())
+        .bind(unique.map(|u| u.mode.as_str()))
+        .bind(unique.map(|u| u.key.clone()).filter(|k| !k.is_empty()))
+        .bind(unique.map_or(UniqueOnConflict::Reject, |u| u.on_conflict).as_str())
         .execute(db)
         .await?;
     Ok(())
@@ -38,7 +45,8 @@ pub async fn define_job_type<'c>(
 pub async fn load_job_types<'c>(db: impl PgExecutor<'c>) -> Result<Vec<(JobTypeName, JobPolicy)>, DbError> {
     let rows = sqlx::query(
         "SELECT name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms,
-                concurrency_limit, concurrency_key, concurrency_duration_ms, concurrency_on_conflict
+                concurrency_limit, concurrency_key, concurrency_duration_ms, concurrency_on_conflict,
+                unique_mode, unique_key, unique_on_conflict
            FROM lockgate.job_types ORDER BY name",
     )
     .fetch_all(db)
@@ -57,6 +65,7 @@ pub async fn load_job_types<'c>(db: impl PgExecutor<'c>) -> Result<Vec<(JobTypeN
             backoff: Backoff { base: from_millis(row.get(4)), max: from_millis(row.get(5)), jitter: row.get(6) },
             timeout: row.get::<Option<i64>, _>(7).map(from_millis),
             concurrency: concurrency_from(&row),
+            unique: unique_from(&row),
         };
         out.push((name, policy));
     }
@@ -70,6 +79,15 @@ fn concurrency_from(row: &sqlx::postgres::PgRow) -> Option<ConcurrencyPolicy> {
         key: row.get::<Option<Vec<String>>, _>(9).unwrap_or_default(),
         duration: from_millis(row.get(10)),
         on_conflict: OnConflict::parse(row.get(11)).unwrap_or_default(),
+    })
+}
+
+fn unique_from(row: &sqlx::postgres::PgRow) -> Option<UniquePolicy> {
+    let mode = UniqueMode::parse(&row.get::<Option<String>, _>(12)?).ok()?;
+    Some(UniquePolicy {
+        mode,
+        key: row.get::<Option<Vec<String>>, _>(13).unwrap_or_default(),
+        on_conflict: UniqueOnConflict::parse(row.get(14)).unwrap_or_default(),
     })
 }
 

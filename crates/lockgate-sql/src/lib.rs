@@ -5,6 +5,7 @@
 //! Every statement calls a function from the `sql/` folder of the repository (the API that
 //! producers in any language share), with values bound as parameters.
 
+mod batches;
 mod concurrency;
 mod deliveries;
 mod dlq;
@@ -17,6 +18,7 @@ mod processes;
 mod queues;
 mod status;
 
+pub use batches::{batch_info, batch_sweep, close_batch, create_batch, unfinished_batches, BatchCallbacks, BatchInfo};
 pub use concurrency::{
     check_invariants, discard_parked, key_stats, parked_jobs, record_heartbeat_interval, sweep, KeyStats, ParkedJob,
     SweepReport,
@@ -26,12 +28,12 @@ pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter};
 pub use enqueue::{enqueue, enqueue_many};
 pub use error::DbError;
 pub use job_types::{define_job_type, load_job_types};
-pub use maintenance::prune_archive;
+pub use maintenance::{prune_archive, reap_unique_locks};
 pub use migrate::{check_schema, functions_checksum, migrate, MigrateReport, LATEST_MIGRATION};
 pub use processes::{
     deregister_process, heartbeat_processes, list_processes, prune_processes, register_process, ProcessRow,
 };
 pub use queues::{create_queue, list_queues};
-pub use status::{queue_stats, QueueStats};
+pub use status::{queue_stats, unique_lock_stats, QueueStats, UniqueLockStats};
 
 pub use sqlx::postgres::{PgPool, PgPoolOptions};

@@ -20,3 +20,12 @@ pub async fn prune_archive<'c>(
         .fetch_one(db)
         .await?)
 }
+
+/// `lockgate.reap_unique_locks`: deletes uniqueness locks older than `min_age` whose job no
+/// longer exists (deleted outside lockgate); returns how many.
+pub async fn reap_unique_locks<'c>(db: impl PgExecutor<'c>, min_age: Duration) -> Result<i32, DbError> {
+    Ok(sqlx::query_scalar("SELECT lockgate.reap_unique_locks(make_interval(secs => $1))")
+        .bind(min_age.as_secs_f64())
+        .fetch_one(db)
+        .await?)
+}

@@ -35,6 +35,11 @@ const MIGRATIONS: &[Migration] = &[
     Migration { version: 7, name: "job_ids", sql: include_str!("../../../migrations/0007_job_ids.sql") },
     Migration { version: 8, name: "fenced_leases", sql: include_str!("../../../migrations/0008_fenced_leases.sql") },
     Migration { version: 9, name: "started_runs", sql: include_str!("../../../migrations/0009_started_runs.sql") },
+    Migration {
+        version: 10,
+        name: "uniqueness_batches",
+        sql: include_str!("../../../migrations/0010_uniqueness_batches.sql"),
+    },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -43,6 +48,8 @@ const FUNCTIONS: &[&str] = &[
     include_str!("../../../sql/002_job_types.sql"),
     include_str!("../../../sql/010_enqueue.sql"),
     include_str!("../../../sql/015_concurrency.sql"),
+    include_str!("../../../sql/016_uniqueness.sql"),
+    include_str!("../../../sql/017_batches.sql"),
     include_str!("../../../sql/020_claim.sql"),
     include_str!("../../../sql/030_extend.sql"),
     include_str!("../../../sql/040_complete.sql"),

@@ -33,3 +33,23 @@ pub async fn queue_stats<'c>(db: impl PgExecutor<'c>) -> Result<Vec<QueueStats>,
         })
         .collect())
 }
+
+/// Uniqueness locks held, per job type and mode (`lockgate.unique_lock_stats`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct UniqueLockStats {
+    pub job_type: String,
+    pub mode: String,
+    pub held: i64,
+    /// Seconds since the oldest of them was taken (or moved to a new message).
+    pub oldest_seconds: f64,
+}
+
+pub async fn unique_lock_stats<'c>(db: impl PgExecutor<'c>) -> Result<Vec<UniqueLockStats>, DbError> {
+    let rows = sqlx::query("SELECT job_type, mode, held, oldest_seconds FROM lockgate.unique_lock_stats()")
+        .fetch_all(db)
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| UniqueLockStats { job_type: r.get(0), mode: r.get(1), held: r.get(2), oldest_seconds: r.get(3) })
+        .collect())
+}

@@ -72,7 +72,12 @@ pub async fn run(url: Option<String>, command: Command) -> Result<()> {
         }
         Command::Retry { select } => {
             let jobs = dlq_retry(&pool, &select.filter(true)?).await?;
-            println!("retried {} dead letter(s)", jobs.len());
+            let (retried, held): (Vec<_>, Vec<_>) =
+                jobs.iter().partition(|j| j.status != lockgate::EnqueueStatus::Duplicate);
+            println!("retried {} dead letter(s)", retried.len());
+            for j in &held {
+                println!("kept a dead letter of queue {}: its unique key is held by job {}", j.queue, j.job_id);
+            }
         }
         Command::Purge { select } => {
             let n = dlq_purge(&pool, &select.filter(true)?).await?;

@@ -1,7 +1,7 @@
 //! `lockgate enqueue <type> '<json>'`: one job from the command line.
 
 use anyhow::{Context, Result};
-use lockgate::{Client, EnqueueOptions, QueueName};
+use lockgate::{BatchId, Client, EnqueueOptions, EnqueueStatus, QueueName};
 
 use crate::db;
 
@@ -27,6 +27,12 @@ pub struct Args {
     /// An explicit concurrency key (job types with a concurrency limit only).
     #[arg(long)]
     concurrency_key: Option<String>,
+    /// An explicit unique key (job types with uniqueness only).
+    #[arg(long)]
+    unique_key: Option<String>,
+    /// Enqueue into this open batch (see `lockgate batch create`).
+    #[arg(long)]
+    batch: Option<i64>,
 }
 
 pub async fn run(url: Option<String>, args: Args) -> Result<()> {
@@ -38,12 +44,17 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
         priority: args.priority,
         queue: args.queue.map(QueueName::new).transpose()?,
         concurrency_key: args.concurrency_key,
+        unique_key: args.unique_key,
+        batch: args.batch.map(BatchId),
     };
     let pool = db::connect_checked(&db::resolve(url), 1).await?;
     let job = Client::new(pool).enqueue_raw(&args.job_type, &value, &options).await?;
-    match job.msg_id {
-        Some(msg_id) => println!("enqueued job {} on queue {} (msg_id {msg_id})", job.job_id, job.queue),
-        None => println!("{} job {}: its concurrency key is full", job.status.as_str(), job.job_id),
+    match (job.status, job.msg_id) {
+        (_, Some(msg_id)) => println!("enqueued job {} on queue {} (msg_id {msg_id})", job.job_id, job.queue),
+        (EnqueueStatus::Duplicate, None) => {
+            println!("duplicate: job {} holds the unique key; nothing was enqueued", job.job_id)
+        }
+        (status, None) => println!("{} job {}: its concurrency key is full", status.as_str(), job.job_id),
     }
     Ok(())
 }

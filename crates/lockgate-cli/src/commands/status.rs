@@ -1,5 +1,6 @@
 //! `lockgate status`: per-queue counts, the registered processes with the age of their last
-//! heartbeat and their jobs in flight, then every concurrency key that is held or has parked jobs.
+//! heartbeat and their jobs in flight, every concurrency key that is held or has parked jobs,
+//! the uniqueness locks held per job type, and the batches not finished yet.
 
 use anyhow::Result;
 
@@ -17,6 +18,8 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
     let stats = lockgate::sql::queue_stats(&pool).await?;
     let keys = lockgate::sql::key_stats(&pool).await?;
     let processes = lockgate::sql::list_processes(&pool).await?;
+    let unique = lockgate::sql::unique_lock_stats(&pool).await?;
+    let batches = lockgate::sql::unfinished_batches(&pool, 20).await?;
     if args.json {
         let rows: Vec<_> = stats
             .iter()
@@ -46,7 +49,17 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
                 })
             })
             .collect();
-        let all = serde_json::json!({ "queues": rows, "keys": keys, "processes": processes });
+        let unique: Vec<_> = unique
+            .iter()
+            .map(|u| {
+                serde_json::json!({
+                    "job_type": u.job_type, "mode": u.mode, "held": u.held, "oldest_seconds": u.oldest_seconds,
+                })
+            })
+            .collect();
+        let all = serde_json::json!({
+            "queues": rows, "keys": keys, "processes": processes, "unique_locks": unique, "batches": batches,
+        });
         println!("{}", serde_json::to_string_pretty(&all)?);
         return Ok(());
     }
@@ -73,6 +86,25 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
             let limit = k.limit.map_or("-".to_string(), |l| l.to_string());
             let age = k.oldest_parked_seconds.map_or("-".to_string(), |secs| format!("{secs:.1}s"));
             println!("{:<40} {limit:>6} {:>6} {:>8} {age:>13}", k.key, k.held, k.parked);
+        }
+    }
+    if !unique.is_empty() {
+        println!("\n{:<40} {:<16} {:>8} {:>13}", "UNIQUE TYPE", "MODE", "HELD", "OLDEST");
+        for u in unique {
+            println!("{:<40} {:<16} {:>8} {:>12.1}s", u.job_type, u.mode, u.held, u.oldest_seconds);
+        }
+    }
+    if !batches.is_empty() {
+        println!(
+            "\n{:<10} {:<9} {:>9} {:>10} {:>8} {:>9}  CALLBACKS",
+            "BATCH", "STATE", "TOTAL", "SUCCEEDED", "FAILED", "PENDING"
+        );
+        for b in batches {
+            let callbacks = if b.callbacks_pending { "pending" } else { "-" };
+            println!(
+                "{:<10} {:<9} {:>9} {:>10} {:>8} {:>9}  {callbacks}",
+                b.id, b.state, b.total, b.succeeded, b.failed, b.pending
+            );
         }
     }
     Ok(())

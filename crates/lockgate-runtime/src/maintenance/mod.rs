@@ -3,7 +3,9 @@
 //! sweep directly.
 
 mod archive_retention;
+mod bookkeeping_sweep;
 mod concurrency_sweep;
 
 pub use archive_retention::ArchiveRetention;
+pub use bookkeeping_sweep::{BookkeepingReport, BookkeepingSweep, UNIQUE_LOCK_AGE_FLOOR};
 pub use concurrency_sweep::ConcurrencySweep;

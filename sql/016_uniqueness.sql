@@ -1,0 +1,158 @@
+-- Uniqueness: at most one job per unique key holds its lock (G2, H14). A lock row is owned by
+-- one job, (queue, job_id), and released only by that job's own fenced steps, in their
+-- transaction: the completion or dead-letter that removed its message (until_executed and
+-- while_executing), the retry or shutdown return that ended its run (while_executing), the
+-- operator's discard of it while parked. A stale or duplicate delivery's step matches no
+-- message, so it releases nothing, and never a successor's lock: a successor is another job.
+-- Lock order: unique lock rows come before semaphore rows in an enqueue; a completion deletes
+-- its jobs' lock rows after their leases and promotions (no enqueue waits for a row that a
+-- completion deletes while holding a semaphore row the enqueue holds, except an enqueue_many
+-- that mixes both kinds of key, whose deadlock PostgreSQL breaks, undoing that call).
+
+-- Takes key for job (queue, job_id) with its current message msg_id (NULL while parked), and
+-- returns NULL; or returns the id of the job holding it. The owner taking its own key again (a
+-- redelivered while_executing job, a dead letter retried) takes it back. Never locks another
+-- job's lock row: a producer that meets a duplicate holds nothing that delays its holder's
+-- completion. Waits only for a transaction inserting or deleting the same key.
+CREATE OR REPLACE FUNCTION lockgate._take_unique(key text, mode text, job_type text, queue text, job_id bigint, msg_id bigint)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    taken boolean;
+    holder record;
+BEGIN
+    LOOP
+        INSERT INTO lockgate.unique_locks (key, mode, job_type, queue, job_id, msg_id)
+        VALUES (_take_unique.key, _take_unique.mode, _take_unique.job_type, _take_unique.queue, _take_unique.job_id,
+                _take_unique.msg_id)
+        ON CONFLICT ON CONSTRAINT unique_locks_pkey DO NOTHING
+        RETURNING true INTO taken;
+        IF taken THEN
+            RETURN NULL;
+        END IF;
+        SELECT u.queue, u.job_id INTO holder FROM lockgate.unique_locks u WHERE u.key = _take_unique.key;
+        IF FOUND THEN
+            IF holder.queue = _take_unique.queue AND holder.job_id = _take_unique.job_id THEN
+                UPDATE lockgate.unique_locks u SET msg_id = _take_unique.msg_id, acquired_at = now()
+                 WHERE u.key = _take_unique.key AND u.queue = _take_unique.queue AND u.job_id = _take_unique.job_id;
+                CONTINUE WHEN NOT FOUND;
+                RETURN NULL;
+            END IF;
+            RETURN holder.job_id;
+        END IF;
+        -- Released between the two statements: try again.
+    END LOOP;
+END $$;
+
+-- Releases the locks the given jobs of queue hold; only while_executing ones when runs_only.
+-- Called inside the transaction whose fenced statement ended these jobs or their runs.
+CREATE OR REPLACE FUNCTION lockgate._release_unique(queue text, job_ids bigint[], runs_only boolean DEFAULT false)
+RETURNS void LANGUAGE sql AS $$
+    DELETE FROM lockgate.unique_locks u USING unnest(job_ids) AS j(id)
+     WHERE u.queue = _release_unique.queue AND u.job_id = j.id
+       AND (NOT runs_only OR u.mode = 'while_executing')
+$$;
+
+-- Moves the until_executed locks of jobs to their new messages (promotion; NULL when parked
+-- again at claim), refreshing acquired_at so a reaper that judged the lock by its old message
+-- finds it younger than its age floor and keeps it. Gives back while_executing locks of jobs
+-- parked again: they are not running.
+CREATE OR REPLACE FUNCTION lockgate._move_unique(queue text, job_ids bigint[], msg_ids bigint[])
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE lockgate.unique_locks u SET msg_id = j.msg_id, acquired_at = now()
+      FROM unnest(job_ids, msg_ids) AS j(id, msg_id)
+     WHERE u.queue = _move_unique.queue AND u.job_id = j.id AND u.mode = 'until_executed';
+    DELETE FROM lockgate.unique_locks u USING unnest(job_ids, msg_ids) AS j(id, msg_id)
+     WHERE u.queue = _move_unique.queue AND u.job_id = j.id AND u.mode = 'while_executing' AND j.msg_id IS NULL;
+END $$;
+
+-- At claim, before a while_executing job runs: takes its unique key (the claim holds its message
+-- row). True when the run may start. When another job holds the key, the job is discarded as a
+-- duplicate (archived with duplicate_of in its headers; its permit and batch count go as for
+-- any completion) if its type discards duplicates, else put back for a second to wait for the
+-- holder (a return, not an attempt). Never waits more than a few milliseconds: a key another
+-- transaction is inserting or deleting puts the job back too (H28).
+CREATE OR REPLACE FUNCTION lockgate._start_unique(queue text, c lockgate._claimed)
+RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    tbl text := lockgate._queue_table(queue, 'q');
+    job bigint := COALESCE((c.headers->>'job_id')::bigint, c.msg_id);
+    saved text := current_setting('lock_timeout');
+    holder bigint;
+BEGIN
+    BEGIN
+        PERFORM set_config('lock_timeout', '5ms', true);
+        holder := lockgate._take_unique(c.headers->>'wkey', 'while_executing', c.headers->>'type', queue, job, c.msg_id);
+        PERFORM set_config('lock_timeout', saved, true);
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', saved, true);
+        PERFORM lockgate._put_back(tbl, c);
+        RETURN false;
+    END;
+    IF holder IS NULL THEN
+        RETURN true;
+    END IF;
+    IF (SELECT t.unique_on_conflict FROM lockgate.job_types t WHERE t.name = c.headers->>'type') = 'discard' THEN
+        EXECUTE format('UPDATE %s m SET headers = m.headers || jsonb_build_object(''duplicate_of'', $3)
+                         WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
+          USING c.msg_id, c.read_ct, holder;
+        PERFORM lockgate.complete(queue, ARRAY[c.msg_id], ARRAY[c.read_ct]);
+    ELSE
+        PERFORM lockgate._put_back(tbl, c);
+    END IF;
+    RETURN false;
+END $$;
+
+-- The reaper (dispatcher): deletes locks whose job no longer exists — no message of its queue
+-- with the lock's msg_id or the job's id, no parked job with its id — such as a job deleted
+-- outside lockgate (pgmq.delete, pgmq.archive). Only locks older than min_age, so a lock is
+-- never judged before the transaction that took it has long committed; and since every step
+-- that moves a job to a new message refreshes its lock's acquired_at in the same transaction,
+-- a lock judged by a message it no longer names is kept. A lock of a queue whose table is gone
+-- cannot be judged, and is kept. One statement per queue, skipping rows other transactions
+-- hold. Returns how many locks it deleted.
+-- Locks: unique lock rows (SKIP LOCKED). Callers: the maintenance service, operators.
+CREATE OR REPLACE FUNCTION lockgate.reap_unique_locks(min_age interval DEFAULT '10 minutes', max_rows integer DEFAULT 1000)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    q record;
+    n integer;
+    reaped integer := 0;
+BEGIN
+    FOR q IN SELECT DISTINCT u.queue FROM lockgate.unique_locks u
+              WHERE u.acquired_at < now() - min_age AND u.queue IN (SELECT lockgate._live_queues())
+              ORDER BY u.queue LOOP
+        EXECUTE format(
+            'WITH doomed AS (
+                 SELECT u.key FROM lockgate.unique_locks u
+                  WHERE u.queue = $1 AND u.acquired_at < now() - $2
+                    AND NOT EXISTS (SELECT 1 FROM %1$s m WHERE m.msg_id = u.msg_id)
+                    AND NOT EXISTS (SELECT 1 FROM %1$s m WHERE m.msg_id = u.job_id)
+                    AND NOT EXISTS (SELECT 1 FROM lockgate.parked p WHERE p.job_id = u.job_id)
+                  ORDER BY u.key LIMIT $3
+                    FOR UPDATE OF u SKIP LOCKED),
+             gone AS (DELETE FROM lockgate.unique_locks u USING doomed d WHERE u.key = d.key RETURNING 1)
+             SELECT count(*) FROM gone',
+            lockgate._queue_table(q.queue, 'q'))
+          INTO n USING q.queue, min_age, max_rows;
+        reaped := reaped + n;
+    END LOOP;
+    RETURN reaped;
+END $$;
+
+-- The locks held now, for operators: key, mode, type, owner and since when.
+-- Locks: none. Callers: lockgate status, SQL operators.
+CREATE OR REPLACE FUNCTION lockgate.unique_lock_stats()
+RETURNS TABLE (job_type text, mode text, held bigint, oldest_seconds double precision)
+LANGUAGE sql STABLE AS $$
+    SELECT u.job_type, u.mode, count(*), extract(epoch FROM now() - min(u.acquired_at))::double precision
+      FROM lockgate.unique_locks u GROUP BY u.job_type, u.mode ORDER BY u.job_type, u.mode
+$$;
+
+-- The job id in headers, when they carry a well-formed one (a job sent again as a new message);
+-- NULL otherwise (a job on its first message: its id is its msg_id).
+CREATE OR REPLACE FUNCTION lockgate._job_id_of(headers jsonb)
+RETURNS bigint LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN jsonb_typeof(headers) = 'object' AND headers->>'job_id' ~ '^[1-9][0-9]{0,17}$'
+                THEN (headers->>'job_id')::bigint END
+$$;

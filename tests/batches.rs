@@ -1,0 +1,385 @@
+//! Batches (issue 11, G2, H22): counted in the completion and dead-letter transactions, gated by
+//! their fenced statements; callbacks enqueued exactly once, by the transaction that counts a
+//! closed batch's last job. SQL-level tests race completions on two connections; the runtime
+//! test runs a batch of 1,000 jobs with failures through real workers.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockgate::{
+    BatchCallbacks, BatchId, Client, EnqueueOptions, JobContext, JobError, JobPolicy, JobTypeName, RawHandler, Registry,
+};
+use lockgate_testkit::{wait_for, wait_for_count, TestDb};
+use serde_json::{json, Value};
+use sqlx::{Connection, PgConnection, PgPool, Row};
+
+/// (msg_id, read_ct)
+type Delivery = (i64, i32);
+
+async fn setup() -> TestDb {
+    let db = TestDb::migrated().await.unwrap();
+    for t in ["work", "done", "ok", "bad"] {
+        sqlx::query("SELECT lockgate.define_job_type($1)").bind(t).execute(&db.pool).await.unwrap();
+    }
+    db
+}
+
+async fn create_batch(db: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT lockgate.create_batch('done', 'ok', 'bad', '{\"report\": 7}')")
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+async fn add_jobs(db: &PgPool, batch: i64, n: usize) {
+    let args: Vec<Value> = (0..n).map(|i| json!({ "i": i })).collect();
+    sqlx::query("SELECT * FROM lockgate.enqueue_many('work', $1, jsonb_build_object('batch', $2::bigint))")
+        .bind(args)
+        .bind(batch)
+        .execute(db)
+        .await
+        .unwrap();
+}
+
+async fn close(db: &PgPool, batch: i64) -> Result<String, String> {
+    sqlx::query_scalar("SELECT lockgate.close_batch($1)").bind(batch).fetch_one(db).await.map_err(|e| e.to_string())
+}
+
+/// Claims every visible job of type work.
+async fn claim_work(db: &PgPool) -> Vec<Delivery> {
+    sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 100, 30) WHERE headers->>'type' = 'work'")
+        .fetch_all(db)
+        .await
+        .unwrap()
+}
+
+async fn complete(db: impl sqlx::PgExecutor<'_>, d: Delivery) -> bool {
+    sqlx::query_scalar::<_, i64>("SELECT * FROM lockgate.complete('default', $1, $2)")
+        .bind(vec![d.0])
+        .bind(vec![d.1])
+        .fetch_optional(db)
+        .await
+        .unwrap()
+        .is_some()
+}
+
+async fn dead_letter(db: impl sqlx::PgExecutor<'_>, d: Delivery) -> bool {
+    sqlx::query_scalar("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', $2)")
+        .bind(d.0)
+        .bind(d.1)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+/// (state, total, succeeded, failed, pending)
+async fn progress(db: &PgPool, batch: i64) -> (String, i64, i64, i64, i64) {
+    sqlx::query_as("SELECT state, total, succeeded, failed, pending FROM lockgate.batch($1)")
+        .bind(batch)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+/// The callback jobs enqueued, by type, in type order.
+async fn callbacks(db: &PgPool) -> Vec<(String, Value)> {
+    sqlx::query_as(
+        "SELECT headers->>'type', message FROM pgmq.q_default WHERE headers->>'type' IN ('done', 'ok', 'bad')
+          ORDER BY headers->>'type'",
+    )
+    .fetch_all(db)
+    .await
+    .unwrap()
+}
+
+/// Waits until another session of this database waits for a lock.
+async fn until_one_waits(db: &PgPool) {
+    wait_for("a session to wait for a row lock", Duration::from_secs(10), || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(db)
+        .await?;
+        Ok((waiting == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn h22_the_last_two_completions_racing_on_two_connections_enqueue_the_callbacks_once() {
+    for last_fails in [false, true] {
+        let db = setup().await;
+        let batch = create_batch(&db.pool).await;
+        add_jobs(&db.pool, batch, 2).await;
+        assert_eq!(close(&db.pool, batch).await.unwrap(), "closed");
+        let claimed = claim_work(&db.pool).await;
+        assert_eq!(claimed.len(), 2);
+        // The first completion is in, not committed; the second runs on another connection and
+        // must wait for it, then see the count complete.
+        let mut first = PgConnection::connect(&db.url).await.unwrap();
+        let mut tx = first.begin().await.unwrap();
+        assert!(complete(&mut *tx, claimed[0]).await);
+        let url = db.url.clone();
+        let second = claimed[1];
+        let racer = tokio::spawn(async move {
+            let mut conn = PgConnection::connect(&url).await.unwrap();
+            if last_fails {
+                dead_letter(&mut conn, second).await
+            } else {
+                complete(&mut conn, second).await
+            }
+        });
+        until_one_waits(&db.pool).await;
+        assert!(callbacks(&db.pool).await.is_empty(), "nothing is finished before the last count commits");
+        tx.commit().await.unwrap();
+        assert!(racer.await.unwrap());
+        let expected = if last_fails { vec!["bad", "done"] } else { vec!["done", "ok"] };
+        let fired: Vec<String> = callbacks(&db.pool).await.into_iter().map(|c| c.0).collect();
+        assert_eq!(fired, expected, "each callback exactly once");
+        let failed = i64::from(last_fails);
+        assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 2, 2 - failed, failed, 0));
+        let args = &callbacks(&db.pool).await[1].1;
+        assert_eq!(args["batch_id"], json!(batch));
+        assert_eq!((args["succeeded"].clone(), args["failed"].clone()), (json!(2 - failed), json!(failed)));
+        assert_eq!(args["properties"], json!({ "report": 7 }));
+    }
+}
+
+#[tokio::test]
+async fn h22_closing_a_batch_while_its_last_job_completes_finishes_it_once() {
+    for close_first in [true, false] {
+        let db = setup().await;
+        let batch = create_batch(&db.pool).await;
+        add_jobs(&db.pool, batch, 1).await;
+        let claimed = claim_work(&db.pool).await;
+        let mut first = PgConnection::connect(&db.url).await.unwrap();
+        let mut tx = first.begin().await.unwrap();
+        let url = db.url.clone();
+        let racer = if close_first {
+            sqlx::query("SELECT lockgate.close_batch($1)").bind(batch).execute(&mut *tx).await.unwrap();
+            let d = claimed[0];
+            tokio::spawn(async move {
+                let mut conn = PgConnection::connect(&url).await.unwrap();
+                complete(&mut conn, d).await;
+            })
+        } else {
+            assert!(complete(&mut *tx, claimed[0]).await);
+            tokio::spawn(async move {
+                let mut conn = PgConnection::connect(&url).await.unwrap();
+                sqlx::query("SELECT lockgate.close_batch($1)").bind(batch).execute(&mut conn).await.unwrap();
+            })
+        };
+        until_one_waits(&db.pool).await;
+        tx.commit().await.unwrap();
+        racer.await.unwrap();
+        let fired: Vec<String> = callbacks(&db.pool).await.into_iter().map(|c| c.0).collect();
+        assert_eq!(fired, vec!["done", "ok"], "close_first {close_first}");
+        assert_eq!(progress(&db.pool, batch).await.0, "finished");
+    }
+}
+
+#[tokio::test]
+async fn a_duplicate_or_stale_delivery_and_a_retry_count_once() {
+    let db = setup().await;
+    let batch = create_batch(&db.pool).await;
+    add_jobs(&db.pool, batch, 2).await;
+    close(&db.pool, batch).await.unwrap();
+    let first = claim_work(&db.pool).await;
+    // Job 1 fails once and retries in place; job 2's lease is lost and it is delivered again.
+    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'failed', 1)")
+        .bind(first[0].0)
+        .bind(first[0].1)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    db.expire_visibility("default", first[1].0).await.unwrap();
+    let second = claim_work(&db.pool).await;
+    assert_eq!(second.len(), 2);
+    assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 2, 0, 0, 2), "a retry counts nothing");
+    for d in &second {
+        assert!(complete(&db.pool, *d).await);
+    }
+    assert!(!complete(&db.pool, first[1]).await, "the stale delivery");
+    assert!(!dead_letter(&db.pool, first[1]).await, "the stale delivery");
+    assert!(!complete(&db.pool, second[1]).await, "the duplicate");
+    assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 2, 2, 0, 0));
+    assert_eq!(callbacks(&db.pool).await.len(), 2, "on_finish and on_success, once each");
+}
+
+#[tokio::test]
+async fn batches_count_jobs_added_in_several_calls_parked_jobs_and_skip_duplicates() {
+    let db = setup().await;
+    sqlx::query("SELECT lockgate.define_job_type('lim', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    sqlx::query(
+        "SELECT lockgate.define_job_type('uniq', unique_mode => 'until_executed', unique_on_conflict => 'discard')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let batch = create_batch(&db.pool).await;
+    let opts = json!({ "batch": batch });
+    for t in ["lim", "lim", "uniq", "uniq"] {
+        sqlx::query("SELECT * FROM lockgate.enqueue($1, '{}', $2)")
+            .bind(t)
+            .bind(&opts)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    assert_eq!(progress(&db.pool, batch).await, ("open".to_string(), 3, 0, 0, 3), "the duplicate is not counted");
+    let empty = create_batch(&db.pool).await;
+    assert_eq!(close(&db.pool, empty).await.unwrap(), "finished", "an empty batch finishes when closed");
+    close(&db.pool, batch).await.unwrap();
+    // Drain: the parked lim job is promoted by the first one's completion, then counted.
+    wait_for("every job of the batch to be counted", Duration::from_secs(10), || async {
+        let claimed: Vec<Delivery> = sqlx::query_as(
+            "SELECT msg_id, read_ct FROM lockgate.claim('default', 10, 30) WHERE headers->>'type' IN ('lim', 'uniq')",
+        )
+        .fetch_all(&db.pool)
+        .await?;
+        for d in claimed {
+            complete(&db.pool, d).await;
+        }
+        Ok((progress(&db.pool, batch).await.0 == "finished").then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 3, 3, 0, 0));
+    assert_eq!(callbacks(&db.pool).await.len(), 4, "two callbacks for each batch");
+}
+
+#[tokio::test]
+async fn callbacks_that_cannot_be_enqueued_stay_pending_until_the_sweep_enqueues_them() {
+    let db = setup().await;
+    let batch = create_batch(&db.pool).await;
+    add_jobs(&db.pool, batch, 1).await;
+    close(&db.pool, batch).await.unwrap();
+    // An operator removed the callback type meanwhile: the completion must still land.
+    sqlx::query("DELETE FROM lockgate.job_types WHERE name = 'done'").execute(&db.pool).await.unwrap();
+    let claimed = claim_work(&db.pool).await;
+    assert!(complete(&db.pool, claimed[0]).await);
+    let row = sqlx::query("SELECT state, callbacks_pending, callback_error FROM lockgate.batch($1)")
+        .bind(batch)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!((row.get::<String, _>(0), row.get::<bool, _>(1)), ("finished".to_string(), true));
+    assert!(row.get::<String, _>(2).contains("unknown job type \"done\""));
+    assert!(callbacks(&db.pool).await.is_empty(), "all of them or none");
+    let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(swept, 0, "still not enqueueable");
+    sqlx::query("SELECT lockgate.define_job_type('done')").execute(&db.pool).await.unwrap();
+    let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(swept, 1);
+    let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(swept, 0, "and never twice");
+    assert_eq!(callbacks(&db.pool).await.len(), 2);
+}
+
+#[tokio::test]
+async fn bad_batch_input_is_refused_with_a_clear_error() {
+    let db = setup().await;
+    let err = |sql: String| {
+        let pool = db.pool.clone();
+        async move { sqlx::query(&sql).execute(&pool).await.unwrap_err().to_string() }
+    };
+    assert!(err("SELECT lockgate.create_batch(on_finish => 'nope')".into())
+        .await
+        .contains("unknown job type \"nope\" for the batch callback on_finish"));
+    assert!(err("SELECT lockgate.create_batch(properties => '[1]')".into()).await.contains("must be a JSON object"));
+    let batch = create_batch(&db.pool).await;
+    assert!(err("SELECT lockgate.close_batch(999)".into()).await.contains("batch 999 does not exist"));
+    assert!(err("SELECT * FROM lockgate.enqueue('work', '{}', '{\"batch\": 999}')".into())
+        .await
+        .contains("batch 999 does not exist"));
+    assert!(err("SELECT * FROM lockgate.enqueue('work', '{}', '{\"batch\": \"x\"}')".into())
+        .await
+        .contains("invalid batch"));
+    close(&db.pool, batch).await.unwrap();
+    assert!(close(&db.pool, batch).await.unwrap_err().contains("is already finished"));
+    let closed = create_batch(&db.pool).await;
+    add_jobs(&db.pool, closed, 1).await;
+    close(&db.pool, closed).await.unwrap();
+    assert!(close(&db.pool, closed).await.unwrap_err().contains("is already closed"));
+    for b in [batch, closed] {
+        let e = err(format!("SELECT * FROM lockgate.enqueue_many('work', array['{{}}'::jsonb], '{{\"batch\": {b}}}')"))
+            .await;
+        assert!(e.contains("no job can be added to it"), "{e}");
+    }
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default WHERE headers->>'type' = 'work'").await.unwrap(), 1);
+}
+
+/// The runtime test's handler: work jobs fail when their i is a multiple of 20; callbacks
+/// record themselves in the table fired.
+struct Handlers {
+    pool: PgPool,
+}
+
+impl RawHandler for Handlers {
+    fn call(&self, ctx: JobContext, args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(async move {
+            if ctx.job_type == "work" {
+                if args["i"].as_u64().unwrap_or(0) % 20 == 0 {
+                    return Err(JobError::new("every twentieth job fails"));
+                }
+                return Ok(());
+            }
+            sqlx::query("INSERT INTO fired VALUES ($1, $2)")
+                .bind(&ctx.job_type)
+                .bind(args)
+                .execute(&self.pool)
+                .await
+                .map_err(|e| JobError::new(e.to_string()))?;
+            Ok(())
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_batch_of_1000_jobs_run_by_8_workers_with_50_failures_fires_on_finish_and_on_failure_once() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE fired (job_type text, args jsonb)").execute(&db.pool).await.unwrap();
+    let client = Client::new(db.pool.clone());
+    let handlers = Arc::new(Handlers { pool: db.pool.clone() });
+    let mut registry = Registry::new();
+    for name in ["work", "done", "ok", "bad"] {
+        let mut policy = JobPolicy::on_queue(common::queue("default"));
+        policy.max_attempts = 1;
+        client.define_job_type(&JobTypeName::new(name).unwrap(), &policy).await.unwrap();
+        registry.register_raw(JobTypeName::new(name).unwrap(), policy, handlers.clone()).unwrap();
+    }
+    let callbacks = BatchCallbacks {
+        on_finish: Some(JobTypeName::new("done").unwrap()),
+        on_success: Some(JobTypeName::new("ok").unwrap()),
+        on_failure: Some(JobTypeName::new("bad").unwrap()),
+        properties: Some(json!({ "import": "march" })),
+    };
+    let batch: BatchId = client.create_batch(&callbacks).await.unwrap();
+    let options = EnqueueOptions { batch: Some(batch), ..Default::default() };
+    // Added in two calls, the second while the workers already run.
+    let args: Vec<Value> = (0..1000).map(|i| json!({ "i": i })).collect();
+    client.enqueue_many_raw("work", &args[..500], &options).await.unwrap();
+    let running = common::Running::start(&db, common::test_config(), registry, &["default"], 8).await;
+    client.enqueue_many_raw("work", &args[500..], &options).await.unwrap();
+    assert_eq!(client.close_batch(batch).await.unwrap(), "closed");
+    wait_for_count(&db.pool, "SELECT count(*) FROM fired", 2, common::WAIT).await.unwrap();
+    running.stop().await;
+    let info = client.batch(batch).await.unwrap().unwrap();
+    assert_eq!(
+        (info.state.as_str(), info.total, info.succeeded, info.failed, info.pending),
+        ("finished", 1000, 950, 50, 0)
+    );
+    let fired: Vec<(String, Value)> =
+        sqlx::query_as("SELECT job_type, args FROM fired ORDER BY job_type").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(fired.iter().map(|f| f.0.as_str()).collect::<Vec<_>>(), vec!["bad", "done"]);
+    assert_eq!(fired[0].1["properties"], json!({ "import": "march" }));
+    assert_eq!((fired[0].1["succeeded"].clone(), fired[0].1["failed"].clone()), (json!(950), json!(50)));
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 50);
+}

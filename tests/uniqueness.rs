@@ -1,0 +1,347 @@
+//! Uniqueness (issue 11, G2, H14): a lock row per key, owned by one job, taken at enqueue
+//! (until_executed) or when a run starts (while_executing), and released only by its owner's
+//! fenced steps. Each test drives the public SQL API on its own database, the way psql would;
+//! races are forced on two connections.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use lockgate_testkit::{wait_for, TestDb};
+use sqlx::{Connection, PgConnection, PgPool, Row};
+
+/// (msg_id, read_ct)
+type Delivery = (i64, i32);
+
+async fn db_with(types: &[&str]) -> TestDb {
+    let db = TestDb::migrated().await.unwrap();
+    for t in types {
+        sqlx::query(&format!("SELECT lockgate.define_job_type({t})")).execute(&db.pool).await.unwrap();
+    }
+    db
+}
+
+/// Enqueues `job_type` with {"id": id}; returns (status, msg_id, job_id), or the error text.
+async fn enqueue(db: impl sqlx::PgExecutor<'_>, job_type: &str, id: i64) -> Result<(String, Option<i64>, i64), String> {
+    sqlx::query("SELECT status, msg_id, job_id FROM lockgate.enqueue($1, jsonb_build_object('id', $2::bigint))")
+        .bind(job_type)
+        .bind(id)
+        .fetch_one(db)
+        .await
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .map_err(|e| e.to_string())
+}
+
+async fn claim(db: &PgPool, qty: i32) -> Vec<Delivery> {
+    sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', $1, 30)")
+        .bind(qty)
+        .fetch_all(db)
+        .await
+        .unwrap()
+}
+
+async fn complete(db: impl sqlx::PgExecutor<'_>, d: Delivery) -> bool {
+    sqlx::query_scalar::<_, i64>("SELECT * FROM lockgate.complete('default', $1, $2)")
+        .bind(vec![d.0])
+        .bind(vec![d.1])
+        .fetch_optional(db)
+        .await
+        .unwrap()
+        .is_some()
+}
+
+async fn dead_letter(db: &PgPool, d: Delivery) -> bool {
+    sqlx::query_scalar("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', $2)")
+        .bind(d.0)
+        .bind(d.1)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+async fn retry(db: &PgPool, d: Delivery, delay: f64) -> bool {
+    sqlx::query_scalar("SELECT lockgate.retry('default', $1, $2, $3, 'failed', $2)")
+        .bind(d.0)
+        .bind(d.1)
+        .bind(delay)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+/// The lock rows: (key, job_id, msg_id).
+async fn locks(db: &PgPool) -> Vec<(String, i64, Option<i64>)> {
+    sqlx::query_as("SELECT key, job_id, msg_id FROM lockgate.unique_locks ORDER BY key").fetch_all(db).await.unwrap()
+}
+
+async fn make_visible(db: &PgPool, msg_id: i64) {
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second' WHERE msg_id = $1")
+        .bind(msg_id)
+        .execute(db)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn h14_a_stale_delivery_of_a_finished_job_never_releases_its_successors_lock() {
+    let db = db_with(&["'w', unique_mode => 'while_executing', unique_key => array['id']"]).await;
+    let (_, a, _) = enqueue(&db.pool, "w", 1).await.unwrap();
+    let (_, b, _) = enqueue(&db.pool, "w", 1).await.unwrap();
+    let a1 = claim(&db.pool, 1).await;
+    assert_eq!(a1, vec![(a.unwrap(), 1)], "A runs first and takes the key");
+    // A's lease is lost: its message is delivered again (A2) while A1 still runs.
+    make_visible(&db.pool, a.unwrap()).await;
+    let a2 = claim(&db.pool, 1).await;
+    assert_eq!(a2, vec![(a.unwrap(), 2)], "A's redelivery is its own job: it takes the key back");
+    assert!(complete(&db.pool, a2[0]).await, "A2 wins the completion and releases A's lock");
+    // B, the successor, runs and holds the key.
+    make_visible(&db.pool, b.unwrap()).await;
+    let b1 = claim(&db.pool, 1).await;
+    assert_eq!(b1, vec![(b.unwrap(), 1)]);
+    assert_eq!(locks(&db.pool).await, vec![("w:[1]".to_string(), b.unwrap(), b)]);
+    // The stale A1 finishes now: every one of its steps finds its message gone.
+    assert!(!complete(&db.pool, a1[0]).await);
+    assert!(!retry(&db.pool, a1[0], 1.0).await);
+    assert!(!dead_letter(&db.pool, a1[0]).await);
+    sqlx::query("SELECT lockgate.release('default', $1, $2)")
+        .bind(vec![a1[0].0])
+        .bind(vec![a1[0].1])
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(locks(&db.pool).await, vec![("w:[1]".to_string(), b.unwrap(), b)], "B still holds its key");
+    // So a third job of the key waits for B instead of running beside it.
+    let (_, c, _) = enqueue(&db.pool, "w", 1).await.unwrap();
+    assert!(claim(&db.pool, 5).await.is_empty(), "C is put back while B runs");
+    assert!(complete(&db.pool, b1[0]).await);
+    make_visible(&db.pool, c.unwrap()).await;
+    assert_eq!(claim(&db.pool, 5).await, vec![(c.unwrap(), 2)], "C runs once B is done (its second delivery)");
+}
+
+#[tokio::test]
+async fn h14_an_until_executed_lock_survives_every_step_of_a_stale_or_duplicate_delivery() {
+    let db = db_with(&["'u', unique_mode => 'until_executed', unique_key => array['id']"]).await;
+    let (_, a, _) = enqueue(&db.pool, "u", 7).await.unwrap();
+    let a1 = claim(&db.pool, 1).await;
+    make_visible(&db.pool, a.unwrap()).await;
+    let a2 = claim(&db.pool, 1).await;
+    assert!(complete(&db.pool, a2[0]).await);
+    let (status, b, b_job) = enqueue(&db.pool, "u", 7).await.unwrap();
+    assert_eq!(status, "enqueued", "A is done: its key is free");
+    // A's duplicate completion (the completer retrying after a lost reply) and its stale
+    // delivery change nothing.
+    assert!(!complete(&db.pool, a2[0]).await);
+    assert!(!complete(&db.pool, a1[0]).await);
+    assert!(!dead_letter(&db.pool, a1[0]).await);
+    assert_eq!(locks(&db.pool).await, vec![("u:[7]".to_string(), b_job, b)]);
+    let err = enqueue(&db.pool, "u", 7).await.unwrap_err();
+    assert!(err.contains(&format!("is held by job {b_job}")), "{err}");
+}
+
+#[tokio::test]
+async fn until_executed_holds_across_retries_and_is_released_by_the_dead_letter() {
+    let db = db_with(&["'u', unique_mode => 'until_executed', unique_key => array['id']"]).await;
+    let (_, a, a_job) = enqueue(&db.pool, "u", 1).await.unwrap();
+    let first = claim(&db.pool, 1).await;
+    assert!(retry(&db.pool, first[0], 0.0).await);
+    let err = enqueue(&db.pool, "u", 1).await.unwrap_err();
+    assert!(err.contains(&format!("held by job {a_job}")), "a retrying job keeps its key: {err}");
+    let second = claim(&db.pool, 1).await;
+    assert_eq!(second, vec![(a.unwrap(), 2)], "the retry of its own job is never a duplicate of itself");
+    assert!(dead_letter(&db.pool, second[0]).await);
+    assert!(locks(&db.pool).await.is_empty(), "a dead-lettered job is terminal: its key is free");
+    let (status, _, b_job) = enqueue(&db.pool, "u", 1).await.unwrap();
+    assert_eq!(status, "enqueued");
+    // Retrying A from the dead letters while B holds the key leaves A where it is.
+    let row = sqlx::query("SELECT status, job_id FROM lockgate.dlq_retry()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!((row.get::<String, _>(0), row.get::<i64, _>(1)), ("duplicate".to_string(), b_job));
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 1);
+    let b = claim(&db.pool, 1).await;
+    assert!(complete(&db.pool, b[0]).await);
+    let row = sqlx::query("SELECT status, job_id, msg_id FROM lockgate.dlq_retry()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!((row.get::<String, _>(0), row.get::<i64, _>(1)), ("enqueued".to_string(), a_job));
+    let new_msg: i64 = row.get(2);
+    assert_eq!(locks(&db.pool).await, vec![("u:[1]".to_string(), a_job, Some(new_msg))], "A holds its key again");
+    let again = claim(&db.pool, 1).await;
+    assert!(complete(&db.pool, again[0]).await);
+    assert!(locks(&db.pool).await.is_empty());
+}
+
+#[tokio::test]
+async fn an_enqueue_racing_an_uncommitted_enqueue_of_the_same_key_waits_for_its_outcome() {
+    let db = db_with(&[
+        "'u', unique_mode => 'until_executed', unique_key => array['id']",
+        "'d', unique_mode => 'until_executed', unique_key => array['id'], unique_on_conflict => 'discard'",
+    ])
+    .await;
+    for (commit, job_type) in [(true, "u"), (false, "u"), (true, "d")] {
+        sqlx::query("DELETE FROM lockgate.unique_locks").execute(&db.pool).await.unwrap();
+        let mut first = PgConnection::connect(&db.url).await.unwrap();
+        let mut tx = first.begin().await.unwrap();
+        let (_, _, first_job) = enqueue(&mut *tx, job_type, 5).await.unwrap();
+        let url = db.url.clone();
+        let job_type_owned = job_type.to_string();
+        let second = tokio::spawn(async move {
+            let mut conn = PgConnection::connect(&url).await.unwrap();
+            enqueue(&mut conn, &job_type_owned, 5).await
+        });
+        wait_for("the second enqueue to wait for the first", Duration::from_secs(10), || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&db.pool)
+            .await?;
+            Ok((waiting == 1).then_some(()))
+        })
+        .await
+        .unwrap();
+        if commit {
+            tx.commit().await.unwrap();
+        } else {
+            tx.rollback().await.unwrap();
+        }
+        let outcome = second.await.unwrap();
+        match (commit, job_type) {
+            (true, "u") => assert!(outcome.unwrap_err().contains(&format!("held by job {first_job}"))),
+            (true, _) => assert_eq!(outcome.unwrap(), ("duplicate".to_string(), None, first_job)),
+            (false, _) => assert_eq!(outcome.unwrap().0, "enqueued", "the first enqueue never happened"),
+        }
+        assert_eq!(locks(&db.pool).await.len(), 1);
+    }
+}
+
+#[tokio::test]
+async fn while_executing_lets_duplicates_queue_and_runs_them_one_at_a_time_or_discards_them() {
+    let db = db_with(&[
+        "'w', unique_mode => 'while_executing', unique_key => array['id']",
+        "'wd', unique_mode => 'while_executing', unique_key => array['id'], unique_on_conflict => 'discard'",
+    ])
+    .await;
+    let (_, a, _) = enqueue(&db.pool, "w", 1).await.unwrap();
+    let (_, b, _) = enqueue(&db.pool, "w", 1).await.unwrap();
+    assert!(locks(&db.pool).await.is_empty(), "no run has started: no lock");
+    let running = claim(&db.pool, 5).await;
+    assert_eq!(running, vec![(a.unwrap(), 1)]);
+    let returns: i32 = sqlx::query_scalar("SELECT (headers->>'returns')::int FROM pgmq.q_default WHERE msg_id = $1")
+        .bind(b.unwrap())
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(returns, 1, "B waited for A's run: a return, not an attempt");
+    // A fails: its run ends and gives the key back while it waits for its retry.
+    assert!(retry(&db.pool, running[0], 30.0).await);
+    assert!(locks(&db.pool).await.is_empty());
+    make_visible(&db.pool, b.unwrap()).await;
+    assert_eq!(claim(&db.pool, 5).await, vec![(b.unwrap(), 2)], "B runs while A waits for its retry");
+
+    let (_, c, _) = enqueue(&db.pool, "wd", 2).await.unwrap();
+    let (_, d, _) = enqueue(&db.pool, "wd", 2).await.unwrap();
+    let run = claim(&db.pool, 5).await;
+    assert_eq!(run, vec![(c.unwrap(), 1)]);
+    let discarded: i64 =
+        sqlx::query_scalar("SELECT (headers->>'duplicate_of')::bigint FROM pgmq.a_default WHERE msg_id = $1")
+            .bind(d.unwrap())
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(discarded, c.unwrap(), "D was archived as a duplicate of the running C");
+}
+
+#[tokio::test]
+async fn a_parked_job_keeps_its_lock_across_promotion_and_a_job_discarded_by_its_limit_gives_it_back() {
+    let db = db_with(&[
+        "'lu', concurrency_limit => 1, unique_mode => 'until_executed', unique_key => array['id']",
+        "'ld', concurrency_limit => 1, concurrency_on_conflict => 'discard', unique_mode => 'until_executed',
+               unique_key => array['id']",
+    ])
+    .await;
+    let (_, x, _) = enqueue(&db.pool, "lu", 1).await.unwrap();
+    let (status, _, y_job) = enqueue(&db.pool, "lu", 2).await.unwrap();
+    assert_eq!(status, "parked");
+    assert!(locks(&db.pool).await.contains(&("lu:[2]".to_string(), y_job, None)), "a parked job keeps its key");
+    assert!(enqueue(&db.pool, "lu", 2).await.unwrap_err().contains(&format!("held by job {y_job}")));
+    // X finishes and promotes Y to a new message; Y's lock moves with it.
+    let xs = claim(&db.pool, 1).await;
+    assert_eq!(xs[0].0, x.unwrap());
+    assert!(complete(&db.pool, xs[0]).await);
+    let y_msg: i64 = sqlx::query_scalar("SELECT msg_id FROM pgmq.q_default WHERE headers->>'job_id' = $1::text")
+        .bind(y_job)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(locks(&db.pool).await, vec![("lu:[2]".to_string(), y_job, Some(y_msg))]);
+    let reaped: i32 =
+        sqlx::query_scalar("SELECT lockgate.reap_unique_locks('0 seconds')").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(reaped, 0, "the reaper finds the promoted job");
+    let ys = claim(&db.pool, 1).await;
+    assert!(complete(&db.pool, ys[0]).await);
+    assert!(locks(&db.pool).await.is_empty());
+
+    enqueue(&db.pool, "ld", 1).await.unwrap();
+    let (status, _, _) = enqueue(&db.pool, "ld", 2).await.unwrap();
+    assert_eq!(status, "discarded");
+    assert_eq!(locks(&db.pool).await.len(), 1, "the job its limit discarded gave its unique key back");
+}
+
+#[tokio::test]
+async fn the_reaper_removes_only_old_locks_whose_job_is_gone() {
+    let db = db_with(&[
+        "'u', unique_mode => 'until_executed', unique_key => array['id']",
+        "'lu', concurrency_limit => 1, unique_mode => 'until_executed', unique_key => array['id']",
+    ])
+    .await;
+    let (_, gone, _) = enqueue(&db.pool, "u", 1).await.unwrap();
+    enqueue(&db.pool, "u", 2).await.unwrap();
+    enqueue(&db.pool, "lu", 3).await.unwrap();
+    enqueue(&db.pool, "lu", 4).await.unwrap(); // parked
+    sqlx::query("SELECT pgmq.delete('default', $1)").bind(gone.unwrap()).execute(&db.pool).await.unwrap();
+    let reap = |age: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i32>("SELECT lockgate.reap_unique_locks($1::interval)")
+                .bind(age)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(reap("1 hour").await, 0, "a young lock is never judged");
+    assert_eq!(reap("0 seconds").await, 1, "only the lock whose message was deleted outside lockgate");
+    let keys: Vec<String> = locks(&db.pool).await.into_iter().map(|l| l.0).collect();
+    assert_eq!(keys, vec!["lu:[3]", "lu:[4]", "u:[2]"]);
+}
+
+#[tokio::test]
+async fn bad_uniqueness_input_is_refused_with_a_clear_error() {
+    let db = db_with(&["'plain'", "'u', unique_mode => 'until_executed'"]).await;
+    let err = |sql: &'static str| {
+        let pool = db.pool.clone();
+        async move { sqlx::query(sql).execute(&pool).await.unwrap_err().to_string() }
+    };
+    assert!(err("SELECT lockgate.define_job_type('x', unique_mode => 'forever')")
+        .await
+        .contains("invalid unique mode \"forever\""));
+    assert!(err(
+        "SELECT lockgate.define_job_type('x', unique_mode => 'until_executed', unique_on_conflict => 'raise')"
+    )
+    .await
+    .contains("reject or discard"));
+    assert!(err("SELECT lockgate.define_job_type('x', unique_mode => 'until_executed', unique_key => array['a..b'])")
+        .await
+        .contains("invalid key path"));
+    assert!(err("SELECT * FROM lockgate.enqueue('plain', '{}', '{\"unique_key\": \"k\"}')")
+        .await
+        .contains("has no uniqueness"));
+    assert!(err("SELECT * FROM lockgate.enqueue('u', '{}', '{\"unique_key\": 5}')")
+        .await
+        .contains("invalid unique_key"));
+    // An explicit key: two jobs with different arguments share it.
+    sqlx::query("SELECT * FROM lockgate.enqueue('u', '{\"a\": 1}', '{\"unique_key\": \"shared\"}')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert!(err("SELECT * FROM lockgate.enqueue('u', '{\"a\": 2}', '{\"unique_key\": \"shared\"}')")
+        .await
+        .contains("unique key \"shared\""));
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 1);
+}
