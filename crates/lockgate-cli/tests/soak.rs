@@ -7,6 +7,12 @@
 //! at 0, and no key ever ran more jobs at once than its limit (G3) — excusing only runs of a
 //! process that was SIGSTOPped while they ran (and only until shortly after it was thawed).
 //!
+//! Bookkeeping (issue 11) rides along: every job goes into one batch, closed once the last is
+//! enqueued, whose counts must match the jobs' fates and whose callbacks must each run once
+//! (H22); a `while_executing` type joins the overlap oracle as a key of limit 1, and an
+//! `until_executed` type (duplicates discarded) must never have two live jobs of one key, nor
+//! leave a lock behind (H14).
+//!
 //! The overlap oracle is independent of lockgate's bookkeeping. Each job's handler is `psql`,
 //! one session that takes one of the key's `limit` advisory-lock slots (`pg_try_advisory_lock(
 //! kid, slot)`), records its start, sleeps the job's duration, records its end and unlocks. The
@@ -68,6 +74,7 @@ const SCHEMA: &str = r"
 CREATE SCHEMA soak;
 CREATE TABLE soak.expected (job_id bigint PRIMARY KEY, status text NOT NULL, jtype text NOT NULL,
                             at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE TABLE soak.callbacks (jtype text NOT NULL, args jsonb NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
 CREATE TABLE soak.runs (
     id bigserial PRIMARY KEY, job bigint, attempt int, jtype text, kid int, lim int, planned_ms int,
     wpid int, bpid int, try_at timestamptz, lock_at timestamptz, ended_at timestamptz,
@@ -187,8 +194,17 @@ async fn g3_h19_chaos_soak_with_a_postgres_restart_never_overlaps_a_key_and_lose
 // The job mix
 // ------------------------------------------------------------------------------------------
 
+/// Limited types are `lim1`..`lim3`; these two stand in the kid space above them.
+const WHILE_EXECUTING: i32 = 4;
+const UNTIL_EXECUTED: i32 = 5;
+/// The oracle's limit for an until_executed key: its runs may overlap (a duplicate is refused
+/// at enqueue, not at run time), so it is never an overlap; its check is the jobs' lifetimes.
+const UNTIL_EXECUTED_SLOTS: i32 = 50;
+
 #[derive(Debug, Clone)]
 struct JobSpec {
+    /// 1..=3: type lim<lim>; WHILE_EXECUTING: type wexec (one run per key at a time, so the
+    /// oracle checks it as limit 1); UNTIL_EXECUTED: type once.
     lim: i32,
     k: i32,
     ms: i32,
@@ -196,13 +212,25 @@ struct JobSpec {
 
 impl JobSpec {
     fn jtype(&self) -> String {
-        format!("lim{}", self.lim)
+        match self.lim {
+            WHILE_EXECUTING => "wexec".into(),
+            UNTIL_EXECUTED => "once".into(),
+            lim => format!("lim{lim}"),
+        }
+    }
+    /// The limit the overlap oracle holds the key to.
+    fn oracle_lim(&self) -> i32 {
+        match self.lim {
+            WHILE_EXECUTING => 1,
+            UNTIL_EXECUTED => UNTIL_EXECUTED_SLOTS,
+            lim => lim,
+        }
     }
     fn kid(&self) -> i32 {
         kid(self.lim, self.k)
     }
     fn args(&self, n: usize) -> String {
-        serde_json::json!({"k": self.k, "kid": self.kid(), "lim": self.lim, "ms": self.ms, "n": n}).to_string()
+        serde_json::json!({"k": self.k, "kid": self.kid(), "lim": self.oracle_lim(), "ms": self.ms, "n": n}).to_string()
     }
 }
 
@@ -211,7 +239,8 @@ fn kid(lim: i32, k: i32) -> i32 {
 }
 
 fn key_name(kid: i32) -> String {
-    format!("lim{}:[{}]", kid / 100, kid % 100)
+    let spec = JobSpec { lim: kid / 100, k: kid % 100, ms: 0 };
+    format!("{}:[{}]", spec.jtype(), spec.k)
 }
 
 /// 70% short (30-250 ms), 24% up to 800 ms, 6% longer than the lease (2.5-3.5 s: only a healthy
@@ -224,12 +253,16 @@ fn duration_ms(rng: &mut fastrand::Rng) -> i32 {
     }
 }
 
-/// The hot key (limit 1, k = 0) gets 4% of the jobs; the rest spread over every key.
+/// The hot key (limit 1, k = 0) gets 4% of the jobs, the while_executing type 8% over 4 keys,
+/// the until_executed type 6% over 6 keys; the rest spread over every limited key.
 fn plan(rng: &mut fastrand::Rng, n: usize) -> Vec<JobSpec> {
     (0..n)
         .map(|_| {
-            if rng.u32(0..100) < 4 {
-                return JobSpec { lim: 1, k: 0, ms: duration_ms(rng) };
+            match rng.u32(0..100) {
+                0..=3 => return JobSpec { lim: 1, k: 0, ms: duration_ms(rng) },
+                4..=11 => return JobSpec { lim: WHILE_EXECUTING, k: rng.i32(0..4), ms: duration_ms(rng) },
+                12..=17 => return JobSpec { lim: UNTIL_EXECUTED, k: rng.i32(0..6), ms: duration_ms(rng) },
+                _ => {}
             }
             let total: i32 = KEYS.iter().map(|(_, n)| n).sum();
             let mut pick = rng.i32(0..total);
@@ -474,7 +507,9 @@ fn past_the_lease(rng: &mut fastrand::Rng) -> Duration {
 // The soak
 // ------------------------------------------------------------------------------------------
 
-async fn enqueue(pool: &PgPool, jobs: &[(usize, JobSpec)]) -> anyhow::Result<usize> {
+/// Enqueues jobs into the soak's batch, recording each job enqueued or parked (a duplicate of a
+/// live until_executed job is neither: nothing of it is stored).
+async fn enqueue(pool: &PgPool, batch: i64, jobs: &[(usize, JobSpec)]) -> anyhow::Result<usize> {
     let mut by_type: BTreeMap<String, Vec<(usize, &JobSpec)>> = BTreeMap::new();
     for (n, j) in jobs {
         by_type.entry(j.jtype()).or_default().push((*n, j));
@@ -484,12 +519,14 @@ async fn enqueue(pool: &PgPool, jobs: &[(usize, JobSpec)]) -> anyhow::Result<usi
     for (jtype, list) in by_type {
         let args: Vec<String> = list.iter().map(|(n, j)| j.args(*n)).collect();
         let n: i64 = sqlx::query_scalar(
-            "WITH e AS (SELECT * FROM lockgate.enqueue_many($1, $2::text[]::jsonb[]))
-             , ins AS (INSERT INTO soak.expected (job_id, status, jtype) SELECT e.job_id, e.status, $1 FROM e RETURNING 1)
+            "WITH e AS (SELECT * FROM lockgate.enqueue_many($1, $2::text[]::jsonb[], jsonb_build_object('batch', $3::bigint)))
+             , ins AS (INSERT INTO soak.expected (job_id, status, jtype)
+                       SELECT e.job_id, e.status, $1 FROM e WHERE e.status <> 'duplicate' RETURNING 1)
              SELECT count(*) FROM ins",
         )
         .bind(&jtype)
         .bind(&args)
+        .bind(batch)
         .fetch_one(&mut *tx)
         .await?;
         count += n as usize;
@@ -500,7 +537,7 @@ async fn enqueue(pool: &PgPool, jobs: &[(usize, JobSpec)]) -> anyhow::Result<usi
 
 /// Enqueues `jobs` on a schedule: all of them by `start + over`, in batches, each batch with
 /// its `soak.expected` rows in one transaction. Returns how many attempts failed (retried).
-async fn produce(pool: PgPool, jobs: Vec<(usize, JobSpec)>, start: Instant, over: Duration) -> usize {
+async fn produce(pool: PgPool, batch: i64, jobs: Vec<(usize, JobSpec)>, start: Instant, over: Duration) -> usize {
     let mut next = 0;
     let mut errors = 0;
     let deadline = start + over + Duration::from_secs(120);
@@ -509,7 +546,7 @@ async fn produce(pool: PgPool, jobs: Vec<(usize, JobSpec)>, start: Instant, over
         let target = ((jobs.len() as f64 * frac) as usize).clamp(next, jobs.len());
         if target > next {
             let end = target.min(next + 200);
-            match enqueue(&pool, &jobs[next..end]).await {
+            match enqueue(&pool, batch, &jobs[next..end]).await {
                 Ok(_) => next = end,
                 Err(_) => {
                     errors += 1;
@@ -536,8 +573,10 @@ async fn soak(size: Size, seed: u64) {
     std::fs::write(dir.join("handler.sh"), HANDLER_SH).unwrap();
     std::fs::write(dir.join("run.sql"), RUN_SQL).unwrap();
     let handler = dir.join("handler.sh");
-    let mut config =
-        format!("[runtime]\n{RUNTIME}\n\n[[pool]]\nqueues = [\"soak\"]\nconcurrency = {}\n\n", size.concurrency);
+    let mut config = format!(
+        "[runtime]\n{RUNTIME}\n\n[[pool]]\nqueues = [\"soak\", \"soak_cb\"]\nconcurrency = {}\n\n",
+        size.concurrency
+    );
     for (lim, _) in KEYS {
         write!(
             config,
@@ -545,6 +584,25 @@ async fn soak(size: Size, seed: u64) {
              backoff = {{ base = \"200ms\", max = \"2s\", jitter = 0.1 }}\n\
              concurrency = {{ limit = {lim}, key = [\"k\"], duration = \"{}ms\" }}\n\n",
             LEASE.as_millis()
+        )
+        .unwrap();
+    }
+    for (jtype, unique) in [
+        ("wexec", "{ mode = \"while_executing\", key = [\"k\"] }"),
+        ("once", "{ mode = \"until_executed\", key = [\"k\"], on_conflict = \"discard\" }"),
+    ] {
+        write!(
+            config,
+            "[job_types.{jtype}]\nqueue = \"soak\"\ncommand = [\"sh\", {handler:?}]\nmax_attempts = 50\n\
+             backoff = {{ base = \"200ms\", max = \"2s\", jitter = 0.1 }}\nunique = {unique}\n\n"
+        )
+        .unwrap();
+    }
+    for callback in ["cb_finish", "cb_success", "cb_failure"] {
+        write!(
+            config,
+            "[job_types.{callback}]\nqueue = \"soak_cb\"\n\
+             sql = \"INSERT INTO soak.callbacks (jtype, args) VALUES ('{callback}', $1)\"\n\n"
         )
         .unwrap();
     }
@@ -582,17 +640,28 @@ async fn soak(size: Size, seed: u64) {
     .await
     .unwrap();
 
+    // The batch every job goes into (its callback types are defined by the processes' start).
+    let batch: i64 =
+        sqlx::query_scalar("SELECT lockgate.create_batch('cb_finish', 'cb_success', 'cb_failure', '{\"soak\": true}')")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     // The job mix, then the backlog.
     let jobs: Vec<(usize, JobSpec)> = plan(&mut rng, size.jobs).into_iter().enumerate().collect();
     let mut next_job = 0;
     while next_job < size.upfront.min(jobs.len()) {
         let end = (next_job + 250).min(size.upfront);
-        enqueue(&db.pool, &jobs[next_job..end]).await.unwrap();
+        enqueue(&db.pool, batch, &jobs[next_job..end]).await.unwrap();
         next_job = end;
     }
     eprintln!("chaos soak: {} jobs enqueued up front; faults for {:?}", next_job, size.chaos);
-    let producer =
-        tokio::spawn(produce(db.pool.clone(), jobs[next_job..].to_vec(), Instant::now(), size.chaos.mul_f64(0.75)));
+    let producer = tokio::spawn(produce(
+        db.pool.clone(),
+        batch,
+        jobs[next_job..].to_vec(),
+        Instant::now(),
+        size.chaos.mul_f64(0.75),
+    ));
 
     // The fault phase: one loop, ticking every 50 ms — it trickles the rest of the jobs in,
     // ends faults whose time is up and starts a new one every 0.7-2 s.
@@ -845,10 +914,11 @@ async fn soak(size: Size, seed: u64) {
                     let task = tokio::spawn(async move {
                         let mut tx = pool.begin().await?;
                         sqlx::query(
-                            "WITH e AS (SELECT * FROM lockgate.enqueue('lim1', $1::jsonb))
+                            "WITH e AS (SELECT * FROM lockgate.enqueue('lim1', $1::jsonb, jsonb_build_object('batch', $2::bigint)))
                              INSERT INTO soak.expected (job_id, status, jtype) SELECT job_id, status, 'lim1' FROM e",
                         )
                         .bind(spec.args(usize::MAX))
+                        .bind(batch)
                         .execute(&mut *tx)
                         .await?;
                         tokio::time::sleep(d).await;
@@ -876,14 +946,18 @@ async fn soak(size: Size, seed: u64) {
         end_fault(a, &mut faults, &mut procs, &proxy, &db).await;
     }
     let enqueue_errors = producer.await.unwrap();
+    // Every job is in: the batch finishes when the last of them is counted.
+    sqlx::query("SELECT lockgate.close_batch($1)").bind(batch).execute(&db.pool).await.unwrap();
     let chaos_took = chaos_start.elapsed();
     eprintln!("chaos soak: {} faults in {chaos_took:.1?}; draining", faults.len());
 
-    // Drain: every expected job archived or dead-lettered, nothing queued or parked.
+    // Drain: every expected job archived or dead-lettered, nothing queued or parked, and the
+    // batch's two callbacks run.
     let drain_start = Instant::now();
     let pending_sql = format!(
         "SELECT (SELECT count(*) FROM soak.expected e WHERE NOT EXISTS (SELECT 1 FROM ({DONE_SQL}) d WHERE d.job_id = e.job_id))
-              + (SELECT count(*) FROM pgmq.q_soak) + (SELECT count(*) FROM lockgate.parked)"
+              + (SELECT count(*) FROM pgmq.q_soak) + (SELECT count(*) FROM lockgate.parked)
+              + (SELECT count(*) FROM pgmq.q_soak_cb) + GREATEST(0, 2 - (SELECT count(*) FROM soak.callbacks))"
     );
     // Up to `size.drain`, or twice that while the backlog still shrinks (a slow machine is not a
     // lost job); a drain that stalls is described as it stands, before the shutdown.
@@ -950,7 +1024,7 @@ async fn soak(size: Size, seed: u64) {
         }
     }
 
-    let report = analyse(&db, &procs, &faults, drain_took, drained, &stall).await;
+    let report = analyse(&db, batch, &procs, &faults, drain_took, drained, &stall).await;
     problems.extend(faults.iter().filter_map(|f| f.problem.clone()));
     problems.extend(report.problems.iter().cloned());
     let mut summary = report.summary(seed, &faults, chaos_took, drain_took, enqueue_errors, started.elapsed());
@@ -1089,6 +1163,9 @@ struct Report {
     lost: i64,
     archived_twice: i64,
     semaphores_not_zero: i64,
+    /// Batch callbacks run; until_executed jobs enqueued (not duplicates).
+    callbacks: usize,
+    unique_jobs: i64,
     invariants: Vec<String>,
     deadlocks: i64,
     /// Per limit: (max concurrency at an admission from the locks, from intervals).
@@ -1155,6 +1232,7 @@ async fn stall_report(pool: &PgPool) -> Vec<String> {
 
 async fn analyse(
     db: &TestDb,
+    batch: i64,
     procs: &Procs,
     faults: &[Fault],
     drain: Duration,
@@ -1228,6 +1306,59 @@ async fn analyse(
     .await;
     if extra > 0 {
         r.problems.push(format!("G8: {extra} finished job(s) that no committed enqueue created"));
+    }
+
+    // The batch (H22): counted exactly by the jobs' fates, finished, each callback run once.
+    let (state, total, succeeded, failed): (String, i64, i64, i64) =
+        sqlx::query_as("SELECT state, total, succeeded, failed FROM lockgate.batch($1)")
+            .bind(batch)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    let dead_soak = scalar("SELECT count(*) FROM lockgate.dead_letters WHERE queue = 'soak'".into()).await;
+    if (state.as_str(), total, succeeded, failed) != ("finished", r.expected, r.archived, dead_soak) {
+        r.problems.push(format!(
+            "H22: batch {batch} is {state} with total {total}, succeeded {succeeded}, failed {failed}; the jobs: {} \
+             enqueued, {} archived, {dead_soak} dead-lettered",
+            r.expected, r.archived
+        ));
+    }
+    let fired: Vec<String> =
+        sqlx::query_scalar("SELECT jtype FROM soak.callbacks ORDER BY jtype").fetch_all(pool).await.unwrap();
+    let outcome = if failed == 0 { "cb_success" } else { "cb_failure" };
+    let mut expected_callbacks = vec!["cb_finish".to_string(), outcome.to_string()];
+    expected_callbacks.sort();
+    if fired != expected_callbacks {
+        r.problems.push(format!("H22: callbacks run {fired:?}, expected each of {expected_callbacks:?} once"));
+    }
+    r.callbacks = fired.len();
+    // Uniqueness (H14): no lock left behind, and never two live jobs of one until_executed key:
+    // each job's life, from its enqueue to its archive or dead letter, is disjoint from the
+    // others' of its key.
+    let leftover: Vec<String> =
+        sqlx::query_scalar("SELECT key FROM lockgate.unique_locks ORDER BY key").fetch_all(pool).await.unwrap();
+    if !leftover.is_empty() {
+        r.problems.push(format!("H14: unique locks left after the drain: {leftover:?}"));
+    }
+    let overlapping: Vec<String> = sqlx::query_scalar(
+        "WITH life AS (
+             SELECT e.job_id, q.message->>'k' AS k, e.at AS born,
+                    COALESCE((SELECT a.archived_at FROM pgmq.a_soak a WHERE COALESCE((a.headers->>'job_id')::bigint, a.msg_id) = e.job_id),
+                             (SELECT d.dead_at FROM lockgate.dead_letters d WHERE d.job_id = e.job_id)) AS died
+               FROM soak.expected e
+               JOIN LATERAL (SELECT a.message FROM pgmq.a_soak a WHERE COALESCE((a.headers->>'job_id')::bigint, a.msg_id) = e.job_id
+                             UNION ALL SELECT d.args FROM lockgate.dead_letters d WHERE d.job_id = e.job_id LIMIT 1) q ON true
+              WHERE e.jtype = 'once')
+         SELECT format('jobs %s and %s of key %s', x.job_id, y.job_id, x.k)
+           FROM life x JOIN life y ON x.k = y.k AND x.job_id < y.job_id
+          WHERE x.born < y.died AND y.born < x.died",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    r.unique_jobs = scalar("SELECT count(*) FROM soak.expected WHERE jtype = 'once'".into()).await;
+    if !overlapping.is_empty() {
+        r.problems.push(format!("H14: until_executed jobs live at once: {overlapping:?}"));
     }
 
     // Invariants after a final sweep, and every permit given back.
@@ -1662,6 +1793,8 @@ impl Report {
         row("lost", self.lost.to_string());
         row("archived twice", self.archived_twice.to_string());
         row("semaphores not back to 0", self.semaphores_not_zero.to_string());
+        row("batch callbacks run", self.callbacks.to_string());
+        row("until_executed jobs (no dups)", self.unique_jobs.to_string());
         row(
             "invariants",
             if self.invariants.is_empty() {
