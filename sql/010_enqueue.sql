@@ -173,7 +173,8 @@ BEGIN
             IF holder IS NOT NULL THEN
                 IF jt.unique_on_conflict = 'reject' THEN
                     RAISE EXCEPTION 'lockgate: unique key "%" of job type "%" is held by job %', ukey, jt.name, holder
-                        USING ERRCODE = 'LG005', DETAIL = format('job %s', holder);
+                        USING ERRCODE = 'LG005',
+                              DETAIL = 'the key is free again once that job succeeds, is dead-lettered or is discarded';
                 END IF;
                 job_id := holder;
                 status := 'duplicate';

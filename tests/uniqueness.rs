@@ -345,3 +345,38 @@ async fn bad_uniqueness_input_is_refused_with_a_clear_error() {
         .contains("unique key \"shared\""));
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 1);
 }
+
+#[tokio::test]
+async fn the_rust_api_defines_uniqueness_and_reports_a_duplicate_as_a_status_or_a_matchable_error() {
+    use lockgate::{
+        Client, DbError, EnqueueError, EnqueueOptions, EnqueueStatus, JobPolicy, JobTypeName, QueueName, UniqueMode,
+        UniqueOnConflict, UniquePolicy,
+    };
+    let db = TestDb::migrated().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    let mut policy = JobPolicy::on_queue(QueueName::new("default").unwrap());
+    policy.unique = Some(UniquePolicy { key: vec!["id".into()], ..UniquePolicy::new(UniqueMode::UntilExecuted) });
+    client.define_job_type(&JobTypeName::new("reject").unwrap(), &policy).await.unwrap();
+    policy.unique.as_mut().unwrap().on_conflict = UniqueOnConflict::Discard;
+    client.define_job_type(&JobTypeName::new("discard").unwrap(), &policy).await.unwrap();
+    let stored = lockgate::sql::load_job_types(&db.pool).await.unwrap();
+    assert_eq!(stored[0].1.unique, Some(policy.unique.clone().unwrap()), "the policy round-trips");
+
+    let none = EnqueueOptions::default();
+    let first = client.enqueue_raw("discard", &serde_json::json!({"id": 1}), &none).await.unwrap();
+    let second = client.enqueue_raw("discard", &serde_json::json!({"id": 1}), &none).await.unwrap();
+    assert_eq!((second.status, second.job_id, second.msg_id), (EnqueueStatus::Duplicate, first.job_id, None));
+
+    let held = client.enqueue_raw("reject", &serde_json::json!({"id": 1}), &none).await.unwrap();
+    let err = client.enqueue_raw("reject", &serde_json::json!({"id": 1}), &none).await.unwrap_err();
+    match err {
+        EnqueueError::Database(DbError::Duplicate(message)) => {
+            assert!(message.contains(&format!("held by job {}", held.job_id)), "{message}")
+        }
+        other => panic!("expected a duplicate error, got {other:?}"),
+    }
+    let explicit = EnqueueOptions { unique_key: Some("mine".into()), ..Default::default() };
+    let a = client.enqueue_raw("discard", &serde_json::json!({"id": 2}), &explicit).await.unwrap();
+    let b = client.enqueue_raw("discard", &serde_json::json!({"id": 3}), &explicit).await.unwrap();
+    assert_eq!((a.status, b.status, b.job_id), (EnqueueStatus::Enqueued, EnqueueStatus::Duplicate, a.job_id));
+}

@@ -240,3 +240,39 @@ async fn quit_kills_the_command_executors_children_before_exiting() {
         .await
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_batch_and_a_unique_type_from_the_cli() {
+    let setup = Setup::new(
+        "cat >/dev/null",
+        "unique = { mode = \"until_executed\", key = [\"id\"] }\n\n\
+         [job_types.done]\nsql = \"INSERT INTO cli_done VALUES ($1)\"",
+    );
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE cli_done (args jsonb)").execute(&db.pool).await.unwrap();
+    let mut child = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.job_types", 2, WAIT).await.unwrap();
+    let created = output(&db, &["batch", "create", "--on-finish", "done", "--properties", "{\"n\": 1}"]);
+    assert!(created.status.success(), "{}", text(&created));
+    let id = text(&created).trim().to_string();
+    let first = output(&db, &["enqueue", "task", "{\"id\": 1}", "--batch", &id]);
+    assert!(first.status.success() && text(&first).contains("enqueued job"), "{}", text(&first));
+    let closed = output(&db, &["batch", "close", &id]);
+    assert!(closed.status.success(), "{}", text(&closed));
+    let late = output(&db, &["enqueue", "task", "{\"id\": 2}", "--batch", &id]);
+    assert!(!late.status.success() && text(&late).contains("no job can be added to it"), "{}", text(&late));
+    wait_for_count(&db.pool, "SELECT count(*) FROM cli_done", 1, WAIT).await.unwrap();
+    let shown = text(&output(&db, &["batch", "show", &id]));
+    assert!(shown.contains("finished") && shown.contains("succeeded 1"), "{shown}");
+    let missing = output(&db, &["batch", "show", "999"]);
+    assert!(!missing.status.success() && text(&missing).contains("batch 999 does not exist"), "{}", text(&missing));
+    // The key is free once its job succeeded; a second job of it is refused while the first waits.
+    let delayed = output(&db, &["enqueue", "task", "{\"id\": 1}", "--delay", "1h"]);
+    assert!(delayed.status.success(), "{}", text(&delayed));
+    let duplicate = output(&db, &["enqueue", "task", "{\"id\": 1}"]);
+    assert!(!duplicate.status.success() && text(&duplicate).contains("is held by job"), "{}", text(&duplicate));
+    let status = text(&output(&db, &["status"]));
+    assert!(status.contains("until_executed"), "{status}");
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
+}

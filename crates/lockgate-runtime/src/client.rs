@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lockgate_core::{BatchId, EnqueueOptions, EnqueuedJob, JobPolicy, JobTypeName};
+use lockgate_core::{BatchId, EnqueueOptions, EnqueuedJob, JobPolicy, JobTypeName, ValidationError};
 use lockgate_sql::{BatchCallbacks, BatchInfo, DbError, PgPool};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
@@ -74,8 +74,8 @@ impl Client {
     /// Creates an open batch with optional callbacks (job types that must be defined). Enqueue
     /// into it with `EnqueueOptions::batch`, in any number of calls, then [`Client::close_batch`].
     pub async fn create_batch(&self, callbacks: &BatchCallbacks) -> Result<BatchId, EnqueueError> {
-        if callbacks.properties.as_ref().is_some_and(|p| !p.is_object()) {
-            return Err(EnqueueError::NotAnObject { job_type: "batch properties".into() });
+        if let Some(p) = callbacks.properties.as_ref().filter(|p| !p.is_object()) {
+            return Err(ValidationError::new("properties", p, "a JSON object").into());
         }
         Ok(lockgate_sql::create_batch(&self.pool, callbacks).await?)
     }
