@@ -7,9 +7,11 @@ mod job;
 mod names;
 mod outcome;
 mod policy;
+mod recurring;
 
 pub use error::ValidationError;
 pub use job::{Claim, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobHeaders, JobId, MAX_PAYLOAD_BYTES};
 pub use names::{JobTypeName, QueueName};
 pub use outcome::ArchiveOutcome;
 pub use policy::{Backoff, ConcurrencyPolicy, JobPolicy, OnConflict, DEFAULT_CONCURRENCY_DURATION, MAX_PRIORITY};
+pub use recurring::{RecurringTask, Schedule, DEFAULT_TIMEZONE};
