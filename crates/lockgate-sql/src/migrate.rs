@@ -35,6 +35,7 @@ const MIGRATIONS: &[Migration] = &[
     Migration { version: 7, name: "job_ids", sql: include_str!("../../../migrations/0007_job_ids.sql") },
     Migration { version: 8, name: "fenced_leases", sql: include_str!("../../../migrations/0008_fenced_leases.sql") },
     Migration { version: 9, name: "started_runs", sql: include_str!("../../../migrations/0009_started_runs.sql") },
+    Migration { version: 11, name: "recurring", sql: include_str!("../../../migrations/0011_recurring.sql") },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -55,6 +56,7 @@ const FUNCTIONS: &[&str] = &[
     include_str!("../../../sql/070_archive_retention.sql"),
     include_str!("../../../sql/080_sweep.sql"),
     include_str!("../../../sql/090_processes.sql"),
+    include_str!("../../../sql/100_recurring.sql"),
 ];
 
 /// The schema version this build expects.
