@@ -19,7 +19,7 @@ use lockgate_sql::{DbError, PgPool, RecurringRow};
 use tokio_util::sync::CancellationToken;
 
 /// Tasks are re-read at least this often: a task defined, changed or enabled through SQL or the
-/// CLI is scheduled within a second, for one small query per second per process.
+/// CLI is scheduled within a second, for two small statements per second per process.
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
 
 /// What one pass did.
