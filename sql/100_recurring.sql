@@ -107,7 +107,7 @@ BEGIN
                             EXCLUDED.source, COALESCE(define_recurring.enabled, t.enabled));
 END $$;
 
--- Enables or disables a task; LG005 names an unknown one. Enabling a disabled task moves
+-- Enables or disables a task; LG006 names an unknown one. Enabling a disabled task moves
 -- active_since to now, so the ticks it missed while disabled are not enqueued.
 CREATE OR REPLACE FUNCTION lockgate.set_recurring_enabled(name text, enabled boolean)
 RETURNS void LANGUAGE plpgsql AS $$
@@ -122,7 +122,7 @@ BEGIN
      WHERE t.name = set_recurring_enabled.name;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'lockgate: unknown recurring task "%"', name
-            USING ERRCODE = 'LG005', HINT = 'lockgate.list_recurring() and `lockgate recurring list` show the defined tasks';
+            USING ERRCODE = 'LG006', HINT = 'lockgate.list_recurring() and `lockgate recurring list` show the defined tasks';
     END IF;
 END $$;
 
@@ -154,9 +154,9 @@ $$;
 -- enqueue, after the task's row is locked. A scheduler racing another on the same tick waits for
 -- the other's commit and then finds the tick taken; a stale scheduler never enqueues a tick at
 -- or before the latest one enqueued (so a downtime's ticks stay collapsed into one).
--- status: the enqueue's ('enqueued', 'parked' or 'discarded'), 'failed' (the enqueue raised a
--- lockgate error, LG001-LG004: recorded with the message and not retried, so a bad task cannot
--- make every pass fail), 'taken' (this tick or a later one was enqueued already) or 'inactive'
+-- status: the enqueue's ('enqueued', 'parked' or 'discarded'), 'failed' (the enqueue raised one
+-- of lockgate's own errors, SQLSTATE class LG: recorded with the message and not retried, so a
+-- bad task cannot make every pass fail), 'taken' (this tick or a later one was enqueued already) or 'inactive'
 -- (the task is disabled, removed, or the tick is from before it was active).
 -- Ticks older than 7 days before the new one are deleted: the tick rows are history; the
 -- guard against a repeat is the task's last_tick_at.
@@ -191,7 +191,7 @@ BEGIN
         SELECT q.job_id, q.status INTO e FROM lockgate.enqueue(t.job_type, t.args, t.options) q;
         job_id := e.job_id;
         status := e.status;
-    EXCEPTION WHEN SQLSTATE 'LG001' OR SQLSTATE 'LG002' OR SQLSTATE 'LG003' OR SQLSTATE 'LG004' THEN
+    EXCEPTION WHEN SQLSTATE 'LG000' THEN  -- the whole class: every error lockgate raises itself
         status := 'failed';
         error := SQLERRM;
     END;

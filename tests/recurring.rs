@@ -256,7 +256,7 @@ async fn bad_recurring_definitions_from_sql_are_refused_with_the_problem_named()
         assert!(err.contains(expected), "{sql}: expected {expected:?} in {err:?}");
     }
     let err = DbError::from(sqlx::query(cases[9].0).execute(&db.pool).await.unwrap_err());
-    assert!(matches!(err, DbError::UnknownRecurringTask(_)), "LG005: {err:?}");
+    assert!(matches!(err, DbError::UnknownRecurringTask(_)), "LG006: {err:?}");
     assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks").await.unwrap(), 0, "nothing was stored");
 }
 

@@ -1,7 +1,8 @@
 //! The one error type of the SQL layer. lockgate's SQL functions raise their own SQLSTATEs
 //! (`LG001` unknown queue, `LG002` unknown job type, `LG003` invalid argument, `LG004` concurrency
-//! limit reached with on_conflict raise, `LG005` unknown recurring task); they are mapped
-//! to variants here so callers match on meaning, never on sqlx internals.
+//! limit reached with on_conflict raise, `LG006` unknown recurring task; `LG005` is uniqueness's,
+//! built beside this); they are mapped to variants here so callers match on meaning, never on
+//! sqlx internals.
 
 /// An error from the database, classified.
 #[derive(Debug, thiserror::Error)]
@@ -15,7 +16,7 @@ pub enum DbError {
     /// A full concurrency key whose job type raises on conflict (`LG004`).
     #[error("{0}")]
     LimitReached(String),
-    /// A recurring task that is not in `lockgate.recurring_tasks` (`LG005`).
+    /// A recurring task that is not in `lockgate.recurring_tasks` (`LG006`).
     #[error("{0}")]
     UnknownRecurringTask(String),
     #[error("lockgate is not installed in this database ({0}): run `lockgate migrate`")]
@@ -49,7 +50,7 @@ impl From<sqlx::Error> for DbError {
             Some("LG002") => Self::UnknownJobType(message),
             Some("LG003") => Self::InvalidArgument(message),
             Some("LG004") => Self::LimitReached(message),
-            Some("LG005") => Self::UnknownRecurringTask(message),
+            Some("LG006") => Self::UnknownRecurringTask(message),
             _ => Self::Sqlx(err),
         }
     }
