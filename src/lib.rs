@@ -32,15 +32,15 @@
 
 pub use lockgate_core::{
     ArchiveOutcome, Backoff, BatchId, Claim, ConcurrencyPolicy, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobHeaders,
-    JobId, JobPolicy, JobTypeName, OnConflict, QueueName, UniqueMode, UniqueOnConflict, UniquePolicy, ValidationError,
-    DEFAULT_CONCURRENCY_DURATION, MAX_PAYLOAD_BYTES, MAX_PRIORITY,
+    JobId, JobPolicy, JobTypeName, OnConflict, QueueName, RecurringTask, Schedule, UniqueMode, UniqueOnConflict,
+    UniquePolicy, ValidationError, DEFAULT_CONCURRENCY_DURATION, DEFAULT_TIMEZONE, MAX_PAYLOAD_BYTES, MAX_PRIORITY,
 };
 pub use lockgate_runtime::{
-    config, health, heartbeat, maintenance, process_registry, worker, CancelReason, Client, EnqueueError, Handler, Job,
-    JobContext, JobError, PoolConfig, RawHandler, Registry, Runtime, RuntimeConfig, RuntimeError,
+    config, health, heartbeat, maintenance, process_registry, scheduler, worker, CancelReason, Client, EnqueueError,
+    Handler, Job, JobContext, JobError, PoolConfig, RawHandler, Registry, Runtime, RuntimeConfig, RuntimeError,
 };
 pub use lockgate_sql::{
-    check_schema, migrate, BatchCallbacks, BatchInfo, DbError, MigrateReport, PgPool, PgPoolOptions,
+    check_schema, migrate, BatchCallbacks, BatchInfo, DbError, MigrateReport, PgPool, PgPoolOptions, RecurringRow,
 };
 
 /// The SQL layer, for tests and tools that need a statement the typed API does not expose.

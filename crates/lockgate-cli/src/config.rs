@@ -30,7 +30,20 @@
 //! priority = 0
 //! concurrency = { limit = 1, key = ["account_id"], duration = "15m", on_conflict = "block" }
 //! unique = { mode = "until_executed", key = ["image_id"], on_conflict = "reject" }
+//!
+//! [recurring.nightly_resize]       # one job per tick; the tasks are stored when `run` starts
+//! cron = "30 2 * * *"               # seconds optional: "0 30 2 * * *" is the same
+//! timezone = "Europe/Berlin"        # default "UTC"
+//! job_type = "resize_image"
+//! args = { path = "all" }           # a table: the job's JSON arguments; default {}
+//! queue = "default"                 # optional: overrides the job type's queue
+//! priority = 5                      # optional: overrides the job type's priority
+//! enabled = true                    # optional: omitted, `lockgate recurring disable` stands
 //! ```
+//!
+//! A configuration with a `[recurring]` table owns the tasks it lists: at start, `run` stores
+//! them and removes the tasks an earlier configuration listed that this one no longer does.
+//! Without any `[recurring]` table, `run` leaves the stored tasks alone.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -39,10 +52,11 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use lockgate::config::DEFAULT_CONCURRENCY;
 use lockgate::{
-    Backoff, ConcurrencyPolicy, JobPolicy, JobTypeName, OnConflict, PoolConfig, QueueName, RuntimeConfig, UniqueMode,
-    UniqueOnConflict, UniquePolicy, DEFAULT_CONCURRENCY_DURATION,
+    Backoff, ConcurrencyPolicy, JobPolicy, JobTypeName, OnConflict, PoolConfig, QueueName, RecurringTask,
+    RuntimeConfig, UniqueMode, UniqueOnConflict, UniquePolicy, DEFAULT_CONCURRENCY_DURATION, DEFAULT_TIMEZONE,
 };
 use serde::Deserialize;
+use serde_json::Value;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -54,6 +68,8 @@ pub struct Config {
     pools: Vec<PoolSection>,
     #[serde(default)]
     job_types: BTreeMap<String, JobTypeSection>,
+    /// `None` (no `[recurring]` table at all) leaves the stored tasks alone.
+    recurring: Option<BTreeMap<String, RecurringSection>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -111,6 +127,18 @@ struct ConcurrencySection {
     key: Vec<String>,
     duration: Option<String>,
     on_conflict: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecurringSection {
+    cron: String,
+    timezone: Option<String>,
+    job_type: String,
+    args: Option<toml::Value>,
+    queue: Option<String>,
+    priority: Option<i16>,
+    enabled: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -202,6 +230,42 @@ impl Config {
 
     pub fn job_types(&self) -> Result<Vec<JobTypeConfig>> {
         self.job_types.iter().map(|(name, section)| job_type(name, section)).collect()
+    }
+
+    /// The recurring tasks this configuration owns, validated; `None` without a `[recurring]` table.
+    pub fn recurring(&self) -> Result<Option<Vec<RecurringTask>>> {
+        let Some(sections) = &self.recurring else { return Ok(None) };
+        let tasks = sections.iter().map(|(name, section)| {
+            recurring_task(name, section).with_context(|| format!("invalid [recurring.{name}]"))
+        });
+        tasks.collect::<Result<Vec<_>>>().map(Some)
+    }
+}
+
+fn recurring_task(name: &str, s: &RecurringSection) -> Result<RecurringTask> {
+    let task = RecurringTask {
+        timezone: s.timezone.clone().unwrap_or_else(|| DEFAULT_TIMEZONE.to_string()),
+        // Checked by `validate`: a table, since the job's arguments are a JSON object.
+        args: s.args.clone().map_or_else(|| Value::Object(Default::default()), json),
+        queue: s.queue.clone().map(QueueName::new).transpose()?,
+        priority: s.priority,
+        enabled: s.enabled,
+        ..RecurringTask::new(name, s.cron.clone(), s.job_type.clone())
+    };
+    task.validate()?;
+    Ok(task)
+}
+
+/// A TOML value as JSON; a TOML date or time becomes its string, as JSON has none.
+fn json(value: toml::Value) -> Value {
+    match value {
+        toml::Value::String(s) => Value::String(s),
+        toml::Value::Integer(i) => Value::from(i),
+        toml::Value::Float(f) => Value::from(f),
+        toml::Value::Boolean(b) => Value::Bool(b),
+        toml::Value::Datetime(d) => Value::String(d.to_string()),
+        toml::Value::Array(items) => Value::Array(items.into_iter().map(json).collect()),
+        toml::Value::Table(table) => Value::Object(table.into_iter().map(|(k, v)| (k, json(v))).collect()),
     }
 }
 
@@ -340,5 +404,56 @@ mod tests {
             .contains("reject or discard"));
         assert!(err("[job_types.x]\nsql = \"s\"\nunique = { mode = \"until_executed\", key = [\"a..b\"] }")
             .contains("unique.key"));
+    }
+
+    fn recurring_err(section: &str) -> String {
+        let text = format!("[recurring.nightly]\n{section}");
+        let result = Config::parse(&text).and_then(|c| c.recurring());
+        format!("{:#}", result.expect_err(&text))
+    }
+
+    #[test]
+    fn recurring_tables_become_validated_tasks() {
+        let c = Config::parse(
+            r#"
+            [recurring.nightly]
+            cron = "0 30 2 * * *"
+            timezone = "Europe/Berlin"
+            job_type = "report"
+            args = { kind = "daily", sizes = [1, 2], since = 2026-01-01 }
+            queue = "reports"
+            priority = 3
+            enabled = false
+            [recurring.hourly]
+            cron = "@hourly"
+            job_type = "report"
+            "#,
+        )
+        .unwrap();
+        let tasks = c.recurring().unwrap().unwrap();
+        assert_eq!(tasks.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), ["hourly", "nightly"]);
+        let (hourly, nightly) = (&tasks[0], &tasks[1]);
+        assert_eq!((hourly.timezone.as_str(), &hourly.args, hourly.enabled), ("UTC", &serde_json::json!({}), None));
+        assert_eq!(nightly.args, serde_json::json!({"kind": "daily", "sizes": [1, 2], "since": "2026-01-01"}));
+        assert_eq!(nightly.options(), serde_json::json!({"queue": "reports", "priority": 3}));
+        assert_eq!(nightly.enabled, Some(false));
+        assert!(Config::parse("").unwrap().recurring().unwrap().is_none(), "no [recurring]: leave tasks alone");
+        assert_eq!(Config::parse("[recurring]").unwrap().recurring().unwrap(), Some(vec![]), "owns none");
+    }
+
+    #[test]
+    fn bad_recurring_tables_name_the_problem() {
+        let e = recurring_err("cron = \"every day\"\njob_type = \"r\"");
+        assert!(e.contains("[recurring.nightly]") && e.contains("invalid cron \"every day\""), "{e}");
+        let e = recurring_err("cron = \"@daily\"\ntimezone = \"Mars/Base\"\njob_type = \"r\"");
+        assert!(e.contains("invalid timezone \"Mars/Base\""), "{e}");
+        let e = recurring_err("cron = \"@daily\"\njob_type = \"r\"\nargs = 5");
+        assert!(e.contains("invalid args \"5\": a JSON object"), "{e}");
+        let e = recurring_err("cron = \"@daily\"\njob_type = \"r\"\ncolour = 1");
+        assert!(e.contains("unknown field `colour`"), "{e}");
+        let e = recurring_err("job_type = \"r\"");
+        assert!(e.contains("missing field `cron`"), "{e}");
+        let e = recurring_err("cron = \"@daily\"\njob_type = \"r\"\npriority = 10");
+        assert!(e.contains("invalid priority \"10\""), "{e}");
     }
 }

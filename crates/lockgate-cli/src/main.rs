@@ -41,6 +41,9 @@ enum Command {
     /// List jobs waiting for a concurrency permit, or discard one explicitly.
     #[command(subcommand)]
     Parked(commands::parked::Command),
+    /// List recurring tasks with their next and last run; enable, disable, add or remove one.
+    #[command(subcommand)]
+    Recurring(commands::recurring::Command),
     /// Migrate, define demo job types, enqueue a few hundred jobs, run them with live progress
     /// and print what ran, retried and was dead-lettered.
     Demo(commands::demo::Args),
@@ -67,6 +70,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Dlq(command) => commands::dlq::run(url, command).await,
         Command::Parked(command) => commands::parked::run(url, command).await,
         Command::Batch(command) => commands::batch::run(url, command).await,
+        Command::Recurring(command) => commands::recurring::run(url, command).await,
         Command::Demo(args) => commands::demo::run(url, args).await,
     }
 }

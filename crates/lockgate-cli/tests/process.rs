@@ -133,10 +133,12 @@ async fn h21_four_processes_migrating_an_empty_database_at_once_all_succeed() {
     let version: i32 =
         sqlx::query_scalar("SELECT migration FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
     assert_eq!(version, lockgate::sql::LATEST_MIGRATION);
-    assert_eq!(
-        db.count("SELECT 1 FROM lockgate.schema_migrations").await.unwrap(),
-        i64::from(lockgate::sql::LATEST_MIGRATION)
-    );
+    // Every migration file applied once (their numbers may have gaps while branches merge).
+    let files = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../../migrations"))
+        .unwrap()
+        .filter(|f| f.as_ref().unwrap().path().extension().is_some_and(|e| e == "sql"))
+        .count();
+    assert_eq!(db.count("SELECT 1 FROM lockgate.schema_migrations").await.unwrap(), files as i64);
 }
 
 #[tokio::test]

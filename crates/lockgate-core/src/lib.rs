@@ -7,6 +7,7 @@ mod job;
 mod names;
 mod outcome;
 mod policy;
+mod recurring;
 
 pub use error::ValidationError;
 pub use job::{BatchId, Claim, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobHeaders, JobId, MAX_PAYLOAD_BYTES};
@@ -16,3 +17,4 @@ pub use policy::{
     Backoff, ConcurrencyPolicy, JobPolicy, OnConflict, UniqueMode, UniqueOnConflict, UniquePolicy,
     DEFAULT_CONCURRENCY_DURATION, MAX_PRIORITY,
 };
+pub use recurring::{RecurringTask, Schedule, DEFAULT_TIMEZONE};

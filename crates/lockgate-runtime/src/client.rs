@@ -12,8 +12,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lockgate_core::{BatchId, EnqueueOptions, EnqueuedJob, JobPolicy, JobTypeName, ValidationError};
-use lockgate_sql::{BatchCallbacks, BatchInfo, DbError, PgPool};
+use lockgate_core::{BatchId, EnqueueOptions, EnqueuedJob, JobPolicy, JobTypeName, RecurringTask, ValidationError};
+use lockgate_sql::{BatchCallbacks, BatchInfo, DbError, PgPool, RecurringRow, RecurringSource};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::{Mutex, MutexGuard};
@@ -90,6 +90,30 @@ impl Client {
     /// A batch's progress (total, succeeded, failed, pending), or `None` for an unknown id.
     pub async fn batch(&self, batch: BatchId) -> Result<Option<BatchInfo>, DbError> {
         lockgate_sql::batch_info(&self.pool, batch).await
+    }
+
+    /// Stores (or replaces) a recurring task: from then on, every `lockgate run` enqueues one job
+    /// per tick of its schedule. The cron expression, time zone and arguments are checked here,
+    /// the job type and queue by the database (`DbError::UnknownJobType`, `UnknownQueue`).
+    pub async fn define_recurring(&self, task: &RecurringTask) -> Result<(), EnqueueError> {
+        task.validate()?;
+        Ok(lockgate_sql::define_recurring(&self.pool, task, RecurringSource::Sql).await?)
+    }
+
+    /// Enables or disables a recurring task; an unknown name is `DbError::UnknownRecurringTask`.
+    /// Enabling enqueues none of the ticks missed while it was disabled.
+    pub async fn set_recurring_enabled(&self, name: &str, enabled: bool) -> Result<(), DbError> {
+        lockgate_sql::set_recurring_enabled(&self.pool, name, enabled).await
+    }
+
+    /// Deletes a recurring task; false if there was none.
+    pub async fn remove_recurring(&self, name: &str) -> Result<bool, DbError> {
+        lockgate_sql::remove_recurring(&self.pool, name).await
+    }
+
+    /// Every recurring task with its last tick; `lockgate_core::Schedule::next_run` gives the next.
+    pub async fn list_recurring(&self) -> Result<Vec<RecurringRow>, DbError> {
+        lockgate_sql::list_recurring(&self.pool).await
     }
 
     /// Enqueues one typed job in its own transaction.

@@ -1,6 +1,6 @@
 //! lockgate's runtime: the producer-side [`Client`], and the long-running services that execute
-//! jobs — worker pools (fetch, execute, complete), the heartbeat, the LISTEN notifier and the
-//! maintenance sweeps — supervised by [`Runtime`].
+//! jobs — worker pools (fetch, execute, complete), the heartbeat, the LISTEN notifier, the
+//! maintenance sweeps and the recurring-job [`scheduler`] — supervised by [`Runtime`].
 //!
 //! The pipeline of one job: the fetch loop of a [`worker`] pool claims a batch of deliveries
 //! (one round trip per queue), registers each in the process's in-flight set (which the
@@ -21,6 +21,7 @@ pub mod maintenance;
 mod notifier;
 mod policies;
 pub mod process_registry;
+pub mod scheduler;
 mod supervisor;
 mod ticker;
 pub mod worker;

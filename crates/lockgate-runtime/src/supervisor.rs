@@ -1,11 +1,12 @@
 //! The supervisor: [`Runtime`] runs every service of one `lockgate run` process and owns their
 //! lifecycle.
 //!
-//! Startup: check the schema, record the registry's job-type policies and this process's
-//! heartbeat interval (which floors every lease), create the pools' queues, load the policy
-//! cache, register in `lockgate.processes` (each step retried while the database is restarting
-//! or drops the connection, H19), then start the health endpoints, the notifier, the
-//! heartbeat, the process registry, the maintenance sweeps and the worker pools. Each service
+//! Startup: check the schema, record the registry's job-type policies, sync the configured
+//! recurring tasks, record this process's heartbeat interval (which floors every lease), create
+//! the pools' queues, load the policy cache, register in `lockgate.processes` (each step
+//! retried while the database is restarting or drops the connection, H19), then start the
+//! health endpoints, the notifier, the heartbeat, the process registry, the maintenance sweeps,
+//! the recurring-job scheduler and the worker pools. Each service
 //! runs supervised: one that panics or stops on its own is logged and restarted with backoff,
 //! and three crashes within a minute make the process not ready.
 //!
@@ -18,7 +19,7 @@
 //!    lands before the pool's `run` returns (G7);
 //! 4. the heartbeat stops (it kept the leases of finishing jobs alive until now);
 //! 5. the registry stops, then the process deregisters;
-//! 6. the notifier, sweeps and health endpoints stop; `run` returns.
+//! 6. the notifier, sweeps, scheduler and health endpoints stop; `run` returns.
 //!
 //! Nothing here races that sequence with a timer (seed 002): the caller awaits `run` and exits
 //! only after it returns. A second signal or QUIT is the binary's immediate exit.
@@ -28,6 +29,7 @@ use std::sync::atomic::AtomicI64;
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockgate_core::{RecurringTask, ValidationError};
 use lockgate_sql::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Notify;
@@ -42,6 +44,7 @@ use crate::maintenance::{ArchiveRetention, BookkeepingSweep, ConcurrencySweep};
 use crate::notifier::Notifier;
 use crate::policies::PolicyCache;
 use crate::process_registry::{PoolReport, ProcessRegistry};
+use crate::scheduler::Scheduler;
 use crate::worker::WorkerPool;
 use crate::{PoolConfig, Registry, RuntimeConfig, RuntimeError};
 
@@ -60,6 +63,9 @@ pub struct Runtime {
     pools: Vec<PoolConfig>,
     name: String,
     health: Arc<Health>,
+    /// The recurring tasks this process's configuration owns, synced at start; `None` leaves
+    /// every stored task as it is.
+    recurring: Option<Vec<RecurringTask>>,
 }
 
 impl Runtime {
@@ -73,7 +79,19 @@ impl Runtime {
         for pool in &pools {
             pool.validate()?;
         }
-        Ok(Self { db, config, registry, pools, name: "lockgate".into(), health: Arc::default() })
+        Ok(Self { db, config, registry, pools, name: "lockgate".into(), health: Arc::default(), recurring: None })
+    }
+
+    /// Declares the recurring tasks this process's configuration owns (the `[recurring]` tables
+    /// of `lockgate.toml`): `run` stores them at start and removes the configuration-owned tasks
+    /// that are not among them (tasks defined through SQL or the Client are left alone). A task
+    /// whose `enabled` is `None` keeps the state an operator gave it.
+    pub fn with_recurring(mut self, tasks: Vec<RecurringTask>) -> Result<Self, ValidationError> {
+        for task in &tasks {
+            task.validate()?;
+        }
+        self.recurring = Some(tasks);
+        Ok(self)
     }
 
     /// Names the process in `lockgate.processes` (default `lockgate`).
@@ -94,6 +112,13 @@ impl Runtime {
         start_up("check the schema", up, || lockgate_sql::check_schema(db)).await?;
         for (name, policy) in self.registry.job_types() {
             start_up("define a job type", up, || lockgate_sql::define_job_type(db, name, policy)).await?;
+        }
+        if let Some(tasks) = &self.recurring {
+            let removed =
+                start_up("sync the recurring tasks", up, || lockgate_sql::sync_config_recurring(db, tasks)).await?;
+            if !removed.is_empty() {
+                tracing::info!(?removed, "removed recurring tasks the configuration no longer lists");
+            }
         }
         let interval = self.config.heartbeat_interval;
         start_up("record the heartbeat interval", up, || lockgate_sql::record_heartbeat_interval(db, interval)).await?;
@@ -181,6 +206,10 @@ impl Runtime {
             let (db, interval, reap_interval) =
                 (db.clone(), self.config.sweep_interval, self.config.maintenance_interval);
             move |token| BookkeepingSweep::new(db.clone(), interval, reap_interval).run(token)
+        }));
+        tracker.spawn(supervise("recurring_scheduler", health.clone(), services.clone(), {
+            let db = db.clone();
+            move |token| Scheduler::new(db.clone()).run(token)
         }));
         let registry_stop = CancellationToken::new();
         let registry_task = tokio::spawn(supervise("process_registry", health.clone(), registry_stop.clone(), {

@@ -1,7 +1,8 @@
 //! The one error type of the SQL layer. lockgate's SQL functions raise their own SQLSTATEs
 //! (`LG001` unknown queue, `LG002` unknown job type, `LG003` invalid argument, `LG004` concurrency
-//! limit reached with on_conflict raise, `LG005` unique key held with on_conflict reject); they
-//! are mapped to variants here so callers match on meaning, never on sqlx internals.
+//! limit reached with on_conflict raise, `LG005` unique key held with on_conflict reject, `LG006`
+//! unknown recurring task); they are mapped to variants here so callers match on meaning, never
+//! on sqlx internals.
 
 /// An error from the database, classified.
 #[derive(Debug, thiserror::Error)]
@@ -18,6 +19,9 @@ pub enum DbError {
     /// A unique key held by another job whose type rejects duplicates (`LG005`).
     #[error("{0}")]
     Duplicate(String),
+    /// A recurring task that is not in `lockgate.recurring_tasks` (`LG006`).
+    #[error("{0}")]
+    UnknownRecurringTask(String),
     #[error("lockgate is not installed in this database ({0}): run `lockgate migrate`")]
     NotInstalled(String),
     #[error(
@@ -50,6 +54,7 @@ impl From<sqlx::Error> for DbError {
             Some("LG003") => Self::InvalidArgument(message),
             Some("LG004") => Self::LimitReached(message),
             Some("LG005") => Self::Duplicate(message),
+            Some("LG006") => Self::UnknownRecurringTask(message),
             _ => Self::Sqlx(err),
         }
     }

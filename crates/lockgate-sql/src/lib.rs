@@ -16,6 +16,7 @@ mod maintenance;
 mod migrate;
 mod processes;
 mod queues;
+mod recurring;
 mod status;
 
 pub use batches::{batch_info, batch_sweep, close_batch, create_batch, unfinished_batches, BatchCallbacks, BatchInfo};
@@ -34,6 +35,10 @@ pub use processes::{
     deregister_process, heartbeat_processes, list_processes, prune_processes, register_process, ProcessRow,
 };
 pub use queues::{create_queue, list_queues};
+pub use recurring::{
+    database_now, define_recurring, enqueue_recurring_tick, list_recurring, remove_recurring, set_recurring_enabled,
+    sync_config_recurring, RecurringRow, RecurringSource, TickOutcome,
+};
 pub use status::{queue_stats, unique_lock_stats, QueueStats, UniqueLockStats};
 
 pub use sqlx::postgres::{PgPool, PgPoolOptions};

@@ -40,6 +40,7 @@ const MIGRATIONS: &[Migration] = &[
         name: "uniqueness_batches",
         sql: include_str!("../../../migrations/0010_uniqueness_batches.sql"),
     },
+    Migration { version: 11, name: "recurring", sql: include_str!("../../../migrations/0011_recurring.sql") },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -62,6 +63,7 @@ const FUNCTIONS: &[&str] = &[
     include_str!("../../../sql/070_archive_retention.sql"),
     include_str!("../../../sql/080_sweep.sql"),
     include_str!("../../../sql/090_processes.sql"),
+    include_str!("../../../sql/100_recurring.sql"),
 ];
 
 /// The schema version this build expects.

@@ -6,5 +6,6 @@ pub mod dlq;
 pub mod enqueue;
 pub mod migrate;
 pub mod parked;
+pub mod recurring;
 pub mod run;
 pub mod status;

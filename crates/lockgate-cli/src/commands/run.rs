@@ -17,7 +17,8 @@ use crate::{db, executors};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The TOML configuration: pools, job types and their executors, runtime settings.
+    /// The TOML configuration: pools, job types and their executors, recurring tasks, runtime
+    /// settings.
     #[arg(long, short, default_value = "lockgate.toml")]
     config: PathBuf,
 }
@@ -26,12 +27,16 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
     let config = Config::load(&args.config)?;
     let runtime_config = config.runtime()?;
     let job_types = config.job_types()?;
+    let recurring = config.recurring()?;
     let pools = config.pools(&job_types)?;
     let url = db::resolve(url.or(config.database_url.clone()));
     let connections = pools.iter().map(|p| p.concurrency as u32).sum::<u32>() + 4;
     let db = db::connect_checked(&url, connections).await?;
     let registry = executors::registry(&job_types, &db)?;
-    let runtime = Runtime::new(db, runtime_config, registry, pools).context("invalid configuration")?;
+    let mut runtime = Runtime::new(db, runtime_config, registry, pools).context("invalid configuration")?;
+    if let Some(tasks) = recurring {
+        runtime = runtime.with_recurring(tasks).context("invalid configuration")?;
+    }
     let shutdown = CancellationToken::new();
     watch_signals(shutdown.clone())?;
     runtime.run(shutdown).await?;

@@ -1,0 +1,133 @@
+//! The recurring-job scheduler: every `lockgate run` (every `Runtime`) runs one. Each pass reads
+//! the tasks and the database's clock, and for each enabled task whose latest tick is after the
+//! last one enqueued, enqueues that tick (`lockgate.enqueue_recurring_tick`). Any number of
+//! schedulers may run: the tick's row, inserted in the enqueue's transaction, lets one of them
+//! enqueue it and tells the others it is taken (H23). After downtime only the latest missed tick
+//! is due, so a downtime enqueues one job per task, not one per missed tick.
+//!
+//! Between passes it sleeps until the next tick of any task, at most `RELOAD_INTERVAL`, so a
+//! task defined or changed through SQL is seen within that long. The clock is the database's
+//! (`now()`), so processes whose clocks disagree still compute the same ticks. A failed pass is
+//! logged and the next one runs after `RELOAD_INTERVAL`.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use lockgate_core::{Schedule, ValidationError};
+use lockgate_sql::{DbError, PgPool, RecurringRow};
+use tokio_util::sync::CancellationToken;
+
+/// Tasks are re-read at least this often: a task defined, changed or enabled through SQL or the
+/// CLI is scheduled within a second, for two small statements per second per process.
+pub const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
+
+/// What one pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SchedulerReport {
+    /// Ticks this pass enqueued (including jobs parked or discarded by their concurrency limit).
+    pub enqueued: usize,
+    /// Ticks another scheduler had enqueued already (or whose task was disabled meanwhile).
+    pub taken: usize,
+    /// Ticks whose enqueue failed (recorded on the task with the error; not retried).
+    pub failed: usize,
+    /// The earliest tick of any enabled task after this pass's clock.
+    pub next_tick_at: Option<DateTime<Utc>>,
+}
+
+/// Enqueues the due tick of every enabled recurring task.
+pub struct Scheduler {
+    db: PgPool,
+    /// Parsed schedules by task name, with the cron and time zone they were parsed from: a
+    /// schedule is parsed once, and an invalid one (stored through SQL, which checks only the
+    /// expression's shape) is logged once.
+    schedules: HashMap<String, ParsedSchedule>,
+}
+
+struct ParsedSchedule {
+    cron: String,
+    timezone: String,
+    schedule: Result<Schedule, ValidationError>,
+}
+
+impl Scheduler {
+    pub fn new(db: PgPool) -> Self {
+        Self { db, schedules: HashMap::new() }
+    }
+
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        loop {
+            let pause = match self.pass().await {
+                Ok(pause) => pause,
+                Err(error) => {
+                    tracing::warn!(%error, "recurring scheduler pass failed");
+                    RELOAD_INTERVAL
+                }
+            };
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+
+    /// One pass on the database's clock; returns how long to sleep until the next tick.
+    async fn pass(&mut self) -> Result<Duration, DbError> {
+        let now = lockgate_sql::database_now(&self.db).await?;
+        let clock_read = Instant::now();
+        let report = self.run_once(now).await?;
+        let until_next = report.next_tick_at.and_then(|next| (next - now).to_std().ok()).unwrap_or(RELOAD_INTERVAL);
+        Ok(until_next.min(RELOAD_INTERVAL).saturating_sub(clock_read.elapsed()))
+    }
+
+    /// Enqueues the tick due at `now` of every enabled task (tests pin `now`; `run` passes the
+    /// database's clock). A tick after the database's own clock is refused by the database.
+    pub async fn run_once(&mut self, now: DateTime<Utc>) -> Result<SchedulerReport, DbError> {
+        let tasks = lockgate_sql::list_recurring(&self.db).await?;
+        self.schedules.retain(|name, _| tasks.iter().any(|t| &t.name == name));
+        let mut report = SchedulerReport::default();
+        for task in tasks.iter().filter(|t| t.enabled) {
+            let Some(schedule) = self.schedule(task) else { continue };
+            let done_until = task.ticks_done_until();
+            let due = schedule.due(done_until, now);
+            let next = schedule.next_after(now.max(done_until));
+            report.next_tick_at = report.next_tick_at.into_iter().chain(next).min();
+            if let Some(tick) = due {
+                self.enqueue_tick(&task.name, tick, &mut report).await?;
+            }
+        }
+        Ok(report)
+    }
+
+    async fn enqueue_tick(&self, task: &str, tick: DateTime<Utc>, report: &mut SchedulerReport) -> Result<(), DbError> {
+        let outcome = lockgate_sql::enqueue_recurring_tick(&self.db, task, tick).await?;
+        match outcome.status.as_str() {
+            "taken" | "inactive" => report.taken += 1,
+            "failed" => {
+                report.failed += 1;
+                let error = outcome.error.unwrap_or_default();
+                tracing::warn!(task, %tick, %error, "recurring tick could not be enqueued");
+            }
+            status => {
+                report.enqueued += 1;
+                tracing::info!(task, %tick, job_id = outcome.job_id, status, "recurring tick enqueued");
+            }
+        }
+        Ok(())
+    }
+
+    /// The task's parsed schedule, parsed again only when its cron or time zone changed.
+    fn schedule(&mut self, task: &RecurringRow) -> Option<&Schedule> {
+        let stale = self.schedules.get(&task.name).is_none_or(|p| p.cron != task.cron || p.timezone != task.timezone);
+        if stale {
+            let schedule = Schedule::parse(&task.cron, &task.timezone);
+            if let Err(error) = &schedule {
+                tracing::warn!(task = %task.name, %error, "recurring task not scheduled: invalid schedule");
+            }
+            let parsed = ParsedSchedule { cron: task.cron.clone(), timezone: task.timezone.clone(), schedule };
+            self.schedules.insert(task.name.clone(), parsed);
+        }
+        self.schedules.get(&task.name)?.schedule.as_ref().ok()
+    }
+}

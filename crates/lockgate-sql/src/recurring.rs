@@ -1,0 +1,162 @@
+//! Recurring-task statements: define, enable or disable, remove, list, the configuration's sync,
+//! and the scheduler's one write per tick (`lockgate.enqueue_recurring_tick`, which makes a tick
+//! enqueue once however many schedulers race on it, H23).
+
+use chrono::{DateTime, Utc};
+use lockgate_core::RecurringTask;
+use serde_json::Value;
+use sqlx::{PgExecutor, PgPool, Row};
+
+use crate::DbError;
+
+/// Who defined a task: the `[recurring]` tables of a configuration, which remove it again when
+/// they no longer list it, or a call of `lockgate.define_recurring` (SQL, the Client, the CLI).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecurringSource {
+    Config,
+    Sql,
+}
+
+impl RecurringSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Config => "config",
+            Self::Sql => "sql",
+        }
+    }
+}
+
+/// One row of `lockgate.recurring_tasks`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecurringRow {
+    pub name: String,
+    pub cron: String,
+    pub timezone: String,
+    pub job_type: String,
+    pub args: Value,
+    pub options: Value,
+    pub enabled: bool,
+    pub source: String,
+    /// No tick at or before this instant is enqueued (set at creation, on a schedule change and
+    /// when the task is enabled again).
+    pub active_since: DateTime<Utc>,
+    /// The latest tick enqueued, or whose enqueue failed.
+    pub last_tick_at: Option<DateTime<Utc>>,
+    pub last_job_id: Option<i64>,
+    /// `enqueued`, `parked`, `discarded` or `failed`.
+    pub last_status: Option<String>,
+    pub last_error: Option<String>,
+}
+
+impl RecurringRow {
+    /// The instant up to which the task's ticks are done: enqueued, or from before it was active.
+    pub fn ticks_done_until(&self) -> DateTime<Utc> {
+        self.last_tick_at.map_or(self.active_since, |last| last.max(self.active_since))
+    }
+}
+
+/// What `lockgate.enqueue_recurring_tick` did with one tick.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TickOutcome {
+    /// `enqueued`, `parked`, `discarded`, `failed`, `taken` (another scheduler enqueued this tick
+    /// or a later one) or `inactive` (the task is disabled, removed, or was not active then).
+    pub status: String,
+    pub job_id: Option<i64>,
+    /// Why the enqueue failed (`failed` only).
+    pub error: Option<String>,
+}
+
+/// Stores (or replaces) a task (`lockgate.define_recurring`). The caller validates it first.
+pub async fn define_recurring<'c>(
+    db: impl PgExecutor<'c>,
+    task: &RecurringTask,
+    source: RecurringSource,
+) -> Result<(), DbError> {
+    sqlx::query("SELECT lockgate.define_recurring($1, $2, $3, $4, $5, $6, $7, $8)")
+        .bind(&task.name)
+        .bind(&task.cron)
+        .bind(&task.job_type)
+        .bind(&task.args)
+        .bind(&task.timezone)
+        .bind(task.options())
+        .bind(task.enabled)
+        .bind(source.as_str())
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// Makes the database's config-owned tasks exactly `tasks`, in one transaction: defines each,
+/// then removes the config-owned tasks it does not list. Returns the names removed.
+pub async fn sync_config_recurring(db: &PgPool, tasks: &[RecurringTask]) -> Result<Vec<String>, DbError> {
+    let mut tx = db.begin().await?;
+    for task in tasks {
+        define_recurring(&mut *tx, task, RecurringSource::Config).await?;
+    }
+    let keep: Vec<&str> = tasks.iter().map(|t| t.name.as_str()).collect();
+    let removed: Vec<String> =
+        sqlx::query_scalar("SELECT lockgate.prune_config_recurring($1)").bind(keep).fetch_all(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(removed)
+}
+
+/// Enables or disables a task; `DbError::UnknownRecurringTask` names an unknown one.
+pub async fn set_recurring_enabled<'c>(db: impl PgExecutor<'c>, name: &str, enabled: bool) -> Result<(), DbError> {
+    sqlx::query("SELECT lockgate.set_recurring_enabled($1, $2)").bind(name).bind(enabled).execute(db).await?;
+    Ok(())
+}
+
+/// Deletes a task and its ticks; false if there was none.
+pub async fn remove_recurring<'c>(db: impl PgExecutor<'c>, name: &str) -> Result<bool, DbError> {
+    Ok(sqlx::query_scalar("SELECT lockgate.remove_recurring($1)").bind(name).fetch_one(db).await?)
+}
+
+/// Every task, by name.
+pub async fn list_recurring<'c>(db: impl PgExecutor<'c>) -> Result<Vec<RecurringRow>, DbError> {
+    let rows = sqlx::query(
+        "SELECT name, cron, timezone, job_type, args, options, enabled, source, active_since, last_tick_at,
+                last_job_id, last_status, last_error
+           FROM lockgate.list_recurring()",
+    )
+    .fetch_all(db)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|r| RecurringRow {
+            name: r.get(0),
+            cron: r.get(1),
+            timezone: r.get(2),
+            job_type: r.get(3),
+            args: r.get(4),
+            options: r.get(5),
+            enabled: r.get(6),
+            source: r.get(7),
+            active_since: r.get(8),
+            last_tick_at: r.get(9),
+            last_job_id: r.get(10),
+            last_status: r.get(11),
+            last_error: r.get(12),
+        })
+        .collect())
+}
+
+/// Enqueues the job of `task`'s tick at `tick_at`, unless that tick (or a later one) was
+/// enqueued already; in one transaction with the tick's row (H23).
+pub async fn enqueue_recurring_tick<'c>(
+    db: impl PgExecutor<'c>,
+    task: &str,
+    tick_at: DateTime<Utc>,
+) -> Result<TickOutcome, DbError> {
+    let row = sqlx::query("SELECT status, job_id, error FROM lockgate.enqueue_recurring_tick($1, $2)")
+        .bind(task)
+        .bind(tick_at)
+        .fetch_one(db)
+        .await?;
+    Ok(TickOutcome { status: row.get(0), job_id: row.get(1), error: row.get(2) })
+}
+
+/// The database's clock (`now()`): the scheduler's clock, so that every process computes the
+/// same ticks whatever its own clock says.
+pub async fn database_now<'c>(db: impl PgExecutor<'c>) -> Result<DateTime<Utc>, DbError> {
+    Ok(sqlx::query_scalar("SELECT now()").fetch_one(db).await?)
+}

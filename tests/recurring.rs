@@ -1,0 +1,336 @@
+//! Recurring jobs at the SQL seam and through the scheduler service: two schedulers racing on one
+//! tick enqueue it once (H23), a downtime enqueues one missed tick, enable/disable, the
+//! configuration's sync, failures recorded once, a runtime scheduling a task defined through
+//! SQL, shutdown and database blips, and every bad definition refused with its problem named.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, TimeDelta, Utc};
+use common::{Counter, Running, WAIT};
+use lockgate::scheduler::Scheduler;
+use lockgate::sql::{enqueue_recurring_tick, sync_config_recurring};
+use lockgate::{
+    Client, ConcurrencyPolicy, DbError, EnqueueError, EnqueueOptions, Job, JobContext, JobError, JobPolicy,
+    JobTypeName, OnConflict, RecurringTask, Registry,
+};
+use lockgate_testkit::{wait_for, TestDb};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+#[derive(Serialize, Deserialize)]
+struct Report {
+    kind: String,
+}
+
+impl Job for Report {
+    const TYPE: &'static str = "report";
+}
+
+async fn setup() -> (TestDb, Client) {
+    let db = TestDb::migrated().await.expect("db");
+    let client = Client::new(db.pool.clone());
+    client.define::<Report>().await.expect("define");
+    (db, client)
+}
+
+async fn db_now(db: &TestDb) -> DateTime<Utc> {
+    lockgate::sql::database_now(&db.pool).await.unwrap()
+}
+
+/// Makes the task look as if it had been defined `ago` before now and no scheduler had run since.
+async fn defined_ago(db: &TestDb, task: &str, ago: &str) {
+    sqlx::query("UPDATE lockgate.recurring_tasks SET active_since = now() - $2::interval WHERE name = $1")
+        .bind(task)
+        .bind(ago)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+async fn jobs(db: &TestDb) -> i64 {
+    db.count("SELECT 1 FROM pgmq.q_default").await.unwrap()
+}
+
+fn every_minute(name: &str) -> RecurringTask {
+    RecurringTask { args: json!({"kind": name}), ..RecurringTask::new(name, "* * * * *", "report") }
+}
+
+#[tokio::test]
+async fn h23_two_schedulers_racing_on_one_tick_enqueue_it_once() {
+    let (db, client) = setup().await;
+    client.define_recurring(&every_minute("nightly")).await.unwrap();
+    defined_ago(&db, "nightly", "1 hour").await;
+    let tick: DateTime<Utc> =
+        sqlx::query_scalar("SELECT date_trunc('minute', now())").fetch_one(&db.pool).await.unwrap();
+
+    // The first scheduler enqueues the tick and holds its transaction open; the second races on
+    // the same tick from another connection while the first has not committed.
+    let mut first = db.pool.begin().await.unwrap();
+    let outcome = enqueue_recurring_tick(&mut *first, "nightly", tick).await.unwrap();
+    assert_eq!(outcome.status, "enqueued");
+    let second_pool = db.new_pool(1).await.unwrap();
+    let second = tokio::spawn(async move { enqueue_recurring_tick(&second_pool, "nightly", tick).await });
+    wait_for("the second scheduler to wait for the first, or to finish", WAIT, || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%enqueue_recurring_tick%'",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        Ok((waiting > 0 || second.is_finished()).then_some(()))
+    })
+    .await
+    .unwrap();
+    first.commit().await.unwrap();
+    let raced = second.await.unwrap().unwrap();
+
+    assert_eq!(jobs(&db).await, 1, "the tick was enqueued twice");
+    assert_eq!(raced.status, "taken", "the second scheduler found the tick taken");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_ticks").await.unwrap(), 1);
+    let last: (DateTime<Utc>, i64) = sqlx::query_as("SELECT last_tick_at, last_job_id FROM lockgate.recurring_tasks")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(last, (tick, outcome.job_id.unwrap()));
+}
+
+#[tokio::test]
+async fn h23_two_scheduler_services_on_the_same_clock_enqueue_each_due_tick_once() {
+    let (db, client) = setup().await;
+    for i in 0..10 {
+        let task = RecurringTask::new(format!("every_second_{i}"), "* * * * * *", "report");
+        client.define_recurring(&task).await.unwrap();
+    }
+    sqlx::query("UPDATE lockgate.recurring_tasks SET active_since = now() - interval '1 minute'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut a = Scheduler::new(db.new_pool(2).await.unwrap());
+    let mut b = Scheduler::new(db.new_pool(2).await.unwrap());
+    let base = db_now(&db).await - TimeDelta::seconds(5);
+    for round in 0..5 {
+        let now = base + TimeDelta::seconds(round);
+        let (ra, rb) = tokio::join!(a.run_once(now), b.run_once(now));
+        let (ra, rb) = (ra.unwrap(), rb.unwrap());
+        assert_eq!(ra.enqueued + rb.enqueued, 10, "round {round}: each due tick enqueued once: {ra:?} {rb:?}");
+    }
+    assert_eq!(jobs(&db).await, 50);
+    assert_eq!(db.count("SELECT DISTINCT task, tick_at FROM lockgate.recurring_ticks").await.unwrap(), 50);
+}
+
+#[tokio::test]
+async fn a_missed_tick_after_downtime_is_enqueued_once_not_once_per_missed_tick() {
+    let (db, client) = setup().await;
+    client.define_recurring(&every_minute("minutely")).await.unwrap();
+    defined_ago(&db, "minutely", "1 hour").await; // sixty ticks passed with no scheduler running
+    let mut scheduler = Scheduler::new(db.pool.clone());
+    let now = db_now(&db).await;
+    let report = scheduler.run_once(now).await.unwrap();
+    assert_eq!((report.enqueued, report.taken), (1, 0), "{report:?}");
+    let latest = lockgate::Schedule::parse("* * * * *", "UTC").unwrap().latest_at_or_before(now).unwrap();
+    let tick: DateTime<Utc> =
+        sqlx::query_scalar("SELECT tick_at FROM lockgate.recurring_ticks").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(tick, latest, "the latest missed tick is the one enqueued");
+    assert_eq!(report.next_tick_at, Some(latest + TimeDelta::minutes(1)));
+    let again = scheduler.run_once(now).await.unwrap();
+    assert_eq!((again.enqueued, again.taken), (0, 0), "nothing more is due: {again:?}");
+    assert_eq!(jobs(&db).await, 1);
+
+    // Defining the task again unchanged (as every `lockgate run` start does) keeps what is done
+    // and what is due; a new schedule starts over from its definition.
+    client.define_recurring(&every_minute("minutely")).await.unwrap();
+    assert_eq!(scheduler.run_once(now).await.unwrap().enqueued, 0);
+    let hourly = RecurringTask { cron: "0 * * * *".into(), ..every_minute("minutely") };
+    client.define_recurring(&hourly).await.unwrap();
+    let since: DateTime<Utc> =
+        sqlx::query_scalar("SELECT active_since FROM lockgate.recurring_tasks").fetch_one(&db.pool).await.unwrap();
+    assert!(since >= now, "a changed schedule is active from its change");
+}
+
+#[tokio::test]
+async fn a_disabled_task_enqueues_nothing_and_enabling_it_skips_the_ticks_it_missed() {
+    let (db, client) = setup().await;
+    client.define_recurring(&every_minute("minutely")).await.unwrap();
+    defined_ago(&db, "minutely", "1 hour").await;
+    client.set_recurring_enabled("minutely", false).await.unwrap();
+    let mut scheduler = Scheduler::new(db.pool.clone());
+    let report = scheduler.run_once(db_now(&db).await).await.unwrap();
+    assert_eq!((report.enqueued, report.next_tick_at), (0, None), "a disabled task is not scheduled");
+    // Disabling again and defining without saying `enabled` keep it disabled.
+    client.set_recurring_enabled("minutely", false).await.unwrap();
+    client.define_recurring(&every_minute("minutely")).await.unwrap();
+    assert_eq!(scheduler.run_once(db_now(&db).await).await.unwrap().enqueued, 0);
+
+    client.set_recurring_enabled("minutely", true).await.unwrap();
+    let report = scheduler.run_once(db_now(&db).await).await.unwrap();
+    assert_eq!(report.enqueued, 0, "the ticks missed while disabled are not enqueued: {report:?}");
+    assert!(report.next_tick_at.is_some());
+    let rows = client.list_recurring().await.unwrap();
+    assert!(rows[0].enabled && rows[0].last_tick_at.is_none(), "{rows:?}");
+    assert!(client.remove_recurring("minutely").await.unwrap());
+    assert!(!client.remove_recurring("minutely").await.unwrap(), "nothing left to remove");
+    assert_eq!(jobs(&db).await, 0);
+}
+
+#[tokio::test]
+async fn a_tick_whose_enqueue_fails_is_recorded_with_its_error_and_not_retried() {
+    let (db, client) = setup().await;
+    let mut policy = JobPolicy::on_queue(common::queue("default"));
+    policy.concurrency = Some(ConcurrencyPolicy { on_conflict: OnConflict::Raise, ..ConcurrencyPolicy::new(1) });
+    client.define_job_type(&JobTypeName::new("exclusive").unwrap(), &policy).await.unwrap();
+    client.enqueue_raw("exclusive", &json!({}), &EnqueueOptions::default()).await.unwrap(); // holds the permit
+    client.define_recurring(&RecurringTask::new("exclusive_tick", "* * * * *", "exclusive")).await.unwrap();
+    defined_ago(&db, "exclusive_tick", "5 minutes").await;
+    let mut scheduler = Scheduler::new(db.pool.clone());
+    let now = db_now(&db).await;
+    let report = scheduler.run_once(now).await.unwrap();
+    assert_eq!((report.enqueued, report.failed), (0, 1), "{report:?}");
+    let row = &client.list_recurring().await.unwrap()[0];
+    assert_eq!(row.last_status.as_deref(), Some("failed"));
+    assert!(row.last_error.as_deref().is_some_and(|e| e.contains("concurrency limit 1 reached")), "{row:?}");
+    let again = scheduler.run_once(now).await.unwrap();
+    assert_eq!((again.enqueued, again.taken, again.failed), (0, 0, 0), "the failed tick is not retried: {again:?}");
+    assert_eq!(jobs(&db).await, 1, "only the job that held the permit");
+}
+
+#[tokio::test]
+async fn the_configuration_sync_removes_the_config_tasks_it_no_longer_lists_and_keeps_sql_tasks() {
+    let (db, client) = setup().await;
+    client.define_recurring(&every_minute("from_sql")).await.unwrap();
+    let removed = sync_config_recurring(&db.pool, &[every_minute("a"), every_minute("b")]).await.unwrap();
+    assert!(removed.is_empty());
+    let removed = sync_config_recurring(&db.pool, &[every_minute("b")]).await.unwrap();
+    assert_eq!(removed, ["a"]);
+    let names: Vec<(String, String)> =
+        sqlx::query_as("SELECT name, source FROM lockgate.recurring_tasks ORDER BY name")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(names, [("b".into(), "config".into()), ("from_sql".into(), "sql".into())]);
+    // A bad task fails the whole sync and changes nothing.
+    let err = sync_config_recurring(&db.pool, &[RecurringTask::new("c", "* * * * *", "missing")]).await.unwrap_err();
+    assert!(
+        matches!(&err, DbError::UnknownJobType(m) if m.contains("recurring task \"c\": unknown job type \"missing\""))
+    );
+    assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks").await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn bad_recurring_definitions_from_sql_are_refused_with_the_problem_named() {
+    let (db, _client) = setup().await;
+    let cases = [
+        ("SELECT lockgate.define_recurring('t', 'every day', 'report')", "invalid cron expression 'every day'"),
+        ("SELECT lockgate.define_recurring('t', '* * * *', 'report')", "invalid cron expression"),
+        (
+            "SELECT lockgate.define_recurring('t', '* * * * *', 'report', timezone => 'Mars/Base')",
+            "unknown time zone \"Mars/Base\"",
+        ),
+        (
+            "SELECT lockgate.define_recurring('t', '* * * * *', 'nope')",
+            "recurring task \"t\": unknown job type \"nope\"",
+        ),
+        ("SELECT lockgate.define_recurring('t', '* * * * *', 'report', '[1]')", "must be a JSON object, got array"),
+        (
+            "SELECT lockgate.define_recurring('t', '* * * * *', 'report', options => '{\"delay\": 1}')",
+            "unknown option(s): delay",
+        ),
+        (
+            "SELECT lockgate.define_recurring('t', '* * * * *', 'report', options => '{\"priority\": 12}')",
+            "invalid priority 12",
+        ),
+        (
+            "SELECT lockgate.define_recurring('t', '* * * * *', 'report', options => '{\"queue\": \"missing\"}')",
+            "\"missing\"",
+        ),
+        ("SELECT lockgate.define_recurring('bad name', '* * * * *', 'report')", "invalid recurring task name"),
+        ("SELECT lockgate.set_recurring_enabled('nope', true)", "unknown recurring task \"nope\""),
+        ("SELECT lockgate.enqueue_recurring_tick('nope', now() + interval '1 hour')", "is in the future"),
+    ];
+    for (sql, expected) in cases {
+        let err = sqlx::query(sql).execute(&db.pool).await.expect_err(sql);
+        let err = DbError::from(err).to_string();
+        assert!(err.contains(expected), "{sql}: expected {expected:?} in {err:?}");
+    }
+    let err = DbError::from(sqlx::query(cases[9].0).execute(&db.pool).await.unwrap_err());
+    assert!(matches!(err, DbError::UnknownRecurringTask(_)), "LG006: {err:?}");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks").await.unwrap(), 0, "nothing was stored");
+}
+
+#[tokio::test]
+async fn bad_recurring_definitions_from_rust_are_refused_with_the_problem_named() {
+    let (db, client) = setup().await;
+    let cases = [
+        (RecurringTask::new("t", "61 * * * *", "report"), "cron"),
+        (
+            RecurringTask { timezone: "Europe/Atlantis".into(), ..RecurringTask::new("t", "@daily", "report") },
+            "timezone",
+        ),
+        (RecurringTask { args: json!("text"), ..RecurringTask::new("t", "@daily", "report") }, "args"),
+        (RecurringTask::new("t t", "@daily", "report"), "recurring task name"),
+    ];
+    for (task, field) in cases {
+        match client.define_recurring(&task).await {
+            Err(EnqueueError::Invalid(err)) => assert_eq!(err.field, field, "{err}"),
+            other => panic!("{task:?}: {other:?}"),
+        }
+    }
+    let err = client.define_recurring(&RecurringTask::new("t", "@daily", "nope")).await.unwrap_err();
+    assert!(matches!(&err, EnqueueError::Database(DbError::UnknownJobType(m)) if m.contains("\"nope\"")), "{err}");
+    let err = client.set_recurring_enabled("nope", true).await.unwrap_err();
+    assert!(matches!(&err, DbError::UnknownRecurringTask(m) if m.contains("\"nope\"")), "{err}");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks").await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn a_runtime_enqueues_and_runs_the_ticks_of_a_task_defined_through_sql() {
+    let (db, _client) = setup().await;
+    let runs = Counter::default();
+    let counted = runs.clone();
+    let mut registry = Registry::new();
+    registry
+        .register::<Report, _>(move |_ctx: JobContext, _job: Report| {
+            counted.bump();
+            async { Ok::<(), JobError>(()) }
+        })
+        .unwrap();
+    let running = Running::start(&db, common::test_config(), registry, &["default"], 2).await;
+    // Defined after the runtime started: its scheduler re-reads the tasks every second.
+    sqlx::query("SELECT lockgate.define_recurring('heartbeat', '* * * * * *', 'report', '{\"kind\": \"beat\"}')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    wait_for("three ticks to run", WAIT, || async { Ok((runs.get() >= 3).then_some(())) }).await.unwrap();
+    running.stop().await;
+    let ticks = db.count("SELECT 1 FROM lockgate.recurring_ticks WHERE status = 'enqueued'").await.unwrap();
+    let archived = db.count("SELECT 1 FROM pgmq.a_default WHERE message->>'kind' = 'beat'").await.unwrap();
+    assert!(ticks >= 3, "{ticks} ticks");
+    assert!(archived + jobs(&db).await == ticks, "one job per tick: {ticks} ticks, {archived} archived");
+}
+
+#[tokio::test]
+async fn the_scheduler_stops_at_once_on_shutdown_and_carries_on_after_its_connections_are_killed() {
+    let (db, client) = setup().await;
+    client.define_recurring(&RecurringTask::new("beat", "* * * * * *", "report")).await.unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let scheduler = tokio::spawn(Scheduler::new(db.new_pool(2).await.unwrap()).run(shutdown.clone()));
+    let ticks = || db.count("SELECT 1 FROM lockgate.recurring_ticks");
+    wait_for("a first tick", WAIT, || async { Ok((ticks().await? >= 1).then_some(())) }).await.unwrap();
+    for round in 0..3 {
+        db.terminate_backends().await.unwrap();
+        let before = ticks().await.unwrap();
+        wait_for(&format!("a tick after the kill of round {round}"), WAIT, || async {
+            Ok((ticks().await? > before).then_some(()))
+        })
+        .await
+        .unwrap();
+    }
+    let stopping = Instant::now();
+    shutdown.cancel();
+    scheduler.await.unwrap();
+    assert!(stopping.elapsed() < Duration::from_millis(500), "stopped in {:?}", stopping.elapsed());
+    assert_eq!(jobs(&db).await, db.count("SELECT 1 FROM lockgate.recurring_ticks").await.unwrap(), "a job per tick");
+}
