@@ -64,3 +64,15 @@ CREATE TABLE lockgate.batches (
     CONSTRAINT batches_counted_within_total CHECK (succeeded + failed <= total)
 );
 CREATE INDEX batches_unfinished_idx ON lockgate.batches (updated_at) WHERE state <> 'finished' OR callbacks_pending;
+
+-- The jobs of a batch not counted yet: inserted with the job in the enqueue transaction (as
+-- total grows), deleted in the transaction that counts it. Membership is the job's, (queue,
+-- job_id), so only a job that was added to a batch is ever counted, once; a job deleted outside
+-- lockgate leaves its row, which the batch reaper finds.
+CREATE TABLE lockgate.batch_jobs (
+    queue    text NOT NULL,
+    job_id   bigint NOT NULL,
+    batch_id bigint NOT NULL REFERENCES lockgate.batches (id),
+    PRIMARY KEY (queue, job_id)
+);
+CREATE INDEX batch_jobs_batch_idx ON lockgate.batch_jobs (batch_id);

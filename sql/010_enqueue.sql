@@ -210,6 +210,10 @@ BEGIN
                 VALUES (key, _enqueue_one.queue, jt.name, _enqueue_one.job_id, args,
                         headers || jsonb_build_object('job_id', _enqueue_one.job_id), _enqueue_one.priority, vt);
                 status := 'parked';
+                IF batch IS NOT NULL THEN
+                    INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id)
+                    VALUES (_enqueue_one.queue, _enqueue_one.job_id, batch);
+                END IF;
                 -- A parked job keeps its uniqueness lock, with no message until it is promoted.
                 UPDATE lockgate.unique_locks u SET msg_id = NULL WHERE u.key = ukey AND ukey IS NOT NULL AND headers ? 'ukey';
             ELSIF headers ? 'ukey' THEN
@@ -218,6 +222,9 @@ BEGIN
             END IF;
             RETURN;
         END IF;
+    END IF;
+    IF job_id IS NULL AND batch IS NOT NULL THEN
+        job_id := nextval('lockgate.job_id_seq');
     END IF;
     IF job_id IS NULL THEN
         EXECUTE format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id',
@@ -233,6 +240,9 @@ BEGIN
     job_id := msg_id;
     IF key IS NOT NULL THEN
         PERFORM lockgate._add_lease(key, queue, msg_id, vt, jt.concurrency_duration_ms);
+    END IF;
+    IF batch IS NOT NULL THEN
+        INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id) VALUES (_enqueue_one.queue, _enqueue_one.job_id, batch);
     END IF;
     IF immediate THEN
         PERFORM pg_notify('lockgate_' || queue, '');
@@ -270,6 +280,9 @@ BEGIN
         RETURN;
     END IF;
     o := lockgate._resolve_options(jt, options);
+    IF o.batch IS NOT NULL THEN
+        PERFORM lockgate._check_batch(o.batch);
+    END IF;
     r := lockgate._enqueue_one(jt, args, o.queue, o.priority, o.vt, o.immediate, o.ckey, o.ukey, o.batch);
     IF o.batch IS NOT NULL THEN
         PERFORM lockgate._add_to_batch(o.batch, CASE WHEN r.status IN ('enqueued', 'parked') THEN 1 ELSE 0 END);
@@ -298,6 +311,9 @@ DECLARE
 BEGIN
     IF jt.concurrency_limit IS NOT NULL OR jt.unique_mode IS NOT NULL OR o.batch IS NOT NULL THEN
         PERFORM lockgate._check_all_args(args);
+        IF o.batch IS NOT NULL THEN
+            PERFORM lockgate._check_batch(o.batch);
+        END IF;
         inserted := 0;
         FOR r IN
             SELECT e.msg_id, e.job_id, e.status

@@ -188,9 +188,9 @@ BEGIN
     DELETE FROM lockgate.parked x WHERE x.id = p.id;
     INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
     VALUES (p.queue, NULL, p.job_id, p.job_type, p.args, p.headers, 'unknown_job_type', why, 0, p.parked_at);
-    PERFORM lockgate._release_unique(p.queue, ARRAY[p.job_id]);
-    IF lockgate._batch_of(p.headers) IS NOT NULL THEN
-        PERFORM lockgate._count_batches(ARRAY[lockgate._batch_of(p.headers)], true);
+    PERFORM lockgate._release_unique(p.queue, ARRAY[p.job_id], ARRAY[NULL::bigint]);
+    IF p.headers ? 'batch' THEN
+        PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true);
     END IF;
 END $$;
 

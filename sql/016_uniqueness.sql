@@ -11,7 +11,8 @@
 
 -- Takes key for job (queue, job_id) with its current message msg_id (NULL while parked), and
 -- returns NULL; or returns the id of the job holding it. The owner taking its own key again (a
--- redelivered while_executing job, a dead letter retried) takes it back. Never locks another
+-- redelivered while_executing job: the same job on the same message) takes it back; a message
+-- that only copies another job's id in its headers is not that job. Never locks another
 -- job's lock row: a producer that meets a duplicate holds nothing that delays its holder's
 -- completion. Waits only for a transaction inserting or deleting the same key.
 CREATE OR REPLACE FUNCTION lockgate._take_unique(key text, mode text, job_type text, queue text, job_id bigint, msg_id bigint)
@@ -29,9 +30,10 @@ BEGIN
         IF taken THEN
             RETURN NULL;
         END IF;
-        SELECT u.queue, u.job_id INTO holder FROM lockgate.unique_locks u WHERE u.key = _take_unique.key;
+        SELECT u.queue, u.job_id, u.msg_id INTO holder FROM lockgate.unique_locks u WHERE u.key = _take_unique.key;
         IF FOUND THEN
-            IF holder.queue = _take_unique.queue AND holder.job_id = _take_unique.job_id THEN
+            IF holder.queue = _take_unique.queue AND holder.job_id = _take_unique.job_id
+               AND holder.msg_id IS NOT DISTINCT FROM _take_unique.msg_id THEN
                 UPDATE lockgate.unique_locks u SET msg_id = _take_unique.msg_id, acquired_at = now()
                  WHERE u.key = _take_unique.key AND u.queue = _take_unique.queue AND u.job_id = _take_unique.job_id;
                 CONTINUE WHEN NOT FOUND;
@@ -43,12 +45,16 @@ BEGIN
     END LOOP;
 END $$;
 
--- Releases the locks the given jobs of queue hold; only while_executing ones when runs_only.
--- Called inside the transaction whose fenced statement ended these jobs or their runs.
-CREATE OR REPLACE FUNCTION lockgate._release_unique(queue text, job_ids bigint[], runs_only boolean DEFAULT false)
+-- Releases the locks the given jobs of queue hold through the given messages (job_ids[i] on
+-- msg_ids[i], NULL for a parked job; a message that copied another job's id in its headers
+-- owns nothing); only
+-- while_executing ones when runs_only. Called inside the transaction whose fenced statement
+-- ended these jobs or their runs.
+CREATE OR REPLACE FUNCTION lockgate._release_unique(queue text, job_ids bigint[], msg_ids bigint[],
+                                                    runs_only boolean DEFAULT false)
 RETURNS void LANGUAGE sql AS $$
-    DELETE FROM lockgate.unique_locks u USING unnest(job_ids) AS j(id)
-     WHERE u.queue = _release_unique.queue AND u.job_id = j.id
+    DELETE FROM lockgate.unique_locks u USING unnest(job_ids, msg_ids) AS j(id, msg_id)
+     WHERE u.queue = _release_unique.queue AND u.job_id = j.id AND u.msg_id IS NOT DISTINCT FROM j.msg_id
        AND (NOT runs_only OR u.mode = 'while_executing')
 $$;
 
@@ -67,13 +73,15 @@ BEGIN
 END $$;
 
 -- At claim, before a while_executing job runs: takes its unique key (the claim holds its message
--- row). True when the run may start. When another job holds the key, the job is discarded as a
--- duplicate (archived with duplicate_of in its headers; its permit and batch count go as for
--- any completion) if its type discards duplicates, else put back for a second to wait for the
--- holder (a return, not an attempt). Never waits more than a few milliseconds: a key another
--- transaction is inserting or deleting puts the job back too (H28).
+-- row). Returns the headers to deliver the job with, or NULL when it is not delivered. When
+-- another job holds the key, a type that discards duplicates has the job delivered with
+-- duplicate_of (the holder) in its headers, and its worker completes it without running it (so
+-- the claim itself archives nothing and takes no lock of the completion's bookkeeping); a type
+-- that rejects them has the job put back for a second to wait for the holder (a return, not an
+-- attempt). Never waits more than a few milliseconds: a key another transaction is inserting or
+-- deleting puts the job back too (H28).
 CREATE OR REPLACE FUNCTION lockgate._start_unique(queue text, c lockgate._claimed)
-RETURNS boolean LANGUAGE plpgsql AS $$
+RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     tbl text := lockgate._queue_table(queue, 'q');
     job bigint := COALESCE((c.headers->>'job_id')::bigint, c.msg_id);
@@ -87,20 +95,19 @@ BEGIN
     EXCEPTION WHEN lock_not_available THEN
         PERFORM set_config('lock_timeout', saved, true);
         PERFORM lockgate._put_back(tbl, c);
-        RETURN false;
+        RETURN NULL;
     END;
     IF holder IS NULL THEN
-        RETURN true;
+        RETURN c.headers;
     END IF;
     IF (SELECT t.unique_on_conflict FROM lockgate.job_types t WHERE t.name = c.headers->>'type') = 'discard' THEN
-        EXECUTE format('UPDATE %s m SET headers = m.headers || jsonb_build_object(''duplicate_of'', $3)
-                         WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
-          USING c.msg_id, c.read_ct, holder;
-        PERFORM lockgate.complete(queue, ARRAY[c.msg_id], ARRAY[c.read_ct]);
-    ELSE
-        PERFORM lockgate._put_back(tbl, c);
+        c.headers := c.headers || jsonb_build_object('duplicate_of', holder);
+        EXECUTE format('UPDATE %s m SET headers = $3 WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
+          USING c.msg_id, c.read_ct, c.headers;
+        RETURN c.headers;
     END IF;
-    RETURN false;
+    PERFORM lockgate._put_back(tbl, c);
+    RETURN NULL;
 END $$;
 
 -- The reaper (dispatcher): deletes locks whose job no longer exists — no message of its queue

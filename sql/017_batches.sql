@@ -1,12 +1,17 @@
--- Batches (G2, H22): jobs enqueued into a batch carry its id in their headers ("batch"); the
--- batch row counts them. total grows in the enqueue transaction; succeeded in the completion
--- that archived a job, failed in the dead-letter that removed one (or the discard of a parked
--- one), each gated by its fenced statement, so a duplicate delivery or a retry counts once.
--- The transaction that counts a closed batch's last job finishes it and enqueues its callbacks:
+-- Batches (G2, H22): a job enqueued into a batch has a membership row (lockgate.batch_jobs,
+-- keyed by the job) and carries the batch's id in its headers ("batch", which only tells the
+-- completion to look for the membership). total grows in the enqueue transaction; succeeded in
+-- the completion that archived a job, failed in the dead-letter that removed one (or the
+-- discard of a parked one), each gated by its fenced statement and by deleting the job's
+-- membership, so a duplicate delivery, a retry or a message that merely carries a batch header
+-- counts nothing more. The transaction that counts a closed batch's last job finishes it:
 -- counting and finishing update the batch row, whose row lock serialises them, so of two last
 -- completions racing on two connections exactly one sees the count complete (H22).
+-- Callbacks are enqueued in that transaction when their types take no lock (no limit, no
+-- uniqueness: the enqueue only inserts a message); otherwise by the batch sweep, at most a
+-- sweep interval later, so a completion never waits for or deadlocks on a callback's keys.
 -- Lock order: a batch row comes after every other row its transaction locks (messages, leases,
--- semaphores, unique locks); batches in id order.
+-- semaphores, unique locks, batch memberships); batches in id order.
 
 -- Validates a callback job type: NULL (none) or a defined type.
 CREATE OR REPLACE FUNCTION lockgate._check_callback(which text, job_type text)
@@ -35,10 +40,31 @@ BEGIN
         RAISE EXCEPTION 'lockgate: batch properties must be a JSON object, got %', COALESCE(jsonb_typeof(properties), 'null')
             USING ERRCODE = 'LG003';
     END IF;
+    -- The callbacks' arguments carry them, and arguments are at most 1 MiB.
+    IF pg_column_size(properties) > 1000000 THEN
+        RAISE EXCEPTION 'lockgate: batch properties are % bytes, more than the 1000000 allowed', pg_column_size(properties)
+            USING ERRCODE = 'LG003';
+    END IF;
     INSERT INTO lockgate.batches (on_finish, on_success, on_failure, properties)
     VALUES (create_batch.on_finish, create_batch.on_success, create_batch.on_failure, create_batch.properties)
     RETURNING batches.id INTO id;
     RETURN id;
+END $$;
+
+-- Raises naming the batch when it does not exist or is not open. A plain read: the enqueue's
+-- _add_to_batch decides under the row lock; this only keeps a job of a closed batch from being
+-- enqueued at all.
+CREATE OR REPLACE FUNCTION lockgate._check_batch(batch bigint)
+RETURNS void LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    st text;
+BEGIN
+    SELECT b.state INTO st FROM lockgate.batches b WHERE b.id = batch;
+    IF st IS DISTINCT FROM 'open' THEN
+        RAISE EXCEPTION 'lockgate: %', CASE WHEN st IS NULL THEN format('batch %s does not exist', batch)
+                                            ELSE format('batch %s is %s: no job can be added to it', batch, st) END
+            USING ERRCODE = 'LG003';
+    END IF;
 END $$;
 
 -- Counts n jobs enqueued into an open batch; raises naming the batch when it does not exist or
@@ -110,19 +136,30 @@ BEGIN
     END LOOP;
 END $$;
 
--- The batch ids in headers, for the jobs that carry a well-formed one.
-CREATE OR REPLACE FUNCTION lockgate._batch_of(headers jsonb)
-RETURNS bigint LANGUAGE sql IMMUTABLE AS $$
-    SELECT CASE WHEN jsonb_typeof(headers) = 'object' AND headers->>'batch' ~ '^[1-9][0-9]{0,17}$'
-                THEN (headers->>'batch')::bigint END
-$$;
+-- Counts the given jobs of queue that are members of a batch (deleting their memberships), as
+-- failed or succeeded; a job that is no member (never added, or counted already) counts nothing.
+CREATE OR REPLACE FUNCTION lockgate._count_batch_jobs(queue text, job_ids bigint[], as_failed boolean)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    batch_ids bigint[];
+BEGIN
+    WITH gone AS (
+        DELETE FROM lockgate.batch_jobs m USING unnest(job_ids) AS j(id)
+         WHERE m.queue = _count_batch_jobs.queue AND m.job_id = j.id
+        RETURNING m.batch_id)
+    SELECT array_agg(gone.batch_id) INTO batch_ids FROM gone;
+    IF batch_ids IS NOT NULL THEN
+        PERFORM lockgate._count_batches(batch_ids, as_failed);
+    END IF;
+END $$;
 
 -- Finishes a closed batch whose jobs are all counted (the caller holds its row lock): marks it
--- finished and enqueues its callbacks. A callback that cannot be enqueued (its type was
--- removed, its uniqueness rejects it) does not fail the completion that finished the batch: the
--- batch keeps callbacks_pending and the error, and the sweep (lockgate.batch_sweep) tries
--- again. Each callback is enqueued once: the state moves to finished in this transaction, and
--- the sweep enqueues only while callbacks_pending is set, clearing it in the same transaction.
+-- finished with its callbacks pending, and enqueues them at once when none of their types takes
+-- a lock (no limit, no uniqueness). The others are left to the sweep (lockgate.batch_sweep), so
+-- a completion never waits for a callback's keys nor deadlocks on them; nor does a callback
+-- that cannot be enqueued fail the completion. Each callback is enqueued once: the state moves
+-- to finished in this transaction, and callbacks are enqueued only while callbacks_pending is
+-- set, clearing it in the same transaction.
 CREATE OR REPLACE FUNCTION lockgate._finish_batch(batch_id bigint)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
@@ -131,44 +168,57 @@ BEGIN
     UPDATE lockgate.batches x SET state = 'finished', finished_at = now(), updated_at = now(), callbacks_pending = true
      WHERE x.id = batch_id AND x.state = 'closed'
     RETURNING x.* INTO b;
-    IF FOUND THEN
+    IF FOUND AND NOT EXISTS (
+        SELECT 1 FROM unnest(ARRAY[b.on_finish,
+                                   CASE WHEN b.failed = 0 THEN b.on_success END,
+                                   CASE WHEN b.failed > 0 THEN b.on_failure END]) AS c(name)
+          LEFT JOIN lockgate.job_types t ON t.name = c.name
+         WHERE c.name IS NOT NULL AND (t.name IS NULL OR t.concurrency_limit IS NOT NULL OR t.unique_mode IS NOT NULL)) THEN
         PERFORM lockgate._enqueue_callbacks(b);
     END IF;
 END $$;
 
 -- Enqueues a finished batch's callbacks and clears callbacks_pending, or records why it could
--- not (all of them or none: a subtransaction).
+-- not (all of them or none: a subtransaction). A callback that is not stored — parked counts as
+-- stored, but not discarded by its limit nor a duplicate of its unique key — counts as not
+-- enqueued: the batch stays pending, with the reason.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_callbacks(b lockgate.batches)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     args jsonb := jsonb_build_object('batch_id', b.id, 'total', b.total, 'succeeded', b.succeeded, 'failed', b.failed,
                                      'properties', b.properties);
+    callback text;
+    r record;
 BEGIN
     BEGIN
-        IF b.on_finish IS NOT NULL THEN
-            PERFORM lockgate.enqueue(b.on_finish, args);
-        END IF;
-        IF b.on_success IS NOT NULL AND b.failed = 0 THEN
-            PERFORM lockgate.enqueue(b.on_success, args);
-        END IF;
-        IF b.on_failure IS NOT NULL AND b.failed > 0 THEN
-            PERFORM lockgate.enqueue(b.on_failure, args);
-        END IF;
+        FOREACH callback IN ARRAY ARRAY[b.on_finish,
+                                        CASE WHEN b.failed = 0 THEN b.on_success END,
+                                        CASE WHEN b.failed > 0 THEN b.on_failure END] LOOP
+            CONTINUE WHEN callback IS NULL;
+            SELECT * INTO r FROM lockgate.enqueue(callback, args);
+            IF r.status NOT IN ('enqueued', 'parked') THEN
+                RAISE EXCEPTION 'lockgate: callback % was % (job %)', callback, r.status, r.job_id;
+            END IF;
+        END LOOP;
         UPDATE lockgate.batches x SET callbacks_pending = false, callback_error = NULL WHERE x.id = b.id;
     EXCEPTION WHEN OTHERS THEN
         UPDATE lockgate.batches x SET callback_error = left(SQLERRM, 4000) WHERE x.id = b.id;
     END;
 END $$;
 
--- The batch sweep (dispatcher): enqueues the callbacks of finished batches whose callbacks
--- could not be enqueued when they finished. Returns how many batches it completed.
--- Locks: batch rows (SKIP LOCKED). Callers: the maintenance service, operators.
+-- The batch sweep (dispatcher): enqueues the callbacks of finished batches whose callbacks were
+-- not enqueued when they finished (types that take locks, or an enqueue that failed). Never
+-- waits long: a callback's key held by another transaction makes the enqueue give up after
+-- 100 ms, and the batch stays pending for the next pass. Returns how many batches it completed.
+-- Locks: batch rows (SKIP LOCKED), then what the callbacks' enqueues lock.
+-- Callers: the bookkeeping sweep service, operators.
 CREATE OR REPLACE FUNCTION lockgate.batch_sweep(max_rows integer DEFAULT 100)
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     b lockgate.batches;
     repaired integer := 0;
 BEGIN
+    PERFORM set_config('lock_timeout', '100ms', true);
     FOR b IN SELECT * FROM lockgate.batches x WHERE x.callbacks_pending AND x.state = 'finished'
               ORDER BY x.id LIMIT max_rows FOR UPDATE SKIP LOCKED LOOP
         PERFORM lockgate._enqueue_callbacks(b);
@@ -177,6 +227,44 @@ BEGIN
         END IF;
     END LOOP;
     RETURN repaired;
+END $$;
+
+-- The batch reaper (dispatcher): counts as failed the members of closed batches idle for
+-- min_idle whose job no longer exists — no message of its queue with its id as msg_id or in its
+-- headers' job_id, no parked job — such as a job deleted outside lockgate (pgmq.delete), so the
+-- batch can finish. A job moves between parked and queued in one transaction, so one
+-- statement's snapshot sees it in one place or the other. A member of a queue whose table is
+-- gone cannot be judged and is kept. Returns how many members it counted.
+-- Locks: membership rows (SKIP LOCKED), then batch rows. Callers: the bookkeeping sweep, operators.
+CREATE OR REPLACE FUNCTION lockgate.reap_batches(min_idle interval DEFAULT '10 minutes', max_rows integer DEFAULT 1000)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    q record;
+    lost bigint[];
+    reaped integer := 0;
+BEGIN
+    FOR q IN SELECT DISTINCT m.queue FROM lockgate.batch_jobs m JOIN lockgate.batches b ON b.id = m.batch_id
+              WHERE b.state = 'closed' AND b.updated_at < now() - min_idle
+                AND m.queue IN (SELECT lockgate._live_queues())
+              ORDER BY m.queue LOOP
+        EXECUTE format(
+            'WITH doomed AS (
+                 SELECT m.queue, m.job_id FROM lockgate.batch_jobs m JOIN lockgate.batches b ON b.id = m.batch_id
+                  WHERE m.queue = $1 AND b.state = ''closed'' AND b.updated_at < now() - $2
+                    AND NOT EXISTS (SELECT 1 FROM %1$s x WHERE x.msg_id = m.job_id)
+                    AND NOT EXISTS (SELECT 1 FROM %1$s x WHERE x.headers->>''job_id'' = m.job_id::text)
+                    AND NOT EXISTS (SELECT 1 FROM lockgate.parked p WHERE p.job_id = m.job_id)
+                  ORDER BY m.job_id LIMIT $3
+                    FOR UPDATE OF m SKIP LOCKED)
+             SELECT array_agg(d.job_id) FROM doomed d',
+            lockgate._queue_table(q.queue, 'q'))
+          INTO lost USING q.queue, min_idle, max_rows;
+        IF lost IS NOT NULL THEN
+            PERFORM lockgate._count_batch_jobs(q.queue, lost, true);
+            reaped := reaped + cardinality(lost);
+        END IF;
+    END LOOP;
+    RETURN reaped;
 END $$;
 
 -- One batch's progress; no row for an unknown id.

@@ -27,7 +27,8 @@
 -- a key held by an open producer transaction puts its job back for a moment instead (H28).
 -- Each claimed message records its owner (the claiming process's supervisor id, or NULL), and
 -- loses its retry_at mark (it is running, not waiting). A job of a while_executing type takes
--- its unique key last (lockgate._start_unique), or is put back or discarded as a duplicate.
+-- its unique key last (lockgate._start_unique), or is put back, or is delivered with
+-- duplicate_of in its headers: its worker completes it without running it.
 --
 -- Attempts count runs that started (H32). last_read_at is when the current delivery started
 -- running. A worker that claims more than it starts at once (its claim-ahead) says how many start
@@ -154,9 +155,10 @@ BEGIN
                 limited := limited || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
                 CONTINUE;
             END IF;
-            IF r.headers ? 'wkey' AND NOT lockgate._start_unique(queue,
-                   ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed) THEN
-                CONTINUE;
+            IF r.headers ? 'wkey' THEN
+                r.headers := lockgate._start_unique(queue,
+                    ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed);
+                CONTINUE WHEN r.headers IS NULL;
             END IF;
             msg_id := r.msg_id;
             read_ct := r.read_ct;
@@ -192,7 +194,10 @@ BEGIN
                 EXECUTE format('UPDATE %s m SET vt = $2 WHERE m.msg_id = $1', tbl) USING u.msg_id, lease_end;
                 u.vt := lease_end;
             END IF;
-            CONTINUE WHEN u.headers ? 'wkey' AND NOT lockgate._start_unique(queue, u);
+            IF u.headers ? 'wkey' THEN
+                u.headers := lockgate._start_unique(queue, u);
+                CONTINUE WHEN u.headers IS NULL;
+            END IF;
             msg_id := u.msg_id;
             read_ct := u.read_ct;
             enqueued_at := u.enqueued_at;
@@ -208,13 +213,17 @@ BEGIN
         FOR u IN SELECT * FROM unnest(unleased) x ORDER BY x.headers->>'ckey' NULLS FIRST, x.msg_id LOOP
             visible_at := lockgate._reacquire(queue, u);
             CONTINUE WHEN visible_at IS NULL;
-            CONTINUE WHEN u.headers ? 'wkey' AND NOT lockgate._start_unique(queue, u);
             msg_id := u.msg_id;
             read_ct := u.read_ct;
             enqueued_at := u.enqueued_at;
             message := u.message;
             -- As _reacquire left them (it may have given the job its key).
             EXECUTE format('SELECT m.headers FROM %s m WHERE m.msg_id = $1', tbl) INTO headers USING u.msg_id;
+            IF headers ? 'wkey' THEN
+                u.headers := headers;
+                headers := lockgate._start_unique(queue, u);
+                CONTINUE WHEN headers IS NULL;
+            END IF;
             -- The budget ends when the message becomes visible again, however long this took.
             budget_seconds := extract(epoch FROM visible_at - at);
             claimed_ahead := u.ahead;
@@ -271,6 +280,9 @@ RETURNS text LANGUAGE sql STABLE AS $$
         WHEN headers ? 'wkey' AND (jsonb_typeof(headers->'wkey') IS DISTINCT FROM 'string'
                                    OR length(headers->>'wkey') NOT BETWEEN 1 AND 512) THEN
             format('unique key %s in the headers is not a string of 1 to 512 characters', left(headers->>'wkey', 100))
+        WHEN jsonb_typeof(headers->'duplicate_of') NOT IN ('number', 'null')
+          OR (jsonb_typeof(headers->'duplicate_of') = 'number' AND headers->>'duplicate_of' !~ '^[1-9][0-9]{0,17}$') THEN
+            format('duplicate_of %s in the headers is not a job id', headers->'duplicate_of')
         WHEN jsonb_typeof(headers->'batch') NOT IN ('number', 'null')
           OR (jsonb_typeof(headers->'batch') = 'number' AND headers->>'batch' !~ '^[1-9][0-9]{0,17}$') THEN
             format('batch %s in the headers is not a batch id', headers->'batch')

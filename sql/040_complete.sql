@@ -13,7 +13,8 @@
 -- no commit of its own while jobs finish, and a HOT update (last_read_at is in no index).
 -- Locks: the started message rows in msg_id order (as a release locks its rows), the deleted
 -- message rows, their lease rows, then semaphore rows in key order, then unique lock rows, then
--- batch rows in id order. Callers: the completer, batching many deliveries of one queue.
+-- batch membership rows, batch rows in id order. Callers: the completer, batching many
+-- deliveries of one queue.
 CREATE OR REPLACE FUNCTION lockgate.complete(queue text, msg_ids bigint[], read_cts integer[],
                                              started_ids bigint[] DEFAULT NULL, started_cts integer[] DEFAULT NULL)
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$
@@ -21,7 +22,8 @@ DECLARE
     archived bigint[];
     limited bigint[];
     uniq bigint[];
-    batches bigint[];
+    uniq_msgs bigint[];
+    batched bigint[];
 BEGIN
     IF cardinality(started_ids) > 0 THEN
         EXECUTE format(
@@ -48,20 +50,21 @@ BEGIN
              SELECT msg_id, vt, read_ct, enqueued_at, last_read_at, message, headers FROM done
              RETURNING msg_id, headers)
          SELECT array_agg(msg_id), array_agg(msg_id) FILTER (WHERE headers ? ''ckey''),
-                array_agg(COALESCE((headers->>''job_id'')::bigint, msg_id)) FILTER (WHERE headers ? ''ukey'' OR headers ? ''wkey''),
-                array_agg(lockgate._batch_of(headers)) FILTER (WHERE headers ? ''batch'')
+                array_agg(COALESCE(lockgate._job_id_of(headers), msg_id)) FILTER (WHERE headers ? ''ukey'' OR headers ? ''wkey''),
+                array_agg(msg_id) FILTER (WHERE headers ? ''ukey'' OR headers ? ''wkey''),
+                array_agg(COALESCE(lockgate._job_id_of(headers), msg_id)) FILTER (WHERE headers ? ''batch'')
            FROM ins',
         lockgate._queue_table(queue, 'q'), lockgate._queue_table(queue, 'a'))
-       INTO archived, limited, uniq, batches
+       INTO archived, limited, uniq, uniq_msgs, batched
       USING msg_ids, read_cts;
     IF limited IS NOT NULL THEN
         PERFORM lockgate._release_leases(queue, limited);
     END IF;
     IF uniq IS NOT NULL THEN
-        PERFORM lockgate._release_unique(queue, uniq);
+        PERFORM lockgate._release_unique(queue, uniq, uniq_msgs);
     END IF;
-    IF batches IS NOT NULL THEN
-        PERFORM lockgate._count_batches(batches, false);
+    IF batched IS NOT NULL THEN
+        PERFORM lockgate._count_batch_jobs(queue, batched, false);
     END IF;
     RETURN QUERY SELECT unnest(archived);
 END $$;

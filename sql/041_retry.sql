@@ -32,7 +32,8 @@ BEGIN
         UPDATE lockgate.leases l SET expires_at = GREATEST(l.expires_at, retry_at + lockgate._lease_interval(l.duration_ms))
          WHERE l.queue = retry.queue AND l.msg_id = retry.msg_id;
         IF found_headers ? 'wkey' THEN
-            PERFORM lockgate._release_unique(queue, ARRAY[COALESCE(lockgate._job_id_of(found_headers), found_id)], true);
+            PERFORM lockgate._release_unique(queue, ARRAY[COALESCE(lockgate._job_id_of(found_headers), found_id)],
+                                             ARRAY[found_id], true);
         END IF;
     END IF;
     RETURN found_id IS NOT NULL;

@@ -38,10 +38,11 @@ BEGIN
     IF found_id IS NOT NULL THEN
         PERFORM lockgate._release_leases(queue, ARRAY[found_id]);
         IF jsonb_typeof(found_headers) = 'object' AND (found_headers ? 'ukey' OR found_headers ? 'wkey') THEN
-            PERFORM lockgate._release_unique(queue, ARRAY[COALESCE(lockgate._job_id_of(found_headers), found_id)]);
+            PERFORM lockgate._release_unique(queue, ARRAY[COALESCE(lockgate._job_id_of(found_headers), found_id)],
+                                             ARRAY[found_id]);
         END IF;
-        IF lockgate._batch_of(found_headers) IS NOT NULL THEN
-            PERFORM lockgate._count_batches(ARRAY[lockgate._batch_of(found_headers)], true);
+        IF jsonb_typeof(found_headers) = 'object' AND found_headers ? 'batch' THEN
+            PERFORM lockgate._count_batch_jobs(queue, ARRAY[COALESCE(lockgate._job_id_of(found_headers), found_id)], true);
         END IF;
     END IF;
     RETURN found_id IS NOT NULL;

@@ -33,7 +33,7 @@ BEGIN
          unlocked AS (
              DELETE FROM lockgate.unique_locks u USING released r
               WHERE r.headers ? ''wkey'' AND u.queue = $3 AND u.mode = ''while_executing''
-                AND u.job_id = COALESCE(lockgate._job_id_of(r.headers), r.msg_id))
+                AND u.job_id = COALESCE(lockgate._job_id_of(r.headers), r.msg_id) AND u.msg_id = r.msg_id)
          SELECT msg_id FROM released',
         lockgate._queue_table(queue, 'q'))
       USING msg_ids, read_cts, queue;

@@ -23,7 +23,10 @@ BEGIN
     LOOP
         new_msg_id := nextval('lockgate.job_id_seq');
         queue := dl.queue;
-        IF jsonb_typeof(dl.headers) = 'object' AND jsonb_typeof(dl.headers->'ukey') = 'string' THEN
+        -- Only a well-formed key of a known type is taken: anything else is resent without it (a
+        -- malformed message is dead-lettered again by its next claim, with its reason).
+        IF jsonb_typeof(dl.headers) = 'object' AND jsonb_typeof(dl.headers->'ukey') = 'string'
+           AND length(dl.headers->>'ukey') BETWEEN 1 AND 512 AND dl.job_type IS NOT NULL THEN
             holder := lockgate._take_unique(dl.headers->>'ukey', 'until_executed', dl.job_type, dl.queue,
                                             COALESCE(dl.job_id, new_msg_id), new_msg_id);
             IF holder IS NOT NULL THEN

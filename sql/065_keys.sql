@@ -33,9 +33,9 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    PERFORM lockgate._release_unique(p.queue, ARRAY[p.job_id]);
-    IF lockgate._batch_of(p.headers) IS NOT NULL THEN
-        PERFORM lockgate._count_batches(ARRAY[lockgate._batch_of(p.headers)], true);
+    PERFORM lockgate._release_unique(p.queue, ARRAY[p.job_id], ARRAY[NULL::bigint]);
+    IF p.headers ? 'batch' THEN
+        PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true);
     END IF;
     RETURN true;
 END $$;

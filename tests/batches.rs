@@ -265,16 +265,21 @@ async fn callbacks_that_cannot_be_enqueued_stay_pending_until_the_sweep_enqueues
     sqlx::query("DELETE FROM lockgate.job_types WHERE name = 'done'").execute(&db.pool).await.unwrap();
     let claimed = claim_work(&db.pool).await;
     assert!(complete(&db.pool, claimed[0]).await);
-    let row = sqlx::query("SELECT state, callbacks_pending, callback_error FROM lockgate.batch($1)")
-        .bind(batch)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!((row.get::<String, _>(0), row.get::<bool, _>(1)), ("finished".to_string(), true));
-    assert!(row.get::<String, _>(2).contains("unknown job type \"done\""));
+    let pending = |pool: PgPool| async move {
+        let row = sqlx::query("SELECT state, callbacks_pending, callback_error FROM lockgate.batch($1)")
+            .bind(batch)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        (row.get::<String, _>(0), row.get::<bool, _>(1), row.get::<Option<String>, _>(2))
+    };
+    assert_eq!(pending(db.pool.clone()).await, ("finished".to_string(), true, None), "left to the sweep");
     assert!(callbacks(&db.pool).await.is_empty(), "all of them or none");
     let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
     assert_eq!(swept, 0, "still not enqueueable");
+    let (_, still, error) = pending(db.pool.clone()).await;
+    assert!(still && error.unwrap().contains("unknown job type \"done\""));
+    assert!(callbacks(&db.pool).await.is_empty(), "all of them or none");
     sqlx::query("SELECT lockgate.define_job_type('done')").execute(&db.pool).await.unwrap();
     let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
     assert_eq!(swept, 1);
@@ -382,4 +387,115 @@ async fn a_batch_of_1000_jobs_run_by_8_workers_with_50_failures_fires_on_finish_
     assert_eq!(fired[0].1["properties"], json!({ "import": "march" }));
     assert_eq!((fired[0].1["succeeded"].clone(), fired[0].1["failed"].clone()), (json!(950), json!(50)));
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 50);
+}
+
+#[tokio::test]
+async fn h29_a_message_that_only_carries_a_batch_header_neither_fails_a_claim_nor_counts() {
+    let db = setup().await;
+    let open = create_batch(&db.pool).await;
+    let closed = create_batch(&db.pool).await;
+    add_jobs(&db.pool, closed, 1).await;
+    close(&db.pool, closed).await.unwrap();
+    // Sent outside lockgate: a job of a defined type naming both batches, and a malformed one.
+    for headers in [
+        json!({ "type": "work", "batch": open }),
+        json!({ "type": "work", "batch": closed }),
+        json!({ "type": "work", "batch": "x" }),
+    ] {
+        sqlx::query("SELECT pgmq.send('default', '{}'::jsonb, $1)").bind(headers).execute(&db.pool).await.unwrap();
+    }
+    let claimed = claim_work(&db.pool).await;
+    assert_eq!(claimed.len(), 3, "the member and the two well-formed strangers; the malformed one is dead-lettered");
+    for d in &claimed[1..] {
+        assert!(complete(&db.pool, *d).await);
+    }
+    assert_eq!(progress(&db.pool, open).await, ("open".to_string(), 0, 0, 0, 0));
+    assert_eq!(progress(&db.pool, closed).await, ("closed".to_string(), 1, 0, 0, 1), "only its member counts");
+    assert!(complete(&db.pool, claimed[0]).await);
+    assert_eq!(progress(&db.pool, closed).await.0, "finished");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters WHERE reason = 'undecodable'").await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn callbacks_of_types_that_take_locks_are_enqueued_by_the_sweep_and_a_discarded_one_stays_pending() {
+    let db = setup().await;
+    sqlx::query(
+        "SELECT lockgate.define_job_type('limited_cb', concurrency_limit => 1, concurrency_on_conflict => 'discard')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let batch: i64 = sqlx::query_scalar("SELECT lockgate.create_batch(on_finish => 'limited_cb')")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    add_jobs(&db.pool, batch, 1).await;
+    close(&db.pool, batch).await.unwrap();
+    // The callback type's only permit is held: its enqueue would be discarded.
+    sqlx::query("SELECT * FROM lockgate.enqueue('limited_cb')").execute(&db.pool).await.unwrap();
+    let claimed = claim_work(&db.pool).await;
+    assert!(complete(&db.pool, claimed[0]).await);
+    let limited = || db.count("SELECT 1 FROM pgmq.q_default WHERE headers->>'type' = 'limited_cb'");
+    assert_eq!(limited().await.unwrap(), 1, "the completion enqueued nothing of a type that takes a lock");
+    let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(swept, 0);
+    let error: Option<String> = sqlx::query_scalar("SELECT callback_error FROM lockgate.batch($1)")
+        .bind(batch)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(error.unwrap().contains("callback limited_cb was discarded"), "a discarded callback is not a fired one");
+    // The permit frees up: the next pass enqueues it, once.
+    // (claim_work claimed it too, with the batch's job.)
+    let holder: Delivery =
+        sqlx::query_as("SELECT msg_id, read_ct FROM pgmq.q_default WHERE headers->>'type' = 'limited_cb'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(complete(&db.pool, holder).await);
+    for expected in [1, 0] {
+        let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+        assert_eq!(swept, expected);
+    }
+    assert_eq!(limited().await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn the_batch_reaper_counts_a_member_deleted_outside_lockgate_as_failed() {
+    let db = setup().await;
+    let batch = create_batch(&db.pool).await;
+    add_jobs(&db.pool, batch, 2).await;
+    close(&db.pool, batch).await.unwrap();
+    let claimed = claim_work(&db.pool).await;
+    assert!(complete(&db.pool, claimed[0]).await);
+    sqlx::query("SELECT pgmq.delete('default', $1)").bind(claimed[1].0).execute(&db.pool).await.unwrap();
+    let reap = |idle: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i32>("SELECT lockgate.reap_batches($1::interval)")
+                .bind(idle)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(reap("1 hour").await, 0, "a batch that changed recently is not judged");
+    assert_eq!(reap("0 seconds").await, 1);
+    assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 2, 1, 1, 0));
+    let fired: Vec<String> = callbacks(&db.pool).await.into_iter().map(|c| c.0).collect();
+    assert_eq!(fired, vec!["bad", "done"]);
+    assert_eq!(reap("0 seconds").await, 0);
+}
+
+#[tokio::test]
+async fn the_properties_of_a_batch_are_bounded_so_its_callbacks_can_always_be_enqueued() {
+    let db = setup().await;
+    let big = json!({ "blob": "x".repeat(1_100_000) });
+    let err = sqlx::query("SELECT lockgate.create_batch(properties => $1)")
+        .bind(&big)
+        .execute(&db.pool)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("more than the 1000000 allowed"), "{err}");
 }

@@ -236,15 +236,20 @@ async fn while_executing_lets_duplicates_queue_and_runs_them_one_at_a_time_or_di
 
     let (_, c, _) = enqueue(&db.pool, "wd", 2).await.unwrap();
     let (_, d, _) = enqueue(&db.pool, "wd", 2).await.unwrap();
-    let run = claim(&db.pool, 5).await;
-    assert_eq!(run, vec![(c.unwrap(), 1)]);
-    let discarded: i64 =
-        sqlx::query_scalar("SELECT (headers->>'duplicate_of')::bigint FROM pgmq.a_default WHERE msg_id = $1")
-            .bind(d.unwrap())
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-    assert_eq!(discarded, c.unwrap(), "D was archived as a duplicate of the running C");
+    let run: Vec<(i64, i32, Option<i64>)> = sqlx::query_as(
+        "SELECT msg_id, read_ct, (headers->>'duplicate_of')::bigint FROM lockgate.claim('default', 5, 30)",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        run,
+        vec![(c.unwrap(), 1, None), (d.unwrap(), 1, c)],
+        "D is delivered marked as a duplicate of the running C, for its worker to archive without running it"
+    );
+    let wd: Vec<_> = locks(&db.pool).await.into_iter().filter(|l| l.0.starts_with("wd")).collect();
+    assert_eq!(wd, vec![("wd:[2]".to_string(), c.unwrap(), c)], "D took nothing");
+    assert!(complete(&db.pool, (d.unwrap(), 1)).await);
 }
 
 #[tokio::test]
@@ -379,4 +384,139 @@ async fn the_rust_api_defines_uniqueness_and_reports_a_duplicate_as_a_status_or_
     let a = client.enqueue_raw("discard", &serde_json::json!({"id": 2}), &explicit).await.unwrap();
     let b = client.enqueue_raw("discard", &serde_json::json!({"id": 3}), &explicit).await.unwrap();
     assert_eq!((a.status, b.status, b.job_id), (EnqueueStatus::Enqueued, EnqueueStatus::Duplicate, a.job_id));
+}
+
+#[tokio::test]
+async fn a_message_sent_outside_lockgate_that_copies_a_jobs_id_never_releases_its_lock() {
+    let db = db_with(&["'u', unique_mode => 'until_executed', unique_key => array['id']"]).await;
+    let (_, j, j_job) = enqueue(&db.pool, "u", 1).await.unwrap();
+    sqlx::query("SELECT pgmq.send('default', '{\"id\": 1}'::jsonb, jsonb_build_object('type', 'u', 'ukey', 'u:[1]', 'job_id', $1::bigint))")
+        .bind(j_job)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let claimed = claim(&db.pool, 5).await;
+    let forged = claimed.iter().find(|d| Some(d.0) != j).copied().unwrap();
+    assert!(complete(&db.pool, forged).await);
+    assert_eq!(locks(&db.pool).await, vec![("u:[1]".to_string(), j_job, j)], "the lock is J's, on J's message");
+    assert!(enqueue(&db.pool, "u", 1).await.unwrap_err().contains(&format!("held by job {j_job}")));
+}
+
+#[tokio::test]
+async fn h28_a_claim_that_meets_a_while_executing_duplicate_never_waits_for_a_producer() {
+    let db =
+        db_with(&["'wd', unique_mode => 'while_executing', unique_on_conflict => 'discard', concurrency_limit => 5"])
+            .await;
+    let batch: i64 = sqlx::query_scalar("SELECT lockgate.create_batch()").fetch_one(&db.pool).await.unwrap();
+    let opts = serde_json::json!({ "batch": batch });
+    for _ in 0..2 {
+        sqlx::query("SELECT * FROM lockgate.enqueue('wd', '{}', $1)").bind(&opts).execute(&db.pool).await.unwrap();
+    }
+    let first = claim(&db.pool, 1).await;
+    assert_eq!(first.len(), 1);
+    // A producer holds the key's semaphore row and the batch's row in an open transaction.
+    let mut producer = PgConnection::connect(&db.url).await.unwrap();
+    let mut tx = producer.begin().await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('wd', '{}', $1)").bind(&opts).execute(&mut *tx).await.unwrap();
+    // A claim that waited for the producer would wait until its rollback: cut it off at 3 s.
+    let mut worker = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("SET statement_timeout = '3s'").execute(&mut worker).await.unwrap();
+    let started = std::time::Instant::now();
+    let second: Vec<(i64, Option<i64>)> =
+        sqlx::query_as("SELECT msg_id, (headers->>'duplicate_of')::bigint FROM lockgate.claim('default', 1, 30)")
+            .fetch_all(&mut worker)
+            .await
+            .expect("the claim must not wait for the producer's transaction");
+    assert!(started.elapsed() < Duration::from_secs(2), "the claim waited {:?}", started.elapsed());
+    assert_eq!(second.len(), 1);
+    assert_eq!(second[0].1, Some(first[0].0), "delivered as a duplicate for its worker to archive");
+    tx.rollback().await.unwrap();
+}
+
+#[tokio::test]
+async fn dlq_retry_resends_a_malformed_dead_letter_without_failing_the_others() {
+    let db = db_with(&["'u', unique_mode => 'until_executed', unique_key => array['id']"]).await;
+    sqlx::query("SELECT pgmq.send('default', '{}'::jsonb, '{\"ukey\": \"k\"}'::jsonb)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let (_, _, job) = enqueue(&db.pool, "u", 1).await.unwrap();
+    let claimed = claim(&db.pool, 5).await;
+    assert_eq!(claimed.len(), 1, "the message without a type is dead-lettered by the claim");
+    assert!(dead_letter(&db.pool, claimed[0]).await);
+    let rows: Vec<(String, Option<i64>)> =
+        sqlx::query_as("SELECT status, job_id FROM lockgate.dlq_retry() ORDER BY job_id NULLS FIRST")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(rows, vec![("enqueued".to_string(), None), ("enqueued".to_string(), Some(job))]);
+    assert_eq!(locks(&db.pool).await.len(), 1, "the well-formed job took its key again");
+}
+
+/// A job of the runtime test: while_executing, duplicates discarded, key from `id`.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Reindex {
+    id: u32,
+}
+
+impl lockgate::Job for Reindex {
+    const TYPE: &'static str = "reindex";
+    fn policy() -> lockgate::JobPolicy {
+        let mut policy = lockgate::JobPolicy::on_queue(lockgate::QueueName::new("default").unwrap());
+        policy.unique = Some(lockgate::UniquePolicy {
+            key: vec!["id".into()],
+            on_conflict: lockgate::UniqueOnConflict::Discard,
+            ..lockgate::UniquePolicy::new(lockgate::UniqueMode::WhileExecuting)
+        });
+        policy
+    }
+}
+
+#[tokio::test]
+async fn a_worker_archives_a_while_executing_duplicate_without_running_it() {
+    use lockgate_testkit::wait_for_count;
+    let db = TestDb::migrated().await.unwrap();
+    let client = lockgate::Client::new(db.pool.clone());
+    client.define::<Reindex>().await.unwrap();
+    let ran = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let release = std::sync::Arc::new(tokio::sync::Notify::new());
+    let mut registry = lockgate::Registry::new();
+    let (counter, gate) = (ran.clone(), release.clone());
+    registry
+        .register::<Reindex, _>(move |_ctx: lockgate::JobContext, _job: Reindex| {
+            let (counter, gate) = (counter.clone(), gate.clone());
+            async move {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                gate.notified().await;
+                Ok::<(), lockgate::JobError>(())
+            }
+        })
+        .unwrap();
+    let none = lockgate::EnqueueOptions::default();
+    client.enqueue(&Reindex { id: 1 }, &none).await.unwrap();
+    let config = lockgate::RuntimeConfig { heartbeat_interval: Duration::from_millis(300), ..Default::default() };
+    let pools = vec![lockgate::PoolConfig::new("test", vec![lockgate::QueueName::new("default").unwrap()], 4)];
+    let runtime = lockgate::Runtime::new(db.new_pool(2).await.unwrap(), config, registry, pools).unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(runtime.run(shutdown.clone()));
+    wait_for("the first job to run", Duration::from_secs(15), || async {
+        Ok((ran.load(std::sync::atomic::Ordering::SeqCst) == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    client.enqueue(&Reindex { id: 1 }, &none).await.unwrap();
+    wait_for_count(
+        &db.pool,
+        "SELECT count(*) FROM pgmq.a_default WHERE headers ? 'duplicate_of'",
+        1,
+        Duration::from_secs(15),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 1, "the duplicate never ran");
+    release.notify_waiters();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 2, Duration::from_secs(15)).await.unwrap();
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+    assert!(locks(&db.pool).await.is_empty());
 }

@@ -150,6 +150,9 @@ pub struct JobHeaders {
     /// lapsed and its key was full) is promoted as a new message whose `read_ct` starts over,
     /// so its count carries on here (H32).
     pub attempts_before: i32,
+    /// Set by the claim on a job of a `while_executing` type that discards duplicates, when
+    /// another job of its unique key is running: the job is completed without running.
+    pub duplicate_of: Option<JobId>,
 }
 
 /// The headers as stored: `job_id` and `priority` may be absent.
@@ -164,6 +167,7 @@ struct StoredHeaders {
     returns: i32,
     #[serde(default)]
     attempts_before: i32,
+    duplicate_of: Option<JobId>,
 }
 
 impl JobHeaders {
@@ -180,6 +184,7 @@ impl JobHeaders {
             priority: stored.priority,
             returns: stored.returns,
             attempts_before: stored.attempts_before,
+            duplicate_of: stored.duplicate_of,
         })
     }
 }

@@ -29,7 +29,7 @@ pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter};
 pub use enqueue::{enqueue, enqueue_many};
 pub use error::DbError;
 pub use job_types::{define_job_type, load_job_types};
-pub use maintenance::{prune_archive, reap_unique_locks};
+pub use maintenance::{prune_archive, reap_batches, reap_unique_locks};
 pub use migrate::{check_schema, functions_checksum, migrate, MigrateReport, LATEST_MIGRATION};
 pub use processes::{
     deregister_process, heartbeat_processes, list_processes, prune_processes, register_process, ProcessRow,

@@ -21,6 +21,15 @@ pub async fn prune_archive<'c>(
         .await?)
 }
 
+/// `lockgate.reap_batches`: counts as failed the members of closed batches idle for `min_idle`
+/// whose job no longer exists (deleted outside lockgate); returns how many.
+pub async fn reap_batches<'c>(db: impl PgExecutor<'c>, min_idle: Duration) -> Result<i32, DbError> {
+    Ok(sqlx::query_scalar("SELECT lockgate.reap_batches(make_interval(secs => $1))")
+        .bind(min_idle.as_secs_f64())
+        .fetch_one(db)
+        .await?)
+}
+
 /// `lockgate.reap_unique_locks`: deletes uniqueness locks older than `min_age` whose job no
 /// longer exists (deleted outside lockgate); returns how many.
 pub async fn reap_unique_locks<'c>(db: impl PgExecutor<'c>, min_age: Duration) -> Result<i32, DbError> {

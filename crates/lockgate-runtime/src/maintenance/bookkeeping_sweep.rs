@@ -1,17 +1,19 @@
 //! The bookkeeping sweep: every `sweep_interval`, enqueue the callbacks of finished batches
-//! whose finish could not enqueue them (`lockgate.batch_sweep`); every `maintenance_interval`,
+//! that their finish did not enqueue (`lockgate.batch_sweep`); every `maintenance_interval`,
 //! reap uniqueness locks whose job no longer exists (`lockgate.reap_unique_locks`: only locks
-//! older than `UNIQUE_LOCK_AGE_FLOOR`, so it never judges a lock whose job is being moved).
-//! Several processes may sweep at once: both skip rows another transaction holds.
+//! older than `REAP_AGE_FLOOR`, so it never judges a lock whose job is being moved) and count as
+//! failed the members of batches idle that long whose job no longer exists
+//! (`lockgate.reap_batches`). Several processes may sweep at once: each step skips rows another
+//! transaction holds, and each runs even when another failed.
 
 use std::time::{Duration, Instant};
 
 use lockgate_sql::{DbError, PgPool};
 use tokio_util::sync::CancellationToken;
 
-/// A lock younger than this is never reaped: far longer than any transaction that takes or moves
-/// a lock, so the reaper never races one.
-pub const UNIQUE_LOCK_AGE_FLOOR: Duration = Duration::from_secs(600);
+/// A lock younger than this (or a batch with a change this recent) is never reaped: far longer
+/// than any transaction that takes or moves a lock or a job, so the reapers never race one.
+pub const REAP_AGE_FLOOR: Duration = Duration::from_secs(600);
 
 /// What one pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -20,6 +22,8 @@ pub struct BookkeepingReport {
     pub callbacks_enqueued: i32,
     /// Uniqueness locks deleted because their job no longer exists.
     pub locks_reaped: i32,
+    /// Batch members counted as failed because their job no longer exists.
+    pub batch_jobs_reaped: i32,
 }
 
 pub struct BookkeepingSweep {
@@ -47,6 +51,7 @@ impl BookkeepingSweep {
                     Ok(report) => tracing::info!(
                         callbacks_enqueued = report.callbacks_enqueued,
                         locks_reaped = report.locks_reaped,
+                        batch_jobs_reaped = report.batch_jobs_reaped,
                         "bookkeeping sweep"
                     ),
                     Err(error) => tracing::warn!(%error, "bookkeeping sweep failed"),
@@ -56,11 +61,18 @@ impl BookkeepingSweep {
         .await;
     }
 
-    /// One pass; reaps uniqueness locks too when `reap`.
+    /// One pass; reaps uniqueness locks and lost batch members too when `reap`. Each step runs
+    /// whatever the others did; the first error is returned after all of them.
     pub async fn run_once(&self, reap: bool) -> Result<BookkeepingReport, DbError> {
-        let callbacks_enqueued = lockgate_sql::batch_sweep(&self.db).await?;
-        let locks_reaped =
-            if reap { lockgate_sql::reap_unique_locks(&self.db, UNIQUE_LOCK_AGE_FLOOR).await? } else { 0 };
-        Ok(BookkeepingReport { callbacks_enqueued, locks_reaped })
+        let callbacks = lockgate_sql::batch_sweep(&self.db).await;
+        let (locks, members) = if reap {
+            (
+                lockgate_sql::reap_unique_locks(&self.db, REAP_AGE_FLOOR).await,
+                lockgate_sql::reap_batches(&self.db, REAP_AGE_FLOOR).await,
+            )
+        } else {
+            (Ok(0), Ok(0))
+        };
+        Ok(BookkeepingReport { callbacks_enqueued: callbacks?, locks_reaped: locks?, batch_jobs_reaped: members? })
     }
 }

@@ -7,5 +7,5 @@ mod bookkeeping_sweep;
 mod concurrency_sweep;
 
 pub use archive_retention::ArchiveRetention;
-pub use bookkeeping_sweep::{BookkeepingReport, BookkeepingSweep, UNIQUE_LOCK_AGE_FLOOR};
+pub use bookkeeping_sweep::{BookkeepingReport, BookkeepingSweep, REAP_AGE_FLOOR};
 pub use concurrency_sweep::ConcurrencySweep;

@@ -84,6 +84,16 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         );
         return;
     }
+    if let Some(holder) = headers.duplicate_of {
+        // A while_executing duplicate its type discards: archived without running.
+        tracing::info!(job_id = %ctx.job_id, duplicate_of = %holder, "discarded: a job of its unique key is running");
+        match shared.in_flight.begin_finishing(&delivery) {
+            Finish::Write => shared.completer.submit(delivery, ctx.job_id).await,
+            Finish::Lost => {}
+            Finish::Shutdown => shared.in_flight.stopped(&delivery, true),
+        }
+        return;
+    }
     if claim.claimed_ahead {
         // Recorded by the completer's next statement, so this run counts as an attempt even if
         // the process dies while it runs (H32).
