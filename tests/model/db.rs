@@ -260,7 +260,7 @@ pub async fn reset(conn: &mut PgConnection, api: Api) -> Result<()> {
     .context("resetting the database between cases")?;
     if api.bookkeeping {
         sqlx::raw_sql(
-            "TRUNCATE lockgate.unique_locks, lockgate.batches RESTART IDENTITY;
+            "TRUNCATE lockgate.unique_locks, lockgate.batch_jobs, lockgate.batches RESTART IDENTITY;
              SELECT lockgate.create_batch();",
         )
         .execute(&mut *conn)
