@@ -127,7 +127,7 @@ BEGIN
                               ORDER BY x.priority, x.id LIMIT 1) head
           JOIN lockgate.job_types jt ON jt.name = head.job_type
          WHERE jt.concurrency_limit > s.value - g.n
-           AND EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = head.queue)),
+           AND head.queue IN (SELECT lockgate._live_queues())),
     -- The type and queue are checked after the LIMIT, not inside it: a filter there makes the
     -- planner expect almost no matching rows, and without statistics it then reads and sorts
     -- every parked job of the key instead of taking the first few from the index.
@@ -139,7 +139,7 @@ BEGIN
                               ORDER BY x.priority, x.id LIMIT r.n
                                 FOR UPDATE SKIP LOCKED) p
          WHERE p.job_type = r.job_type
-           AND EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = p.queue)),
+           AND p.queue IN (SELECT lockgate._live_queues())),
     -- Given back and taken, per key, gathered by aggregation rather than a join of the two: the
     -- planner cannot estimate either side and may join them by nested loop, batch × batch.
     change AS (
@@ -218,7 +218,7 @@ BEGIN
                 CONTINUE;
             END IF;
         END IF;
-        IF NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = p.queue) THEN
+        IF p.queue NOT IN (SELECT lockgate._live_queues()) THEN
             PERFORM lockgate._dead_letter_parked(p, format('queue "%s" no longer exists', p.queue));
             CONTINUE;
         END IF;

@@ -98,6 +98,12 @@ BEGIN
         RETURN NULL;
     END;
     IF holder IS NULL THEN
+        IF c.headers ? 'duplicate_of' THEN
+            -- Marked a duplicate by an earlier delivery whose holder has finished since: it runs.
+            c.headers := c.headers - 'duplicate_of';
+            EXECUTE format('UPDATE %s m SET headers = $3 WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
+              USING c.msg_id, c.read_ct, c.headers;
+        END IF;
         RETURN c.headers;
     END IF;
     IF (SELECT t.unique_on_conflict FROM lockgate.job_types t WHERE t.name = c.headers->>'type') = 'discard' THEN

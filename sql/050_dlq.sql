@@ -3,7 +3,8 @@
 -- job id and attempt history (its attempt count starts again), then removes the dead letter,
 -- in one transaction: status 'enqueued'. A job of an until_executed type takes its unique key
 -- again (its own job never counts as a duplicate of itself); when another job holds the key
--- now, the dead letter stays where it is: status 'duplicate', job_id naming the holder. A job
+-- now, the dead letter stays where it is: status 'duplicate', job_id naming the holder; one whose
+-- queue (or its PGMQ table) no longer exists stays too: status 'queue_missing'. A job
 -- that was counted as failed in a batch runs outside it (the batch's count is final).
 -- dlq_purge deletes them for good (an operator's explicit discard).
 -- Locks: the dead_letters rows (SKIP LOCKED: two operators never retry the same row twice),
@@ -21,8 +22,16 @@ BEGIN
            AND (dlq_retry.job_ids IS NULL OR x.job_id = ANY (dlq_retry.job_ids))
          ORDER BY x.id FOR UPDATE SKIP LOCKED
     LOOP
-        new_msg_id := nextval('lockgate.job_id_seq');
         queue := dl.queue;
+        IF dl.queue NOT IN (SELECT lockgate._live_queues()) THEN
+            -- Its queue (or the queue's PGMQ table) is gone: it stays, and the others go on.
+            msg_id := NULL;
+            job_id := dl.job_id;
+            status := 'queue_missing';
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
+        new_msg_id := nextval('lockgate.job_id_seq');
         -- Only a well-formed key of a known type is taken: anything else is resent without it (a
         -- malformed message is dead-lettered again by its next claim, with its reason).
         IF jsonb_typeof(dl.headers) = 'object' AND jsonb_typeof(dl.headers->'ukey') = 'string'

@@ -90,16 +90,27 @@ BEGIN
     IF source IS NULL OR source NOT IN ('config', 'sql') THEN
         RAISE EXCEPTION 'lockgate: invalid recurring task source "%": config or sql', source USING ERRCODE = 'LG003';
     END IF;
-    INSERT INTO lockgate.recurring_tasks AS t (name, cron, timezone, job_type, args, options, enabled, source)
+    -- A task belongs to the configuration or to SQL users, and one never takes over the other's:
+    -- a configuration that no longer lists a task deletes it, which must never happen to a task
+    -- defined through SQL, the client or the CLI.
+    IF EXISTS (SELECT 1 FROM lockgate.recurring_tasks t
+                WHERE t.name = define_recurring.name AND t.source <> define_recurring.source) THEN
+        RAISE EXCEPTION 'lockgate: recurring task "%" is already defined %', name,
+            CASE WHEN source = 'config' THEN 'through SQL, the client or the CLI' ELSE 'by a lockgate.toml [recurring] table' END
+            USING ERRCODE = 'LG003',
+                  HINT = CASE WHEN source = 'config' THEN 'remove it (lockgate recurring remove) or give the configuration''s task another name'
+                              ELSE 'change it in the configuration, or choose another name' END;
+    END IF;
+    INSERT INTO lockgate.recurring_tasks AS t (name, cron, timezone, job_type, args, options, enabled, source, active_since)
     VALUES (define_recurring.name, define_recurring.cron, define_recurring.timezone, define_recurring.job_type,
             define_recurring.args, define_recurring.options, COALESCE(define_recurring.enabled, true),
-            define_recurring.source)
+            define_recurring.source, clock_timestamp())
     ON CONFLICT ON CONSTRAINT recurring_tasks_pkey DO UPDATE SET
         cron = EXCLUDED.cron, timezone = EXCLUDED.timezone, job_type = EXCLUDED.job_type, args = EXCLUDED.args,
         options = EXCLUDED.options, source = EXCLUDED.source,
         enabled = COALESCE(define_recurring.enabled, t.enabled),
         active_since = CASE WHEN t.cron <> EXCLUDED.cron OR t.timezone <> EXCLUDED.timezone
-                                 OR (NOT t.enabled AND COALESCE(define_recurring.enabled, false)) THEN now()
+                                 OR (NOT t.enabled AND COALESCE(define_recurring.enabled, false)) THEN clock_timestamp()
                             ELSE t.active_since END,
         updated_at = now()
     WHERE (t.cron, t.timezone, t.job_type, t.args, t.options, t.source, t.enabled)
@@ -117,7 +128,7 @@ BEGIN
     END IF;
     UPDATE lockgate.recurring_tasks t
        SET enabled = set_recurring_enabled.enabled,
-           active_since = CASE WHEN NOT t.enabled AND set_recurring_enabled.enabled THEN now() ELSE t.active_since END,
+           active_since = CASE WHEN NOT t.enabled AND set_recurring_enabled.enabled THEN clock_timestamp() ELSE t.active_since END,
            updated_at = now()
      WHERE t.name = set_recurring_enabled.name;
     IF NOT FOUND THEN
@@ -171,6 +182,9 @@ BEGIN
     IF tick_at IS NULL OR tick_at > clock_timestamp() THEN
         RAISE EXCEPTION 'lockgate: recurring task "%": tick % is in the future', task, tick_at USING ERRCODE = 'LG003';
     END IF;
+    -- A key the tick's job needs that a producer holds (a limited type's semaphore row) makes
+    -- this tick give up quickly and try again on the next pass, instead of holding up the rest.
+    PERFORM set_config('lock_timeout', '500ms', true);
     SELECT * INTO t FROM lockgate.recurring_tasks r WHERE r.name = enqueue_recurring_tick.task FOR NO KEY UPDATE;
     IF NOT FOUND OR NOT t.enabled OR tick_at <= t.active_since THEN
         status := 'inactive';
@@ -191,7 +205,14 @@ BEGIN
         SELECT q.job_id, q.status INTO e FROM lockgate.enqueue(t.job_type, t.args, t.options) q;
         job_id := e.job_id;
         status := e.status;
-    EXCEPTION WHEN SQLSTATE 'LG000' THEN  -- the whole class: every error lockgate raises itself
+    EXCEPTION WHEN OTHERS THEN
+        -- A passing condition (a lock not had in time, a lost connection, a cancelled or
+        -- conflicting statement) aborts the tick, which the next pass tries again; any other
+        -- error (lockgate's own, a queue table dropped outside lockgate, ...) is the tick's
+        -- outcome: recorded as failed, and the task's next tick comes as usual.
+        IF SQLSTATE IN ('55P03', '57014', '40001', '40P01') OR left(SQLSTATE, 2) IN ('08', '57', '53') THEN
+            RAISE;
+        END IF;
         status := 'failed';
         error := SQLERRM;
     END;

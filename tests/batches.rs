@@ -499,3 +499,30 @@ async fn the_properties_of_a_batch_are_bounded_so_its_callbacks_can_always_be_en
         .to_string();
     assert!(err.contains("more than the 1000000 allowed"), "{err}");
 }
+
+#[tokio::test]
+async fn a_parked_job_bound_for_a_queue_dropped_outside_lockgate_is_dead_lettered_not_a_stuck_completion() {
+    let db = setup().await;
+    sqlx::query("SELECT lockgate.define_job_type('one', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('elsewhere')").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('one')").execute(&db.pool).await.unwrap();
+    let parked: String =
+        sqlx::query_scalar("SELECT status FROM lockgate.enqueue('one', '{}', '{\"queue\": \"elsewhere\"}')")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(parked, "parked");
+    sqlx::query("SELECT pgmq.drop_queue('elsewhere')").execute(&db.pool).await.unwrap();
+    let holder: Vec<Delivery> = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 10, 30)")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert!(complete(&db.pool, holder[0]).await, "the holder's completion lands");
+    let reason: String =
+        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert!(reason.contains("queue \"elsewhere\" no longer exists"), "{reason}");
+    let retried: Vec<(String, Option<i64>)> =
+        sqlx::query_as("SELECT status, msg_id FROM lockgate.dlq_retry()").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(retried, vec![("queue_missing".to_string(), None)], "kept, and named");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 1);
+}

@@ -334,3 +334,59 @@ async fn the_scheduler_stops_at_once_on_shutdown_and_carries_on_after_its_connec
     assert!(stopping.elapsed() < Duration::from_millis(500), "stopped in {:?}", stopping.elapsed());
     assert_eq!(jobs(&db).await, db.count("SELECT 1 FROM lockgate.recurring_ticks").await.unwrap(), "a job per tick");
 }
+
+#[tokio::test]
+async fn a_task_whose_tick_keeps_failing_never_holds_up_the_others() {
+    let (db, client) = setup().await;
+    // A task on a queue whose PGMQ table was dropped outside lockgate, one whose limited type's
+    // key a producer holds in an open transaction, and a healthy one.
+    sqlx::query("SELECT lockgate.create_queue('gone')").execute(&db.pool).await.unwrap();
+    client
+        .define_recurring(&RecurringTask {
+            queue: Some(common::queue("gone")),
+            ..RecurringTask::new("a_gone", "* * * * *", "report")
+        })
+        .await
+        .unwrap();
+    let mut policy = JobPolicy::on_queue(common::queue("default"));
+    policy.concurrency = Some(ConcurrencyPolicy::new(5));
+    client.define_job_type(&JobTypeName::new("limited").unwrap(), &policy).await.unwrap();
+    client.define_recurring(&RecurringTask::new("b_held", "* * * * *", "limited")).await.unwrap();
+    client.define_recurring(&every_minute("c_healthy")).await.unwrap();
+    for task in ["a_gone", "b_held", "c_healthy"] {
+        defined_ago(&db, task, "5 minutes").await;
+    }
+    sqlx::query("SELECT pgmq.drop_queue('gone')").execute(&db.pool).await.unwrap();
+    let mut producer = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('limited')").execute(&mut *producer).await.unwrap();
+    let mut scheduler = Scheduler::new(db.pool.clone());
+    let started = Instant::now();
+    let report = scheduler.run_once(db_now(&db).await).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(3), "the pass waited {:?}", started.elapsed());
+    assert_eq!((report.enqueued, report.failed, report.errors), (1, 1, 1), "{report:?}");
+    let rows = client.list_recurring().await.unwrap();
+    let status = |name: &str| rows.iter().find(|r| r.name == name).and_then(|r| r.last_status.clone());
+    assert_eq!(status("a_gone").as_deref(), Some("failed"), "a missing queue table is the tick's outcome");
+    assert_eq!(status("b_held"), None, "a held key is tried again by the next pass");
+    assert_eq!(status("c_healthy").as_deref(), Some("enqueued"));
+    producer.rollback().await.unwrap();
+    let report = scheduler.run_once(db_now(&db).await).await.unwrap();
+    assert_eq!((report.enqueued, report.errors), (1, 0), "b_held's tick, once the key is free: {report:?}");
+}
+
+#[tokio::test]
+async fn a_configuration_never_takes_over_a_task_defined_through_sql() {
+    let (db, client) = setup().await;
+    client.define_recurring(&every_minute("shared_name")).await.unwrap();
+    let err = sync_config_recurring(&db.pool, &[every_minute("shared_name")]).await.unwrap_err();
+    assert!(err.to_string().contains("is already defined through SQL"), "{err}");
+    sync_config_recurring(&db.pool, &[every_minute("from_config")]).await.unwrap();
+    let err = client.define_recurring(&every_minute("from_config")).await.unwrap_err();
+    assert!(err.to_string().contains("is already defined by a lockgate.toml [recurring] table"), "{err}");
+    let sources: Vec<(String, String)> =
+        sqlx::query_as("SELECT name, source FROM lockgate.recurring_tasks ORDER BY name")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(sources, [("from_config".into(), "config".into()), ("shared_name".into(), "sql".into())]);
+}

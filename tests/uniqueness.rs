@@ -520,3 +520,26 @@ async fn a_worker_archives_a_while_executing_duplicate_without_running_it() {
     task.await.unwrap().unwrap();
     assert!(locks(&db.pool).await.is_empty());
 }
+
+#[tokio::test]
+async fn a_job_marked_a_duplicate_by_an_earlier_delivery_runs_once_the_holder_is_done() {
+    let db = db_with(&["'wd', unique_mode => 'while_executing', unique_on_conflict => 'discard'"]).await;
+    let (_, a, _) = enqueue(&db.pool, "wd", 1).await.unwrap();
+    let (_, b, _) = enqueue(&db.pool, "wd", 1).await.unwrap();
+    let first: Vec<(i64, Option<i64>)> =
+        sqlx::query_as("SELECT msg_id, (headers->>'duplicate_of')::bigint FROM lockgate.claim('default', 5, 30)")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(first, vec![(a.unwrap(), None), (b.unwrap(), a)]);
+    // B's worker died before archiving it; A finishes; B is delivered again.
+    assert!(complete(&db.pool, (a.unwrap(), 1)).await);
+    make_visible(&db.pool, b.unwrap()).await;
+    let again: Vec<(i64, Option<i64>)> =
+        sqlx::query_as("SELECT msg_id, (headers->>'duplicate_of')::bigint FROM lockgate.claim('default', 5, 30)")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(again, vec![(b.unwrap(), None)], "B holds the key now: it runs, not discarded");
+    assert_eq!(locks(&db.pool).await, vec![("wd".to_string(), b.unwrap(), b)]);
+}

@@ -31,6 +31,9 @@ pub struct SchedulerReport {
     pub taken: usize,
     /// Ticks whose enqueue failed (recorded on the task with the error; not retried).
     pub failed: usize,
+    /// Ticks whose statement failed (a key held past the tick's lock timeout, a lost
+    /// connection): logged, and tried again by the next pass; the other tasks went on.
+    pub errors: usize,
     /// The earliest tick of any enabled task after this pass's clock.
     pub next_tick_at: Option<DateTime<Utc>>,
 }
@@ -42,6 +45,9 @@ pub struct Scheduler {
     /// schedule is parsed once, and an invalid one (stored through SQL, which checks only the
     /// expression's shape) is logged once.
     schedules: HashMap<String, ParsedSchedule>,
+    /// Passes so far: each starts at another task, so a task whose tick keeps failing never
+    /// delays the same others first.
+    passes: usize,
 }
 
 struct ParsedSchedule {
@@ -52,7 +58,7 @@ struct ParsedSchedule {
 
 impl Scheduler {
     pub fn new(db: PgPool) -> Self {
-        Self { db, schedules: HashMap::new() }
+        Self { db, schedules: HashMap::new(), passes: 0 }
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
@@ -87,14 +93,21 @@ impl Scheduler {
         let tasks = lockgate_sql::list_recurring(&self.db).await?;
         self.schedules.retain(|name, _| tasks.iter().any(|t| &t.name == name));
         let mut report = SchedulerReport::default();
-        for task in tasks.iter().filter(|t| t.enabled) {
+        let enabled: Vec<&RecurringRow> = tasks.iter().filter(|t| t.enabled).collect();
+        self.passes = self.passes.wrapping_add(1);
+        let start = if enabled.is_empty() { 0 } else { self.passes % enabled.len() };
+        for task in enabled[start..].iter().chain(&enabled[..start]) {
             let Some(schedule) = self.schedule(task) else { continue };
             let done_until = task.ticks_done_until();
             let due = schedule.due(done_until, now);
             let next = schedule.next_after(now.max(done_until));
             report.next_tick_at = report.next_tick_at.into_iter().chain(next).min();
             if let Some(tick) = due {
-                self.enqueue_tick(&task.name, tick, &mut report).await?;
+                // One task's failing tick never stops the others' (H29's rule for queues).
+                if let Err(error) = self.enqueue_tick(&task.name, tick, &mut report).await {
+                    report.errors += 1;
+                    tracing::warn!(task = %task.name, %tick, %error, "recurring tick failed; the next pass tries again");
+                }
             }
         }
         Ok(report)

@@ -1,7 +1,7 @@
 //! Dead-letter statements: list, retry (back to the queue as a new message), purge.
 
 use chrono::{DateTime, Utc};
-use lockgate_core::{EnqueueStatus, EnqueuedJob, JobId};
+use lockgate_core::JobId;
 use serde_json::Value;
 use sqlx::{PgExecutor, Row};
 
@@ -64,10 +64,29 @@ pub async fn dlq_list<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter, limit: i6
         .collect())
 }
 
-/// Sends matching dead letters back to their queues; returns the new messages (`Enqueued`), and
-/// the dead letters left where they are because another job holds their unique key
-/// (`Duplicate`, with the holder's job id).
-pub async fn dlq_retry<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter) -> Result<Vec<EnqueuedJob>, DbError> {
+/// What `dlq_retry` did with one dead letter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DlqRetryOutcome {
+    /// Sent back to its queue as the new message `msg_id`.
+    Retried { msg_id: i64 },
+    /// Kept: another job (this one) holds its unique key.
+    Duplicate { holder: JobId },
+    /// Kept: its queue, or the queue's PGMQ table, no longer exists.
+    QueueMissing,
+}
+
+/// One dead letter `dlq_retry` matched: its queue, its job id (none for a message that was not
+/// lockgate's) and what became of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DlqRetried {
+    pub queue: String,
+    pub job_id: Option<JobId>,
+    pub outcome: DlqRetryOutcome,
+}
+
+/// Sends matching dead letters back to their queues, keeping those whose unique key another job
+/// holds or whose queue is gone; one row per dead letter matched.
+pub async fn dlq_retry<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter) -> Result<Vec<DlqRetried>, DbError> {
     let rows = sqlx::query("SELECT queue, msg_id, job_id, status FROM lockgate.dlq_retry($1, $2)")
         .bind(filter.queue.as_deref())
         .bind(filter.job_ids.as_deref())
@@ -75,12 +94,16 @@ pub async fn dlq_retry<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter) -> Resul
         .await?;
     Ok(rows
         .iter()
-        .map(|r| EnqueuedJob {
-            queue: r.get(0),
-            msg_id: r.get(1),
-            job_id: JobId(r.get::<Option<i64>, _>(2).unwrap_or_default()),
-            // The SQL function returns only these two statuses.
-            status: EnqueueStatus::parse(r.get(3)).unwrap_or(EnqueueStatus::Enqueued),
+        .map(|r| {
+            let job_id = r.get::<Option<i64>, _>(2).map(JobId);
+            let outcome = match (r.get::<&str, _>(3), r.get::<Option<i64>, _>(1), job_id) {
+                ("duplicate", _, Some(holder)) => DlqRetryOutcome::Duplicate { holder },
+                (_, Some(msg_id), _) => DlqRetryOutcome::Retried { msg_id },
+                _ => DlqRetryOutcome::QueueMissing,
+            };
+            // For a duplicate, the row's job_id is the holder's; the dead letter's own is not returned.
+            let job_id = if matches!(outcome, DlqRetryOutcome::Duplicate { .. }) { None } else { job_id };
+            DlqRetried { queue: r.get(0), job_id, outcome }
         })
         .collect())
 }

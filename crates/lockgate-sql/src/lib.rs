@@ -25,7 +25,7 @@ pub use concurrency::{
     SweepReport,
 };
 pub use deliveries::{claim, claim_as, complete, dead_letter, extend, release, retry, DeadLetterReason, Renewal};
-pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter};
+pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetried, DlqRetryOutcome};
 pub use enqueue::{enqueue, enqueue_many};
 pub use error::DbError;
 pub use job_types::{define_job_type, load_job_types};

@@ -1,7 +1,7 @@
 //! `lockgate dlq list|retry|purge`: operate the dead letters, by queue, by job id, or all.
 
 use anyhow::{bail, Result};
-use lockgate::sql::{dlq_list, dlq_purge, dlq_retry, DlqFilter};
+use lockgate::sql::{dlq_list, dlq_purge, dlq_retry, DlqFilter, DlqRetryOutcome};
 
 use crate::db;
 
@@ -71,12 +71,21 @@ pub async fn run(url: Option<String>, command: Command) -> Result<()> {
             }
         }
         Command::Retry { select } => {
-            let jobs = dlq_retry(&pool, &select.filter(true)?).await?;
-            let (retried, held): (Vec<_>, Vec<_>) =
-                jobs.iter().partition(|j| j.status != lockgate::EnqueueStatus::Duplicate);
-            println!("retried {} dead letter(s)", retried.len());
-            for j in &held {
-                println!("kept a dead letter of queue {}: its unique key is held by job {}", j.queue, j.job_id);
+            let rows = dlq_retry(&pool, &select.filter(true)?).await?;
+            let retried = rows.iter().filter(|r| matches!(r.outcome, DlqRetryOutcome::Retried { .. })).count();
+            println!("retried {retried} dead letter(s)");
+            for r in &rows {
+                let job =
+                    r.job_id.map_or("of a message that was not lockgate's".to_string(), |j| format!("of job {j}"));
+                match r.outcome {
+                    DlqRetryOutcome::Retried { .. } => {}
+                    DlqRetryOutcome::Duplicate { holder } => {
+                        println!("kept a dead letter of queue {}: its unique key is held by job {holder}", r.queue)
+                    }
+                    DlqRetryOutcome::QueueMissing => {
+                        println!("kept the dead letter {job}: its queue {} no longer exists", r.queue)
+                    }
+                }
             }
         }
         Command::Purge { select } => {
