@@ -21,6 +21,9 @@ RETURNS SETOF bigint LANGUAGE plpgsql AS $$
 DECLARE
     archived bigint[];
     limited bigint[];
+    -- [msg_id, headers] of the archived jobs with a unique key or a batch (rare: one check per
+    -- row on the hot path, the rest only for them).
+    kept jsonb;
     uniq bigint[];
     uniq_msgs bigint[];
     batched bigint[];
@@ -50,15 +53,20 @@ BEGIN
              SELECT msg_id, vt, read_ct, enqueued_at, last_read_at, message, headers FROM done
              RETURNING msg_id, headers)
          SELECT array_agg(msg_id), array_agg(msg_id) FILTER (WHERE headers ? ''ckey''),
-                array_agg(COALESCE(lockgate._job_id_of(headers), msg_id)) FILTER (WHERE headers ? ''ukey'' OR headers ? ''wkey''),
-                array_agg(msg_id) FILTER (WHERE headers ? ''ukey'' OR headers ? ''wkey''),
-                array_agg(COALESCE(lockgate._job_id_of(headers), msg_id)) FILTER (WHERE headers ? ''batch'')
+                jsonb_agg(jsonb_build_array(msg_id, headers)) FILTER (WHERE headers ?| ''{ukey,wkey,batch}'')
            FROM ins',
         lockgate._queue_table(queue, 'q'), lockgate._queue_table(queue, 'a'))
-       INTO archived, limited, uniq, uniq_msgs, batched
+       INTO archived, limited, kept
       USING msg_ids, read_cts;
     IF limited IS NOT NULL THEN
         PERFORM lockgate._release_leases(queue, limited);
+    END IF;
+    IF kept IS NOT NULL THEN
+        SELECT array_agg(COALESCE(lockgate._job_id_of(k.h), k.id)) FILTER (WHERE k.h ? 'ukey' OR k.h ? 'wkey'),
+               array_agg(k.id) FILTER (WHERE k.h ? 'ukey' OR k.h ? 'wkey'),
+               array_agg(COALESCE(lockgate._job_id_of(k.h), k.id)) FILTER (WHERE k.h ? 'batch')
+          INTO uniq, uniq_msgs, batched
+          FROM (SELECT (e->>0)::bigint AS id, e->1 AS h FROM jsonb_array_elements(kept) e) k;
     END IF;
     IF uniq IS NOT NULL THEN
         PERFORM lockgate._release_unique(queue, uniq, uniq_msgs);
