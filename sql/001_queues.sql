@@ -5,7 +5,8 @@
 --
 -- Error codes raised by lockgate's functions (matched by the Rust layer):
 --   LG001 unknown queue · LG002 unknown job type · LG003 invalid argument
---   LG004 concurrency limit reached (on_conflict raise)
+--   LG004 concurrency limit reached (on_conflict raise) · LG005 unique key held (reject)
+--   LG006 unknown recurring task
 
 CREATE OR REPLACE FUNCTION lockgate._queue_table(queue text, kind text)
 RETURNS text LANGUAGE plpgsql STABLE AS $$
@@ -62,4 +63,30 @@ BEGIN
         PERFORM setval('lockgate.job_id_seq', top);
     END IF;
     INSERT INTO lockgate.queues (name) VALUES (queue) ON CONFLICT DO NOTHING;
+END $$;
+
+-- Pauses a queue: every claim skips it from the next statement on (running jobs finish, their
+-- heartbeats and completions go on; producers still enqueue). Resuming wakes idle workers. The
+-- pause is a row of lockgate.queues, so it holds for every process and across restarts. Each
+-- returns whether it changed anything (false: already paused, or not paused); LG001 names an
+-- unknown queue.
+-- Locks: the queue's row. Callers: lockgate queue pause|resume, Client, SQL operators.
+CREATE OR REPLACE FUNCTION lockgate.pause_queue(queue text)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM lockgate._queue_table(queue, 'q');  -- LG001 for an unknown queue
+    UPDATE lockgate.queues q SET paused_at = clock_timestamp() WHERE q.name = pause_queue.queue AND q.paused_at IS NULL;
+    RETURN FOUND;
+END $$;
+
+CREATE OR REPLACE FUNCTION lockgate.resume_queue(queue text)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM lockgate._queue_table(queue, 'q');
+    UPDATE lockgate.queues q SET paused_at = NULL WHERE q.name = resume_queue.queue AND q.paused_at IS NOT NULL;
+    IF FOUND THEN
+        PERFORM pg_notify('lockgate_' || queue, '');
+        RETURN true;
+    END IF;
+    RETURN false;
 END $$;

@@ -39,6 +39,7 @@
 -- worker died before starting it — counts that delivery as a return, not an attempt; at most 3
 -- times per job (header unstarted), so a job that kills its worker the instant it starts, before
 -- its start is recorded, still runs out of attempts.
+-- A paused queue (lockgate.pause_queue) returns nothing.
 -- Callers: the worker's fetch loop. qty = batch size, vt_seconds = visibility timeout.
 CREATE OR REPLACE FUNCTION lockgate.claim(queue text, qty integer, vt_seconds double precision, owner bigint DEFAULT NULL,
                                           start_now integer DEFAULT NULL)
@@ -72,6 +73,10 @@ BEGIN
     IF vt_seconds IS NULL OR NOT vt_seconds > 0 OR vt_seconds IN ('infinity', 'NaN') THEN
         RAISE EXCEPTION 'lockgate: invalid visibility timeout % seconds: a positive, finite number', vt_seconds
             USING ERRCODE = 'LG003';
+    END IF;
+    -- A paused queue gives nothing (lockgate.pause_queue); one primary-key lookup.
+    IF (SELECT q.paused_at FROM lockgate.queues q WHERE q.name = claim.queue) IS NOT NULL THEN
+        RETURN;
     END IF;
     SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
       FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;
@@ -292,6 +297,9 @@ RETURNS text LANGUAGE sql STABLE AS $$
         WHEN jsonb_typeof(headers->'returns') NOT IN ('number', 'null')
           OR (jsonb_typeof(headers->'returns') = 'number' AND headers->>'returns' !~ '^[0-9]{1,9}$') THEN
             format('returns %s in the headers is not a count', headers->'returns')
+        WHEN jsonb_typeof(headers->'shutdown_returns') NOT IN ('number', 'null')
+          OR (jsonb_typeof(headers->'shutdown_returns') = 'number' AND headers->>'shutdown_returns' !~ '^[0-9]{1,9}$') THEN
+            format('shutdown_returns %s in the headers is not a count', headers->'shutdown_returns')
         WHEN jsonb_typeof(headers->'unstarted') NOT IN ('number', 'null')
           OR (jsonb_typeof(headers->'unstarted') = 'number' AND headers->>'unstarted' !~ '^[0-9]{1,9}$') THEN
             format('unstarted %s in the headers is not a count', headers->'unstarted')

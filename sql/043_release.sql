@@ -1,7 +1,10 @@
 -- Release (shutdown return, G7): make unfinished deliveries visible at once and count the
 -- return, so the next delivery is not counted as another attempt (and set last_read_at of a
 -- delivery claimed ahead, so the next claim does not count it as a second return, H32). Fenced
--- on (msg_id, read_ct).
+-- on (msg_id, read_ct). A run that had started counts in shutdown_returns; once a job has
+-- max_returns of them (NULL: no cap), a further shutdown return is counted as an attempt (returns
+-- is not incremented), so a job that always outlives shutdown_timeout cannot cycle forever across
+-- deploys. A delivery claimed ahead and never started is always a plain return.
 -- The message is marked waiting (retry_at), so a heartbeat that raced the return does not push
 -- its visibility out again (sql/030_extend.sql); the next claim clears the mark.
 -- Permits are kept: the job re-runs holding them, and the lease is renewed so it survives until
@@ -9,7 +12,7 @@
 -- given back (the next run takes them again). Returns the msg_ids released.
 -- Locks: the updated message rows in msg_id order (as complete's start records do), then their
 -- leases, then their unique locks. Callers: the worker pool on shutdown.
-CREATE OR REPLACE FUNCTION lockgate.release(queue text, msg_ids bigint[], read_cts integer[])
+CREATE OR REPLACE FUNCTION lockgate.release(queue text, msg_ids bigint[], read_cts integer[], max_returns integer DEFAULT NULL)
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$
 BEGIN
     RETURN QUERY EXECUTE format(
@@ -17,11 +20,18 @@ BEGIN
              UPDATE %1$s m
                 SET vt = clock_timestamp(),
                     last_read_at = COALESCE(m.last_read_at, clock_timestamp()),
-                    headers = CASE WHEN jsonb_typeof(m.headers) = ''object''
+                    headers = CASE WHEN jsonb_typeof(m.headers) <> ''object'' THEN m.headers
+                                   WHEN NOT d.started
                                    THEN m.headers || jsonb_build_object(''retry_at'', clock_timestamp(), ''returns'',
                                         LEAST(COALESCE((m.headers->>''returns'')::integer, 0) + 1, 999999999))
-                                   ELSE m.headers END
-               FROM (SELECT x.msg_id FROM %1$s x JOIN unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)
+                                   ELSE m.headers || jsonb_build_object(''retry_at'', clock_timestamp(),
+                                        ''returns'', COALESCE((m.headers->>''returns'')::integer, 0)
+                                            + CASE WHEN $4 IS NOT NULL AND COALESCE((m.headers->>''shutdown_returns'')::integer, 0) >= $4
+                                                   THEN 0 ELSE 1 END,
+                                        ''shutdown_returns'', LEAST(COALESCE((m.headers->>''shutdown_returns'')::integer, 0) + 1, 999999999))
+                              END
+               FROM (SELECT x.msg_id, x.last_read_at IS NOT NULL AS started
+                       FROM %1$s x JOIN unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)
                          ON x.msg_id = d.msg_id AND x.read_ct = d.read_ct
                       ORDER BY x.msg_id FOR UPDATE OF x) d
               WHERE m.msg_id = d.msg_id
@@ -36,6 +46,6 @@ BEGIN
                 AND u.job_id = COALESCE(lockgate._job_id_of(r.headers), r.msg_id) AND u.msg_id = r.msg_id)
          SELECT msg_id FROM released',
         lockgate._queue_table(queue, 'q'))
-      USING msg_ids, read_cts, queue;
+      USING msg_ids, read_cts, queue, max_returns;
     PERFORM pg_notify('lockgate_' || queue, '');
 END $$;

@@ -50,9 +50,9 @@ BEGIN
                        lockgate._queue_table(dl.queue, 'q'))
           USING dl.args,
                 CASE WHEN jsonb_typeof(dl.headers) <> 'object' THEN dl.headers
-                     WHEN dl.job_id IS NULL THEN dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted' - 'batch'
+                     WHEN dl.job_id IS NULL THEN dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted' - 'shutdown_returns' - 'batch'
                      -- A new message with a fresh set of attempts: the job keeps its id in the headers.
-                     ELSE dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted' - 'batch'
+                     ELSE dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted' - 'shutdown_returns' - 'batch'
                           || jsonb_build_object('job_id', dl.job_id) END,
                 new_msg_id;
         DELETE FROM lockgate.dead_letters x WHERE x.id = dl.id;

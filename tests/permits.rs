@@ -585,7 +585,7 @@ async fn h32_a_delivery_claimed_ahead_counts_as_an_attempt_only_once_its_start_i
     lapse_visibility(&db.pool).await;
     let ahead = claim_attempts(&db.pool, 3, Some(0)).await;
     assert!(ahead.iter().all(|d| d.3));
-    assert_eq!(lockgate::sql::release(&db.pool, &default, &[(ahead[2].0, ahead[2].1)]).await.unwrap().len(), 1);
+    assert_eq!(lockgate::sql::release(&db.pool, &default, &[(ahead[2].0, ahead[2].1)], None).await.unwrap().len(), 1);
     lapse_visibility(&db.pool).await;
     let again: Vec<u32> = claim_attempts(&db.pool, 3, None).await.iter().map(|d| d.2).collect();
     assert_eq!(again, vec![3, 3, 2]);
@@ -634,7 +634,7 @@ async fn h24_no_step_moves_a_lease_end_earlier_so_a_claim_may_trust_the_end_it_r
         .unwrap();
     assert!(sqlx::query_scalar::<_, bool>(end).fetch_one(&db.pool).await.unwrap(), "retry kept the later end");
     let d = claim(&db.pool, 1).await.remove(0);
-    assert_eq!(lockgate::sql::release(&db.pool, &default, &[(d.0, d.1)]).await.unwrap().len(), 1);
+    assert_eq!(lockgate::sql::release(&db.pool, &default, &[(d.0, d.1)], None).await.unwrap().len(), 1);
     assert!(sqlx::query_scalar::<_, bool>(end).fetch_one(&db.pool).await.unwrap(), "release kept the later end");
     sqlx::query("UPDATE lockgate.leases SET expires_at = now() + interval '1 second'").execute(&db.pool).await.unwrap();
     let d = claim(&db.pool, 1).await.remove(0);
@@ -675,7 +675,7 @@ async fn h31_start_records_and_a_shutdown_return_lock_their_rows_in_one_order() 
     lockgate_testkit::wait_for_count(&db.pool, waiting, 1, Duration::from_secs(10)).await.unwrap();
     let release = tokio::spawn({
         let (pool, q) = (db.pool.clone(), default.clone());
-        async move { lockgate::sql::release(&pool, &q, &[y, x]).await }
+        async move { lockgate::sql::release(&pool, &q, &[y, x], None).await }
     });
     lockgate_testkit::wait_for_count(&db.pool, waiting, 2, Duration::from_secs(10)).await.unwrap();
     sqlx::query("COMMIT").execute(&mut holder).await.unwrap();

@@ -15,6 +15,7 @@
 //! process_heartbeat_interval = "5s"
 //! alive_threshold = "60s"
 //! health_listen = "127.0.0.1:9187"  # "off" serves no health endpoints
+//! max_shutdown_returns = 5          # later shutdown returns of a started run count as attempts
 //!
 //! [[pool]]
 //! name = "default"
@@ -85,6 +86,7 @@ struct RuntimeSection {
     process_heartbeat_interval: Option<String>,
     alive_threshold: Option<String>,
     health_listen: Option<String>,
+    max_shutdown_returns: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -201,6 +203,7 @@ impl Config {
             )?,
             alive_threshold: duration_or("runtime.alive_threshold", &r.alive_threshold, d.alive_threshold)?,
             health_listen: health_listen(r.health_listen.as_deref())?,
+            max_shutdown_returns: r.max_shutdown_returns.unwrap_or(d.max_shutdown_returns),
         };
         config.validate()?;
         Ok(config)

@@ -35,6 +35,9 @@ enum Command {
     /// List, retry or purge dead-lettered jobs.
     #[command(subcommand)]
     Dlq(commands::dlq::Command),
+    /// Pause or resume claims on a queue.
+    #[command(subcommand)]
+    Queue(commands::queue::Command),
     /// Create, close and show batches of jobs (progress and callbacks).
     #[command(subcommand)]
     Batch(commands::batch::Command),
@@ -70,6 +73,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Dlq(command) => commands::dlq::run(url, command).await,
         Command::Parked(command) => commands::parked::run(url, command).await,
         Command::Batch(command) => commands::batch::run(url, command).await,
+        Command::Queue(command) => commands::queue::run(url, command).await,
         Command::Recurring(command) => commands::recurring::run(url, command).await,
         Command::Demo(args) => commands::demo::run(url, args).await,
     }

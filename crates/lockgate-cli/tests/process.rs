@@ -278,3 +278,23 @@ async fn a_batch_and_a_unique_type_from_the_cli() {
     signal(&child, "TERM");
     assert!(wait_exit(&mut child).await.success());
 }
+
+#[tokio::test]
+async fn queue_pause_and_resume_from_the_cli() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('mail')").execute(&db.pool).await.unwrap();
+    let paused = output(&db, &["queue", "pause", "mail"]);
+    assert!(paused.status.success() && text(&paused).contains("queue mail paused"), "{}", text(&paused));
+    let again = output(&db, &["queue", "pause", "mail"]);
+    assert!(again.status.success() && text(&again).contains("was paused already"), "{}", text(&again));
+    let status = text(&output(&db, &["status"]));
+    assert!(status.lines().any(|l| l.starts_with("mail") && l.ends_with("paused")), "{status}");
+    let resumed = output(&db, &["queue", "resume", "mail"]);
+    assert!(resumed.status.success() && text(&resumed).contains("queue mail resumed"), "{}", text(&resumed));
+    let missing = output(&db, &["queue", "pause", "nosuch"]);
+    assert!(
+        !missing.status.success() && text(&missing).contains("queue \"nosuch\" does not exist"),
+        "{}",
+        text(&missing)
+    );
+}

@@ -12,7 +12,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lockgate_core::{BatchId, EnqueueOptions, EnqueuedJob, JobPolicy, JobTypeName, RecurringTask, ValidationError};
+use lockgate_core::{
+    BatchId, EnqueueOptions, EnqueuedJob, JobPolicy, JobTypeName, QueueName, RecurringTask, ValidationError,
+};
 use lockgate_sql::{BatchCallbacks, BatchInfo, DbError, PgPool, RecurringRow, RecurringSource};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
@@ -85,6 +87,18 @@ impl Client {
     /// `finished`. Closing twice is an error.
     pub async fn close_batch(&self, batch: BatchId) -> Result<String, EnqueueError> {
         Ok(lockgate_sql::close_batch(&self.pool, batch).await?)
+    }
+
+    /// Pauses a queue for every process: claims skip it (running jobs finish, producers still
+    /// enqueue) until [`Client::resume_queue`]; the pause survives restarts. False if it was
+    /// paused already; `DbError::UnknownQueue` for a queue that does not exist.
+    pub async fn pause_queue(&self, queue: &QueueName) -> Result<bool, DbError> {
+        lockgate_sql::pause_queue(&self.pool, queue.as_str()).await
+    }
+
+    /// Resumes a paused queue and wakes idle workers; false if it was not paused.
+    pub async fn resume_queue(&self, queue: &QueueName) -> Result<bool, DbError> {
+        lockgate_sql::resume_queue(&self.pool, queue.as_str()).await
     }
 
     /// A batch's progress (total, succeeded, failed, pending), or `None` for an unknown id.

@@ -30,6 +30,11 @@ pub const DEFAULT_PROCESS_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(5);
 /// back when their visibility lapses, and pruning only cleans the registry (H26).
 pub const DEFAULT_ALIVE_THRESHOLD: Duration = Duration::from_secs(60);
 
+/// A job whose runs a shutdown cut short this many times is charged an attempt for each later
+/// one: five deploys in a row is no accident, and a job that always outlives `shutdown_timeout`
+/// must not cycle across deploys forever.
+pub const DEFAULT_MAX_SHUTDOWN_RETURNS: u32 = 5;
+
 /// Process-wide settings of the runtime.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RuntimeConfig {
@@ -47,6 +52,9 @@ pub struct RuntimeConfig {
     pub alive_threshold: Duration,
     /// Where `/livez` and `/readyz` are served; `None` serves nothing.
     pub health_listen: Option<std::net::SocketAddr>,
+    /// Shutdown returns of a started run that are not counted as attempts, per job; the next
+    /// ones are (0: every shutdown return of a started run is an attempt).
+    pub max_shutdown_returns: u32,
 }
 
 impl Default for RuntimeConfig {
@@ -62,6 +70,7 @@ impl Default for RuntimeConfig {
             process_heartbeat_interval: DEFAULT_PROCESS_HEARTBEAT_INTERVAL,
             alive_threshold: DEFAULT_ALIVE_THRESHOLD,
             health_listen: None,
+            max_shutdown_returns: DEFAULT_MAX_SHUTDOWN_RETURNS,
         }
     }
 }

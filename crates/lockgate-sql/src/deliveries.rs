@@ -183,12 +183,14 @@ pub async fn release<'c>(
     db: impl PgExecutor<'c>,
     queue: &QueueName,
     deliveries: &[(i64, i32)],
+    max_returns: Option<u32>,
 ) -> Result<Vec<i64>, DbError> {
     let (ids, cts) = split(deliveries);
-    Ok(sqlx::query_scalar("SELECT lockgate.release($1, $2, $3)")
+    Ok(sqlx::query_scalar("SELECT lockgate.release($1, $2, $3, $4)")
         .bind(queue.as_str())
         .bind(ids)
         .bind(cts)
+        .bind(max_returns.map(|m| i32::try_from(m).unwrap_or(i32::MAX)))
         .fetch_all(db)
         .await?)
 }

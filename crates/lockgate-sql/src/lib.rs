@@ -34,7 +34,7 @@ pub use migrate::{check_schema, functions_checksum, migrate, MigrateReport, LATE
 pub use processes::{
     deregister_process, heartbeat_processes, list_processes, prune_processes, register_process, ProcessRow,
 };
-pub use queues::{create_queue, list_queues};
+pub use queues::{create_queue, list_queues, pause_queue, resume_queue};
 pub use recurring::{
     database_now, define_recurring, enqueue_recurring_tick, list_recurring, remove_recurring, set_recurring_enabled,
     sync_config_recurring, RecurringRow, RecurringSource, TickOutcome,

@@ -41,6 +41,11 @@ const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../migrations/0010_uniqueness_batches.sql"),
     },
     Migration { version: 11, name: "recurring", sql: include_str!("../../../migrations/0011_recurring.sql") },
+    Migration {
+        version: 12,
+        name: "pause_and_return_cap",
+        sql: include_str!("../../../migrations/0012_pause_and_return_cap.sql"),
+    },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.

@@ -14,13 +14,16 @@ pub struct QueueStats {
     pub dead: i64,
     /// Seconds the oldest ready job has waited since it became ready.
     pub oldest_ready_seconds: Option<f64>,
+    /// Claims skip the queue (`lockgate.pause_queue`).
+    pub paused: bool,
 }
 
 pub async fn queue_stats<'c>(db: impl PgExecutor<'c>) -> Result<Vec<QueueStats>, DbError> {
-    let rows =
-        sqlx::query("SELECT queue, ready, scheduled, running, dead, oldest_ready_seconds FROM lockgate.queue_stats()")
-            .fetch_all(db)
-            .await?;
+    let rows = sqlx::query(
+        "SELECT queue, ready, scheduled, running, dead, oldest_ready_seconds, paused FROM lockgate.queue_stats()",
+    )
+    .fetch_all(db)
+    .await?;
     Ok(rows
         .iter()
         .map(|r| QueueStats {
@@ -30,6 +33,7 @@ pub async fn queue_stats<'c>(db: impl PgExecutor<'c>) -> Result<Vec<QueueStats>,
             running: r.get(3),
             dead: r.get(4),
             oldest_ready_seconds: r.get(5),
+            paused: r.get(6),
         })
         .collect())
 }

@@ -6,6 +6,7 @@ pub mod dlq;
 pub mod enqueue;
 pub mod migrate;
 pub mod parked;
+pub mod queue;
 pub mod recurring;
 pub mod run;
 pub mod status;

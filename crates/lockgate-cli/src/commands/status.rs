@@ -26,7 +26,7 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
             .map(|s| {
                 serde_json::json!({
                     "queue": s.queue, "ready": s.ready, "scheduled": s.scheduled, "running": s.running,
-                    "dead": s.dead, "oldest_ready_seconds": s.oldest_ready_seconds,
+                    "dead": s.dead, "oldest_ready_seconds": s.oldest_ready_seconds, "paused": s.paused,
                 })
             })
             .collect();
@@ -66,7 +66,11 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
     println!("{:<24} {:>9} {:>9} {:>9} {:>9} {:>12}", "QUEUE", "READY", "SCHEDULED", "RUNNING", "DEAD", "OLDEST READY");
     for s in stats {
         let age = s.oldest_ready_seconds.map_or("-".to_string(), |secs| format!("{secs:.1}s"));
-        println!("{:<24} {:>9} {:>9} {:>9} {:>9} {:>12}", s.queue, s.ready, s.scheduled, s.running, s.dead, age);
+        let paused = if s.paused { "  paused" } else { "" };
+        println!(
+            "{:<24} {:>9} {:>9} {:>9} {:>9} {:>12}{paused}",
+            s.queue, s.ready, s.scheduled, s.running, s.dead, age
+        );
     }
     if !processes.is_empty() {
         println!(

@@ -283,8 +283,9 @@ async fn return_stopped(shared: &Shared) {
     for (queue, deliveries) in by_queue {
         let tokens: Vec<(i64, i32)> = deliveries.iter().map(|d| (d.msg_id, d.read_ct)).collect();
         let lease_until = || deliveries.iter().map(|d| shared.in_flight.lease_until(d)).min().flatten();
+        let cap = Some(shared.config.max_shutdown_returns);
         let result =
-            persist::persist("release", lease_until, || lockgate_sql::release(&shared.db, &queue, &tokens)).await;
+            persist::persist("release", lease_until, || lockgate_sql::release(&shared.db, &queue, &tokens, cap)).await;
         for d in &deliveries {
             shared.in_flight.remove(d);
         }

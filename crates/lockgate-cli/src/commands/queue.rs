@@ -1,0 +1,28 @@
+//! `lockgate queue pause|resume <NAME>`: stop and restart claims on a queue, for every process.
+
+use anyhow::Result;
+
+use crate::db;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Stop claims on a queue: running jobs finish, producers still enqueue; survives restarts.
+    Pause { queue: String },
+    /// Let workers claim from a paused queue again.
+    Resume { queue: String },
+}
+
+pub async fn run(url: Option<String>, command: Command) -> Result<()> {
+    let pool = db::connect_checked(&db::resolve(url), 1).await?;
+    match command {
+        Command::Pause { queue } => {
+            let changed = lockgate::sql::pause_queue(&pool, &queue).await?;
+            println!("queue {queue} {}", if changed { "paused" } else { "was paused already" });
+        }
+        Command::Resume { queue } => {
+            let changed = lockgate::sql::resume_queue(&pool, &queue).await?;
+            println!("queue {queue} {}", if changed { "resumed" } else { "was not paused" });
+        }
+    }
+    Ok(())
+}

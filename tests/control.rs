@@ -1,0 +1,136 @@
+//! Steering queues and jobs (issue 12): a paused queue gives no claim to any process and stays
+//! paused across restarts while producers still enqueue; shutdown returns of a started run stop
+//! being free after `max_shutdown_returns`, so a job that always outlives `shutdown_timeout`
+//! runs out of attempts instead of cycling across deploys forever.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{queue, test_config, Counter, Running};
+use lockgate::{Client, DbError, EnqueueOptions, Job, JobContext, JobError, JobPolicy, Registry};
+use lockgate_testkit::{wait_for, wait_for_count, TestDb};
+use serde::{Deserialize, Serialize};
+use sqlx::Row;
+
+#[derive(Serialize, Deserialize)]
+struct Tick {
+    n: u32,
+}
+
+impl Job for Tick {
+    const TYPE: &'static str = "tick";
+    fn policy() -> JobPolicy {
+        JobPolicy::on_queue(queue("default"))
+    }
+}
+
+fn counting(ran: Counter) -> Registry {
+    let mut registry = Registry::new();
+    registry
+        .register::<Tick, _>(move |_ctx: JobContext, _t: Tick| {
+            let ran = ran.clone();
+            async move {
+                ran.bump();
+                Ok::<(), JobError>(())
+            }
+        })
+        .unwrap();
+    registry
+}
+
+#[tokio::test]
+async fn a_paused_queue_gives_no_claim_to_any_process_and_stays_paused_across_a_restart() {
+    let db = TestDb::migrated().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    client.define::<Tick>().await.unwrap();
+    assert!(client.pause_queue(&queue("default")).await.unwrap());
+    assert!(!client.pause_queue(&queue("default")).await.unwrap(), "paused already");
+    for n in 0..10 {
+        client.enqueue(&Tick { n }, &EnqueueOptions::default()).await.unwrap();
+    }
+    // Counts the claims each process makes (statistics of plpgsql functions, for new sessions).
+    sqlx::raw_sql(&format!("ALTER DATABASE {} SET track_functions = 'pl'", db.name)).execute(&db.pool).await.unwrap();
+    let ran = Counter::default();
+    let first = Running::start(&db, test_config(), counting(ran.clone()), &["default"], 4).await;
+    let second = Running::start(&db, test_config(), counting(ran.clone()), &["default"], 4).await;
+    // Both processes poll (every 200 ms) and each claim finds the queue paused.
+    wait_for("both processes to have claimed a few times", Duration::from_secs(15), || async {
+        let calls: Option<i64> = sqlx::query_scalar(
+            "SELECT sum(calls)::bigint FROM pg_stat_user_functions WHERE schemaname = 'lockgate' AND funcname = 'claim'",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        let _ = sqlx::query("SELECT pg_stat_clear_snapshot()").execute(&db.pool).await;
+        Ok((calls.unwrap_or(0) >= 10).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default WHERE read_ct > 0").await.unwrap(), 0, "nothing claimed");
+    assert_eq!(ran.get(), 0);
+    first.stop().await;
+    second.stop().await;
+    let stats = lockgate::sql::queue_stats(&db.pool).await.unwrap();
+    assert!(stats.iter().any(|s| s.queue == "default" && s.paused && s.ready == 10), "{stats:?}");
+    // A restarted process finds it paused; resuming wakes it.
+    let again = Running::start(&db, test_config(), counting(ran.clone()), &["default"], 4).await;
+    assert!(client.resume_queue(&queue("default")).await.unwrap());
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 10, common::WAIT).await.unwrap();
+    again.stop().await;
+    assert_eq!(ran.get(), 10);
+    let err = client.pause_queue(&queue("nosuch")).await.unwrap_err();
+    assert!(matches!(err, DbError::UnknownQueue(ref m) if m.contains("queue \"nosuch\" does not exist")), "{err}");
+}
+
+/// The attempt a delivery is, as the worker computes it: read_ct - returns + attempts_before.
+async fn attempt_of(db: &TestDb, msg_id: i64) -> i64 {
+    let row = sqlx::query(
+        "SELECT read_ct - COALESCE((headers->>'returns')::int, 0) + COALESCE((headers->>'attempts_before')::int, 0)
+           FROM pgmq.q_default WHERE msg_id = $1",
+    )
+    .bind(msg_id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    row.get::<i32, _>(0).into()
+}
+
+#[tokio::test]
+async fn shutdown_returns_of_a_started_run_count_as_attempts_after_the_cap() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('long')").execute(&db.pool).await.unwrap();
+    let msg_id: i64 =
+        sqlx::query_scalar("SELECT msg_id FROM lockgate.enqueue('long')").fetch_one(&db.pool).await.unwrap();
+    let mut attempts = Vec::new();
+    for _ in 0..4 {
+        let (id, ct): (i64, i32) = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        attempts.push(attempt_of(&db, id).await);
+        // Cap 2: the first two returns are free, the next ones are attempts.
+        sqlx::query("SELECT lockgate.release('default', ARRAY[$1::bigint], ARRAY[$2::int], 2)")
+            .bind(id)
+            .bind(ct)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    assert_eq!(attempts, vec![1, 1, 1, 2], "the third return was the first one charged");
+    assert_eq!(attempt_of(&db, msg_id).await + 1, 3, "and so was the fourth: the next run is attempt 3");
+    // A delivery claimed ahead and never started is always a free return.
+    let (id, ct): (i64, i32) =
+        sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30, start_now => 0)")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    sqlx::query("SELECT lockgate.release('default', ARRAY[$1::bigint], ARRAY[$2::int], 2)")
+        .bind(id)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(attempt_of(&db, msg_id).await + 1, 3, "unchanged by a return of a run that never started");
+}
