@@ -15,6 +15,9 @@
 CREATE OR REPLACE FUNCTION lockgate.release(queue text, msg_ids bigint[], read_cts integer[], max_returns integer DEFAULT NULL)
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$
 BEGIN
+    IF max_returns < 0 THEN
+        RAISE EXCEPTION 'lockgate: invalid max_returns %: 0 or more, or NULL for no cap', max_returns USING ERRCODE = 'LG003';
+    END IF;
     RETURN QUERY EXECUTE format(
         'WITH released AS (
              UPDATE %1$s m
@@ -25,14 +28,17 @@ BEGIN
                                    THEN m.headers || jsonb_build_object(''retry_at'', clock_timestamp(), ''returns'',
                                         LEAST(COALESCE((m.headers->>''returns'')::integer, 0) + 1, 999999999))
                                    ELSE m.headers || jsonb_build_object(''retry_at'', clock_timestamp(),
-                                        ''returns'', COALESCE((m.headers->>''returns'')::integer, 0)
+                                        ''returns'', LEAST(COALESCE((m.headers->>''returns'')::integer, 0)
                                             + CASE WHEN $4 IS NOT NULL AND COALESCE((m.headers->>''shutdown_returns'')::integer, 0) >= $4
-                                                   THEN 0 ELSE 1 END,
+                                                   THEN 0 ELSE 1 END, 999999999),
                                         ''shutdown_returns'', LEAST(COALESCE((m.headers->>''shutdown_returns'')::integer, 0) + 1, 999999999))
                               END
                FROM (SELECT x.msg_id, x.last_read_at IS NOT NULL AS started
                        FROM %1$s x JOIN unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)
                          ON x.msg_id = d.msg_id AND x.read_ct = d.read_ct
+                      -- Released already (a retry after a reply lost in a committed release):
+                      -- a return is counted once.
+                      WHERE NOT (jsonb_typeof(x.headers) = ''object'' AND x.headers ? ''retry_at'')
                       ORDER BY x.msg_id FOR UPDATE OF x) d
               WHERE m.msg_id = d.msg_id
              RETURNING m.msg_id, m.headers),

@@ -134,3 +134,33 @@ async fn shutdown_returns_of_a_started_run_count_as_attempts_after_the_cap() {
         .unwrap();
     assert_eq!(attempt_of(&db, msg_id).await + 1, 3, "unchanged by a return of a run that never started");
 }
+
+#[tokio::test]
+async fn a_release_retried_after_a_lost_reply_counts_the_return_once() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('long')").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('long')").execute(&db.pool).await.unwrap();
+    let (id, ct): (i64, i32) = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let release = || {
+        sqlx::query_scalar::<_, i64>("SELECT * FROM lockgate.release('default', ARRAY[$1::bigint], ARRAY[$2::int], 5)")
+            .bind(id)
+            .bind(ct)
+            .fetch_all(&db.pool)
+    };
+    assert_eq!(release().await.unwrap(), vec![id]);
+    assert!(release().await.unwrap().is_empty(), "released already");
+    let (returns, shutdown_returns): (i32, i32) =
+        sqlx::query_as("SELECT (headers->>'returns')::int, (headers->>'shutdown_returns')::int FROM pgmq.q_default")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((returns, shutdown_returns), (1, 1));
+    let err = sqlx::query("SELECT lockgate.release('default', ARRAY[1::bigint], ARRAY[1], -1)")
+        .execute(&db.pool)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("invalid max_returns -1"), "{err}");
+}

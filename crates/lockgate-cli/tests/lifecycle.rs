@@ -91,8 +91,9 @@ async fn h01_seed_000_a_frozen_worker_pruned_as_dead_finishes_late_and_changes_n
 
 #[tokio::test]
 async fn h03_seed_002_term_with_a_job_outliving_shutdown_timeout_returns_it_twenty_times_in_a_row() {
+    // Seed 002 is about the return itself: no cap on free returns here (tests/control.rs has it).
     let setup = Setup::with_runtime(
-        REGISTRY_RUNTIME,
+        &format!("{REGISTRY_RUNTIME}\nmax_shutdown_returns = 1000"),
         "cat >/dev/null; echo start >> $DIR/starts; exec sleep 30",
         "concurrency = { limit = 1 }",
     );
