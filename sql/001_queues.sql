@@ -52,6 +52,11 @@ BEGIN
         'CREATE INDEX IF NOT EXISTS %I ON pgmq.%I ((COALESCE((headers->>''priority'')::smallint, 0)), vt, msg_id)',
         'q_' || queue || '_lg_claim', 'q_' || queue);
     EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || queue || '_vt_idx');
+    -- Jobs sent again as a new message carry their id in the headers: found by it (lockgate.job).
+    EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON pgmq.%I ((headers->>''job_id'')) WHERE headers ? ''job_id''',
+                   'q_' || queue || '_lg_job', 'q_' || queue);
+    EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON pgmq.%I ((headers->>''job_id'')) WHERE headers ? ''job_id''',
+                   'a_' || queue || '_lg_job', 'a_' || queue);
     -- msg_ids come from lockgate.job_id_seq, shared by every queue: a job's id is the msg_id of
     -- its first message (migrations/0007_job_ids.sql). A PGMQ queue created before lockgate
     -- adopted it may hold messages already: the sequence moves above their ids.

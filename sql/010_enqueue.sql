@@ -208,7 +208,8 @@ BEGIN
             IF jt.concurrency_on_conflict = 'block' THEN
                 INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
                 VALUES (key, _enqueue_one.queue, jt.name, _enqueue_one.job_id, args,
-                        headers || jsonb_build_object('job_id', _enqueue_one.job_id), _enqueue_one.priority, vt);
+                        headers || jsonb_build_object('job_id', _enqueue_one.job_id, 'enqueued_at', clock_timestamp()),
+                        _enqueue_one.priority, vt);
                 status := 'parked';
                 IF batch IS NOT NULL THEN
                     INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id)

@@ -397,7 +397,8 @@ BEGIN
     INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
     VALUES (ckey, queue, jt.name, job, c.message,
             c.headers - 'returns' - 'retry_at' - 'owner'
-                || jsonb_build_object('job_id', job, 'attempts_before',
+                || jsonb_build_object('job_id', job, 'enqueued_at', COALESCE(c.headers->'enqueued_at', to_jsonb(c.enqueued_at)),
+                                      'attempts_before',
                        COALESCE((c.headers->>'attempts_before')::integer, 0)
                        + GREATEST(c.read_ct - 1 - COALESCE((c.headers->>'returns')::integer, 0), 0)),
             COALESCE((c.headers->>'priority')::smallint, 0), clock_timestamp());

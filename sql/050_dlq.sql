@@ -53,7 +53,8 @@ BEGIN
                      WHEN dl.job_id IS NULL THEN dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted' - 'shutdown_returns' - 'batch'
                      -- A new message with a fresh set of attempts: the job keeps its id in the headers.
                      ELSE dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted' - 'shutdown_returns' - 'batch'
-                          || jsonb_build_object('job_id', dl.job_id) END,
+                          || jsonb_build_object('job_id', dl.job_id,
+                                                'enqueued_at', COALESCE(dl.headers->'enqueued_at', to_jsonb(dl.enqueued_at))) END,
                 new_msg_id;
         DELETE FROM lockgate.dead_letters x WHERE x.id = dl.id;
         PERFORM pg_notify('lockgate_' || dl.queue, '');

@@ -164,3 +164,88 @@ async fn a_release_retried_after_a_lost_reply_counts_the_return_once() {
         .unwrap_err();
     assert!(err.to_string().contains("invalid max_returns -1"), "{err}");
 }
+
+/// (state, attempt, errors) of a job as `lockgate.job` reports it.
+async fn job_state(db: &TestDb, id: i64) -> (String, i32, usize) {
+    let job = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().expect("the job exists");
+    (job.state, job.attempt, job.errors.as_array().map_or(0, Vec::len))
+}
+
+#[tokio::test]
+async fn a_job_keeps_its_id_and_history_through_retry_dead_letter_dlq_retry_and_success() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('flaky', max_attempts => 2)").execute(&db.pool).await.unwrap();
+    let id: i64 = sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue('flaky', '{\"n\": 1}')")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let enqueued_at = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().unwrap().enqueued_at;
+    assert_eq!(job_state(&db, id).await, ("queued".to_string(), 0, 0));
+    let claim = |db: &TestDb| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, i32)>("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let (m, ct) = claim(&db).await;
+    assert_eq!(job_state(&db, id).await, ("running".to_string(), 1, 0));
+    sqlx::query("SELECT lockgate.retry('default', $1, $2, 60, 'first failure', 1)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(job_state(&db, id).await, ("retrying".to_string(), 1, 1));
+    sqlx::query("UPDATE pgmq.q_default SET vt = now()").execute(&db.pool).await.unwrap();
+    let (m, ct) = claim(&db).await;
+    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'second failure', 2)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(job_state(&db, id).await, ("dead".to_string(), 2, 2));
+    sqlx::query("SELECT * FROM lockgate.dlq_retry()").execute(&db.pool).await.unwrap();
+    let again = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().unwrap();
+    assert_eq!((again.state.as_str(), again.enqueued_at), ("queued", enqueued_at), "same id, first enqueue time");
+    assert_ne!(again.msg_id, Some(id), "a new message");
+    let (m, ct) = claim(&db).await;
+    sqlx::query("SELECT lockgate.complete('default', ARRAY[$1::bigint], ARRAY[$2::int])")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(job_state(&db, id).await, ("succeeded".to_string(), 1, 2), "its errors travel with it");
+    assert!(lockgate::sql::job(&db.pool, lockgate::JobId(id + 1000)).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn a_parked_job_is_found_by_its_id_before_and_after_its_promotion() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('one', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    let ids: Vec<i64> =
+        sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue_many('one', ARRAY['{}', '{}']::jsonb[])")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(job_state(&db, ids[1]).await.0, "parked");
+    let parked_since = lockgate::sql::job(&db.pool, lockgate::JobId(ids[1])).await.unwrap().unwrap().enqueued_at;
+    let (m, ct): (i64, i32) = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 5, 30)")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT lockgate.complete('default', ARRAY[$1::bigint], ARRAY[$2::int])")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let promoted = lockgate::sql::job(&db.pool, lockgate::JobId(ids[1])).await.unwrap().unwrap();
+    assert_eq!((promoted.state.as_str(), promoted.enqueued_at), ("queued", parked_since));
+    assert!(promoted.msg_id.is_some_and(|msg| msg != ids[1]), "promoted as a new message, found by its id");
+    assert_eq!(job_state(&db, ids[0]).await.0, "succeeded");
+}

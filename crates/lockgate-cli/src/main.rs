@@ -35,6 +35,9 @@ enum Command {
     /// List, retry or purge dead-lettered jobs.
     #[command(subcommand)]
     Dlq(commands::dlq::Command),
+    /// Show one job by id, in whatever state it is.
+    #[command(subcommand)]
+    Job(commands::job::Command),
     /// Pause or resume claims on a queue.
     #[command(subcommand)]
     Queue(commands::queue::Command),
@@ -74,6 +77,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Parked(command) => commands::parked::run(url, command).await,
         Command::Batch(command) => commands::batch::run(url, command).await,
         Command::Queue(command) => commands::queue::run(url, command).await,
+        Command::Job(command) => commands::job::run(url, command).await,
         Command::Recurring(command) => commands::recurring::run(url, command).await,
         Command::Demo(args) => commands::demo::run(url, args).await,
     }

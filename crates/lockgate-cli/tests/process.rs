@@ -298,3 +298,21 @@ async fn queue_pause_and_resume_from_the_cli() {
         text(&missing)
     );
 }
+
+#[tokio::test]
+async fn job_show_from_the_cli() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('mail')").execute(&db.pool).await.unwrap();
+    let id: i64 = sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue('mail', '{\"to\": \"ada\"}')")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let shown = output(&db, &["job", "show", &id.to_string()]);
+    assert!(shown.status.success(), "{}", text(&shown));
+    assert!(text(&shown).contains(&format!("job {id}: queued on queue default")), "{}", text(&shown));
+    let json = output(&db, &["job", "show", &id.to_string(), "--json"]);
+    let value: serde_json::Value = serde_json::from_str(&String::from_utf8_lossy(&json.stdout)).unwrap();
+    assert_eq!((value["state"].as_str(), value["args"]["to"].as_str()), (Some("queued"), Some("ada")));
+    let missing = output(&db, &["job", "show", "999999"]);
+    assert!(!missing.status.success() && text(&missing).contains("no job 999999"), "{}", text(&missing));
+}

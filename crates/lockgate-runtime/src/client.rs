@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use lockgate_core::{
     BatchId, EnqueueOptions, EnqueuedJob, JobPolicy, JobTypeName, QueueName, RecurringTask, ValidationError,
 };
-use lockgate_sql::{BatchCallbacks, BatchInfo, DbError, PgPool, RecurringRow, RecurringSource};
+use lockgate_sql::{BatchCallbacks, BatchInfo, DbError, JobRecord, PgPool, RecurringRow, RecurringSource};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::{Mutex, MutexGuard};
@@ -87,6 +87,12 @@ impl Client {
     /// `finished`. Closing twice is an error.
     pub async fn close_batch(&self, batch: BatchId) -> Result<String, EnqueueError> {
         Ok(lockgate_sql::close_batch(&self.pool, batch).await?)
+    }
+
+    /// One job by id, in whatever state it is, with its attempt and errors; `None` for an
+    /// unknown id (or one archive retention has pruned).
+    pub async fn job(&self, id: lockgate_core::JobId) -> Result<Option<JobRecord>, DbError> {
+        lockgate_sql::job(&self.pool, id).await
     }
 
     /// Pauses a queue for every process: claims skip it (running jobs finish, producers still

@@ -12,6 +12,7 @@ mod dlq;
 mod enqueue;
 mod error;
 mod job_types;
+mod jobs;
 mod maintenance;
 mod migrate;
 mod processes;
@@ -29,6 +30,7 @@ pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetried,
 pub use enqueue::{enqueue, enqueue_many};
 pub use error::DbError;
 pub use job_types::{define_job_type, load_job_types};
+pub use jobs::{job, JobRecord};
 pub use maintenance::{prune_archive, reap_batches, reap_unique_locks};
 pub use migrate::{check_schema, functions_checksum, migrate, MigrateReport, LATEST_MIGRATION};
 pub use processes::{

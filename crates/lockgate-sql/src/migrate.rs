@@ -46,6 +46,7 @@ const MIGRATIONS: &[Migration] = &[
         name: "pause_and_return_cap",
         sql: include_str!("../../../migrations/0012_pause_and_return_cap.sql"),
     },
+    Migration { version: 13, name: "job_lookup", sql: include_str!("../../../migrations/0013_job_lookup.sql") },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -65,6 +66,7 @@ const FUNCTIONS: &[&str] = &[
     include_str!("../../../sql/050_dlq.sql"),
     include_str!("../../../sql/060_status.sql"),
     include_str!("../../../sql/065_keys.sql"),
+    include_str!("../../../sql/068_jobs.sql"),
     include_str!("../../../sql/070_archive_retention.sql"),
     include_str!("../../../sql/080_sweep.sql"),
     include_str!("../../../sql/090_processes.sql"),

@@ -4,6 +4,7 @@ pub mod batch;
 pub mod demo;
 pub mod dlq;
 pub mod enqueue;
+pub mod job;
 pub mod migrate;
 pub mod parked;
 pub mod queue;
