@@ -26,6 +26,16 @@ pub enum CancelReason {
     Timeout,
 }
 
+impl std::fmt::Display for CancelReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Shutdown => "shutdown",
+            Self::LeaseLost => "lease lost",
+            Self::Timeout => "timeout",
+        })
+    }
+}
+
 /// What a handler knows about the job it runs.
 #[derive(Debug, Clone)]
 pub struct JobContext {

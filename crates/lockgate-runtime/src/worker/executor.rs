@@ -26,7 +26,16 @@ pub(crate) async fn execute(
     claimed_at: Instant,
     permits: (Slot, OwnedSemaphorePermit),
 ) {
-    let span = tracing::info_span!("job", queue = %claim.queue, msg_id = claim.msg_id, read_ct = claim.read_ct);
+    // The job's id, type and attempt are known once its headers are decoded (run_delivery).
+    let span = tracing::info_span!(
+        "job",
+        queue = %claim.queue,
+        msg_id = claim.msg_id,
+        read_ct = claim.read_ct,
+        job_id = tracing::field::Empty,
+        job_type = tracing::field::Empty,
+        attempt = tracing::field::Empty
+    );
     run_delivery(shared, claim, claimed_at).instrument(span).await;
     drop(permits);
 }
@@ -52,6 +61,10 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
             .await;
     };
     let attempt = claim.attempt(&headers);
+    let span = tracing::Span::current();
+    span.record("job_id", headers.job_id.0);
+    span.record("job_type", headers.job_type.as_str());
+    span.record("attempt", attempt);
     if attempt > policy.max_attempts {
         let reason = format!(
             "delivery would be attempt {attempt} of {}: the previous attempt was lost (worker crash or lease loss)",
@@ -104,7 +117,8 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         Finish::Write => {}
         Finish::Lost => {
             // Its lease is lost or fenced: this delivery may write nothing more.
-            tracing::info!(job_id = %ctx.job_id, reason = ?ctx.cancel_reason(), ended, "delivery given up without an outcome");
+            let reason = ctx.cancel_reason().map_or_else(|| "none".to_string(), |r| r.to_string());
+            tracing::info!(job_id = %ctx.job_id, %reason, ended, "delivery given up without an outcome");
             if !ended {
                 tracing::warn!(job_id = %ctx.job_id, "the cancelled handler did not stop within its grace");
             }
