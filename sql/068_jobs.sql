@@ -1,3 +1,20 @@
+-- The message of job_id in a queue or archive table (tbl, as _queue_table returns it): by msg_id
+-- for a job on its first message, by the headers' job_id (partial index) for one sent again;
+-- stamp is the column named by stamp_column (vt for a queue, archived_at for an archive).
+CREATE OR REPLACE FUNCTION lockgate._job_message(tbl text, stamp_column text, job_id bigint)
+RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, stamp timestamptz, message jsonb, headers jsonb)
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN QUERY EXECUTE format(
+        'SELECT x.msg_id, x.read_ct, x.enqueued_at, x.%2$I, x.message, x.headers FROM %1$s x
+          WHERE x.msg_id = $1 AND NOT (x.headers ? ''job_id'')
+         UNION ALL
+         SELECT x.msg_id, x.read_ct, x.enqueued_at, x.%2$I, x.message, x.headers FROM %1$s x
+          WHERE x.headers ? ''job_id'' AND x.headers->>''job_id'' = $1::text
+         LIMIT 1', tbl, stamp_column)
+      USING job_id;
+END $$;
+
 -- One job by id, in whatever state it is (issue 12): queued, scheduled, running, retrying (a
 -- failed attempt waiting for its backoff), parked, succeeded (archived), discarded (a
 -- while_executing duplicate archived unrun) or dead (dead-lettered). Every lookup is an index
@@ -21,21 +38,14 @@ DECLARE
 BEGIN
     id := job_id;
     FOREACH q IN ARRAY ARRAY(SELECT lockgate._live_queues()) LOOP
-        EXECUTE format(
-            'SELECT * FROM (SELECT x.msg_id, x.read_ct, x.enqueued_at, x.vt, x.message, x.headers FROM %1$s x
-                             WHERE x.msg_id = $1 AND NOT (x.headers ? ''job_id'')
-                            UNION ALL
-                            SELECT x.msg_id, x.read_ct, x.enqueued_at, x.vt, x.message, x.headers FROM %1$s x
-                             WHERE x.headers ? ''job_id'' AND x.headers->>''job_id'' = $1::text) found LIMIT 1',
-            lockgate._queue_table(q, 'q'))
-           INTO m USING job_id;
+        SELECT * INTO m FROM lockgate._job_message(lockgate._queue_table(q, 'q'), 'vt', job_id);
         IF m.msg_id IS NOT NULL THEN
             queue := q;
-            state := CASE WHEN m.vt <= clock_timestamp() THEN 'queued'
+            state := CASE WHEN m.stamp <= clock_timestamp() THEN 'queued'
                           WHEN jsonb_typeof(m.headers) = 'object' AND m.headers ? 'retry_at' THEN 'retrying'
                           WHEN m.read_ct = 0 THEN 'scheduled'
                           ELSE 'running' END;
-            visible_at := m.vt;
+            visible_at := m.stamp;
             SELECT f.* INTO job_type, args, priority, msg_id, attempt, enqueued_at, concurrency_key, errors, headers
               FROM lockgate._job_fields(m.message, m.headers, m.msg_id, m.read_ct, m.enqueued_at) f;
             RETURN NEXT;
@@ -66,19 +76,12 @@ BEGIN
         RETURN;
     END IF;
     FOREACH q IN ARRAY ARRAY(SELECT lockgate._live_queues()) LOOP
-        EXECUTE format(
-            'SELECT * FROM (SELECT x.msg_id, x.read_ct, x.enqueued_at, x.archived_at, x.message, x.headers FROM %1$s x
-                             WHERE x.msg_id = $1 AND NOT (x.headers ? ''job_id'')
-                            UNION ALL
-                            SELECT x.msg_id, x.read_ct, x.enqueued_at, x.archived_at, x.message, x.headers FROM %1$s x
-                             WHERE x.headers ? ''job_id'' AND x.headers->>''job_id'' = $1::text) found LIMIT 1',
-            lockgate._queue_table(q, 'a'))
-           INTO m USING job_id;
+        SELECT * INTO m FROM lockgate._job_message(lockgate._queue_table(q, 'a'), 'archived_at', job_id);
         IF m.msg_id IS NOT NULL THEN
             queue := q;
             state := CASE WHEN jsonb_typeof(m.headers) = 'object' AND m.headers ? 'duplicate_of' THEN 'discarded'
                           ELSE 'succeeded' END;
-            finished_at := m.archived_at;
+            finished_at := m.stamp;
             SELECT f.* INTO job_type, args, priority, msg_id, attempt, enqueued_at, concurrency_key, errors, headers
               FROM lockgate._job_fields(m.message, m.headers, m.msg_id, m.read_ct, m.enqueued_at) f;
             RETURN NEXT;

@@ -59,25 +59,6 @@ async fn claim_work(db: &PgPool) -> Vec<Delivery> {
         .unwrap()
 }
 
-async fn complete(db: impl sqlx::PgExecutor<'_>, d: Delivery) -> bool {
-    sqlx::query_scalar::<_, i64>("SELECT * FROM lockgate.complete('default', $1, $2)")
-        .bind(vec![d.0])
-        .bind(vec![d.1])
-        .fetch_optional(db)
-        .await
-        .unwrap()
-        .is_some()
-}
-
-async fn dead_letter(db: impl sqlx::PgExecutor<'_>, d: Delivery) -> bool {
-    sqlx::query_scalar("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', $2)")
-        .bind(d.0)
-        .bind(d.1)
-        .fetch_one(db)
-        .await
-        .unwrap()
-}
-
 /// (state, total, succeeded, failed, pending)
 async fn progress(db: &PgPool, batch: i64) -> (String, i64, i64, i64, i64) {
     sqlx::query_as("SELECT state, total, succeeded, failed, pending FROM lockgate.batch($1)")
@@ -98,20 +79,6 @@ async fn callbacks(db: &PgPool) -> Vec<(String, Value)> {
     .unwrap()
 }
 
-/// Waits until another session of this database waits for a lock.
-async fn until_one_waits(db: &PgPool) {
-    wait_for("a session to wait for a row lock", Duration::from_secs(10), || async {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(db)
-        .await?;
-        Ok((waiting == 1).then_some(()))
-    })
-    .await
-    .unwrap();
-}
-
 #[tokio::test]
 async fn h22_the_last_two_completions_racing_on_two_connections_enqueue_the_callbacks_once() {
     for last_fails in [false, true] {
@@ -125,18 +92,18 @@ async fn h22_the_last_two_completions_racing_on_two_connections_enqueue_the_call
         // must wait for it, then see the count complete.
         let mut first = PgConnection::connect(&db.url).await.unwrap();
         let mut tx = first.begin().await.unwrap();
-        assert!(complete(&mut *tx, claimed[0]).await);
+        assert!(common::complete_default(&mut *tx, claimed[0]).await);
         let url = db.url.clone();
         let second = claimed[1];
         let racer = tokio::spawn(async move {
             let mut conn = PgConnection::connect(&url).await.unwrap();
             if last_fails {
-                dead_letter(&mut conn, second).await
+                common::dead_letter_default(&mut conn, second).await
             } else {
-                complete(&mut conn, second).await
+                common::complete_default(&mut conn, second).await
             }
         });
-        until_one_waits(&db.pool).await;
+        common::until_one_waits_for_a_lock(&db.pool).await;
         assert!(callbacks(&db.pool).await.is_empty(), "nothing is finished before the last count commits");
         tx.commit().await.unwrap();
         assert!(racer.await.unwrap());
@@ -167,16 +134,16 @@ async fn h22_closing_a_batch_while_its_last_job_completes_finishes_it_once() {
             let d = claimed[0];
             tokio::spawn(async move {
                 let mut conn = PgConnection::connect(&url).await.unwrap();
-                complete(&mut conn, d).await;
+                common::complete_default(&mut conn, d).await;
             })
         } else {
-            assert!(complete(&mut *tx, claimed[0]).await);
+            assert!(common::complete_default(&mut *tx, claimed[0]).await);
             tokio::spawn(async move {
                 let mut conn = PgConnection::connect(&url).await.unwrap();
                 sqlx::query("SELECT lockgate.close_batch($1)").bind(batch).execute(&mut conn).await.unwrap();
             })
         };
-        until_one_waits(&db.pool).await;
+        common::until_one_waits_for_a_lock(&db.pool).await;
         tx.commit().await.unwrap();
         racer.await.unwrap();
         let fired: Vec<String> = callbacks(&db.pool).await.into_iter().map(|c| c.0).collect();
@@ -204,11 +171,11 @@ async fn a_duplicate_or_stale_delivery_and_a_retry_count_once() {
     assert_eq!(second.len(), 2);
     assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 2, 0, 0, 2), "a retry counts nothing");
     for d in &second {
-        assert!(complete(&db.pool, *d).await);
+        assert!(common::complete_default(&db.pool, *d).await);
     }
-    assert!(!complete(&db.pool, first[1]).await, "the stale delivery");
-    assert!(!dead_letter(&db.pool, first[1]).await, "the stale delivery");
-    assert!(!complete(&db.pool, second[1]).await, "the duplicate");
+    assert!(!common::complete_default(&db.pool, first[1]).await, "the stale delivery");
+    assert!(!common::dead_letter_default(&db.pool, first[1]).await, "the stale delivery");
+    assert!(!common::complete_default(&db.pool, second[1]).await, "the duplicate");
     assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 2, 2, 0, 0));
     assert_eq!(callbacks(&db.pool).await.len(), 2, "on_finish and on_success, once each");
 }
@@ -245,7 +212,7 @@ async fn batches_count_jobs_added_in_several_calls_parked_jobs_and_skip_duplicat
         .fetch_all(&db.pool)
         .await?;
         for d in claimed {
-            complete(&db.pool, d).await;
+            common::complete_default(&db.pool, d).await;
         }
         Ok((progress(&db.pool, batch).await.0 == "finished").then_some(()))
     })
@@ -264,7 +231,7 @@ async fn callbacks_that_cannot_be_enqueued_stay_pending_until_the_sweep_enqueues
     // An operator removed the callback type meanwhile: the completion must still land.
     sqlx::query("DELETE FROM lockgate.job_types WHERE name = 'done'").execute(&db.pool).await.unwrap();
     let claimed = claim_work(&db.pool).await;
-    assert!(complete(&db.pool, claimed[0]).await);
+    assert!(common::complete_default(&db.pool, claimed[0]).await);
     let pending = |pool: PgPool| async move {
         let row = sqlx::query("SELECT state, callbacks_pending, callback_error FROM lockgate.batch($1)")
             .bind(batch)
@@ -407,11 +374,11 @@ async fn h29_a_message_that_only_carries_a_batch_header_neither_fails_a_claim_no
     let claimed = claim_work(&db.pool).await;
     assert_eq!(claimed.len(), 3, "the member and the two well-formed strangers; the malformed one is dead-lettered");
     for d in &claimed[1..] {
-        assert!(complete(&db.pool, *d).await);
+        assert!(common::complete_default(&db.pool, *d).await);
     }
     assert_eq!(progress(&db.pool, open).await, ("open".to_string(), 0, 0, 0, 0));
     assert_eq!(progress(&db.pool, closed).await, ("closed".to_string(), 1, 0, 0, 1), "only its member counts");
-    assert!(complete(&db.pool, claimed[0]).await);
+    assert!(common::complete_default(&db.pool, claimed[0]).await);
     assert_eq!(progress(&db.pool, closed).await.0, "finished");
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters WHERE reason = 'undecodable'").await.unwrap(), 1);
 }
@@ -434,7 +401,7 @@ async fn callbacks_of_types_that_take_locks_are_enqueued_by_the_sweep_and_a_disc
     // The callback type's only permit is held: its enqueue would be discarded.
     sqlx::query("SELECT * FROM lockgate.enqueue('limited_cb')").execute(&db.pool).await.unwrap();
     let claimed = claim_work(&db.pool).await;
-    assert!(complete(&db.pool, claimed[0]).await);
+    assert!(common::complete_default(&db.pool, claimed[0]).await);
     let limited = || db.count("SELECT 1 FROM pgmq.q_default WHERE headers->>'type' = 'limited_cb'");
     assert_eq!(limited().await.unwrap(), 1, "the completion enqueued nothing of a type that takes a lock");
     let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
@@ -452,7 +419,7 @@ async fn callbacks_of_types_that_take_locks_are_enqueued_by_the_sweep_and_a_disc
             .fetch_one(&db.pool)
             .await
             .unwrap();
-    assert!(complete(&db.pool, holder).await);
+    assert!(common::complete_default(&db.pool, holder).await);
     for expected in [1, 0] {
         let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
         assert_eq!(swept, expected);
@@ -467,7 +434,7 @@ async fn the_batch_reaper_counts_a_member_deleted_outside_lockgate_as_failed() {
     add_jobs(&db.pool, batch, 2).await;
     close(&db.pool, batch).await.unwrap();
     let claimed = claim_work(&db.pool).await;
-    assert!(complete(&db.pool, claimed[0]).await);
+    assert!(common::complete_default(&db.pool, claimed[0]).await);
     sqlx::query("SELECT pgmq.delete('default', $1)").bind(claimed[1].0).execute(&db.pool).await.unwrap();
     let reap = |idle: &'static str| {
         let pool = db.pool.clone();
@@ -517,7 +484,7 @@ async fn a_parked_job_bound_for_a_queue_dropped_outside_lockgate_is_dead_lettere
         .fetch_all(&db.pool)
         .await
         .unwrap();
-    assert!(complete(&db.pool, holder[0]).await, "the holder's completion lands");
+    assert!(common::complete_default(&db.pool, holder[0]).await, "the holder's completion lands");
     let reason: String =
         sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
     assert!(reason.contains("queue \"elsewhere\" no longer exists"), "{reason}");

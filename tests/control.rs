@@ -213,12 +213,7 @@ async fn a_job_keeps_its_id_and_history_through_retry_dead_letter_dlq_retry_and_
     assert_eq!((again.state.as_str(), again.enqueued_at), ("queued", enqueued_at), "same id, first enqueue time");
     assert_ne!(again.msg_id, Some(id), "a new message");
     let (m, ct) = claim(&db).await;
-    sqlx::query("SELECT lockgate.complete('default', ARRAY[$1::bigint], ARRAY[$2::int])")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    assert!(common::complete_default(&db.pool, (m, ct)).await);
     assert_eq!(job_state(&db, id).await, ("succeeded".to_string(), 1, 2), "its errors travel with it");
     assert!(lockgate::sql::job(&db.pool, lockgate::JobId(id + 1000)).await.unwrap().is_none());
 }
@@ -238,12 +233,7 @@ async fn a_parked_job_is_found_by_its_id_before_and_after_its_promotion() {
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    sqlx::query("SELECT lockgate.complete('default', ARRAY[$1::bigint], ARRAY[$2::int])")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    assert!(common::complete_default(&db.pool, (m, ct)).await);
     let promoted = lockgate::sql::job(&db.pool, lockgate::JobId(ids[1])).await.unwrap().unwrap();
     assert_eq!((promoted.state.as_str(), promoted.enqueued_at), ("queued", parked_since));
     assert!(promoted.msg_id.is_some_and(|msg| msg != ids[1]), "promoted as a new message, found by its id");

@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::time::Duration;
 
 use lockgate_testkit::{wait_for, TestDb};
@@ -36,25 +38,6 @@ async fn claim(db: &PgPool, qty: i32) -> Vec<Delivery> {
     sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', $1, 30)")
         .bind(qty)
         .fetch_all(db)
-        .await
-        .unwrap()
-}
-
-async fn complete(db: impl sqlx::PgExecutor<'_>, d: Delivery) -> bool {
-    sqlx::query_scalar::<_, i64>("SELECT * FROM lockgate.complete('default', $1, $2)")
-        .bind(vec![d.0])
-        .bind(vec![d.1])
-        .fetch_optional(db)
-        .await
-        .unwrap()
-        .is_some()
-}
-
-async fn dead_letter(db: &PgPool, d: Delivery) -> bool {
-    sqlx::query_scalar("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', $2)")
-        .bind(d.0)
-        .bind(d.1)
-        .fetch_one(db)
         .await
         .unwrap()
 }
@@ -93,16 +76,16 @@ async fn h14_a_stale_delivery_of_a_finished_job_never_releases_its_successors_lo
     make_visible(&db.pool, a.unwrap()).await;
     let a2 = claim(&db.pool, 1).await;
     assert_eq!(a2, vec![(a.unwrap(), 2)], "A's redelivery is its own job: it takes the key back");
-    assert!(complete(&db.pool, a2[0]).await, "A2 wins the completion and releases A's lock");
+    assert!(common::complete_default(&db.pool, a2[0]).await, "A2 wins the completion and releases A's lock");
     // B, the successor, runs and holds the key.
     make_visible(&db.pool, b.unwrap()).await;
     let b1 = claim(&db.pool, 1).await;
     assert_eq!(b1, vec![(b.unwrap(), 1)]);
     assert_eq!(locks(&db.pool).await, vec![("w:[1]".to_string(), b.unwrap(), b)]);
     // The stale A1 finishes now: every one of its steps finds its message gone.
-    assert!(!complete(&db.pool, a1[0]).await);
+    assert!(!common::complete_default(&db.pool, a1[0]).await);
     assert!(!retry(&db.pool, a1[0], 1.0).await);
-    assert!(!dead_letter(&db.pool, a1[0]).await);
+    assert!(!common::dead_letter_default(&db.pool, a1[0]).await);
     sqlx::query("SELECT lockgate.release('default', $1, $2)")
         .bind(vec![a1[0].0])
         .bind(vec![a1[0].1])
@@ -113,7 +96,7 @@ async fn h14_a_stale_delivery_of_a_finished_job_never_releases_its_successors_lo
     // So a third job of the key waits for B instead of running beside it.
     let (_, c, _) = enqueue(&db.pool, "w", 1).await.unwrap();
     assert!(claim(&db.pool, 5).await.is_empty(), "C is put back while B runs");
-    assert!(complete(&db.pool, b1[0]).await);
+    assert!(common::complete_default(&db.pool, b1[0]).await);
     make_visible(&db.pool, c.unwrap()).await;
     assert_eq!(claim(&db.pool, 5).await, vec![(c.unwrap(), 2)], "C runs once B is done (its second delivery)");
 }
@@ -125,14 +108,14 @@ async fn h14_an_until_executed_lock_survives_every_step_of_a_stale_or_duplicate_
     let a1 = claim(&db.pool, 1).await;
     make_visible(&db.pool, a.unwrap()).await;
     let a2 = claim(&db.pool, 1).await;
-    assert!(complete(&db.pool, a2[0]).await);
+    assert!(common::complete_default(&db.pool, a2[0]).await);
     let (status, b, b_job) = enqueue(&db.pool, "u", 7).await.unwrap();
     assert_eq!(status, "enqueued", "A is done: its key is free");
     // A's duplicate completion (the completer retrying after a lost reply) and its stale
     // delivery change nothing.
-    assert!(!complete(&db.pool, a2[0]).await);
-    assert!(!complete(&db.pool, a1[0]).await);
-    assert!(!dead_letter(&db.pool, a1[0]).await);
+    assert!(!common::complete_default(&db.pool, a2[0]).await);
+    assert!(!common::complete_default(&db.pool, a1[0]).await);
+    assert!(!common::dead_letter_default(&db.pool, a1[0]).await);
     assert_eq!(locks(&db.pool).await, vec![("u:[7]".to_string(), b_job, b)]);
     let err = enqueue(&db.pool, "u", 7).await.unwrap_err();
     assert!(err.contains(&format!("is held by job {b_job}")), "{err}");
@@ -148,7 +131,7 @@ async fn until_executed_holds_across_retries_and_is_released_by_the_dead_letter(
     assert!(err.contains(&format!("held by job {a_job}")), "a retrying job keeps its key: {err}");
     let second = claim(&db.pool, 1).await;
     assert_eq!(second, vec![(a.unwrap(), 2)], "the retry of its own job is never a duplicate of itself");
-    assert!(dead_letter(&db.pool, second[0]).await);
+    assert!(common::dead_letter_default(&db.pool, second[0]).await);
     assert!(locks(&db.pool).await.is_empty(), "a dead-lettered job is terminal: its key is free");
     let (status, _, b_job) = enqueue(&db.pool, "u", 1).await.unwrap();
     assert_eq!(status, "enqueued");
@@ -157,13 +140,13 @@ async fn until_executed_holds_across_retries_and_is_released_by_the_dead_letter(
     assert_eq!((row.get::<String, _>(0), row.get::<i64, _>(1)), ("duplicate".to_string(), b_job));
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 1);
     let b = claim(&db.pool, 1).await;
-    assert!(complete(&db.pool, b[0]).await);
+    assert!(common::complete_default(&db.pool, b[0]).await);
     let row = sqlx::query("SELECT status, job_id, msg_id FROM lockgate.dlq_retry()").fetch_one(&db.pool).await.unwrap();
     assert_eq!((row.get::<String, _>(0), row.get::<i64, _>(1)), ("enqueued".to_string(), a_job));
     let new_msg: i64 = row.get(2);
     assert_eq!(locks(&db.pool).await, vec![("u:[1]".to_string(), a_job, Some(new_msg))], "A holds its key again");
     let again = claim(&db.pool, 1).await;
-    assert!(complete(&db.pool, again[0]).await);
+    assert!(common::complete_default(&db.pool, again[0]).await);
     assert!(locks(&db.pool).await.is_empty());
 }
 
@@ -185,16 +168,7 @@ async fn an_enqueue_racing_an_uncommitted_enqueue_of_the_same_key_waits_for_its_
             let mut conn = PgConnection::connect(&url).await.unwrap();
             enqueue(&mut conn, &job_type_owned, 5).await
         });
-        wait_for("the second enqueue to wait for the first", Duration::from_secs(10), || async {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(&db.pool)
-            .await?;
-            Ok((waiting == 1).then_some(()))
-        })
-        .await
-        .unwrap();
+        common::until_one_waits_for_a_lock(&db.pool).await;
         if commit {
             tx.commit().await.unwrap();
         } else {
@@ -249,7 +223,7 @@ async fn while_executing_lets_duplicates_queue_and_runs_them_one_at_a_time_or_di
     );
     let wd: Vec<_> = locks(&db.pool).await.into_iter().filter(|l| l.0.starts_with("wd")).collect();
     assert_eq!(wd, vec![("wd:[2]".to_string(), c.unwrap(), c)], "D took nothing");
-    assert!(complete(&db.pool, (d.unwrap(), 1)).await);
+    assert!(common::complete_default(&db.pool, (d.unwrap(), 1)).await);
 }
 
 #[tokio::test]
@@ -268,7 +242,7 @@ async fn a_parked_job_keeps_its_lock_across_promotion_and_a_job_discarded_by_its
     // X finishes and promotes Y to a new message; Y's lock moves with it.
     let xs = claim(&db.pool, 1).await;
     assert_eq!(xs[0].0, x.unwrap());
-    assert!(complete(&db.pool, xs[0]).await);
+    assert!(common::complete_default(&db.pool, xs[0]).await);
     let y_msg: i64 = sqlx::query_scalar("SELECT msg_id FROM pgmq.q_default WHERE headers->>'job_id' = $1::text")
         .bind(y_job)
         .fetch_one(&db.pool)
@@ -279,7 +253,7 @@ async fn a_parked_job_keeps_its_lock_across_promotion_and_a_job_discarded_by_its
         sqlx::query_scalar("SELECT lockgate.reap_unique_locks('0 seconds')").fetch_one(&db.pool).await.unwrap();
     assert_eq!(reaped, 0, "the reaper finds the promoted job");
     let ys = claim(&db.pool, 1).await;
-    assert!(complete(&db.pool, ys[0]).await);
+    assert!(common::complete_default(&db.pool, ys[0]).await);
     assert!(locks(&db.pool).await.is_empty());
 
     enqueue(&db.pool, "ld", 1).await.unwrap();
@@ -397,7 +371,7 @@ async fn a_message_sent_outside_lockgate_that_copies_a_jobs_id_never_releases_it
         .unwrap();
     let claimed = claim(&db.pool, 5).await;
     let forged = claimed.iter().find(|d| Some(d.0) != j).copied().unwrap();
-    assert!(complete(&db.pool, forged).await);
+    assert!(common::complete_default(&db.pool, forged).await);
     assert_eq!(locks(&db.pool).await, vec![("u:[1]".to_string(), j_job, j)], "the lock is J's, on J's message");
     assert!(enqueue(&db.pool, "u", 1).await.unwrap_err().contains(&format!("held by job {j_job}")));
 }
@@ -443,7 +417,7 @@ async fn dlq_retry_resends_a_malformed_dead_letter_without_failing_the_others() 
     let (_, _, job) = enqueue(&db.pool, "u", 1).await.unwrap();
     let claimed = claim(&db.pool, 5).await;
     assert_eq!(claimed.len(), 1, "the message without a type is dead-lettered by the claim");
-    assert!(dead_letter(&db.pool, claimed[0]).await);
+    assert!(common::dead_letter_default(&db.pool, claimed[0]).await);
     let rows: Vec<(String, Option<i64>)> =
         sqlx::query_as("SELECT status, job_id FROM lockgate.dlq_retry() ORDER BY job_id NULLS FIRST")
             .fetch_all(&db.pool)
@@ -533,7 +507,7 @@ async fn a_job_marked_a_duplicate_by_an_earlier_delivery_runs_once_the_holder_is
             .unwrap();
     assert_eq!(first, vec![(a.unwrap(), None), (b.unwrap(), a)]);
     // B's worker died before archiving it; A finishes; B is delivered again.
-    assert!(complete(&db.pool, (a.unwrap(), 1)).await);
+    assert!(common::complete_default(&db.pool, (a.unwrap(), 1)).await);
     make_visible(&db.pool, b.unwrap()).await;
     let again: Vec<(i64, Option<i64>)> =
         sqlx::query_as("SELECT msg_id, (headers->>'duplicate_of')::bigint FROM lockgate.claim('default', 5, 30)")

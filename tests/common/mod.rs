@@ -169,3 +169,41 @@ pub async fn rows_read(conn: &mut sqlx::PgConnection, table: &str) -> i64 {
     .await
     .expect("table statistics of this transaction")
 }
+
+/// `lockgate.complete` of one delivery `(msg_id, read_ct)` of queue `default`; whether it
+/// archived the message.
+pub async fn complete_default(db: impl sqlx::PgExecutor<'_>, d: (i64, i32)) -> bool {
+    sqlx::query_scalar::<_, i64>("SELECT * FROM lockgate.complete('default', $1, $2)")
+        .bind(vec![d.0])
+        .bind(vec![d.1])
+        .fetch_optional(db)
+        .await
+        .unwrap()
+        .is_some()
+}
+
+/// `lockgate.dead_letter` of one delivery of queue `default` (attempts exhausted); whether it
+/// removed the message.
+pub async fn dead_letter_default(db: impl sqlx::PgExecutor<'_>, d: (i64, i32)) -> bool {
+    sqlx::query_scalar("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', $2)")
+        .bind(d.0)
+        .bind(d.1)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+/// Waits until another session of this database waits for a lock (a race forced on two
+/// connections has reached its blocking statement).
+pub async fn until_one_waits_for_a_lock(db: &PgPool) {
+    lockgate_testkit::wait_for("a session to wait for a row lock", Duration::from_secs(10), || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(db)
+        .await?;
+        Ok((waiting == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+}
