@@ -1,5 +1,6 @@
 -- Retry in place: a failed attempt keeps its message and its permit, and becomes
--- visible again after the backoff. The error joins the attempt history in the headers, and
+-- visible again after the backoff. The error joins the attempt history in the headers (with the
+-- attempt's start and the process that ran it: sql/068_jobs.sql), and
 -- retry_at marks the delivery as waiting (not running) for status. Fenced on (msg_id, read_ct):
 -- a stale delivery's failure changes nothing. The run started, so its start is recorded if it
 -- was not yet (last_read_at, H32). The lease is stretched to cover the backoff
@@ -22,7 +23,9 @@ BEGIN
                 headers = m.headers
                     || jsonb_build_object(''retry_at'', $3)
                     || jsonb_build_object(''errors'', COALESCE(m.headers->''errors'', ''[]'')
-                          || jsonb_build_array(jsonb_build_object(''attempt'', $5, ''at'', clock_timestamp(), ''error'', left($4, 4000))))
+                          || jsonb_build_array(jsonb_build_object(
+                               ''attempt'', $5, ''started_at'', COALESCE(m.last_read_at, clock_timestamp()),
+                               ''at'', clock_timestamp(), ''process'', m.headers->''owner'', ''error'', left($4, 4000))))
           WHERE m.msg_id = $1 AND m.read_ct = $2
          RETURNING m.msg_id, m.headers',
         lockgate._queue_table(queue, 'q'))

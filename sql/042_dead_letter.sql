@@ -18,7 +18,7 @@ BEGIN
     EXECUTE format(
         'WITH gone AS (
              DELETE FROM %s m WHERE m.msg_id = $1 AND m.read_ct = $2
-             RETURNING m.msg_id, m.message, m.headers, m.enqueued_at)
+             RETURNING m.msg_id, m.message, m.headers, m.enqueued_at, m.last_read_at)
          INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
          SELECT $3, g.msg_id,
                 CASE WHEN g.headers->>''job_id'' ~ ''^[0-9]{1,18}$'' THEN (g.headers->>''job_id'')::bigint
@@ -27,7 +27,9 @@ BEGIN
                 g.message,
                 CASE WHEN jsonb_typeof(g.headers) = ''object''
                      THEN g.headers - ''retry_at'' || jsonb_build_object(''errors'', COALESCE(g.headers->''errors'', ''[]'')
-                          || jsonb_build_array(jsonb_build_object(''attempt'', $6, ''at'', clock_timestamp(), ''error'', left($5, 4000))))
+                          || jsonb_build_array(jsonb_build_object(
+                                 ''attempt'', $6, ''started_at'', g.last_read_at, ''at'', clock_timestamp(),
+                                 ''process'', g.headers->''owner'', ''error'', left($5, 4000))))
                      ELSE g.headers END,
                 $4, left($5, 4000), $6, g.enqueued_at
            FROM gone g

@@ -1,101 +1,56 @@
--- The message of job_id in a queue or archive table (tbl, as _queue_table returns it): by msg_id
--- for a job on its first message, by the headers' job_id (partial index) for one sent again;
--- stamp is the column named by stamp_column (vt for a queue, archived_at for an archive).
-CREATE OR REPLACE FUNCTION lockgate._job_message(tbl text, stamp_column text, job_id bigint)
-RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, stamp timestamptz, message jsonb, headers jsonb)
-LANGUAGE plpgsql STABLE AS $$
-BEGIN
-    RETURN QUERY EXECUTE format(
-        'SELECT x.msg_id, x.read_ct, x.enqueued_at, x.%2$I, x.message, x.headers FROM %1$s x
-          WHERE x.msg_id = $1 AND NOT (x.headers ? ''job_id'')
-         UNION ALL
-         SELECT x.msg_id, x.read_ct, x.enqueued_at, x.%2$I, x.message, x.headers FROM %1$s x
-          WHERE x.headers ? ''job_id'' AND x.headers->>''job_id'' = $1::text
-         LIMIT 1', tbl, stamp_column)
-      USING job_id;
-END $$;
+-- Jobs: one job by id (lockgate.job), a search over every state (lockgate.jobs), and the job's
+-- life as a list of attempts (issue 12).
+--
+-- A job lives in one place at a time: a queue table (queued, scheduled, running, retrying), the
+-- parked jobs, the dead letters, or a queue's archive (succeeded, discarded, cancelled). Its id is
+-- the msg_id of its first message, carried in the headers' job_id when it is sent again as a new
+-- message (promoted, re-parked at claim, retried from the dead letters).
+--
+-- Attempts: a failed attempt is recorded when it fails (retry, dead_letter: its start, end,
+-- process and error, in the headers' errors), a cancelled running attempt when it is cancelled;
+-- a succeeded or running attempt is derived from the message itself (its last_read_at, its
+-- archive time, its owner), so a completion writes nothing more than it did before the history
+-- existed (docs/design.md).
 
--- One job by id, in whatever state it is (issue 12): queued, scheduled, running, retrying (a
--- failed attempt waiting for its backoff), parked, succeeded (archived), discarded (a
--- while_executing duplicate archived unrun) or dead (dead-lettered). Every lookup is an index
--- lookup: by msg_id (a job on its first message) or by the headers' job_id (a job sent again as a
--- new message; partial index per queue and archive, sql/001_queues.sql), parked and dead
--- letters by their job_id index. The queue tables come first, then the parked jobs, the dead
--- letters and the archives, so a job retried from the dead letters shows where it is now.
--- attempt: the attempt its current or next delivery is (deliveries minus returns, plus the
--- attempts of its earlier messages); errors: every failed attempt, with its time.
--- Locks: none. Callers: lockgate job show, Client::job, SQL operators.
-CREATE OR REPLACE FUNCTION lockgate.job(job_id bigint)
-RETURNS TABLE (id bigint, state text, queue text, job_type text, args jsonb, priority integer, msg_id bigint,
-               attempt integer, enqueued_at timestamptz, visible_at timestamptz, finished_at timestamptz,
-               concurrency_key text, errors jsonb, reason text, error text, headers jsonb)
-LANGUAGE plpgsql STABLE AS $$
-DECLARE
-    q text;
-    m record;
-    p lockgate.parked;
-    d lockgate.dead_letters;
-BEGIN
-    id := job_id;
-    FOREACH q IN ARRAY ARRAY(SELECT lockgate._live_queues()) LOOP
-        SELECT * INTO m FROM lockgate._job_message(lockgate._queue_table(q, 'q'), 'vt', job_id);
-        IF m.msg_id IS NOT NULL THEN
-            queue := q;
-            state := CASE WHEN m.stamp <= clock_timestamp() THEN 'queued'
-                          WHEN jsonb_typeof(m.headers) = 'object' AND m.headers ? 'retry_at' THEN 'retrying'
-                          WHEN m.read_ct = 0 THEN 'scheduled'
-                          ELSE 'running' END;
-            visible_at := m.stamp;
-            SELECT f.* INTO job_type, args, priority, msg_id, attempt, enqueued_at, concurrency_key, errors, headers
-              FROM lockgate._job_fields(m.message, m.headers, m.msg_id, m.read_ct, m.enqueued_at) f;
-            RETURN NEXT;
-            RETURN;
-        END IF;
-    END LOOP;
-    SELECT * INTO p FROM lockgate.parked x WHERE x.job_id = job.job_id LIMIT 1;
-    IF FOUND THEN
-        state := 'parked';
-        queue := p.queue;
-        visible_at := p.run_at;
-        SELECT f.* INTO job_type, args, priority, msg_id, attempt, enqueued_at, concurrency_key, errors, headers
-          FROM lockgate._job_fields(p.args, p.headers, NULL, 0, p.parked_at) f;
-        RETURN NEXT;
-        RETURN;
-    END IF;
-    SELECT * INTO d FROM lockgate.dead_letters x WHERE x.job_id = job.job_id ORDER BY x.id DESC LIMIT 1;
-    IF FOUND THEN
-        state := 'dead';
-        queue := d.queue;
-        finished_at := d.dead_at;
-        reason := d.reason;
-        error := d.error;
-        SELECT f.* INTO job_type, args, priority, msg_id, attempt, enqueued_at, concurrency_key, errors, headers
-          FROM lockgate._job_fields(d.args, d.headers, d.msg_id, 0, d.enqueued_at) f;
-        attempt := d.attempts;
-        RETURN NEXT;
-        RETURN;
-    END IF;
-    FOREACH q IN ARRAY ARRAY(SELECT lockgate._live_queues()) LOOP
-        SELECT * INTO m FROM lockgate._job_message(lockgate._queue_table(q, 'a'), 'archived_at', job_id);
-        IF m.msg_id IS NOT NULL THEN
-            queue := q;
-            state := CASE WHEN jsonb_typeof(m.headers) = 'object' AND m.headers ? 'duplicate_of' THEN 'discarded'
-                          ELSE 'succeeded' END;
-            finished_at := m.stamp;
-            SELECT f.* INTO job_type, args, priority, msg_id, attempt, enqueued_at, concurrency_key, errors, headers
-              FROM lockgate._job_fields(m.message, m.headers, m.msg_id, m.read_ct, m.enqueued_at) f;
-            RETURN NEXT;
-            RETURN;
-        END IF;
-    END LOOP;
-END $$;
+-- The state of a message in a queue table: visible now (queued), waiting out a retry's backoff
+-- (retrying), never delivered and not yet visible (scheduled), or delivered and invisible
+-- (running: claimed, perhaps claimed ahead and not yet started).
+CREATE OR REPLACE FUNCTION lockgate._queued_state(vt timestamptz, headers jsonb, read_ct integer)
+RETURNS text LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN vt <= clock_timestamp() THEN 'queued'
+                WHEN jsonb_typeof(headers) = 'object' AND headers ? 'retry_at' THEN 'retrying'
+                WHEN read_ct = 0 THEN 'scheduled'
+                ELSE 'running' END
+$$;
+
+-- The state of an archived message: a while_executing duplicate archived unrun (discarded), a
+-- cancelled job, or a succeeded one.
+CREATE OR REPLACE FUNCTION lockgate._archived_state(headers jsonb)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN jsonb_typeof(headers) <> 'object' THEN 'succeeded'
+                WHEN headers ? 'duplicate_of' THEN 'discarded'
+                WHEN headers ? 'cancelled_at' THEN 'cancelled'
+                ELSE 'succeeded' END
+$$;
+
+-- When a job was first enqueued: its headers' enqueued_at (kept across promotion and dead-letter
+-- retries) when well formed, else when its row was stored.
+CREATE OR REPLACE FUNCTION lockgate._first_enqueued_at(headers jsonb, stored_at timestamptz)
+RETURNS timestamptz LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN jsonb_typeof(headers) = 'object' AND jsonb_typeof(headers->'enqueued_at') = 'string'
+                     AND headers->>'enqueued_at' ~ '^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?([+-]\d\d(:\d\d)?|Z)$'
+                THEN (headers->>'enqueued_at')::timestamptz
+                ELSE stored_at END
+$$;
 
 -- The fields of a job read from its message (or parked row, or dead letter), defensively: a
 -- message that is not lockgate's still shows, with NULLs where its headers say nothing usable.
-CREATE OR REPLACE FUNCTION lockgate._job_fields(message jsonb, headers jsonb, msg_id bigint, read_ct integer,
-                                                stored_at timestamptz,
-    OUT job_type text, OUT args jsonb, OUT priority integer, OUT msg_id_out bigint, OUT attempt integer,
-    OUT enqueued_at timestamptz, OUT concurrency_key text, OUT errors jsonb, OUT headers_out jsonb)
+-- attempts: every recorded attempt (failed or cancelled), then the one the row itself tells of:
+-- a succeeded job's last (its start and archive time), a running job's current once started.
+CREATE OR REPLACE FUNCTION lockgate._job_fields(message jsonb, headers jsonb, read_ct integer, stored_at timestamptz,
+                                                state text, last_read_at timestamptz, finished_at timestamptz,
+    OUT job_type text, OUT args jsonb, OUT priority integer, OUT attempt integer,
+    OUT enqueued_at timestamptz, OUT concurrency_key text, OUT attempts jsonb)
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
     h jsonb := CASE WHEN jsonb_typeof(headers) = 'object' THEN headers ELSE '{}' END;
@@ -104,19 +59,225 @@ BEGIN
     job_type := h->>'type';
     args := message;
     priority := CASE WHEN h->>'priority' ~ '^[0-9]$' THEN (h->>'priority')::integer ELSE 0 END;
-    msg_id_out := msg_id;
     attempt := GREATEST(read_ct
         - CASE WHEN h->>'returns' ~ count_of THEN (h->>'returns')::integer ELSE 0 END
         + CASE WHEN h->>'attempts_before' ~ count_of THEN (h->>'attempts_before')::integer ELSE 0 END, 0);
-    enqueued_at := stored_at;
-    IF jsonb_typeof(h->'enqueued_at') = 'string' THEN
-        BEGIN
-            enqueued_at := (h->>'enqueued_at')::timestamptz;
-        EXCEPTION WHEN OTHERS THEN
-            enqueued_at := stored_at;
-        END;
-    END IF;
+    enqueued_at := lockgate._first_enqueued_at(h, stored_at);
     concurrency_key := h->>'ckey';
-    errors := COALESCE(h->'errors', '[]');
-    headers_out := headers;
+    SELECT COALESCE(jsonb_agg(jsonb_build_object(
+               'attempt', e->'attempt', 'started_at', e->'started_at', 'ended_at', COALESCE(e->'ended_at', e->'at'),
+               'process', e->'process', 'outcome', COALESCE(e->'outcome', '"failed"'), 'error', e->'error')
+             ORDER BY o), '[]')
+      INTO attempts
+      FROM jsonb_array_elements(CASE WHEN jsonb_typeof(h->'errors') = 'array' THEN h->'errors' ELSE '[]' END)
+           WITH ORDINALITY AS a(e, o)
+     WHERE jsonb_typeof(e) = 'object';
+    IF state = 'succeeded' OR (state = 'running' AND last_read_at IS NOT NULL) THEN
+        attempts := attempts || jsonb_build_array(jsonb_build_object(
+            'attempt', attempt, 'started_at', last_read_at, 'ended_at', finished_at, 'process', h->'owner',
+            'outcome', state, 'error', NULL));
+    END IF;
+END $$;
+
+-- The jobs of one queue table or archive (kind 'q' or 'a'), filtered, newest id first. Every
+-- filter is a bound value; NULL matches anything. only_id finds one job through the indexes
+-- (by msg_id, or the headers' job_id); otherwise the table is scanned, with the cheap filters
+-- and the id order taken on the raw rows and the job's fields read only for the rows returned.
+CREATE OR REPLACE FUNCTION lockgate._jobs_in_queue(queue text, kind text, only_id bigint, job_type text, states text[],
+                                                   key text, since timestamptz, until timestamptz, search text,
+                                                   before_id bigint, max_rows integer)
+RETURNS SETOF lockgate.job_info LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    tbl text := lockgate._queue_table(queue, kind);
+    source text;
+    state_of text := CASE kind WHEN 'q' THEN 'lockgate._queued_state(x.vt, x.headers, x.read_ct)'
+                               ELSE 'lockgate._archived_state(x.headers)' END;
+BEGIN
+    IF states IS NOT NULL AND NOT states && (CASE kind WHEN 'q' THEN ARRAY['queued', 'scheduled', 'running', 'retrying']
+                                                     ELSE ARRAY['succeeded', 'discarded', 'cancelled'] END) THEN
+        RETURN;
+    END IF;
+    source := CASE WHEN only_id IS NULL THEN format('SELECT * FROM %s', tbl)
+                   ELSE format('SELECT * FROM %1$s WHERE msg_id = $1 AND NOT (headers ? ''job_id'')
+                                UNION ALL
+                                SELECT * FROM %1$s WHERE headers ? ''job_id'' AND headers->>''job_id'' = $1::text', tbl) END;
+    RETURN QUERY EXECUTE format(
+        'SELECT r.id, r.state, $11, f.job_type, f.args, f.priority, r.msg_id, f.attempt, f.enqueued_at,
+                r.visible_at, r.finished_at, f.concurrency_key, f.attempts, NULL::text, NULL::text, r.headers
+           FROM (SELECT COALESCE(lockgate._job_id_of(x.headers), x.msg_id) AS id, %2$s AS state, x.msg_id,
+                        x.read_ct, x.enqueued_at, x.last_read_at, x.message, x.headers,
+                        %3$s AS visible_at, %4$s AS finished_at
+                   FROM (%1$s) x
+                  WHERE ($2::text IS NULL OR x.headers->>''type'' = $2)
+                    AND ($3::text[] IS NULL OR %2$s = ANY ($3))
+                    AND ($4::text IS NULL OR x.headers->>''ckey'' = $4 OR x.headers->>''ukey'' = $4 OR x.headers->>''wkey'' = $4)
+                    AND ($5::timestamptz IS NULL OR lockgate._first_enqueued_at(x.headers, x.enqueued_at) >= $5)
+                    AND ($6::timestamptz IS NULL OR lockgate._first_enqueued_at(x.headers, x.enqueued_at) < $6)
+                    AND ($7::text IS NULL OR strpos(lower(x.message::text), lower($7)) > 0
+                         OR strpos(lower(COALESCE(x.headers->>''errors'', '''')), lower($7)) > 0)
+                    AND ($8::bigint IS NULL OR COALESCE(lockgate._job_id_of(x.headers), x.msg_id) < $8)
+                  ORDER BY 1 DESC LIMIT $9) r
+          CROSS JOIN LATERAL lockgate._job_fields(r.message, r.headers, r.read_ct, r.enqueued_at, r.state,
+                                                  r.last_read_at, r.finished_at) f
+          ORDER BY r.id DESC',
+        source, state_of,
+        CASE kind WHEN 'q' THEN 'x.vt' ELSE 'NULL::timestamptz' END,
+        CASE kind WHEN 'q' THEN 'NULL::timestamptz' ELSE 'x.archived_at' END)
+      USING only_id, job_type, states, key, since, until, search, before_id, max_rows, kind, queue;
+END $$;
+
+-- The parked jobs (state parked), filtered like _jobs_in_queue; only_queue NULL for every queue.
+CREATE OR REPLACE FUNCTION lockgate._jobs_parked(only_queue text, only_id bigint, job_type text, key text,
+                                                 since timestamptz, until timestamptz, search text,
+                                                 before_id bigint, max_rows integer)
+RETURNS SETOF lockgate.job_info LANGUAGE sql STABLE AS $$
+    SELECT p.job_id, 'parked', p.queue, f.job_type, f.args, f.priority, NULL::bigint, f.attempt, f.enqueued_at,
+           p.run_at, NULL::timestamptz, f.concurrency_key, f.attempts, NULL::text, NULL::text, p.headers
+      FROM (SELECT x.* FROM lockgate.parked x
+             WHERE (only_id IS NULL OR x.job_id = only_id)
+               AND (only_queue IS NULL OR x.queue = only_queue)
+               AND (_jobs_parked.job_type IS NULL OR x.job_type = _jobs_parked.job_type)
+               AND (_jobs_parked.key IS NULL OR x.key = _jobs_parked.key OR x.headers->>'ukey' = _jobs_parked.key)
+               AND (since IS NULL OR lockgate._first_enqueued_at(x.headers, x.parked_at) >= since)
+               AND (until IS NULL OR lockgate._first_enqueued_at(x.headers, x.parked_at) < until)
+               AND (search IS NULL OR strpos(lower(x.args::text), lower(search)) > 0
+                    OR strpos(lower(COALESCE(x.headers->>'errors', '')), lower(search)) > 0)
+               AND (before_id IS NULL OR x.job_id < before_id)
+             ORDER BY x.job_id DESC LIMIT max_rows) p
+     CROSS JOIN LATERAL lockgate._job_fields(p.args, p.headers, 0, p.parked_at, 'parked', NULL, NULL) f
+     ORDER BY p.job_id DESC
+$$;
+
+-- The dead letters (state dead), filtered like _jobs_in_queue. A job dead-lettered more than once
+-- (retried from the dead letters, dead again) shows its latest dead letter.
+CREATE OR REPLACE FUNCTION lockgate._jobs_dead(only_queue text, only_id bigint, job_type text, key text,
+                                               since timestamptz, until timestamptz, search text,
+                                               before_id bigint, max_rows integer)
+RETURNS SETOF lockgate.job_info LANGUAGE sql STABLE AS $$
+    SELECT d.job, 'dead', d.queue, f.job_type, f.args, f.priority, d.msg_id, d.attempts, f.enqueued_at,
+           NULL::timestamptz, d.dead_at, f.concurrency_key, f.attempts, d.reason, d.error, d.headers
+      FROM (SELECT DISTINCT ON (COALESCE(x.job_id, x.msg_id)) COALESCE(x.job_id, x.msg_id) AS job, x.*
+              FROM lockgate.dead_letters x
+             WHERE (only_id IS NULL OR x.job_id = only_id)
+               AND (only_queue IS NULL OR x.queue = only_queue)
+               AND (_jobs_dead.job_type IS NULL OR x.job_type = _jobs_dead.job_type)
+               AND (_jobs_dead.key IS NULL OR x.headers->>'ckey' = _jobs_dead.key OR x.headers->>'ukey' = _jobs_dead.key
+                    OR x.headers->>'wkey' = _jobs_dead.key)
+               AND (since IS NULL OR lockgate._first_enqueued_at(x.headers, x.enqueued_at) >= since)
+               AND (until IS NULL OR lockgate._first_enqueued_at(x.headers, x.enqueued_at) < until)
+               AND (search IS NULL OR strpos(lower(x.args::text), lower(search)) > 0
+                    OR strpos(lower(COALESCE(x.error, '')), lower(search)) > 0
+                    OR strpos(lower(COALESCE(x.headers->>'errors', '')), lower(search)) > 0)
+               AND (before_id IS NULL OR COALESCE(x.job_id, x.msg_id) < before_id)
+               AND COALESCE(x.job_id, x.msg_id) IS NOT NULL
+             ORDER BY COALESCE(x.job_id, x.msg_id) DESC, x.id DESC LIMIT max_rows) d
+     CROSS JOIN LATERAL lockgate._job_fields(d.args, d.headers, 0, d.enqueued_at, 'dead', NULL, d.dead_at) f
+     ORDER BY d.job DESC
+$$;
+
+-- One job by id, in whatever state it is: queued, scheduled, running, retrying (a failed attempt
+-- waiting for its backoff), parked, succeeded, discarded (a while_executing duplicate archived
+-- unrun), cancelled, or dead. Every lookup is an index lookup: by msg_id (a job on its first
+-- message) or by the headers' job_id (partial index per queue and archive, sql/001_queues.sql),
+-- parked and dead letters by their job_id indexes. The queue tables come first, then the parked
+-- jobs, the dead letters and the archives, so a job retried from the dead letters shows where it
+-- is now. attempt: the attempt its current or next delivery is (deliveries minus returns, plus
+-- the attempts of its earlier messages). No row: no such job (or pruned by archive retention).
+-- Locks: none. Callers: lockgate job show, Client::job, lockgate.cancel, SQL operators.
+CREATE OR REPLACE FUNCTION lockgate.job(job_id bigint)
+RETURNS SETOF lockgate.job_info LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    q text;
+    found lockgate.job_info;
+BEGIN
+    FOREACH q IN ARRAY ARRAY(SELECT lockgate._live_queues()) LOOP
+        SELECT * INTO found FROM lockgate._jobs_in_queue(q, 'q', job_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 1);
+        IF found.id IS NOT NULL THEN
+            RETURN NEXT found;
+            RETURN;
+        END IF;
+    END LOOP;
+    SELECT * INTO found FROM lockgate._jobs_parked(NULL, job_id, NULL, NULL, NULL, NULL, NULL, NULL, 1);
+    IF found.id IS NULL THEN
+        SELECT * INTO found FROM lockgate._jobs_dead(NULL, job_id, NULL, NULL, NULL, NULL, NULL, NULL, 1);
+    END IF;
+    IF found.id IS NOT NULL THEN
+        RETURN NEXT found;
+        RETURN;
+    END IF;
+    FOREACH q IN ARRAY ARRAY(SELECT lockgate._live_queues()) LOOP
+        SELECT * INTO found FROM lockgate._jobs_in_queue(q, 'a', job_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 1);
+        IF found.id IS NOT NULL THEN
+            RETURN NEXT found;
+            RETURN;
+        END IF;
+    END LOOP;
+END $$;
+
+-- The states a job can be in, as lockgate.job reports them.
+CREATE OR REPLACE FUNCTION lockgate.job_states()
+RETURNS text[] LANGUAGE sql IMMUTABLE AS $$
+    SELECT ARRAY['scheduled', 'queued', 'running', 'retrying', 'parked', 'succeeded', 'discarded', 'cancelled', 'dead']
+$$;
+
+-- Raises LG003 naming the first of states that is not a job state.
+CREATE OR REPLACE FUNCTION lockgate._check_states(states text[])
+RETURNS void LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    bad text;
+BEGIN
+    SELECT s INTO bad FROM unnest(states) s WHERE s IS NULL OR NOT s = ANY (lockgate.job_states()) LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'lockgate: invalid job state "%"', COALESCE(bad, 'NULL')
+            USING ERRCODE = 'LG003', HINT = 'one of ' || array_to_string(lockgate.job_states(), ', ');
+    END IF;
+END $$;
+
+-- Jobs matching every filter given (NULL: any), newest id first, at most max_rows (1 to 1000).
+-- queue: one queue (LG001 when unknown); job_type; states: any of lockgate.job_states() (LG003
+-- otherwise); key: a concurrency or unique key; since/until: first enqueued in [since, until);
+-- search: text in the arguments or in an attempt's error (case-insensitive); before_id: the
+-- cursor, the last id of the previous page. The id lookup is indexed; a search scans the tables it
+-- has to (a state filter skips the others: 'dead' reads only the dead letters), reading the job's
+-- fields only for the rows it returns.
+-- Locks: none. Callers: lockgate jobs, Client::jobs, lockgate.cancel_jobs, SQL operators.
+CREATE OR REPLACE FUNCTION lockgate.jobs(queue text DEFAULT NULL, job_type text DEFAULT NULL, states text[] DEFAULT NULL,
+                                         key text DEFAULT NULL, since timestamptz DEFAULT NULL,
+                                         until timestamptz DEFAULT NULL, search text DEFAULT NULL,
+                                         max_rows integer DEFAULT 50, before_id bigint DEFAULT NULL)
+RETURNS SETOF lockgate.job_info LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    queues text[];
+    q text;
+    found lockgate.job_info[] := '{}';
+BEGIN
+    PERFORM lockgate._check_states(states);
+    IF max_rows IS NULL OR max_rows NOT BETWEEN 1 AND 1000 THEN
+        RAISE EXCEPTION 'lockgate: invalid max_rows %: 1 to 1000', max_rows USING ERRCODE = 'LG003';
+    END IF;
+    IF since IS NOT NULL AND until IS NOT NULL AND until <= since THEN
+        RAISE EXCEPTION 'lockgate: invalid time range: until (%) is not after since (%)', until, since
+            USING ERRCODE = 'LG003';
+    END IF;
+    IF jobs.queue IS NOT NULL THEN
+        PERFORM lockgate._queue_table(jobs.queue, 'q');
+        queues := ARRAY[jobs.queue];
+    ELSE
+        queues := ARRAY(SELECT lockgate._live_queues());
+    END IF;
+    FOREACH q IN ARRAY queues LOOP
+        found := found || ARRAY(SELECT j FROM lockgate._jobs_in_queue(q, 'q', NULL, job_type, states, key, since, until,
+                                                                      search, before_id, max_rows) j)
+                       || ARRAY(SELECT j FROM lockgate._jobs_in_queue(q, 'a', NULL, job_type, states, key, since, until,
+                                                                      search, before_id, max_rows) j);
+    END LOOP;
+    IF states IS NULL OR 'parked' = ANY (states) THEN
+        found := found || ARRAY(SELECT j FROM lockgate._jobs_parked(jobs.queue, NULL, job_type, key, since, until, search,
+                                                                    before_id, max_rows) j);
+    END IF;
+    IF states IS NULL OR 'dead' = ANY (states) THEN
+        found := found || ARRAY(SELECT j FROM lockgate._jobs_dead(jobs.queue, NULL, job_type, key, since, until, search,
+                                                                  before_id, max_rows) j);
+    END IF;
+    RETURN QUERY SELECT * FROM unnest(found) ORDER BY 1 DESC LIMIT max_rows;
 END $$;

@@ -165,10 +165,16 @@ async fn a_release_retried_after_a_lost_reply_counts_the_return_once() {
     assert!(err.to_string().contains("invalid max_returns -1"), "{err}");
 }
 
-/// (state, attempt, errors) of a job as `lockgate.job` reports it.
-async fn job_state(db: &TestDb, id: i64) -> (String, i32, usize) {
+/// (state, attempt, the outcomes of its attempts) of a job as `lockgate.job` reports it.
+async fn job_state(db: &TestDb, id: i64) -> (String, i32, String) {
     let job = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().expect("the job exists");
-    (job.state, job.attempt, job.errors.as_array().map_or(0, Vec::len))
+    let outcomes: Vec<&str> =
+        job.attempts.as_array().into_iter().flatten().map(|a| a["outcome"].as_str().unwrap_or("?")).collect();
+    (job.state, job.attempt, outcomes.join(" "))
+}
+
+fn state(state: &str, attempt: i32, outcomes: &str) -> (String, i32, String) {
+    (state.to_string(), attempt, outcomes.to_string())
 }
 
 #[tokio::test]
@@ -180,7 +186,7 @@ async fn a_job_keeps_its_id_and_history_through_retry_dead_letter_dlq_retry_and_
         .await
         .unwrap();
     let enqueued_at = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().unwrap().enqueued_at;
-    assert_eq!(job_state(&db, id).await, ("queued".to_string(), 0, 0));
+    assert_eq!(job_state(&db, id).await, state("queued", 0, ""));
     let claim = |db: &TestDb| {
         let pool = db.pool.clone();
         async move {
@@ -191,14 +197,14 @@ async fn a_job_keeps_its_id_and_history_through_retry_dead_letter_dlq_retry_and_
         }
     };
     let (m, ct) = claim(&db).await;
-    assert_eq!(job_state(&db, id).await, ("running".to_string(), 1, 0));
+    assert_eq!(job_state(&db, id).await, state("running", 1, "running"));
     sqlx::query("SELECT lockgate.retry('default', $1, $2, 60, 'first failure', 1)")
         .bind(m)
         .bind(ct)
         .execute(&db.pool)
         .await
         .unwrap();
-    assert_eq!(job_state(&db, id).await, ("retrying".to_string(), 1, 1));
+    assert_eq!(job_state(&db, id).await, state("retrying", 1, "failed"));
     sqlx::query("UPDATE pgmq.q_default SET vt = now()").execute(&db.pool).await.unwrap();
     let (m, ct) = claim(&db).await;
     sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'second failure', 2)")
@@ -207,14 +213,23 @@ async fn a_job_keeps_its_id_and_history_through_retry_dead_letter_dlq_retry_and_
         .execute(&db.pool)
         .await
         .unwrap();
-    assert_eq!(job_state(&db, id).await, ("dead".to_string(), 2, 2));
+    assert_eq!(job_state(&db, id).await, state("dead", 2, "failed failed"));
     sqlx::query("SELECT * FROM lockgate.dlq_retry()").execute(&db.pool).await.unwrap();
     let again = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().unwrap();
     assert_eq!((again.state.as_str(), again.enqueued_at), ("queued", enqueued_at), "same id, first enqueue time");
     assert_ne!(again.msg_id, Some(id), "a new message");
     let (m, ct) = claim(&db).await;
     assert!(common::complete_default(&db.pool, (m, ct)).await);
-    assert_eq!(job_state(&db, id).await, ("succeeded".to_string(), 1, 2), "its errors travel with it");
+    assert_eq!(
+        job_state(&db, id).await,
+        state("succeeded", 1, "failed failed succeeded"),
+        "its history travels with it"
+    );
+    let done = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().unwrap();
+    for a in done.attempts.as_array().unwrap() {
+        assert!(a["started_at"].is_string() && a["ended_at"].is_string(), "every attempt has its start and end: {a}");
+    }
+    assert_eq!(done.attempts[0]["error"], "first failure");
     assert!(lockgate::sql::job(&db.pool, lockgate::JobId(id + 1000)).await.unwrap().is_none());
 }
 

@@ -35,9 +35,11 @@ enum Command {
     /// List, retry or purge dead-lettered jobs.
     #[command(subcommand)]
     Dlq(commands::dlq::Command),
-    /// Show one job by id, in whatever state it is.
+    /// Show one job by id in whatever state it is, cancel jobs, retry or discard a dead one.
     #[command(subcommand)]
     Job(commands::job::Command),
+    /// Find jobs in every state by queue, type, state, key, time and text.
+    Jobs(commands::jobs::Args),
     /// Pause or resume claims on a queue.
     #[command(subcommand)]
     Queue(commands::queue::Command),
@@ -78,6 +80,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Batch(command) => commands::batch::run(url, command).await,
         Command::Queue(command) => commands::queue::run(url, command).await,
         Command::Job(command) => commands::job::run(url, command).await,
+        Command::Jobs(args) => commands::jobs::run(url, args).await,
         Command::Recurring(command) => commands::recurring::run(url, command).await,
         Command::Demo(args) => commands::demo::run(url, args).await,
     }

@@ -316,3 +316,72 @@ async fn job_show_from_the_cli() {
     let missing = output(&db, &["job", "show", "999999"]);
     assert!(!missing.status.success() && text(&missing).contains("no job 999999"), "{}", text(&missing));
 }
+
+#[tokio::test]
+async fn jobs_found_cancelled_retried_and_discarded_from_the_cli() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('mail')").execute(&db.pool).await.unwrap();
+    let ids: Vec<i64> =
+        sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue_many('mail', ARRAY['{\"to\": \"ada\"}', '{\"to\": \"bob\"}', '{\"to\": \"cy\"}']::jsonb[])")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let listed = output(&db, &["jobs", "--type", "mail", "--search", "BOB"]);
+    assert!(listed.status.success(), "{}", text(&listed));
+    let rows: Vec<&str> = std::str::from_utf8(&listed.stdout).unwrap().lines().skip(1).collect();
+    assert_eq!(rows.len(), 1, "{}", text(&listed));
+    assert!(rows[0].trim_start().starts_with(&format!("{} ", ids[1])) && rows[0].contains("queued"), "{}", rows[0]);
+    let json = output(&db, &["jobs", "--state", "queued", "--since", "1h", "--json"]);
+    let value: serde_json::Value = serde_json::from_str(&String::from_utf8_lossy(&json.stdout)).unwrap();
+    assert_eq!(value.as_array().map(Vec::len), Some(3), "{value}");
+    // Cancel one by id, then the rest by query.
+    let one = output(&db, &["job", "cancel", &ids[0].to_string()]);
+    assert!(one.status.success() && text(&one).contains("cancelled (it was queued"), "{}", text(&one));
+    let again = output(&db, &["job", "cancel", &ids[0].to_string()]);
+    assert!(!again.status.success() && text(&again).contains("it is cancelled already"), "{}", text(&again));
+    let unscoped = output(&db, &["job", "cancel"]);
+    assert!(!unscoped.status.success() && text(&unscoped).contains("name what to cancel"), "{}", text(&unscoped));
+    let rest = output(&db, &["job", "cancel", "--type", "mail", "--state", "queued"]);
+    assert!(rest.status.success() && text(&rest).contains("2 of 2 cancelled"), "{}", text(&rest));
+    // Retry and discard apply to dead and parked jobs only, and say so.
+    let retry = output(&db, &["job", "retry", &ids[1].to_string()]);
+    assert!(!retry.status.success() && text(&retry).contains("only a dead job can be retried"), "{}", text(&retry));
+    let discard = output(&db, &["job", "discard", &ids[1].to_string()]);
+    assert!(!discard.status.success() && text(&discard).contains("only a dead or parked job"), "{}", text(&discard));
+    // A dead job is retried from the job view, then discarded once dead again.
+    let dead: i64 =
+        sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue('mail', '{}')").fetch_one(&db.pool).await.unwrap();
+    let kill = || async {
+        let (m, ct): (i64, i32) = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', 1)")
+            .bind(m)
+            .bind(ct)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    };
+    kill().await;
+    let retried = output(&db, &["job", "retry", &dead.to_string()]);
+    assert!(retried.status.success() && text(&retried).contains("sent back to queue default"), "{}", text(&retried));
+    kill().await;
+    let discarded = output(&db, &["job", "discard", &dead.to_string()]);
+    assert!(discarded.status.success() && text(&discarded).contains("discarded (it was dead)"), "{}", text(&discarded));
+    let gone = output(&db, &["job", "show", &dead.to_string()]);
+    assert!(!gone.status.success(), "discarded for good: {}", text(&gone));
+    // Bad input: each a clear error and a non-zero exit.
+    for (args, expected) in [
+        (vec!["jobs", "--state", "lost"], "invalid --state \"lost\""),
+        (vec!["jobs", "--queue", "nosuch"], "queue \"nosuch\" does not exist"),
+        (vec!["jobs", "--since", "yesterday-ish"], "invalid --since"),
+        (vec!["jobs", "--limit", "0"], "invalid --limit 0"),
+        (vec!["job", "cancel", "999999"], "no job 999999"),
+        (vec!["job", "retry", "999999"], "no job 999999"),
+        (vec!["job", "discard", "999999"], "no job 999999"),
+    ] {
+        let out = output(&db, &args);
+        assert!(!out.status.success() && text(&out).contains(expected), "{args:?}: {}", text(&out));
+    }
+}

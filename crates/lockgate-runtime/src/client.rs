@@ -13,9 +13,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lockgate_core::{
-    BatchId, EnqueueOptions, EnqueuedJob, JobPolicy, JobTypeName, QueueName, RecurringTask, ValidationError,
+    BatchId, EnqueueOptions, EnqueuedJob, JobId, JobPolicy, JobTypeName, QueueName, RecurringTask, ValidationError,
 };
-use lockgate_sql::{BatchCallbacks, BatchInfo, DbError, JobRecord, PgPool, RecurringRow, RecurringSource};
+use lockgate_sql::{
+    BatchCallbacks, BatchInfo, Cancelled, DbError, JobFilter, JobRecord, PgPool, RecurringRow, RecurringSource,
+};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::{Mutex, MutexGuard};
@@ -91,8 +93,27 @@ impl Client {
 
     /// One job by id, in whatever state it is, with its attempt and errors; `None` for an
     /// unknown id (or one archive retention has pruned).
-    pub async fn job(&self, id: lockgate_core::JobId) -> Result<Option<JobRecord>, DbError> {
+    pub async fn job(&self, id: JobId) -> Result<Option<JobRecord>, DbError> {
         lockgate_sql::job(&self.pool, id).await
+    }
+
+    /// Jobs matching `filter` in every state, newest id first: at most `limit` (1 to 1000), with
+    /// ids below `before` (the last id of the previous page) when given.
+    pub async fn jobs(&self, filter: &JobFilter, limit: i32, before: Option<JobId>) -> Result<Vec<JobRecord>, DbError> {
+        lockgate_sql::jobs(&self.pool, filter, limit, before).await
+    }
+
+    /// Cancels a job in whatever state it is: a waiting or parked job leaves at once, a running
+    /// one's handler is cancelled at its next heartbeat (its permit is given back now, and its
+    /// late completion changes nothing). The job is kept, archived as cancelled. `None` for an
+    /// unknown id; `cancelled: false` for a job that had finished already.
+    pub async fn cancel(&self, id: JobId) -> Result<Option<Cancelled>, DbError> {
+        lockgate_sql::cancel(&self.pool, id).await
+    }
+
+    /// Cancels up to `limit` jobs matching `filter` that can still be cancelled.
+    pub async fn cancel_jobs(&self, filter: &JobFilter, limit: i32) -> Result<Vec<Cancelled>, DbError> {
+        lockgate_sql::cancel_jobs(&self.pool, filter, limit).await
     }
 
     /// Pauses a queue for every process: claims skip it (running jobs finish, producers still

@@ -24,6 +24,9 @@ pub enum CancelReason {
     LeaseLost,
     /// The attempt ran past its job type's timeout and counts as failed.
     Timeout,
+    /// The job was cancelled (`lockgate.cancel`): it is archived as cancelled, its permit given
+    /// back, and nothing this delivery does can change it.
+    Cancelled,
 }
 
 impl std::fmt::Display for CancelReason {
@@ -32,6 +35,7 @@ impl std::fmt::Display for CancelReason {
             Self::Shutdown => "shutdown",
             Self::LeaseLost => "lease lost",
             Self::Timeout => "timeout",
+            Self::Cancelled => "cancelled",
         })
     }
 }
@@ -51,7 +55,7 @@ pub struct JobContext {
 }
 
 impl JobContext {
-    /// Resolves when the job must stop: shutdown deadline, lease lost or timeout. Long handlers
+    /// Resolves when the job must stop: shutdown deadline, lease lost, timeout or cancel. Long handlers
     /// should select on it; the runtime stops polling the handler right after it fires.
     pub async fn cancelled(&self) {
         self.cancel.cancelled().await;

@@ -12,6 +12,7 @@
 //! and the next tick starts on a fresh one. Even a heartbeat stuck in a hung TCP call cannot let
 //! a handler outlive its lease: the pool's watchdog fences on the budgets alone (H27).
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -99,7 +100,8 @@ impl Heartbeat {
                 // it no earlier than this, whatever its clock says (H27).
                 let sent_at = Instant::now();
                 match self.extend(&queue, &asked, owner).await {
-                    Ok(renewal) => {
+                    Ok(mut renewal) => {
+                        renewal.cancelled = self.cancelled_among_lost(&queue, &asked, &renewal).await;
                         let r = set.renewed(&queue, &asked, &renewal, sent_at);
                         report.renewed += r.renewed;
                         report.busy += r.busy;
@@ -113,6 +115,30 @@ impl Heartbeat {
             }
         }
         report
+    }
+
+    /// Of the deliveries a renewal lost (neither renewed nor busy), those whose job was cancelled,
+    /// so their handlers learn why. Asked only when some were lost; a failed question leaves
+    /// them reported as lost leases, which stops them all the same.
+    async fn cancelled_among_lost(&mut self, queue: &QueueName, asked: &[(i64, i32)], renewal: &Renewal) -> Vec<i64> {
+        let answered: HashSet<i64> =
+            renewal.renewed.iter().map(|(id, _)| *id).chain(renewal.busy.iter().copied()).collect();
+        let lost: Vec<i64> = asked.iter().map(|(msg_id, _)| *msg_id).filter(|id| !answered.contains(id)).collect();
+        let Some(conn) = self.conn.as_mut().filter(|_| !lost.is_empty()) else {
+            return Vec::new();
+        };
+        let asked = lockgate_sql::cancelled_messages(&mut *conn, queue.as_str(), &lost);
+        match tokio::time::timeout(self.interval, asked).await {
+            Ok(Ok(cancelled)) => cancelled,
+            Ok(Err(error)) => {
+                tracing::debug!(%queue, %error, "could not tell cancelled deliveries from lost ones");
+                Vec::new()
+            }
+            Err(_) => {
+                self.conn = None;
+                Vec::new()
+            }
+        }
     }
 
     /// One renewal on the heartbeat's connection (opened first if there is none), answered

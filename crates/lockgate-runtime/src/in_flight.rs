@@ -217,6 +217,7 @@ impl InFlight {
     pub fn renewed(&self, queue: &QueueName, asked: &[(i64, i32)], renewal: &Renewal, sent_at: Instant) -> Renewed {
         let budgets: HashMap<i64, Duration> = renewal.renewed.iter().copied().collect();
         let busy: HashSet<i64> = renewal.busy.iter().copied().collect();
+        let cancelled: HashSet<i64> = renewal.cancelled.iter().copied().collect();
         let mut report = Renewed::default();
         let mut entries = self.entries();
         for (msg_id, read_ct) in asked {
@@ -234,8 +235,9 @@ impl InFlight {
                 report.busy += 1;
             } else if !matches!(e.state, State::Lost | State::Finishing | State::Returning) {
                 e.state = State::Lost;
+                let reason = if cancelled.contains(msg_id) { CancelReason::Cancelled } else { CancelReason::LeaseLost };
                 if let Some(ctx) = &e.ctx {
-                    ctx.fire(CancelReason::LeaseLost);
+                    ctx.fire(reason);
                 }
                 report.lost += 1;
             }
@@ -332,12 +334,12 @@ mod tests {
         assert!(set.start(&d, c.clone(), now));
         assert!(set.fence(now).is_empty());
         // Renewed: the end moves out, and an older renewal answering late cannot pull it back.
-        let renewal = Renewal { renewed: vec![(1, Duration::from_secs(2))], busy: vec![] };
+        let renewal = Renewal { renewed: vec![(1, Duration::from_secs(2))], ..Renewal::default() };
         set.renewed(&d.queue, &[(1, 1)], &renewal, now + Duration::from_secs(1));
         set.renewed(&d.queue, &[(1, 1)], &renewal, now);
         assert!(set.fence(now + Duration::from_secs(2)).is_empty());
         // Busy: neither renewed nor lost.
-        let busy = Renewal { renewed: vec![], busy: vec![1] };
+        let busy = Renewal { busy: vec![1], ..Renewal::default() };
         assert_eq!(set.renewed(&d.queue, &[(1, 1)], &busy, now).busy, 1);
         assert!(!c.is_cancelled());
         let fenced = set.fence(now + Duration::from_secs(3) - FENCE_MARGIN);

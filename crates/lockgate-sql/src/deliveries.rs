@@ -89,6 +89,9 @@ pub struct Renewal {
     /// Deliveries whose rows another statement held locked (their own completion, retry or
     /// release, or a sweep expiring the lease): not renewed and not lost; ask again next tick.
     pub busy: Vec<i64>,
+    /// Lost deliveries whose job was cancelled (filled in by the heartbeat from
+    /// [`crate::cancelled_messages`], not by `extend`).
+    pub cancelled: Vec<i64>,
 }
 
 /// Renews the visibility and leases of the given deliveries (fenced on their tokens; never

@@ -1,4 +1,5 @@
-//! One job by id, in whatever state it is (`lockgate.job`).
+//! Jobs in every state: one by id (`lockgate.job`), a search (`lockgate.jobs`), and cancel
+//! (`lockgate.cancel`, `lockgate.cancel_jobs`).
 
 use chrono::{DateTime, Utc};
 use lockgate_core::JobId;
@@ -12,7 +13,8 @@ use crate::DbError;
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct JobRecord {
     pub id: JobId,
-    /// `queued`, `scheduled`, `running`, `retrying`, `parked`, `succeeded`, `discarded` or `dead`.
+    /// `scheduled`, `queued`, `running`, `retrying`, `parked`, `succeeded`, `discarded`,
+    /// `cancelled` or `dead` (see [`JOB_STATES`]).
     pub state: String,
     pub queue: String,
     pub job_type: Option<String>,
@@ -29,26 +31,54 @@ pub struct JobRecord {
     /// When it was archived or dead-lettered.
     pub finished_at: Option<DateTime<Utc>>,
     pub concurrency_key: Option<String>,
-    /// Every failed attempt: `{"attempt", "at", "error"}`.
-    pub errors: Value,
-    /// For a dead job: why (`attempts_exhausted`, `undecodable`, `unknown_job_type`) and the last error.
+    /// Every attempt known: `{"attempt", "started_at", "ended_at", "process", "outcome", "error"}`,
+    /// outcome `failed`, `cancelled`, `succeeded` or `running`. Failed and cancelled attempts are
+    /// recorded when they end; a succeeded or running one is read from the job's message.
+    pub attempts: Value,
+    /// For a dead job: why (`attempts_exhausted`, `undecodable`, `unknown_job_type`, `cancelled`)
+    /// and the last error.
     pub reason: Option<String>,
     pub error: Option<String>,
     pub headers: Option<Value>,
 }
 
-/// `lockgate.job(id)`: the job, or `None` when no job has that id (or it was pruned from the
-/// archive by retention).
-pub async fn job<'c>(db: impl PgExecutor<'c>, id: JobId) -> Result<Option<JobRecord>, DbError> {
-    let row = sqlx::query(
-        "SELECT id, state, queue, job_type, args, priority, msg_id, attempt, enqueued_at, visible_at, finished_at,
-                concurrency_key, errors, reason, error, headers
-           FROM lockgate.job($1)",
-    )
-    .bind(id.0)
-    .fetch_optional(db)
-    .await?;
-    Ok(row.map(|r| JobRecord {
+/// Every state [`JobRecord::state`] can take, as `lockgate.job_states()` lists them.
+pub const JOB_STATES: &[&str] =
+    &["scheduled", "queued", "running", "retrying", "parked", "succeeded", "discarded", "cancelled", "dead"];
+
+const JOB_COLUMNS: &str = "id, state, queue, job_type, args, priority, msg_id, attempt, enqueued_at, visible_at, \
+                           finished_at, concurrency_key, attempts, reason, error, headers";
+
+/// Which jobs a search (or a cancel by query) selects; `None` (or empty) matches anything.
+#[derive(Debug, Clone, Default)]
+pub struct JobFilter {
+    pub queue: Option<String>,
+    pub job_type: Option<String>,
+    /// Any of these states ([`JOB_STATES`]).
+    pub states: Vec<String>,
+    /// A concurrency or unique key.
+    pub key: Option<String>,
+    /// First enqueued at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// First enqueued before.
+    pub until: Option<DateTime<Utc>>,
+    /// Text in the arguments or in an attempt's error, case-insensitive.
+    pub search: Option<String>,
+}
+
+/// What `lockgate.cancel` did with one job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Cancelled {
+    pub id: JobId,
+    /// The job's state when the cancel found it.
+    pub state: String,
+    pub queue: String,
+    /// False when the job had finished already (succeeded, discarded, cancelled, dead).
+    pub cancelled: bool,
+}
+
+fn job_record(r: &sqlx::postgres::PgRow) -> JobRecord {
+    JobRecord {
         id: JobId(r.get(0)),
         state: r.get(1),
         queue: r.get(2),
@@ -61,9 +91,99 @@ pub async fn job<'c>(db: impl PgExecutor<'c>, id: JobId) -> Result<Option<JobRec
         visible_at: r.get(9),
         finished_at: r.get(10),
         concurrency_key: r.get(11),
-        errors: r.get::<Option<Value>, _>(12).unwrap_or(Value::Array(Vec::new())),
+        attempts: r.get::<Option<Value>, _>(12).unwrap_or(Value::Array(Vec::new())),
         reason: r.get(13),
         error: r.get(14),
         headers: r.get(15),
-    }))
+    }
+}
+
+fn cancelled(r: &sqlx::postgres::PgRow) -> Cancelled {
+    Cancelled { id: JobId(r.get(0)), state: r.get(1), queue: r.get(2), cancelled: r.get(3) }
+}
+
+/// `lockgate.job(id)`: the job, or `None` when no job has that id (or it was pruned from the
+/// archive by retention).
+pub async fn job<'c>(db: impl PgExecutor<'c>, id: JobId) -> Result<Option<JobRecord>, DbError> {
+    let row = sqlx::query(&format!("SELECT {JOB_COLUMNS} FROM lockgate.job($1)")).bind(id.0).fetch_optional(db).await?;
+    Ok(row.as_ref().map(job_record))
+}
+
+/// `lockgate.jobs(...)`: jobs matching `filter`, newest id first, at most `limit` (1 to 1000),
+/// with ids below `before` (the last id of the previous page) when given. An unknown queue is
+/// `DbError::UnknownQueue`; an invalid state, limit or time range `DbError::InvalidArgument`.
+pub async fn jobs<'c>(
+    db: impl PgExecutor<'c>,
+    filter: &JobFilter,
+    limit: i32,
+    before: Option<JobId>,
+) -> Result<Vec<JobRecord>, DbError> {
+    let rows = sqlx::query(&format!(
+        "SELECT {JOB_COLUMNS} FROM lockgate.jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
+                                                 until => $6, search => $7, max_rows => $8, before_id => $9)"
+    ))
+    .bind(&filter.queue)
+    .bind(&filter.job_type)
+    .bind((!filter.states.is_empty()).then_some(&filter.states))
+    .bind(&filter.key)
+    .bind(filter.since)
+    .bind(filter.until)
+    .bind(&filter.search)
+    .bind(limit)
+    .bind(before.map(|b| b.0))
+    .fetch_all(db)
+    .await?;
+    Ok(rows.iter().map(job_record).collect())
+}
+
+/// `lockgate.cancel(id)`: cancels one job in whatever state it is; `None` when no job has that id.
+pub async fn cancel<'c>(db: impl PgExecutor<'c>, id: JobId) -> Result<Option<Cancelled>, DbError> {
+    let row = sqlx::query("SELECT id, state, queue, cancelled FROM lockgate.cancel($1)")
+        .bind(id.0)
+        .fetch_optional(db)
+        .await?;
+    Ok(row.as_ref().map(cancelled))
+}
+
+/// `lockgate.cancel_jobs(...)`: cancels up to `limit` jobs matching `filter` that can still be
+/// cancelled, newest first; one row per job it tried.
+pub async fn cancel_jobs<'c>(
+    db: impl PgExecutor<'c>,
+    filter: &JobFilter,
+    limit: i32,
+) -> Result<Vec<Cancelled>, DbError> {
+    let rows = sqlx::query(
+        "SELECT id, state, queue, cancelled
+           FROM lockgate.cancel_jobs(only_queue => $1, job_type => $2, states => $3, key => $4, since => $5,
+                                     until => $6, search => $7, max_rows => $8)",
+    )
+    .bind(&filter.queue)
+    .bind(&filter.job_type)
+    .bind((!filter.states.is_empty()).then_some(&filter.states))
+    .bind(&filter.key)
+    .bind(filter.since)
+    .bind(filter.until)
+    .bind(&filter.search)
+    .bind(limit)
+    .fetch_all(db)
+    .await?;
+    Ok(rows.iter().map(cancelled).collect())
+}
+
+/// Which of `msg_ids`, no longer in `queue`, were cancelled (archived by `lockgate.cancel`): the
+/// heartbeat asks about the deliveries it lost, to tell a cancel from a lapsed lease.
+pub async fn cancelled_messages<'c>(
+    db: impl PgExecutor<'c>,
+    queue: &str,
+    msg_ids: &[i64],
+) -> Result<Vec<i64>, DbError> {
+    Ok(sqlx::query_scalar("SELECT lockgate.cancelled_messages($1, $2)").bind(queue).bind(msg_ids).fetch_all(db).await?)
+}
+
+/// `lockgate.discard_job(id)`: deletes a dead or parked job for good. `None` for an unknown id;
+/// otherwise the state the job was in and whether it was discarded (only dead and parked jobs are).
+pub async fn discard_job<'c>(db: impl PgExecutor<'c>, id: JobId) -> Result<Option<(String, bool)>, DbError> {
+    let row: (Option<String>, bool) =
+        sqlx::query_as("SELECT state, discarded FROM lockgate.discard_job($1)").bind(id.0).fetch_one(db).await?;
+    Ok(row.0.map(|state| (state, row.1)))
 }

@@ -30,7 +30,9 @@ pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetried,
 pub use enqueue::{enqueue, enqueue_many};
 pub use error::DbError;
 pub use job_types::{define_job_type, load_job_types};
-pub use jobs::{job, JobRecord};
+pub use jobs::{
+    cancel, cancel_jobs, cancelled_messages, discard_job, job, jobs, Cancelled, JobFilter, JobRecord, JOB_STATES,
+};
 pub use maintenance::{prune_archive, reap_batches, reap_unique_locks};
 pub use migrate::{check_schema, functions_checksum, migrate, MigrateReport, LATEST_MIGRATION};
 pub use processes::{

@@ -47,6 +47,11 @@ const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../migrations/0012_pause_and_return_cap.sql"),
     },
     Migration { version: 13, name: "job_lookup", sql: include_str!("../../../migrations/0013_job_lookup.sql") },
+    Migration {
+        version: 14,
+        name: "job_history_cancel",
+        sql: include_str!("../../../migrations/0014_job_history_cancel.sql"),
+    },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -63,6 +68,7 @@ const FUNCTIONS: &[&str] = &[
     include_str!("../../../sql/041_retry.sql"),
     include_str!("../../../sql/042_dead_letter.sql"),
     include_str!("../../../sql/043_release.sql"),
+    include_str!("../../../sql/045_cancel.sql"),
     include_str!("../../../sql/050_dlq.sql"),
     include_str!("../../../sql/060_status.sql"),
     include_str!("../../../sql/065_keys.sql"),

@@ -1,24 +1,138 @@
-//! `lockgate job show <ID>`: one job by id, in whatever state it is.
+//! `lockgate job show|cancel|retry|discard`: one job by id, in whatever state it is, and what an
+//! operator can do with it.
 
 use anyhow::{bail, Result};
-use lockgate::{Client, JobId};
+use lockgate::sql::{discard_job, dlq_retry, DlqFilter, DlqRetryOutcome};
+use lockgate::{Cancelled, Client, JobId};
 
+use crate::commands::jobs::Filter;
 use crate::db;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
-    /// A job's state, queue, type, attempt, times, errors and arguments.
+    /// A job's state, queue, type, times, every attempt (start, end, process, outcome, error)
+    /// and its arguments.
     Show {
         id: i64,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
+    /// Cancel a job by id, or every job the filters select (queued, scheduled, retrying, running
+    /// or parked; a running job's handler stops at its next heartbeat). Cancelled jobs are kept
+    /// and shown like archived ones.
+    Cancel {
+        /// The job to cancel; without it, the filters select the jobs.
+        id: Option<i64>,
+        #[command(flatten)]
+        filter: Filter,
+        /// Cancel every cancellable job (required when neither an id nor a filter is given).
+        #[arg(long)]
+        all: bool,
+        /// At most this many jobs, newest first.
+        #[arg(long, default_value_t = 1000)]
+        limit: i32,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a dead job again (as `lockgate dlq retry --job-id ID`).
+    Retry { id: i64 },
+    /// Delete a dead or parked job for good (as `dlq purge --job-id` or `parked discard`).
+    Discard { id: i64 },
 }
 
 pub async fn run(url: Option<String>, command: Command) -> Result<()> {
-    let client = Client::new(db::connect_checked(&db::resolve(url), 1).await?);
-    let Command::Show { id, json } = command;
+    let pool = db::connect_checked(&db::resolve(url), 1).await?;
+    let client = Client::new(pool.clone());
+    match command {
+        Command::Show { id, json } => show(&client, id, json).await,
+        Command::Cancel { id: Some(id), filter, json, .. } => {
+            if !filter.is_empty() {
+                bail!("give a job id or filters, not both");
+            }
+            let Some(outcome) = client.cancel(JobId(id)).await? else {
+                bail!("no job {id}: it never existed, or archive retention has deleted it");
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&outcome)?);
+            }
+            if !outcome.cancelled {
+                bail!("job {id} was not cancelled: it is {} already", outcome.state);
+            }
+            if !json {
+                println!("job {id} cancelled (it was {} on queue {})", outcome.state, outcome.queue);
+            }
+            Ok(())
+        }
+        Command::Cancel { id: None, filter, all, limit, json } => {
+            if filter.is_empty() && !all {
+                bail!("name what to cancel: a job id, filters (--queue, --type, --state, --key, --since, --until, --search), or --all");
+            }
+            if !(1..=1000).contains(&limit) {
+                bail!("invalid --limit {limit}: 1 to 1000");
+            }
+            let outcomes = client.cancel_jobs(&filter.to_sql()?, limit).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&outcomes)?);
+            } else {
+                print_cancelled(&outcomes);
+            }
+            Ok(())
+        }
+        Command::Retry { id } => {
+            let Some(job) = client.job(JobId(id)).await? else {
+                bail!("no job {id}: it never existed, or archive retention has deleted it");
+            };
+            if job.state != "dead" {
+                bail!("job {id} is {}: only a dead job can be retried", job.state);
+            }
+            let filter = DlqFilter { queue: None, job_ids: Some(vec![id]) };
+            for retried in dlq_retry(&pool, &filter).await? {
+                match retried.outcome {
+                    DlqRetryOutcome::Retried { msg_id } => {
+                        println!("job {id} sent back to queue {} (message {msg_id})", retried.queue)
+                    }
+                    DlqRetryOutcome::Duplicate { holder } => {
+                        bail!("job {id} stays dead: job {holder} holds its unique key")
+                    }
+                    DlqRetryOutcome::QueueMissing => {
+                        bail!("job {id} stays dead: queue {} no longer exists", retried.queue)
+                    }
+                }
+            }
+            Ok(())
+        }
+        Command::Discard { id } => {
+            match discard_job(&pool, JobId(id)).await? {
+                None => bail!("no job {id}: it never existed, or archive retention has deleted it"),
+                Some((state, true)) => {
+                    println!("job {id} discarded (it was {state})");
+                    Ok(())
+                }
+                Some((state, false)) => {
+                    bail!("job {id} is {state}: only a dead or parked job can be discarded (cancel a waiting or running one)")
+                }
+            }
+        }
+    }
+}
+
+fn print_cancelled(outcomes: &[Cancelled]) {
+    if outcomes.is_empty() {
+        println!("no cancellable job matches");
+        return;
+    }
+    println!("{:>10}  {:<10} {:<16} RESULT", "ID", "WAS", "QUEUE");
+    for o in outcomes {
+        let result = if o.cancelled { "cancelled" } else { "finished first" };
+        println!("{:>10}  {:<10} {:<16} {result}", o.id.to_string(), o.state, o.queue);
+    }
+    let n = outcomes.iter().filter(|o| o.cancelled).count();
+    println!("{n} of {} cancelled", outcomes.len());
+}
+
+async fn show(client: &Client, id: i64, json: bool) -> Result<()> {
     let Some(job) = client.job(JobId(id)).await? else {
         bail!("no job {id}: it never existed, or archive retention has deleted it");
     };
@@ -44,12 +158,16 @@ pub async fn run(url: Option<String>, command: Command) -> Result<()> {
     if let Some(reason) = &job.reason {
         println!("  dead      {reason}: {}", job.error.as_deref().unwrap_or(""));
     }
-    for e in job.errors.as_array().into_iter().flatten() {
+    let text = |v: &serde_json::Value| v.as_str().map_or_else(|| "-".to_string(), str::to_string);
+    for a in job.attempts.as_array().into_iter().flatten() {
+        let process = if a["process"].is_null() { String::new() } else { format!(" process {}", a["process"]) };
+        let error = a["error"].as_str().map_or_else(String::new, |e| format!(": {e}"));
         println!(
-            "  error     attempt {} at {}: {}",
-            e["attempt"],
-            e["at"].as_str().unwrap_or("?"),
-            e["error"].as_str().unwrap_or("")
+            "  attempt {} {} (started {}, ended {}{process}){error}",
+            a["attempt"],
+            text(&a["outcome"]),
+            text(&a["started_at"]),
+            text(&a["ended_at"]),
         );
     }
     println!("  args      {}", job.args.map_or("-".to_string(), |a| a.to_string()));

@@ -5,6 +5,7 @@ pub mod demo;
 pub mod dlq;
 pub mod enqueue;
 pub mod job;
+pub mod jobs;
 pub mod migrate;
 pub mod parked;
 pub mod queue;

@@ -1,0 +1,164 @@
+-- Cancel (issue 12): a job leaves for good, in whatever state it is, and is kept in its queue's
+-- archive marked cancelled (headers cancelled_at, and cancelled_in: the state it left).
+--
+-- A job in a queue table (queued, scheduled, retrying, running) has its message deleted and
+-- archived, not fenced on a delivery: whichever delivery holds it loses it. In the same
+-- transaction, as a completion does, its permit is given back and the next parked job of its key
+-- promoted, its uniqueness lock released and its batch counted as failed. A running handler
+-- learns of it from its next heartbeat, which finds the message gone (the same signal as a lost
+-- lease, reported as cancelled), so its late completion, retry or return changes nothing
+-- (AlreadyArchived). A cancel racing a completion deletes the same row: one of them wins, the
+-- other finds nothing, and the permit is given back once. A running attempt that had started is
+-- recorded in the job's attempts with outcome cancelled.
+--
+-- A parked job is deleted from the parked jobs (the others of its key keep their order) and
+-- archived under a fresh message id; its uniqueness lock is released and its batch counted.
+-- A job already finished (succeeded, discarded, cancelled, dead) is left as it is.
+--
+-- Returns the job's state before the call and whether this call cancelled it; no row when no job
+-- has that id.
+-- Locks: as a completion (the message row, its lease, the key's semaphore row, its unique lock,
+-- its batch rows), or as lockgate.discard_parked for a parked job.
+-- Callers: lockgate job cancel, lockgate jobs cancel (via cancel_jobs), Client::cancel.
+CREATE OR REPLACE FUNCTION lockgate.cancel(job_id bigint)
+RETURNS TABLE (id bigint, state text, queue text, cancelled boolean) LANGUAGE plpgsql AS $$
+DECLARE
+    j lockgate.job_info;
+    p lockgate.parked;
+    gone_id bigint;
+    gone_headers jsonb;
+BEGIN
+    id := job_id;
+    -- A job can move between the lookup and the delete (a completion archived it, a promotion
+    -- sent it): then it is looked up again.
+    FOR round IN 1..5 LOOP
+        SELECT * INTO j FROM lockgate.job(cancel.job_id);
+        IF j.id IS NULL THEN
+            RETURN;
+        END IF;
+        state := j.state;
+        queue := j.queue;
+        cancelled := false;
+        IF j.state IN ('queued', 'scheduled', 'retrying', 'running') THEN
+            EXECUTE format(
+                'WITH gone AS (
+                     DELETE FROM %1$s m WHERE m.msg_id = $1
+                     RETURNING m.*, lockgate._queued_state(m.vt, m.headers, m.read_ct) AS was)
+                 INSERT INTO %2$s (msg_id, vt, read_ct, enqueued_at, last_read_at, message, headers)
+                 SELECT g.msg_id, g.vt, g.read_ct, g.enqueued_at, g.last_read_at, g.message,
+                        h.headers - ''retry_at''
+                        || jsonb_build_object(''cancelled_at'', clock_timestamp(), ''cancelled_in'', g.was)
+                        || CASE WHEN g.was = ''running'' AND g.last_read_at IS NOT NULL
+                                THEN jsonb_build_object(''errors'', COALESCE(h.headers->''errors'', ''[]'')
+                                     || jsonb_build_array(jsonb_build_object(
+                                            ''attempt'', $2, ''started_at'', g.last_read_at, ''at'', clock_timestamp(),
+                                            ''process'', h.headers->''owner'', ''outcome'', ''cancelled'',
+                                            ''error'', ''cancelled'')))
+                                ELSE ''{}'' END
+                   FROM gone g
+                  CROSS JOIN LATERAL (SELECT CASE WHEN jsonb_typeof(g.headers) = ''object'' THEN g.headers
+                                                  ELSE jsonb_build_object(''original_headers'', g.headers) END AS headers) h
+                 RETURNING msg_id, headers',
+                lockgate._queue_table(j.queue, 'q'), lockgate._queue_table(j.queue, 'a'))
+               INTO gone_id, gone_headers
+              USING j.msg_id, j.attempt;
+            IF gone_id IS NULL THEN
+                CONTINUE;
+            END IF;
+            IF gone_headers ? 'ckey' THEN
+                PERFORM lockgate._release_leases(j.queue, ARRAY[gone_id]);
+            END IF;
+            IF gone_headers ? 'ukey' OR gone_headers ? 'wkey' THEN
+                PERFORM lockgate._release_unique(j.queue, ARRAY[j.id], ARRAY[gone_id]);
+            END IF;
+            IF gone_headers ? 'batch' THEN
+                PERFORM lockgate._count_batch_jobs(j.queue, ARRAY[j.id], true);
+            END IF;
+            cancelled := true;
+        ELSIF j.state = 'parked' THEN
+            DELETE FROM lockgate.parked x WHERE x.job_id = cancel.job_id RETURNING x.* INTO p;
+            IF NOT FOUND THEN
+                CONTINUE;
+            END IF;
+            IF p.queue IN (SELECT lockgate._live_queues()) THEN
+                EXECUTE format('INSERT INTO %s (msg_id, vt, read_ct, enqueued_at, message, headers)
+                                VALUES (nextval(''lockgate.job_id_seq''), $1, 0, $2, $3, $4)',
+                               lockgate._queue_table(p.queue, 'a'))
+                  USING p.run_at, p.parked_at, p.args,
+                        p.headers || jsonb_build_object('job_id', p.job_id, 'cancelled_at', clock_timestamp(),
+                                                        'cancelled_in', 'parked');
+            ELSE
+                -- Its queue is gone: kept with the dead letters instead, so nothing is lost.
+                INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
+                VALUES (p.queue, NULL, p.job_id, p.job_type, p.args, p.headers, 'cancelled',
+                        format('cancelled while parked; queue "%s" no longer exists', p.queue), 0, p.parked_at);
+            END IF;
+            PERFORM lockgate._release_unique(p.queue, ARRAY[p.job_id], ARRAY[NULL::bigint]);
+            IF p.headers ? 'batch' THEN
+                PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true);
+            END IF;
+            cancelled := true;
+        END IF;
+        RETURN NEXT;
+        RETURN;
+    END LOOP;
+    -- Still moving after every round: reported as found, not cancelled; the caller may retry.
+    RETURN NEXT;
+END $$;
+
+-- Cancels every job matching the filters of lockgate.jobs (only_queue: its queue filter) that can still be cancelled (queued,
+-- scheduled, retrying, running, parked; states narrows it further), at most max_rows of them,
+-- newest first. Each job is cancelled as lockgate.cancel does it; a job that finished in between
+-- is reported with cancelled false. Returns one row per job it tried.
+CREATE OR REPLACE FUNCTION lockgate.cancel_jobs(only_queue text DEFAULT NULL, job_type text DEFAULT NULL,
+                                                states text[] DEFAULT NULL, key text DEFAULT NULL,
+                                                since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
+                                                search text DEFAULT NULL, max_rows integer DEFAULT 1000)
+RETURNS TABLE (id bigint, state text, queue text, cancelled boolean) LANGUAGE plpgsql AS $$
+DECLARE
+    cancellable text[] := ARRAY['queued', 'scheduled', 'retrying', 'running', 'parked'];
+    target bigint;
+BEGIN
+    PERFORM lockgate._check_states(states);
+    FOR target IN
+        SELECT j.id FROM lockgate.jobs(only_queue, job_type,
+                                       CASE WHEN states IS NULL THEN cancellable
+                                            ELSE ARRAY(SELECT unnest(states) INTERSECT SELECT unnest(cancellable)) END,
+                                       key, since, until, search, max_rows) j
+    LOOP
+        RETURN QUERY SELECT * FROM lockgate.cancel(target);
+    END LOOP;
+END $$;
+
+-- Which of msg_ids (deliveries of queue the heartbeat found gone) were cancelled: their archived
+-- message carries cancelled_at. One primary-key lookup per message, only for lost deliveries.
+-- Locks: none. Callers: the heartbeat.
+CREATE OR REPLACE FUNCTION lockgate.cancelled_messages(queue text, msg_ids bigint[])
+RETURNS SETOF bigint LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN QUERY EXECUTE format(
+        'SELECT a.msg_id FROM %s a JOIN unnest($1::bigint[]) AS k(msg_id) ON a.msg_id = k.msg_id
+          WHERE jsonb_typeof(a.headers) = ''object'' AND a.headers ? ''cancelled_at''',
+        lockgate._queue_table(queue, 'a'))
+      USING msg_ids;
+END $$;
+
+-- Deletes a dead or parked job for good (the job view's discard): a dead job's dead letters as
+-- lockgate.dlq_purge deletes them, a parked job as lockgate.discard_parked. Returns the state it
+-- was discarded from, or the state it is in when it is neither (nothing done), or NULL for an
+-- unknown id.
+-- Locks: as dlq_purge or discard_parked. Callers: lockgate job discard, SQL operators.
+CREATE OR REPLACE FUNCTION lockgate.discard_job(job_id bigint, OUT state text, OUT discarded boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+    parked_id bigint;
+BEGIN
+    SELECT j.state INTO state FROM lockgate.job(discard_job.job_id) j;
+    discarded := false;
+    IF state = 'dead' THEN
+        discarded := lockgate.dlq_purge(NULL, ARRAY[discard_job.job_id]) > 0;
+    ELSIF state = 'parked' THEN
+        SELECT p.id INTO parked_id FROM lockgate.parked p WHERE p.job_id = discard_job.job_id;
+        discarded := parked_id IS NOT NULL AND lockgate.discard_parked(parked_id);
+    END IF;
+END $$;
