@@ -227,6 +227,7 @@ impl Run<'_> {
                 let fenced = self.model.fence_message(d.queue, d.msg_id, "silent past its budget");
                 Ok(format!("d{} {}: visibility and lease expired{}", d.id, d.token(), fenced_note(&fenced)))
             }
+            Op::Cancel { pick } => self.cancel(*pick).await,
             Op::Redefine { ty, limit } => {
                 let old = self.model.limits.get(ty).copied().unwrap_or(0);
                 if *limit < old {
@@ -433,6 +434,32 @@ impl Run<'_> {
     /// A sweep runs on the dispatcher and stays uncommitted while a worker claims; the sweep
     /// commits as soon as the claim is seen waiting on a lock (or once it has returned, if it
     /// never waits). Which of the two happens is decided by the database, not by timing.
+    /// Cancels a live job: the database must find it live and cancel it, and from then on the
+    /// checks expect it archived once, its permit and unique lock given back, its batch counted
+    /// as failed, and every delivery of it stale.
+    async fn cancel(&mut self, pick: usize) -> Result<String> {
+        if !self.api.cancel {
+            return Ok("no lockgate.cancel in this schema: nothing to do".into());
+        }
+        let live: Vec<i64> =
+            self.model.jobs.iter().filter(|(_, fate)| **fate == Fate::Live).map(|(job, _)| *job).collect();
+        let Some(job) = pick_from(&live, pick).copied() else {
+            return Ok("no live job: nothing to do".into());
+        };
+        let found: Option<(String, bool)> = sqlx::query_as("SELECT state, cancelled FROM lockgate.cancel($1)")
+            .bind(job)
+            .fetch_optional(&mut self.c.dispatcher)
+            .await?;
+        match found {
+            Some((state, true)) => {
+                let fenced = self.model.cancel_job(job);
+                Ok(format!("job {job} cancelled (it was {state}){}", fenced_note(&fenced)))
+            }
+            Some((state, false)) => bail!("(d) live job {job} was not cancelled: lockgate.cancel found it {state}"),
+            None => bail!("(d) live job {job} was not found by lockgate.cancel"),
+        }
+    }
+
     async fn claim_racing_sweep(&mut self, worker: usize, queue: Queue, qty: u8) -> Result<String> {
         let owner = self.model.owners[worker];
         let api = self.api;

@@ -53,6 +53,8 @@ pub struct Api {
     /// Uniqueness locks and batches exist (issue 11): the `uniq` type is then defined and every
     /// job goes into one open batch.
     pub bookkeeping: bool,
+    /// `lockgate.cancel` exists (issue 12).
+    pub cancel: bool,
 }
 
 impl Api {
@@ -73,7 +75,10 @@ impl Api {
         .await?;
         let bookkeeping: bool =
             sqlx::query_scalar("SELECT to_regclass('lockgate.unique_locks') IS NOT NULL").fetch_one(&mut *conn).await?;
-        Ok(Self { claim_budget, extend_budget, bookkeeping })
+        let cancel: bool = sqlx::query_scalar("SELECT to_regprocedure('lockgate.cancel(bigint)') IS NOT NULL")
+            .fetch_one(&mut *conn)
+            .await?;
+        Ok(Self { claim_budget, extend_budget, bookkeeping, cancel })
     }
 }
 

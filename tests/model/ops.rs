@@ -135,6 +135,8 @@ pub enum Op {
     Silence { pick: usize },
     /// `lockgate.define_job_type` again with another limit (for `free`: its first).
     Redefine { ty: Ty, limit: u32 },
+    /// `lockgate.cancel` of the `pick`-th live job (in id order), whatever state it is in.
+    Cancel { pick: usize },
 }
 
 /// One generated case: the initial limits of `lim` and `limb`, and the schedule.
@@ -167,6 +169,7 @@ impl Op {
             Op::LapseVisibility { .. } => "visibility passes",
             Op::Silence { .. } => "holder silent",
             Op::Redefine { .. } => "redefine limit",
+            Op::Cancel { .. } => "cancel",
         }
     }
 }
@@ -193,6 +196,7 @@ impl fmt::Display for Op {
             Op::LapseVisibility { pick } => write!(f, "clock: visibility of invisible message #{pick} passes"),
             Op::Silence { pick } => write!(f, "clock: holder of running delivery #{pick} silent past its budget"),
             Op::Redefine { ty, limit } => write!(f, "redefine {} with limit {limit}", ty.name()),
+            Op::Cancel { pick } => write!(f, "cancel live job #{pick}"),
         }
     }
 }
@@ -243,6 +247,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..4usize).prop_map(|pick| Op::LapseVisibility { pick }),
         2 => (0..8usize).prop_map(|pick| Op::Silence { pick }),
         1 => (ty(), 1..=3u32).prop_map(|(ty, limit)| Op::Redefine { ty, limit }),
+        2 => (0..8usize).prop_map(|pick| Op::Cancel { pick }),
     ]
 }
 
