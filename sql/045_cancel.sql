@@ -3,25 +3,29 @@
 --
 -- A job in a queue table (queued, scheduled, retrying, running) has its message deleted and
 -- archived, not fenced on a delivery: whichever delivery holds it loses it. In the same
--- transaction, as a completion does, its permit is given back and the next parked job of its key
--- promoted, its uniqueness lock released and its batch counted as failed. A running handler
--- learns of it from its next heartbeat, which finds the message gone (the same signal as a lost
--- lease, reported as cancelled), so its late completion, retry or return changes nothing
--- (AlreadyArchived). A cancel racing a completion deletes the same row: one of them wins, the
--- other finds nothing, and the permit is given back once. A running attempt that had started is
--- recorded in the job's attempts with outcome cancelled.
+-- transaction, as a completion does, its uniqueness lock is released and its batch counted as
+-- failed, and a job that was not running gives its permit back (the next parked job of its key
+-- is promoted). A running job keeps its permit (and its while_executing lock) until its handler
+-- has stopped (G3: a permit is never free while a handler of the key may still run): its
+-- worker, told by its next heartbeat (which finds the message gone, reported as cancelled), stops
+-- the handler and then gives them back through lockgate.release_cancelled; if that worker is
+-- dead, the lease runs out within its silence budget and the sweep frees it, as for any lease
+-- whose message is gone (sql/080_sweep.sql). The cancelled delivery's late completion, retry or
+-- return changes nothing (fenced on the queue table, where its row no longer is). A cancel racing
+-- a completion deletes the same row: one of them wins, the other finds nothing. A running attempt
+-- that had started is recorded in the job's attempts with outcome cancelled.
 --
 -- A parked job is deleted from the parked jobs (the others of its key keep their order) and
 -- archived under a fresh message id; its uniqueness lock is released and its batch counted.
 -- A job already finished (succeeded, discarded, cancelled, dead) is left as it is.
 --
--- Returns the job's state before the call and whether this call cancelled it; no row when no job
--- has that id.
+-- Returns the job's state when it was cancelled (or found finished) and whether this call
+-- cancelled it; no row when no job has that id (or the id is NULL).
 -- Locks: as a completion (the message row, its lease, the key's semaphore row, its unique lock,
 -- its batch rows), or as lockgate.discard_parked for a parked job.
 -- Callers: lockgate job cancel, lockgate jobs cancel (via cancel_jobs), Client::cancel.
 CREATE OR REPLACE FUNCTION lockgate.cancel(job_id bigint)
-RETURNS TABLE (id bigint, state text, queue text, cancelled boolean) LANGUAGE plpgsql AS $$
+RETURNS TABLE (id bigint, state text, queue text, cancelled boolean) LANGUAGE plpgsql STRICT AS $$
 DECLARE
     j lockgate.job_info;
     p lockgate.parked;
@@ -51,7 +55,7 @@ BEGIN
                         || CASE WHEN g.was = ''running'' AND g.last_read_at IS NOT NULL
                                 THEN jsonb_build_object(''errors'', COALESCE(h.headers->''errors'', ''[]'')
                                      || jsonb_build_array(jsonb_build_object(
-                                            ''attempt'', $2, ''started_at'', g.last_read_at, ''at'', clock_timestamp(),
+                                            ''attempt'', lockgate._attempt_of(g.headers, g.read_ct), ''started_at'', g.last_read_at, ''at'', clock_timestamp(),
                                             ''process'', h.headers->''owner'', ''outcome'', ''cancelled'',
                                             ''error'', ''cancelled'')))
                                 ELSE ''{}'' END
@@ -61,14 +65,21 @@ BEGIN
                  RETURNING msg_id, headers',
                 lockgate._queue_table(j.queue, 'q'), lockgate._queue_table(j.queue, 'a'))
                INTO gone_id, gone_headers
-              USING j.msg_id, j.attempt;
+              USING j.msg_id;
             IF gone_id IS NULL THEN
                 CONTINUE;
             END IF;
-            IF gone_headers ? 'ckey' THEN
-                PERFORM lockgate._release_leases(j.queue, ARRAY[gone_id]);
-            END IF;
-            IF gone_headers ? 'ukey' OR gone_headers ? 'wkey' THEN
+            -- The state it was in when this delete took it (a claim may have run since the lookup).
+            state := gone_headers->>'cancelled_in';
+            -- A running job's permit and while_executing lock wait for its handler to stop.
+            IF gone_headers->>'cancelled_in' <> 'running' THEN
+                IF gone_headers ? 'ckey' THEN
+                    PERFORM lockgate._release_leases(j.queue, ARRAY[gone_id]);
+                END IF;
+                IF gone_headers ? 'ukey' OR gone_headers ? 'wkey' THEN
+                    PERFORM lockgate._release_unique(j.queue, ARRAY[j.id], ARRAY[gone_id]);
+                END IF;
+            ELSIF gone_headers ? 'ukey' THEN
                 PERFORM lockgate._release_unique(j.queue, ARRAY[j.id], ARRAY[gone_id]);
             END IF;
             IF gone_headers ? 'batch' THEN
@@ -106,28 +117,78 @@ BEGIN
     RETURN NEXT;
 END $$;
 
--- Cancels every job matching the filters of lockgate.jobs (only_queue: its queue filter) that can still be cancelled (queued,
--- scheduled, retrying, running, parked; states narrows it further), at most max_rows of them,
--- newest first. Each job is cancelled as lockgate.cancel does it; a job that finished in between
--- is reported with cancelled false. Returns one row per job it tried.
-CREATE OR REPLACE FUNCTION lockgate.cancel_jobs(only_queue text DEFAULT NULL, job_type text DEFAULT NULL,
-                                                states text[] DEFAULT NULL, key text DEFAULT NULL,
-                                                since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
-                                                search text DEFAULT NULL, max_rows integer DEFAULT 1000)
-RETURNS TABLE (id bigint, state text, queue text, cancelled boolean) LANGUAGE plpgsql AS $$
+-- Cancels every job matching the filters of lockgate.jobs that can still be cancelled (scheduled,
+-- queued, retrying, running, parked; states narrows it further), at most max_rows of them, newest
+-- first, each as lockgate.cancel does it and each in a transaction of its own: a procedure, so
+-- that cancelling many jobs never holds one job's permit while it waits for another's message
+-- (the lock order of a completion, sql/040_complete.sql, which one transaction cancelling jobs of
+-- several keys would break). Call it outside a transaction block:
+--   CALL lockgate.cancel_jobs(job_type => 'send_email', states => '{queued}');
+-- matched and cancelled are set to how many jobs it found and cancelled (a job that finished in
+-- between is found, not cancelled).
+-- Locks: as lockgate.cancel, one job at a time. Callers: lockgate job cancel, Client::cancel_jobs.
+CREATE OR REPLACE PROCEDURE lockgate.cancel_jobs(queue text DEFAULT NULL, job_type text DEFAULT NULL,
+                                                 states text[] DEFAULT NULL, key text DEFAULT NULL,
+                                                 since timestamptz DEFAULT NULL, until timestamptz DEFAULT NULL,
+                                                 search text DEFAULT NULL, max_rows integer DEFAULT 1000,
+                                                 INOUT matched integer DEFAULT NULL, INOUT cancelled integer DEFAULT NULL)
+LANGUAGE plpgsql AS $$
 DECLARE
     cancellable text[] := ARRAY['queued', 'scheduled', 'retrying', 'running', 'parked'];
+    targets bigint[];
     target bigint;
 BEGIN
     PERFORM lockgate._check_states(states);
-    FOR target IN
-        SELECT j.id FROM lockgate.jobs(only_queue, job_type,
-                                       CASE WHEN states IS NULL THEN cancellable
-                                            ELSE ARRAY(SELECT unnest(states) INTERSECT SELECT unnest(cancellable)) END,
-                                       key, since, until, search, max_rows) j
-    LOOP
-        RETURN QUERY SELECT * FROM lockgate.cancel(target);
+    targets := ARRAY(SELECT j.id FROM lockgate.jobs(queue, job_type,
+                                                    CASE WHEN states IS NULL THEN cancellable
+                                                         ELSE ARRAY(SELECT unnest(states) INTERSECT SELECT unnest(cancellable)) END,
+                                                    key, since, until, search, max_rows) j);
+    matched := cardinality(targets);
+    cancelled := 0;
+    COMMIT;
+    FOREACH target IN ARRAY targets LOOP
+        IF EXISTS (SELECT 1 FROM lockgate.cancel(target) c WHERE c.cancelled) THEN
+            cancelled := cancelled + 1;
+        END IF;
+        COMMIT;
     END LOOP;
+END $$;
+
+-- Gives back the permit and while_executing lock of a cancelled running delivery, once its
+-- handler has stopped: its worker calls it after the heartbeat told it of the cancel. Fenced on
+-- the delivery that was running when the job was cancelled (the archived message's msg_id and
+-- read_ct, with cancelled_in running): any other delivery, or a second call, releases nothing.
+-- Returns whether it released something.
+-- Locks: the lease row, the key's semaphore row, the unique lock, as a completion.
+-- Callers: the worker, after a cancelled handler ended.
+CREATE OR REPLACE FUNCTION lockgate.release_cancelled(queue text, msg_id bigint, read_ct integer)
+RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    h jsonb;
+    released integer := 0;
+BEGIN
+    EXECUTE format('SELECT a.headers FROM %s a WHERE a.msg_id = $1 AND a.read_ct = $2', lockgate._queue_table(queue, 'a'))
+       INTO h
+      USING msg_id, read_ct;
+    IF jsonb_typeof(h) <> 'object' OR h->>'cancelled_in' IS DISTINCT FROM 'running' THEN
+        RETURN false;
+    END IF;
+    IF h ? 'ckey' THEN
+        PERFORM 1 FROM lockgate.leases l
+          WHERE l.queue = release_cancelled.queue AND l.msg_id = release_cancelled.msg_id FOR UPDATE;
+        IF FOUND THEN
+            PERFORM lockgate._release_leases(queue, ARRAY[msg_id]);
+            released := 1;
+        END IF;
+    END IF;
+    IF h ? 'wkey' THEN
+        DELETE FROM lockgate.unique_locks u
+         WHERE u.queue = release_cancelled.queue AND u.msg_id = release_cancelled.msg_id AND u.mode = 'while_executing';
+        IF FOUND THEN
+            released := released + 1;
+        END IF;
+    END IF;
+    RETURN released > 0;
 END $$;
 
 -- Which of msg_ids (deliveries of queue the heartbeat found gone) were cancelled: their archived
@@ -149,7 +210,7 @@ END $$;
 -- unknown id.
 -- Locks: as dlq_purge or discard_parked. Callers: lockgate job discard, SQL operators.
 CREATE OR REPLACE FUNCTION lockgate.discard_job(job_id bigint, OUT state text, OUT discarded boolean)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql STRICT AS $$
 DECLARE
     parked_id bigint;
 BEGIN

@@ -23,24 +23,42 @@ RETURNS text LANGUAGE sql STABLE AS $$
                 ELSE 'running' END
 $$;
 
--- The state of an archived message: a while_executing duplicate archived unrun (discarded), a
--- cancelled job, or a succeeded one.
+-- The state of an archived message: a cancelled job (even a duplicate cancelled before its
+-- worker archived it), a while_executing duplicate archived unrun (discarded), or a succeeded one.
 CREATE OR REPLACE FUNCTION lockgate._archived_state(headers jsonb)
 RETURNS text LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE WHEN jsonb_typeof(headers) <> 'object' THEN 'succeeded'
-                WHEN headers ? 'duplicate_of' THEN 'discarded'
                 WHEN headers ? 'cancelled_at' THEN 'cancelled'
+                WHEN headers ? 'duplicate_of' THEN 'discarded'
                 ELSE 'succeeded' END
 $$;
 
 -- When a job was first enqueued: its headers' enqueued_at (kept across promotion and dead-letter
 -- retries) when well formed, else when its row was stored.
 CREATE OR REPLACE FUNCTION lockgate._first_enqueued_at(headers jsonb, stored_at timestamptz)
-RETURNS timestamptz LANGUAGE sql STABLE AS $$
-    SELECT CASE WHEN jsonb_typeof(headers) = 'object' AND jsonb_typeof(headers->'enqueued_at') = 'string'
-                     AND headers->>'enqueued_at' ~ '^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?([+-]\d\d(:\d\d)?|Z)$'
-                THEN (headers->>'enqueued_at')::timestamptz
-                ELSE stored_at END
+RETURNS timestamptz LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF jsonb_typeof(headers) IS DISTINCT FROM 'object' OR jsonb_typeof(headers->'enqueued_at') IS DISTINCT FROM 'string'
+       OR headers->>'enqueued_at' !~ '^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?([+-]\d\d(:\d\d)?|Z)$' THEN
+        RETURN stored_at;
+    END IF;
+    -- A well-shaped but impossible time (month 13) is not lockgate's: the stored time stands.
+    BEGIN
+        RETURN (headers->>'enqueued_at')::timestamptz;
+    EXCEPTION WHEN datetime_field_overflow OR invalid_datetime_format THEN
+        RETURN stored_at;
+    END;
+END $$;
+
+-- The attempt a delivery of read_ct is: deliveries minus shutdown returns that were not
+-- attempts, plus the attempts of the job's earlier messages (headers read defensively).
+CREATE OR REPLACE FUNCTION lockgate._attempt_of(headers jsonb, read_ct integer)
+RETURNS integer LANGUAGE sql IMMUTABLE AS $$
+    SELECT GREATEST(read_ct
+        - CASE WHEN jsonb_typeof(headers) = 'object' AND headers->>'returns' ~ '^[0-9]{1,9}$'
+               THEN (headers->>'returns')::integer ELSE 0 END
+        + CASE WHEN jsonb_typeof(headers) = 'object' AND headers->>'attempts_before' ~ '^[0-9]{1,9}$'
+               THEN (headers->>'attempts_before')::integer ELSE 0 END, 0)
 $$;
 
 -- The fields of a job read from its message (or parked row, or dead letter), defensively: a
@@ -54,14 +72,11 @@ CREATE OR REPLACE FUNCTION lockgate._job_fields(message jsonb, headers jsonb, re
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
     h jsonb := CASE WHEN jsonb_typeof(headers) = 'object' THEN headers ELSE '{}' END;
-    count_of text := '^[0-9]{1,9}$';
 BEGIN
     job_type := h->>'type';
     args := message;
     priority := CASE WHEN h->>'priority' ~ '^[0-9]$' THEN (h->>'priority')::integer ELSE 0 END;
-    attempt := GREATEST(read_ct
-        - CASE WHEN h->>'returns' ~ count_of THEN (h->>'returns')::integer ELSE 0 END
-        + CASE WHEN h->>'attempts_before' ~ count_of THEN (h->>'attempts_before')::integer ELSE 0 END, 0);
+    attempt := lockgate._attempt_of(h, read_ct);
     enqueued_at := lockgate._first_enqueued_at(h, stored_at);
     concurrency_key := h->>'ckey';
     SELECT COALESCE(jsonb_agg(jsonb_build_object(
@@ -78,6 +93,15 @@ BEGIN
             'outcome', state, 'error', NULL));
     END IF;
 END $$;
+
+-- Whether one of the errors recorded in headers (an attempt's error, not the keys or times of
+-- the history) contains text, case-insensitively.
+CREATE OR REPLACE FUNCTION lockgate._errors_mention(headers jsonb, text text)
+RETURNS boolean LANGUAGE sql IMMUTABLE AS $$
+    SELECT jsonb_typeof(headers) = 'object' AND jsonb_typeof(headers->'errors') = 'array'
+       AND EXISTS (SELECT 1 FROM jsonb_array_elements(headers->'errors') e
+                    WHERE jsonb_typeof(e) = 'object' AND strpos(lower(e->>'error'), lower(text)) > 0)
+$$;
 
 -- The jobs of one queue table or archive (kind 'q' or 'a'), filtered, newest id first. Every
 -- filter is a bound value; NULL matches anything. only_id finds one job through the indexes
@@ -98,7 +122,7 @@ BEGIN
         RETURN;
     END IF;
     source := CASE WHEN only_id IS NULL THEN format('SELECT * FROM %s', tbl)
-                   ELSE format('SELECT * FROM %1$s WHERE msg_id = $1 AND NOT (headers ? ''job_id'')
+                   ELSE format('SELECT * FROM %1$s WHERE msg_id = $1 AND lockgate._job_id_of(headers) IS NULL
                                 UNION ALL
                                 SELECT * FROM %1$s WHERE headers ? ''job_id'' AND headers->>''job_id'' = $1::text', tbl) END;
     RETURN QUERY EXECUTE format(
@@ -114,7 +138,7 @@ BEGIN
                     AND ($5::timestamptz IS NULL OR lockgate._first_enqueued_at(x.headers, x.enqueued_at) >= $5)
                     AND ($6::timestamptz IS NULL OR lockgate._first_enqueued_at(x.headers, x.enqueued_at) < $6)
                     AND ($7::text IS NULL OR strpos(lower(x.message::text), lower($7)) > 0
-                         OR strpos(lower(COALESCE(x.headers->>''errors'', '''')), lower($7)) > 0)
+                         OR lockgate._errors_mention(x.headers, $7))
                     AND ($8::bigint IS NULL OR COALESCE(lockgate._job_id_of(x.headers), x.msg_id) < $8)
                   ORDER BY 1 DESC LIMIT $9) r
           CROSS JOIN LATERAL lockgate._job_fields(r.message, r.headers, r.read_ct, r.enqueued_at, r.state,
@@ -137,11 +161,12 @@ RETURNS SETOF lockgate.job_info LANGUAGE sql STABLE AS $$
              WHERE (only_id IS NULL OR x.job_id = only_id)
                AND (only_queue IS NULL OR x.queue = only_queue)
                AND (_jobs_parked.job_type IS NULL OR x.job_type = _jobs_parked.job_type)
-               AND (_jobs_parked.key IS NULL OR x.key = _jobs_parked.key OR x.headers->>'ukey' = _jobs_parked.key)
+               AND (_jobs_parked.key IS NULL OR x.key = _jobs_parked.key OR x.headers->>'ukey' = _jobs_parked.key
+                    OR x.headers->>'wkey' = _jobs_parked.key)
                AND (since IS NULL OR lockgate._first_enqueued_at(x.headers, x.parked_at) >= since)
                AND (until IS NULL OR lockgate._first_enqueued_at(x.headers, x.parked_at) < until)
                AND (search IS NULL OR strpos(lower(x.args::text), lower(search)) > 0
-                    OR strpos(lower(COALESCE(x.headers->>'errors', '')), lower(search)) > 0)
+                    OR lockgate._errors_mention(x.headers, search))
                AND (before_id IS NULL OR x.job_id < before_id)
              ORDER BY x.job_id DESC LIMIT max_rows) p
      CROSS JOIN LATERAL lockgate._job_fields(p.args, p.headers, 0, p.parked_at, 'parked', NULL, NULL) f
@@ -158,7 +183,7 @@ RETURNS SETOF lockgate.job_info LANGUAGE sql STABLE AS $$
            NULL::timestamptz, d.dead_at, f.concurrency_key, f.attempts, d.reason, d.error, d.headers
       FROM (SELECT DISTINCT ON (COALESCE(x.job_id, x.msg_id)) COALESCE(x.job_id, x.msg_id) AS job, x.*
               FROM lockgate.dead_letters x
-             WHERE (only_id IS NULL OR x.job_id = only_id)
+             WHERE (only_id IS NULL OR x.job_id = only_id OR (x.job_id IS NULL AND x.msg_id = only_id))
                AND (only_queue IS NULL OR x.queue = only_queue)
                AND (_jobs_dead.job_type IS NULL OR x.job_type = _jobs_dead.job_type)
                AND (_jobs_dead.key IS NULL OR x.headers->>'ckey' = _jobs_dead.key OR x.headers->>'ukey' = _jobs_dead.key
@@ -167,7 +192,7 @@ RETURNS SETOF lockgate.job_info LANGUAGE sql STABLE AS $$
                AND (until IS NULL OR lockgate._first_enqueued_at(x.headers, x.enqueued_at) < until)
                AND (search IS NULL OR strpos(lower(x.args::text), lower(search)) > 0
                     OR strpos(lower(COALESCE(x.error, '')), lower(search)) > 0
-                    OR strpos(lower(COALESCE(x.headers->>'errors', '')), lower(search)) > 0)
+                    OR lockgate._errors_mention(x.headers, search))
                AND (before_id IS NULL OR COALESCE(x.job_id, x.msg_id) < before_id)
                AND COALESCE(x.job_id, x.msg_id) IS NOT NULL
              ORDER BY COALESCE(x.job_id, x.msg_id) DESC, x.id DESC LIMIT max_rows) d
@@ -182,10 +207,11 @@ $$;
 -- parked and dead letters by their job_id indexes. The queue tables come first, then the parked
 -- jobs, the dead letters and the archives, so a job retried from the dead letters shows where it
 -- is now. attempt: the attempt its current or next delivery is (deliveries minus returns, plus
--- the attempts of its earlier messages). No row: no such job (or pruned by archive retention).
+-- the attempts of its earlier messages). No row: no such job (or pruned by archive retention),
+-- or a NULL id.
 -- Locks: none. Callers: lockgate job show, Client::job, lockgate.cancel, SQL operators.
 CREATE OR REPLACE FUNCTION lockgate.job(job_id bigint)
-RETURNS SETOF lockgate.job_info LANGUAGE plpgsql STABLE AS $$
+RETURNS SETOF lockgate.job_info LANGUAGE plpgsql STABLE STRICT AS $$
 DECLARE
     q text;
     found lockgate.job_info;

@@ -40,8 +40,8 @@ pub use lockgate_runtime::{
     Handler, Job, JobContext, JobError, PoolConfig, RawHandler, Registry, Runtime, RuntimeConfig, RuntimeError,
 };
 pub use lockgate_sql::{
-    check_schema, migrate, BatchCallbacks, BatchInfo, Cancelled, DbError, JobFilter, JobRecord, MigrateReport, PgPool,
-    PgPoolOptions, RecurringRow, JOB_STATES,
+    check_schema, migrate, BatchCallbacks, BatchInfo, Cancelled, CancelledCount, DbError, JobFilter, JobRecord,
+    MigrateReport, PgPool, PgPoolOptions, RecurringRow, JOB_STATES,
 };
 
 /// The SQL layer, for tests and tools that need a statement the typed API does not expose.

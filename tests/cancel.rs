@@ -1,8 +1,9 @@
 //! Cancel and search (issue 12): a job is cancelled in every state it can be in and kept as
-//! cancelled; a running job's permit is given back in the cancelling transaction and its late
-//! completion changes nothing; a cancel racing a completion on two connections has exactly one
-//! winner and the permit is given back once; a running handler learns of the cancel from its
-//! heartbeat. `lockgate.jobs` finds jobs by every filter, pages by id, and refuses bad filters.
+//! cancelled; a running job keeps its permit until its handler has stopped (G3), its late outcome
+//! changes nothing, and the permit is given back exactly once; a cancel racing a completion on two
+//! connections has exactly one winner; a running handler learns of the cancel from its heartbeat
+//! and the next job of its key starts only after it ended. `lockgate.jobs` finds jobs by every
+//! filter, pages by id, and refuses bad filters.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -10,8 +11,8 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::{queue, test_config, until_one_waits_for_a_lock, Counter, Running, WAIT};
-use lockgate::{CancelReason, Client, DbError, Job, JobContext, JobError, JobFilter, JobId, JobPolicy, Registry};
+use common::{queue, test_config, until_one_waits_for_a_lock, Running, WAIT};
+use lockgate::{Client, DbError, Job, JobContext, JobError, JobFilter, JobId, JobPolicy, Registry};
 use lockgate_testkit::{wait_for, TestDb};
 use serde::{Deserialize, Serialize};
 
@@ -92,8 +93,17 @@ async fn cancel_takes_a_job_out_of_every_waiting_state_and_keeps_it() {
     assert_eq!(permits(&db).await, (1, 1, vec![]));
 }
 
+async fn release_cancelled(db: &TestDb, d: (i64, i32)) -> bool {
+    sqlx::query_scalar("SELECT lockgate.release_cancelled('default', $1, $2)")
+        .bind(d.0)
+        .bind(d.1)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
-async fn a_cancelled_running_job_gives_back_its_permit_once_and_its_late_outcome_changes_nothing() {
+async fn a_cancelled_running_job_keeps_its_permit_until_its_handler_stopped_and_gives_it_back_once() {
     let db = TestDb::migrated().await.unwrap();
     sqlx::query("SELECT lockgate.define_job_type('one', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
     let running = enqueue(&db, "one", "{}", "{}").await;
@@ -101,8 +111,8 @@ async fn a_cancelled_running_job_gives_back_its_permit_once_and_its_late_outcome
     let d = claim(&db, 1).await[0];
     assert_eq!(state_of(&db, running).await, "running");
     assert_eq!(cancel(&db.pool, running).await, Some(("running".to_string(), true)));
-    // The permit went back in the cancelling transaction: the parked job holds it now.
-    assert_eq!(state_of(&db, next).await, "queued");
+    // Its handler may still run until its worker hears of the cancel: the permit stays held (G3).
+    assert_eq!(state_of(&db, next).await, "parked");
     assert_eq!(permits(&db).await, (1, 1, vec![]));
     // The cancelled delivery's late outcomes are fenced out and release nothing.
     assert!(!common::complete_default(&db.pool, d).await, "AlreadyArchived");
@@ -114,6 +124,12 @@ async fn a_cancelled_running_job_gives_back_its_permit_once_and_its_late_outcome
         .unwrap();
     assert!(!retried);
     assert!(!common::dead_letter_default(&db.pool, d).await);
+    assert_eq!((state_of(&db, next).await, permits(&db).await), ("parked".to_string(), (1, 1, vec![])));
+    // Its worker, its handler stopped, gives the permit back: only that delivery, only once.
+    assert!(!release_cancelled(&db, (d.0, d.1 + 1)).await, "another delivery releases nothing");
+    assert!(release_cancelled(&db, d).await);
+    assert_eq!(state_of(&db, next).await, "queued", "the next job of the key promoted");
+    assert!(!release_cancelled(&db, d).await, "a second call releases nothing");
     assert_eq!(permits(&db).await, (1, 1, vec![]), "nothing released twice");
     let job = lockgate::sql::job(&db.pool, JobId(running)).await.unwrap().unwrap();
     assert_eq!(job.state, "cancelled");
@@ -122,6 +138,22 @@ async fn a_cancelled_running_job_gives_back_its_permit_once_and_its_late_outcome
     assert_eq!((attempts[0]["outcome"].as_str(), attempts[0]["attempt"].as_i64()), (Some("cancelled"), Some(1)));
     let archived: i64 = sqlx::query_scalar("SELECT count(*) FROM pgmq.a_default").fetch_one(&db.pool).await.unwrap();
     assert_eq!(archived, 1);
+}
+
+#[tokio::test]
+async fn a_cancelled_running_job_whose_worker_died_frees_its_permit_when_its_lease_runs_out() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('one', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    let running = enqueue(&db, "one", "{}", "{}").await;
+    let next = enqueue(&db, "one", "{}", "{}").await;
+    claim(&db, 1).await;
+    assert_eq!(cancel(&db.pool, running).await, Some(("running".to_string(), true)));
+    sqlx::query("SELECT lockgate.sweep()").execute(&db.pool).await.unwrap();
+    assert_eq!(state_of(&db, next).await, "parked", "not while the holder's budget may still run");
+    sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.sweep()").execute(&db.pool).await.unwrap();
+    assert_eq!(state_of(&db, next).await, "queued", "the sweep frees it once the lease ran out (G5)");
+    assert_eq!(permits(&db).await, (1, 1, vec![]));
 }
 
 /// One side of the race runs in an open transaction on its own connection; the other is sent on
@@ -150,6 +182,8 @@ async fn a_cancel_racing_a_completion_has_exactly_one_winner_either_way() {
         if cancel_first {
             assert!(!completed, "the completion lost: AlreadyArchived");
             assert_eq!(state_of(&db, id).await, "cancelled");
+            // The losing delivery's handler has ended: its worker gives the permit back.
+            assert!(release_cancelled(&db, d).await);
         } else {
             assert_eq!(cancelled, Some(("succeeded".to_string(), false)), "the cancel lost");
             assert_eq!(state_of(&db, id).await, "succeeded");
@@ -160,50 +194,58 @@ async fn a_cancel_racing_a_completion_has_exactly_one_winner_either_way() {
 }
 
 #[derive(Serialize, Deserialize)]
-struct Wait {}
+struct Wait {
+    n: u32,
+}
 
 impl Job for Wait {
     const TYPE: &'static str = "wait";
     fn policy() -> JobPolicy {
         let mut policy = JobPolicy::on_queue(queue("default"));
         policy.max_attempts = 1;
+        policy.concurrency = Some(lockgate::ConcurrencyPolicy::new(1));
         policy
     }
 }
 
+/// Job 1 waits for its cancellation; job 2, of the same limit-1 key, records its start.
 #[tokio::test]
-async fn a_running_handler_is_cancelled_through_its_heartbeat_and_writes_nothing() {
+async fn a_running_handler_is_cancelled_through_its_heartbeat_and_the_next_job_starts_only_after_it_ended() {
     let db = TestDb::migrated().await.unwrap();
     let client = Client::new(db.pool.clone());
     client.define::<Wait>().await.unwrap();
-    let id = client.enqueue(&Wait {}, &Default::default()).await.unwrap().job_id;
-    let (starts, reasons) = (Counter::default(), Arc::new(Mutex::new(Vec::new())));
+    let id = client.enqueue(&Wait { n: 1 }, &Default::default()).await.unwrap().job_id;
+    client.enqueue(&Wait { n: 2 }, &Default::default()).await.unwrap();
+    let events = Arc::new(Mutex::new(Vec::<String>::new()));
     let mut registry = Registry::new();
-    let (s, r) = (starts.clone(), Arc::clone(&reasons));
+    let seen = Arc::clone(&events);
     registry
-        .register::<Wait, _>(move |ctx: JobContext, _job: Wait| {
-            let (s, r) = (s.clone(), Arc::clone(&r));
+        .register::<Wait, _>(move |ctx: JobContext, job: Wait| {
+            let seen = Arc::clone(&seen);
             async move {
-                s.bump();
-                ctx.cancelled().await;
-                r.lock().unwrap().push(ctx.cancel_reason());
-                Err(JobError::new("stopped"))
+                seen.lock().unwrap().push(format!("start {}", job.n));
+                if job.n == 1 {
+                    ctx.cancelled().await;
+                    let reason = ctx.cancel_reason().map_or("none".to_string(), |r| r.to_string());
+                    seen.lock().unwrap().push(format!("end 1: {reason}"));
+                    return Err(JobError::new("stopped"));
+                }
+                Ok(())
             }
         })
         .unwrap();
-    let running = Running::start(&db, test_config(), registry, &["default"], 1).await;
-    wait_for("the handler to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+    let running = Running::start(&db, test_config(), registry, &["default"], 2).await;
+    let events_now = || events.lock().unwrap().clone();
+    wait_for("job 1 to start", WAIT, || async { Ok((events_now() == ["start 1"]).then_some(())) }).await.unwrap();
     let outcome = client.cancel(id).await.unwrap().unwrap();
     assert_eq!((outcome.state.as_str(), outcome.cancelled), ("running", true));
-    wait_for("the handler to be cancelled", WAIT, || async {
-        Ok((reasons.lock().unwrap().as_slice() == [Some(CancelReason::Cancelled)]).then_some(()))
-    })
-    .await
-    .unwrap();
+    wait_for("job 2 to run", WAIT, || async { Ok((events_now().len() == 3).then_some(())) }).await.unwrap();
+    assert_eq!(events_now(), ["start 1", "end 1: cancelled", "start 2"], "never both at once (G3)");
     running.stop().await;
     assert_eq!(state_of(&db, id.0).await, "cancelled", "its failed return wrote nothing");
     let dead: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
-    assert_eq!((dead, starts.get()), (0, 1), "never dead-lettered, never run again");
+    assert_eq!(dead, 0, "never dead-lettered");
+    assert_eq!(permits(&db).await, (0, 0, vec![]));
 }
 
 #[tokio::test]
@@ -263,9 +305,8 @@ async fn jobs_are_found_by_every_filter_and_cancelled_by_query() {
         f.job_type = Some("a".into());
         f.states = vec!["queued".into()];
     });
-    let cancelled = client.cancel_jobs(&query, 100).await.unwrap();
-    let done: Vec<(i64, bool)> = cancelled.iter().map(|c| (c.id.0, c.cancelled)).collect();
-    assert_eq!(done, vec![(a[1], true), (a[0], true)]);
+    let count = client.cancel_jobs(&query, 100).await.unwrap();
+    assert_eq!((count.matched, count.cancelled), (2, 2));
     assert_eq!(state_of(&db, a[2]).await, "scheduled");
     assert_eq!((state_of(&db, b1).await, state_of(&db, b2).await), ("queued".to_string(), "parked".to_string()));
     assert_eq!(by(filter(|f| f.states = vec!["cancelled".into()])).await, vec![a[1], a[0]]);

@@ -435,8 +435,9 @@ impl Run<'_> {
     /// commits as soon as the claim is seen waiting on a lock (or once it has returned, if it
     /// never waits). Which of the two happens is decided by the database, not by timing.
     /// Cancels a live job: the database must find it live and cancel it, and from then on the
-    /// checks expect it archived once, its permit and unique lock given back, its batch counted
-    /// as failed, and every delivery of it stale.
+    /// checks expect it archived once, its permit and unique lock given back (a running job's
+    /// once its holder, stopped, calls release_cancelled), its batch counted as failed, and every
+    /// delivery of it stale.
     async fn cancel(&mut self, pick: usize) -> Result<String> {
         if !self.api.cancel {
             return Ok("no lockgate.cancel in this schema: nothing to do".into());
@@ -453,7 +454,20 @@ impl Run<'_> {
         match found {
             Some((state, true)) => {
                 let fenced = self.model.cancel_job(job);
-                Ok(format!("job {job} cancelled (it was {state}){}", fenced_note(&fenced)))
+                // Each stopped holder's handler has ended: its worker gives back what the
+                // cancel kept for it (the permit of a running job).
+                let mut released = 0;
+                for &i in &fenced {
+                    let d = &self.model.deliveries[i];
+                    let gave: bool = sqlx::query_scalar("SELECT lockgate.release_cancelled($1, $2, $3)")
+                        .bind(d.queue.name())
+                        .bind(d.msg_id)
+                        .bind(d.read_ct)
+                        .fetch_one(&mut self.c.dispatcher)
+                        .await?;
+                    released += usize::from(gave);
+                }
+                Ok(format!("job {job} cancelled (it was {state}){}, {released} released", fenced_note(&fenced)))
             }
             Some((state, false)) => bail!("(d) live job {job} was not cancelled: lockgate.cancel found it {state}"),
             None => bail!("(d) live job {job} was not found by lockgate.cancel"),

@@ -16,7 +16,8 @@ use lockgate_core::{
     BatchId, EnqueueOptions, EnqueuedJob, JobId, JobPolicy, JobTypeName, QueueName, RecurringTask, ValidationError,
 };
 use lockgate_sql::{
-    BatchCallbacks, BatchInfo, Cancelled, DbError, JobFilter, JobRecord, PgPool, RecurringRow, RecurringSource,
+    BatchCallbacks, BatchInfo, Cancelled, CancelledCount, DbError, JobFilter, JobRecord, PgPool, RecurringRow,
+    RecurringSource,
 };
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
@@ -111,8 +112,9 @@ impl Client {
         lockgate_sql::cancel(&self.pool, id).await
     }
 
-    /// Cancels up to `limit` jobs matching `filter` that can still be cancelled.
-    pub async fn cancel_jobs(&self, filter: &JobFilter, limit: i32) -> Result<Vec<Cancelled>, DbError> {
+    /// Cancels up to `limit` jobs matching `filter` that can still be cancelled, each in a
+    /// transaction of its own; returns how many matched and how many were cancelled.
+    pub async fn cancel_jobs(&self, filter: &JobFilter, limit: i32) -> Result<CancelledCount, DbError> {
         lockgate_sql::cancel_jobs(&self.pool, filter, limit).await
     }
 

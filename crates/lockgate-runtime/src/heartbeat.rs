@@ -106,6 +106,7 @@ impl Heartbeat {
                         report.renewed += r.renewed;
                         report.busy += r.busy;
                         report.lost += r.lost;
+                        self.release_cancelled(&queue, &r.cancelled_idle).await;
                     }
                     Err(error) => {
                         tracing::warn!(%queue, %error, "renewal failed; the next tick tries again");
@@ -137,6 +138,25 @@ impl Heartbeat {
             Err(_) => {
                 self.conn = None;
                 Vec::new()
+            }
+        }
+    }
+
+    /// Gives back the permits of cancelled deliveries that no handler had started. A failure
+    /// leaves them to run out with their leases (the sweep frees them then).
+    async fn release_cancelled(&mut self, queue: &QueueName, idle: &[(i64, i32)]) {
+        for &(msg_id, read_ct) in idle {
+            let Some(conn) = self.conn.as_mut() else { return };
+            let released = lockgate_sql::release_cancelled(&mut *conn, queue.as_str(), msg_id, read_ct);
+            match tokio::time::timeout(self.interval, released).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(%queue, msg_id, %error, "a cancelled job's permit waits for its lease")
+                }
+                Err(_) => {
+                    self.conn = None;
+                    return;
+                }
             }
         }
     }

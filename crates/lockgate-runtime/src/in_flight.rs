@@ -92,11 +92,14 @@ pub(crate) enum Finish {
 }
 
 /// What one renewal did to the deliveries it asked about (`InFlight::renewed`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Renewed {
     pub renewed: usize,
     pub busy: usize,
     pub lost: usize,
+    /// Cancelled deliveries no handler had started: nothing runs for them, so their permits can
+    /// be given back at once (`lockgate.release_cancelled`), as (msg_id, read_ct).
+    pub cancelled_idle: Vec<(i64, i32)>,
 }
 
 /// A delivery the watchdog cancelled, for its log line.
@@ -236,8 +239,10 @@ impl InFlight {
             } else if !matches!(e.state, State::Lost | State::Finishing | State::Returning) {
                 e.state = State::Lost;
                 let reason = if cancelled.contains(msg_id) { CancelReason::Cancelled } else { CancelReason::LeaseLost };
-                if let Some(ctx) = &e.ctx {
-                    ctx.fire(reason);
+                match &e.ctx {
+                    Some(ctx) => ctx.fire(reason),
+                    None if reason == CancelReason::Cancelled => report.cancelled_idle.push((*msg_id, *read_ct)),
+                    None => {}
                 }
                 report.lost += 1;
             }

@@ -145,17 +145,26 @@ pub async fn cancel<'c>(db: impl PgExecutor<'c>, id: JobId) -> Result<Option<Can
     Ok(row.as_ref().map(cancelled))
 }
 
-/// `lockgate.cancel_jobs(...)`: cancels up to `limit` jobs matching `filter` that can still be
-/// cancelled, newest first; one row per job it tried.
+/// How many jobs a cancel by query found and cancelled (`lockgate.cancel_jobs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CancelledCount {
+    /// Jobs the filter selected that could still be cancelled.
+    pub matched: i32,
+    /// Of those, the ones cancelled (the others finished in between).
+    pub cancelled: i32,
+}
+
+/// `CALL lockgate.cancel_jobs(...)`: cancels up to `limit` jobs matching `filter` that can still
+/// be cancelled, newest first, each in a transaction of its own (so it cannot run inside the
+/// caller's transaction: give it a pool or a connection outside one).
 pub async fn cancel_jobs<'c>(
     db: impl PgExecutor<'c>,
     filter: &JobFilter,
     limit: i32,
-) -> Result<Vec<Cancelled>, DbError> {
-    let rows = sqlx::query(
-        "SELECT id, state, queue, cancelled
-           FROM lockgate.cancel_jobs(only_queue => $1, job_type => $2, states => $3, key => $4, since => $5,
-                                     until => $6, search => $7, max_rows => $8)",
+) -> Result<CancelledCount, DbError> {
+    let (matched, cancelled): (i32, i32) = sqlx::query_as(
+        "CALL lockgate.cancel_jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5, until => $6,
+                                   search => $7, max_rows => $8)",
     )
     .bind(&filter.queue)
     .bind(&filter.job_type)
@@ -165,9 +174,27 @@ pub async fn cancel_jobs<'c>(
     .bind(filter.until)
     .bind(&filter.search)
     .bind(limit)
-    .fetch_all(db)
+    .fetch_one(db)
     .await?;
-    Ok(rows.iter().map(cancelled).collect())
+    Ok(CancelledCount { matched, cancelled })
+}
+
+/// `lockgate.release_cancelled`: gives back the permit (and `while_executing` lock) of the
+/// delivery `(msg_id, read_ct)` that was running when its job was cancelled, once its handler has
+/// stopped. True when it released something; any other delivery, or a second call, releases
+/// nothing.
+pub async fn release_cancelled<'c>(
+    db: impl PgExecutor<'c>,
+    queue: &str,
+    msg_id: i64,
+    read_ct: i32,
+) -> Result<bool, DbError> {
+    Ok(sqlx::query_scalar("SELECT lockgate.release_cancelled($1, $2, $3)")
+        .bind(queue)
+        .bind(msg_id)
+        .bind(read_ct)
+        .fetch_one(db)
+        .await?)
 }
 
 /// Which of `msg_ids`, no longer in `queue`, were cancelled (archived by `lockgate.cancel`): the

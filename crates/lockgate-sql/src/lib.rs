@@ -31,7 +31,8 @@ pub use enqueue::{enqueue, enqueue_many};
 pub use error::DbError;
 pub use job_types::{define_job_type, load_job_types};
 pub use jobs::{
-    cancel, cancel_jobs, cancelled_messages, discard_job, job, jobs, Cancelled, JobFilter, JobRecord, JOB_STATES,
+    cancel, cancel_jobs, cancelled_messages, discard_job, job, jobs, release_cancelled, Cancelled, CancelledCount,
+    JobFilter, JobRecord, JOB_STATES,
 };
 pub use maintenance::{prune_archive, reap_batches, reap_unique_locks};
 pub use migrate::{check_schema, functions_checksum, migrate, MigrateReport, LATEST_MIGRATION};

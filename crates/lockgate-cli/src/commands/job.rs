@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Result};
 use lockgate::sql::{discard_job, dlq_retry, DlqFilter, DlqRetryOutcome};
-use lockgate::{Cancelled, Client, JobId};
+use lockgate::{Client, JobId};
 
 use crate::commands::jobs::Filter;
 use crate::db;
@@ -58,7 +58,10 @@ pub async fn run(url: Option<String>, command: Command) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&outcome)?);
             }
             if !outcome.cancelled {
-                bail!("job {id} was not cancelled: it is {} already", outcome.state);
+                if ["succeeded", "discarded", "cancelled", "dead"].contains(&outcome.state.as_str()) {
+                    bail!("job {id} was not cancelled: it is {} already", outcome.state);
+                }
+                bail!("job {id} was not cancelled: it kept changing state (now {}); try again", outcome.state);
             }
             if !json {
                 println!("job {id} cancelled (it was {} on queue {})", outcome.state, outcome.queue);
@@ -72,11 +75,15 @@ pub async fn run(url: Option<String>, command: Command) -> Result<()> {
             if !(1..=1000).contains(&limit) {
                 bail!("invalid --limit {limit}: 1 to 1000");
             }
-            let outcomes = client.cancel_jobs(&filter.to_sql()?, limit).await?;
+            let count = client.cancel_jobs(&filter.to_sql()?, limit).await?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&outcomes)?);
+                println!("{}", serde_json::to_string_pretty(&count)?);
+            } else if count.matched == 0 {
+                println!("no cancellable job matches");
             } else {
-                print_cancelled(&outcomes);
+                let finished = count.matched - count.cancelled;
+                let note = if finished > 0 { format!(" ({finished} finished first)") } else { String::new() };
+                println!("{} of {} cancelled{note}", count.cancelled, count.matched);
             }
             Ok(())
         }
@@ -116,20 +123,6 @@ pub async fn run(url: Option<String>, command: Command) -> Result<()> {
             }
         }
     }
-}
-
-fn print_cancelled(outcomes: &[Cancelled]) {
-    if outcomes.is_empty() {
-        println!("no cancellable job matches");
-        return;
-    }
-    println!("{:>10}  {:<10} {:<16} RESULT", "ID", "WAS", "QUEUE");
-    for o in outcomes {
-        let result = if o.cancelled { "cancelled" } else { "finished first" };
-        println!("{:>10}  {:<10} {:<16} {result}", o.id.to_string(), o.state, o.queue);
-    }
-    let n = outcomes.iter().filter(|o| o.cancelled).count();
-    println!("{n} of {} cancelled", outcomes.len());
 }
 
 async fn show(client: &Client, id: i64, json: bool) -> Result<()> {

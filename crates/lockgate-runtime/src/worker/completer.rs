@@ -235,7 +235,19 @@ async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queu
         let (queue, msg_id) = (&delivery.queue, delivery.msg_id);
         match outcome {
             Ok(ArchiveOutcome::Archived) => tracing::debug!(%queue, msg_id, %job_id, "archived"),
-            Ok(outcome) => tracing::info!(%queue, msg_id, %job_id, %outcome, "completion changed nothing"),
+            Ok(outcome) => {
+                tracing::info!(%queue, msg_id, %job_id, %outcome, "completion changed nothing");
+                // Its job may have been cancelled while the handler ran (rare: no batching).
+                let (read_ct, queue) = (delivery.read_ct, queue.as_str());
+                let released = conn
+                    .lock()
+                    .await
+                    .run(async |c| lockgate_sql::release_cancelled(c, queue, msg_id, read_ct).await)
+                    .await;
+                if let Err(error) = released {
+                    tracing::warn!(queue, msg_id, %error, "a cancelled job's permit waits for its lease");
+                }
+            }
             Err(error) => {
                 tracing::warn!(%queue, msg_id, %job_id, %error, "completion not written; the job will run again")
             }

@@ -121,6 +121,8 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
             tracing::info!(job_id = %ctx.job_id, %reason, ended, "delivery given up without an outcome");
             if !ended {
                 tracing::warn!(job_id = %ctx.job_id, "the cancelled handler did not stop within its grace");
+            } else if ctx.cancel_reason() == Some(CancelReason::Cancelled) {
+                give_back_if_cancelled(&shared.db, &delivery).await;
             }
             return;
         }
@@ -250,8 +252,23 @@ where
     shared.in_flight.remove(delivery);
     match result {
         Ok((true, _)) => {}
-        Ok((false, _)) => tracing::info!("delivery no longer owned; its outcome was not written"),
+        Ok((false, _)) => {
+            tracing::info!("delivery no longer owned; its outcome was not written");
+            give_back_if_cancelled(&shared.db, delivery).await;
+        }
         Err(error) => tracing::warn!(%error, "outcome not written; the job will run again"),
+    }
+}
+
+/// A delivery whose handler has ended found its message gone: if its job was cancelled while it
+/// ran, the permit it kept until now goes back (`lockgate.release_cancelled`, fenced on this
+/// delivery; a no-op otherwise). On failure the permit waits for its lease to run out.
+pub(crate) async fn give_back_if_cancelled(db: &lockgate_sql::PgPool, delivery: &Delivery) {
+    let (queue, msg_id, read_ct) = (delivery.queue.as_str(), delivery.msg_id, delivery.read_ct);
+    match lockgate_sql::release_cancelled(db, queue, msg_id, read_ct).await {
+        Ok(true) => tracing::info!(queue, msg_id, "a cancelled job's handler ended: its permit is given back"),
+        Ok(false) => {}
+        Err(error) => tracing::warn!(queue, msg_id, %error, "a cancelled job's permit waits for its lease"),
     }
 }
 
