@@ -1,0 +1,151 @@
+//! The operator's commands against a fresh database each: `lockgate doctor` (an idle transaction
+//! holding a semaphore row, a healthy database, a missing schema, an unreachable database, the
+//! permit and process checks), `lockgate status` (an empty database, throughput, paused queues,
+//! processes) and `lockgate dlq list` (every attempt's error).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::*;
+use lockgate_testkit::{wait_for, TestDb};
+use serde_json::Value;
+use sqlx::Connection;
+
+/// `lockgate doctor --json` with extra arguments: its exit status and its checks.
+fn doctor(db: &TestDb, extra: &[&str]) -> (Option<i32>, Vec<Value>) {
+    let o = output(db, &[&["doctor", "--json"], extra].concat());
+    let checks: Vec<Value> = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("doctor --json printed no array ({e}): {}", text(&o)));
+    (o.status.code(), checks)
+}
+
+/// The checks named `name`.
+fn named<'a>(checks: &'a [Value], name: &str) -> Vec<&'a Value> {
+    checks.iter().filter(|c| c["check"] == name).collect()
+}
+
+/// Fails on the checks whose verdict is fail, except connection headroom: the server is shared
+/// by every test running at once, so its connections are not this test's to judge.
+fn assert_no_failure_but_headroom(code: Option<i32>, checks: &[Value]) {
+    let failed: Vec<_> = checks.iter().filter(|c| c["verdict"] == "fail").collect();
+    assert!(failed.iter().all(|c| c["check"] == "connections"), "{failed:#?}");
+    assert_eq!(code, Some(if failed.is_empty() { 0 } else { 1 }), "{checks:#?}");
+}
+
+#[tokio::test]
+async fn doctor_fails_naming_an_idle_transaction_that_holds_a_semaphore_row_and_is_ok_after_its_rollback() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('sync', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.enqueue('sync', '{}')").execute(&db.pool).await.unwrap();
+    // The hazard of H28: a transaction that locked a key's semaphore row and went quiet.
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut holder).await.unwrap();
+    let holder_pid: i32 =
+        sqlx::query_scalar("SELECT pg_backend_pid() FROM lockgate.semaphores WHERE key = 'sync' FOR UPDATE")
+            .fetch_one(&mut holder)
+            .await
+            .unwrap();
+    // Beside it, an idle transaction that holds nothing of lockgate's: not named.
+    let mut bystander = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut bystander).await.unwrap();
+    let bystander_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut bystander).await.unwrap();
+
+    let args = ["--idle-in-transaction-threshold", "1s"];
+    let (code, checks) = wait_for("doctor to name the idle holder", WAIT, || async {
+        let (code, checks) = doctor(&db, &args);
+        let named = named(&checks, "sessions").iter().any(|c| c["verdict"] == "fail");
+        Ok(named.then_some((code, checks)))
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, Some(1), "a failed check exits 1");
+    let sessions = named(&checks, "sessions");
+    assert_eq!(sessions.len(), 1, "only the holder: {sessions:#?}");
+    let detail = sessions[0]["detail"].as_str().unwrap();
+    assert!(detail.contains(&format!("pid {holder_pid} ")) && detail.contains("lockgate.semaphores"), "{detail}");
+    assert!(!detail.contains(&format!("pid {bystander_pid} ")), "{detail}");
+    let advice = sessions[0]["advice"].as_str().unwrap();
+    assert!(advice.contains(&format!("pg_terminate_backend({holder_pid})")), "{advice}");
+    let human = text(&output(&db, &["doctor", "--idle-in-transaction-threshold", "1s"]));
+    assert!(human.lines().any(|l| l.starts_with("fail") && l.contains(&format!("pid {holder_pid} "))), "{human}");
+
+    sqlx::raw_sql("ROLLBACK").execute(&mut holder).await.unwrap();
+    wait_for("the sessions check to be ok", WAIT, || async {
+        let (_, checks) = doctor(&db, &args);
+        Ok(named(&checks, "sessions").iter().all(|c| c["verdict"] == "ok").then_some(()))
+    })
+    .await
+    .unwrap();
+    sqlx::raw_sql("ROLLBACK").execute(&mut bystander).await.unwrap();
+}
+
+#[tokio::test]
+async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrate() {
+    let db = TestDb::migrated().await.unwrap();
+    let (code, checks) = doctor(&db, &[]);
+    assert_no_failure_but_headroom(code, &checks);
+    for name in [
+        "schema",
+        "clock",
+        "sessions",
+        "idle_in_transaction_timeout",
+        "statement_timeout",
+        "connections",
+        "dead_tuples",
+        "archive_size",
+        "orphaned_leases",
+        "parked_with_room",
+        "stale_processes",
+    ] {
+        assert_eq!(named(&checks, name).len(), 1, "one {name} check: {checks:#?}");
+    }
+    for name in ["schema", "clock", "sessions", "orphaned_leases", "parked_with_room", "stale_processes"] {
+        assert_eq!(named(&checks, name)[0]["verdict"], "ok", "{checks:#?}");
+    }
+
+    let bare = TestDb::empty().await.unwrap();
+    let o = output(&bare, &["doctor"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).lines().any(|l| l.starts_with("fail") && l.contains("run `lockgate migrate`")), "{}", text(&o));
+
+    // A database that does not exist: nothing can be checked.
+    let missing = format!("{}_missing", db.url);
+    let o = lockgate(&db, &["doctor"]).env("DATABASE_URL", &missing).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("fail  connection"), "{}", text(&o));
+}
+
+#[tokio::test]
+async fn doctor_warns_of_orphaned_leases_parked_jobs_with_room_and_stale_processes() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('sync', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    let held: i64 =
+        sqlx::query_scalar("SELECT msg_id FROM lockgate.enqueue('sync', '{}')").fetch_one(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.enqueue('sync', '{\"n\": 2}')").execute(&db.pool).await.unwrap();
+    let (_, checks) = doctor(&db, &[]);
+    for name in ["orphaned_leases", "parked_with_room", "stale_processes"] {
+        assert_eq!(named(&checks, name)[0]["verdict"], "ok", "a held key with a parked job is normal: {checks:#?}");
+    }
+    // The holder's message removed behind lockgate's back; room made for the parked job; a
+    // process silent for five minutes.
+    sqlx::query("SELECT pgmq.delete('default', $1)").bind(held).execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('sync', concurrency_limit => 2)").execute(&db.pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO lockgate.processes (kind, name, host, pid, last_heartbeat_at)
+         VALUES ('supervisor', 'gone', 'nowhere', 4242, now() - interval '5 minutes')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (code, checks) = doctor(&db, &[]);
+    assert_no_failure_but_headroom(code, &checks);
+    let detail = |name: &str| {
+        let found = named(&checks, name);
+        assert_eq!((found.len(), &found[0]["verdict"]), (1, &Value::from("warn")), "{checks:#?}");
+        found[0]["detail"].as_str().unwrap().to_string()
+    };
+    assert!(detail("orphaned_leases").starts_with("1 lease(s) whose message is gone (1 on queue default)"));
+    assert!(detail("parked_with_room").contains("sync (1 parked, 1 of 2 held"), "{}", detail("parked_with_room"));
+    assert!(detail("stale_processes").contains("(gone on nowhere, pid 4242)"), "{}", detail("stale_processes"));
+}
