@@ -6,6 +6,7 @@ mod commands;
 mod config;
 mod db;
 mod executors;
+mod table;
 
 use clap::{Parser, Subcommand};
 

@@ -7,8 +7,10 @@
 
 mod common;
 
+use std::process::Output;
+
 use common::*;
-use lockgate_testkit::{wait_for, TestDb};
+use lockgate_testkit::{wait_for, wait_for_count, TestDb};
 use serde_json::Value;
 use sqlx::Connection;
 
@@ -148,4 +150,83 @@ async fn doctor_warns_of_orphaned_leases_parked_jobs_with_room_and_stale_process
     assert!(detail("orphaned_leases").starts_with("1 lease(s) whose message is gone (1 on queue default)"));
     assert!(detail("parked_with_room").contains("sync (1 parked, 1 of 2 held"), "{}", detail("parked_with_room"));
     assert!(detail("stale_processes").contains("(gone on nowhere, pid 4242)"), "{}", detail("stale_processes"));
+}
+
+fn json(o: &Output) -> Value {
+    assert!(o.status.success(), "{}", text(o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", text(o)))
+}
+
+/// A job type `task` that fails (after one retry 10 ms later) when its arguments mention
+/// "fail", with the arguments in its error, and succeeds otherwise.
+const FAILS_ON_REQUEST: &str = "read -r a || true; case \"$a\" in *fail*) echo \"bad input $a\" >&2; exit 3;; esac";
+const TWO_QUICK_ATTEMPTS: &str = "max_attempts = 2\nbackoff = { base = \"10ms\", max = \"10ms\" }";
+
+/// Runs `lockgate run` until the jobs enqueued with `args` have all finished: three successes
+/// and one dead letter.
+async fn three_succeeded_and_one_dead(setup: &Setup, db: &TestDb) -> std::process::Child {
+    let child = setup.run(db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.job_types", 1, WAIT).await.unwrap();
+    for args in ["{\"n\": 1}", "{\"n\": 2}", "{\"n\": 3}", "{\"please\": \"fail\"}"] {
+        let o = output(db, &["enqueue", "task", args]);
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 3, WAIT).await.unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await.unwrap();
+    child
+}
+
+#[tokio::test]
+async fn status_on_a_database_without_queues_says_how_to_create_one() {
+    let db = TestDb::migrated().await.unwrap();
+    let o = output(&db, &["status"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("No queues yet") && text(&o).contains("lockgate enqueue"), "{}", text(&o));
+    assert!(text(&o).contains("No process is registered"), "{}", text(&o));
+    let all = json(&output(&db, &["status", "--json"]));
+    assert_eq!(all["queues"], Value::Array(vec![]), "{all:#}");
+}
+
+#[tokio::test]
+async fn status_counts_succeeded_and_failed_jobs_and_shows_paused_queues_and_processes() {
+    let setup = Setup::new(FAILS_ON_REQUEST, TWO_QUICK_ATTEMPTS);
+    let db = TestDb::migrated().await.unwrap();
+    let mut child = three_succeeded_and_one_dead(&setup, &db).await;
+    sqlx::query("SELECT lockgate.create_queue('mail')").execute(&db.pool).await.unwrap();
+    assert!(output(&db, &["queue", "pause", "mail"]).status.success());
+    // The windows: a job archived ten minutes ago counts in the hour only, one two hours ago in
+    // neither; the dead letter moves out of the last minute.
+    sqlx::raw_sql(
+        "INSERT INTO pgmq.a_default (msg_id, vt, message, archived_at)
+         VALUES (nextval('lockgate.job_id_seq'), now(), '{}', now() - interval '10 minutes'),
+                (nextval('lockgate.job_id_seq'), now(), '{}', now() - interval '2 hours');
+         UPDATE lockgate.dead_letters SET dead_at = now() - interval '10 minutes';",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let all = json(&output(&db, &["status", "--json"]));
+    let queue = |name: &str| all["queues"].as_array().unwrap().iter().find(|q| q["queue"] == name).unwrap().clone();
+    let default = queue("default");
+    let counts = ["succeeded_last_minute", "succeeded_last_hour", "failed_last_minute", "failed_last_hour", "dead"]
+        .map(|k| default[k].as_i64().unwrap());
+    assert_eq!(counts, [3, 4, 0, 1, 1], "{default:#}");
+    assert_eq!((&default["succeeded_capped"], &default["paused"]), (&Value::from(false), &Value::from(false)));
+    assert_eq!(queue("mail")["paused"], true);
+    let processes = all["processes"].as_array().unwrap();
+    assert!(processes.iter().any(|p| p["kind"] == "supervisor" && p["heartbeat_age_seconds"].as_f64().unwrap() < 60.0));
+
+    let human = text(&output(&db, &["status"]));
+    let row =
+        |name: &str| human.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{human}"));
+    let cells: Vec<&str> = row("default").split_whitespace().collect();
+    // QUEUE READY SCHEDULED RUNNING SUCCEEDED-1M SUCCEEDED-1H FAILED-1H DEAD OLDEST-READY
+    assert_eq!(cells[4..8], ["3", "4", "1", "1"], "{human}");
+    assert!(row("mail").ends_with("paused"), "{human}");
+    assert!(human.contains("(paused: mail)") && human.contains("last hour: 4 succeeded, 1 failed"), "{human}");
+    assert!(human.contains("LAST HEARTBEAT") && human.lines().any(|l| l.contains(" supervisor ")), "{human}");
+
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
 }
