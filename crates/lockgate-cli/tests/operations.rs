@@ -230,3 +230,35 @@ async fn status_counts_succeeded_and_failed_jobs_and_shows_paused_queues_and_pro
     signal(&child, "TERM");
     assert!(wait_exit(&mut child).await.success());
 }
+
+#[tokio::test]
+async fn dlq_list_shows_the_arguments_and_every_attempts_error() {
+    let setup = Setup::new(FAILS_ON_REQUEST, TWO_QUICK_ATTEMPTS);
+    let db = TestDb::migrated().await.unwrap();
+    let mut child = three_succeeded_and_one_dead(&setup, &db).await;
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
+
+    let listed = json(&output(&db, &["dlq", "list", "--json"]));
+    let dead = &listed.as_array().unwrap()[..];
+    assert_eq!(dead.len(), 1, "{listed:#}");
+    assert_eq!(dead[0]["args"]["please"], "fail");
+    assert_eq!((&dead[0]["reason"], &dead[0]["attempts"]), (&Value::from("attempts_exhausted"), &Value::from(2)));
+    let errors = dead[0]["errors"].as_array().unwrap();
+    assert_eq!(errors.iter().map(|e| e["attempt"].as_i64().unwrap()).collect::<Vec<_>>(), [1, 2], "{listed:#}");
+    for e in errors {
+        assert!(e["error"].as_str().unwrap().contains("bad input"), "{e}");
+        assert!(e["at"].is_string(), "{e}");
+    }
+    assert!(dead[0]["headers"].is_object() && dead[0]["job_id"].is_i64(), "{listed:#}");
+
+    let human = text(&output(&db, &["dlq", "list"]));
+    assert!(
+        human.contains("args       {\"please\":\"fail\"}") || human.contains("args       {\"please\": \"fail\"}"),
+        "{human}"
+    );
+    let attempts: Vec<&str> = human.lines().filter(|l| l.trim_start().starts_with("attempt ")).collect();
+    assert_eq!(attempts.len(), 2, "{human}");
+    assert!(attempts[0].contains("attempt 1") && attempts[1].contains("attempt 2"), "{human}");
+    assert!(attempts.iter().all(|l| l.contains("bad input")), "{human}");
+}
