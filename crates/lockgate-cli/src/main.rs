@@ -30,8 +30,9 @@ enum Command {
     Run(commands::run::Args),
     /// Enqueue one job: `lockgate enqueue <type> '<json object>'`.
     Enqueue(commands::enqueue::Args),
-    /// Show every queue (ready, scheduled, running, dead-lettered, oldest ready age) and every
-    /// concurrency key that is held or has parked jobs.
+    /// Show every queue (ready, scheduled, running, succeeded and failed in the last minute and
+    /// hour, dead-lettered, oldest ready age, paused), the processes with their last heartbeat, and
+    /// every concurrency key that is held or has parked jobs.
     Status(commands::status::Args),
     /// Check what stalls or endangers lockgate in this database (schema, sessions holding its rows,
     /// timeouts, connections, dead tuples, leases, parked jobs, processes, clock), each with what
