@@ -1,5 +1,7 @@
 //! Choosing and opening the database.
 
+use std::time::Duration;
+
 use anyhow::{Context, Result};
 use lockgate::{PgPool, PgPoolOptions};
 use sqlx::postgres::PgConnectOptions;
@@ -20,14 +22,20 @@ pub async fn connect_checked(url: &str, max_connections: u32) -> Result<PgPool> 
 }
 
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
+    connect_with(url, PgPoolOptions::new().max_connections(max_connections)).await
+}
+
+/// One connection that gives up after `timeout` (sqlx's pool keeps retrying a refused
+/// connection for 30 s by default), for commands that report an unreachable database.
+pub async fn connect_within(url: &str, timeout: Duration) -> Result<PgPool> {
+    connect_with(url, PgPoolOptions::new().max_connections(1).acquire_timeout(timeout)).await
+}
+
+async fn connect_with(url: &str, pool: PgPoolOptions) -> Result<PgPool> {
     let options: PgConnectOptions = url.parse().with_context(|| format!("invalid database URL {}", redact(url)))?;
     // Named, so operators (and fault-injection tests) can find lockgate's backends.
     let options = options.application_name("lockgate");
-    PgPoolOptions::new()
-        .max_connections(max_connections)
-        .connect_with(options)
-        .await
-        .with_context(|| format!("could not connect to {}", redact(url)))
+    pool.connect_with(options).await.with_context(|| format!("could not connect to {}", redact(url)))
 }
 
 /// Creates the URL's database when it does not exist (for `migrate` and `demo`).

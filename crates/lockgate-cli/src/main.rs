@@ -6,6 +6,7 @@ mod commands;
 mod config;
 mod db;
 mod executors;
+mod table;
 
 use clap::{Parser, Subcommand};
 
@@ -29,9 +30,14 @@ enum Command {
     Run(commands::run::Args),
     /// Enqueue one job: `lockgate enqueue <type> '<json object>'`.
     Enqueue(commands::enqueue::Args),
-    /// Show every queue (ready, scheduled, running, dead-lettered, oldest ready age) and every
-    /// concurrency key that is held or has parked jobs.
+    /// Show every queue (ready, scheduled, running, succeeded and failed in the last minute and
+    /// hour, dead-lettered, oldest ready age, paused), the processes with their last heartbeat, and
+    /// every concurrency key that is held or has parked jobs.
     Status(commands::status::Args),
+    /// Check what stalls or endangers lockgate in this database (schema, sessions holding its rows,
+    /// timeouts, connections, dead tuples, leases, parked jobs, processes, clock), each with what
+    /// to do. Exits 1 when a check fails, 2 when the database cannot be reached.
+    Doctor(commands::doctor::Args),
     /// List, retry or purge dead-lettered jobs.
     #[command(subcommand)]
     Dlq(commands::dlq::Command),
@@ -75,6 +81,13 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Run(args) => commands::run::run(url, args).await,
         Command::Enqueue(args) => commands::enqueue::run(url, args).await,
         Command::Status(args) => commands::status::run(url, args).await,
+        Command::Doctor(args) => {
+            let status = commands::doctor::run(url, args).await?;
+            if status != 0 {
+                std::process::exit(status);
+            }
+            Ok(())
+        }
         Command::Dlq(command) => commands::dlq::run(url, command).await,
         Command::Parked(command) => commands::parked::run(url, command).await,
         Command::Batch(command) => commands::batch::run(url, command).await,

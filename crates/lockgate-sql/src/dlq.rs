@@ -2,6 +2,7 @@
 
 use chrono::{DateTime, Utc};
 use lockgate_core::JobId;
+use serde::Serialize;
 use serde_json::Value;
 use sqlx::{PgExecutor, Row};
 
@@ -15,7 +16,7 @@ pub struct DlqFilter {
 }
 
 /// One row of `lockgate.dead_letters`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize)]
 pub struct DeadLetter {
     pub id: i64,
     pub queue: String,
@@ -30,12 +31,16 @@ pub struct DeadLetter {
     pub attempts: i32,
     pub enqueued_at: DateTime<Utc>,
     pub dead_at: DateTime<Utc>,
+    /// Every failed attempt, the last one included: `{"attempt", "at", "error"}` (the headers'
+    /// `errors`; empty for a message that was not lockgate's).
+    pub errors: Value,
 }
 
 /// Dead letters matching `filter`, oldest first, at most `limit`.
 pub async fn dlq_list<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter, limit: i64) -> Result<Vec<DeadLetter>, DbError> {
     let rows = sqlx::query(
-        "SELECT id, queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at, dead_at
+        "SELECT id, queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at, dead_at,
+                COALESCE(headers->'errors', '[]')
            FROM lockgate.dead_letters
           WHERE ($1::text IS NULL OR queue = $1) AND ($2::bigint[] IS NULL OR job_id = ANY ($2))
           ORDER BY id LIMIT $3",
@@ -60,6 +65,7 @@ pub async fn dlq_list<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter, limit: i6
             attempts: r.get(9),
             enqueued_at: r.get(10),
             dead_at: r.get(11),
+            errors: r.get(12),
         })
         .collect())
 }

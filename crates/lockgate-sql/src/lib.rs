@@ -9,6 +9,7 @@ mod batches;
 mod concurrency;
 mod deliveries;
 mod dlq;
+mod doctor;
 mod enqueue;
 mod error;
 mod job_types;
@@ -27,6 +28,7 @@ pub use concurrency::{
 };
 pub use deliveries::{claim, claim_as, complete, dead_letter, extend, release, retry, DeadLetterReason, Renewal};
 pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetried, DlqRetryOutcome};
+pub use doctor::{database_clock, doctor, DoctorCheck, DoctorThresholds, Verdict};
 pub use enqueue::{enqueue, enqueue_many};
 pub use error::DbError;
 pub use job_types::{define_job_type, load_job_types};
@@ -35,7 +37,7 @@ pub use jobs::{
     JobFilter, JobRecord, JOB_STATES,
 };
 pub use maintenance::{prune_archive, reap_batches, reap_unique_locks};
-pub use migrate::{check_schema, functions_checksum, migrate, MigrateReport, LATEST_MIGRATION};
+pub use migrate::{check_schema, functions_checksum, migrate, pending_migrations, MigrateReport, LATEST_MIGRATION};
 pub use processes::{
     deregister_process, heartbeat_processes, list_processes, prune_processes, register_process, ProcessRow,
 };
@@ -44,6 +46,6 @@ pub use recurring::{
     database_now, define_recurring, enqueue_recurring_tick, list_recurring, remove_recurring, set_recurring_enabled,
     sync_config_recurring, RecurringRow, RecurringSource, TickOutcome,
 };
-pub use status::{queue_stats, unique_lock_stats, QueueStats, UniqueLockStats};
+pub use status::{queue_stats, queue_throughput, unique_lock_stats, QueueStats, QueueThroughput, UniqueLockStats};
 
 pub use sqlx::postgres::{PgPool, PgPoolOptions};

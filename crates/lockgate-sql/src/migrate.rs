@@ -73,6 +73,7 @@ const FUNCTIONS: &[&str] = &[
     include_str!("../../../sql/060_status.sql"),
     include_str!("../../../sql/065_keys.sql"),
     include_str!("../../../sql/068_jobs.sql"),
+    include_str!("../../../sql/069_doctor.sql"),
     include_str!("../../../sql/070_archive_retention.sql"),
     include_str!("../../../sql/080_sweep.sql"),
     include_str!("../../../sql/090_processes.sql"),
@@ -171,6 +172,23 @@ async fn pgmq_present(tx: &mut sqlx::PgConnection) -> Result<bool, DbError> {
     )
     .fetch_one(tx)
     .await?)
+}
+
+/// The numbered migrations this build carries that the database has not recorded, by number and
+/// name (all of them where lockgate was never installed), for `lockgate doctor`.
+pub async fn pending_migrations(pool: &PgPool) -> Result<Vec<String>, DbError> {
+    let installed: bool =
+        sqlx::query_scalar("SELECT to_regclass('lockgate.schema_migrations') IS NOT NULL").fetch_one(pool).await?;
+    let applied: Vec<i32> = if installed {
+        sqlx::query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(pool).await?
+    } else {
+        Vec::new()
+    };
+    Ok(MIGRATIONS
+        .iter()
+        .filter(|m| !applied.contains(&m.version))
+        .map(|m| format!("{:04}_{}", m.version, m.name))
+        .collect())
 }
 
 /// Refuses a database where lockgate or PGMQ is missing, older, newer, or whose functions differ.

@@ -57,3 +57,38 @@ pub async fn unique_lock_stats<'c>(db: impl PgExecutor<'c>) -> Result<Vec<Unique
         .map(|r| UniqueLockStats { job_type: r.get(0), mode: r.get(1), held: r.get(2), oldest_seconds: r.get(3) })
         .collect())
 }
+
+/// One queue's jobs finished in the last minute and hour (`lockgate.queue_throughput`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueThroughput {
+    pub queue: String,
+    pub succeeded_last_minute: i64,
+    pub succeeded_last_hour: i64,
+    /// The archive count stopped at its bound: the succeeded counts are lower bounds.
+    pub succeeded_capped: bool,
+    /// Dead-lettered in the window, and still in the dead letters.
+    pub failed_last_minute: i64,
+    pub failed_last_hour: i64,
+}
+
+/// The throughput of every queue, reading at most `max_rows` archive index entries per queue.
+pub async fn queue_throughput<'c>(db: impl PgExecutor<'c>, max_rows: i32) -> Result<Vec<QueueThroughput>, DbError> {
+    let rows = sqlx::query(
+        "SELECT queue, succeeded_last_minute, succeeded_last_hour, succeeded_capped, failed_last_minute, failed_last_hour
+           FROM lockgate.queue_throughput($1)",
+    )
+    .bind(max_rows)
+    .fetch_all(db)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|r| QueueThroughput {
+            queue: r.get(0),
+            succeeded_last_minute: r.get(1),
+            succeeded_last_hour: r.get(2),
+            succeeded_capped: r.get(3),
+            failed_last_minute: r.get(4),
+            failed_last_hour: r.get(5),
+        })
+        .collect())
+}

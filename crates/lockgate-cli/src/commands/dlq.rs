@@ -1,19 +1,26 @@
 //! `lockgate dlq list|retry|purge`: operate the dead letters, by queue, by job id, or all.
 
 use anyhow::{bail, Result};
-use lockgate::sql::{dlq_list, dlq_purge, dlq_retry, DlqFilter, DlqRetryOutcome};
+use lockgate::sql::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetryOutcome};
 
 use crate::db;
+use crate::table::{Align, Table};
+
+/// Arguments and errors are cut to this many characters in the listing (`--json` has them whole).
+const SHOWN_CHARS: usize = 120;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
-    /// List dead letters, oldest first.
+    /// List dead letters, oldest first, with their arguments and every attempt's error.
     List {
         #[command(flatten)]
         select: Select,
         /// At most this many rows.
         #[arg(long, default_value_t = 50)]
         limit: i64,
+        /// Print every field as JSON: arguments, headers and every attempt's error in full.
+        #[arg(long)]
+        json: bool,
     },
     /// Send dead letters back to their queue to run again (same job id, attempts start over).
     Retry {
@@ -53,21 +60,12 @@ impl Select {
 pub async fn run(url: Option<String>, command: Command) -> Result<()> {
     let pool = db::connect_checked(&db::resolve(url), 1).await?;
     match command {
-        Command::List { select, limit } => {
+        Command::List { select, limit, json } => {
             let rows = dlq_list(&pool, &select.filter(false)?, limit).await?;
-            println!(
-                "{:<8} {:<16} {:<24} {:<20} {:>8}  {:<25} ERROR",
-                "JOB", "QUEUE", "TYPE", "REASON", "ATTEMPTS", "DEAD AT"
-            );
-            for r in rows {
-                let job = r.job_id.map_or("-".to_string(), |j| j.to_string());
-                let error = r.error.unwrap_or_default().replace('\n', " ");
-                let dead_at = r.dead_at.format("%Y-%m-%d %H:%M:%S UTC");
-                let job_type = r.job_type.unwrap_or_else(|| "-".into());
-                println!(
-                    "{job:<8} {:<16} {job_type:<24} {:<20} {:>8}  {dead_at:<25} {error}",
-                    r.queue, r.reason, r.attempts
-                );
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                print_list(&rows);
             }
         }
         Command::Retry { select } => {
@@ -94,4 +92,49 @@ pub async fn run(url: Option<String>, command: Command) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A table row per dead letter, each followed by its arguments and one line per failed attempt.
+fn print_list(rows: &[DeadLetter]) {
+    let mut t = Table::new(&[
+        ("JOB", Align::Left),
+        ("QUEUE", Align::Left),
+        ("TYPE", Align::Left),
+        ("REASON", Align::Left),
+        ("ATTEMPTS", Align::Right),
+        ("DEAD AT", Align::Left),
+        ("ERROR", Align::Left),
+    ]);
+    for r in rows {
+        t.row(vec![
+            r.job_id.map_or("-".to_string(), |j| j.to_string()),
+            r.queue.clone(),
+            r.job_type.clone().unwrap_or_else(|| "-".into()),
+            r.reason.clone(),
+            r.attempts.to_string(),
+            r.dead_at.format("%Y-%m-%d %H:%M:%S UTC").to_string(),
+            shorten(r.error.as_deref().unwrap_or("")),
+        ]);
+    }
+    let lines = t.lines();
+    println!("{}", lines[0]);
+    for (line, r) in lines[1..].iter().zip(rows) {
+        println!("{line}");
+        println!("    args       {}", shorten(&r.args.as_ref().map_or("-".to_string(), |a| a.to_string())));
+        for e in r.errors.as_array().into_iter().flatten() {
+            let at = e["at"].as_str().and_then(|at| chrono::DateTime::parse_from_rfc3339(at).ok());
+            let at = at.map_or("?".to_string(), |at| at.to_utc().format("%Y-%m-%d %H:%M:%S UTC").to_string());
+            let attempt = e["attempt"].to_string();
+            println!("    attempt {attempt:<2} {at}  {}", shorten(e["error"].as_str().unwrap_or("")));
+        }
+    }
+}
+
+/// One line, at most `SHOWN_CHARS` characters.
+fn shorten(text: &str) -> String {
+    let line = text.replace('\n', " ");
+    if line.chars().count() <= SHOWN_CHARS {
+        return line;
+    }
+    format!("{}…", line.chars().take(SHOWN_CHARS - 1).collect::<String>())
 }

@@ -3,6 +3,7 @@
 pub mod batch;
 pub mod demo;
 pub mod dlq;
+pub mod doctor;
 pub mod enqueue;
 pub mod job;
 pub mod jobs;

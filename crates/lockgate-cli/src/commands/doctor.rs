@@ -1,0 +1,184 @@
+//! `lockgate doctor`: the checks an operator runs when something looks wrong, each with a verdict
+//! (ok, warn, fail) and what to do. The database's checks are one SQL function,
+//! `lockgate.doctor()`, shared with other languages and the dashboard; the two that compare the
+//! database with this binary (schema version and functions checksum, through `check_schema`)
+//! and with this host (clock offset) run here. Exit status: 0 without a failure, 1 with one,
+//! 2 when the database cannot be reached at all.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use chrono::{TimeDelta, Utc};
+use lockgate::sql::{DbError, DoctorCheck, DoctorThresholds, Verdict};
+use lockgate::PgPool;
+
+use crate::db;
+
+/// Exit status when a check fails.
+pub const EXIT_FAILED: i32 = 1;
+/// Exit status when the database cannot be reached (no check could run).
+pub const EXIT_UNREACHABLE: i32 = 2;
+
+/// An offset the operator should hear about: log lines and database times start to disagree.
+const CLOCK_WARN: TimeDelta = TimeDelta::seconds(1);
+/// An offset past any NTP-synchronised host's: the host's clock is not being kept at all.
+const CLOCK_FAIL: TimeDelta = TimeDelta::seconds(5);
+/// A healthy server answers in milliseconds; an unreachable one is reported after this long.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Round trips measured; the shortest bounds the error best.
+const CLOCK_SAMPLES: usize = 3;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Print the checks as a JSON array of {check, verdict, detail, advice}.
+    #[arg(long)]
+    json: bool,
+    /// A transaction idle this long while holding locks on lockgate's or PGMQ's tables fails.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    idle_in_transaction_threshold: Duration,
+    /// A transaction active this long while holding such locks is a warning.
+    #[arg(long, default_value = "1m", value_parser = humantime::parse_duration)]
+    long_running_threshold: Duration,
+    /// A process whose heartbeat is older than this is stale (the runtime's `alive_threshold`).
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    alive_threshold: Duration,
+}
+
+/// Runs every check, prints them, and returns the exit status.
+pub async fn run(url: Option<String>, args: Args) -> Result<i32> {
+    let url = db::resolve(url);
+    let checks = match db::connect_within(&url, CONNECT_TIMEOUT).await {
+        Ok(pool) => {
+            let checks = checks(&pool, &args).await?;
+            pool.close().await;
+            checks
+        }
+        Err(err) => vec![DoctorCheck {
+            check: "connection".into(),
+            verdict: Verdict::Fail,
+            detail: format!("{err:#}"),
+            advice: Some(
+                "check the URL (--database-url, DATABASE_URL), that the server is up and reachable from this \
+                 host, and that it accepts this role; a missing database is created by `lockgate migrate`"
+                    .into(),
+            ),
+        }],
+    };
+    print(&checks, args.json)?;
+    Ok(if checks.iter().any(|c| c.check == "connection") {
+        EXIT_UNREACHABLE
+    } else if checks.iter().any(|c| c.verdict == Verdict::Fail) {
+        EXIT_FAILED
+    } else {
+        0
+    })
+}
+
+async fn checks(pool: &PgPool, args: &Args) -> Result<Vec<DoctorCheck>> {
+    let schema = schema_check(pool).await?;
+    let schema_ok = schema.verdict == Verdict::Ok;
+    let mut checks = vec![schema, clock_check(pool).await?];
+    // Without this build's schema, lockgate.doctor() is missing or another version's.
+    if schema_ok {
+        let thresholds = DoctorThresholds {
+            long_running: args.long_running_threshold,
+            idle_in_transaction: args.idle_in_transaction_threshold,
+            alive_threshold: args.alive_threshold,
+        };
+        checks.extend(lockgate::sql::doctor(pool, &thresholds).await?);
+    }
+    Ok(checks)
+}
+
+/// The schema version and functions checksum, judged by the same `check_schema` that every other
+/// command (and `lockgate run`) refuses to start without.
+async fn schema_check(pool: &PgPool) -> Result<DoctorCheck> {
+    let err = match lockgate::sql::check_schema(pool).await {
+        Ok(()) => {
+            return Ok(ok(
+                "schema",
+                format!(
+                    "lockgate schema version {} and SQL functions (checksum {}) match this build",
+                    lockgate::sql::LATEST_MIGRATION,
+                    lockgate::sql::functions_checksum()
+                ),
+            ))
+        }
+        Err(DbError::Sqlx(err)) => return Err(err.into()),
+        Err(err) => err,
+    };
+    let advice = if matches!(err, DbError::SchemaNewer { .. }) {
+        "this binary is older than the database: use the lockgate release that migrated it (or a newer one)"
+    } else {
+        "run `lockgate migrate` with this binary (one transaction, safe to run from several processes); \
+         the database's other checks run once the schema is this build's"
+    };
+    // Where nothing is installed, every migration is pending: the list would say nothing more.
+    let pending = match err {
+        DbError::NotInstalled(_) => Vec::new(),
+        _ => lockgate::sql::pending_migrations(pool).await?,
+    };
+    let detail =
+        if pending.is_empty() { err.to_string() } else { format!("{err} (not applied: {})", pending.join(", ")) };
+    Ok(DoctorCheck { check: "schema".into(), verdict: Verdict::Fail, detail, advice: Some(advice.into()) })
+}
+
+/// This host's clock against the database's, corrected by half the round trip of the fastest of
+/// a few samples (which also bounds the error).
+async fn clock_check(pool: &PgPool) -> Result<DoctorCheck> {
+    let (mut round_trip, mut offset) = clock_sample(pool).await?;
+    for _ in 1..CLOCK_SAMPLES {
+        let (r, o) = clock_sample(pool).await?;
+        if r < round_trip {
+            (round_trip, offset) = (r, o);
+        }
+    }
+    let seconds = offset.num_microseconds().unwrap_or(i64::MAX) as f64 / 1e6;
+    let detail = format!(
+        "the database's clock is {:.3} s {} this host's (± {:.3} s)",
+        seconds.abs(),
+        if seconds >= 0.0 { "ahead of" } else { "behind" },
+        round_trip.num_microseconds().unwrap_or(i64::MAX) as f64 / 2e6
+    );
+    let verdict = match offset.abs() {
+        o if o > CLOCK_FAIL => Verdict::Fail,
+        o if o > CLOCK_WARN => Verdict::Warn,
+        _ => return Ok(ok("clock", detail)),
+    };
+    let advice = "leases, visibility, delays and recurring schedules run on the database's clock, and each \
+                  process measures its heartbeats and job budgets with its own monotonic timers, so an offset \
+                  breaks no guarantee; but this host's logs, and any run_at a producer here computes from its \
+                  own clock, disagree with the database's times by that much. Keep every host and the database \
+                  server synchronised with NTP (chrony, systemd-timesyncd)";
+    Ok(DoctorCheck { check: "clock".into(), verdict, detail, advice: Some(advice.into()) })
+}
+
+/// One round trip and the database's offset from this host, assuming the database read its clock
+/// halfway through it.
+async fn clock_sample(pool: &PgPool) -> Result<(TimeDelta, TimeDelta)> {
+    let before = Utc::now();
+    let database = lockgate::sql::database_clock(pool).await?;
+    let round_trip = Utc::now() - before;
+    Ok((round_trip, database - (before + round_trip / 2)))
+}
+
+fn ok(check: &str, detail: String) -> DoctorCheck {
+    DoctorCheck { check: check.into(), verdict: Verdict::Ok, detail, advice: None }
+}
+
+fn print(checks: &[DoctorCheck], json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(checks)?);
+        return Ok(());
+    }
+    let width = checks.iter().map(|c| c.check.len()).max().unwrap_or(0);
+    for c in checks {
+        println!("{:<4}  {:<width$}  {}", c.verdict.as_str(), c.check, c.detail);
+        if let Some(advice) = &c.advice {
+            println!("{:<4}  {:<width$}  fix: {advice}", "", "");
+        }
+    }
+    let count = |v: Verdict| checks.iter().filter(|c| c.verdict == v).count();
+    println!("\n{} ok, {} warn, {} fail", count(Verdict::Ok), count(Verdict::Warn), count(Verdict::Fail));
+    Ok(())
+}

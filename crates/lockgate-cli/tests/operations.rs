@@ -1,0 +1,264 @@
+//! The operator's commands against a fresh database each: `lockgate doctor` (an idle transaction
+//! holding a semaphore row, a healthy database, a missing schema, an unreachable database, the
+//! permit and process checks), `lockgate status` (an empty database, throughput, paused queues,
+//! processes) and `lockgate dlq list` (every attempt's error).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Output;
+
+use common::*;
+use lockgate_testkit::{wait_for, wait_for_count, TestDb};
+use serde_json::Value;
+use sqlx::Connection;
+
+/// `lockgate doctor --json` with extra arguments: its exit status and its checks.
+fn doctor(db: &TestDb, extra: &[&str]) -> (Option<i32>, Vec<Value>) {
+    let o = output(db, &[&["doctor", "--json"], extra].concat());
+    let checks: Vec<Value> = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("doctor --json printed no array ({e}): {}", text(&o)));
+    (o.status.code(), checks)
+}
+
+/// The checks named `name`.
+fn named<'a>(checks: &'a [Value], name: &str) -> Vec<&'a Value> {
+    checks.iter().filter(|c| c["check"] == name).collect()
+}
+
+/// Fails on the checks whose verdict is fail, except connection headroom: the server is shared
+/// by every test running at once, so its connections are not this test's to judge.
+fn assert_no_failure_but_headroom(code: Option<i32>, checks: &[Value]) {
+    let failed: Vec<_> = checks.iter().filter(|c| c["verdict"] == "fail").collect();
+    assert!(failed.iter().all(|c| c["check"] == "connections"), "{failed:#?}");
+    assert_eq!(code, Some(if failed.is_empty() { 0 } else { 1 }), "{checks:#?}");
+}
+
+#[tokio::test]
+async fn doctor_fails_naming_an_idle_transaction_that_holds_a_semaphore_row_and_is_ok_after_its_rollback() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('sync', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.enqueue('sync', '{}')").execute(&db.pool).await.unwrap();
+    // The hazard of H28: a transaction that locked a key's semaphore row and went quiet.
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut holder).await.unwrap();
+    let holder_pid: i32 =
+        sqlx::query_scalar("SELECT pg_backend_pid() FROM lockgate.semaphores WHERE key = 'sync' FOR UPDATE")
+            .fetch_one(&mut holder)
+            .await
+            .unwrap();
+    // Beside it, an idle transaction that holds nothing of lockgate's: not named.
+    let mut bystander = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut bystander).await.unwrap();
+    let bystander_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut bystander).await.unwrap();
+
+    let args = ["--idle-in-transaction-threshold", "1s"];
+    let (code, checks) = wait_for("doctor to name the idle holder", WAIT, || async {
+        let (code, checks) = doctor(&db, &args);
+        let named = named(&checks, "sessions").iter().any(|c| c["verdict"] == "fail");
+        Ok(named.then_some((code, checks)))
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, Some(1), "a failed check exits 1");
+    let sessions = named(&checks, "sessions");
+    assert_eq!(sessions.len(), 1, "only the holder: {sessions:#?}");
+    let detail = sessions[0]["detail"].as_str().unwrap();
+    assert!(detail.contains(&format!("pid {holder_pid} ")) && detail.contains("lockgate.semaphores"), "{detail}");
+    assert!(!detail.contains(&format!("pid {bystander_pid} ")), "{detail}");
+    let advice = sessions[0]["advice"].as_str().unwrap();
+    assert!(advice.contains(&format!("pg_terminate_backend({holder_pid})")), "{advice}");
+    let human = text(&output(&db, &["doctor", "--idle-in-transaction-threshold", "1s"]));
+    assert!(human.lines().any(|l| l.starts_with("fail") && l.contains(&format!("pid {holder_pid} "))), "{human}");
+
+    sqlx::raw_sql("ROLLBACK").execute(&mut holder).await.unwrap();
+    wait_for("the sessions check to be ok", WAIT, || async {
+        let (_, checks) = doctor(&db, &args);
+        Ok(named(&checks, "sessions").iter().all(|c| c["verdict"] == "ok").then_some(()))
+    })
+    .await
+    .unwrap();
+    sqlx::raw_sql("ROLLBACK").execute(&mut bystander).await.unwrap();
+}
+
+#[tokio::test]
+async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrate() {
+    let db = TestDb::migrated().await.unwrap();
+    let (code, checks) = doctor(&db, &[]);
+    assert_no_failure_but_headroom(code, &checks);
+    for name in [
+        "schema",
+        "clock",
+        "sessions",
+        "idle_in_transaction_timeout",
+        "statement_timeout",
+        "connections",
+        "dead_tuples",
+        "archive_size",
+        "orphaned_leases",
+        "parked_with_room",
+        "stale_processes",
+    ] {
+        assert_eq!(named(&checks, name).len(), 1, "one {name} check: {checks:#?}");
+    }
+    for name in ["schema", "clock", "sessions", "orphaned_leases", "parked_with_room", "stale_processes"] {
+        assert_eq!(named(&checks, name)[0]["verdict"], "ok", "{checks:#?}");
+    }
+
+    let bare = TestDb::empty().await.unwrap();
+    let o = output(&bare, &["doctor"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).lines().any(|l| l.starts_with("fail") && l.contains("run `lockgate migrate`")), "{}", text(&o));
+
+    // A database that does not exist: nothing can be checked.
+    let missing = format!("{}_missing", db.url);
+    let o = lockgate(&db, &["doctor"]).env("DATABASE_URL", &missing).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("fail  connection"), "{}", text(&o));
+}
+
+#[tokio::test]
+async fn doctor_warns_of_orphaned_leases_parked_jobs_with_room_and_stale_processes() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('sync', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    let held: i64 =
+        sqlx::query_scalar("SELECT msg_id FROM lockgate.enqueue('sync', '{}')").fetch_one(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.enqueue('sync', '{\"n\": 2}')").execute(&db.pool).await.unwrap();
+    let (_, checks) = doctor(&db, &[]);
+    for name in ["orphaned_leases", "parked_with_room", "stale_processes"] {
+        assert_eq!(named(&checks, name)[0]["verdict"], "ok", "a held key with a parked job is normal: {checks:#?}");
+    }
+    // The holder's message removed behind lockgate's back; room made for the parked job; a
+    // process silent for five minutes.
+    sqlx::query("SELECT pgmq.delete('default', $1)").bind(held).execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('sync', concurrency_limit => 2)").execute(&db.pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO lockgate.processes (kind, name, host, pid, last_heartbeat_at)
+         VALUES ('supervisor', 'gone', 'nowhere', 4242, now() - interval '5 minutes')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (code, checks) = doctor(&db, &[]);
+    assert_no_failure_but_headroom(code, &checks);
+    let detail = |name: &str| {
+        let found = named(&checks, name);
+        assert_eq!((found.len(), &found[0]["verdict"]), (1, &Value::from("warn")), "{checks:#?}");
+        found[0]["detail"].as_str().unwrap().to_string()
+    };
+    assert!(detail("orphaned_leases").starts_with("1 lease(s) whose message is gone (1 on queue default)"));
+    assert!(detail("parked_with_room").contains("sync (1 parked, 1 of 2 held"), "{}", detail("parked_with_room"));
+    assert!(detail("stale_processes").contains("(gone on nowhere, pid 4242)"), "{}", detail("stale_processes"));
+}
+
+fn json(o: &Output) -> Value {
+    assert!(o.status.success(), "{}", text(o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", text(o)))
+}
+
+/// A job type `task` that fails (after one retry 10 ms later) when its arguments mention
+/// "fail", with the arguments in its error, and succeeds otherwise.
+const FAILS_ON_REQUEST: &str = "read -r a || true; case \"$a\" in *fail*) echo \"bad input $a\" >&2; exit 3;; esac";
+const TWO_QUICK_ATTEMPTS: &str = "max_attempts = 2\nbackoff = { base = \"10ms\", max = \"10ms\" }";
+
+/// Runs `lockgate run` until the jobs enqueued with `args` have all finished: three successes
+/// and one dead letter.
+async fn three_succeeded_and_one_dead(setup: &Setup, db: &TestDb) -> std::process::Child {
+    let child = setup.run(db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.job_types", 1, WAIT).await.unwrap();
+    for args in ["{\"n\": 1}", "{\"n\": 2}", "{\"n\": 3}", "{\"please\": \"fail\"}"] {
+        let o = output(db, &["enqueue", "task", args]);
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 3, WAIT).await.unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await.unwrap();
+    child
+}
+
+#[tokio::test]
+async fn status_on_a_database_without_queues_says_how_to_create_one() {
+    let db = TestDb::migrated().await.unwrap();
+    let o = output(&db, &["status"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("No queues yet") && text(&o).contains("lockgate enqueue"), "{}", text(&o));
+    assert!(text(&o).contains("No process is registered"), "{}", text(&o));
+    let all = json(&output(&db, &["status", "--json"]));
+    assert_eq!(all["queues"], Value::Array(vec![]), "{all:#}");
+}
+
+#[tokio::test]
+async fn status_counts_succeeded_and_failed_jobs_and_shows_paused_queues_and_processes() {
+    let setup = Setup::new(FAILS_ON_REQUEST, TWO_QUICK_ATTEMPTS);
+    let db = TestDb::migrated().await.unwrap();
+    let mut child = three_succeeded_and_one_dead(&setup, &db).await;
+    sqlx::query("SELECT lockgate.create_queue('mail')").execute(&db.pool).await.unwrap();
+    assert!(output(&db, &["queue", "pause", "mail"]).status.success());
+    // The windows: a job archived ten minutes ago counts in the hour only, one two hours ago in
+    // neither; the dead letter moves out of the last minute.
+    sqlx::raw_sql(
+        "INSERT INTO pgmq.a_default (msg_id, vt, message, archived_at)
+         VALUES (nextval('lockgate.job_id_seq'), now(), '{}', now() - interval '10 minutes'),
+                (nextval('lockgate.job_id_seq'), now(), '{}', now() - interval '2 hours');
+         UPDATE lockgate.dead_letters SET dead_at = now() - interval '10 minutes';",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let all = json(&output(&db, &["status", "--json"]));
+    let queue = |name: &str| all["queues"].as_array().unwrap().iter().find(|q| q["queue"] == name).unwrap().clone();
+    let default = queue("default");
+    let counts = ["succeeded_last_minute", "succeeded_last_hour", "failed_last_minute", "failed_last_hour", "dead"]
+        .map(|k| default[k].as_i64().unwrap());
+    assert_eq!(counts, [3, 4, 0, 1, 1], "{default:#}");
+    assert_eq!((&default["succeeded_capped"], &default["paused"]), (&Value::from(false), &Value::from(false)));
+    assert_eq!(queue("mail")["paused"], true);
+    let processes = all["processes"].as_array().unwrap();
+    assert!(processes.iter().any(|p| p["kind"] == "supervisor" && p["heartbeat_age_seconds"].as_f64().unwrap() < 60.0));
+
+    let human = text(&output(&db, &["status"]));
+    let row =
+        |name: &str| human.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{human}"));
+    let cells: Vec<&str> = row("default").split_whitespace().collect();
+    // QUEUE READY SCHEDULED RUNNING SUCCEEDED-1M SUCCEEDED-1H FAILED-1H DEAD OLDEST-READY
+    assert_eq!(cells[4..8], ["3", "4", "1", "1"], "{human}");
+    assert!(row("mail").ends_with("paused"), "{human}");
+    assert!(human.contains("(paused: mail)") && human.contains("last hour: 4 succeeded, 1 failed"), "{human}");
+    assert!(human.contains("LAST HEARTBEAT") && human.lines().any(|l| l.contains(" supervisor ")), "{human}");
+
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
+}
+
+#[tokio::test]
+async fn dlq_list_shows_the_arguments_and_every_attempts_error() {
+    let setup = Setup::new(FAILS_ON_REQUEST, TWO_QUICK_ATTEMPTS);
+    let db = TestDb::migrated().await.unwrap();
+    let mut child = three_succeeded_and_one_dead(&setup, &db).await;
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
+
+    let listed = json(&output(&db, &["dlq", "list", "--json"]));
+    let dead = &listed.as_array().unwrap()[..];
+    assert_eq!(dead.len(), 1, "{listed:#}");
+    assert_eq!(dead[0]["args"]["please"], "fail");
+    assert_eq!((&dead[0]["reason"], &dead[0]["attempts"]), (&Value::from("attempts_exhausted"), &Value::from(2)));
+    let errors = dead[0]["errors"].as_array().unwrap();
+    assert_eq!(errors.iter().map(|e| e["attempt"].as_i64().unwrap()).collect::<Vec<_>>(), [1, 2], "{listed:#}");
+    for e in errors {
+        assert!(e["error"].as_str().unwrap().contains("bad input"), "{e}");
+        assert!(e["at"].is_string(), "{e}");
+    }
+    assert!(dead[0]["headers"].is_object() && dead[0]["job_id"].is_i64(), "{listed:#}");
+
+    let human = text(&output(&db, &["dlq", "list"]));
+    assert!(
+        human.contains("args       {\"please\":\"fail\"}") || human.contains("args       {\"please\": \"fail\"}"),
+        "{human}"
+    );
+    let attempts: Vec<&str> = human.lines().filter(|l| l.trim_start().starts_with("attempt ")).collect();
+    assert_eq!(attempts.len(), 2, "{human}");
+    assert!(attempts[0].contains("attempt 1") && attempts[1].contains("attempt 2"), "{human}");
+    assert!(attempts.iter().all(|l| l.contains("bad input")), "{human}");
+}

@@ -1,0 +1,280 @@
+-- lockgate doctor, the database's side: every check an operator needs when something looks wrong
+-- and that the database alone can answer, as rows (check_name, verdict, detail, advice) with
+-- verdict 'ok', 'warn' or 'fail' and advice NULL when ok. A check that finds nothing returns one
+-- 'ok' row; one that finds trouble returns a row per session or process it names, or one row
+-- summing up the keys or leases it found. `lockgate doctor` adds the checks that compare the
+-- database with the binary (schema version, functions checksum) and with the host (clock offset).
+-- Thresholds are arguments; queue tables are reached only through lockgate._queue_table.
+-- Locks: none (reads of catalogs, statistics views and lockgate's tables; never waits).
+-- Callers: lockgate doctor, the dashboard, operators (`SELECT * FROM lockgate.doctor()`).
+--   $1 long_running_seconds: an active transaction older than this holding locks on lockgate's
+--      or PGMQ's tables is reported (warn);
+--   $2 idle_in_transaction_seconds: a transaction idle for longer than this holding such locks
+--      is reported (fail: it stalls renewals and completions of the rows it holds, H28);
+--   $3 alive_threshold_seconds: a process whose heartbeat is older than this is stale (the
+--      runtime's alive_threshold, 60 s by default).
+
+-- A duration as whole seconds, for details.
+CREATE OR REPLACE FUNCTION lockgate._doctor_secs(d interval)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT round(extract(epoch FROM d))::bigint || ' s'
+$$;
+
+-- Sessions of this database, other than the caller's, whose transaction holds a lock on a table
+-- of lockgate or PGMQ and is either idle for longer than idle_in_transaction or active for longer
+-- than long_running. A row lock (SELECT ... FOR UPDATE on lockgate.semaphores, an enqueue not yet
+-- committed) shows in pg_locks only as a RowShareLock or RowExclusiveLock on the table; with the
+-- transaction idle, that is enough to name it. pg_stat_activity hides other roles' queries unless
+-- the caller has pg_read_all_stats.
+CREATE OR REPLACE FUNCTION lockgate._doctor_sessions(long_running interval, idle_in_transaction interval)
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    WITH holders AS (
+        SELECT a.pid, a.state, a.usename, a.application_name,
+               CASE WHEN a.state = 'active' THEN now() - a.xact_start ELSE now() - a.state_change END AS how_long,
+               left(regexp_replace(COALESCE(a.query, ''), '\s+', ' ', 'g'), 100) AS query,
+               string_agg(DISTINCT n.nspname || '.' || c.relname, ', ') AS tables,
+               (SELECT count(*) FROM pg_stat_activity w WHERE a.pid = ANY (pg_blocking_pids(w.pid))) AS blocking
+          FROM pg_stat_activity a
+          JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'relation' AND l.granted
+                         AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+          JOIN pg_class c ON c.oid = l.relation AND c.relkind IN ('r', 'p')
+          JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname IN ('lockgate', 'pgmq')
+         WHERE a.pid <> pg_backend_pid() AND a.datname = current_database()
+           AND ((a.state LIKE 'idle in transaction%' AND a.state_change < now() - idle_in_transaction)
+             OR (a.state = 'active' AND a.xact_start < now() - long_running))
+         GROUP BY a.pid, a.state, a.usename, a.application_name, a.xact_start, a.state_change, a.query)
+    SELECT 'sessions',
+           CASE WHEN h.state = 'active' THEN 'warn' ELSE 'fail' END,
+           format('pid %s (%s, application %s, role %s) %s for %s holding locks on %s, blocking %s session(s); last query: %s',
+                  h.pid, h.state, COALESCE(NULLIF(h.application_name, ''), '-'), h.usename,
+                  CASE WHEN h.state = 'active' THEN 'in a transaction' ELSE 'idle' END,
+                  lockgate._doctor_secs(h.how_long), h.tables, h.blocking, h.query),
+           CASE WHEN h.state = 'active' THEN
+               format('a long transaction on lockgate''s tables delays the enqueues, completions and renewals '
+                      'of the rows it holds and holds back vacuum; if it is not expected, end it: '
+                      'SELECT pg_cancel_backend(%s), or pg_terminate_backend(%s)', h.pid, h.pid)
+           ELSE
+               format('an open transaction keeps its row locks (a key''s semaphore row, an uncommitted enqueue) '
+                      'until it ends, stalling heartbeat renewals and completions behind them: end it in its '
+                      'application, or SELECT pg_terminate_backend(%s); set idle_in_transaction_session_timeout '
+                      'so an abandoned transaction ends on its own', h.pid)
+           END
+      FROM holders h
+    UNION ALL
+    SELECT 'sessions', 'ok',
+           format('no transaction idle over %s or active over %s holds locks on lockgate''s or PGMQ''s tables',
+                  lockgate._doctor_secs(idle_in_transaction), lockgate._doctor_secs(long_running)),
+           NULL
+     WHERE NOT EXISTS (SELECT 1 FROM holders)
+$$;
+
+-- The timeouts a new session of this role on this database starts with, and the connection
+-- headroom of the server. lockgate's runtime sets its own statement and lock budgets on its
+-- connections (design §28); the database's defaults apply to producers, operators and the CLI.
+CREATE OR REPLACE FUNCTION lockgate._doctor_settings()
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    SELECT 'idle_in_transaction_timeout',
+           CASE WHEN s.setting = '0' THEN 'warn' ELSE 'ok' END,
+           format('idle_in_transaction_session_timeout is %s for role %s on database %s',
+                  CASE WHEN s.setting = '0' THEN 'off (0)' ELSE current_setting(s.name) END,
+                  current_user, current_database()),
+           CASE WHEN s.setting = '0' THEN
+               format('an abandoned transaction holding a lockgate row (a producer that enqueued and never '
+                      'committed) stalls renewals and completions of that row forever; set '
+                      'ALTER DATABASE %I SET idle_in_transaction_session_timeout = ''5min'' (or ALTER ROLE), '
+                      'longer than any transaction your producers keep open', current_database())
+           END
+      FROM pg_settings s WHERE s.name = 'idle_in_transaction_session_timeout'
+    UNION ALL
+    SELECT 'statement_timeout', 'ok',
+           format('statement_timeout is %s for role %s on database %s (lockgate run sets its own budgets on '
+                  'its connections; this one applies to producers, operators and the CLI)',
+                  CASE WHEN s.setting = '0' THEN 'off (0)' ELSE current_setting(s.name) END,
+                  current_user, current_database()),
+           NULL
+      FROM pg_settings s WHERE s.name = 'statement_timeout'
+    UNION ALL
+    SELECT 'connections',
+           CASE WHEN c.used > 0.95 * c.usable THEN 'fail' WHEN c.used > 0.8 * c.usable THEN 'warn' ELSE 'ok' END,
+           format('%s of %s connections in use (max_connections %s, less %s reserved)',
+                  c.used, c.usable, c.max, c.max - c.usable),
+           CASE WHEN c.used > 0.8 * c.usable THEN
+               'a full server refuses new connections, and a lockgate process that cannot open one cannot '
+               'claim, renew or complete; see who holds them (SELECT application_name, count(*) FROM '
+               'pg_stat_activity GROUP BY 1), shrink the pools that do not need them, or raise max_connections'
+           END
+      FROM (SELECT (SELECT count(*) FROM pg_stat_activity a WHERE a.backend_type = 'client backend') AS used,
+                   current_setting('max_connections')::integer AS max,
+                   current_setting('max_connections')::integer
+                     - current_setting('superuser_reserved_connections')::integer
+                     -- PostgreSQL 16 reserves more for pg_use_reserved_connections; absent before.
+                     - COALESCE(NULLIF(current_setting('reserved_connections', true), '')::integer, 0) AS usable) c
+$$;
+
+-- Dead tuples in PGMQ's queue and archive tables and lockgate's own (a lease or semaphore row is
+-- rewritten on every renewal), and the archives' size. A table is flagged when its dead tuples
+-- exceed both 10,000 and 20 % of its live ones: below either, autovacuum's defaults are keeping
+-- up. An archive is flagged above 1 GiB, where backups and retention deletes start to cost.
+CREATE OR REPLACE FUNCTION lockgate._doctor_tables()
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    WITH t AS (
+        SELECT s.schemaname, s.relname, s.n_live_tup, s.n_dead_tup,
+               COALESCE(greatest(s.last_autovacuum, s.last_vacuum)::text, 'never') AS vacuumed,
+               pg_total_relation_size(s.relid) AS bytes
+          FROM pg_stat_user_tables s
+         WHERE s.schemaname = 'lockgate'
+            OR (s.schemaname = 'pgmq' AND (s.relname LIKE 'q\_%' OR s.relname LIKE 'a\_%'))),
+    bloated AS (SELECT * FROM t WHERE t.n_dead_tup > 10000 AND t.n_dead_tup > 0.2 * t.n_live_tup),
+    archives AS (SELECT * FROM t WHERE t.schemaname = 'pgmq' AND t.relname LIKE 'a\_%'),
+    big AS (SELECT * FROM archives a WHERE a.bytes > 1024 * 1024 * 1024)
+    SELECT 'dead_tuples', 'warn',
+           format('%I.%I has %s dead tuples and %s live; last vacuumed %s', b.schemaname, b.relname,
+                  b.n_dead_tup, b.n_live_tup, b.vacuumed),
+           format('VACUUM (ANALYZE) %I.%I; if autovacuum does not keep up, ALTER TABLE %I.%I SET '
+                  '(autovacuum_vacuum_scale_factor = 0.01); a long or idle transaction (see sessions) '
+                  'holds back the cleanup of every table', b.schemaname, b.relname, b.schemaname, b.relname)
+      FROM bloated b
+    UNION ALL
+    SELECT 'dead_tuples', 'ok',
+           format('%s tables of lockgate and PGMQ queues, %s in all; none with more than 10,000 dead tuples '
+                  'over 20 %% of its live ones', count(*), pg_size_pretty(COALESCE(sum(t.bytes), 0))),
+           NULL
+      FROM t HAVING NOT EXISTS (SELECT 1 FROM bloated)
+    UNION ALL
+    SELECT 'archive_size', 'warn',
+           format('%I.%I holds %s (about %s rows)', g.schemaname, g.relname, pg_size_pretty(g.bytes), g.n_live_tup),
+           'archived jobs are kept for archive_retention (7 days by default) by every lockgate run; lower '
+           'archive_retention in [runtime] if that is more history than you need, and check that a lockgate '
+           'run is up (retention runs in it) and its log shows no failed retention ticks'
+      FROM big g
+    UNION ALL
+    SELECT 'archive_size', 'ok',
+           format('%s archive table(s), %s in all (about %s rows); none above 1 GB', count(*),
+                  pg_size_pretty(COALESCE(sum(a.bytes), 0)), COALESCE(sum(a.n_live_tup), 0)),
+           NULL
+      FROM archives a HAVING NOT EXISTS (SELECT 1 FROM big)
+$$;
+
+-- Leases whose message no longer exists in its queue (removed outside lockgate: pgmq.delete,
+-- pgmq.archive, pgmq.purge_queue), or whose queue is gone. Their permits are counted as held
+-- until the sweep frees them, which it does once they expire (their holder may still run until
+-- then, sql/080_sweep.sql). One row for all of them.
+CREATE OR REPLACE FUNCTION lockgate._doctor_leases()
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    q record;
+    n bigint;
+    expired bigint;
+    found_n bigint := 0;
+    found_expired bigint := 0;
+    places text[] := '{}';
+BEGIN
+    check_name := 'orphaned_leases';
+    FOR q IN SELECT DISTINCT l.queue FROM lockgate.leases l ORDER BY 1 LOOP
+        IF q.queue IN (SELECT lockgate._live_queues()) THEN
+            EXECUTE format(
+                'SELECT count(*), count(*) FILTER (WHERE l.expires_at < now()) FROM lockgate.leases l
+                  WHERE l.queue = $1 AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)',
+                lockgate._queue_table(q.queue, 'q'))
+               INTO n, expired USING q.queue;
+        ELSE
+            SELECT count(*), count(*) FILTER (WHERE l.expires_at < now()) INTO n, expired
+              FROM lockgate.leases l WHERE l.queue = q.queue;
+        END IF;
+        IF n > 0 THEN
+            found_n := found_n + n;
+            found_expired := found_expired + expired;
+            places := places || format('%s on queue %s', n, q.queue);
+        END IF;
+    END LOOP;
+    IF found_n = 0 THEN
+        verdict := 'ok';
+        detail := 'every lease belongs to a message in its queue';
+        advice := NULL;
+    ELSE
+        verdict := 'warn';
+        detail := format('%s lease(s) whose message is gone (%s), %s of them expired; each counts as a held '
+                         'permit until it is freed', found_n, array_to_string(places, ', '), found_expired);
+        advice := 'the sweep frees such a lease once it expires, within sweep_interval (5 s by default); '
+                  'if expired ones stay, no sweep is running: start lockgate run, or SELECT * FROM '
+                  'lockgate.sweep(). Remove messages through lockgate (dlq purge, parked discard), not '
+                  'with pgmq.delete or pgmq.archive';
+    END IF;
+    RETURN NEXT;
+END $$;
+
+-- Keys with parked jobs and room for one of them now: what the sweep promotes (the condition is
+-- the sweep's own, sql/080_sweep.sql: no semaphore row, a type gone or no longer limited, or
+-- fewer permits held than the type's current limit). Seen for a moment after a holder's lease
+-- is freed; one that stays means no sweep runs. One row for all of them.
+CREATE OR REPLACE FUNCTION lockgate._doctor_parked()
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    WITH roomy AS (
+        SELECT p.key, count(*) AS parked, min(p.parked_at) AS oldest,
+               max(COALESCE(s.value, 0)) AS held, max(jt.concurrency_limit) AS lim
+          FROM lockgate.parked p
+          LEFT JOIN lockgate.semaphores s ON s.key = p.key
+          LEFT JOIN lockgate.job_types jt ON jt.name = p.job_type
+         WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
+         GROUP BY p.key),
+    listed AS (SELECT * FROM roomy ORDER BY oldest LIMIT 5)
+    SELECT 'parked_with_room', 'warn',
+           format('%s key(s) have parked jobs and a free permit: %s%s', (SELECT count(*) FROM roomy),
+                  (SELECT string_agg(format('%s (%s parked, %s of %s held, oldest parked %s ago)', l.key, l.parked,
+                                            l.held, COALESCE(l.lim::text, 'no limit'),
+                                            lockgate._doctor_secs(now() - l.oldest)), '; ' ORDER BY l.oldest)
+                     FROM listed l),
+                  CASE WHEN (SELECT count(*) FROM roomy) > 5 THEN '; …' ELSE '' END),
+           'the sweep promotes them within sweep_interval (5 s by default); if they stay, no sweep is running: '
+           'start lockgate run (or check its log for failed sweep ticks), or SELECT * FROM lockgate.sweep()'
+     WHERE EXISTS (SELECT 1 FROM roomy)
+    UNION ALL
+    SELECT 'parked_with_room', 'ok', 'no key has parked jobs and a free permit', NULL
+     WHERE NOT EXISTS (SELECT 1 FROM roomy)
+$$;
+
+-- Supervisors whose last heartbeat is older than the alive threshold. Any live process prunes
+-- them at its next process heartbeat; one that stays means no live process is registered.
+CREATE OR REPLACE FUNCTION lockgate._doctor_processes(alive_threshold interval)
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    WITH stale AS (
+        SELECT p.* FROM lockgate.processes p
+         WHERE p.kind = 'supervisor' AND p.last_heartbeat_at < now() - alive_threshold)
+    SELECT 'stale_processes', 'warn',
+           format('process %s (%s on %s, pid %s) last heartbeat %s ago, past the alive threshold of %s',
+                  s.id, s.name, s.host, s.pid, lockgate._doctor_secs(now() - s.last_heartbeat_at),
+                  lockgate._doctor_secs(alive_threshold)),
+           format('it stopped, or cannot reach the database; a live lockgate run prunes it at its next '
+                  'process heartbeat (its jobs come back when their visibility lapses); if it stays, no '
+                  'lockgate run is up. DELETE FROM lockgate.processes WHERE id = %s removes it by hand', s.id)
+      FROM stale s
+    UNION ALL
+    SELECT 'stale_processes', 'ok',
+           format('%s process(es) registered, every one heard from within %s',
+                  (SELECT count(*) FROM lockgate.processes p WHERE p.kind = 'supervisor'),
+                  lockgate._doctor_secs(alive_threshold)),
+           NULL
+     WHERE NOT EXISTS (SELECT 1 FROM stale)
+$$;
+
+-- The entry point (its contract is at the top of this file).
+CREATE OR REPLACE FUNCTION lockgate.doctor(
+    long_running_seconds double precision DEFAULT 60,
+    idle_in_transaction_seconds double precision DEFAULT 10,
+    alive_threshold_seconds double precision DEFAULT 60
+) RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    SELECT * FROM lockgate._doctor_sessions(make_interval(secs => long_running_seconds),
+                                            make_interval(secs => idle_in_transaction_seconds))
+    UNION ALL SELECT * FROM lockgate._doctor_settings()
+    UNION ALL SELECT * FROM lockgate._doctor_tables()
+    UNION ALL SELECT * FROM lockgate._doctor_leases()
+    UNION ALL SELECT * FROM lockgate._doctor_parked()
+    UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds))
+$$;
