@@ -65,10 +65,10 @@ impl Finished {
         let (job_id, job_type, attempt) = (self.job_id, self.metrics.job_type.as_str(), self.attempt);
         if self.discarded {
             self.metrics.discarded.inc();
-            tracing::info!(%queue, msg_id, %job_id, job_type, attempt, "duplicate discarded");
+            tracing::info!(%queue, msg_id, job_id = job_id.0, job_type, attempt, "duplicate discarded");
         } else {
             self.metrics.succeeded.inc();
-            tracing::info!(%queue, msg_id, %job_id, job_type, attempt, duration_ms, "job succeeded");
+            tracing::info!(%queue, msg_id, job_id = job_id.0, job_type, attempt, duration_ms, "job succeeded");
         }
     }
 }
@@ -99,7 +99,10 @@ impl CompleterHandle {
     pub async fn submit(&self, delivery: Delivery, finished: Finished) {
         let job_id = finished.job_id;
         if self.tx.send(Request::Complete { delivery, finished }).await.is_err() {
-            tracing::warn!(%job_id, "the completer has stopped; the job will run again after its visibility lapses");
+            tracing::warn!(
+                job_id = job_id.0,
+                "the completer has stopped; the job will run again after its visibility lapses"
+            );
         }
     }
 
@@ -265,12 +268,12 @@ async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queu
         match outcome {
             Ok(ArchiveOutcome::Archived) => f.archived(queue, msg_id),
             Ok(outcome) => {
-                tracing::info!(%queue, msg_id, %job_id, job_type, attempt, %outcome, "completion changed nothing")
+                tracing::info!(%queue, msg_id, job_id = job_id.0, job_type, attempt, %outcome, "completion changed nothing")
             }
             Err(error) => tracing::warn!(
                 %queue,
                 msg_id,
-                %job_id,
+                job_id = job_id.0,
                 job_type,
                 attempt,
                 %error,

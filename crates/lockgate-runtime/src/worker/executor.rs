@@ -91,14 +91,14 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
     let metrics = shared.metrics.job(claim.queue.as_str(), &headers.job_type);
     if !shared.in_flight.start(&delivery, ctx.clone(), Instant::now()) {
         tracing::info!(
-            job_id = %ctx.job_id,
+            job_id = ctx.job_id.0,
             "claimed job given back before it started (shutdown, lease lost, or too little budget left to start it)"
         );
         return;
     }
     if let Some(holder) = headers.duplicate_of {
         // A while_executing duplicate its type discards: archived without running.
-        tracing::info!(job_id = %ctx.job_id, duplicate_of = %holder, "discarded: a job of its unique key is running");
+        tracing::info!(job_id = ctx.job_id.0, duplicate_of = holder.0, "discarded: a job of its unique key is running");
         match shared.in_flight.begin_finishing(&delivery) {
             Finish::Write => {
                 let finished =
@@ -125,9 +125,9 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         Finish::Lost => {
             // Its lease is lost or fenced: this delivery may write nothing more.
             let reason = ctx.cancel_reason().map_or_else(|| "none".to_string(), |r| r.to_string());
-            tracing::info!(job_id = %ctx.job_id, %reason, ended, "delivery given up without an outcome");
+            tracing::info!(job_id = ctx.job_id.0, %reason, ended, "delivery given up without an outcome");
             if !ended {
-                tracing::warn!(job_id = %ctx.job_id, "the cancelled handler did not stop within its grace");
+                tracing::warn!(job_id = ctx.job_id.0, "the cancelled handler did not stop within its grace");
             }
             return;
         }
@@ -136,7 +136,7 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
             shared.in_flight.stopped(&delivery, ended);
             if !ended {
                 tracing::warn!(
-                    job_id = %ctx.job_id,
+                    job_id = ctx.job_id.0,
                     "handler did not stop within its grace: not returned to its queue, its visibility lapses instead"
                 );
             }
