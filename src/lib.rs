@@ -36,8 +36,9 @@ pub use lockgate_core::{
     UniquePolicy, ValidationError, DEFAULT_CONCURRENCY_DURATION, DEFAULT_TIMEZONE, MAX_PAYLOAD_BYTES, MAX_PRIORITY,
 };
 pub use lockgate_runtime::{
-    config, health, heartbeat, maintenance, process_registry, scheduler, worker, CancelReason, Client, EnqueueError,
-    Handler, Job, JobContext, JobError, PoolConfig, RawHandler, Registry, Runtime, RuntimeConfig, RuntimeError,
+    config, health, heartbeat, maintenance, metrics, process_registry, scheduler, worker, CancelReason, Client,
+    EnqueueError, Handler, Job, JobContext, JobError, Metrics, PoolConfig, RawHandler, Registry, Runtime,
+    RuntimeConfig, RuntimeError,
 };
 pub use lockgate_sql::{
     check_schema, migrate, BatchCallbacks, BatchInfo, Cancelled, CancelledCount, DbError, JobFilter, JobRecord,

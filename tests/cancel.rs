@@ -234,7 +234,10 @@ async fn a_running_handler_is_cancelled_through_its_heartbeat_and_the_next_job_s
             }
         })
         .unwrap();
-    let running = Running::start(&db, test_config(), registry, &["default"], 2).await;
+    let pools = vec![lockgate::PoolConfig::new("test", vec![queue("default")], 2)];
+    let runtime = lockgate::Runtime::new(db.new_pool(2).await.unwrap(), test_config(), registry, pools).unwrap();
+    let metrics = runtime.metrics();
+    let running = Running::spawn(runtime);
     let events_now = || events.lock().unwrap().clone();
     wait_for("job 1 to start", WAIT, || async { Ok((events_now() == ["start 1"]).then_some(())) }).await.unwrap();
     let outcome = client.cancel(id).await.unwrap().unwrap();
@@ -242,6 +245,11 @@ async fn a_running_handler_is_cancelled_through_its_heartbeat_and_the_next_job_s
     wait_for("job 2 to run", WAIT, || async { Ok((events_now().len() == 3).then_some(())) }).await.unwrap();
     assert_eq!(events_now(), ["start 1", "end 1: cancelled", "start 2"], "never both at once (G3)");
     running.stop().await;
+    let text = metrics.encode();
+    assert!(
+        text.lines().any(|l| l == r#"lockgate_jobs_cancelled_total{queue="default",job_type="wait"} 1"#),
+        "the stopped handler is counted once:\n{text}"
+    );
     assert_eq!(state_of(&db, id.0).await, "cancelled", "its failed return wrote nothing");
     let dead: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
     assert_eq!(dead, 0, "never dead-lettered");

@@ -881,6 +881,7 @@ async fn g5_a_queue_dropped_behind_lockgates_back_stops_no_sweep_and_is_reported
     assert!(found.iter().any(|v| v.contains("queue other has no PGMQ table")), "{found:?}");
     sqlx::query("SELECT * FROM lockgate.prune_processes(1)").execute(&db.pool).await.unwrap();
     sqlx::query("SELECT * FROM lockgate.queue_stats()").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.metrics_snapshot(50)").execute(&db.pool).await.unwrap();
 }
 
 #[tokio::test]

@@ -464,6 +464,40 @@ async fn queue_stats_count_ready_scheduled_running_and_dead_jobs() {
 }
 
 #[tokio::test]
+async fn metrics_snapshot_reports_queues_and_keeps_the_busiest_keys_summing_the_rest_as_other() {
+    let metrics = Arc::new(lockgate::Metrics::new());
+    let (db, client) = setup().await;
+    let client = client.with_metrics(Arc::clone(&metrics));
+    for n in 0..3 {
+        enqueue(&client, n).await;
+    }
+    let enqueued = "lockgate_jobs_enqueued_total{queue=\"default\",job_type=\"work\"} 3";
+    assert!(metrics.encode().contains(enqueued), "the client counts its enqueues: {}", metrics.encode());
+    // Keys by held + parked: b (1 + 4), a (3), c (2), d (1); with a cap of two, c and d are summed.
+    sqlx::query(
+        "INSERT INTO lockgate.semaphores (key, lim, value) VALUES ('a', 5, 3), ('b', 5, 1), ('c', 5, 2), ('d', 5, 1)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
+         SELECT 'b', 'default', 'work', g, '{}', '{}', 0, now() FROM generate_series(100, 103) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let snapshot = lockgate::sql::metrics_snapshot(&db.pool, 2).await.unwrap();
+    let keys: Vec<(&str, i64, i64)> = snapshot.keys.iter().map(|k| (k.key.as_str(), k.held, k.parked)).collect();
+    assert_eq!(keys, vec![("a", 3, 0), ("b", 1, 4), ("other", 3, 0)]);
+    let default = snapshot.queues.iter().find(|q| q.queue == "default").unwrap();
+    assert_eq!((default.ready, default.parked, default.dead), (3, 4, 0));
+    let none = lockgate::sql::metrics_snapshot(&db.pool, 0).await.unwrap();
+    assert_eq!(none.keys.len(), 1, "a cap of 0 sums every key: {:?}", none.keys);
+    assert_eq!((none.keys[0].held, none.keys[0].parked), (7, 4));
+}
+
+#[tokio::test]
 async fn a_prune_in_the_middle_of_registration_cannot_fail_the_start() {
     let (db, client) = setup().await;
     // Worker rows wait for an advisory lock the test holds, so registration stops between the

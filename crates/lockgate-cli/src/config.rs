@@ -14,8 +14,10 @@
 //! sweep_interval = "5s"
 //! process_heartbeat_interval = "5s"
 //! alive_threshold = "60s"
-//! health_listen = "127.0.0.1:9187"  # "off" serves no health endpoints
+//! health_listen = "127.0.0.1:9187"  # "off" serves no health or metrics endpoints
 //! max_shutdown_returns = 5          # later shutdown returns of a started run count as attempts
+//! metrics_interval = "15s"          # how often /metrics' gauges are read from the database
+//! metrics_max_keys = 50             # concurrency keys with a series of their own; the rest: "other"
 //!
 //! [[pool]]
 //! name = "default"
@@ -87,6 +89,8 @@ struct RuntimeSection {
     alive_threshold: Option<String>,
     health_listen: Option<String>,
     max_shutdown_returns: Option<u32>,
+    metrics_interval: Option<String>,
+    metrics_max_keys: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -204,6 +208,8 @@ impl Config {
             alive_threshold: duration_or("runtime.alive_threshold", &r.alive_threshold, d.alive_threshold)?,
             health_listen: health_listen(r.health_listen.as_deref())?,
             max_shutdown_returns: r.max_shutdown_returns.unwrap_or(d.max_shutdown_returns),
+            metrics_interval: duration_or("runtime.metrics_interval", &r.metrics_interval, d.metrics_interval)?,
+            metrics_max_keys: r.metrics_max_keys.unwrap_or(d.metrics_max_keys),
         };
         config.validate()?;
         Ok(config)

@@ -18,8 +18,18 @@ struct Cli {
     /// (for `run`), then postgres://postgres@127.0.0.1:5432/lockgate.
     #[arg(long, global = true, env = "DATABASE_URL")]
     database_url: Option<String>,
+    /// How logs are written to stderr: `text` for people, `json` (one object per line, the
+    /// event's and its job's fields included) for log pipelines.
+    #[arg(long, global = true, env = "LOCKGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -67,7 +77,7 @@ enum Command {
 async fn main() {
     let cli = Cli::parse();
     // The demo draws a progress bar; routine logs would tear it.
-    init_logging(if matches!(cli.command, Command::Demo(_)) { "error" } else { "info,sqlx=warn" });
+    init_logging(cli.log_format, if matches!(cli.command, Command::Demo(_)) { "error" } else { "info,sqlx=warn" });
     if let Err(err) = dispatch(cli).await {
         eprintln!("error: {err:#}");
         std::process::exit(1);
@@ -99,13 +109,17 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// Logs go to stderr; `LOCKGATE_LOG` (or `RUST_LOG`) takes tracing filter directives.
-fn init_logging(default: &str) {
+/// Logs go to stderr; `LOCKGATE_LOG` (or `RUST_LOG`) takes tracing filter directives. In JSON,
+/// an event's fields sit at the top level beside `message`, and the fields of the span it ran in
+/// (a job's `job_id`, `job_type`, `queue`, `attempt`) under `span`.
+fn init_logging(format: LogFormat, default: &str) {
     let filter =
         std::env::var("LOCKGATE_LOG").or_else(|_| std::env::var("RUST_LOG")).unwrap_or_else(|_| default.to_string());
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
+        LogFormat::Json => logs.json().flatten_event(true).with_current_span(true).with_span_list(false).init(),
+    }
 }

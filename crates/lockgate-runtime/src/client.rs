@@ -13,7 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lockgate_core::{
-    BatchId, EnqueueOptions, EnqueuedJob, JobId, JobPolicy, JobTypeName, QueueName, RecurringTask, ValidationError,
+    BatchId, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobId, JobPolicy, JobTypeName, QueueName, RecurringTask,
+    ValidationError,
 };
 use lockgate_sql::{
     BatchCallbacks, BatchInfo, Cancelled, CancelledCount, DbError, JobFilter, JobRecord, PgPool, RecurringRow,
@@ -23,7 +24,7 @@ use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::{Mutex, MutexGuard};
 
-use crate::{EnqueueError, Job};
+use crate::{EnqueueError, Job, Metrics};
 
 /// A lane connection idle for longer than this is pinged before it is used again, as the pool
 /// would (a server restart or an idle-session timeout may have closed it meanwhile).
@@ -34,6 +35,8 @@ const LANE_IDLE_PING: Duration = Duration::from_secs(5);
 pub struct Client {
     pool: PgPool,
     lane: Arc<Mutex<Lane>>,
+    /// Where its enqueues are counted (`lockgate_jobs_enqueued_total`), when given.
+    metrics: Option<Arc<Metrics>>,
 }
 
 /// The client's own connection, detached from the pool, and when it was last used.
@@ -54,7 +57,25 @@ struct LaneUse<'a> {
 impl Client {
     /// Uses `pool`; the schema must be migrated (see [`Client::check_schema`]).
     pub fn new(pool: PgPool) -> Self {
-        Self { pool, lane: Arc::default() }
+        Self { pool, lane: Arc::default(), metrics: None }
+    }
+
+    /// Counts the jobs this client enqueues (or parks) in `metrics`, by queue and job type:
+    /// pass [`Runtime::metrics`](crate::Runtime::metrics) to see them on that runtime's
+    /// `/metrics`. `enqueue_in`, which runs on the caller's connection, is not counted.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Counts the jobs an enqueue stored (enqueued or parked; not discarded or duplicates).
+    fn count_enqueued<'a>(&self, job_type: &str, jobs: impl IntoIterator<Item = &'a EnqueuedJob>) {
+        let Some(metrics) = &self.metrics else { return };
+        for job in jobs {
+            if matches!(job.status, EnqueueStatus::Enqueued | EnqueueStatus::Parked) {
+                metrics.job(&job.queue, job_type).enqueued.inc();
+            }
+        }
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -211,11 +232,15 @@ impl Client {
     }
 
     async fn enqueue_one(&self, job_type: &str, args: &Value, options: &Value) -> Result<EnqueuedJob, EnqueueError> {
-        let Some(mut lane) = self.lane().await? else {
-            return Ok(lockgate_sql::enqueue(&self.pool, job_type, args, options).await?);
+        let job = match self.lane().await? {
+            Some(mut lane) => {
+                let result = lockgate_sql::enqueue(&mut lane.conn, job_type, args, options).await;
+                lane.finish(result)?
+            }
+            None => lockgate_sql::enqueue(&self.pool, job_type, args, options).await?,
         };
-        let result = lockgate_sql::enqueue(&mut lane.conn, job_type, args, options).await;
-        Ok(lane.finish(result)?)
+        self.count_enqueued(job_type, [&job]);
+        Ok(job)
     }
 
     async fn enqueue_batch(
@@ -224,11 +249,15 @@ impl Client {
         args: &[Value],
         options: &Value,
     ) -> Result<Vec<EnqueuedJob>, EnqueueError> {
-        let Some(mut lane) = self.lane().await? else {
-            return Ok(lockgate_sql::enqueue_many(&self.pool, job_type, args, options).await?);
+        let jobs = match self.lane().await? {
+            Some(mut lane) => {
+                let result = lockgate_sql::enqueue_many(&mut lane.conn, job_type, args, options).await;
+                lane.finish(result)?
+            }
+            None => lockgate_sql::enqueue_many(&self.pool, job_type, args, options).await?,
         };
-        let result = lockgate_sql::enqueue_many(&mut lane.conn, job_type, args, options).await;
-        Ok(lane.finish(result)?)
+        self.count_enqueued(job_type, &jobs);
+        Ok(jobs)
     }
 
     /// The lane's connection, ready for a statement, or `None` when another task holds the

@@ -30,6 +30,14 @@ pub const DEFAULT_PROCESS_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(5);
 /// back when their visibility lapses, and pruning only cleans the registry (H26).
 pub const DEFAULT_ALIVE_THRESHOLD: Duration = Duration::from_secs(60);
 
+/// The gauges of `/metrics` are read from the database this often: 15 s is Prometheus's usual
+/// scrape interval, and one cheap statement per process per 15 s costs the database nothing.
+pub const DEFAULT_METRICS_INTERVAL: Duration = Duration::from_secs(15);
+/// Concurrency keys that keep a label of their own in `/metrics` (the busiest by held + parked);
+/// the rest are summed as `key="other"`. Fifty series per gauge is a fraction of what one
+/// Prometheus target usually exports.
+pub const DEFAULT_METRICS_MAX_KEYS: u32 = 50;
+
 /// A job whose runs a shutdown cut short this many times is charged an attempt for each later
 /// one: five deploys in a row is no accident, and a job that always outlives `shutdown_timeout`
 /// must not cycle across deploys forever.
@@ -55,6 +63,10 @@ pub struct RuntimeConfig {
     /// Shutdown returns of a started run that are not counted as attempts, per job; the next
     /// ones are (0: every shutdown return of a started run is an attempt).
     pub max_shutdown_returns: u32,
+    /// How often the gauges of `/metrics` are read from the database (one statement per process).
+    pub metrics_interval: Duration,
+    /// Concurrency keys with a label of their own in `/metrics`; the rest are summed as `other`.
+    pub metrics_max_keys: u32,
 }
 
 impl Default for RuntimeConfig {
@@ -71,6 +83,8 @@ impl Default for RuntimeConfig {
             alive_threshold: DEFAULT_ALIVE_THRESHOLD,
             health_listen: None,
             max_shutdown_returns: DEFAULT_MAX_SHUTDOWN_RETURNS,
+            metrics_interval: DEFAULT_METRICS_INTERVAL,
+            metrics_max_keys: DEFAULT_METRICS_MAX_KEYS,
         }
     }
 }
@@ -99,6 +113,7 @@ impl RuntimeConfig {
             ("maintenance_interval", self.maintenance_interval),
             ("sweep_interval", self.sweep_interval),
             ("process_heartbeat_interval", self.process_heartbeat_interval),
+            ("metrics_interval", self.metrics_interval),
         ];
         for (field, value) in intervals {
             if value.is_zero() {

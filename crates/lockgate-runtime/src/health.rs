@@ -1,5 +1,5 @@
-//! Health: what `/livez` and `/readyz` report, and the small HTTP server that serves them
-//! (bound to 127.0.0.1 unless configured otherwise).
+//! Health: what `/livez` and `/readyz` report, and the small HTTP server that serves them and
+//! `/metrics` (bound to 127.0.0.1 unless configured otherwise).
 //!
 //! Ready means: booted, not draining, registered, and no service crash-looping (three crashes
 //! within a minute). A lost LISTEN connection is reported as degraded but keeps the process
@@ -11,11 +11,13 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
+
+use crate::metrics::{self, Metrics};
 
 const BOOTING: u8 = 0;
 const RUNNING: u8 = 1;
@@ -109,8 +111,9 @@ impl Health {
     }
 }
 
-/// Serves `/livez` and `/readyz` on `addr` until `shutdown`. A bind failure is logged, not fatal.
-pub(crate) async fn serve(addr: SocketAddr, health: Arc<Health>, shutdown: CancellationToken) {
+/// Serves `/livez`, `/readyz` and `/metrics` on `addr` until `shutdown`. A bind failure is
+/// logged, not fatal. A scrape only encodes what the process holds: it never queries the database.
+pub(crate) async fn serve(addr: SocketAddr, health: Arc<Health>, metrics: Arc<Metrics>, shutdown: CancellationToken) {
     let listener = match tokio::net::TcpListener::bind(addr).await {
         Ok(listener) => listener,
         Err(error) => {
@@ -119,7 +122,7 @@ pub(crate) async fn serve(addr: SocketAddr, health: Arc<Health>, shutdown: Cance
         }
     };
     if let Ok(bound) = listener.local_addr() {
-        tracing::info!(addr = %bound, "health endpoints on /livez and /readyz");
+        tracing::info!(addr = %bound, "health endpoints on /livez and /readyz, metrics on /metrics");
     }
     let ready = Arc::clone(&health);
     let app = Router::new().route("/livez", get(|| async { (StatusCode::OK, "ok\n") })).route(
@@ -134,6 +137,13 @@ pub(crate) async fn serve(addr: SocketAddr, health: Arc<Health>, shutdown: Cance
                     }
                 }
             }
+        }),
+    );
+    let app = app.route(
+        "/metrics",
+        get(move || {
+            let metrics = Arc::clone(&metrics);
+            async move { ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], metrics.encode()) }
         }),
     );
     let served = axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await;

@@ -24,6 +24,7 @@ use sqlx::{ConnectOptions, PgConnection};
 use tokio_util::sync::CancellationToken;
 
 use crate::in_flight::InFlight;
+use crate::metrics::Metrics;
 
 /// What one tick did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -53,6 +54,8 @@ pub struct Heartbeat {
     visibility: Duration,
     /// This process's registry id: renewed messages are re-tagged with it (H26).
     owner: Arc<AtomicI64>,
+    /// Renewals, lost leases and failed statements are counted here, tick by tick.
+    metrics: Arc<Metrics>,
 }
 
 impl Heartbeat {
@@ -62,8 +65,9 @@ impl Heartbeat {
         interval: Duration,
         visibility: Duration,
         owner: Arc<AtomicI64>,
+        metrics: Arc<Metrics>,
     ) -> Self {
-        Self { connect, conn: None, sets, interval, visibility, owner }
+        Self { connect, conn: None, sets, interval, visibility, owner, metrics }
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
@@ -76,6 +80,9 @@ impl Heartbeat {
                 _ = ticker.tick() => {}
             }
             let report = self.run_once().await;
+            self.metrics.renewals.inc_by(report.renewed as u64);
+            self.metrics.leases_lost.inc_by(report.lost as u64);
+            self.metrics.renewal_failures.inc_by(report.failed_queues as u64);
             if report.lost > 0 || report.failed_queues > 0 {
                 tracing::warn!(
                     renewed = report.renewed,

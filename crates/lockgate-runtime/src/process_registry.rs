@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
 use crate::in_flight::InFlight;
+use crate::metrics::Metrics;
 use crate::PoolConfig;
 
 /// One worker pool as the registry reports it.
@@ -56,6 +57,7 @@ pub(crate) struct ProcessRegistry {
     rows: tokio::sync::Mutex<Vec<i64>>,
     interval: Duration,
     alive_threshold: Duration,
+    metrics: Arc<Metrics>,
 }
 
 impl ProcessRegistry {
@@ -67,6 +69,7 @@ impl ProcessRegistry {
         health: Arc<Health>,
         interval: Duration,
         alive_threshold: Duration,
+        metrics: Arc<Metrics>,
     ) -> Self {
         Self {
             db,
@@ -79,6 +82,7 @@ impl ProcessRegistry {
             rows: Default::default(),
             interval,
             alive_threshold,
+            metrics,
         }
     }
 
@@ -140,8 +144,19 @@ impl ProcessRegistry {
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
         crate::ticker::every(self.interval, &shutdown, || async {
             match self.run_once().await {
-                Ok(report) if report == RegistryReport::default() => {}
-                Ok(report) => tracing::info!(?report, "process registry"),
+                Ok(report) if report == RegistryReport::default() => {
+                    self.metrics.prune_runs.inc();
+                }
+                Ok(report) => {
+                    self.metrics.prune_runs.inc();
+                    self.metrics.processes_pruned.inc_by(report.pruned as u64);
+                    tracing::info!(
+                        reregistered = report.reregistered,
+                        pruned = report.pruned,
+                        in_flight = report.in_flight,
+                        "process registry"
+                    );
+                }
                 Err(error) => tracing::warn!(%error, "process heartbeat failed"),
             }
         })

@@ -5,7 +5,7 @@
 //! recurring tasks, record this process's heartbeat interval (which floors every lease), create
 //! the pools' queues, load the policy cache, register in `lockgate.processes` (each step
 //! retried while the database is restarting or drops the connection, H19), then start the
-//! health endpoints, the notifier, the heartbeat, the process registry, the maintenance sweeps,
+//! health and metrics endpoints, the metrics' gauge reader, the notifier, the heartbeat, the process registry, the maintenance sweeps,
 //! the recurring-job scheduler and the worker pools. Each service
 //! runs supervised: one that panics or stops on its own is logged and restarted with backoff,
 //! and three crashes within a minute make the process not ready.
@@ -19,7 +19,7 @@
 //!    lands before the pool's `run` returns (G7);
 //! 4. the heartbeat stops (it kept the leases of finishing jobs alive until now);
 //! 5. the registry stops, then the process deregisters;
-//! 6. the notifier, sweeps, scheduler and health endpoints stop; `run` returns.
+//! 6. the notifier, sweeps, scheduler, gauge reader and health endpoints stop; `run` returns.
 //!
 //! Nothing here races that sequence with a timer (seed 002): the caller awaits `run` and exits
 //! only after it returns. A second signal or QUIT is the binary's immediate exit.
@@ -41,6 +41,7 @@ use crate::health::{self, Health};
 use crate::heartbeat::Heartbeat;
 use crate::in_flight::InFlight;
 use crate::maintenance::{ArchiveRetention, BookkeepingSweep, ConcurrencySweep};
+use crate::metrics::{Metrics, MetricsRefresh};
 use crate::notifier::Notifier;
 use crate::policies::PolicyCache;
 use crate::process_registry::{PoolReport, ProcessRegistry};
@@ -63,6 +64,7 @@ pub struct Runtime {
     pools: Vec<PoolConfig>,
     name: String,
     health: Arc<Health>,
+    metrics: Arc<Metrics>,
     /// The recurring tasks this process's configuration owns, synced at start; `None` leaves
     /// every stored task as it is.
     recurring: Option<Vec<RecurringTask>>,
@@ -79,7 +81,16 @@ impl Runtime {
         for pool in &pools {
             pool.validate()?;
         }
-        Ok(Self { db, config, registry, pools, name: "lockgate".into(), health: Arc::default(), recurring: None })
+        Ok(Self {
+            db,
+            config,
+            registry,
+            pools,
+            name: "lockgate".into(),
+            health: Arc::default(),
+            metrics: Arc::default(),
+            recurring: None,
+        })
     }
 
     /// Declares the recurring tasks this process's configuration owns (the `[recurring]` tables
@@ -105,6 +116,12 @@ impl Runtime {
         Arc::clone(&self.health)
     }
 
+    /// The metrics this runtime serves on `/metrics`; give them to a [`Client`](crate::Client)
+    /// (`Client::with_metrics`) to count its enqueues there too.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        Arc::clone(&self.metrics)
+    }
+
     /// Runs until `shutdown` fires, then shuts down in the documented order.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), RuntimeError> {
         let db = &self.db;
@@ -117,7 +134,7 @@ impl Runtime {
             let removed =
                 start_up("sync the recurring tasks", up, || lockgate_sql::sync_config_recurring(db, tasks)).await?;
             if !removed.is_empty() {
-                tracing::info!(?removed, "removed recurring tasks the configuration no longer lists");
+                tracing::info!(removed = %removed.join(","), "removed recurring tasks the configuration no longer lists");
             }
         }
         let interval = self.config.heartbeat_interval;
@@ -148,7 +165,8 @@ impl Runtime {
         let services = CancellationToken::new();
         let tracker = TaskTracker::new();
         if let Some(addr) = self.config.health_listen {
-            tracker.spawn(health::serve(addr, Arc::clone(&self.health), services.clone()));
+            let (health, metrics) = (Arc::clone(&self.health), Arc::clone(&self.metrics));
+            tracker.spawn(health::serve(addr, health, metrics, services.clone()));
         }
 
         let mut notifier = Notifier::new(db.clone(), Arc::clone(&self.health));
@@ -183,6 +201,7 @@ impl Runtime {
             Arc::clone(&self.health),
             self.config.process_heartbeat_interval,
             self.config.alive_threshold,
+            Arc::clone(&self.metrics),
         ));
         start_up("register the process", up, || process_registry.register()).await?;
 
@@ -194,18 +213,29 @@ impl Runtime {
         }));
         tracker.spawn(supervise("archive_retention", health.clone(), services.clone(), {
             let (db, config) = (db.clone(), self.config.clone());
+            let metrics = Arc::clone(&self.metrics);
             move |token| {
-                ArchiveRetention::new(db.clone(), config.archive_retention, config.maintenance_interval).run(token)
+                ArchiveRetention::new(db.clone(), config.archive_retention, config.maintenance_interval)
+                    .with_metrics(Arc::clone(&metrics))
+                    .run(token)
             }
         }));
         tracker.spawn(supervise("concurrency_sweep", health.clone(), services.clone(), {
-            let (db, interval) = (db.clone(), self.config.sweep_interval);
-            move |token| ConcurrencySweep::new(db.clone(), interval).run(token)
+            let (db, interval, metrics) = (db.clone(), self.config.sweep_interval, Arc::clone(&self.metrics));
+            move |token| ConcurrencySweep::new(db.clone(), interval).with_metrics(Arc::clone(&metrics)).run(token)
         }));
         tracker.spawn(supervise("bookkeeping_sweep", health.clone(), services.clone(), {
             let (db, interval, reap_interval) =
                 (db.clone(), self.config.sweep_interval, self.config.maintenance_interval);
-            move |token| BookkeepingSweep::new(db.clone(), interval, reap_interval).run(token)
+            let metrics = Arc::clone(&self.metrics);
+            move |token| {
+                BookkeepingSweep::new(db.clone(), interval, reap_interval).with_metrics(Arc::clone(&metrics)).run(token)
+            }
+        }));
+        tracker.spawn(supervise("metrics_refresh", health.clone(), services.clone(), {
+            let (db, metrics) = (db.clone(), Arc::clone(&self.metrics));
+            let (interval, max_keys) = (self.config.metrics_interval, self.config.metrics_max_keys);
+            move |token| MetricsRefresh::new(db.clone(), Arc::clone(&metrics), interval, max_keys).run(token)
         }));
         tracker.spawn(supervise("recurring_scheduler", health.clone(), services.clone(), {
             let db = db.clone();
@@ -221,6 +251,7 @@ impl Runtime {
         let heartbeat_task = tokio::spawn(supervise("heartbeat", health.clone(), heartbeat_stop.clone(), {
             let connect = Budget::heartbeat(&self.config).apply(options.clone());
             let (config, sets, owner) = (self.config.clone(), sets.clone(), Arc::clone(&process_registry.owner));
+            let metrics = Arc::clone(&self.metrics);
             move |token| {
                 let beat = Heartbeat::new(
                     connect.clone(),
@@ -228,6 +259,7 @@ impl Runtime {
                     config.heartbeat_interval,
                     config.visibility_timeout,
                     Arc::clone(&owner),
+                    Arc::clone(&metrics),
                 );
                 beat.run(token)
             }
@@ -237,7 +269,7 @@ impl Runtime {
         for (pool, in_flight, wake, last_tick) in pool_parts {
             let (db, config, registry, policies) =
                 (db.clone(), self.config.clone(), self.registry.clone(), policies.clone());
-            let owner = Arc::clone(&process_registry.owner);
+            let (owner, metrics) = (Arc::clone(&process_registry.owner), Arc::clone(&self.metrics));
             workers.spawn(supervise("worker_pool", health.clone(), shutdown.clone(), move |token| {
                 let pool = WorkerPool::new(
                     pool.clone(),
@@ -249,12 +281,13 @@ impl Runtime {
                     Arc::clone(&wake),
                     Arc::clone(&owner),
                     Arc::clone(&last_tick),
+                    Arc::clone(&metrics),
                 );
                 pool.run(token)
             }));
         }
         self.health.set_running();
-        tracing::info!(pools = self.pools.len(), "lockgate running");
+        self.log_started();
         tokio::select! {
             () = shutdown.cancelled() => self.health.set_draining(),
             () = workers.wait() => {}
@@ -275,6 +308,19 @@ impl Runtime {
         tracker.wait().await;
         tracing::info!("lockgate stopped");
         Ok(())
+    }
+}
+
+impl Runtime {
+    /// What this process runs, for the operator reading its start: the job types, then one line
+    /// per pool with its queues (in claim order) and concurrency.
+    fn log_started(&self) {
+        let types: Vec<&str> = self.registry.job_types().iter().map(|(name, _)| name.as_str()).collect();
+        tracing::info!(pools = self.pools.len(), job_types = %types.join(","), "lockgate running");
+        for pool in &self.pools {
+            let queues: Vec<&str> = pool.queues.iter().map(|q| q.as_str()).collect();
+            tracing::info!(pool = %pool.name, queues = %queues.join(","), concurrency = pool.concurrency, "pool started");
+        }
     }
 }
 

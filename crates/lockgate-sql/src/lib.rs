@@ -46,6 +46,9 @@ pub use recurring::{
     database_now, define_recurring, enqueue_recurring_tick, list_recurring, remove_recurring, set_recurring_enabled,
     sync_config_recurring, RecurringRow, RecurringSource, TickOutcome,
 };
-pub use status::{queue_stats, queue_throughput, unique_lock_stats, QueueStats, QueueThroughput, UniqueLockStats};
+pub use status::{
+    metrics_snapshot, queue_stats, queue_throughput, unique_lock_stats, KeyMetrics, MetricsSnapshot, ProcessCount,
+    QueueMetrics, QueueStats, QueueThroughput, UniqueLockStats,
+};
 
 pub use sqlx::postgres::{PgPool, PgPoolOptions};

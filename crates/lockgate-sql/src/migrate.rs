@@ -72,6 +72,7 @@ const FUNCTIONS: &[&str] = &[
     include_str!("../../../sql/050_dlq.sql"),
     include_str!("../../../sql/060_status.sql"),
     include_str!("../../../sql/065_keys.sql"),
+    include_str!("../../../sql/066_metrics.sql"),
     include_str!("../../../sql/068_jobs.sql"),
     include_str!("../../../sql/069_doctor.sql"),
     include_str!("../../../sql/070_archive_retention.sql"),

@@ -1,4 +1,4 @@
-//! Status statements: per-queue counts for `lockgate status`.
+//! Status statements: per-queue counts for `lockgate status`, and the gauges of `/metrics`.
 
 use sqlx::{PgExecutor, Row};
 
@@ -91,4 +91,49 @@ pub async fn queue_throughput<'c>(db: impl PgExecutor<'c>, max_rows: i32) -> Res
             failed_last_hour: r.get(5),
         })
         .collect())
+}
+
+/// What `/metrics` reports from the database, read once per interval
+/// (`lockgate.metrics_snapshot`).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MetricsSnapshot {
+    pub queues: Vec<QueueMetrics>,
+    /// The `max_keys` busiest keys, then the rest summed as key `other`.
+    pub keys: Vec<KeyMetrics>,
+    pub processes: Vec<ProcessCount>,
+}
+
+/// One queue's gauges: `lockgate.queue_stats` plus its parked jobs.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct QueueMetrics {
+    pub queue: String,
+    pub ready: i64,
+    pub scheduled: i64,
+    pub running: i64,
+    pub parked: i64,
+    pub dead: i64,
+    pub oldest_ready_seconds: Option<f64>,
+    pub paused: bool,
+}
+
+/// Permits held and jobs parked under one concurrency key (or under every key past the cap).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct KeyMetrics {
+    pub key: String,
+    pub held: i64,
+    pub parked: i64,
+}
+
+/// Rows of `lockgate.processes` of one kind (supervisor, worker, dispatcher).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ProcessCount {
+    pub kind: String,
+    pub count: i64,
+}
+
+/// Every gauge of `/metrics` in one statement; keys past the `max_keys` busiest are summed.
+pub async fn metrics_snapshot<'c>(db: impl PgExecutor<'c>, max_keys: i32) -> Result<MetricsSnapshot, DbError> {
+    let snapshot: sqlx::types::Json<MetricsSnapshot> =
+        sqlx::query_scalar("SELECT lockgate.metrics_snapshot($1)").bind(max_keys).fetch_one(db).await?;
+    Ok(snapshot.0)
 }

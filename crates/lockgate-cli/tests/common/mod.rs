@@ -70,6 +70,16 @@ impl Setup {
         child
     }
 
+    /// Like `run`, with global flags before `run` (e.g. `--log-format json`) and stderr written
+    /// to `stderr`.
+    pub fn run_with(&self, db: &TestDb, flags: &[&str], stderr: Stdio) -> Child {
+        let mut args = flags.to_vec();
+        args.extend(["run", "--config", self.config.to_str().unwrap()]);
+        let child = lockgate(db, &args).stdout(Stdio::null()).stderr(stderr).spawn().unwrap();
+        self.started.lock().unwrap().push(child.id());
+        child
+    }
+
     pub fn starts(&self) -> usize {
         std::fs::read_to_string(self.dir.join("starts")).map(|s| s.lines().count()).unwrap_or(0)
     }

@@ -1,10 +1,13 @@
 //! Archive retention: deletes archived jobs older than the retention period, in every queue,
 //! in bounded batches.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use lockgate_sql::{DbError, PgPool};
 use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
 
 /// Rows deleted per statement: bounded so that pruning a large backlog never holds long locks.
 const PRUNE_BATCH: i32 = 10_000;
@@ -14,16 +17,29 @@ pub struct ArchiveRetention {
     db: PgPool,
     retention: Duration,
     interval: Duration,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl ArchiveRetention {
     pub fn new(db: PgPool, retention: Duration, interval: Duration) -> Self {
-        Self { db, retention, interval }
+        Self { db, retention, interval, metrics: None }
+    }
+
+    /// Counts every pass of `run` and the rows it deleted in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
         crate::ticker::every(self.interval, &shutdown, || async {
-            match self.run_once().await {
+            let result = self.run_once().await;
+            match (&self.metrics, &result) {
+                (Some(m), Ok(deleted)) => m.sweep_ran("archive_retention", &[("deleted", *deleted as u64)]),
+                (Some(m), Err(_)) => m.sweep_failed("archive_retention"),
+                (None, _) => {}
+            }
+            match result {
                 Ok(0) => {}
                 Ok(deleted) => tracing::info!(deleted, "pruned archived jobs"),
                 Err(error) => tracing::warn!(%error, "archive retention failed"),

@@ -6,10 +6,13 @@
 //! (`lockgate.reap_batches`). Several processes may sweep at once: each step skips rows another
 //! transaction holds, and each runs even when another failed.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lockgate_sql::{DbError, PgPool};
 use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
 
 /// A lock younger than this (or a batch with a change this recent) is never reaped: far longer
 /// than any transaction that takes or moves a lock or a job, so the reapers never race one.
@@ -30,11 +33,18 @@ pub struct BookkeepingSweep {
     db: PgPool,
     interval: Duration,
     reap_interval: Duration,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl BookkeepingSweep {
     pub fn new(db: PgPool, interval: Duration, reap_interval: Duration) -> Self {
-        Self { db, interval, reap_interval }
+        Self { db, interval, reap_interval, metrics: None }
+    }
+
+    /// Counts every pass of `run` and what it did in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
@@ -46,7 +56,11 @@ impl BookkeepingSweep {
                 last_reap = Some(Instant::now());
             }
             async move {
-                match this.run_once(reap).await {
+                let result = this.run_once(reap).await;
+                if let Some(metrics) = &this.metrics {
+                    record(metrics, &result);
+                }
+                match result {
                     Ok(report) if report == BookkeepingReport::default() => {}
                     Ok(report) => tracing::info!(
                         callbacks_enqueued = report.callbacks_enqueued,
@@ -74,5 +88,19 @@ impl BookkeepingSweep {
             (Ok(0), Ok(0))
         };
         Ok(BookkeepingReport { callbacks_enqueued: callbacks?, locks_reaped: locks?, batch_jobs_reaped: members? })
+    }
+}
+
+fn record(metrics: &Metrics, result: &Result<BookkeepingReport, DbError>) {
+    match result {
+        Ok(r) => metrics.sweep_ran(
+            "bookkeeping",
+            &[
+                ("callbacks_enqueued", r.callbacks_enqueued as u64),
+                ("locks_reaped", r.locks_reaped as u64),
+                ("batch_jobs_reaped", r.batch_jobs_reaped as u64),
+            ],
+        ),
+        Err(_) => metrics.sweep_failed("bookkeeping"),
     }
 }

@@ -3,10 +3,13 @@
 //! parked jobs of keys that can take a permit now (`lockgate.sweep`). Several processes may
 //! sweep at once: every step is guarded by the keys' row locks.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use lockgate_sql::{DbError, PgPool, SweepReport};
 use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
 
 /// Keys promoted per pass: enough to drain a backlog of dead holders quickly, bounded so one
 /// pass stays a short transaction.
@@ -15,16 +18,27 @@ const MAX_KEYS_PER_PASS: i32 = 1000;
 pub struct ConcurrencySweep {
     db: PgPool,
     interval: Duration,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl ConcurrencySweep {
     pub fn new(db: PgPool, interval: Duration) -> Self {
-        Self { db, interval }
+        Self { db, interval, metrics: None }
+    }
+
+    /// Counts every pass of `run` and what it did in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
         crate::ticker::every(self.interval, &shutdown, || async {
-            match self.run_once().await {
+            let result = self.run_once().await;
+            if let Some(metrics) = &self.metrics {
+                record(metrics, &result);
+            }
+            match result {
                 Ok(report) if report == SweepReport::default() => {}
                 Ok(report) => tracing::info!(
                     expired = report.expired,
@@ -40,5 +54,15 @@ impl ConcurrencySweep {
 
     pub async fn run_once(&self) -> Result<SweepReport, DbError> {
         lockgate_sql::sweep(&self.db, MAX_KEYS_PER_PASS, None).await
+    }
+}
+
+fn record(metrics: &Metrics, result: &Result<SweepReport, DbError>) {
+    match result {
+        Ok(r) => metrics.sweep_ran(
+            "concurrency",
+            &[("expired", r.expired as u64), ("orphaned", r.orphaned as u64), ("promoted", r.promoted as u64)],
+        ),
+        Err(_) => metrics.sweep_failed("concurrency"),
     }
 }

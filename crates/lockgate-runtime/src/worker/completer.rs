@@ -21,11 +21,12 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, Mutex};
 use tokio::task::JoinSet;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::held::HeldConnection;
 use super::persist::{persist, PersistError};
 use crate::in_flight::{Delivery, InFlight};
+use crate::metrics::JobMetrics;
 
 /// At most this many deliveries per statement: large enough to amortise a commit over a full
 /// batch of claims, small enough to keep one statement's locks short.
@@ -46,9 +47,35 @@ pub type Completion = Result<ArchiveOutcome, String>;
 /// batches, so one batch can be collected while the previous one commits.
 const QUEUE_CAPACITY: usize = 2 * MAX_BATCH;
 
+/// What the completer needs to count and log a job once its archive lands.
+pub(crate) struct Finished {
+    pub job_id: lockgate_core::JobId,
+    pub attempt: u32,
+    /// The handler's run time (zero for a discarded duplicate, which never ran).
+    pub duration: Duration,
+    /// A duplicate archived without running (counted as discarded, not succeeded).
+    pub discarded: bool,
+    pub metrics: Arc<JobMetrics>,
+}
+
+impl Finished {
+    /// Counts and logs a delivery this statement archived.
+    fn archived(&self, queue: &QueueName, msg_id: i64) {
+        let duration_ms = self.duration.as_secs_f64() * 1000.0;
+        let (job_id, job_type, attempt) = (self.job_id, self.metrics.job_type.as_str(), self.attempt);
+        if self.discarded {
+            self.metrics.discarded.inc();
+            tracing::info!(%queue, msg_id, job_id = job_id.0, job_type, attempt, "duplicate discarded");
+        } else {
+            self.metrics.succeeded.inc();
+            tracing::info!(%queue, msg_id, job_id = job_id.0, job_type, attempt, duration_ms, "job succeeded");
+        }
+    }
+}
+
 enum Request {
     /// A finished delivery, to archive.
-    Complete { delivery: Delivery, job_id: lockgate_core::JobId },
+    Complete { delivery: Delivery, finished: Finished },
     /// A delivery claimed ahead whose handler has started, to record.
     Started(Delivery),
 }
@@ -69,9 +96,13 @@ pub(crate) struct CompleterHandle {
 
 impl CompleterHandle {
     /// Hands a finished delivery over; waits only while the completer's queue is full.
-    pub async fn submit(&self, delivery: Delivery, job_id: lockgate_core::JobId) {
-        if self.tx.send(Request::Complete { delivery, job_id }).await.is_err() {
-            tracing::warn!(%job_id, "the completer has stopped; the job will run again after its visibility lapses");
+    pub async fn submit(&self, delivery: Delivery, finished: Finished) {
+        let job_id = finished.job_id;
+        if self.tx.send(Request::Complete { delivery, finished }).await.is_err() {
+            tracing::warn!(
+                job_id = job_id.0,
+                "the completer has stopped; the job will run again after its visibility lapses"
+            );
         }
     }
 
@@ -205,7 +236,7 @@ async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queu
     let mut starting = Vec::new();
     for request in requests {
         match request {
-            Request::Complete { delivery, job_id } => finished.push((delivery, job_id)),
+            Request::Complete { delivery, finished: f } => finished.push((delivery, f)),
             Request::Started(delivery) => starting.push(delivery),
         }
     }
@@ -230,13 +261,14 @@ async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queu
         tracing::warn!(%queue, %error, started = started.len(), "could not record that claimed-ahead jobs started");
     }
     let outcomes = outcomes(&deliveries, result);
-    for ((delivery, job_id), outcome) in finished.into_iter().zip(outcomes) {
+    for ((delivery, f), outcome) in finished.into_iter().zip(outcomes) {
         in_flight.remove(&delivery);
         let (queue, msg_id) = (&delivery.queue, delivery.msg_id);
+        let (job_id, job_type, attempt) = (f.job_id, f.metrics.job_type.as_str(), f.attempt);
         match outcome {
-            Ok(ArchiveOutcome::Archived) => tracing::debug!(%queue, msg_id, %job_id, "archived"),
+            Ok(ArchiveOutcome::Archived) => f.archived(queue, msg_id),
             Ok(outcome) => {
-                tracing::info!(%queue, msg_id, %job_id, %outcome, "completion changed nothing");
+                tracing::info!(%queue, msg_id, job_id = job_id.0, job_type, attempt, %outcome, "completion changed nothing");
                 // Its job may have been cancelled while the handler ran (rare: no batching).
                 let (read_ct, queue) = (delivery.read_ct, queue.as_str());
                 let released = conn
@@ -248,9 +280,15 @@ async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queu
                     tracing::warn!(queue, msg_id, %error, "a cancelled job's permit waits for its lease");
                 }
             }
-            Err(error) => {
-                tracing::warn!(%queue, msg_id, %job_id, %error, "completion not written; the job will run again")
-            }
+            Err(error) => tracing::warn!(
+                %queue,
+                msg_id,
+                job_id = job_id.0,
+                job_type,
+                attempt,
+                %error,
+                "completion not written; the job will run again"
+            ),
         }
     }
 }
@@ -302,7 +340,14 @@ mod tests {
         let mut pending = Pending::default();
         pending.push(Request::Started(delivery("qa", 1)));
         pending.push(Request::Started(delivery("qb", 1)));
-        pending.push(Request::Complete { delivery: delivery("qa", 1), job_id: lockgate_core::JobId(1) });
+        let finished = Finished {
+            job_id: lockgate_core::JobId(1),
+            attempt: 1,
+            duration: Duration::ZERO,
+            discarded: false,
+            metrics: crate::Metrics::new().job("qa", "t"),
+        };
+        pending.push(Request::Complete { delivery: delivery("qa", 1), finished });
         // Closing: every start is due at once.
         let batch = pending.take(false);
         let starts: Vec<&Delivery> =

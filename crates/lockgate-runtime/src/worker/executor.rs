@@ -3,7 +3,7 @@
 //! statement — complete, retry in place, or dead-letter — fenced on the delivery's token.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use lockgate_core::{Claim, JobHeaders, JobPolicy};
 use lockgate_sql::DeadLetterReason;
@@ -11,11 +11,13 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::completer::Finished;
 use super::persist::persist;
 use super::slots::Slot;
 use super::Shared;
 use crate::handler::HandlerFailure;
 use crate::in_flight::{Delivery, Finish, ABORT_WAIT, CANCEL_GRACE};
+use crate::metrics::JobMetrics;
 use crate::{CancelReason, JobContext, JobError};
 
 /// Runs one claimed delivery (registered as waiting in the in-flight set) to its final
@@ -45,20 +47,22 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
     let headers = match JobHeaders::decode(claim.headers.as_ref(), claim.msg_id) {
         Ok(headers) => headers,
         Err(reason) => {
-            return dead_letter_now(&shared, &claim, claimed_at, DeadLetterReason::Undecodable, &reason, claim.read_ct)
-                .await
+            let dead = Undeliverable { reason: DeadLetterReason::Undecodable, error: &reason, job_type: None };
+            return dead_letter_now(&shared, &claim, claimed_at, dead, claim.read_ct).await;
         }
     };
     // Moved out, not copied: the statements that follow read the row, not this value.
     let Some(args) = claim.message.take().filter(|m| m.is_object()) else {
-        let reason = "job arguments are not a JSON object";
-        return dead_letter_now(&shared, &claim, claimed_at, DeadLetterReason::Undecodable, reason, claim.read_ct)
-            .await;
+        let error = "job arguments are not a JSON object";
+        let job_type = Some(headers.job_type.as_str());
+        let dead = Undeliverable { reason: DeadLetterReason::Undecodable, error, job_type };
+        return dead_letter_now(&shared, &claim, claimed_at, dead, claim.read_ct).await;
     };
     let Some(policy) = shared.policies.get(&shared.db, &headers.job_type, claimed_at).await else {
-        let reason = format!("job type {:?} is not defined in lockgate.job_types", headers.job_type);
-        return dead_letter_now(&shared, &claim, claimed_at, DeadLetterReason::UnknownJobType, &reason, claim.read_ct)
-            .await;
+        let error = format!("job type {:?} is not defined in lockgate.job_types", headers.job_type);
+        let job_type = Some(headers.job_type.as_str());
+        let dead = Undeliverable { reason: DeadLetterReason::UnknownJobType, error: &error, job_type };
+        return dead_letter_now(&shared, &claim, claimed_at, dead, claim.read_ct).await;
     };
     let attempt = claim.attempt(&headers);
     let span = tracing::Span::current();
@@ -66,19 +70,13 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
     span.record("job_type", headers.job_type.as_str());
     span.record("attempt", attempt);
     if attempt > policy.max_attempts {
-        let reason = format!(
+        let error = format!(
             "delivery would be attempt {attempt} of {}: the previous attempt was lost (worker crash or lease loss)",
             policy.max_attempts
         );
-        return dead_letter_now(
-            &shared,
-            &claim,
-            claimed_at,
-            DeadLetterReason::AttemptsExhausted,
-            &reason,
-            policy.max_attempts as i32,
-        )
-        .await;
+        let job_type = Some(headers.job_type.as_str());
+        let dead = Undeliverable { reason: DeadLetterReason::AttemptsExhausted, error: &error, job_type };
+        return dead_letter_now(&shared, &claim, claimed_at, dead, policy.max_attempts as i32).await;
     }
     let ctx = JobContext {
         job_id: headers.job_id,
@@ -90,18 +88,23 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         cancel: CancellationToken::new(),
         reason: Default::default(),
     };
+    let metrics = shared.metrics.job(claim.queue.as_str(), &headers.job_type);
     if !shared.in_flight.start(&delivery, ctx.clone(), Instant::now()) {
         tracing::info!(
-            job_id = %ctx.job_id,
+            job_id = ctx.job_id.0,
             "claimed job given back before it started (shutdown, lease lost, or too little budget left to start it)"
         );
         return;
     }
     if let Some(holder) = headers.duplicate_of {
         // A while_executing duplicate its type discards: archived without running.
-        tracing::info!(job_id = %ctx.job_id, duplicate_of = %holder, "discarded: a job of its unique key is running");
+        tracing::info!(job_id = ctx.job_id.0, duplicate_of = holder.0, "discarded: a job of its unique key is running");
         match shared.in_flight.begin_finishing(&delivery) {
-            Finish::Write => shared.completer.submit(delivery, ctx.job_id).await,
+            Finish::Write => {
+                let finished =
+                    Finished { job_id: ctx.job_id, attempt, duration: Duration::ZERO, discarded: true, metrics };
+                shared.completer.submit(delivery, finished).await;
+            }
             Finish::Lost => {}
             Finish::Shutdown => shared.in_flight.stopped(&delivery, true),
         }
@@ -112,16 +115,24 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         // the process dies while it runs (H32).
         shared.completer.record_start(delivery.clone()).await;
     }
+    observe_start_latency(&metrics, &claim);
+    let started = Instant::now();
     let (result, ended) = run_handler(&shared, &ctx, &policy, args).await;
+    let duration = started.elapsed();
+    metrics.duration.observe(duration.as_secs_f64());
     match shared.in_flight.begin_finishing(&delivery) {
         Finish::Write => {}
         Finish::Lost => {
             // Its lease is lost or fenced: this delivery may write nothing more.
             let reason = ctx.cancel_reason().map_or_else(|| "none".to_string(), |r| r.to_string());
-            tracing::info!(job_id = %ctx.job_id, %reason, ended, "delivery given up without an outcome");
+            tracing::info!(job_id = ctx.job_id.0, %reason, ended, "delivery given up without an outcome");
+            let cancelled = ctx.cancel_reason() == Some(CancelReason::Cancelled);
+            if cancelled {
+                metrics.cancelled.inc();
+            }
             if !ended {
-                tracing::warn!(job_id = %ctx.job_id, "the cancelled handler did not stop within its grace");
-            } else if ctx.cancel_reason() == Some(CancelReason::Cancelled) {
+                tracing::warn!(job_id = ctx.job_id.0, "the cancelled handler did not stop within its grace");
+            } else if cancelled {
                 give_back_if_cancelled(&shared.db, &delivery).await;
             }
             return;
@@ -131,21 +142,44 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
             shared.in_flight.stopped(&delivery, ended);
             if !ended {
                 tracing::warn!(
-                    job_id = %ctx.job_id,
+                    job_id = ctx.job_id.0,
                     "handler did not stop within its grace: not returned to its queue, its visibility lapses instead"
                 );
             }
             return;
         }
     }
+    let duration_ms = duration.as_secs_f64() * 1000.0;
     match result {
-        Ok(()) => shared.completer.submit(delivery, ctx.job_id).await,
-        Err(HandlerFailure::Decode(reason)) => finish(&shared, &delivery, |db| {
-            let (claim, reason) = (&claim, &reason);
-            async move { lockgate_sql::dead_letter(db, claim, DeadLetterReason::Undecodable, reason, attempt).await }
-        })
-        .await,
-        Err(HandlerFailure::Failed(error)) => fail(&shared, &claim, &delivery, &policy, attempt, &error).await,
+        Ok(()) => {
+            let finished = Finished { job_id: ctx.job_id, attempt, duration, discarded: false, metrics };
+            shared.completer.submit(delivery, finished).await;
+        }
+        Err(HandlerFailure::Decode(reason)) => {
+            tracing::warn!(attempt, error = %reason, duration_ms, "arguments do not decode; dead-lettering");
+            let written = finish(&shared, &delivery, |db| {
+                let (claim, reason) = (&claim, &reason);
+                async move { lockgate_sql::dead_letter(db, claim, DeadLetterReason::Undecodable, reason, attempt).await }
+            })
+            .await;
+            if written {
+                metrics.dead_lettered.inc();
+            }
+        }
+        Err(HandlerFailure::Failed(error)) => {
+            let attempt = Attempt { number: attempt, duration_ms, metrics: &metrics };
+            fail(&shared, &claim, &delivery, &policy, attempt, &error).await;
+        }
+    }
+}
+
+/// From the message's enqueue to its handler's start, on the message's first delivery only: a
+/// retry's or a returned job's wait is its backoff or the shutdown, not the queue's. (A promoted
+/// or dead-letter-retried job is a new message: its wait counts from then.)
+fn observe_start_latency(metrics: &JobMetrics, claim: &Claim) {
+    if claim.read_ct == 1 {
+        let waited = (chrono::Utc::now() - claim.enqueued_at).to_std().unwrap_or_default();
+        metrics.start_latency.observe(waited.as_secs_f64());
     }
 }
 
@@ -223,27 +257,49 @@ fn joined_result(joined: Result<Result<(), HandlerFailure>, tokio::task::JoinErr
     }
 }
 
+/// A failed attempt: its number, how long its handler ran, and where to count it.
+struct Attempt<'a> {
+    number: u32,
+    duration_ms: f64,
+    metrics: &'a JobMetrics,
+}
+
 /// A failed attempt: retry in place after backoff, or dead-letter after the last attempt.
-async fn fail(shared: &Shared, claim: &Claim, delivery: &Delivery, policy: &JobPolicy, attempt: u32, error: &JobError) {
-    let message = error.message();
+async fn fail(
+    shared: &Shared,
+    claim: &Claim,
+    delivery: &Delivery,
+    policy: &JobPolicy,
+    a: Attempt<'_>,
+    error: &JobError,
+) {
+    let (message, attempt, duration_ms) = (error.message(), a.number, a.duration_ms);
     if attempt >= policy.max_attempts {
-        tracing::warn!(attempt, error = message, "last attempt failed; dead-lettering");
-        finish(shared, delivery, |db| async move {
+        tracing::warn!(attempt, error = message, duration_ms, "last attempt failed; dead-lettering");
+        let written = finish(shared, delivery, |db| async move {
             lockgate_sql::dead_letter(db, claim, DeadLetterReason::AttemptsExhausted, message, attempt).await
         })
         .await;
+        if written {
+            a.metrics.dead_lettered.inc();
+        }
     } else {
         let delay = policy.backoff.delay(attempt);
-        tracing::info!(attempt, error = message, ?delay, "attempt failed; retrying");
-        finish(shared, delivery, |db| async move { lockgate_sql::retry(db, claim, delay, message, attempt).await })
-            .await;
+        let retry_in_ms = delay.as_millis() as u64;
+        tracing::info!(attempt, error = message, duration_ms, retry_in_ms, "attempt failed; retrying");
+        let written =
+            finish(shared, delivery, |db| async move { lockgate_sql::retry(db, claim, delay, message, attempt).await })
+                .await;
+        if written {
+            a.metrics.retried.inc();
+        }
     }
 }
 
-/// Lands a retry or dead-letter statement through blips. A heartbeat racing it cannot push a
-/// retry's backoff out: the renewal skips the rows the statement holds and never renews a message
-/// the retry marked as waiting.
-async fn finish<'a, F, Fut>(shared: &'a Shared, delivery: &Delivery, statement: F)
+/// Lands a retry or dead-letter statement through blips; true if it was written. A heartbeat
+/// racing it cannot push a retry's backoff out: the renewal skips the rows the statement holds
+/// and never renews a message the retry marked as waiting.
+async fn finish<'a, F, Fut>(shared: &'a Shared, delivery: &Delivery, statement: F) -> bool
 where
     F: Fn(&'a lockgate_sql::PgPool) -> Fut,
     Fut: std::future::Future<Output = Result<bool, lockgate_sql::DbError>>,
@@ -251,13 +307,22 @@ where
     let result = persist("finish", || shared.in_flight.lease_until(delivery), || statement(&shared.db)).await;
     shared.in_flight.remove(delivery);
     match result {
-        Ok((true, _)) => {}
+        Ok((true, _)) => return true,
         Ok((false, _)) => {
             tracing::info!("delivery no longer owned; its outcome was not written");
             give_back_if_cancelled(&shared.db, delivery).await;
         }
         Err(error) => tracing::warn!(%error, "outcome not written; the job will run again"),
     }
+    false
+}
+
+/// A delivery dead-lettered before any handler ran: why, and its job type when its headers
+/// told it.
+struct Undeliverable<'a> {
+    reason: DeadLetterReason,
+    error: &'a str,
+    job_type: Option<&'a str>,
 }
 
 /// A delivery whose handler has ended found its message gone: if its job was cancelled while it
@@ -273,14 +338,8 @@ pub(crate) async fn give_back_if_cancelled(db: &lockgate_sql::PgPool, delivery: 
 }
 
 /// Dead-letters a delivery that never reached a handler (it is not in the in-flight set).
-async fn dead_letter_now(
-    shared: &Shared,
-    claim: &Claim,
-    claimed_at: Instant,
-    reason: DeadLetterReason,
-    error: &str,
-    attempts: i32,
-) {
+async fn dead_letter_now(shared: &Shared, claim: &Claim, claimed_at: Instant, dead: Undeliverable<'_>, attempts: i32) {
+    let Undeliverable { reason, error, job_type } = dead;
     tracing::warn!(reason = reason.as_str(), error, "dead-lettering undeliverable message");
     let lease_until = claimed_at + claim.budget;
     let attempts = u32::try_from(attempts).unwrap_or(1);
@@ -291,7 +350,12 @@ async fn dead_letter_now(
     )
     .await;
     shared.in_flight.remove(&Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct });
-    if let Err(error) = result {
-        tracing::warn!(%error, "dead-letter not written; the message will be delivered again");
+    match result {
+        // Counted under job type "unknown" when its headers did not decode.
+        Ok((true, _)) => {
+            shared.metrics.job(claim.queue.as_str(), job_type.unwrap_or("unknown")).dead_lettered.inc();
+        }
+        Ok((false, _)) => tracing::info!("delivery no longer owned; its dead letter was not written"),
+        Err(error) => tracing::warn!(%error, "dead-letter not written; the message will be delivered again"),
     }
 }

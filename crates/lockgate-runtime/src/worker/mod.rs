@@ -43,6 +43,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::in_flight::{Delivery, InFlight, FENCE_TICK};
+use crate::metrics::Metrics;
 use crate::policies::PolicyCache;
 use crate::{PoolConfig, Registry, RuntimeConfig};
 pub use completer::{complete_deliveries, Completion};
@@ -61,6 +62,8 @@ pub(crate) struct Shared {
     pub owner: Arc<AtomicI64>,
     /// Unix milliseconds of the fetch loop's last iteration; read by the process registry.
     pub last_tick: Arc<AtomicI64>,
+    /// The process's metrics: executors and the completer count outcomes here.
+    pub metrics: Arc<Metrics>,
 }
 
 /// Pause after a failed claim on a queue, doubled up to the poll interval while it keeps failing.
@@ -90,9 +93,11 @@ impl WorkerPool {
         wake: Arc<Notify>,
         owner: Arc<AtomicI64>,
         last_tick: Arc<AtomicI64>,
+        metrics: Arc<Metrics>,
     ) -> Self {
         let (completer, handle) = Completer::new(db.clone(), Arc::clone(&in_flight));
-        let shared = Shared { db, config: runtime, registry, policies, in_flight, completer: handle, owner, last_tick };
+        let shared =
+            Shared { db, config: runtime, registry, policies, in_flight, completer: handle, owner, last_tick, metrics };
         Self { config, shared: Arc::new(shared), completer, wake }
     }
 
