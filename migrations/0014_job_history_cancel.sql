@@ -23,3 +23,7 @@ CREATE TYPE lockgate.job_info AS (
     error           text,
     headers         jsonb
 );
+
+-- lockgate.queue_throughput counts the dead letters of the last hour per queue without reading
+-- the others.
+CREATE INDEX dead_letters_queue_dead_at_idx ON lockgate.dead_letters (queue, dead_at);

@@ -5,8 +5,9 @@
 -- archived, not fenced on a delivery: whichever delivery holds it loses it. In the same
 -- transaction, as a completion does, its uniqueness lock is released and its batch counted as
 -- failed, and a job that was not running gives its permit back (the next parked job of its key
--- is promoted). A running job keeps its permit (and its while_executing lock) until its handler
--- has stopped (G3: a permit is never free while a handler of the key may still run): its
+-- is promoted). A running job keeps its permit until its handler has stopped (G3: a permit is
+-- never free while a handler of the key may still run; a while_executing lock, a courtesy
+-- rather than a guarantee, is released at once rather than leak with a dead worker): its
 -- worker, told by its next heartbeat (which finds the message gone, reported as cancelled), stops
 -- the handler and then gives them back through lockgate.release_cancelled; if that worker is
 -- dead, the lease runs out within its silence budget and the sweep frees it, as for any lease
@@ -71,15 +72,11 @@ BEGIN
             END IF;
             -- The state it was in when this delete took it (a claim may have run since the lookup).
             state := gone_headers->>'cancelled_in';
-            -- A running job's permit and while_executing lock wait for its handler to stop.
-            IF gone_headers->>'cancelled_in' <> 'running' THEN
-                IF gone_headers ? 'ckey' THEN
-                    PERFORM lockgate._release_leases(j.queue, ARRAY[gone_id]);
-                END IF;
-                IF gone_headers ? 'ukey' OR gone_headers ? 'wkey' THEN
-                    PERFORM lockgate._release_unique(j.queue, ARRAY[j.id], ARRAY[gone_id]);
-                END IF;
-            ELSIF gone_headers ? 'ukey' THEN
+            -- A running job's permit waits for its handler to stop (release_cancelled).
+            IF gone_headers ? 'ckey' AND gone_headers->>'cancelled_in' <> 'running' THEN
+                PERFORM lockgate._release_leases(j.queue, ARRAY[gone_id]);
+            END IF;
+            IF gone_headers ? 'ukey' OR gone_headers ? 'wkey' THEN
                 PERFORM lockgate._release_unique(j.queue, ARRAY[j.id], ARRAY[gone_id]);
             END IF;
             IF gone_headers ? 'batch' THEN
@@ -91,19 +88,20 @@ BEGIN
             IF NOT FOUND THEN
                 CONTINUE;
             END IF;
-            IF p.queue IN (SELECT lockgate._live_queues()) THEN
-                EXECUTE format('INSERT INTO %s (msg_id, vt, read_ct, enqueued_at, message, headers)
-                                VALUES (nextval(''lockgate.job_id_seq''), $1, 0, $2, $3, $4)',
-                               lockgate._queue_table(p.queue, 'a'))
-                  USING p.run_at, p.parked_at, p.args,
-                        p.headers || jsonb_build_object('job_id', p.job_id, 'cancelled_at', clock_timestamp(),
-                                                        'cancelled_in', 'parked');
-            ELSE
-                -- Its queue is gone: kept with the dead letters instead, so nothing is lost.
-                INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
-                VALUES (p.queue, NULL, p.job_id, p.job_type, p.args, p.headers, 'cancelled',
-                        format('cancelled while parked; queue "%s" no longer exists', p.queue), 0, p.parked_at);
+            IF p.queue NOT IN (SELECT lockgate._live_queues()) THEN
+                -- Its queue is gone: kept with the dead letters, as its promotion would have done,
+                -- so nothing is lost.
+                PERFORM lockgate._dead_letter_parked(p, format('cancelled while parked; queue "%s" no longer exists', p.queue));
+                cancelled := true;
+                RETURN NEXT;
+                RETURN;
             END IF;
+            EXECUTE format('INSERT INTO %s (msg_id, vt, read_ct, enqueued_at, message, headers)
+                            VALUES (nextval(''lockgate.job_id_seq''), $1, 0, $2, $3, $4)',
+                           lockgate._queue_table(p.queue, 'a'))
+              USING p.run_at, p.parked_at, p.args,
+                    p.headers || jsonb_build_object('job_id', p.job_id, 'cancelled_at', clock_timestamp(),
+                                                    'cancelled_in', 'parked');
             PERFORM lockgate._release_unique(p.queue, ARRAY[p.job_id], ARRAY[NULL::bigint]);
             IF p.headers ? 'batch' THEN
                 PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true);
@@ -154,54 +152,52 @@ BEGIN
     END LOOP;
 END $$;
 
--- Gives back the permit and while_executing lock of a cancelled running delivery, once its
--- handler has stopped: its worker calls it after the heartbeat told it of the cancel. Fenced on
--- the delivery that was running when the job was cancelled (the archived message's msg_id and
--- read_ct, with cancelled_in running): any other delivery, or a second call, releases nothing.
--- Returns whether it released something.
--- Locks: the lease row, the key's semaphore row, the unique lock, as a completion.
--- Callers: the worker, after a cancelled handler ended.
+-- Gives back the permit of a cancelled running delivery, once its handler has stopped: its
+-- worker calls it after it learned of the cancel. Fenced on the delivery that was running when the
+-- job was cancelled (the archived message's msg_id and read_ct, with cancelled_in running): any
+-- other delivery, or a second call, releases nothing. Returns whether it released a permit.
+-- Locks: the lease row, then the key's semaphore row (it may wait for a producer holding it), as
+-- a completion. Callers: the worker, after a cancelled handler ended.
 CREATE OR REPLACE FUNCTION lockgate.release_cancelled(queue text, msg_id bigint, read_ct integer)
 RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
     h jsonb;
-    released integer := 0;
 BEGIN
+    IF queue NOT IN (SELECT lockgate._live_queues()) THEN
+        RETURN false;
+    END IF;
     EXECUTE format('SELECT a.headers FROM %s a WHERE a.msg_id = $1 AND a.read_ct = $2', lockgate._queue_table(queue, 'a'))
        INTO h
       USING msg_id, read_ct;
-    IF jsonb_typeof(h) <> 'object' OR h->>'cancelled_in' IS DISTINCT FROM 'running' THEN
+    IF jsonb_typeof(h) IS DISTINCT FROM 'object' OR h->>'cancelled_in' IS DISTINCT FROM 'running' OR NOT h ? 'ckey' THEN
         RETURN false;
     END IF;
-    IF h ? 'ckey' THEN
-        PERFORM 1 FROM lockgate.leases l
-          WHERE l.queue = release_cancelled.queue AND l.msg_id = release_cancelled.msg_id FOR UPDATE;
-        IF FOUND THEN
-            PERFORM lockgate._release_leases(queue, ARRAY[msg_id]);
-            released := 1;
-        END IF;
+    PERFORM 1 FROM lockgate.leases l
+      WHERE l.queue = release_cancelled.queue AND l.msg_id = release_cancelled.msg_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN false;
     END IF;
-    IF h ? 'wkey' THEN
-        DELETE FROM lockgate.unique_locks u
-         WHERE u.queue = release_cancelled.queue AND u.msg_id = release_cancelled.msg_id AND u.mode = 'while_executing';
-        IF FOUND THEN
-            released := released + 1;
-        END IF;
-    END IF;
-    RETURN released > 0;
+    PERFORM lockgate._release_leases(queue, ARRAY[msg_id]);
+    RETURN true;
 END $$;
 
--- Which of msg_ids (deliveries of queue the heartbeat found gone) were cancelled: their archived
--- message carries cancelled_at. One primary-key lookup per message, only for lost deliveries.
+-- Which of the deliveries (msg_ids[i], read_cts[i]) of queue the heartbeat found gone were
+-- cancelled while they held their job: their archived message carries cancelled_at and the same
+-- read_ct. One primary-key lookup per message, only for lost deliveries; nothing for a queue
+-- whose table is gone.
 -- Locks: none. Callers: the heartbeat.
-CREATE OR REPLACE FUNCTION lockgate.cancelled_messages(queue text, msg_ids bigint[])
+CREATE OR REPLACE FUNCTION lockgate.cancelled_messages(queue text, msg_ids bigint[], read_cts integer[])
 RETURNS SETOF bigint LANGUAGE plpgsql STABLE AS $$
 BEGIN
+    IF queue NOT IN (SELECT lockgate._live_queues()) THEN
+        RETURN;
+    END IF;
     RETURN QUERY EXECUTE format(
-        'SELECT a.msg_id FROM %s a JOIN unnest($1::bigint[]) AS k(msg_id) ON a.msg_id = k.msg_id
+        'SELECT a.msg_id FROM %s a JOIN unnest($1::bigint[], $2::integer[]) AS k(msg_id, read_ct)
+             ON a.msg_id = k.msg_id AND a.read_ct = k.read_ct
           WHERE jsonb_typeof(a.headers) = ''object'' AND a.headers ? ''cancelled_at''',
         lockgate._queue_table(queue, 'a'))
-      USING msg_ids;
+      USING msg_ids, read_cts;
 END $$;
 
 -- Deletes a dead or parked job for good (the job view's discard): a dead job's dead letters as

@@ -26,13 +26,13 @@ BEGIN
 END $$;
 
 -- Throughput for lockgate status and the dashboard: per queue, the jobs that succeeded (were
--- archived) and failed for good (were dead-lettered, and are still in the dead letters: a retried
+-- archived after running; cancelled and discarded ones are read but not counted) and failed for good (were dead-lettered, and are still in the dead letters: a retried
 -- or purged dead letter no longer counts) in the last minute and the last hour. Archived jobs are
 -- counted through PGMQ's archived_at index, newest first, reading at most max_rows entries per
 -- queue, so the cost is bounded whatever the volume; a count that reached max_rows is a lower
 -- bound, and succeeded_capped says so (an extrapolation from the newest rows' rate would be off
--- by the burst every time the hour was uneven). Dead letters are read through their (queue, id)
--- index, as queue_stats reads them.
+-- by the burst every time the hour was uneven). Dead letters are read through their (queue,
+-- dead_at) index (migrations/0014).
 -- Locks: none (plain reads). Callers: lockgate status, the dashboard, operators.
 --   $1 max_rows: archive index entries read per queue at most (100,000: some tens of
 --      milliseconds; exact up to about 28 jobs a second over the hour, 1,600 over the minute).
@@ -43,18 +43,23 @@ LANGUAGE plpgsql STABLE AS $$
 DECLARE
     q record;
 BEGIN
+    IF max_rows IS NULL OR max_rows < 1 THEN
+        RAISE EXCEPTION 'lockgate: invalid max_rows %: 1 or more', max_rows USING ERRCODE = 'LG003';
+    END IF;
     FOR q IN SELECT lockgate._live_queues() AS name LOOP
         queue := q.name;
         EXECUTE format(
-            'SELECT count(*) FILTER (WHERE t.archived_at > now() - interval ''1 minute''), count(*), count(*) >= $1
-               FROM (SELECT a.archived_at FROM %s a WHERE a.archived_at > now() - interval ''1 hour''
+            'SELECT count(*) FILTER (WHERE t.archived_at > now() - interval ''1 minute'' AND t.succeeded),
+                    count(*) FILTER (WHERE t.succeeded), count(*) >= $1
+               FROM (SELECT a.archived_at, lockgate._archived_state(a.headers) = ''succeeded'' AS succeeded
+                       FROM %s a WHERE a.archived_at > now() - interval ''1 hour''
                       ORDER BY a.archived_at DESC LIMIT $1) t',
             lockgate._queue_table(q.name, 'a'))
            INTO succeeded_last_minute, succeeded_last_hour, succeeded_capped USING max_rows;
         SELECT count(*) FILTER (WHERE d.dead_at > now() - interval '1 minute'),
                count(*) FILTER (WHERE d.dead_at > now() - interval '1 hour')
           INTO failed_last_minute, failed_last_hour
-          FROM lockgate.dead_letters d WHERE d.queue = q.name;
+          FROM lockgate.dead_letters d WHERE d.queue = q.name AND d.dead_at > now() - interval '1 hour';
         RETURN NEXT;
     END LOOP;
 END $$;

@@ -40,7 +40,7 @@ LANGUAGE sql STABLE AS $$
                          AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
           JOIN pg_class c ON c.oid = l.relation AND c.relkind IN ('r', 'p')
           JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname IN ('lockgate', 'pgmq')
-         WHERE a.pid <> pg_backend_pid() AND a.datname = current_database()
+         WHERE a.pid <> pg_backend_pid() AND a.datname = current_database() AND a.backend_type = 'client backend'
            AND ((a.state LIKE 'idle in transaction%' AND a.state_change < now() - idle_in_transaction)
              OR (a.state = 'active' AND a.xact_start < now() - long_running))
          GROUP BY a.pid, a.state, a.usename, a.application_name, a.xact_start, a.state_change, a.query)
@@ -105,7 +105,8 @@ LANGUAGE sql STABLE AS $$
                'claim, renew or complete; see who holds them (SELECT application_name, count(*) FROM '
                'pg_stat_activity GROUP BY 1), shrink the pools that do not need them, or raise max_connections'
            END
-      FROM (SELECT (SELECT count(*) FROM pg_stat_activity a WHERE a.backend_type = 'client backend') AS used,
+      -- pg_stat_database counts every role's backends; pg_stat_activity hides other roles' details.
+      FROM (SELECT (SELECT sum(d.numbackends)::bigint FROM pg_stat_database d) AS used,
                    current_setting('max_connections')::integer AS max,
                    current_setting('max_connections')::integer
                      - current_setting('superuser_reserved_connections')::integer
@@ -159,7 +160,8 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- Leases whose message no longer exists in its queue (removed outside lockgate: pgmq.delete,
--- pgmq.archive, pgmq.purge_queue), or whose queue is gone. Their permits are counted as held
+-- pgmq.archive, pgmq.purge_queue), or whose queue is gone; not the live lease of a job cancelled
+-- while it ran, which its worker gives back once the handler stopped (sql/045_cancel.sql). Their permits are counted as held
 -- until the sweep frees them, which it does once they expire (their holder may still run until
 -- then, sql/080_sweep.sql). One row for all of them.
 CREATE OR REPLACE FUNCTION lockgate._doctor_leases()
@@ -178,8 +180,12 @@ BEGIN
         IF q.queue IN (SELECT lockgate._live_queues()) THEN
             EXECUTE format(
                 'SELECT count(*), count(*) FILTER (WHERE l.expires_at < now()) FROM lockgate.leases l
-                  WHERE l.queue = $1 AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)',
-                lockgate._queue_table(q.queue, 'q'))
+                  WHERE l.queue = $1 AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)
+                    -- A cancelled running job keeps its lease until its handler stopped: expected.
+                    AND NOT (l.expires_at >= now()
+                             AND EXISTS (SELECT 1 FROM %s x WHERE x.msg_id = l.msg_id
+                                                             AND x.headers->>''cancelled_in'' = ''running''))',
+                lockgate._queue_table(q.queue, 'q'), lockgate._queue_table(q.queue, 'a'))
                INTO n, expired USING q.queue;
         ELSE
             SELECT count(*), count(*) FILTER (WHERE l.expires_at < now()) INTO n, expired
@@ -263,18 +269,43 @@ LANGUAGE sql STABLE AS $$
      WHERE NOT EXISTS (SELECT 1 FROM stale)
 $$;
 
--- The entry point (its contract is at the top of this file).
+-- Whether this role can see other roles' sessions (a superuser, or a member of
+-- pg_read_all_stats): without it the sessions check is blind to them. One warn row, or none.
+CREATE OR REPLACE FUNCTION lockgate._doctor_visibility()
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    SELECT 'sessions', 'warn',
+           format('role %s cannot see other roles'' sessions: a transaction of another role holding '
+                  'lockgate''s rows would not be named here', current_user),
+           'run lockgate doctor as a superuser, or GRANT pg_read_all_stats TO ' || quote_ident(current_user)
+     WHERE NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user)
+       AND NOT pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')
+$$;
+
+-- The entry point (its contract is at the top of this file). Thresholds must be finite and
+-- not negative (LG003).
 CREATE OR REPLACE FUNCTION lockgate.doctor(
     long_running_seconds double precision DEFAULT 60,
     idle_in_transaction_seconds double precision DEFAULT 10,
     alive_threshold_seconds double precision DEFAULT 60
 ) RETURNS TABLE (check_name text, verdict text, detail text, advice text)
-LANGUAGE sql STABLE AS $$
-    SELECT * FROM lockgate._doctor_sessions(make_interval(secs => long_running_seconds),
-                                            make_interval(secs => idle_in_transaction_seconds))
-    UNION ALL SELECT * FROM lockgate._doctor_settings()
-    UNION ALL SELECT * FROM lockgate._doctor_tables()
-    UNION ALL SELECT * FROM lockgate._doctor_leases()
-    UNION ALL SELECT * FROM lockgate._doctor_parked()
-    UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds))
-$$;
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    t double precision;
+BEGIN
+    FOREACH t IN ARRAY ARRAY[long_running_seconds, idle_in_transaction_seconds, alive_threshold_seconds] LOOP
+        IF t IS NULL OR t < 0 OR t IN ('infinity', 'NaN') THEN
+            RAISE EXCEPTION 'lockgate: invalid doctor threshold % seconds: a finite number, 0 or more', t
+                USING ERRCODE = 'LG003';
+        END IF;
+    END LOOP;
+    RETURN QUERY
+        SELECT * FROM lockgate._doctor_visibility()
+        UNION ALL SELECT * FROM lockgate._doctor_sessions(make_interval(secs => long_running_seconds),
+                                                          make_interval(secs => idle_in_transaction_seconds))
+        UNION ALL SELECT * FROM lockgate._doctor_settings()
+        UNION ALL SELECT * FROM lockgate._doctor_tables()
+        UNION ALL SELECT * FROM lockgate._doctor_leases()
+        UNION ALL SELECT * FROM lockgate._doctor_parked()
+        UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds));
+END $$;

@@ -319,3 +319,54 @@ async fn jobs_are_found_by_every_filter_and_cancelled_by_query() {
     assert_eq!((state_of(&db, b1).await, state_of(&db, b2).await), ("queued".to_string(), "parked".to_string()));
     assert_eq!(by(filter(|f| f.states = vec!["cancelled".into()])).await, vec![a[1], a[0]]);
 }
+
+/// From the second review: a cancelled running job's while_executing lock does not wait for its
+/// worker (nor leak with it), its live lease is no doctor alarm, it is no success in the
+/// throughput, and a parked job of a queue dropped behind lockgate's back can still be cancelled,
+/// kept with the dead letters.
+#[tokio::test]
+async fn cancel_leaves_no_lock_behind_raises_no_alarm_and_counts_no_success() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query(
+        "SELECT lockgate.define_job_type('w', concurrency_limit => 1, unique_mode => 'while_executing',
+                                         unique_key => ARRAY['u'])",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let running = enqueue(&db, "w", r#"{"u": 1}"#, "{}").await;
+    let d = claim(&db, 1).await[0];
+    let locks = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM lockgate.unique_locks").fetch_one(&db.pool).await.unwrap()
+    };
+    assert_eq!(locks().await, 1, "taken by the claim");
+    assert_eq!(cancel(&db.pool, running).await, Some(("running".to_string(), true)));
+    assert_eq!(locks().await, 0, "released by the cancel, not left to the worker");
+    let verdict: String =
+        sqlx::query_scalar("SELECT verdict FROM lockgate.doctor() WHERE check_name = 'orphaned_leases'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(verdict, "ok", "a cancelled job's lease waiting for its handler is expected");
+    let succeeded: i64 = sqlx::query_scalar("SELECT succeeded_last_hour FROM lockgate.queue_throughput()")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(succeeded, 0, "a cancelled job is archived, not succeeded");
+    assert!(release_cancelled(&db, d).await);
+    // A parked job whose queue was dropped behind lockgate's back.
+    sqlx::query("SELECT lockgate.define_job_type('gone', queue => 'doomed', concurrency_limit => 1)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    enqueue(&db, "gone", "{}", "{}").await;
+    let parked = enqueue(&db, "gone", "{}", "{}").await;
+    sqlx::query("SELECT pgmq.drop_queue('doomed')").execute(&db.pool).await.unwrap();
+    assert_eq!(cancel(&db.pool, parked).await, Some(("parked".to_string(), true)));
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.dead_letters WHERE job_id = $1")
+        .bind(parked)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(kept, 1, "kept with the dead letters, not lost");
+}

@@ -18,13 +18,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lockgate_core::QueueName;
-use lockgate_sql::{DbError, Renewal};
+use lockgate_sql::{DbError, PgPool, Renewal};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, PgConnection};
 use tokio_util::sync::CancellationToken;
 
-use crate::in_flight::InFlight;
+use crate::in_flight::{Delivery, InFlight};
 use crate::metrics::Metrics;
+use crate::worker::executor::give_back_if_cancelled;
 
 /// What one tick did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -32,7 +33,10 @@ pub struct HeartbeatReport {
     pub renewed: usize,
     /// Skipped because another statement held their rows; asked again next tick.
     pub busy: usize,
+    /// Lost for any reason but a cancel: a lapsed lease, a newer delivery.
     pub lost: usize,
+    /// Lost because their job was cancelled (not counted in `lost`).
+    pub cancelled: usize,
     pub failed_queues: usize,
 }
 
@@ -49,6 +53,9 @@ pub struct Heartbeat {
     /// The heartbeat's own connection's options, with its statement budget.
     connect: PgConnectOptions,
     conn: Option<PgConnection>,
+    /// The runtime's pool: only for giving back the permits of cancelled jobs, in tasks of their
+    /// own, since that may wait for a key's row lock and a renewal never waits (H28).
+    db: PgPool,
     sets: Vec<Arc<InFlight>>,
     interval: Duration,
     visibility: Duration,
@@ -61,13 +68,14 @@ pub struct Heartbeat {
 impl Heartbeat {
     pub(crate) fn new(
         connect: PgConnectOptions,
+        db: PgPool,
         sets: Vec<Arc<InFlight>>,
         interval: Duration,
         visibility: Duration,
         owner: Arc<AtomicI64>,
         metrics: Arc<Metrics>,
     ) -> Self {
-        Self { connect, conn: None, sets, interval, visibility, owner, metrics }
+        Self { connect, conn: None, db, sets, interval, visibility, owner, metrics }
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
@@ -91,8 +99,13 @@ impl Heartbeat {
                     failed_queues = report.failed_queues,
                     "heartbeat"
                 );
-            } else if report.busy > 0 {
-                tracing::debug!(renewed = report.renewed, busy = report.busy, "heartbeat");
+            } else if report.busy > 0 || report.cancelled > 0 {
+                tracing::debug!(
+                    renewed = report.renewed,
+                    busy = report.busy,
+                    cancelled = report.cancelled,
+                    "heartbeat"
+                );
             }
         }
     }
@@ -113,7 +126,8 @@ impl Heartbeat {
                         report.renewed += r.renewed;
                         report.busy += r.busy;
                         report.lost += r.lost;
-                        self.release_cancelled(&queue, &r.cancelled_idle).await;
+                        report.cancelled += r.cancelled;
+                        self.release_cancelled(&queue, &r.cancelled_idle);
                     }
                     Err(error) => {
                         tracing::warn!(%queue, %error, "renewal failed; the next tick tries again");
@@ -129,9 +143,12 @@ impl Heartbeat {
     /// so their handlers learn why. Asked only when some were lost; a failed question leaves
     /// them reported as lost leases, which stops them all the same.
     async fn cancelled_among_lost(&mut self, queue: &QueueName, asked: &[(i64, i32)], renewal: &Renewal) -> Vec<i64> {
+        if renewal.renewed.len() + renewal.busy.len() == asked.len() {
+            return Vec::new();
+        }
         let answered: HashSet<i64> =
             renewal.renewed.iter().map(|(id, _)| *id).chain(renewal.busy.iter().copied()).collect();
-        let lost: Vec<i64> = asked.iter().map(|(msg_id, _)| *msg_id).filter(|id| !answered.contains(id)).collect();
+        let lost: Vec<(i64, i32)> = asked.iter().copied().filter(|(id, _)| !answered.contains(id)).collect();
         let Some(conn) = self.conn.as_mut().filter(|_| !lost.is_empty()) else {
             return Vec::new();
         };
@@ -149,22 +166,13 @@ impl Heartbeat {
         }
     }
 
-    /// Gives back the permits of cancelled deliveries that no handler had started. A failure
-    /// leaves them to run out with their leases (the sweep frees them then).
-    async fn release_cancelled(&mut self, queue: &QueueName, idle: &[(i64, i32)]) {
+    /// Gives back the permits of cancelled deliveries that no handler had started, each in a task
+    /// of its own on the runtime's pool: the release may wait for its key's row lock, and this
+    /// tick must not.
+    fn release_cancelled(&self, queue: &QueueName, idle: &[(i64, i32)]) {
         for &(msg_id, read_ct) in idle {
-            let Some(conn) = self.conn.as_mut() else { return };
-            let released = lockgate_sql::release_cancelled(&mut *conn, queue.as_str(), msg_id, read_ct);
-            match tokio::time::timeout(self.interval, released).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) => {
-                    tracing::warn!(%queue, msg_id, %error, "a cancelled job's permit waits for its lease")
-                }
-                Err(_) => {
-                    self.conn = None;
-                    return;
-                }
-            }
+            let (db, delivery) = (self.db.clone(), Delivery { queue: queue.clone(), msg_id, read_ct });
+            tokio::spawn(async move { give_back_if_cancelled(&db, &delivery).await });
         }
     }
 

@@ -96,7 +96,10 @@ pub(crate) enum Finish {
 pub(crate) struct Renewed {
     pub renewed: usize,
     pub busy: usize,
+    /// Lost for any reason but a cancel.
     pub lost: usize,
+    /// Lost because their job was cancelled.
+    pub cancelled: usize,
     /// Cancelled deliveries no handler had started: nothing runs for them, so their permits can
     /// be given back at once (`lockgate.release_cancelled`), as (msg_id, read_ct).
     pub cancelled_idle: Vec<(i64, i32)>,
@@ -244,7 +247,11 @@ impl InFlight {
                     None if reason == CancelReason::Cancelled => report.cancelled_idle.push((*msg_id, *read_ct)),
                     None => {}
                 }
-                report.lost += 1;
+                if reason == CancelReason::Cancelled {
+                    report.cancelled += 1;
+                } else {
+                    report.lost += 1;
+                }
             }
         }
         report

@@ -251,10 +251,11 @@ impl Runtime {
         let heartbeat_task = tokio::spawn(supervise("heartbeat", health.clone(), heartbeat_stop.clone(), {
             let connect = Budget::heartbeat(&self.config).apply(options.clone());
             let (config, sets, owner) = (self.config.clone(), sets.clone(), Arc::clone(&process_registry.owner));
-            let metrics = Arc::clone(&self.metrics);
+            let (metrics, db) = (Arc::clone(&self.metrics), db.clone());
             move |token| {
                 let beat = Heartbeat::new(
                     connect.clone(),
+                    db.clone(),
                     sets.clone(),
                     config.heartbeat_interval,
                     config.visibility_timeout,

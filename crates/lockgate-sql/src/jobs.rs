@@ -197,14 +197,21 @@ pub async fn release_cancelled<'c>(
         .await?)
 }
 
-/// Which of `msg_ids`, no longer in `queue`, were cancelled (archived by `lockgate.cancel`): the
-/// heartbeat asks about the deliveries it lost, to tell a cancel from a lapsed lease.
+/// Which of the deliveries `(msg_id, read_ct)` of `queue`, no longer there, were cancelled while
+/// they held their job (archived by `lockgate.cancel` with that read_ct): the heartbeat asks about
+/// the deliveries it lost, to tell a cancel from a lapsed lease.
 pub async fn cancelled_messages<'c>(
     db: impl PgExecutor<'c>,
     queue: &str,
-    msg_ids: &[i64],
+    lost: &[(i64, i32)],
 ) -> Result<Vec<i64>, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.cancelled_messages($1, $2)").bind(queue).bind(msg_ids).fetch_all(db).await?)
+    let (ids, cts): (Vec<i64>, Vec<i32>) = lost.iter().copied().unzip();
+    Ok(sqlx::query_scalar("SELECT lockgate.cancelled_messages($1, $2, $3)")
+        .bind(queue)
+        .bind(ids)
+        .bind(cts)
+        .fetch_all(db)
+        .await?)
 }
 
 /// `lockgate.discard_job(id)`: deletes a dead or parked job for good. `None` for an unknown id;

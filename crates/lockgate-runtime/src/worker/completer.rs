@@ -23,6 +23,7 @@ use tokio::task::JoinSet;
 
 use std::time::{Duration, Instant};
 
+use super::executor::give_back_if_cancelled;
 use super::held::HeldConnection;
 use super::persist::{persist, PersistError};
 use crate::in_flight::{Delivery, InFlight};
@@ -269,16 +270,10 @@ async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queu
             Ok(ArchiveOutcome::Archived) => f.archived(queue, msg_id),
             Ok(outcome) => {
                 tracing::info!(%queue, msg_id, job_id = job_id.0, job_type, attempt, %outcome, "completion changed nothing");
-                // Its job may have been cancelled while the handler ran (rare: no batching).
-                let (read_ct, queue) = (delivery.read_ct, queue.as_str());
-                let released = conn
-                    .lock()
-                    .await
-                    .run(async |c| lockgate_sql::release_cancelled(c, queue, msg_id, read_ct).await)
-                    .await;
-                if let Err(error) = released {
-                    tracing::warn!(queue, msg_id, %error, "a cancelled job's permit waits for its lease");
-                }
+                // Its job may have been cancelled while the handler ran: the permit it kept goes
+                // back, in a task of its own (it may wait for its key; completions must not).
+                let db = conn.lock().await.pool().clone();
+                tokio::spawn(async move { give_back_if_cancelled(&db, &delivery).await });
             }
             Err(error) => tracing::warn!(
                 %queue,

@@ -60,8 +60,9 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
     };
     let Some(policy) = shared.policies.get(&shared.db, &headers.job_type, claimed_at).await else {
         let error = format!("job type {:?} is not defined in lockgate.job_types", headers.job_type);
-        let job_type = Some(headers.job_type.as_str());
-        let dead = Undeliverable { reason: DeadLetterReason::UnknownJobType, error: &error, job_type };
+        // Counted under "unknown": a type no one defined is whatever a producer wrote, and must
+        // not become a metric label of its own.
+        let dead = Undeliverable { reason: DeadLetterReason::UnknownJobType, error: &error, job_type: None };
         return dead_letter_now(&shared, &claim, claimed_at, dead, claim.read_ct).await;
     };
     let attempt = claim.attempt(&headers);
@@ -105,7 +106,7 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
                     Finished { job_id: ctx.job_id, attempt, duration: Duration::ZERO, discarded: true, metrics };
                 shared.completer.submit(delivery, finished).await;
             }
-            Finish::Lost => {}
+            Finish::Lost => give_back_if_cancelled(&shared.db, &delivery).await,
             Finish::Shutdown => shared.in_flight.stopped(&delivery, true),
         }
         return;
@@ -126,14 +127,15 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
             // Its lease is lost or fenced: this delivery may write nothing more.
             let reason = ctx.cancel_reason().map_or_else(|| "none".to_string(), |r| r.to_string());
             tracing::info!(job_id = ctx.job_id.0, %reason, ended, "delivery given up without an outcome");
-            let cancelled = ctx.cancel_reason() == Some(CancelReason::Cancelled);
-            if cancelled {
+            if ctx.cancel_reason() == Some(CancelReason::Cancelled) {
                 metrics.cancelled.inc();
             }
-            if !ended {
-                tracing::warn!(job_id = ctx.job_id.0, "the cancelled handler did not stop within its grace");
-            } else if cancelled {
+            if ended {
+                // Whatever stopped it first (a timeout, shutdown, a lapsed lease), its job may have
+                // been cancelled meanwhile; then the permit it kept goes back now.
                 give_back_if_cancelled(&shared.db, &delivery).await;
+            } else {
+                tracing::warn!(job_id = ctx.job_id.0, "the cancelled handler did not stop within its grace");
             }
             return;
         }
@@ -325,14 +327,26 @@ struct Undeliverable<'a> {
     job_type: Option<&'a str>,
 }
 
+/// How long the worker keeps trying to give back a cancelled job's permit through database blips
+/// before leaving it to run out with its lease (the sweep frees it then).
+const GIVE_BACK_DEADLINE: Duration = Duration::from_secs(30);
+
 /// A delivery whose handler has ended found its message gone: if its job was cancelled while it
 /// ran, the permit it kept until now goes back (`lockgate.release_cancelled`, fenced on this
-/// delivery; a no-op otherwise). On failure the permit waits for its lease to run out.
+/// delivery; a no-op otherwise). Retried through blips; on failure the permit waits for its lease
+/// to run out.
 pub(crate) async fn give_back_if_cancelled(db: &lockgate_sql::PgPool, delivery: &Delivery) {
     let (queue, msg_id, read_ct) = (delivery.queue.as_str(), delivery.msg_id, delivery.read_ct);
-    match lockgate_sql::release_cancelled(db, queue, msg_id, read_ct).await {
-        Ok(true) => tracing::info!(queue, msg_id, "a cancelled job's handler ended: its permit is given back"),
-        Ok(false) => {}
+    let deadline = Instant::now() + GIVE_BACK_DEADLINE;
+    match persist(
+        "release_cancelled",
+        || Some(deadline),
+        || lockgate_sql::release_cancelled(db, queue, msg_id, read_ct),
+    )
+    .await
+    {
+        Ok((true, _)) => tracing::info!(queue, msg_id, "a cancelled job's handler ended: its permit is given back"),
+        Ok((false, _)) => {}
         Err(error) => tracing::warn!(queue, msg_id, %error, "a cancelled job's permit waits for its lease"),
     }
 }
@@ -351,11 +365,15 @@ async fn dead_letter_now(shared: &Shared, claim: &Claim, claimed_at: Instant, de
     .await;
     shared.in_flight.remove(&Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct });
     match result {
-        // Counted under job type "unknown" when its headers did not decode.
+        // Counted under job type "unknown" when its headers did not decode or its type is not defined.
         Ok((true, _)) => {
             shared.metrics.job(claim.queue.as_str(), job_type.unwrap_or("unknown")).dead_lettered.inc();
         }
-        Ok((false, _)) => tracing::info!("delivery no longer owned; its dead letter was not written"),
+        Ok((false, _)) => {
+            tracing::info!("delivery no longer owned; its dead letter was not written");
+            let delivery = Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct };
+            give_back_if_cancelled(&shared.db, &delivery).await;
+        }
         Err(error) => tracing::warn!(%error, "dead-letter not written; the message will be delivered again"),
     }
 }

@@ -20,6 +20,11 @@ impl HeldConnection {
         Self { pool, conn: None }
     }
 
+    /// The pool it takes connections from.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
     /// Runs one statement on the held connection, taking one from the pool first if none is held.
     pub async fn run<T>(
         &mut self,

@@ -23,7 +23,7 @@
 //! lapses instead. Finishing jobs land their outcome; the completer stops last.
 
 mod completer;
-mod executor;
+pub(crate) mod executor;
 mod held;
 mod persist;
 mod slots;
@@ -296,7 +296,12 @@ async fn return_stopped(shared: &Shared) {
         }
         match result {
             Ok((released, _)) => {
-                tracing::info!(%queue, released = released.len(), "returned unfinished jobs to their queue")
+                tracing::info!(%queue, released = released.len(), "returned unfinished jobs to their queue");
+                // A job cancelled while it was stopping is not returned: its handler has ended, so
+                // the permit it kept goes back now.
+                for d in deliveries.iter().filter(|d| !released.contains(&d.msg_id)) {
+                    executor::give_back_if_cancelled(&shared.db, d).await;
+                }
             }
             Err(error) => {
                 tracing::warn!(%queue, %error, "could not return jobs; they come back when their visibility lapses")
