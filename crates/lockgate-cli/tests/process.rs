@@ -209,6 +209,10 @@ async fn operators_list_parked_jobs_and_discard_one_explicitly() {
     assert!(text(&o).contains("parked"), "{}", text(&o));
     let listed = text(&output(&db, &["parked", "list", "--key", "task:[1]"]));
     assert_eq!(listed.lines().count(), 3, "a header and two parked jobs: {listed}");
+    let json = output(&db, &["parked", "list", "--json"]);
+    let rows: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(rows.as_array().map(Vec::len), Some(2), "{rows}");
+    assert_eq!(rows[0]["args"]["n"], 2, "promotion order: {rows}");
     let status = text(&output(&db, &["status"]));
     assert!(status.contains("task:[1]") && status.contains("PARKED"), "{status}");
     let id: i64 = sqlx::query_scalar("SELECT min(id) FROM lockgate.parked").fetch_one(&db.pool).await.unwrap();

@@ -74,7 +74,7 @@ pub async fn key_stats<'c>(db: impl PgExecutor<'c>) -> Result<Vec<KeyStats>, DbE
 }
 
 /// A job waiting for a permit.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ParkedJob {
     pub id: i64,
     pub key: String,

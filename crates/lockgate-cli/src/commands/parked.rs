@@ -16,6 +16,9 @@ pub enum Command {
         /// At most this many rows.
         #[arg(long, default_value_t = 50)]
         limit: i32,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Delete one parked job for good, by the id `parked list` shows.
     Discard {
@@ -27,8 +30,12 @@ pub enum Command {
 pub async fn run(url: Option<String>, command: Command) -> Result<()> {
     let pool = db::connect_checked(&db::resolve(url), 1).await?;
     match command {
-        Command::List { key, limit } => {
+        Command::List { key, limit, json } => {
             let rows = parked_jobs(&pool, key.as_deref(), limit).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+                return Ok(());
+            }
             println!(
                 "{:<8} {:<8} {:<32} {:<16} {:<20} {:>4}  {:<25} ARGS",
                 "ID", "JOB", "KEY", "QUEUE", "TYPE", "PRIO", "PARKED AT"
