@@ -4,7 +4,8 @@
 -- on (msg_id, read_ct). A run that had started counts in shutdown_returns; once a job has
 -- max_returns of them (NULL: no cap), a further shutdown return is counted as an attempt (returns
 -- is not incremented), so a job that always outlives shutdown_timeout cannot cycle forever across
--- deploys. A delivery claimed ahead and never started is always a plain return.
+-- deploys; such a return joins the job's attempts (outcome interrupted, sql/068_jobs.sql). A
+-- delivery claimed ahead and never started is always a plain return.
 -- The message is marked waiting (retry_at), so a heartbeat that raced the return does not push
 -- its visibility out again (sql/030_extend.sql); the next claim clears the mark.
 -- Permits are kept: the job re-runs holding them, and the lease is renewed so it survives until
@@ -32,6 +33,15 @@ BEGIN
                                             + CASE WHEN $4 IS NOT NULL AND COALESCE((m.headers->>''shutdown_returns'')::integer, 0) >= $4
                                                    THEN 0 ELSE 1 END, 999999999),
                                         ''shutdown_returns'', LEAST(COALESCE((m.headers->>''shutdown_returns'')::integer, 0) + 1, 999999999))
+                                   -- Counted as an attempt: it joins the attempt history.
+                                   || CASE WHEN $4 IS NOT NULL AND COALESCE((m.headers->>''shutdown_returns'')::integer, 0) >= $4
+                                           THEN jsonb_build_object(''errors'', COALESCE(m.headers->''errors'', ''[]'')
+                                                || jsonb_build_array(jsonb_build_object(
+                                                       ''attempt'', lockgate._attempt_of(m.headers, m.read_ct),
+                                                       ''started_at'', m.last_read_at, ''at'', clock_timestamp(),
+                                                       ''process'', m.headers->''owner'', ''outcome'', ''interrupted'',
+                                                       ''error'', format(''returned by shutdown after %%s free returns'', $4))))
+                                           ELSE ''{}'' END
                               END
                FROM (SELECT x.msg_id, x.last_read_at IS NOT NULL AS started
                        FROM %1$s x JOIN unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)

@@ -120,6 +120,12 @@ async fn shutdown_returns_of_a_started_run_count_as_attempts_after_the_cap() {
     }
     assert_eq!(attempts, vec![1, 1, 1, 2], "the third return was the first one charged");
     assert_eq!(attempt_of(&db, msg_id).await + 1, 3, "and so was the fourth: the next run is attempt 3");
+    // The charged returns are in the job's history, as interrupted attempts 1 and 2.
+    let (_, _, outcomes) = job_state(&db, msg_id).await;
+    assert_eq!(outcomes, "interrupted interrupted");
+    let job = lockgate::sql::job(&db.pool, lockgate::JobId(msg_id)).await.unwrap().unwrap();
+    let numbers: Vec<i64> = job.attempts.as_array().unwrap().iter().filter_map(|a| a["attempt"].as_i64()).collect();
+    assert_eq!(numbers, vec![1, 2]);
     // A delivery claimed ahead and never started is always a free return.
     let (id, ct): (i64, i32) =
         sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30, start_now => 0)")
