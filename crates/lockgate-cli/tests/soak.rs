@@ -11,7 +11,9 @@
 //! enqueued, whose counts must match the jobs' fates and whose callbacks must each run once
 //! (H22); a `while_executing` type joins the overlap oracle as a key of limit 1, and an
 //! `until_executed` type (duplicates discarded) must never have two live jobs of one key, nor
-//! leave a lock behind (H14).
+//! leave a lock behind (H14). With issue 12, an operator cancels a random job every 0.5-2 s
+//! through the faults: a cancelled job counts as archived (and failed in the batch), and a
+//! cancelled running job's key must still never overlap (its permit waits for its command).
 //!
 //! The overlap oracle is independent of lockgate's bookkeeping. Each job's handler is `psql`,
 //! one session that takes one of the key's `limit` advisory-lock slots (`pg_try_advisory_lock(
@@ -559,6 +561,34 @@ async fn produce(pool: PgPool, batch: i64, jobs: Vec<(usize, JobSpec)>, start: I
     errors
 }
 
+/// An operator cancelling jobs (issue 12) while the faults run: every 0.5-2 s, one job picked at
+/// random, two times in three among the running ones, else among all, in whatever state it is. A cancelled running job keeps its key's
+/// permit until its command has stopped, so the overlap check below covers cancel too. Returns
+/// how many jobs it cancelled (errors from the faults are skipped).
+async fn cancel_some(pool: PgPool, seed: u64, until: Instant) -> i64 {
+    let mut rng = fastrand::Rng::with_seed(seed ^ 0x00ca_9ce1);
+    let mut cancelled = 0;
+    while Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(rng.u64(500..2000))).await;
+        // Mostly a running job (the case that must not free its key early), else any job.
+        let pick = if rng.u8(0..3) < 2 {
+            "SELECT COALESCE(lockgate._job_id_of(headers), msg_id) FROM pgmq.q_soak
+              WHERE vt > now() AND read_ct > 0 AND NOT headers ? 'retry_at' ORDER BY random() LIMIT 1"
+        } else {
+            "SELECT job_id FROM soak.expected ORDER BY random() LIMIT 1"
+        };
+        let picked: Result<Option<bool>, _> = sqlx::query_scalar(&format!(
+            "SELECT c.cancelled FROM ({pick}) e(job_id), LATERAL lockgate.cancel(e.job_id) c"
+        ))
+        .fetch_optional(&pool)
+        .await;
+        if let Ok(Some(true)) = picked {
+            cancelled += 1;
+        }
+    }
+    cancelled
+}
+
 async fn soak(size: Size, seed: u64) {
     let started = Instant::now();
     eprintln!("chaos soak: seed {seed} (SOAK_SEED={seed} replays it), {size:?}");
@@ -662,6 +692,7 @@ async fn soak(size: Size, seed: u64) {
         Instant::now(),
         size.chaos.mul_f64(0.75),
     ));
+    let canceller = tokio::spawn(cancel_some(db.pool.clone(), seed, Instant::now() + size.chaos.mul_f64(0.75)));
 
     // The fault phase: one loop, ticking every 50 ms — it trickles the rest of the jobs in,
     // ends faults whose time is up and starts a new one every 0.7-2 s.
@@ -946,10 +977,11 @@ async fn soak(size: Size, seed: u64) {
         end_fault(a, &mut faults, &mut procs, &proxy, &db).await;
     }
     let enqueue_errors = producer.await.unwrap();
+    let cancels = canceller.await.unwrap();
     // Every job is in: the batch finishes when the last of them is counted.
     sqlx::query("SELECT lockgate.close_batch($1)").bind(batch).execute(&db.pool).await.unwrap();
     let chaos_took = chaos_start.elapsed();
-    eprintln!("chaos soak: {} faults in {chaos_took:.1?}; draining", faults.len());
+    eprintln!("chaos soak: {} faults and {cancels} cancels in {chaos_took:.1?}; draining", faults.len());
 
     // Drain: every expected job archived or dead-lettered, nothing queued or parked, and the
     // batch's two callbacks run.
@@ -1155,6 +1187,8 @@ struct Run {
 struct Report {
     problems: Vec<String>,
     expected: i64,
+    /// Archived as cancelled (by `cancel_some`).
+    cancelled: i64,
     runs: usize,
     runs_ended: usize,
     jobs_run_twice: usize,
@@ -1316,11 +1350,14 @@ async fn analyse(
             .await
             .unwrap();
     let dead_soak = scalar("SELECT count(*) FROM lockgate.dead_letters WHERE queue = 'soak'".into()).await;
-    if (state.as_str(), total, succeeded, failed) != ("finished", r.expected, r.archived, dead_soak) {
+    r.cancelled = scalar("SELECT count(*) FROM pgmq.a_soak WHERE headers ? 'cancelled_at'".into()).await;
+    // A cancelled job is archived, and counted as failed in its batch.
+    let expected_batch = ("finished", r.expected, r.archived - r.cancelled, dead_soak + r.cancelled);
+    if (state.as_str(), total, succeeded, failed) != expected_batch {
         r.problems.push(format!(
             "H22: batch {batch} is {state} with total {total}, succeeded {succeeded}, failed {failed}; the jobs: {} \
-             enqueued, {} archived, {dead_soak} dead-lettered",
-            r.expected, r.archived
+             enqueued, {} archived ({} of them cancelled), {dead_soak} dead-lettered",
+            r.expected, r.archived, r.cancelled
         ));
     }
     let fired: Vec<String> =
@@ -1790,6 +1827,7 @@ impl Report {
         row("postgres restarts", count(&["postgres-restart"]).to_string());
         row("exited on their own", format!("{} (+{} while starting)", count(&["exited"]), count(&["exited-starting"])));
         row("archived / dead-lettered", format!("{} / {}", self.archived, self.dead));
+        row("cancelled (archived)", self.cancelled.to_string());
         row("lost", self.lost.to_string());
         row("archived twice", self.archived_twice.to_string());
         row("semaphores not back to 0", self.semaphores_not_zero.to_string());

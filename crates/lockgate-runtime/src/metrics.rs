@@ -202,7 +202,7 @@ impl Metrics {
         r.register("sweep_actions", "What the sweeps did, by action", self.sweep_actions.clone());
         r.register(
             "process_prune_runs",
-            "Process registry ticks that pruned silent processes",
+            "Process registry ticks that ran (each prunes processes silent past the alive threshold)",
             self.prune_runs.clone(),
         );
         r.register(
