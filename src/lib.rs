@@ -42,7 +42,7 @@ pub use lockgate_runtime::{
 };
 pub use lockgate_sql::{
     check_schema, migrate, BatchCallbacks, BatchInfo, Cancelled, CancelledCount, DbError, JobFilter, JobRecord,
-    MigrateReport, PgPool, PgPoolOptions, RecurringRow, JOB_STATES,
+    MigrateReport, PgPool, PgPoolOptions, RecurringRow, JOB_STATES, LATEST_MIGRATION, SCHEMA_COMPAT,
 };
 
 /// The SQL layer, for tests and tools that need a statement the typed API does not expose.

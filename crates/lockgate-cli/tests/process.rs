@@ -185,16 +185,34 @@ async fn bad_config_files_and_arguments_are_refused_with_the_problem_named() {
 }
 
 #[tokio::test]
-async fn migrate_refuses_a_database_newer_than_the_binary() {
+async fn migrate_leaves_a_newer_compatible_database_alone_and_refuses_an_incompatible_one() {
     let db = TestDb::migrated().await.unwrap();
-    sqlx::query("UPDATE lockgate.schema_state SET migration = 999").execute(&db.pool).await.unwrap();
-    let checksum_before: String =
-        sqlx::query_scalar("SELECT functions_checksum FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
+    sqlx::query("UPDATE lockgate.schema_state SET migration = 999, functions_checksum = 'newer build'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let checksum = || async {
+        sqlx::query_scalar::<_, String>("SELECT functions_checksum FROM lockgate.schema_state")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    // A rolling deploy's older process running migrate at its start: nothing to do.
     let o = output(&db, &["migrate"]);
-    assert!(!o.status.success() && text(&o).contains("newer than this build's"), "{}", text(&o));
-    let checksum_after: String =
-        sqlx::query_scalar("SELECT functions_checksum FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
-    assert_eq!(checksum_before, checksum_after, "nothing was rewritten");
+    assert!(o.status.success() && text(&o).contains("compatible with it: nothing to do"), "{}", text(&o));
+    assert_eq!(checksum().await, "newer build", "its functions were not rewritten");
+    // A newer build of another compatibility version: refused, both versions named.
+    sqlx::query("UPDATE lockgate.schema_state SET compat = 2").execute(&db.pool).await.unwrap();
+    for args in [&["migrate"][..], &["status"][..]] {
+        let o = output(&db, args);
+        assert!(
+            !o.status.success() && text(&o).contains("schema version 999 (compatibility version 2)"),
+            "{args:?}: {}",
+            text(&o)
+        );
+        assert!(text(&o).contains("compatibility version 1) cannot run against"), "{}", text(&o));
+    }
+    assert_eq!(checksum().await, "newer build", "nothing was rewritten");
 }
 
 #[tokio::test]

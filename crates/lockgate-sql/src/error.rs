@@ -30,8 +30,11 @@ pub enum DbError {
     SchemaOutdated { found: i32, expected: i32 },
     #[error("lockgate's SQL functions in this database differ from this build's: run `lockgate migrate`")]
     FunctionsOutdated,
-    #[error("this database has lockgate schema version {found}, newer than this build's {expected}: upgrade lockgate")]
-    SchemaNewer { found: i32, expected: i32 },
+    #[error(
+        "this database has lockgate schema version {found} (compatibility version {found_compat}), which this build \
+         (schema {expected}, compatibility version {expected_compat}) cannot run against: upgrade lockgate"
+    )]
+    SchemaIncompatible { found: i32, found_compat: i32, expected: i32, expected_compat: i32 },
     #[error("database error: {0}")]
     Sqlx(#[source] sqlx::Error),
 }

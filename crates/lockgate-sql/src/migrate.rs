@@ -84,6 +84,14 @@ const FUNCTIONS: &[&str] = &[
 /// The schema version this build expects.
 pub const LATEST_MIGRATION: i32 = MIGRATIONS[MIGRATIONS.len() - 1].version;
 
+/// The schema compatibility version this build speaks (docs/design.md §44). Within one
+/// compatibility version, migrations only add (tables, columns, functions, arguments with
+/// defaults) and every function keeps its signature and meaning, so a process of an older build
+/// keeps working against a schema a newer build migrated: a rolling deploy migrates first, and
+/// old and new processes run side by side. Bump it, in the same change, when a migration or a
+/// function rewrite breaks that: older processes are then refused with both versions named.
+pub const SCHEMA_COMPAT: i32 = 1;
+
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;
 
@@ -101,7 +109,10 @@ CREATE TABLE IF NOT EXISTS lockgate.schema_state (
     migration          integer NOT NULL,
     functions_checksum text NOT NULL,
     migrated_at        timestamptz NOT NULL DEFAULT now()
-);";
+);
+-- The compatibility version of the build that last migrated (SCHEMA_COMPAT); NULL before it
+-- was recorded, which reads as 1.
+ALTER TABLE lockgate.schema_state ADD COLUMN IF NOT EXISTS compat integer;";
 
 /// What a migrate run did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,6 +121,30 @@ pub struct MigrateReport {
     pub applied: Vec<String>,
     /// Whether PGMQ was found already installed and left as it was.
     pub pgmq_preinstalled: bool,
+    /// The database's schema version when a newer, compatible build had migrated it: nothing was
+    /// done.
+    pub newer: Option<i32>,
+}
+
+/// A schema newer than this build (`found`, migrated by a build of compatibility version
+/// `compat`): fine when it speaks this build's compatibility version, refused otherwise.
+fn newer_schema(found: i32, compat: Option<i32>) -> Result<(), DbError> {
+    let compat = compat.unwrap_or(1);
+    if compat == SCHEMA_COMPAT {
+        tracing::info!(
+            found,
+            expected = LATEST_MIGRATION,
+            compat,
+            "the schema is newer than this build and compatible with it: running on it"
+        );
+        return Ok(());
+    }
+    Err(DbError::SchemaIncompatible {
+        found,
+        found_compat: compat,
+        expected: LATEST_MIGRATION,
+        expected_compat: SCHEMA_COMPAT,
+    })
 }
 
 /// FNV-1a over the function files: a stable fingerprint, not a security measure.
@@ -127,15 +162,19 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
     let mut tx = pool.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *tx).await?;
     sqlx::raw_sql(BOOTSTRAP).execute(&mut *tx).await?;
-    // A binary older than the database must not rewrite newer functions with its own.
-    let recorded: Option<i32> =
-        sqlx::query_scalar("SELECT migration FROM lockgate.schema_state").fetch_optional(&mut *tx).await?;
-    if let Some(found) = recorded.filter(|found| *found > LATEST_MIGRATION) {
-        return Err(DbError::SchemaNewer { found, expected: LATEST_MIGRATION });
+    // A binary older than the database must not rewrite newer functions with its own: against a
+    // compatible schema it has nothing to do (a rolling deploy's old processes may run migrate at
+    // start), against an incompatible one it is refused.
+    let recorded: Option<(i32, Option<i32>)> =
+        sqlx::query_as("SELECT migration, compat FROM lockgate.schema_state").fetch_optional(&mut *tx).await?;
+    if let Some((found, compat)) = recorded.filter(|(found, _)| *found > LATEST_MIGRATION) {
+        newer_schema(found, compat)?;
+        tx.commit().await?;
+        return Ok(MigrateReport { applied: Vec::new(), pgmq_preinstalled: true, newer: Some(found) });
     }
     let applied: Vec<i32> =
         sqlx::query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(&mut *tx).await?;
-    let mut report = MigrateReport { applied: Vec::new(), pgmq_preinstalled: false };
+    let mut report = MigrateReport { applied: Vec::new(), pgmq_preinstalled: false, newer: None };
     for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
         let mut note = None;
         if m.version == 1 && pgmq_present(&mut tx).await? {
@@ -156,11 +195,12 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
         sqlx::raw_sql(functions).execute(&mut *tx).await?;
     }
     sqlx::query(
-        "INSERT INTO lockgate.schema_state (migration, functions_checksum) VALUES ($1, $2)
-         ON CONFLICT (singleton) DO UPDATE SET migration = $1, functions_checksum = $2, migrated_at = now()",
+        "INSERT INTO lockgate.schema_state (migration, functions_checksum, compat) VALUES ($1, $2, $3)
+         ON CONFLICT (singleton) DO UPDATE SET migration = $1, functions_checksum = $2, compat = $3, migrated_at = now()",
     )
     .bind(LATEST_MIGRATION)
     .bind(functions_checksum())
+    .bind(SCHEMA_COMPAT)
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
@@ -204,8 +244,19 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), DbError> {
     if !row.get::<bool, _>(1) {
         return Err(DbError::NotInstalled("PGMQ is missing".into()));
     }
-    let state =
-        sqlx::query("SELECT migration, functions_checksum FROM lockgate.schema_state").fetch_optional(pool).await?;
+    let compat_known: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'lockgate.schema_state'::regclass
+                         AND attname = 'compat' AND NOT attisdropped)",
+    )
+    .fetch_one(pool)
+    .await?;
+    let state = sqlx::query(if compat_known {
+        "SELECT migration, functions_checksum, compat FROM lockgate.schema_state"
+    } else {
+        "SELECT migration, functions_checksum, NULL::integer FROM lockgate.schema_state"
+    })
+    .fetch_optional(pool)
+    .await?;
     let Some(state) = state else {
         return Err(DbError::NotInstalled("the schema was never completely migrated".into()));
     };
@@ -214,7 +265,9 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), DbError> {
         return Err(DbError::SchemaOutdated { found, expected: LATEST_MIGRATION });
     }
     if found > LATEST_MIGRATION {
-        return Err(DbError::SchemaNewer { found, expected: LATEST_MIGRATION });
+        // Its functions are the newer build's (their checksum is not this build's): compatible
+        // ones keep the signatures and meaning this build relies on.
+        return newer_schema(found, state.get(2));
     }
     if state.get::<String, _>(1) != functions_checksum() {
         return Err(DbError::FunctionsOutdated);

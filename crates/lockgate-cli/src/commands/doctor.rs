@@ -107,7 +107,7 @@ async fn schema_check(pool: &PgPool) -> Result<DoctorCheck> {
         Err(DbError::Sqlx(err)) => return Err(err.into()),
         Err(err) => err,
     };
-    let advice = if matches!(err, DbError::SchemaNewer { .. }) {
+    let advice = if matches!(err, DbError::SchemaIncompatible { .. }) {
         "this binary is older than the database: use the lockgate release that migrated it (or a newer one)"
     } else {
         "run `lockgate migrate` with this binary (one transaction, safe to run from several processes); \

@@ -1,0 +1,110 @@
+//! Rolling deploys (issue 13): a process of this build keeps working against a schema that a
+//! newer build of the same compatibility version migrated (it only added a table column and a
+//! function, and rewrote the functions, whose checksum is no longer this build's), and is refused,
+//! with both versions named, by one of another compatibility version.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{queue, test_config, Counter, Running, WAIT};
+use lockgate::{Client, DbError, Job, JobContext, JobError, JobPolicy, Registry, LATEST_MIGRATION, SCHEMA_COMPAT};
+use lockgate_testkit::{wait_for_count, TestDb};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize)]
+struct Ping {
+    n: u32,
+}
+
+impl Job for Ping {
+    const TYPE: &'static str = "ping";
+    fn policy() -> JobPolicy {
+        JobPolicy::on_queue(queue("default"))
+    }
+}
+
+/// What a newer build's migrate leaves behind: one more migration that only adds, functions
+/// whose checksum differs, and its compatibility version.
+async fn migrate_as_a_newer_build(db: &TestDb, compat: i32) {
+    sqlx::raw_sql(
+        "ALTER TABLE lockgate.queues ADD COLUMN description text;
+         CREATE FUNCTION lockgate.describe_queue(queue text, description text) RETURNS void LANGUAGE sql
+             AS 'UPDATE lockgate.queues SET description = $2 WHERE name = $1';",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO lockgate.schema_migrations (version, name) VALUES ($1, 'queue_descriptions')")
+        .bind(LATEST_MIGRATION + 1)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE lockgate.schema_state SET migration = $1, functions_checksum = 'a newer build', compat = $2")
+        .bind(LATEST_MIGRATION + 1)
+        .bind(compat)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn an_older_process_runs_against_a_newer_compatible_schema() {
+    let db = TestDb::migrated().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    client.define::<Ping>().await.unwrap();
+    migrate_as_a_newer_build(&db, SCHEMA_COMPAT).await;
+    lockgate::check_schema(&db.pool).await.expect("compatible: this build runs on it");
+    let report = lockgate::migrate(&db.pool).await.unwrap();
+    assert_eq!(report.newer, Some(LATEST_MIGRATION + 1), "this build's migrate has nothing to do");
+    let checksum: String =
+        sqlx::query_scalar("SELECT functions_checksum FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(checksum, "a newer build", "and rewrote none of the newer functions");
+    for n in 0..5 {
+        client.enqueue(&Ping { n }, &Default::default()).await.unwrap();
+    }
+    let ran = Counter::default();
+    let mut registry = Registry::new();
+    let counted = ran.clone();
+    registry
+        .register::<Ping, _>(move |_ctx: JobContext, _job: Ping| {
+            let counted = counted.clone();
+            async move {
+                counted.bump();
+                Ok::<(), JobError>(())
+            }
+        })
+        .unwrap();
+    let running = Running::start(&db, test_config(), registry, &["default"], 2).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 5, WAIT).await.unwrap();
+    running.stop().await;
+    assert_eq!(ran.get(), 5);
+}
+
+#[tokio::test]
+async fn a_process_is_refused_by_a_schema_of_another_compatibility_version() {
+    let db = TestDb::migrated().await.unwrap();
+    migrate_as_a_newer_build(&db, SCHEMA_COMPAT + 1).await;
+    let refused = lockgate::check_schema(&db.pool).await.unwrap_err();
+    assert!(matches!(refused, DbError::SchemaIncompatible { .. }), "{refused}");
+    let text = refused.to_string();
+    assert!(
+        text.contains(&format!(
+            "schema version {} (compatibility version {})",
+            LATEST_MIGRATION + 1,
+            SCHEMA_COMPAT + 1
+        )) && text.contains(&format!("(schema {LATEST_MIGRATION}, compatibility version {SCHEMA_COMPAT})")),
+        "{text}"
+    );
+    assert!(lockgate::migrate(&db.pool).await.is_err(), "nor may it migrate it");
+    let config = test_config();
+    let runtime = lockgate::Runtime::new(
+        db.new_pool(2).await.unwrap(),
+        config,
+        Registry::new(),
+        vec![lockgate::PoolConfig::new("test", vec![queue("default")], 1)],
+    )
+    .unwrap();
+    let run = runtime.run(tokio_util::sync::CancellationToken::new()).await;
+    assert!(run.is_err(), "the runtime refuses to start: {run:?}");
+}
