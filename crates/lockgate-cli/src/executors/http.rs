@@ -20,8 +20,8 @@ impl HttpExecutor {
     pub fn new(url: String) -> anyhow::Result<Self> {
         let parsed =
             reqwest::Url::parse(&url).map_err(|e| anyhow::anyhow!("invalid http executor URL {url:?}: {e}"))?;
-        if parsed.scheme() != "http" {
-            anyhow::bail!("invalid http executor URL {url:?}: only http:// is supported by this build (no TLS)");
+        if !matches!(parsed.scheme(), "http" | "https") {
+            anyhow::bail!("invalid http executor URL {url:?}: http:// or https:// only");
         }
         Ok(Self { url: parsed, client: reqwest::Client::new() })
     }
