@@ -3,6 +3,7 @@
 //!
 //! ```toml
 //! database_url = "postgres://postgres@127.0.0.1:5432/lockgate"   # optional
+//! connect_timeout = "5s"          # optional; --connect-timeout / LOCKGATE_CONNECT_TIMEOUT win
 //!
 //! [runtime]                       # every key optional; defaults shown
 //! visibility_timeout = "30s"
@@ -65,6 +66,7 @@ use serde_json::Value;
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub database_url: Option<String>,
+    connect_timeout: Option<String>,
     #[serde(default)]
     runtime: RuntimeSection,
     #[serde(default, rename = "pool")]
@@ -183,6 +185,16 @@ impl Config {
 
     pub fn parse(text: &str) -> Result<Self> {
         Ok(toml::from_str(text)?)
+    }
+
+    /// How long a connect may take before its cause is reported; `None` when not configured.
+    pub fn connect_timeout(&self) -> Result<Option<Duration>> {
+        let Some(text) = self.connect_timeout.as_deref() else { return Ok(None) };
+        let timeout = duration("connect_timeout", text)?;
+        if timeout.is_zero() {
+            bail!("invalid connect_timeout {text:?}: a positive duration such as \"5s\"");
+        }
+        Ok(Some(timeout))
     }
 
     pub fn runtime(&self) -> Result<RuntimeConfig> {

@@ -32,8 +32,10 @@ pub enum DbError {
     FunctionsOutdated,
     #[error("this database has lockgate schema version {found}, newer than this build's {expected}: upgrade lockgate")]
     SchemaNewer { found: i32, expected: i32 },
-    #[error("database error: {0}")]
-    Sqlx(#[source] sqlx::Error),
+    /// Any other error of the database or the driver. Transparent: sqlx's message already ends
+    /// with its cause's, so a prefix of ours plus the cause chain would print it twice.
+    #[error(transparent)]
+    Sqlx(sqlx::Error),
 }
 
 impl From<sqlx::Error> for DbError {
