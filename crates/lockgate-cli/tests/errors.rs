@@ -12,7 +12,7 @@ use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use lockgate_testkit::TestDb;
+use lockgate_testkit::{wait_for_count, TestDb};
 
 /// A local port nothing listens on (bound, then released).
 fn free_port() -> u16 {
@@ -168,4 +168,133 @@ async fn a_database_error_is_printed_once() {
     let out = text(&o);
     assert!(!o.status.success(), "{out}");
     assert_eq!(out.matches("relation \"lockgate.dead_letters\" does not exist").count(), 1, "{out}");
+}
+
+/// A config with one pool on `default` and the given `[job_types.*]` tables, in a scratch
+/// directory removed when the returned guard drops.
+struct Config {
+    dir: std::path::PathBuf,
+    path: String,
+}
+
+impl Config {
+    fn new(job_types: &str) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("lockgate-errors-{}-{:08x}", std::process::id(), fastrand::u32(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("lockgate.toml");
+        let text = format!(
+            "[runtime]\n{DEFAULT_RUNTIME}\n\n[[pool]]\nqueues = [\"default\"]\nconcurrency = 1\n\n{job_types}\n"
+        );
+        std::fs::write(&path, text).unwrap();
+        Self { path: path.to_str().unwrap().to_string(), dir }
+    }
+}
+
+impl Drop for Config {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs `lockgate run` and expects it to exit by itself within a few seconds; kills it otherwise.
+async fn run_until_exit(db: &TestDb, config: &Config) -> (std::process::ExitStatus, String) {
+    let mut child =
+        lockgate(db, &["run", "--config", &config.path]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            let o = child.wait_with_output().unwrap();
+            panic!("run did not refuse to start within 10 s: {}", text(&o));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let o = child.wait_with_output().unwrap();
+    (o.status, text(&o))
+}
+
+#[tokio::test]
+async fn run_refuses_executors_that_cannot_work_naming_the_job_type() {
+    let db = TestDb::migrated().await.unwrap();
+    let not_executable = Config::new("[job_types.plain]\ncommand = [\"$DIR/plain.sh\"]");
+    let script = not_executable.dir.join("plain.sh");
+    std::fs::write(&script, "#!/bin/sh\n").unwrap();
+    std::fs::write(
+        &not_executable.path,
+        std::fs::read_to_string(&not_executable.path).unwrap().replace("$DIR", not_executable.dir.to_str().unwrap()),
+    )
+    .unwrap();
+    for (config, expected) in [
+        (
+            Config::new("[job_types.resize]\ncommand = [\"lockgate-no-such-program\", \"--fast\"]"),
+            "job type resize cannot run: its command \"lockgate-no-such-program\" was not found in PATH",
+        ),
+        (
+            Config::new("[job_types.resize]\ncommand = [\"./no-such-script.sh\"]"),
+            "job type resize cannot run: its command \"./no-such-script.sh\" was not found",
+        ),
+        (not_executable, "job type plain cannot run: its command"),
+        (
+            Config::new("[job_types.audit]\nsql = \"INSERT INTO no_such_table (args) VALUES ($1)\""),
+            "job type audit cannot run: its sql statement does not prepare: relation \"no_such_table\" does not exist",
+        ),
+        (
+            Config::new("[job_types.hook]\nhttp = \"http//missing-colon\""),
+            "job type hook cannot run: invalid http executor URL",
+        ),
+    ] {
+        let (status, out) = run_until_exit(&db, &config).await;
+        assert!(!status.success(), "{out}");
+        assert!(out.contains(expected), "expected {expected:?} in: {out}");
+    }
+    assert_eq!(db.count("SELECT 1 FROM lockgate.processes").await.unwrap(), 0, "nothing started");
+    // The same statement prepares once its table exists, with $1 as jsonb. Dropped behind the
+    // running process's back, its error is kept once, not "…: relation … does not exist" twice.
+    sqlx::query("CREATE TABLE audit (args jsonb)").execute(&db.pool).await.unwrap();
+    let config = Config::new("[job_types.audit]\nsql = \"INSERT INTO audit (args) VALUES ($1)\"\nmax_attempts = 1");
+    let mut child =
+        lockgate(&db, &["run", "--config", &config.path]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let supervisor = "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'";
+    let started = wait_for_count(&db.pool, supervisor, 1, WAIT).await;
+    sqlx::query("DROP TABLE audit").execute(&db.pool).await.unwrap();
+    let o = output(&db, &["enqueue", "audit", "{}"]);
+    let dead = wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await;
+    signal(&child, "TERM");
+    let status = wait_exit(&mut child).await;
+    (started.unwrap(), dead.unwrap());
+    assert!(status.success() && o.status.success(), "{}", text(&o));
+    let error: String =
+        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(error.matches("relation \"audit\" does not exist").count(), 1, "{error}");
+}
+
+#[tokio::test]
+async fn an_http_endpoint_that_never_answers_fails_the_attempt_after_the_executor_timeout() {
+    let db = TestDb::migrated().await.unwrap();
+    // Accepts connections and reads, but never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let config = Config::new(&format!(
+        "[job_types.hook]\nhttp = {{ url = \"http://127.0.0.1:{port}/jobs\", timeout = \"1s\" }}\nmax_attempts = 1"
+    ));
+    sqlx::query("SELECT lockgate.define_job_type('hook', max_attempts => 1)").execute(&db.pool).await.unwrap();
+    let o = output(&db, &["enqueue", "hook", "{}"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let mut child =
+        lockgate(&db, &["run", "--config", &config.path]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let dead = wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await;
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
+    silent.abort();
+    dead.unwrap();
+    let error: String =
+        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(error, format!("no response from http://127.0.0.1:{port}/jobs within 1s"));
 }

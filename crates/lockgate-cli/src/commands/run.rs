@@ -32,6 +32,7 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     let target = target.or(config.database_url.clone(), config.connect_timeout()?);
     let connections = pools.iter().map(|p| p.concurrency as u32).sum::<u32>() + 4;
     let db = db::connect_checked(&target, connections).await?;
+    executors::check(&job_types, &db).await?;
     let registry = executors::registry(&job_types, &db)?;
     let mut runtime = Runtime::new(db, runtime_config, registry, pools).context("invalid configuration")?;
     if let Some(tasks) = recurring {
