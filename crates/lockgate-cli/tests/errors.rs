@@ -262,7 +262,8 @@ async fn run_refuses_executors_that_cannot_work_naming_the_job_type() {
     let dead = wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await;
     signal(&child, "TERM");
     let status = wait_exit(&mut child).await;
-    (started.unwrap(), dead.unwrap());
+    started.unwrap();
+    dead.unwrap();
     assert!(status.success() && o.status.success(), "{}", text(&o));
     let error: String =
         sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();

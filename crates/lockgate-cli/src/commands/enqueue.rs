@@ -9,7 +9,8 @@ use crate::db;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The job type (defined with `lockgate.define_job_type` or in lockgate.toml).
+    /// The job type (defined with `lockgate define --config lockgate.toml`, `lockgate run`, or
+    /// `lockgate.define_job_type` in SQL).
     job_type: String,
     /// The job's arguments: a JSON object; `-` reads it from stdin, `@PATH` from a file (for
     /// arguments too long for a command line).
