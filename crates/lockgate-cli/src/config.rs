@@ -3,6 +3,7 @@
 //!
 //! ```toml
 //! database_url = "postgres://postgres@127.0.0.1:5432/lockgate"   # optional
+//! connect_timeout = "5s"          # optional; --connect-timeout / LOCKGATE_CONNECT_TIMEOUT win
 //!
 //! [runtime]                       # every key optional; defaults shown
 //! visibility_timeout = "30s"
@@ -27,6 +28,7 @@
 //! [job_types.resize_image]
 //! queue = "default"
 //! command = ["./resize.sh"]         # or: http = "http://127.0.0.1:8080/jobs", or: sql = "..."
+//!                                   # or: http = { url = "http://…", timeout = "10s" } (default 30s)
 //! max_attempts = 5
 //! backoff = { base = "1s", max = "10m", jitter = 0.1 }
 //! timeout = "5m"
@@ -65,6 +67,7 @@ use serde_json::Value;
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub database_url: Option<String>,
+    connect_timeout: Option<String>,
     #[serde(default)]
     runtime: RuntimeSection,
     #[serde(default, rename = "pool")]
@@ -110,10 +113,25 @@ struct JobTypeSection {
     backoff: Option<BackoffSection>,
     timeout: Option<String>,
     command: Option<Vec<String>>,
-    http: Option<String>,
+    http: Option<HttpSection>,
     sql: Option<String>,
     concurrency: Option<ConcurrencySection>,
     unique: Option<UniqueSection>,
+}
+
+/// `http = "URL"`, or `http = { url = "URL", timeout = "10s" }` to change the request deadline.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum HttpSection {
+    Url(String),
+    Table(HttpTable),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HttpTable {
+    url: String,
+    timeout: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -160,8 +178,9 @@ struct BackoffSection {
 pub enum Executor {
     /// Run a program; the arguments are written to its stdin as JSON.
     Command(Vec<String>),
-    /// POST the arguments as JSON to this URL; any 2xx succeeds.
-    Http(String),
+    /// POST the arguments as JSON to this URL; any 2xx succeeds. `timeout` is the request's
+    /// deadline when configured (the executor has a default).
+    Http { url: String, timeout: Option<Duration> },
     /// Run this statement with the arguments bound as `$1` (jsonb).
     Sql(String),
 }
@@ -183,6 +202,16 @@ impl Config {
 
     pub fn parse(text: &str) -> Result<Self> {
         Ok(toml::from_str(text)?)
+    }
+
+    /// How long a connect may take before its cause is reported; `None` when not configured.
+    pub fn connect_timeout(&self) -> Result<Option<Duration>> {
+        let Some(text) = self.connect_timeout.as_deref() else { return Ok(None) };
+        let timeout = duration("connect_timeout", text)?;
+        if timeout.is_zero() {
+            bail!("invalid connect_timeout {text:?}: a positive duration such as \"5s\"");
+        }
+        Ok(Some(timeout))
     }
 
     pub fn runtime(&self) -> Result<RuntimeConfig> {
@@ -316,7 +345,14 @@ fn job_type(name: &str, s: &JobTypeSection) -> Result<JobTypeConfig> {
     let executor = match (&s.command, &s.http, &s.sql) {
         (Some(cmd), None, None) if !cmd.is_empty() => Executor::Command(cmd.clone()),
         (Some(_), None, None) => bail!("{}: give the program to run, e.g. [\"./script.sh\"]", at("command")),
-        (None, Some(url), None) => Executor::Http(url.clone()),
+        (None, Some(HttpSection::Url(url)), None) => Executor::Http { url: url.clone(), timeout: None },
+        (None, Some(HttpSection::Table(t)), None) => {
+            let timeout = t.timeout.as_deref().map(|v| duration(&at("http.timeout"), v)).transpose()?;
+            if let (Some(text), Some(Duration::ZERO)) = (&t.timeout, timeout) {
+                bail!("invalid {} {text:?}: a positive duration such as \"10s\"", at("http.timeout"));
+            }
+            Executor::Http { url: t.url.clone(), timeout }
+        }
         (None, None, Some(sql)) => Executor::Sql(sql.clone()),
         _ => bail!("job_types.{name}: give exactly one of command, http or sql"),
     };
@@ -381,6 +417,9 @@ mod tests {
         assert_eq!(c.runtime().unwrap().visibility_timeout, Duration::from_secs(60));
         let jobs = c.job_types().unwrap();
         assert_eq!(jobs[0].executor, Executor::Command(vec!["./resize.sh".into(), "--fast".into()]));
+        let http = Config::parse("[job_types.h]\nhttp = { url = \"http://h/\", timeout = \"10s\" }").unwrap();
+        let executor = Executor::Http { url: "http://h/".into(), timeout: Some(Duration::from_secs(10)) };
+        assert_eq!(http.job_types().unwrap()[0].executor, executor);
         assert_eq!(jobs[0].policy.timeout, Some(Duration::from_secs(300)));
         let concurrency = jobs[0].policy.concurrency.clone().unwrap();
         assert_eq!((concurrency.limit, concurrency.on_conflict), (2, OnConflict::Discard));
@@ -407,6 +446,8 @@ mod tests {
         assert!(err("[job_types.x]\nsql = \"s\"\nconcurrency = { limit = 1, on_conflict = \"wait\" }")
             .contains("block, discard or raise"));
         assert!(err("[job_types.x]\nsql = \"s\"\ntimeout = \"-1s\"").contains("invalid job_types.x.timeout"));
+        assert!(err("[job_types.x]\nhttp = { url = \"http://h\", timeout = \"soon\" }")
+            .contains("invalid job_types.x.http.timeout \"soon\""));
         assert!(err("[job_types.x]\nsql = \"s\"\nunique = { mode = \"forever\" }")
             .contains("until_executed or while_executing"));
         assert!(err("[job_types.x]\nsql = \"s\"\nunique = { mode = \"until_executed\", on_conflict = \"raise\" }")

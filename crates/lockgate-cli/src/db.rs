@@ -1,53 +1,112 @@
-//! Choosing and opening the database.
+//! Choosing and opening the database. Every command connects through [`connect`]: one direct
+//! connection first, within the connect timeout, so that a failure names its cause (sqlx's pool
+//! only says "pool timed out while waiting for an open connection", after 30 s), then the pool.
 
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{anyhow, Context, Result};
 use lockgate::{PgPool, PgPoolOptions};
-use sqlx::postgres::PgConnectOptions;
-use sqlx::ConnectOptions;
+use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::Connection as _;
 
 /// The local server of this machine, database `lockgate`, as the `postgres` role.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/lockgate";
 
-pub fn resolve(url: Option<String>) -> String {
-    url.unwrap_or_else(|| DEFAULT_DATABASE_URL.to_string())
+/// A reachable server answers in milliseconds, a distant or busy one within a second or two;
+/// past 5 s a person at a terminal is better served by the cause than by waiting longer.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// SQLSTATE `invalid_catalog_name`: the URL's database does not exist.
+const MISSING_DATABASE: &str = "3D000";
+
+/// Where to connect and how long to wait, as the global flags give them; `run` fills what they
+/// leave unset from its config file.
+#[derive(Debug, Clone, Default)]
+pub struct Target {
+    pub url: Option<String>,
+    pub connect_timeout: Option<Duration>,
+}
+
+impl Target {
+    /// This target, with the config file's values where the flags (and environment) gave none.
+    pub fn or(&self, url: Option<String>, connect_timeout: Option<Duration>) -> Self {
+        Self { url: self.url.clone().or(url), connect_timeout: self.connect_timeout.or(connect_timeout) }
+    }
+
+    pub fn url(&self) -> String {
+        self.url.clone().unwrap_or_else(|| DEFAULT_DATABASE_URL.to_string())
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT)
+    }
 }
 
 /// Connects, and fails with a message naming `lockgate migrate` if the schema is not current.
-pub async fn connect_checked(url: &str, max_connections: u32) -> Result<PgPool> {
-    let pool = connect(url, max_connections).await?;
+pub async fn connect_checked(target: &Target, max_connections: u32) -> Result<PgPool> {
+    let pool = connect(target, max_connections).await?;
     lockgate::check_schema(&pool).await?;
     Ok(pool)
 }
 
-pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
-    connect_with(url, PgPoolOptions::new().max_connections(max_connections)).await
+/// A pool of `max_connections`, after one direct connection proved the server reachable.
+pub async fn connect(target: &Target, max_connections: u32) -> Result<PgPool> {
+    let (url, timeout) = (target.url(), target.connect_timeout());
+    let options = options(&url)?;
+    let _ = connect_one(&url, &options, timeout).await?.close().await;
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(timeout)
+        .connect_with(options)
+        .await
+        .map_err(|err| connect_error(&url, err, timeout))
 }
 
-/// One connection that gives up after `timeout` (sqlx's pool keeps retrying a refused
-/// connection for 30 s by default), for commands that report an unreachable database.
-pub async fn connect_within(url: &str, timeout: Duration) -> Result<PgPool> {
-    connect_with(url, PgPoolOptions::new().max_connections(1).acquire_timeout(timeout)).await
-}
-
-async fn connect_with(url: &str, pool: PgPoolOptions) -> Result<PgPool> {
+fn options(url: &str) -> Result<PgConnectOptions> {
     let options: PgConnectOptions = url.parse().with_context(|| format!("invalid database URL {}", redact(url)))?;
     // Named, so operators (and fault-injection tests) can find lockgate's backends.
-    let options = options.application_name("lockgate");
-    pool.connect_with(options).await.with_context(|| format!("could not connect to {}", redact(url)))
+    Ok(options.application_name("lockgate"))
+}
+
+/// One direct connection within `timeout`: its error, unlike the pool's, is the one to report.
+async fn connect_one(url: &str, options: &PgConnectOptions, timeout: Duration) -> Result<PgConnection> {
+    match tokio::time::timeout(timeout, PgConnection::connect_with(options)).await {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(err)) => Err(connect_error(url, err, timeout)),
+        Err(_) => Err(connect_error(url, sqlx::Error::PoolTimedOut, timeout)),
+    }
+}
+
+/// "could not connect to HOST:PORT/DB: CAUSE", the cause said once and with what to do about it.
+fn connect_error(url: &str, err: sqlx::Error, timeout: Duration) -> anyhow::Error {
+    let at =
+        url.parse::<PgConnectOptions>().map_or_else(|_| "?".into(), |o| format!("{}:{}", o.get_host(), o.get_port()));
+    let cause = match &err {
+        sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
+            format!("connection refused (is PostgreSQL running on {at}?)")
+        }
+        sqlx::Error::Io(io) => io.to_string(),
+        // Also the direct connection's timeout: the pool's own error would hide the cause.
+        sqlx::Error::PoolTimedOut => format!(
+            "no answer within {} (is {at} reachable from this host? --connect-timeout waits longer)",
+            humantime::format_duration(timeout)
+        ),
+        sqlx::Error::Database(db) if db.code().as_deref() == Some(MISSING_DATABASE) => {
+            format!("{}: create it and install lockgate with `lockgate migrate --create-database`", db.message())
+        }
+        sqlx::Error::Database(db) => db.message().to_string(),
+        other => other.to_string(),
+    };
+    anyhow!("could not connect to {}: {cause}", redact(url))
 }
 
 /// Creates the URL's database when it does not exist (for `migrate` and `demo`).
-pub async fn create_database_if_missing(url: &str) -> Result<()> {
-    let options: PgConnectOptions = url.parse().with_context(|| format!("invalid database URL {}", redact(url)))?;
+pub async fn create_database_if_missing(target: &Target) -> Result<()> {
+    let url = target.url();
+    let options = options(&url)?;
     let Some(name) = options.get_database().map(str::to_string) else { return Ok(()) };
-    let mut admin = options
-        .clone()
-        .database("postgres")
-        .connect()
-        .await
-        .with_context(|| format!("could not connect to {}", redact(url)))?;
+    let admin_options = options.clone().database("postgres");
+    let mut admin = connect_one(&url, &admin_options, target.connect_timeout()).await?;
     let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
         .bind(&name)
         .fetch_one(&mut admin)

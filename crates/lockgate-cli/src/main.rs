@@ -11,13 +11,25 @@ mod table;
 use clap::{Parser, Subcommand};
 
 /// A job executor for PostgreSQL, built on PGMQ.
+///
+/// lockgate keeps jobs in your PostgreSQL database, in PGMQ queues: producers enqueue them from
+/// SQL (`SELECT lockgate.enqueue(...)`), from Rust or with `lockgate enqueue`, and `lockgate run`
+/// runs them with the commands, HTTP calls or SQL statements a TOML file configures, with
+/// retries, dead letters, concurrency limits, uniqueness, batches and recurring schedules. Start
+/// with `lockgate migrate --create-database`, then `lockgate define --config lockgate.toml` and
+/// `lockgate run --config lockgate.toml`.
 #[derive(Debug, Parser)]
-#[command(name = "lockgate", version, about)]
+#[command(name = "lockgate", version)]
 struct Cli {
     /// Database to use. Defaults to $DATABASE_URL, then the `database_url` of the config file
     /// (for `run`), then postgres://postgres@127.0.0.1:5432/lockgate.
     #[arg(long, global = true, env = "DATABASE_URL")]
     database_url: Option<String>,
+    /// How long to wait for the database to accept a connection before reporting why it did not
+    /// (refused, no answer, missing database), e.g. 5s, 30s. For `run`, the config file's
+    /// `connect_timeout` applies when this is not given.
+    #[arg(long, global = true, env = "LOCKGATE_CONNECT_TIMEOUT", value_parser = positive_duration)]
+    connect_timeout: Option<std::time::Duration>,
     /// How logs are written to stderr: `text` for people, `json` (one object per line, the
     /// event's and its job's fields included) for log pipelines.
     #[arg(long, global = true, env = "LOCKGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
@@ -35,7 +47,10 @@ enum LogFormat {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Install or upgrade PGMQ and lockgate in the database (creating the database if missing).
-    Migrate,
+    Migrate(commands::migrate::Args),
+    /// Store the job types of a config file (their queues and policies) without running them, so
+    /// producers can enqueue before the first `lockgate run`.
+    Define(commands::define::Args),
     /// Run the worker pools and maintenance configured in a TOML file until TERM/INT.
     Run(commands::run::Args),
     /// Enqueue one job: `lockgate enqueue <type> '<json object>'`.
@@ -79,33 +94,58 @@ async fn main() {
     // The demo draws a progress bar; routine logs would tear it.
     init_logging(cli.log_format, if matches!(cli.command, Command::Demo(_)) { "error" } else { "info,sqlx=warn" });
     if let Err(err) = dispatch(cli).await {
-        eprintln!("error: {err:#}");
+        eprintln!("error: {}", causes_once(&err));
         std::process::exit(1);
     }
 }
 
+/// The error and its causes, each said once. Many errors (sqlx's among them) include their
+/// source in their own message, which `{:#}` would print a second time.
+fn causes_once(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain().map(ToString::to_string) {
+        if text.contains(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text
+}
+
+fn positive_duration(text: &str) -> Result<std::time::Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        Ok(_) => Err("a positive duration such as 5s".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
-    let url = cli.database_url;
+    let target = db::Target { url: cli.database_url, connect_timeout: cli.connect_timeout };
     match cli.command {
-        Command::Migrate => commands::migrate::run(url).await,
-        Command::Run(args) => commands::run::run(url, args).await,
-        Command::Enqueue(args) => commands::enqueue::run(url, args).await,
-        Command::Status(args) => commands::status::run(url, args).await,
+        Command::Migrate(args) => commands::migrate::run(&target, args).await,
+        Command::Define(args) => commands::define::run(&target, args).await,
+        Command::Run(args) => commands::run::run(&target, args).await,
+        Command::Enqueue(args) => commands::enqueue::run(&target, args).await,
+        Command::Status(args) => commands::status::run(&target, args).await,
         Command::Doctor(args) => {
-            let status = commands::doctor::run(url, args).await?;
+            let status = commands::doctor::run(&target, args).await?;
             if status != 0 {
                 std::process::exit(status);
             }
             Ok(())
         }
-        Command::Dlq(command) => commands::dlq::run(url, command).await,
-        Command::Parked(command) => commands::parked::run(url, command).await,
-        Command::Batch(command) => commands::batch::run(url, command).await,
-        Command::Queue(command) => commands::queue::run(url, command).await,
-        Command::Job(command) => commands::job::run(url, command).await,
-        Command::Jobs(args) => commands::jobs::run(url, args).await,
-        Command::Recurring(command) => commands::recurring::run(url, command).await,
-        Command::Demo(args) => commands::demo::run(url, args).await,
+        Command::Dlq(command) => commands::dlq::run(&target, command).await,
+        Command::Parked(command) => commands::parked::run(&target, command).await,
+        Command::Batch(command) => commands::batch::run(&target, command).await,
+        Command::Queue(command) => commands::queue::run(&target, command).await,
+        Command::Job(command) => commands::job::run(&target, command).await,
+        Command::Jobs(args) => commands::jobs::run(&target, args).await,
+        Command::Recurring(command) => commands::recurring::run(&target, command).await,
+        Command::Demo(args) => commands::demo::run(&target, args).await,
     }
 }
 

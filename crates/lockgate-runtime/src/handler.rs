@@ -91,13 +91,18 @@ impl JobError {
     }
 }
 
+/// The message is the error and its causes, each said once: a cause its error's own message
+/// already contains (sqlx's do) is skipped, so "relation … does not exist" is not kept twice.
 impl<E: std::error::Error> From<E> for JobError {
     fn from(err: E) -> Self {
         let mut message = err.to_string();
         let mut source = err.source();
         while let Some(cause) = source {
-            message.push_str(": ");
-            message.push_str(&cause.to_string());
+            let cause_text = cause.to_string();
+            if !message.contains(&cause_text) {
+                message.push_str(": ");
+                message.push_str(&cause_text);
+            }
             source = cause.source();
         }
         Self { message }

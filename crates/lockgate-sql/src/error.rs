@@ -35,8 +35,10 @@ pub enum DbError {
          (schema {expected}, compatibility version {expected_compat}) cannot run against: upgrade lockgate"
     )]
     SchemaIncompatible { found: i32, found_compat: i32, expected: i32, expected_compat: i32 },
-    #[error("database error: {0}")]
-    Sqlx(#[source] sqlx::Error),
+    /// Any other error of the database or the driver. Transparent: sqlx's message already ends
+    /// with its cause's, so a prefix of ours plus the cause chain would print it twice.
+    #[error(transparent)]
+    Sqlx(sqlx::Error),
 }
 
 impl From<sqlx::Error> for DbError {

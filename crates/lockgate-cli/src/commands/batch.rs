@@ -34,8 +34,8 @@ pub enum Command {
     },
 }
 
-pub async fn run(url: Option<String>, command: Command) -> Result<()> {
-    let client = Client::new(db::connect_checked(&db::resolve(url), 1).await?);
+pub async fn run(target: &db::Target, command: Command) -> Result<()> {
+    let client = Client::new(db::connect_checked(target, 1).await?);
     match command {
         Command::Create { on_finish, on_success, on_failure, properties } => {
             let properties = properties

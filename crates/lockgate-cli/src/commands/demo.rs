@@ -70,12 +70,11 @@ fn registry() -> Result<Registry> {
     Ok(r)
 }
 
-pub async fn run(url: Option<String>, args: Args) -> Result<()> {
-    let url = db::resolve(url);
-    db::create_database_if_missing(&url).await?;
-    let pool = db::connect(&url, 24).await?;
+pub async fn run(target: &db::Target, args: Args) -> Result<()> {
+    db::create_database_if_missing(target).await?;
+    let pool = db::connect(target, 24).await?;
     lockgate::migrate(&pool).await?;
-    println!("lockgate demo on {} — {} jobs on queue '{QUEUE}'", db::redact(&url), args.jobs);
+    println!("lockgate demo on {} — {} jobs on queue '{QUEUE}'", db::redact(&target.url()), args.jobs);
     let registry = registry()?;
     let client = Client::new(pool.clone());
     lockgate::sql::create_queue(&pool, QUEUE).await?;

@@ -1,7 +1,8 @@
 //! `lockgate dlq list|retry|purge`: operate the dead letters, by queue, by job id, or all.
 
 use anyhow::{bail, Result};
-use lockgate::sql::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetryOutcome};
+use lockgate::sql::{dlq_list, dlq_purge, dlq_retry, list_queues, DeadLetter, DlqFilter, DlqRetryOutcome};
+use lockgate::PgPool;
 
 use crate::db;
 use crate::table::{Align, Table};
@@ -57,19 +58,28 @@ impl Select {
     }
 }
 
-pub async fn run(url: Option<String>, command: Command) -> Result<()> {
-    let pool = db::connect_checked(&db::resolve(url), 1).await?;
+pub async fn run(target: &db::Target, command: Command) -> Result<()> {
+    let pool = db::connect_checked(target, 1).await?;
+    let select = match &command {
+        Command::List { select, .. } => select.filter(false)?,
+        Command::Retry { select } | Command::Purge { select } => select.filter(true)?,
+    };
+    refuse_what_does_not_exist(&pool, &select).await?;
     match command {
-        Command::List { select, limit, json } => {
-            let rows = dlq_list(&pool, &select.filter(false)?, limit).await?;
+        Command::List { limit, json, .. } => {
+            let rows = dlq_list(&pool, &select, limit).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
                 print_list(&rows);
             }
         }
-        Command::Retry { select } => {
-            let rows = dlq_retry(&pool, &select.filter(true)?).await?;
+        Command::Retry { .. } => {
+            let rows = dlq_retry(&pool, &select).await?;
+            if rows.is_empty() {
+                println!("nothing to retry: no dead letter matched");
+                return Ok(());
+            }
             let retried = rows.iter().filter(|r| matches!(r.outcome, DlqRetryOutcome::Retried { .. })).count();
             println!("retried {retried} dead letter(s)");
             for r in &rows {
@@ -86,9 +96,35 @@ pub async fn run(url: Option<String>, command: Command) -> Result<()> {
                 }
             }
         }
-        Command::Purge { select } => {
-            let n = dlq_purge(&pool, &select.filter(true)?).await?;
+        Command::Purge { .. } => {
+            let n = dlq_purge(&pool, &select).await?;
             println!("purged {n} dead letter(s)");
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a selection naming what does not exist, so a typo is not mistaken for "nothing to do":
+/// a queue that is not lockgate's and has no dead letters (a dropped queue's dead letters can
+/// still be listed, retried and purged), a job id without a dead letter (on that queue, if one
+/// is named). A valid selection that matches nothing is not an error.
+async fn refuse_what_does_not_exist(pool: &PgPool, filter: &DlqFilter) -> Result<()> {
+    if let Some(queue) = &filter.queue {
+        let only_queue = DlqFilter { queue: Some(queue.clone()), job_ids: None };
+        if !list_queues(pool).await?.contains(queue) && dlq_list(pool, &only_queue, 1).await?.is_empty() {
+            bail!("queue \"{queue}\" does not exist (and has no dead letters)");
+        }
+    }
+    if let Some(ids) = &filter.job_ids {
+        let found = dlq_list(pool, filter, i64::MAX).await?;
+        let missing: Vec<String> = ids
+            .iter()
+            .filter(|id| !found.iter().any(|d| d.job_id.is_some_and(|j| j.0 == **id)))
+            .map(i64::to_string)
+            .collect();
+        if !missing.is_empty() {
+            let on = filter.queue.as_ref().map_or(String::new(), |q| format!(" on queue {q}"));
+            bail!("no dead letter for job {}{on}", missing.join(", "));
         }
     }
     Ok(())

@@ -23,8 +23,6 @@ pub const EXIT_UNREACHABLE: i32 = 2;
 const CLOCK_WARN: TimeDelta = TimeDelta::seconds(1);
 /// An offset past any NTP-synchronised host's: the host's clock is not being kept at all.
 const CLOCK_FAIL: TimeDelta = TimeDelta::seconds(5);
-/// A healthy server answers in milliseconds; an unreachable one is reported after this long.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Round trips measured; the shortest bounds the error best.
 const CLOCK_SAMPLES: usize = 3;
 
@@ -45,9 +43,8 @@ pub struct Args {
 }
 
 /// Runs every check, prints them, and returns the exit status.
-pub async fn run(url: Option<String>, args: Args) -> Result<i32> {
-    let url = db::resolve(url);
-    let checks = match db::connect_within(&url, CONNECT_TIMEOUT).await {
+pub async fn run(target: &db::Target, args: Args) -> Result<i32> {
+    let checks = match db::connect(target, 1).await {
         Ok(pool) => {
             let checks = checks(&pool, &args).await?;
             pool.close().await;
@@ -59,7 +56,7 @@ pub async fn run(url: Option<String>, args: Args) -> Result<i32> {
             detail: format!("{err:#}"),
             advice: Some(
                 "check the URL (--database-url, DATABASE_URL), that the server is up and reachable from this \
-                 host, and that it accepts this role; a missing database is created by `lockgate migrate`"
+                 host, and that it accepts this role; a missing database is created by `lockgate migrate --create-database`"
                     .into(),
             ),
         }],

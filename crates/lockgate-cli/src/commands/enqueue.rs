@@ -1,15 +1,19 @@
 //! `lockgate enqueue <type> '<json>'`: one job from the command line.
 
-use anyhow::{Context, Result};
-use lockgate::{BatchId, Client, EnqueueOptions, EnqueueStatus, QueueName};
+use std::io::Read;
+
+use anyhow::{bail, Context, Result};
+use lockgate::{BatchId, Client, DbError, EnqueueError, EnqueueOptions, EnqueueStatus, QueueName, MAX_PAYLOAD_BYTES};
 
 use crate::db;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The job type (defined with `lockgate.define_job_type` or in lockgate.toml).
+    /// The job type (defined with `lockgate define --config lockgate.toml`, `lockgate run`, or
+    /// `lockgate.define_job_type` in SQL).
     job_type: String,
-    /// The job's arguments: a JSON object.
+    /// The job's arguments: a JSON object; `-` reads it from stdin, `@PATH` from a file (for
+    /// arguments too long for a command line).
     #[arg(default_value = "{}")]
     args: String,
     /// Run no earlier than this long from now, e.g. 30s, 5m.
@@ -35,9 +39,17 @@ pub struct Args {
     batch: Option<i64>,
 }
 
-pub async fn run(url: Option<String>, args: Args) -> Result<()> {
-    let value: serde_json::Value =
-        serde_json::from_str(&args.args).with_context(|| format!("job arguments are not valid JSON: {}", args.args))?;
+/// Arguments are read up to this many bytes from stdin or a file: four times the most a job may
+/// carry (`MAX_PAYLOAD_BYTES`, which the database enforces on the stored size) leaves room for
+/// indentation, and stops a wrong file from being read whole into memory.
+const ARGS_READ_LIMIT: usize = 4 * MAX_PAYLOAD_BYTES;
+
+pub async fn run(target: &db::Target, args: Args) -> Result<()> {
+    let (text, from) = read_args(&args.args)?;
+    let value: serde_json::Value = serde_json::from_str(&text).with_context(|| match from {
+        Some(from) => format!("job arguments from {from} are not valid JSON"),
+        None => format!("job arguments are not valid JSON: {text}"),
+    })?;
     let options = EnqueueOptions {
         delay: args.delay,
         run_at: args.run_at,
@@ -47,8 +59,15 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
         unique_key: args.unique_key,
         batch: args.batch.map(BatchId),
     };
-    let pool = db::connect_checked(&db::resolve(url), 1).await?;
-    let job = Client::new(pool).enqueue_raw(&args.job_type, &value, &options).await?;
+    let pool = db::connect_checked(target, 1).await?;
+    let job = match Client::new(pool).enqueue_raw(&args.job_type, &value, &options).await {
+        Err(EnqueueError::Database(DbError::UnknownJobType(message))) => bail!(
+            "{message}: define it first, with `lockgate define --config lockgate.toml` (from its \
+             [job_types.{job_type}] table) or in SQL with `SELECT lockgate.define_job_type('{job_type}')`",
+            job_type = args.job_type
+        ),
+        result => result?,
+    };
     match (job.status, job.msg_id) {
         (_, Some(msg_id)) => println!("enqueued job {} on queue {} (msg_id {msg_id})", job.job_id, job.queue),
         (EnqueueStatus::Duplicate, None) => {
@@ -57,4 +76,28 @@ pub async fn run(url: Option<String>, args: Args) -> Result<()> {
         (status, None) => println!("{} job {}: its concurrency key is full", status.as_str(), job.job_id),
     }
     Ok(())
+}
+
+/// The arguments' text, and where it came from when not the command line: `-` is stdin,
+/// `@PATH` a file, anything else the JSON itself.
+fn read_args(arg: &str) -> Result<(String, Option<String>)> {
+    let (reader, from): (Box<dyn Read>, String) = match arg {
+        "-" => (Box::new(std::io::stdin().lock()), "stdin".to_string()),
+        _ => match arg.strip_prefix('@') {
+            Some(path) => {
+                let file = std::fs::File::open(path).with_context(|| format!("could not read job arguments {path}"))?;
+                (Box::new(file), path.to_string())
+            }
+            None => return Ok((arg.to_string(), None)),
+        },
+    };
+    let mut text = String::new();
+    reader
+        .take(ARGS_READ_LIMIT as u64 + 1)
+        .read_to_string(&mut text)
+        .with_context(|| format!("could not read job arguments from {from}"))?;
+    if text.len() > ARGS_READ_LIMIT {
+        bail!("job arguments from {from} are more than {ARGS_READ_LIMIT} bytes; a job carries at most {MAX_PAYLOAD_BYTES}");
+    }
+    Ok((text, Some(from)))
 }

@@ -42,8 +42,8 @@ pub enum Command {
     Discard { id: i64 },
 }
 
-pub async fn run(url: Option<String>, command: Command) -> Result<()> {
-    let pool = db::connect_checked(&db::resolve(url), 1).await?;
+pub async fn run(target: &db::Target, command: Command) -> Result<()> {
+    let pool = db::connect_checked(target, 1).await?;
     let client = Client::new(pool.clone());
     match command {
         Command::Show { id, json } => show(&client, id, json).await,

@@ -90,8 +90,8 @@ fn time_arg(flag: &str, value: &str) -> Result<DateTime<Utc>> {
     Ok(Utc::now() - age)
 }
 
-pub async fn run(url: Option<String>, args: Args) -> Result<()> {
-    let client = Client::new(db::connect_checked(&db::resolve(url), 1).await?);
+pub async fn run(target: &db::Target, args: Args) -> Result<()> {
+    let client = Client::new(db::connect_checked(target, 1).await?);
     let filter = args.filter.to_sql()?;
     if !(1..=1000).contains(&args.limit) {
         bail!("invalid --limit {}: 1 to 1000", args.limit);

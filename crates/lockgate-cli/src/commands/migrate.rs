@@ -1,18 +1,30 @@
 //! `lockgate migrate`: create the database if missing, then install or upgrade PGMQ and lockgate.
+//!
+//! Creating a missing database is the default, as the quick start relies on it;
+//! `--create-database` says so explicitly, and is what errors about a missing database suggest
+//! (a script that spells it out keeps working if the default ever changes).
 
 use anyhow::Result;
 
 use crate::db;
 
-pub async fn run(url: Option<String>) -> Result<()> {
-    let url = db::resolve(url);
-    db::create_database_if_missing(&url).await?;
-    let pool = db::connect(&url, 2).await?;
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Create the database when it does not exist (the default; accepted so scripts can say it).
+    #[arg(long)]
+    create_database: bool,
+}
+
+pub async fn run(target: &db::Target, args: Args) -> Result<()> {
+    // Both spellings create a missing database; see the module docs.
+    let _ = args.create_database;
+    db::create_database_if_missing(target).await?;
+    let pool = db::connect(target, 2).await?;
     let report = lockgate::migrate(&pool).await?;
+    let at = db::redact(&target.url());
     if let Some(found) = report.newer {
         println!(
-            "{} is at lockgate schema version {found}, newer than this build's {} and compatible with it: nothing to do",
-            db::redact(&url),
+            "{at} is at lockgate schema version {found}, newer than this build's {} and compatible with it: nothing to do",
             lockgate::sql::LATEST_MIGRATION
         );
         return Ok(());
@@ -21,9 +33,9 @@ pub async fn run(url: Option<String>) -> Result<()> {
         println!("PGMQ was already installed; left as it was");
     }
     if report.applied.is_empty() {
-        println!("lockgate schema is up to date in {} (SQL functions refreshed)", db::redact(&url));
+        println!("lockgate schema is up to date in {at} (SQL functions refreshed)");
     } else {
-        println!("applied {} in {}", report.applied.join(", "), db::redact(&url));
+        println!("applied {} in {at}", report.applied.join(", "));
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod batch;
+pub mod define;
 pub mod demo;
 pub mod dlq;
 pub mod doctor;

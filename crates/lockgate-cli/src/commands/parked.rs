@@ -27,8 +27,8 @@ pub enum Command {
     },
 }
 
-pub async fn run(url: Option<String>, command: Command) -> Result<()> {
-    let pool = db::connect_checked(&db::resolve(url), 1).await?;
+pub async fn run(target: &db::Target, command: Command) -> Result<()> {
+    let pool = db::connect_checked(target, 1).await?;
     match command {
         Command::List { key, limit, json } => {
             let rows = parked_jobs(&pool, key.as_deref(), limit).await?;

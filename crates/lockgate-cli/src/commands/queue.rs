@@ -12,8 +12,8 @@ pub enum Command {
     Resume { queue: String },
 }
 
-pub async fn run(url: Option<String>, command: Command) -> Result<()> {
-    let pool = db::connect_checked(&db::resolve(url), 1).await?;
+pub async fn run(target: &db::Target, command: Command) -> Result<()> {
+    let pool = db::connect_checked(target, 1).await?;
     match command {
         Command::Pause { queue } => {
             let changed = lockgate::sql::pause_queue(&pool, &queue).await?;

@@ -55,8 +55,8 @@ pub struct AddArgs {
     disabled: bool,
 }
 
-pub async fn run(url: Option<String>, command: Command) -> Result<()> {
-    let client = Client::new(db::connect_checked(&db::resolve(url), 1).await?);
+pub async fn run(target: &db::Target, command: Command) -> Result<()> {
+    let client = Client::new(db::connect_checked(target, 1).await?);
     match command {
         Command::List { json } => list(&client, json).await?,
         Command::Enable { name } => {

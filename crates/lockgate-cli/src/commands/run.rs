@@ -23,15 +23,16 @@ pub struct Args {
     config: PathBuf,
 }
 
-pub async fn run(url: Option<String>, args: Args) -> Result<()> {
+pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     let config = Config::load(&args.config)?;
     let runtime_config = config.runtime()?;
     let job_types = config.job_types()?;
     let recurring = config.recurring()?;
     let pools = config.pools(&job_types)?;
-    let url = db::resolve(url.or(config.database_url.clone()));
+    let target = target.or(config.database_url.clone(), config.connect_timeout()?);
     let connections = pools.iter().map(|p| p.concurrency as u32).sum::<u32>() + 4;
-    let db = db::connect_checked(&url, connections).await?;
+    let db = db::connect_checked(&target, connections).await?;
+    executors::check(&job_types, &db).await?;
     let registry = executors::registry(&job_types, &db)?;
     let mut runtime = Runtime::new(db, runtime_config, registry, pools).context("invalid configuration")?;
     if let Some(tasks) = recurring {

@@ -21,8 +21,8 @@ pub struct Args {
     json: bool,
 }
 
-pub async fn run(url: Option<String>, args: Args) -> Result<()> {
-    let pool = db::connect_checked(&db::resolve(url), 1).await?;
+pub async fn run(target: &db::Target, args: Args) -> Result<()> {
+    let pool = db::connect_checked(target, 1).await?;
     let stats = lockgate::sql::queue_stats(&pool).await?;
     let throughput = lockgate::sql::queue_throughput(&pool, THROUGHPUT_MAX_ROWS).await?;
     let keys = lockgate::sql::key_stats(&pool).await?;

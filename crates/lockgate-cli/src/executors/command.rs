@@ -17,6 +17,8 @@
 
 use std::collections::HashSet;
 use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::Stdio;
 use std::sync::Mutex;
@@ -130,6 +132,30 @@ fn in_group_and_alive(stat: &str, pgid: u32) -> bool {
     let state = fields.next();
     let pgrp = fields.nth(1).and_then(|p| p.parse::<u32>().ok());
     pgrp == Some(pgid) && !matches!(state, Some("Z" | "X" | "x"))
+}
+
+/// Whether `argv`'s program can be started: found (a path with a `/` as given, otherwise
+/// through `PATH`, as the spawn resolves it) and executable.
+pub fn check(argv: &[String]) -> anyhow::Result<()> {
+    let Some(program) = argv.first() else { anyhow::bail!("its command is empty") };
+    let candidates: Vec<PathBuf> = if program.contains('/') {
+        vec![PathBuf::from(program)]
+    } else {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        std::env::split_paths(&path).map(|dir| dir.join(program)).collect()
+    };
+    if candidates.iter().any(|c| is_executable(c)) {
+        return Ok(());
+    }
+    match candidates.iter().find(|c| c.exists()) {
+        Some(found) => anyhow::bail!("its command {program:?} ({}) is not an executable file", found.display()),
+        None if program.contains('/') => anyhow::bail!("its command {program:?} was not found"),
+        None => anyhow::bail!("its command {program:?} was not found in PATH"),
+    }
+}
+
+fn is_executable(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 pub struct CommandExecutor {

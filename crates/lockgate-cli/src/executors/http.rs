@@ -1,9 +1,15 @@
 //! The HTTP executor: POSTs the job's arguments as JSON; any 2xx response succeeds, anything
 //! else fails the attempt with the status and the start of the body. Job identity travels in
 //! headers so the endpoint can deduplicate (`Lockgate-Job-Id`, `Lockgate-Attempt`).
+//!
+//! Every request has a deadline: the executor's `timeout` (`http = { url = "…", timeout = "10s" }`)
+//! if configured, else [`DEFAULT_HTTP_TIMEOUT`]; an endpoint that does not answer in time fails
+//! the attempt. A cancelled attempt (shutdown, lost lease, the job type's own `timeout`) drops
+//! its request at once.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::time::Duration;
 
 use lockgate::{JobContext, JobError, RawHandler};
 use serde_json::Value;
@@ -11,23 +17,36 @@ use serde_json::Value;
 /// Error messages keep the first 1 KiB of a failing response body.
 const BODY_HEAD: usize = 1024;
 
+/// A request without an answer after 30 s is failed: long enough for a slow endpoint's real
+/// work, short enough that a hanging one does not hold a pool slot (and stretch shutdown) for
+/// minutes. The executor's `timeout` replaces it.
+pub const DEFAULT_HTTP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The executor's URL, if it is one this build can call.
+pub fn parse_url(url: &str) -> anyhow::Result<reqwest::Url> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| anyhow::anyhow!("invalid http executor URL {url:?}: {e}"))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        anyhow::bail!("invalid http executor URL {url:?}: http:// or https:// only");
+    }
+    Ok(parsed)
+}
+
 pub struct HttpExecutor {
     url: reqwest::Url,
+    timeout: Duration,
     client: reqwest::Client,
 }
 
 impl HttpExecutor {
-    pub fn new(url: String) -> anyhow::Result<Self> {
-        let parsed =
-            reqwest::Url::parse(&url).map_err(|e| anyhow::anyhow!("invalid http executor URL {url:?}: {e}"))?;
-        if !matches!(parsed.scheme(), "http" | "https") {
-            anyhow::bail!("invalid http executor URL {url:?}: http:// or https:// only");
-        }
-        Ok(Self { url: parsed, client: reqwest::Client::new() })
+    /// `timeout` is the executor's configured one, if any.
+    pub fn new(url: &str, timeout: Option<Duration>) -> anyhow::Result<Self> {
+        let timeout = timeout.unwrap_or(DEFAULT_HTTP_TIMEOUT);
+        let client = reqwest::Client::builder().timeout(timeout).build()?;
+        Ok(Self { url: parse_url(url)?, timeout, client })
     }
 
     async fn run(&self, ctx: JobContext, args: Value) -> Result<(), JobError> {
-        let response = self
+        let request = self
             .client
             .post(self.url.clone())
             .header("content-type", "application/json")
@@ -35,8 +54,19 @@ impl HttpExecutor {
             .header("lockgate-job-type", &ctx.job_type)
             .header("lockgate-attempt", ctx.attempt.to_string())
             .body(args.to_string())
-            .send()
-            .await?;
+            .send();
+        let response = tokio::select! {
+            response = request => response,
+            () = ctx.cancelled() => return Err(JobError::new(format!("request cancelled ({:?})", ctx.cancel_reason()))),
+        };
+        let response = match response {
+            Ok(response) => response,
+            Err(e) if e.is_timeout() => {
+                let within = humantime::format_duration(self.timeout);
+                return Err(JobError::new(format!("no response from {} within {within}", self.url)));
+            }
+            Err(e) => return Err(e.into()),
+        };
         let status = response.status();
         if status.is_success() {
             return Ok(());
@@ -50,5 +80,19 @@ impl HttpExecutor {
 impl RawHandler for HttpExecutor {
     fn call(&self, ctx: JobContext, args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
         Box::pin(self.run(ctx, args))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_time_out_after_30s_unless_the_executor_has_a_timeout() {
+        let default = HttpExecutor::new("http://127.0.0.1:1/", None).unwrap();
+        assert_eq!(default.timeout, Duration::from_secs(30));
+        let own = HttpExecutor::new("http://127.0.0.1:1/", Some(Duration::from_secs(2))).unwrap();
+        assert_eq!(own.timeout, Duration::from_secs(2));
+        assert!(parse_url("ftp://h/").is_err() && parse_url("not a url").is_err());
     }
 }

@@ -8,7 +8,7 @@ mod sql;
 
 use std::sync::Arc;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use lockgate::{PgPool, RawHandler, Registry};
 
 use crate::config::{Executor, JobTypeConfig};
@@ -19,10 +19,26 @@ pub fn registry(job_types: &[JobTypeConfig], db: &PgPool) -> Result<Registry> {
     for job_type in job_types {
         let handler: Arc<dyn RawHandler> = match &job_type.executor {
             Executor::Command(argv) => Arc::new(command::CommandExecutor::new(argv.clone())),
-            Executor::Http(url) => Arc::new(http::HttpExecutor::new(url.clone())?),
+            Executor::Http { url, timeout } => Arc::new(http::HttpExecutor::new(url, *timeout)?),
             Executor::Sql(statement) => Arc::new(sql::SqlExecutor::new(db.clone(), statement.clone())),
         };
         registry.register_raw(job_type.name.clone(), job_type.policy.clone(), handler)?;
     }
     Ok(registry)
+}
+
+/// Checks, before `run` starts, that every job type's executor can work, and names the type when
+/// one cannot: a program that is not found or not executable, a statement that does not prepare
+/// against this database, an invalid URL. Such a type would otherwise start fine and then fail
+/// every attempt until its jobs are dead-lettered.
+pub async fn check(job_types: &[JobTypeConfig], db: &PgPool) -> Result<()> {
+    for job_type in job_types {
+        let checked = match &job_type.executor {
+            Executor::Command(argv) => command::check(argv),
+            Executor::Http { url, .. } => http::parse_url(url).map(drop),
+            Executor::Sql(statement) => sql::check(db, statement).await,
+        };
+        checked.with_context(|| format!("job type {} cannot run", job_type.name))?;
+    }
+    Ok(())
 }

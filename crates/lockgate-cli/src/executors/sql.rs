@@ -7,6 +7,20 @@ use std::pin::Pin;
 
 use lockgate::{JobContext, JobError, PgPool, RawHandler};
 use serde_json::Value;
+use sqlx::postgres::PgTypeInfo;
+use sqlx::Executor as _;
+
+/// Whether `statement` prepares against the database (tables and columns exist, the syntax is
+/// right), with `$1` typed as the jsonb it is bound as.
+pub async fn check(db: &PgPool, statement: &str) -> anyhow::Result<()> {
+    let parameters = if statement.contains("$1") { vec![PgTypeInfo::with_name("jsonb")] } else { vec![] };
+    let mut conn = db.acquire().await?;
+    if let Err(err) = conn.prepare_with(statement, &parameters).await {
+        let cause = err.as_database_error().map_or_else(|| err.to_string(), |db| db.message().to_string());
+        anyhow::bail!("its sql statement does not prepare: {cause}");
+    }
+    Ok(())
+}
 
 pub struct SqlExecutor {
     db: PgPool,

@@ -1,0 +1,301 @@
+//! Errors a person can act on, and the CLI of a team without Rust (issue 13, in part): an
+//! unreachable server or a missing database named with its cause and what to do, each cause
+//! printed once; `dlq` verbs that refuse what does not exist; `define --config`; arguments from
+//! stdin or a file; `run` refusing executors that cannot work, naming the job type.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::Write;
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use lockgate_testkit::{wait_for_count, TestDb};
+
+/// A local port nothing listens on (bound, then released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn with_input(db: &TestDb, args: &[&str], input: &[u8]) -> Output {
+    let mut child =
+        lockgate(db, args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[tokio::test]
+async fn a_wrong_port_is_reported_as_connection_refused_within_seconds() {
+    let db = TestDb::migrated().await.unwrap();
+    let port = free_port();
+    let url = format!("postgres://postgres@127.0.0.1:{port}/lockgate");
+    let started = Instant::now();
+    let o = lockgate(&db, &["status"]).env("DATABASE_URL", &url).output().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(6), "took {:?}: {}", started.elapsed(), text(&o));
+    assert!(!o.status.success());
+    let expected = format!(
+        "could not connect to 127.0.0.1:{port}/lockgate: connection refused (is PostgreSQL running on 127.0.0.1:{port}?)"
+    );
+    assert!(text(&o).contains(&expected), "{}", text(&o));
+}
+
+#[tokio::test]
+async fn a_server_that_never_answers_is_reported_after_the_connect_timeout() {
+    let db = TestDb::migrated().await.unwrap();
+    // Accepts connections and never says a word.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let url = format!("postgres://postgres@127.0.0.1:{port}/lockgate");
+    let started = Instant::now();
+    let o = lockgate(&db, &["--connect-timeout", "1s", "status"]).env("DATABASE_URL", &url).output().unwrap();
+    let took = started.elapsed();
+    assert!(!o.status.success() && text(&o).contains("no answer within 1s"), "{}", text(&o));
+    assert!(took >= Duration::from_secs(1) && took < Duration::from_secs(4), "took {took:?}");
+    let o =
+        lockgate(&db, &["status"]).env("DATABASE_URL", &url).env("LOCKGATE_CONNECT_TIMEOUT", "500ms").output().unwrap();
+    assert!(text(&o).contains("no answer within 500ms"), "{}", text(&o));
+    drop(listener);
+}
+
+#[tokio::test]
+async fn a_missing_database_is_named_once_with_the_command_that_creates_it() {
+    let db = TestDb::migrated().await.unwrap();
+    let name = format!("{}_missing", db.name);
+    let url = format!("{}/{name}", lockgate_testkit::server_url().rsplit_once('/').unwrap().0);
+    let o = lockgate(&db, &["status"]).env("DATABASE_URL", &url).output().unwrap();
+    let out = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert_eq!(out.matches("does not exist").count(), 1, "the cause, once: {out}");
+    assert!(out.contains(&format!("database \"{name}\" does not exist")), "{out}");
+    assert!(out.contains("`lockgate migrate --create-database`"), "{out}");
+    assert_eq!(out.lines().count(), 1, "one message: {out}");
+
+    let created = lockgate(&db, &["migrate", "--create-database"]).env("DATABASE_URL", &url).output().unwrap();
+    let status = lockgate(&db, &["status"]).env("DATABASE_URL", &url).output().unwrap();
+    sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).execute(&db.pool).await.unwrap();
+    assert!(created.status.success(), "{}", text(&created));
+    assert!(status.status.success(), "{}", text(&status));
+}
+
+#[tokio::test]
+async fn dlq_verbs_refuse_an_unknown_job_id_or_queue() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('mail')").execute(&db.pool).await.unwrap();
+    for (args, expected) in [
+        (vec!["dlq", "retry", "--job-id", "999"], "no dead letter for job 999"),
+        (vec!["dlq", "purge", "--job-id", "999"], "no dead letter for job 999"),
+        (vec!["dlq", "list", "--job-id", "999"], "no dead letter for job 999"),
+        (vec!["dlq", "retry", "--queue", "nosuchqueue"], "queue \"nosuchqueue\" does not exist"),
+        (vec!["dlq", "purge", "--queue", "nosuchqueue"], "queue \"nosuchqueue\" does not exist"),
+        (vec!["dlq", "list", "--queue", "nosuchqueue"], "queue \"nosuchqueue\" does not exist"),
+    ] {
+        let o = output(&db, &args);
+        assert!(!o.status.success() && text(&o).contains(expected), "{args:?}: {}", text(&o));
+    }
+    // A queue that exists but has no dead letters: nothing to do, and no error.
+    let o = output(&db, &["dlq", "retry", "--queue", "default"]);
+    assert!(o.status.success() && text(&o).contains("nothing to retry"), "{}", text(&o));
+    let o = output(&db, &["dlq", "purge", "--all"]);
+    assert!(o.status.success() && text(&o).contains("purged 0"), "{}", text(&o));
+}
+
+#[tokio::test]
+async fn enqueue_reads_arguments_from_stdin_and_from_a_file() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('resize')").execute(&db.pool).await.unwrap();
+    let o = with_input(&db, &["enqueue", "resize", "-"], b"{\"image\": 7}\n");
+    assert!(o.status.success() && text(&o).contains("enqueued job"), "{}", text(&o));
+    let image: i64 =
+        sqlx::query_scalar("SELECT (message->>'image')::bigint FROM pgmq.q_default").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(image, 7);
+
+    // Far beyond what one command-line argument may hold (128 KiB on Linux), within the 1 MiB a
+    // job may carry.
+    let dir = std::env::temp_dir().join(format!("lockgate-errors-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (fits, too_big) = (dir.join("fits.json"), dir.join("too_big.json"));
+    std::fs::write(&fits, serde_json::json!({ "data": "x".repeat(1_000_000) }).to_string()).unwrap();
+    std::fs::write(&too_big, serde_json::json!({ "data": "x".repeat(1_100_000) }).to_string()).unwrap();
+    let o = output(&db, &["enqueue", "resize", &format!("@{}", fits.display())]);
+    let refused = output(&db, &["enqueue", "resize", &format!("@{}", too_big.display())]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(o.status.success(), "{}", text(&o));
+    let sizes: Vec<i32> =
+        sqlx::query_scalar("SELECT length(message->>'data') FROM pgmq.q_default WHERE message ? 'data'")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(sizes, [1_000_000]);
+    assert!(!refused.status.success(), "{}", text(&refused));
+    assert!(text(&refused).contains("more than the 1048576 allowed"), "{}", text(&refused));
+    let o = with_input(&db, &["enqueue", "resize", "-"], b"not json");
+    assert!(!o.status.success() && text(&o).contains("job arguments from stdin are not valid JSON"), "{}", text(&o));
+}
+
+#[tokio::test]
+async fn define_stores_the_config_job_types_so_the_cli_can_enqueue_before_any_run() {
+    let db = TestDb::migrated().await.unwrap();
+    let setup = Setup::new("cat >/dev/null", "queue = \"images\"\nmax_attempts = 3");
+    let config = setup.config.to_str().unwrap();
+    let o = output(&db, &["enqueue", "task", "{}"]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("unknown job type \"task\"") && text(&o).contains("lockgate define --config"),
+        "{}",
+        text(&o)
+    );
+
+    let o = output(&db, &["define", "--config", config]);
+    assert!(o.status.success() && text(&o).contains("defined job type task on queue images"), "{}", text(&o));
+    let max_attempts: i32 = sqlx::query_scalar("SELECT max_attempts FROM lockgate.job_types WHERE name = 'task'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(max_attempts, 3);
+    let o = output(&db, &["enqueue", "task", "{}"]);
+    assert!(o.status.success() && text(&o).contains("on queue images"), "{}", text(&o));
+    assert_eq!(db.count("SELECT 1 FROM lockgate.processes").await.unwrap(), 0, "nothing ran");
+}
+
+#[tokio::test]
+async fn a_database_error_is_printed_once() {
+    let db = TestDb::migrated().await.unwrap();
+    // Behind lockgate's back: the schema check passes (versions and functions), the read fails.
+    sqlx::query("DROP TABLE lockgate.dead_letters CASCADE").execute(&db.pool).await.unwrap();
+    let o = output(&db, &["dlq", "list"]);
+    let out = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert_eq!(out.matches("relation \"lockgate.dead_letters\" does not exist").count(), 1, "{out}");
+}
+
+/// A config with one pool on `default` and the given `[job_types.*]` tables, in a scratch
+/// directory removed when the returned guard drops.
+struct Config {
+    dir: std::path::PathBuf,
+    path: String,
+}
+
+impl Config {
+    fn new(job_types: &str) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("lockgate-errors-{}-{:08x}", std::process::id(), fastrand::u32(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("lockgate.toml");
+        let text = format!(
+            "[runtime]\n{DEFAULT_RUNTIME}\n\n[[pool]]\nqueues = [\"default\"]\nconcurrency = 1\n\n{job_types}\n"
+        );
+        std::fs::write(&path, text).unwrap();
+        Self { path: path.to_str().unwrap().to_string(), dir }
+    }
+}
+
+impl Drop for Config {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs `lockgate run` and expects it to exit by itself within a few seconds; kills it otherwise.
+async fn run_until_exit(db: &TestDb, config: &Config) -> (std::process::ExitStatus, String) {
+    let mut child =
+        lockgate(db, &["run", "--config", &config.path]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            let o = child.wait_with_output().unwrap();
+            panic!("run did not refuse to start within 10 s: {}", text(&o));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let o = child.wait_with_output().unwrap();
+    (o.status, text(&o))
+}
+
+#[tokio::test]
+async fn run_refuses_executors_that_cannot_work_naming_the_job_type() {
+    let db = TestDb::migrated().await.unwrap();
+    let not_executable = Config::new("[job_types.plain]\ncommand = [\"$DIR/plain.sh\"]");
+    let script = not_executable.dir.join("plain.sh");
+    std::fs::write(&script, "#!/bin/sh\n").unwrap();
+    std::fs::write(
+        &not_executable.path,
+        std::fs::read_to_string(&not_executable.path).unwrap().replace("$DIR", not_executable.dir.to_str().unwrap()),
+    )
+    .unwrap();
+    for (config, expected) in [
+        (
+            Config::new("[job_types.resize]\ncommand = [\"lockgate-no-such-program\", \"--fast\"]"),
+            "job type resize cannot run: its command \"lockgate-no-such-program\" was not found in PATH",
+        ),
+        (
+            Config::new("[job_types.resize]\ncommand = [\"./no-such-script.sh\"]"),
+            "job type resize cannot run: its command \"./no-such-script.sh\" was not found",
+        ),
+        (not_executable, "job type plain cannot run: its command"),
+        (
+            Config::new("[job_types.audit]\nsql = \"INSERT INTO no_such_table (args) VALUES ($1)\""),
+            "job type audit cannot run: its sql statement does not prepare: relation \"no_such_table\" does not exist",
+        ),
+        (
+            Config::new("[job_types.hook]\nhttp = \"http//missing-colon\""),
+            "job type hook cannot run: invalid http executor URL",
+        ),
+    ] {
+        let (status, out) = run_until_exit(&db, &config).await;
+        assert!(!status.success(), "{out}");
+        assert!(out.contains(expected), "expected {expected:?} in: {out}");
+    }
+    assert_eq!(db.count("SELECT 1 FROM lockgate.processes").await.unwrap(), 0, "nothing started");
+    // The same statement prepares once its table exists, with $1 as jsonb. Dropped behind the
+    // running process's back, its error is kept once, not "…: relation … does not exist" twice.
+    sqlx::query("CREATE TABLE audit (args jsonb)").execute(&db.pool).await.unwrap();
+    let config = Config::new("[job_types.audit]\nsql = \"INSERT INTO audit (args) VALUES ($1)\"\nmax_attempts = 1");
+    let mut child =
+        lockgate(&db, &["run", "--config", &config.path]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let supervisor = "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'";
+    let started = wait_for_count(&db.pool, supervisor, 1, WAIT).await;
+    sqlx::query("DROP TABLE audit").execute(&db.pool).await.unwrap();
+    let o = output(&db, &["enqueue", "audit", "{}"]);
+    let dead = wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await;
+    signal(&child, "TERM");
+    let status = wait_exit(&mut child).await;
+    started.unwrap();
+    dead.unwrap();
+    assert!(status.success() && o.status.success(), "{}", text(&o));
+    let error: String =
+        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(error.matches("relation \"audit\" does not exist").count(), 1, "{error}");
+}
+
+#[tokio::test]
+async fn an_http_endpoint_that_never_answers_fails_the_attempt_after_the_executor_timeout() {
+    let db = TestDb::migrated().await.unwrap();
+    // Accepts connections and reads, but never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let config = Config::new(&format!(
+        "[job_types.hook]\nhttp = {{ url = \"http://127.0.0.1:{port}/jobs\", timeout = \"1s\" }}\nmax_attempts = 1"
+    ));
+    sqlx::query("SELECT lockgate.define_job_type('hook', max_attempts => 1)").execute(&db.pool).await.unwrap();
+    let o = output(&db, &["enqueue", "hook", "{}"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let mut child =
+        lockgate(&db, &["run", "--config", &config.path]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let dead = wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await;
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
+    silent.abort();
+    dead.unwrap();
+    let error: String =
+        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(error, format!("no response from http://127.0.0.1:{port}/jobs within 1s"));
+}
