@@ -76,9 +76,14 @@ async fn use_server_files(admin: &PgPool, files: Option<(&Path, &Path)>) {
     sqlx::query("SELECT pg_reload_conf()").execute(admin).await.unwrap();
 }
 
+/// The test database's URL (whose sslmode, plain TCP for the other tests, is dropped) with
+/// verify-full against `root_cert`.
 fn with_tls(url: &str, root_cert: &Path) -> String {
-    let joint = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{joint}sslmode=verify-full&sslrootcert={}", root_cert.display())
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let mut params: Vec<&str> = query.split('&').filter(|p| !p.is_empty() && !p.starts_with("sslmode=")).collect();
+    let tls = format!("sslmode=verify-full&sslrootcert={}", root_cert.display());
+    params.push(&tls);
+    format!("{base}?{}", params.join("&"))
 }
 
 #[derive(Serialize, Deserialize)]
@@ -137,6 +142,19 @@ async fn run_over_tls(db: &TestDb, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Puts the server back on its own certificate even when the test panics half-way (a blocking
+/// psql, since a destructor cannot await). `.ci/run` also drops lines a killed run left behind.
+struct RestoreOnDrop(String);
+
+impl Drop for RestoreOnDrop {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("psql")
+            .args([self.0.as_str(), "-qc", "ALTER SYSTEM RESET ssl_cert_file", "-c", "ALTER SYSTEM RESET ssl_key_file"])
+            .args(["-c", "SELECT pg_reload_conf()"])
+            .output();
+    }
+}
+
 #[tokio::test]
 async fn verify_full_connects_with_the_servers_ca_and_is_refused_with_another() {
     let db = TestDb::migrated().await.unwrap();
@@ -145,7 +163,8 @@ async fn verify_full_connects_with_the_servers_ca_and_is_refused_with_another() 
     use_server_files(&admin, None).await;
     let data_dir: String = sqlx::query_scalar("SHOW data_directory").fetch_one(&admin).await.unwrap();
     let meta = std::fs::metadata(&data_dir).expect("the server runs on this host");
-    let dir = PathBuf::from(format!("/tmp/lockgate-tls-{}", std::process::id()));
+    let dir = PathBuf::from(format!("/tmp/lockgate-tls-{}-{:08x}", std::process::id(), fastrand::u32(..)));
+    let _restore = RestoreOnDrop(db.url.clone());
     write_files(&dir, &ca("lockgate test CA"), &ca("another CA"), (meta.uid(), meta.gid()));
     use_server_files(&admin, Some((&dir.join("server.crt"), &dir.join("server.key")))).await;
     let outcome = run_over_tls(&db, &dir).await;

@@ -9,7 +9,9 @@ use serde::Serialize;
 
 /// The server the harness creates its databases on, unless `--server-url` or
 /// `LOCKGATE_BENCH_SERVER_URL` says otherwise.
-pub const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+/// Plain TCP, as in earlier runs: a TLS handshake and encryption would weigh on both sides alike
+/// but make figures incomparable with those of earlier sessions (docs/benchmarks.md).
+pub const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable";
 /// Three rounds is the fewest that give a median with a min and a max around it.
 pub const DEFAULT_ROUNDS: usize = 3;
 

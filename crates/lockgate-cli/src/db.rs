@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use lockgate::{PgPool, PgPoolOptions};
-use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgSslMode};
 use sqlx::Connection as _;
 
 /// The local server of this machine, database `lockgate`, as the `postgres` role.
@@ -63,7 +63,21 @@ pub async fn connect(target: &Target, max_connections: u32) -> Result<PgPool> {
 }
 
 fn options(url: &str) -> Result<PgConnectOptions> {
-    let options: PgConnectOptions = url.parse().with_context(|| format!("invalid database URL {}", redact(url)))?;
+    let mut options: PgConnectOptions = url.parse().with_context(|| format!("invalid database URL {}", redact(url)))?;
+    // The TLS files the URL names must exist: the driver would report only "No such file or
+    // directory", or, in the modes that do not verify, ignore a missing root certificate.
+    let named: Vec<(String, String)> = reqwest::Url::parse(url)
+        .map(|u| u.query_pairs().map(|(k, v)| (k.into_owned(), v.into_owned())).collect())
+        .unwrap_or_default();
+    for (key, path) in named.iter().filter(|(k, _)| matches!(k.as_str(), "sslrootcert" | "sslcert" | "sslkey")) {
+        if !std::path::Path::new(path).is_file() {
+            anyhow::bail!("invalid database URL {}: {key} {path:?} is not a readable file", redact(url));
+        }
+    }
+    // As libpq does: require with a root certificate named verifies the server against it.
+    if named.iter().any(|(k, _)| k == "sslrootcert") && matches!(options.get_ssl_mode(), PgSslMode::Require) {
+        options = options.ssl_mode(PgSslMode::VerifyCa);
+    }
     // Named, so operators (and fault-injection tests) can find lockgate's backends.
     Ok(options.application_name("lockgate"))
 }

@@ -141,3 +141,30 @@ async fn the_http_executor_calls_https_trusting_the_systems_roots_and_refuses_an
     assert_eq!(answered.load(Ordering::SeqCst), 1, "nothing was sent to an endpoint it could not verify");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The URL's TLS files: a missing one is named before any connect; `sslmode=require` with a root
+/// certificate verifies the server against it, as libpq does (the server's own certificate was not
+/// signed by this CA, so the connection is refused).
+#[tokio::test]
+async fn tls_files_in_the_url_are_checked_and_require_with_a_root_certificate_verifies() {
+    let db = TestDb::migrated().await.unwrap();
+    let (base, _) = db.url.split_once('?').unwrap();
+    let missing = format!("{base}?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem");
+    let o = lockgate(&db, &["status"]).env("DATABASE_URL", &missing).output().unwrap();
+    assert!(
+        !o.status.success() && text(&o).contains("sslrootcert \"/nonexistent/ca.pem\" is not a readable file"),
+        "{}",
+        text(&o)
+    );
+
+    let dir = std::env::temp_dir().join(format!("lockgate-ca-{}-{:08x}", std::process::id(), fastrand::u32(..)));
+    std::fs::create_dir_all(&dir).unwrap();
+    let key = KeyPair::generate().unwrap();
+    std::fs::write(dir.join("ca.crt"), ca_params("a CA that signed nothing").self_signed(&key).unwrap().pem()).unwrap();
+    let ssl_on: String = sqlx::query_scalar("SHOW ssl").fetch_one(&db.pool).await.unwrap();
+    let require = format!("{base}?sslmode=require&sslrootcert={}", dir.join("ca.crt").display());
+    let o = lockgate(&db, &["status"]).env("DATABASE_URL", &require).output().unwrap();
+    let expected = if ssl_on == "on" { "certificate" } else { "TLS" };
+    assert!(!o.status.success() && text(&o).contains(expected), "{}", text(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}

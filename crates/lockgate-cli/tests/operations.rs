@@ -112,10 +112,16 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
     assert!(text(&o).lines().any(|l| l.starts_with("fail") && l.contains("run `lockgate migrate`")), "{}", text(&o));
 
     // A database that does not exist: nothing can be checked.
-    let missing = format!("{}_missing", db.url);
+    let name = format!("{}_missing", db.name);
+    let missing = format!("{}/{name}", lockgate_testkit::server_url().rsplit_once('/').unwrap().0);
     let o = lockgate(&db, &["doctor"]).env("DATABASE_URL", &missing).output().unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("fail  connection"), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("database \"{name}\" does not exist")),
+        "a missing database, not a bad URL: {}",
+        text(&o)
+    );
 }
 
 #[tokio::test]

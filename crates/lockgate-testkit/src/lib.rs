@@ -17,7 +17,9 @@ use anyhow::{bail, Context, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 
-const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+/// Plain TCP unless a test is about TLS: the local server offers TLS, which every connection
+/// would otherwise negotiate (doubling connect time), and the fault proxy reads the protocol's bytes.
+const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable";
 
 /// The server URL tests create their databases on.
 pub fn server_url() -> String {
