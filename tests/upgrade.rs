@@ -8,6 +8,7 @@
 mod common;
 
 use common::{queue, test_config, Counter, Running, WAIT};
+use lockgate::sql::FUNCTIONS_REVISION;
 use lockgate::{Client, DbError, Job, JobContext, JobError, JobPolicy, Registry, LATEST_MIGRATION, SCHEMA_COMPAT};
 use lockgate_testkit::{wait_for_count, TestDb};
 use serde::{Deserialize, Serialize};
@@ -107,4 +108,36 @@ async fn a_process_is_refused_by_a_schema_of_another_compatibility_version() {
     .unwrap();
     let run = runtime.run(tokio_util::sync::CancellationToken::new()).await;
     assert!(run.is_err(), "the runtime refuses to start: {run:?}");
+}
+
+/// Most releases change only functions: a newer functions revision of the same schema version is
+/// newer too (an older process runs on it, an older migrate does not put its functions back); the
+/// same revision with other functions is a development build's, refused until migrated.
+#[tokio::test]
+async fn a_functions_only_release_rolls_and_a_development_build_is_refused() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("UPDATE lockgate.schema_state SET functions_revision = $1, functions_checksum = 'newer functions'")
+        .bind(FUNCTIONS_REVISION + 1)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let fit = lockgate::check_schema(&db.pool).await.unwrap();
+    assert_eq!(fit, lockgate::sql::SchemaFit::NewerCompatible { found: LATEST_MIGRATION });
+    assert!(lockgate::migrate(&db.pool).await.unwrap().newer.is_some(), "an older migrate has nothing to do");
+    let checksum: String =
+        sqlx::query_scalar("SELECT functions_checksum FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(checksum, "newer functions", "and left the newer functions alone");
+    sqlx::query("UPDATE lockgate.schema_state SET functions_revision = $1, functions_checksum = 'a branch'")
+        .bind(FUNCTIONS_REVISION)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let refused = lockgate::check_schema(&db.pool).await.unwrap_err();
+    assert!(matches!(refused, DbError::FunctionsOutdated), "{refused}");
+    lockgate::migrate(&db.pool).await.unwrap();
+    assert_eq!(
+        lockgate::check_schema(&db.pool).await.unwrap(),
+        lockgate::sql::SchemaFit::Exact,
+        "migrated: this build's"
+    );
 }

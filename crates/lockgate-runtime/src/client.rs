@@ -84,7 +84,7 @@ impl Client {
 
     /// Fails with a message naming `lockgate migrate` when the schema is missing or older.
     pub async fn check_schema(&self) -> Result<(), DbError> {
-        lockgate_sql::check_schema(&self.pool).await
+        lockgate_sql::check_schema(&self.pool).await.map(|_| ())
     }
 
     /// Stores `J`'s policy (creating its queue if missing), so SQL producers apply it too.

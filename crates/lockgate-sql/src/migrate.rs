@@ -85,12 +85,24 @@ const FUNCTIONS: &[&str] = &[
 pub const LATEST_MIGRATION: i32 = MIGRATIONS[MIGRATIONS.len() - 1].version;
 
 /// The schema compatibility version this build speaks (docs/design.md §44). Within one
-/// compatibility version, migrations only add (tables, columns, functions, arguments with
-/// defaults) and every function keeps its signature and meaning, so a process of an older build
-/// keeps working against a schema a newer build migrated: a rolling deploy migrates first, and
-/// old and new processes run side by side. Bump it, in the same change, when a migration or a
-/// function rewrite breaks that: older processes are then refused with both versions named.
+/// compatibility version, migrations only add (tables, nullable columns or columns with a
+/// default, functions, arguments with defaults) and every function keeps its signature and
+/// meaning, so a process of an older build keeps working against a schema a newer build
+/// migrated: a rolling deploy migrates first, and old and new processes run side by side. Not
+/// allowed without a bump: dropping or retyping a column, a new NOT NULL column without a default,
+/// a constraint or trigger that refuses what older code writes (Rust writes `lockgate.settings`
+/// and `lockgate.schema_state` directly), changing what a function returns or does. Bump it, in
+/// the same change, when a migration or a function rewrite breaks that: older processes are then
+/// refused with both versions named.
 pub const SCHEMA_COMPAT: i32 = 1;
+
+/// The revision of the SQL functions (`sql/`), bumped with every change to them, since most
+/// function changes ship without a numbered migration: a build's schema is (its last migration,
+/// this revision), and a database migrated by a build with a higher one is newer, not "different"
+/// (so an older process runs on it within its compatibility version, and an older `migrate` leaves
+/// it alone instead of putting its older functions back). `functions_are_pinned_to_their_revision`
+/// fails when `sql/` changes without a bump.
+pub const FUNCTIONS_REVISION: i32 = 1;
 
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;
@@ -110,9 +122,12 @@ CREATE TABLE IF NOT EXISTS lockgate.schema_state (
     functions_checksum text NOT NULL,
     migrated_at        timestamptz NOT NULL DEFAULT now()
 );
--- The compatibility version of the build that last migrated (SCHEMA_COMPAT); NULL before it
--- was recorded, which reads as 1.
-ALTER TABLE lockgate.schema_state ADD COLUMN IF NOT EXISTS compat integer;";
+";
+
+/// Columns of `lockgate.schema_state` added after it first shipped, with what NULL (a database
+/// last migrated before them) reads as: the compatibility version (1) and the functions' revision
+/// (0). Added only where missing, so a migrate with nothing to do takes no ACCESS EXCLUSIVE lock.
+const STATE_COLUMNS: &[&str] = &["compat", "functions_revision"];
 
 /// What a migrate run did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,6 +139,15 @@ pub struct MigrateReport {
     /// The database's schema version when a newer, compatible build had migrated it: nothing was
     /// done.
     pub newer: Option<i32>,
+}
+
+/// How a database's schema fits this build (`check_schema`), when it can run on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SchemaFit {
+    /// This build's migrations and functions.
+    Exact,
+    /// Migrated by a newer build of this compatibility version (schema version `found`).
+    NewerCompatible { found: i32 },
 }
 
 /// A schema newer than this build (`found`, migrated by a build of compatibility version
@@ -162,15 +186,30 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
     let mut tx = pool.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *tx).await?;
     sqlx::raw_sql(BOOTSTRAP).execute(&mut *tx).await?;
+    let present: Vec<String> = sqlx::query_scalar(
+        "SELECT attname::text FROM pg_attribute
+          WHERE attrelid = 'lockgate.schema_state'::regclass AND attnum > 0 AND NOT attisdropped",
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    for column in STATE_COLUMNS.iter().filter(|c| !present.iter().any(|p| p == *c)) {
+        sqlx::raw_sql(&format!("ALTER TABLE lockgate.schema_state ADD COLUMN IF NOT EXISTS {column} integer"))
+            .execute(&mut *tx)
+            .await?;
+    }
     // A binary older than the database must not rewrite newer functions with its own: against a
     // compatible schema it has nothing to do (a rolling deploy's old processes may run migrate at
     // start), against an incompatible one it is refused.
-    let recorded: Option<(i32, Option<i32>)> =
-        sqlx::query_as("SELECT migration, compat FROM lockgate.schema_state").fetch_optional(&mut *tx).await?;
-    if let Some((found, compat)) = recorded.filter(|(found, _)| *found > LATEST_MIGRATION) {
-        newer_schema(found, compat)?;
-        tx.commit().await?;
-        return Ok(MigrateReport { applied: Vec::new(), pgmq_preinstalled: true, newer: Some(found) });
+    let recorded: Option<(i32, Option<i32>, Option<i32>)> =
+        sqlx::query_as("SELECT migration, functions_revision, compat FROM lockgate.schema_state")
+            .fetch_optional(&mut *tx)
+            .await?;
+    if let Some((found, revision, compat)) = recorded {
+        if (found, revision.unwrap_or(0)) > (LATEST_MIGRATION, FUNCTIONS_REVISION) {
+            newer_schema(found, compat)?;
+            tx.commit().await?;
+            return Ok(MigrateReport { applied: Vec::new(), pgmq_preinstalled: false, newer: Some(found) });
+        }
     }
     let applied: Vec<i32> =
         sqlx::query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(&mut *tx).await?;
@@ -195,12 +234,15 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
         sqlx::raw_sql(functions).execute(&mut *tx).await?;
     }
     sqlx::query(
-        "INSERT INTO lockgate.schema_state (migration, functions_checksum, compat) VALUES ($1, $2, $3)
-         ON CONFLICT (singleton) DO UPDATE SET migration = $1, functions_checksum = $2, compat = $3, migrated_at = now()",
+        "INSERT INTO lockgate.schema_state (migration, functions_checksum, compat, functions_revision)
+         VALUES ($1, $2, $3, $4)
+         ON CONFLICT (singleton) DO UPDATE SET migration = $1, functions_checksum = $2, compat = $3,
+                                               functions_revision = $4, migrated_at = now()",
     )
     .bind(LATEST_MIGRATION)
     .bind(functions_checksum())
     .bind(SCHEMA_COMPAT)
+    .bind(FUNCTIONS_REVISION)
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
@@ -233,7 +275,7 @@ pub async fn pending_migrations(pool: &PgPool) -> Result<Vec<String>, DbError> {
 }
 
 /// Refuses a database where lockgate or PGMQ is missing, older, newer, or whose functions differ.
-pub async fn check_schema(pool: &PgPool) -> Result<(), DbError> {
+pub async fn check_schema(pool: &PgPool) -> Result<SchemaFit, DbError> {
     let row =
         sqlx::query("SELECT to_regclass('lockgate.schema_state') IS NOT NULL, to_regclass('pgmq.meta') IS NOT NULL")
             .fetch_one(pool)
@@ -244,33 +286,57 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), DbError> {
     if !row.get::<bool, _>(1) {
         return Err(DbError::NotInstalled("PGMQ is missing".into()));
     }
-    let compat_known: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'lockgate.schema_state'::regclass
-                         AND attname = 'compat' AND NOT attisdropped)",
+    // Columns added since the table first shipped read as NULL where a database lacks them.
+    let present: Vec<String> = sqlx::query_scalar(
+        "SELECT attname::text FROM pg_attribute
+          WHERE attrelid = 'lockgate.schema_state'::regclass AND attnum > 0 AND NOT attisdropped",
     )
-    .fetch_one(pool)
+    .fetch_all(pool)
     .await?;
-    let state = sqlx::query(if compat_known {
-        "SELECT migration, functions_checksum, compat FROM lockgate.schema_state"
-    } else {
-        "SELECT migration, functions_checksum, NULL::integer FROM lockgate.schema_state"
-    })
+    let column = |name: &str| if present.iter().any(|p| p == name) { name.to_string() } else { "NULL::integer".into() };
+    let state = sqlx::query(&format!(
+        "SELECT migration, functions_checksum, {}, {} FROM lockgate.schema_state",
+        column("compat"),
+        column("functions_revision")
+    ))
     .fetch_optional(pool)
     .await?;
     let Some(state) = state else {
         return Err(DbError::NotInstalled("the schema was never completely migrated".into()));
     };
     let found: i32 = state.get(0);
+    let revision = state.get::<Option<i32>, _>(3).unwrap_or(0);
     if found < LATEST_MIGRATION {
         return Err(DbError::SchemaOutdated { found, expected: LATEST_MIGRATION });
     }
-    if found > LATEST_MIGRATION {
+    if (found, revision) > (LATEST_MIGRATION, FUNCTIONS_REVISION) {
         // Its functions are the newer build's (their checksum is not this build's): compatible
         // ones keep the signatures and meaning this build relies on.
-        return newer_schema(found, state.get(2));
+        newer_schema(found, state.get(2))?;
+        return Ok(SchemaFit::NewerCompatible { found });
     }
-    if state.get::<String, _>(1) != functions_checksum() {
+    // An older revision of the functions, or the same revision with other functions (a
+    // development build): this build's must be installed first.
+    if revision < FUNCTIONS_REVISION || state.get::<String, _>(1) != functions_checksum() {
         return Err(DbError::FunctionsOutdated);
     }
-    Ok(())
+    Ok(SchemaFit::Exact)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The checksum of the functions at `FUNCTIONS_REVISION`. A change to `sql/` fails this test:
+    /// bump `FUNCTIONS_REVISION` and set this to the new checksum, in the same change.
+    const PINNED_CHECKSUM: &str = "7e01e04946479f19";
+
+    #[test]
+    fn functions_are_pinned_to_their_revision() {
+        assert_eq!(
+            (functions_checksum().as_str(), FUNCTIONS_REVISION),
+            (PINNED_CHECKSUM, FUNCTIONS_REVISION),
+            "sql/ changed: bump FUNCTIONS_REVISION and set PINNED_CHECKSUM to the new checksum"
+        );
+    }
 }

@@ -91,13 +91,26 @@ async fn checks(pool: &PgPool, args: &Args) -> Result<Vec<DoctorCheck>> {
 /// command (and `lockgate run`) refuses to start without.
 async fn schema_check(pool: &PgPool) -> Result<DoctorCheck> {
     let err = match lockgate::sql::check_schema(pool).await {
-        Ok(()) => {
+        Ok(lockgate::sql::SchemaFit::Exact) => {
             return Ok(ok(
                 "schema",
                 format!(
-                    "lockgate schema version {} and SQL functions (checksum {}) match this build",
+                    "lockgate schema version {} and SQL functions (revision {}, checksum {}) match this build",
                     lockgate::sql::LATEST_MIGRATION,
+                    lockgate::sql::FUNCTIONS_REVISION,
                     lockgate::sql::functions_checksum()
+                ),
+            ))
+        }
+        Ok(lockgate::sql::SchemaFit::NewerCompatible { found }) => {
+            return Ok(ok(
+                "schema",
+                format!(
+                    "lockgate schema version {found} was migrated by a newer build of this build's compatibility \
+                     version {} (this build: schema {}, functions revision {}): running on it",
+                    lockgate::sql::SCHEMA_COMPAT,
+                    lockgate::sql::LATEST_MIGRATION,
+                    lockgate::sql::FUNCTIONS_REVISION
                 ),
             ))
         }
