@@ -54,9 +54,10 @@ pub async fn connect(target: &Target, max_connections: u32) -> Result<PgPool> {
     let (url, timeout) = (target.url(), target.connect_timeout());
     let options = options(&url)?;
     let _ = connect_one(&url, &options, timeout).await?.close().await;
+    // The connect timeout is for reaching the server; the pool keeps sqlx's wait for a free
+    // connection (30 s), which claims, completions and `sql` jobs rely on under contention.
     PgPoolOptions::new()
         .max_connections(max_connections)
-        .acquire_timeout(timeout)
         .connect_with(options)
         .await
         .map_err(|err| connect_error(&url, err, timeout))
@@ -119,21 +120,37 @@ pub async fn create_database_if_missing(target: &Target) -> Result<()> {
     let url = target.url();
     let options = options(&url)?;
     let Some(name) = options.get_database().map(str::to_string) else { return Ok(()) };
-    let admin_options = options.clone().database("postgres");
-    let mut admin = connect_one(&url, &admin_options, target.connect_timeout()).await?;
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-        .bind(&name)
-        .fetch_one(&mut admin)
-        .await?;
-    if !exists {
-        // CREATE DATABASE takes no parameters; quote_ident makes the name safe as an identifier.
-        let quoted: String = sqlx::query_scalar("SELECT quote_ident($1)").bind(&name).fetch_one(&mut admin).await?;
-        match sqlx::raw_sql(&format!("CREATE DATABASE {quoted}")).execute(&mut admin).await {
-            Ok(_) => tracing::info!(database = %name, "created database"),
-            // Another process created it at the same moment: that is what we wanted.
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => {}
-            Err(e) => return Err(e).context(format!("could not create database {name}")),
+    let timeout = target.connect_timeout();
+    // The database itself first: most often it exists, and a role may not be allowed into
+    // `postgres` (managed servers); only a missing database sends us there to create it.
+    match tokio::time::timeout(timeout, PgConnection::connect_with(&options)).await {
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+            return Ok(());
         }
+        Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some(MISSING_DATABASE) => {}
+        Ok(Err(err)) => return Err(connect_error(&url, err, timeout)),
+        Err(_) => return Err(connect_error(&url, sqlx::Error::PoolTimedOut, timeout)),
+    }
+    let admin_options = options.clone().database("postgres");
+    let cannot = |cause: String| {
+        anyhow!(
+            "database {name:?} does not exist, and creating it needs a connection to the `postgres` database, \
+             which failed: {cause}; create it yourself (CREATE DATABASE), then run `lockgate migrate` again"
+        )
+    };
+    let mut admin = match tokio::time::timeout(timeout, PgConnection::connect_with(&admin_options)).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(err)) => return Err(cannot(err.to_string())),
+        Err(_) => return Err(cannot(format!("no answer within {}", humantime::format_duration(timeout)))),
+    };
+    // CREATE DATABASE takes no parameters; quote_ident makes the name safe as an identifier.
+    let quoted: String = sqlx::query_scalar("SELECT quote_ident($1)").bind(&name).fetch_one(&mut admin).await?;
+    match sqlx::raw_sql(&format!("CREATE DATABASE {quoted}")).execute(&mut admin).await {
+        Ok(_) => tracing::info!(database = %name, "created database"),
+        // Another process created it at the same moment: that is what we wanted.
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => {}
+        Err(e) => return Err(e).context(format!("could not create database {name}")),
     }
     Ok(())
 }

@@ -283,7 +283,7 @@ async fn an_http_endpoint_that_never_answers_fails_the_attempt_after_the_executo
         }
     });
     let config = Config::new(&format!(
-        "[job_types.hook]\nhttp = {{ url = \"http://127.0.0.1:{port}/jobs\", timeout = \"1s\" }}\nmax_attempts = 1"
+        "[job_types.hook]\nhttp = {{ url = \"http://alice:s3cret@127.0.0.1:{port}/jobs?token=t0ken\", timeout = \"1s\" }}\nmax_attempts = 1"
     ));
     sqlx::query("SELECT lockgate.define_job_type('hook', max_attempts => 1)").execute(&db.pool).await.unwrap();
     let o = output(&db, &["enqueue", "hook", "{}"]);
@@ -297,5 +297,46 @@ async fn an_http_endpoint_that_never_answers_fails_the_attempt_after_the_executo
     dead.unwrap();
     let error: String =
         sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
-    assert_eq!(error, format!("no response from http://127.0.0.1:{port}/jobs within 1s"));
+    assert_eq!(error, format!("no response from http://127.0.0.1:{port}/jobs within 1s"), "no credentials, no query");
+}
+
+/// A redirect is not followed (it would turn the POST into a GET without the job's arguments, and
+/// count the job done): a 3xx fails the attempt.
+#[tokio::test]
+async fn an_http_redirect_fails_the_attempt_instead_of_dropping_the_body() {
+    let db = TestDb::migrated().await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let requests = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen = std::sync::Arc::clone(&requests);
+    let server = tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let mut buf = vec![0u8; 8192];
+            let n = socket.read(&mut buf).await.unwrap_or(0);
+            let head = String::from_utf8_lossy(&buf[..n]).lines().next().unwrap_or("").to_string();
+            seen.lock().unwrap().push(head.clone());
+            let reply = if head.starts_with("POST") {
+                "HTTP/1.1 302 Found\r\nlocation: /landing\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            } else {
+                "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            };
+            let _ = socket.write_all(reply.as_bytes()).await;
+        }
+    });
+    let config = Config::new(&format!("[job_types.hook]\nhttp = \"http://127.0.0.1:{port}/jobs\"\nmax_attempts = 1"));
+    sqlx::query("SELECT lockgate.define_job_type('hook', max_attempts => 1)").execute(&db.pool).await.unwrap();
+    let o = output(&db, &["enqueue", "hook", "{}"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let mut child =
+        lockgate(&db, &["run", "--config", &config.path]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let dead = wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await;
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
+    server.abort();
+    dead.unwrap();
+    let error: String =
+        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert!(error.starts_with("HTTP 302 Found"), "{error}");
+    assert_eq!(requests.lock().unwrap().len(), 1, "no GET after the redirect: {:?}", requests.lock().unwrap());
 }

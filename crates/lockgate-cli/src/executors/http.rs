@@ -24,11 +24,29 @@ pub const DEFAULT_HTTP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The executor's URL, if it is one this build can call.
 pub fn parse_url(url: &str) -> anyhow::Result<reqwest::Url> {
-    let parsed = reqwest::Url::parse(url).map_err(|e| anyhow::anyhow!("invalid http executor URL {url:?}: {e}"))?;
+    let parsed = reqwest::Url::parse(url)
+        .map_err(|e| anyhow::anyhow!("invalid http executor URL {:?}: {e}", redact_text(url)))?;
     if !matches!(parsed.scheme(), "http" | "https") {
-        anyhow::bail!("invalid http executor URL {url:?}: http:// or https:// only");
+        anyhow::bail!("invalid http executor URL {:?}: http:// or https:// only", shown(&parsed));
     }
     Ok(parsed)
+}
+
+/// A URL as errors and logs may show it: without its user, password and query (tokens).
+fn shown(url: &reqwest::Url) -> String {
+    let mut url = url.clone();
+    let _ = url.set_username("");
+    let _ = url.set_password(None);
+    url.set_query(None);
+    url.to_string()
+}
+
+/// A URL that does not parse, with whatever stands between `//` and `@` (credentials) hidden.
+fn redact_text(url: &str) -> String {
+    match (url.find("//"), url.rfind('@')) {
+        (Some(start), Some(at)) if at > start => format!("{}//***{}", &url[..start], &url[at..]),
+        _ => url.to_string(),
+    }
 }
 
 pub struct HttpExecutor {
@@ -41,7 +59,9 @@ impl HttpExecutor {
     /// `timeout` is the executor's configured one, if any.
     pub fn new(url: &str, timeout: Option<Duration>) -> anyhow::Result<Self> {
         let timeout = timeout.unwrap_or(DEFAULT_HTTP_TIMEOUT);
-        let client = reqwest::Client::builder().timeout(timeout).build()?;
+        // No redirects: following a 301/302 turns the POST into a GET without the job's body, and
+        // the job would count as done though its arguments never arrived. A 3xx fails the attempt.
+        let client = reqwest::Client::builder().timeout(timeout).redirect(reqwest::redirect::Policy::none()).build()?;
         Ok(Self { url: parse_url(url)?, timeout, client })
     }
 
@@ -57,15 +77,22 @@ impl HttpExecutor {
             .send();
         let response = tokio::select! {
             response = request => response,
-            () = ctx.cancelled() => return Err(JobError::new(format!("request cancelled ({:?})", ctx.cancel_reason()))),
+            () = ctx.cancelled() => {
+                let reason = ctx.cancel_reason().map_or_else(|| "cancelled".to_string(), |r| r.to_string());
+                return Err(JobError::new(format!("request cancelled ({reason})")));
+            }
         };
         let response = match response {
             Ok(response) => response,
             Err(e) if e.is_timeout() => {
                 let within = humantime::format_duration(self.timeout);
-                return Err(JobError::new(format!("no response from {} within {within}", self.url)));
+                return Err(JobError::new(format!("no response from {} within {within}", shown(&self.url))));
             }
-            Err(e) => return Err(e.into()),
+            // reqwest's message names the URL with its query: ours names it without.
+            Err(e) => {
+                let cause = JobError::from(e.without_url());
+                return Err(JobError::new(format!("request to {} failed: {}", shown(&self.url), cause.message())));
+            }
         };
         let status = response.status();
         if status.is_success() {
