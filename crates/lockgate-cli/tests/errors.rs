@@ -340,3 +340,11 @@ async fn an_http_redirect_fails_the_attempt_instead_of_dropping_the_body() {
     assert!(error.starts_with("HTTP 302 Found"), "{error}");
     assert_eq!(requests.lock().unwrap().len(), 1, "no GET after the redirect: {:?}", requests.lock().unwrap());
 }
+
+#[tokio::test]
+async fn an_invalid_job_type_name_is_refused_as_such_not_suggested_for_definition() {
+    let db = TestDb::migrated().await.unwrap();
+    let o = output(&db, &["enqueue", "x'); DROP TABLE y; --", "{}"]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("invalid job_type") && !text(&o).contains("define_job_type"), "{}", text(&o));
+}

@@ -59,6 +59,8 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
         unique_key: args.unique_key,
         batch: args.batch.map(BatchId),
     };
+    // An invalid name is said to be invalid, not suggested as a type to define (nor pasted into SQL).
+    lockgate::JobTypeName::new(args.job_type.as_str())?;
     let pool = db::connect_checked(target, 1).await?;
     let job = match Client::new(pool).enqueue_raw(&args.job_type, &value, &options).await {
         Err(EnqueueError::Database(DbError::UnknownJobType(message))) => bail!(
