@@ -348,3 +348,11 @@ async fn an_invalid_job_type_name_is_refused_as_such_not_suggested_for_definitio
     assert!(!o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("invalid job_type") && !text(&o).contains("define_job_type"), "{}", text(&o));
 }
+
+#[tokio::test]
+async fn dlq_all_with_a_narrower_selection_is_a_usage_error() {
+    let db = TestDb::migrated().await.unwrap();
+    let o = output(&db, &["dlq", "retry", "--all", "--job-id", "1"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("cannot be used with"), "{}", text(&o));
+}

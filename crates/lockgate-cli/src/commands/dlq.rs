@@ -44,7 +44,7 @@ pub struct Select {
     #[arg(long = "job-id")]
     job_ids: Vec<i64>,
     /// Every dead letter (required for retry and purge without --queue or --job-id).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["queue", "job_ids"])]
     all: bool,
 }
 
