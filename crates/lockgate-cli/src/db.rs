@@ -49,6 +49,64 @@ pub async fn connect_checked(target: &Target, max_connections: u32) -> Result<Pg
     Ok(pool)
 }
 
+/// For `run`, a long-lived process started by a supervisor that may start it before the
+/// database is up (a restart, a failover, a partition): a server that refuses, does not answer or
+/// is still starting is waited for, each attempt logged with its cause, until it answers or
+/// `shutdown` fires (then `None`). Anything else (a missing database, a refused role, a bad URL,
+/// a schema to migrate) ends it at once.
+pub async fn connect_checked_waiting(
+    target: &Target,
+    max_connections: u32,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> Result<Option<PgPool>> {
+    let (url, timeout) = (target.url(), target.connect_timeout());
+    let options = options(&url)?;
+    let mut pause = Duration::from_millis(500);
+    loop {
+        let attempt = async {
+            let conn = match tokio::time::timeout(timeout, PgConnection::connect_with(&options)).await {
+                Ok(Ok(conn)) => conn,
+                Ok(Err(err)) => return Err((unreachable(&err), connect_error(&url, err, timeout))),
+                Err(_) => return Err((true, connect_error(&url, sqlx::Error::PoolTimedOut, timeout))),
+            };
+            let _ = conn.close().await;
+            let pool = PgPoolOptions::new()
+                .max_connections(max_connections)
+                .connect_with(options.clone())
+                .await
+                .map_err(|err| (unreachable(&err), connect_error(&url, err, timeout)))?;
+            match lockgate::check_schema(&pool).await {
+                Ok(_) => Ok(pool),
+                Err(err) => Err((err.is_transient(), anyhow::Error::from(err))),
+            }
+        };
+        let outcome = tokio::select! {
+            () = shutdown.cancelled() => return Ok(None),
+            outcome = attempt => outcome,
+        };
+        match outcome {
+            Ok(pool) => return Ok(Some(pool)),
+            Err((true, error)) => tracing::warn!("waiting for the database: {error:#}"),
+            Err((false, error)) => return Err(error),
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(None),
+            () = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// A connect error worth waiting out: the server refused, did not answer, or is starting or
+/// shutting down.
+fn unreachable(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
+        sqlx::Error::Database(db) => matches!(db.code().as_deref(), Some("57P01" | "57P02" | "57P03")),
+        _ => false,
+    }
+}
+
 /// A pool of `max_connections`, after one direct connection proved the server reachable.
 pub async fn connect(target: &Target, max_connections: u32) -> Result<PgPool> {
     let (url, timeout) = (target.url(), target.connect_timeout());

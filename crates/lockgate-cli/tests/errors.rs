@@ -356,3 +356,45 @@ async fn dlq_all_with_a_narrower_selection_is_a_usage_error() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("cannot be used with"), "{}", text(&o));
 }
+
+/// `run` started while the database does not answer (a restart, a partition) waits for it,
+/// saying why, instead of exiting after the connect timeout; a TERM during the wait exits 0.
+#[tokio::test]
+async fn run_waits_for_an_unreachable_database_and_a_term_ends_the_wait() {
+    let db = TestDb::migrated().await.unwrap();
+    let proxy = lockgate_testkit::FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    proxy.freeze();
+    let config = Config::new("[job_types.task]\ncommand = [\"true\"]");
+    sqlx::query("SELECT lockgate.define_job_type('task')").execute(&db.pool).await.unwrap();
+    let log = std::path::Path::new(&config.path).with_file_name("run.log");
+    let spawn = || {
+        lockgate(&db, &["--connect-timeout", "1s", "run", "--config", &config.path])
+            .env("DATABASE_URL", proxy.url_for(&db.url))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap()
+    };
+    let waiting = || async {
+        lockgate_testkit::wait_for("run to say it waits for the database", WAIT, || async {
+            Ok(std::fs::read_to_string(&log).unwrap_or_default().contains("waiting for the database").then_some(()))
+        })
+        .await
+        .unwrap();
+    };
+    let mut child = spawn();
+    waiting().await;
+    proxy.thaw();
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'", 1, WAIT)
+        .await
+        .unwrap();
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
+    // A TERM while it waits: a clean exit.
+    proxy.freeze();
+    let mut child = spawn();
+    waiting().await;
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success(), "{}", std::fs::read_to_string(&log).unwrap_or_default());
+    proxy.thaw();
+}

@@ -31,15 +31,19 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     let pools = config.pools(&job_types)?;
     let target = target.or(config.database_url.clone(), config.connect_timeout()?);
     let connections = pools.iter().map(|p| p.concurrency as u32).sum::<u32>() + 4;
-    let db = db::connect_checked(&target, connections).await?;
+    // Signals first: a TERM while the database is still being waited for ends the wait (exit 0:
+    // nothing was claimed yet).
+    let shutdown = CancellationToken::new();
+    watch_signals(shutdown.clone())?;
+    let Some(db) = db::connect_checked_waiting(&target, connections, &shutdown).await? else {
+        return Ok(());
+    };
     executors::check(&job_types, &db).await?;
     let registry = executors::registry(&job_types, &db)?;
     let mut runtime = Runtime::new(db, runtime_config, registry, pools).context("invalid configuration")?;
     if let Some(tasks) = recurring {
         runtime = runtime.with_recurring(tasks).context("invalid configuration")?;
     }
-    let shutdown = CancellationToken::new();
-    watch_signals(shutdown.clone())?;
     runtime.run(shutdown).await?;
     Ok(())
 }
