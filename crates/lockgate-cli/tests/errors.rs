@@ -285,19 +285,24 @@ async fn an_http_endpoint_that_never_answers_fails_the_attempt_after_the_executo
     let config = Config::new(&format!(
         "[job_types.hook]\nhttp = {{ url = \"http://alice:s3cret@127.0.0.1:{port}/jobs?token=t0ken\", timeout = \"1s\" }}\nmax_attempts = 1"
     ));
+    let error = one_hook_job_dead_lettered(&db, &config).await;
+    silent.abort();
+    assert_eq!(error, format!("no response from http://127.0.0.1:{port}/jobs within 1s"), "no credentials, no query");
+}
+
+/// Enqueues one `hook` job (one attempt), runs `config` until it is dead-lettered, and returns its
+/// error.
+async fn one_hook_job_dead_lettered(db: &TestDb, config: &Config) -> String {
     sqlx::query("SELECT lockgate.define_job_type('hook', max_attempts => 1)").execute(&db.pool).await.unwrap();
-    let o = output(&db, &["enqueue", "hook", "{}"]);
+    let o = output(db, &["enqueue", "hook", "{}"]);
     assert!(o.status.success(), "{}", text(&o));
     let mut child =
-        lockgate(&db, &["run", "--config", &config.path]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        lockgate(db, &["run", "--config", &config.path]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
     let dead = wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await;
     signal(&child, "TERM");
     assert!(wait_exit(&mut child).await.success());
-    silent.abort();
     dead.unwrap();
-    let error: String =
-        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
-    assert_eq!(error, format!("no response from http://127.0.0.1:{port}/jobs within 1s"), "no credentials, no query");
+    sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap()
 }
 
 /// A redirect is not followed (it would turn the POST into a GET without the job's arguments, and
@@ -325,18 +330,8 @@ async fn an_http_redirect_fails_the_attempt_instead_of_dropping_the_body() {
         }
     });
     let config = Config::new(&format!("[job_types.hook]\nhttp = \"http://127.0.0.1:{port}/jobs\"\nmax_attempts = 1"));
-    sqlx::query("SELECT lockgate.define_job_type('hook', max_attempts => 1)").execute(&db.pool).await.unwrap();
-    let o = output(&db, &["enqueue", "hook", "{}"]);
-    assert!(o.status.success(), "{}", text(&o));
-    let mut child =
-        lockgate(&db, &["run", "--config", &config.path]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    let dead = wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await;
-    signal(&child, "TERM");
-    assert!(wait_exit(&mut child).await.success());
+    let error = one_hook_job_dead_lettered(&db, &config).await;
     server.abort();
-    dead.unwrap();
-    let error: String =
-        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
     assert!(error.starts_with("HTTP 302 Found"), "{error}");
     assert_eq!(requests.lock().unwrap().len(), 1, "no GET after the redirect: {:?}", requests.lock().unwrap());
 }

@@ -66,6 +66,22 @@ pub struct JobFilter {
     pub search: Option<String>,
 }
 
+/// Binds a filter as $1 to $7 (queue, type, states, key, since, until, search), the leading
+/// parameters of `lockgate.jobs` and `lockgate.cancel_jobs`.
+fn bind_filter<'q>(
+    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    filter: &'q JobFilter,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    query
+        .bind(&filter.queue)
+        .bind(&filter.job_type)
+        .bind((!filter.states.is_empty()).then_some(&filter.states))
+        .bind(&filter.key)
+        .bind(filter.since)
+        .bind(filter.until)
+        .bind(&filter.search)
+}
+
 /// What `lockgate.cancel` did with one job.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Cancelled {
@@ -118,21 +134,11 @@ pub async fn jobs<'c>(
     limit: i32,
     before: Option<JobId>,
 ) -> Result<Vec<JobRecord>, DbError> {
-    let rows = sqlx::query(&format!(
+    let sql = format!(
         "SELECT {JOB_COLUMNS} FROM lockgate.jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
                                                  until => $6, search => $7, max_rows => $8, before_id => $9)"
-    ))
-    .bind(&filter.queue)
-    .bind(&filter.job_type)
-    .bind((!filter.states.is_empty()).then_some(&filter.states))
-    .bind(&filter.key)
-    .bind(filter.since)
-    .bind(filter.until)
-    .bind(&filter.search)
-    .bind(limit)
-    .bind(before.map(|b| b.0))
-    .fetch_all(db)
-    .await?;
+    );
+    let rows = bind_filter(sqlx::query(&sql), filter).bind(limit).bind(before.map(|b| b.0)).fetch_all(db).await?;
     Ok(rows.iter().map(job_record).collect())
 }
 
@@ -162,21 +168,17 @@ pub async fn cancel_jobs<'c>(
     filter: &JobFilter,
     limit: i32,
 ) -> Result<CancelledCount, DbError> {
-    let (matched, cancelled): (i32, i32) = sqlx::query_as(
-        "CALL lockgate.cancel_jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5, until => $6,
-                                   search => $7, max_rows => $8)",
+    let row = bind_filter(
+        sqlx::query(
+            "CALL lockgate.cancel_jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
+                                       until => $6, search => $7, max_rows => $8)",
+        ),
+        filter,
     )
-    .bind(&filter.queue)
-    .bind(&filter.job_type)
-    .bind((!filter.states.is_empty()).then_some(&filter.states))
-    .bind(&filter.key)
-    .bind(filter.since)
-    .bind(filter.until)
-    .bind(&filter.search)
     .bind(limit)
     .fetch_one(db)
     .await?;
-    Ok(CancelledCount { matched, cancelled })
+    Ok(CancelledCount { matched: row.get(0), cancelled: row.get(1) })
 }
 
 /// `lockgate.release_cancelled`: gives back the permit (and `while_executing` lock) of the
