@@ -4,6 +4,8 @@
 //! ```toml
 //! database_url = "postgres://postgres@127.0.0.1:5432/lockgate"   # optional
 //! connect_timeout = "5s"          # optional; --connect-timeout / LOCKGATE_CONNECT_TIMEOUT win
+//! listen_database_url = "postgres://…"  # optional: a direct URL for LISTEN when database_url
+//!                                   # goes through a transaction-mode pooler (?pooler=transaction)
 //!
 //! [runtime]                       # every key optional; defaults shown
 //! visibility_timeout = "30s"
@@ -67,6 +69,7 @@ use serde_json::Value;
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub database_url: Option<String>,
+    listen_database_url: Option<String>,
     connect_timeout: Option<String>,
     #[serde(default)]
     runtime: RuntimeSection,
@@ -239,6 +242,7 @@ impl Config {
             max_shutdown_returns: r.max_shutdown_returns.unwrap_or(d.max_shutdown_returns),
             metrics_interval: duration_or("runtime.metrics_interval", &r.metrics_interval, d.metrics_interval)?,
             metrics_max_keys: r.metrics_max_keys.unwrap_or(d.metrics_max_keys),
+            listen_database_url: self.listen_database_url.clone(),
         };
         config.validate()?;
         Ok(config)

@@ -121,7 +121,47 @@ pub async fn connect(target: &Target, max_connections: u32) -> Result<PgPool> {
         .map_err(|err| connect_error(&url, err, timeout))
 }
 
+/// `pooler=transaction` in a database URL: the URL goes through a transaction-mode pooler
+/// (PgBouncer's `pool_mode = transaction`), so every statement is run unnamed, inside a
+/// transaction (lockgate_sql::pooler). `pooler=session` (or none) changes nothing. The parameter
+/// is lockgate's, so it is taken out of the URL the driver sees.
+fn take_pooler_mode(url: &str) -> Result<String> {
+    let Ok(mut parsed) = reqwest::Url::parse(url) else { return Ok(url.to_string()) };
+    let pairs: Vec<(String, String)> = parsed.query_pairs().map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
+    let Some((_, mode)) = pairs.iter().find(|(k, _)| k == "pooler") else { return Ok(url.to_string()) };
+    match mode.as_str() {
+        "transaction" => lockgate::sql::pooler::set_transaction_pooling(true),
+        "session" => {}
+        other => anyhow::bail!(
+            "invalid database URL {}: pooler={other:?}; use pooler=transaction behind a transaction-mode pooler \
+             such as PgBouncer's pool_mode = transaction (or pooler=session)",
+            redact(url)
+        ),
+    }
+    let rest: Vec<&(String, String)> = pairs.iter().filter(|(k, _)| k != "pooler").collect();
+    if rest.is_empty() {
+        parsed.set_query(None);
+    } else {
+        parsed.query_pairs_mut().clear().extend_pairs(rest.iter().map(|(k, v)| (k, v)));
+    }
+    Ok(parsed.to_string())
+}
+
+/// The LISTEN URL of `run` must be a direct one: through a transaction-mode pooler LISTEN
+/// would subscribe a server connection that is lent to others.
+pub fn check_listen_url(url: &str) -> Result<()> {
+    if url.contains("pooler=transaction") {
+        anyhow::bail!(
+            "listen_database_url {} goes through a transaction-mode pooler: LISTEN needs a direct connection \
+             (or a session-mode pooler)",
+            redact(url)
+        );
+    }
+    options(url).map(drop)
+}
+
 fn options(url: &str) -> Result<PgConnectOptions> {
+    let url = &take_pooler_mode(url)?;
     let mut options: PgConnectOptions = url.parse().with_context(|| format!("invalid database URL {}", redact(url)))?;
     // The TLS files the URL names must exist: the driver would report only "No such file or
     // directory", or, in the modes that do not verify, ignore a missing root certificate.

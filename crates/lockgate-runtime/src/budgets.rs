@@ -47,8 +47,14 @@ impl Budget {
         Self { lock: at_least_1ms(statement / 2), statement }
     }
 
-    /// `options` with this budget in its startup parameters.
+    /// `options` with this budget in its startup parameters. Not under transaction pooling:
+    /// PgBouncer refuses a connection that sends `options`, and a session setting would follow
+    /// the server connection to other clients; the budgets are then the role's (README,
+    /// "Poolers").
     pub fn apply(self, options: PgConnectOptions) -> PgConnectOptions {
+        if lockgate_sql::pooler::transaction_pooling() {
+            return options;
+        }
         options.options([
             ("lock_timeout", format!("{}ms", self.lock.as_millis())),
             ("statement_timeout", format!("{}ms", self.statement.as_millis())),

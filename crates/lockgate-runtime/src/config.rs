@@ -67,6 +67,11 @@ pub struct RuntimeConfig {
     pub metrics_interval: Duration,
     /// Concurrency keys with a label of their own in `/metrics`; the rest are summed as `other`.
     pub metrics_max_keys: u32,
+    /// A direct (or session-mode pooler) URL for the LISTEN connection, for a process whose pool
+    /// goes through a transaction-mode pooler, where LISTEN cannot work. `None`: LISTEN on the
+    /// pool's own server, or, under transaction pooling, no LISTEN (fetch loops poll every
+    /// `poll_interval`).
+    pub listen_database_url: Option<String>,
 }
 
 impl Default for RuntimeConfig {
@@ -85,6 +90,7 @@ impl Default for RuntimeConfig {
             max_shutdown_returns: DEFAULT_MAX_SHUTDOWN_RETURNS,
             metrics_interval: DEFAULT_METRICS_INTERVAL,
             metrics_max_keys: DEFAULT_METRICS_MAX_KEYS,
+            listen_database_url: None,
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::health::Health;
 const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(5);
 
 pub(crate) struct Notifier {
+    /// The pool whose connect options the LISTEN connection uses (it is not taken from the pool).
     db: PgPool,
     health: Arc<Health>,
     /// Channel name → the wake-ups of the pools that serve that queue.

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use lockgate_core::{RecurringTask, ValidationError};
 use lockgate_sql::PgPool;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -169,7 +169,23 @@ impl Runtime {
             tracker.spawn(health::serve(addr, health, metrics, services.clone()));
         }
 
-        let mut notifier = Notifier::new(db.clone(), Arc::clone(&self.health));
+        // Under transaction pooling LISTEN would subscribe one server connection that the pooler
+        // then lends to others: it needs a direct URL, or the fetch loops poll.
+        let listen = match &self.config.listen_database_url {
+            Some(url) => {
+                let options: PgConnectOptions = url.parse().map_err(lockgate_sql::DbError::from)?;
+                Some(PgPoolOptions::new().max_connections(1).connect_lazy_with(options.application_name("lockgate")))
+            }
+            None if lockgate_sql::pooler::transaction_pooling() => {
+                tracing::info!(
+                    poll_interval = ?self.config.poll_interval,
+                    "transaction pooling without listen_database_url: no LISTEN, the fetch loops poll"
+                );
+                None
+            }
+            None => Some(db.clone()),
+        };
+        let mut notifier = Notifier::new(listen.clone().unwrap_or_else(|| db.clone()), Arc::clone(&self.health));
         let mut sets = Vec::new();
         let mut reports = Vec::new();
         let mut pool_parts = Vec::new();
@@ -207,10 +223,12 @@ impl Runtime {
 
         let notifier = Arc::new(notifier);
         let health = &self.health;
-        tracker.spawn(supervise("notifier", health.clone(), services.clone(), {
-            let notifier = Arc::clone(&notifier);
-            move |token| Arc::clone(&notifier).run(token)
-        }));
+        if listen.is_some() {
+            tracker.spawn(supervise("notifier", health.clone(), services.clone(), {
+                let notifier = Arc::clone(&notifier);
+                move |token| Arc::clone(&notifier).run(token)
+            }));
+        }
         tracker.spawn(supervise("archive_retention", health.clone(), services.clone(), {
             let (db, config) = (db.clone(), self.config.clone());
             let metrics = Arc::clone(&self.metrics);

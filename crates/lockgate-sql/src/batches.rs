@@ -5,7 +5,9 @@ use chrono::{DateTime, Utc};
 use lockgate_core::{BatchId, JobTypeName};
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::{PgExecutor, Row};
+use sqlx::Row;
+
+use crate::pooler::{query, query_scalar, Db, Scope};
 
 use crate::DbError;
 
@@ -45,47 +47,69 @@ pub struct BatchInfo {
 }
 
 /// `lockgate.create_batch`: a new open batch. Callback types must exist (else `UnknownJobType`).
-pub async fn create_batch<'c>(db: impl PgExecutor<'c>, callbacks: &BatchCallbacks) -> Result<BatchId, DbError> {
-    let id: i64 = sqlx::query_scalar("SELECT lockgate.create_batch($1, $2, $3, COALESCE($4, '{}'::jsonb))")
-        .bind(callbacks.on_finish.as_ref().map(JobTypeName::as_str))
-        .bind(callbacks.on_success.as_ref().map(JobTypeName::as_str))
-        .bind(callbacks.on_failure.as_ref().map(JobTypeName::as_str))
-        .bind(callbacks.properties.as_ref())
-        .fetch_one(db)
-        .await?;
-    Ok(BatchId(id))
+pub async fn create_batch<'c>(db: impl Into<Db<'c>>, callbacks: &BatchCallbacks) -> Result<BatchId, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<BatchId, DbError> = async {
+        let id: i64 = query_scalar("SELECT lockgate.create_batch($1, $2, $3, COALESCE($4, '{}'::jsonb))")
+            .bind(callbacks.on_finish.as_ref().map(JobTypeName::as_str))
+            .bind(callbacks.on_success.as_ref().map(JobTypeName::as_str))
+            .bind(callbacks.on_failure.as_ref().map(JobTypeName::as_str))
+            .bind(callbacks.properties.as_ref())
+            .fetch_one(scope.conn())
+            .await?;
+        Ok(BatchId(id))
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// `lockgate.close_batch`: no more jobs; returns the state after closing (`closed`, or
 /// `finished` when nothing was pending). Closing twice or an unknown id is `InvalidArgument`.
-pub async fn close_batch<'c>(db: impl PgExecutor<'c>, batch: BatchId) -> Result<String, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.close_batch($1)").bind(batch.0).fetch_one(db).await?)
+pub async fn close_batch<'c>(db: impl Into<Db<'c>>, batch: BatchId) -> Result<String, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<String, DbError> =
+        async { Ok(query_scalar("SELECT lockgate.close_batch($1)").bind(batch.0).fetch_one(scope.conn()).await?) }
+            .await;
+    scope.finish(out).await
 }
 
 /// `lockgate.batch`: one batch's progress, or `None` for an unknown id.
-pub async fn batch_info<'c>(db: impl PgExecutor<'c>, batch: BatchId) -> Result<Option<BatchInfo>, DbError> {
-    let row = sqlx::query("SELECT * FROM lockgate.batch($1)").bind(batch.0).fetch_optional(db).await?;
-    Ok(row.map(|r| to_info(&r)))
+pub async fn batch_info<'c>(db: impl Into<Db<'c>>, batch: BatchId) -> Result<Option<BatchInfo>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Option<BatchInfo>, DbError> = async {
+        let row = query("SELECT * FROM lockgate.batch($1)").bind(batch.0).fetch_optional(scope.conn()).await?;
+        Ok(row.map(|r| to_info(&r)))
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Batches not finished yet (or whose callbacks are pending), oldest first.
-pub async fn unfinished_batches<'c>(db: impl PgExecutor<'c>, max_rows: i32) -> Result<Vec<BatchInfo>, DbError> {
-    let rows = sqlx::query(
-        "SELECT b.id, b.state, b.total, b.succeeded, b.failed, b.total - b.succeeded - b.failed, b.on_finish,
+pub async fn unfinished_batches<'c>(db: impl Into<Db<'c>>, max_rows: i32) -> Result<Vec<BatchInfo>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<BatchInfo>, DbError> = async {
+        let rows = query(
+            "SELECT b.id, b.state, b.total, b.succeeded, b.failed, b.total - b.succeeded - b.failed, b.on_finish,
                 b.on_success, b.on_failure, b.properties, b.callbacks_pending, b.callback_error, b.created_at,
                 b.closed_at, b.finished_at
            FROM lockgate.unfinished_batches($1) b",
-    )
-    .bind(max_rows)
-    .fetch_all(db)
-    .await?;
-    Ok(rows.iter().map(to_info).collect())
+        )
+        .bind(max_rows)
+        .fetch_all(scope.conn())
+        .await?;
+        Ok(rows.iter().map(to_info).collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// `lockgate.batch_sweep`: enqueues the callbacks of finished batches that could not enqueue
 /// them when they finished; returns how many batches it completed.
-pub async fn batch_sweep<'c>(db: impl PgExecutor<'c>) -> Result<i32, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(db).await?)
+pub async fn batch_sweep<'c>(db: impl Into<Db<'c>>) -> Result<i32, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<i32, DbError> =
+        async { Ok(query_scalar("SELECT lockgate.batch_sweep()").fetch_one(scope.conn()).await?) }.await;
+    scope.finish(out).await
 }
 
 fn to_info(r: &sqlx::postgres::PgRow) -> BatchInfo {

@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::{PgExecutor, Row};
+use sqlx::Row;
+
+use crate::pooler::{query, query_as, query_scalar, Db, Scope};
 
 use crate::DbError;
 
@@ -23,28 +25,37 @@ pub struct SweepReport {
 /// Expires leases, repairs orphans and promotes parked jobs of keys with room (at most
 /// `max_keys` keys). `now` pins the clock (tests); `None` uses the database's.
 pub async fn sweep<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     max_keys: i32,
     now: Option<DateTime<Utc>>,
 ) -> Result<SweepReport, DbError> {
-    let row = sqlx::query("SELECT expired, orphaned, promoted FROM lockgate.sweep($1, $2)")
-        .bind(max_keys)
-        .bind(now)
-        .fetch_one(db)
-        .await?;
-    Ok(SweepReport { expired: row.get(0), orphaned: row.get(1), promoted: row.get(2) })
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<SweepReport, DbError> = async {
+        let row = query("SELECT expired, orphaned, promoted FROM lockgate.sweep($1, $2)")
+            .bind(max_keys)
+            .bind(now)
+            .fetch_one(scope.conn())
+            .await?;
+        Ok(SweepReport { expired: row.get(0), orphaned: row.get(1), promoted: row.get(2) })
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Records this runtime's heartbeat interval; leases are floored at twice the largest recorded.
-pub async fn record_heartbeat_interval<'c>(db: impl PgExecutor<'c>, interval: Duration) -> Result<(), DbError> {
-    sqlx::query(
+pub async fn record_heartbeat_interval<'c>(db: impl Into<Db<'c>>, interval: Duration) -> Result<(), DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<(), DbError> = async {
+    query(
         "INSERT INTO lockgate.settings (heartbeat_interval_ms) VALUES ($1)
          ON CONFLICT (singleton) DO UPDATE SET heartbeat_interval_ms = GREATEST(lockgate.settings.heartbeat_interval_ms, $1)",
     )
     .bind(i64::try_from(interval.as_millis()).unwrap_or(i64::MAX))
-    .execute(db)
+    .execute(scope.conn())
     .await?;
     Ok(())
+}.await;
+    scope.finish(out).await
 }
 
 /// One key as `lockgate status` shows it.
@@ -57,20 +68,25 @@ pub struct KeyStats {
     pub oldest_parked_seconds: Option<f64>,
 }
 
-pub async fn key_stats<'c>(db: impl PgExecutor<'c>) -> Result<Vec<KeyStats>, DbError> {
-    let rows = sqlx::query("SELECT key, lim, held, parked, oldest_parked_seconds FROM lockgate.key_stats()")
-        .fetch_all(db)
-        .await?;
-    Ok(rows
-        .iter()
-        .map(|r| KeyStats {
-            key: r.get(0),
-            limit: r.get(1),
-            held: r.get(2),
-            parked: r.get(3),
-            oldest_parked_seconds: r.get(4),
-        })
-        .collect())
+pub async fn key_stats<'c>(db: impl Into<Db<'c>>) -> Result<Vec<KeyStats>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<KeyStats>, DbError> = async {
+        let rows = query("SELECT key, lim, held, parked, oldest_parked_seconds FROM lockgate.key_stats()")
+            .fetch_all(scope.conn())
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| KeyStats {
+                key: r.get(0),
+                limit: r.get(1),
+                held: r.get(2),
+                parked: r.get(3),
+                oldest_parked_seconds: r.get(4),
+            })
+            .collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// A job waiting for a permit.
@@ -88,40 +104,49 @@ pub struct ParkedJob {
 }
 
 /// Parked jobs of one key (or all), in promotion order, at most `limit`.
-pub async fn parked_jobs<'c>(
-    db: impl PgExecutor<'c>,
-    key: Option<&str>,
-    limit: i32,
-) -> Result<Vec<ParkedJob>, DbError> {
-    let rows = sqlx::query(
+pub async fn parked_jobs<'c>(db: impl Into<Db<'c>>, key: Option<&str>, limit: i32) -> Result<Vec<ParkedJob>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<ParkedJob>, DbError> = async {
+        let rows = query(
         "SELECT id, key, queue, job_type, job_id, args, priority, run_at, parked_at FROM lockgate.parked_jobs($1, $2)",
     )
     .bind(key)
     .bind(limit)
-    .fetch_all(db)
+    .fetch_all(scope.conn())
     .await?;
-    Ok(rows
-        .iter()
-        .map(|r| ParkedJob {
-            id: r.get(0),
-            key: r.get(1),
-            queue: r.get(2),
-            job_type: r.get(3),
-            job_id: r.get(4),
-            args: r.get(5),
-            priority: r.get(6),
-            run_at: r.get(7),
-            parked_at: r.get(8),
-        })
-        .collect())
+        Ok(rows
+            .iter()
+            .map(|r| ParkedJob {
+                id: r.get(0),
+                key: r.get(1),
+                queue: r.get(2),
+                job_type: r.get(3),
+                job_id: r.get(4),
+                args: r.get(5),
+                priority: r.get(6),
+                run_at: r.get(7),
+                parked_at: r.get(8),
+            })
+            .collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// An operator's explicit discard of one parked job; false when there was no such job.
-pub async fn discard_parked<'c>(db: impl PgExecutor<'c>, parked_id: i64) -> Result<bool, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.discard_parked($1)").bind(parked_id).fetch_one(db).await?)
+pub async fn discard_parked<'c>(db: impl Into<Db<'c>>, parked_id: i64) -> Result<bool, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<bool, DbError> =
+        async { Ok(query_scalar("SELECT lockgate.discard_parked($1)").bind(parked_id).fetch_one(scope.conn()).await?) }
+            .await;
+    scope.finish(out).await
 }
 
 /// Violations of the concurrency invariants as `(key, problem)`; empty when they all hold.
-pub async fn check_invariants<'c>(db: impl PgExecutor<'c>) -> Result<Vec<(String, String)>, DbError> {
-    Ok(sqlx::query_as("SELECT key, problem FROM lockgate.check_invariants()").fetch_all(db).await?)
+pub async fn check_invariants<'c>(db: impl Into<Db<'c>>) -> Result<Vec<(String, String)>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<(String, String)>, DbError> =
+        async { Ok(query_as("SELECT key, problem FROM lockgate.check_invariants()").fetch_all(scope.conn()).await?) }
+            .await;
+    scope.finish(out).await
 }

@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use lockgate_core::{Claim, QueueName};
-use sqlx::{PgExecutor, Row};
+use sqlx::Row;
+
+use crate::pooler::{query, query_scalar, Db, Scope};
 
 use crate::DbError;
 
@@ -33,7 +35,7 @@ impl DeadLetterReason {
 
 /// Claims up to `qty` visible messages of `queue`, invisible for `visibility` from now.
 pub async fn claim<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     queue: &QueueName,
     qty: i32,
     visibility: Duration,
@@ -46,37 +48,42 @@ pub async fn claim<'c>(
 /// others are claimed ahead ([`Claim::claimed_ahead`]), and each one's start must be recorded
 /// ([`complete`]'s `started`) for its run to count as an attempt (H32).
 pub async fn claim_as<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     queue: &QueueName,
     qty: i32,
     visibility: Duration,
     owner: Option<i64>,
     start_now: Option<i32>,
 ) -> Result<Vec<Claim>, DbError> {
-    let rows = sqlx::query(
-        "SELECT msg_id, read_ct, enqueued_at, message, headers, budget_seconds, claimed_ahead
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<Claim>, DbError> = async {
+        let rows = query(
+            "SELECT msg_id, read_ct, enqueued_at, message, headers, budget_seconds, claimed_ahead
          FROM lockgate.claim($1, $2, $3, $4, $5)",
-    )
-    .bind(queue.as_str())
-    .bind(qty)
-    .bind(visibility.as_secs_f64())
-    .bind(owner)
-    .bind(start_now)
-    .fetch_all(db)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(|row| Claim {
-            queue: queue.clone(),
-            msg_id: row.get(0),
-            read_ct: row.get(1),
-            enqueued_at: row.get(2),
-            message: row.get(3),
-            headers: row.get(4),
-            budget: seconds(row.get(5)),
-            claimed_ahead: row.get(6),
-        })
-        .collect())
+        )
+        .bind(queue.as_str())
+        .bind(qty)
+        .bind(visibility.as_secs_f64())
+        .bind(owner)
+        .bind(start_now)
+        .fetch_all(scope.conn())
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|row| Claim {
+                queue: queue.clone(),
+                msg_id: row.get(0),
+                read_ct: row.get(1),
+                enqueued_at: row.get(2),
+                message: row.get(3),
+                headers: row.get(4),
+                budget: seconds(row.get(5)),
+                claimed_ahead: row.get(6),
+            })
+            .collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// What one renewal did, per delivery asked about. A delivery in neither list is lost: its
@@ -97,105 +104,130 @@ pub struct Renewal {
 /// Renews the visibility and leases of the given deliveries (fenced on their tokens; never
 /// waits for a row lock). `owner` re-tags the messages with this process's registry id.
 pub async fn extend<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     queue: &QueueName,
     deliveries: &[(i64, i32)],
     visibility: Duration,
     owner: Option<i64>,
 ) -> Result<Renewal, DbError> {
-    let (ids, cts) = split(deliveries);
-    let rows = sqlx::query("SELECT msg_id, budget_seconds FROM lockgate.extend($1, $2, $3, $4, $5)")
-        .bind(queue.as_str())
-        .bind(ids)
-        .bind(cts)
-        .bind(visibility.as_secs_f64())
-        .bind(owner)
-        .fetch_all(db)
-        .await?;
-    let mut renewal = Renewal::default();
-    for row in rows {
-        let msg_id: i64 = row.get(0);
-        match row.get::<Option<f64>, _>(1) {
-            Some(budget) => renewal.renewed.push((msg_id, seconds(budget))),
-            None => renewal.busy.push(msg_id),
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Renewal, DbError> = async {
+        let (ids, cts) = split(deliveries);
+        let rows = query("SELECT msg_id, budget_seconds FROM lockgate.extend($1, $2, $3, $4, $5)")
+            .bind(queue.as_str())
+            .bind(ids)
+            .bind(cts)
+            .bind(visibility.as_secs_f64())
+            .bind(owner)
+            .fetch_all(scope.conn())
+            .await?;
+        let mut renewal = Renewal::default();
+        for row in rows {
+            let msg_id: i64 = row.get(0);
+            match row.get::<Option<f64>, _>(1) {
+                Some(budget) => renewal.renewed.push((msg_id, seconds(budget))),
+                None => renewal.busy.push(msg_id),
+            }
         }
+        Ok(renewal)
     }
-    Ok(renewal)
+    .await;
+    scope.finish(out).await
 }
 
 /// Fenced archive of finished deliveries; returns the msg_ids this call archived. In the same
 /// statement, records the start of the deliveries in `started` that were claimed ahead (H32).
 pub async fn complete<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     queue: &QueueName,
     deliveries: &[(i64, i32)],
     started: &[(i64, i32)],
 ) -> Result<Vec<i64>, DbError> {
-    let (ids, cts) = split(deliveries);
-    let (started_ids, started_cts) = split(started);
-    Ok(sqlx::query_scalar("SELECT lockgate.complete($1, $2, $3, $4, $5)")
-        .bind(queue.as_str())
-        .bind(ids)
-        .bind(cts)
-        .bind(started_ids)
-        .bind(started_cts)
-        .fetch_all(db)
-        .await?)
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<i64>, DbError> = async {
+        let (ids, cts) = split(deliveries);
+        let (started_ids, started_cts) = split(started);
+        Ok(query_scalar("SELECT lockgate.complete($1, $2, $3, $4, $5)")
+            .bind(queue.as_str())
+            .bind(ids)
+            .bind(cts)
+            .bind(started_ids)
+            .bind(started_cts)
+            .fetch_all(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Retries a failed delivery in place after `delay`; false when this delivery no longer owns it.
 pub async fn retry<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     claim: &Claim,
     delay: Duration,
     error: &str,
     attempt: u32,
 ) -> Result<bool, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.retry($1, $2, $3, $4, $5, $6)")
-        .bind(claim.queue.as_str())
-        .bind(claim.msg_id)
-        .bind(claim.read_ct)
-        .bind(delay.as_secs_f64())
-        .bind(error)
-        .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
-        .fetch_one(db)
-        .await?)
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<bool, DbError> = async {
+        Ok(query_scalar("SELECT lockgate.retry($1, $2, $3, $4, $5, $6)")
+            .bind(claim.queue.as_str())
+            .bind(claim.msg_id)
+            .bind(claim.read_ct)
+            .bind(delay.as_secs_f64())
+            .bind(error)
+            .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
+            .fetch_one(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Moves a delivery's message to the dead letters; false when this delivery no longer owns it.
 pub async fn dead_letter<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     claim: &Claim,
     reason: DeadLetterReason,
     error: &str,
     attempts: u32,
 ) -> Result<bool, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.dead_letter($1, $2, $3, $4, $5, $6)")
-        .bind(claim.queue.as_str())
-        .bind(claim.msg_id)
-        .bind(claim.read_ct)
-        .bind(reason.as_str())
-        .bind(error)
-        .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
-        .fetch_one(db)
-        .await?)
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<bool, DbError> = async {
+        Ok(query_scalar("SELECT lockgate.dead_letter($1, $2, $3, $4, $5, $6)")
+            .bind(claim.queue.as_str())
+            .bind(claim.msg_id)
+            .bind(claim.read_ct)
+            .bind(reason.as_str())
+            .bind(error)
+            .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
+            .fetch_one(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Returns unfinished deliveries to their queue, visible at once; returns the msg_ids released.
 pub async fn release<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     queue: &QueueName,
     deliveries: &[(i64, i32)],
     max_returns: Option<u32>,
 ) -> Result<Vec<i64>, DbError> {
-    let (ids, cts) = split(deliveries);
-    Ok(sqlx::query_scalar("SELECT lockgate.release($1, $2, $3, $4)")
-        .bind(queue.as_str())
-        .bind(ids)
-        .bind(cts)
-        .bind(max_returns.map(|m| i32::try_from(m).unwrap_or(i32::MAX)))
-        .fetch_all(db)
-        .await?)
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<i64>, DbError> = async {
+        let (ids, cts) = split(deliveries);
+        Ok(query_scalar("SELECT lockgate.release($1, $2, $3, $4)")
+            .bind(queue.as_str())
+            .bind(ids)
+            .bind(cts)
+            .bind(max_returns.map(|m| i32::try_from(m).unwrap_or(i32::MAX)))
+            .fetch_all(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// A budget in seconds from SQL as a Duration (negative or non-finite reads as none left).

@@ -4,7 +4,9 @@ use chrono::{DateTime, Utc};
 use lockgate_core::JobId;
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::{PgExecutor, Row};
+use sqlx::Row;
+
+use crate::pooler::{query, query_scalar, Db, Scope};
 
 use crate::DbError;
 
@@ -37,37 +39,42 @@ pub struct DeadLetter {
 }
 
 /// Dead letters matching `filter`, oldest first, at most `limit`.
-pub async fn dlq_list<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter, limit: i64) -> Result<Vec<DeadLetter>, DbError> {
-    let rows = sqlx::query(
-        "SELECT id, queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at, dead_at,
+pub async fn dlq_list<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter, limit: i64) -> Result<Vec<DeadLetter>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<DeadLetter>, DbError> = async {
+        let rows = query(
+            "SELECT id, queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at, dead_at,
                 COALESCE(headers->'errors', '[]')
            FROM lockgate.dead_letters
           WHERE ($1::text IS NULL OR queue = $1) AND ($2::bigint[] IS NULL OR job_id = ANY ($2))
           ORDER BY id LIMIT $3",
-    )
-    .bind(filter.queue.as_deref())
-    .bind(filter.job_ids.as_deref())
-    .bind(limit)
-    .fetch_all(db)
-    .await?;
-    Ok(rows
-        .iter()
-        .map(|r| DeadLetter {
-            id: r.get(0),
-            queue: r.get(1),
-            msg_id: r.get(2),
-            job_id: r.get::<Option<i64>, _>(3).map(JobId),
-            job_type: r.get(4),
-            args: r.get(5),
-            headers: r.get(6),
-            reason: r.get(7),
-            error: r.get(8),
-            attempts: r.get(9),
-            enqueued_at: r.get(10),
-            dead_at: r.get(11),
-            errors: r.get(12),
-        })
-        .collect())
+        )
+        .bind(filter.queue.as_deref())
+        .bind(filter.job_ids.as_deref())
+        .bind(limit)
+        .fetch_all(scope.conn())
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| DeadLetter {
+                id: r.get(0),
+                queue: r.get(1),
+                msg_id: r.get(2),
+                job_id: r.get::<Option<i64>, _>(3).map(JobId),
+                job_type: r.get(4),
+                args: r.get(5),
+                headers: r.get(6),
+                reason: r.get(7),
+                error: r.get(8),
+                attempts: r.get(9),
+                enqueued_at: r.get(10),
+                dead_at: r.get(11),
+                errors: r.get(12),
+            })
+            .collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// What `dlq_retry` did with one dead letter.
@@ -92,33 +99,43 @@ pub struct DlqRetried {
 
 /// Sends matching dead letters back to their queues, keeping those whose unique key another job
 /// holds or whose queue is gone; one row per dead letter matched.
-pub async fn dlq_retry<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter) -> Result<Vec<DlqRetried>, DbError> {
-    let rows = sqlx::query("SELECT queue, msg_id, job_id, status FROM lockgate.dlq_retry($1, $2)")
-        .bind(filter.queue.as_deref())
-        .bind(filter.job_ids.as_deref())
-        .fetch_all(db)
-        .await?;
-    Ok(rows
-        .iter()
-        .map(|r| {
-            let job_id = r.get::<Option<i64>, _>(2).map(JobId);
-            let outcome = match (r.get::<&str, _>(3), r.get::<Option<i64>, _>(1), job_id) {
-                ("duplicate", _, Some(holder)) => DlqRetryOutcome::Duplicate { holder },
-                (_, Some(msg_id), _) => DlqRetryOutcome::Retried { msg_id },
-                _ => DlqRetryOutcome::QueueMissing,
-            };
-            // For a duplicate, the row's job_id is the holder's; the dead letter's own is not returned.
-            let job_id = if matches!(outcome, DlqRetryOutcome::Duplicate { .. }) { None } else { job_id };
-            DlqRetried { queue: r.get(0), job_id, outcome }
-        })
-        .collect())
+pub async fn dlq_retry<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter) -> Result<Vec<DlqRetried>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<DlqRetried>, DbError> = async {
+        let rows = query("SELECT queue, msg_id, job_id, status FROM lockgate.dlq_retry($1, $2)")
+            .bind(filter.queue.as_deref())
+            .bind(filter.job_ids.as_deref())
+            .fetch_all(scope.conn())
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let job_id = r.get::<Option<i64>, _>(2).map(JobId);
+                let outcome = match (r.get::<&str, _>(3), r.get::<Option<i64>, _>(1), job_id) {
+                    ("duplicate", _, Some(holder)) => DlqRetryOutcome::Duplicate { holder },
+                    (_, Some(msg_id), _) => DlqRetryOutcome::Retried { msg_id },
+                    _ => DlqRetryOutcome::QueueMissing,
+                };
+                // For a duplicate, the row's job_id is the holder's; the dead letter's own is not returned.
+                let job_id = if matches!(outcome, DlqRetryOutcome::Duplicate { .. }) { None } else { job_id };
+                DlqRetried { queue: r.get(0), job_id, outcome }
+            })
+            .collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Deletes matching dead letters for good; returns how many.
-pub async fn dlq_purge<'c>(db: impl PgExecutor<'c>, filter: &DlqFilter) -> Result<i64, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.dlq_purge($1, $2)")
-        .bind(filter.queue.as_deref())
-        .bind(filter.job_ids.as_deref())
-        .fetch_one(db)
-        .await?)
+pub async fn dlq_purge<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter) -> Result<i64, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<i64, DbError> = async {
+        Ok(query_scalar("SELECT lockgate.dlq_purge($1, $2)")
+            .bind(filter.queue.as_deref())
+            .bind(filter.job_ids.as_deref())
+            .fetch_one(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }

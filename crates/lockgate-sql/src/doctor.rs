@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgExecutor, Row};
+use sqlx::Row;
+
+use crate::pooler::{query, query_scalar, Db, Scope};
 
 use crate::DbError;
 
@@ -51,31 +53,39 @@ pub struct DoctorThresholds {
 }
 
 /// Runs `lockgate.doctor(...)`.
-pub async fn doctor<'c>(db: impl PgExecutor<'c>, t: &DoctorThresholds) -> Result<Vec<DoctorCheck>, DbError> {
-    let rows = sqlx::query("SELECT check_name, verdict, detail, advice FROM lockgate.doctor($1, $2, $3)")
-        .bind(t.long_running.as_secs_f64())
-        .bind(t.idle_in_transaction.as_secs_f64())
-        .bind(t.alive_threshold.as_secs_f64())
-        .fetch_all(db)
-        .await?;
-    Ok(rows
-        .iter()
-        .map(|r| DoctorCheck {
-            check: r.get(0),
-            // The function returns only these three; anything else would be a bug, shown as one.
-            verdict: match r.get::<&str, _>(1) {
-                "ok" => Verdict::Ok,
-                "warn" => Verdict::Warn,
-                _ => Verdict::Fail,
-            },
-            detail: r.get(2),
-            advice: r.get(3),
-        })
-        .collect())
+pub async fn doctor<'c>(db: impl Into<Db<'c>>, t: &DoctorThresholds) -> Result<Vec<DoctorCheck>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<DoctorCheck>, DbError> = async {
+        let rows = query("SELECT check_name, verdict, detail, advice FROM lockgate.doctor($1, $2, $3)")
+            .bind(t.long_running.as_secs_f64())
+            .bind(t.idle_in_transaction.as_secs_f64())
+            .bind(t.alive_threshold.as_secs_f64())
+            .fetch_all(scope.conn())
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| DoctorCheck {
+                check: r.get(0),
+                // The function returns only these three; anything else would be a bug, shown as one.
+                verdict: match r.get::<&str, _>(1) {
+                    "ok" => Verdict::Ok,
+                    "warn" => Verdict::Warn,
+                    _ => Verdict::Fail,
+                },
+                detail: r.get(2),
+                advice: r.get(3),
+            })
+            .collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// The database's clock at the moment it runs the statement (`clock_timestamp()`, not the
 /// transaction's `now()`), for measuring the host's offset from it.
-pub async fn database_clock<'c>(db: impl PgExecutor<'c>) -> Result<DateTime<Utc>, DbError> {
-    Ok(sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(db).await?)
+pub async fn database_clock<'c>(db: impl Into<Db<'c>>) -> Result<DateTime<Utc>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<DateTime<Utc>, DbError> =
+        async { Ok(query_scalar("SELECT clock_timestamp()").fetch_one(scope.conn()).await?) }.await;
+    scope.finish(out).await
 }

@@ -2,41 +2,53 @@
 
 use lockgate_core::{EnqueueStatus, EnqueuedJob, JobId};
 use serde_json::Value;
-use sqlx::{PgExecutor, Row};
+use sqlx::Row;
+
+use crate::pooler::{query, Db, Scope};
 
 use crate::DbError;
 
 /// `lockgate.enqueue(job_type, args, options)`: one job.
 pub async fn enqueue<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     job_type: &str,
     args: &Value,
     options: &Value,
 ) -> Result<EnqueuedJob, DbError> {
-    let row = sqlx::query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
-        .bind(job_type)
-        .bind(args)
-        .bind(options)
-        .fetch_one(db)
-        .await?;
-    Ok(to_job(&row))
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<EnqueuedJob, DbError> = async {
+        let row = query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
+            .bind(job_type)
+            .bind(args)
+            .bind(options)
+            .fetch_one(scope.conn())
+            .await?;
+        Ok(to_job(&row))
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// `lockgate.enqueue_many(job_type, args[], options)`: many jobs of one type in one statement,
 /// returned in the order of `args`.
 pub async fn enqueue_many<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     job_type: &str,
     args: &[Value],
     options: &Value,
 ) -> Result<Vec<EnqueuedJob>, DbError> {
-    let rows = sqlx::query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue_many($1, $2, $3)")
-        .bind(job_type)
-        .bind(args)
-        .bind(options)
-        .fetch_all(db)
-        .await?;
-    Ok(rows.iter().map(to_job).collect())
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<EnqueuedJob>, DbError> = async {
+        let rows = query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue_many($1, $2, $3)")
+            .bind(job_type)
+            .bind(args)
+            .bind(options)
+            .fetch_all(scope.conn())
+            .await?;
+        Ok(rows.iter().map(to_job).collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 fn to_job(row: &sqlx::postgres::PgRow) -> EnqueuedJob {

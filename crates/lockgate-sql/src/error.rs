@@ -81,8 +81,14 @@ impl DbError {
                 // connect now; 40001/40P01: serialization failure and deadlock (retry is the fix);
                 // 55P03/57014: the runtime's lock_timeout or statement_timeout gave up waiting
                 // (a producer's open transaction, say) while the delivery still had budget (H28).
+                // 26000/42P05: a prepared statement the server lacks or already has, as through a
+                // transaction-mode pooler whose URL does not say `pooler=transaction`: the
+                // statement did not run, so running it again is safe.
                 code.starts_with("08")
-                    || matches!(code.as_ref(), "57P01" | "57P02" | "57P03" | "40001" | "40P01" | "55P03" | "57014")
+                    || matches!(
+                        code.as_ref(),
+                        "57P01" | "57P02" | "57P03" | "40001" | "40P01" | "55P03" | "57014" | "26000" | "42P05"
+                    )
             }),
             _ => false,
         }

@@ -6,70 +6,78 @@ use lockgate_core::{
     Backoff, ConcurrencyPolicy, JobPolicy, JobTypeName, OnConflict, QueueName, UniqueMode, UniqueOnConflict,
     UniquePolicy,
 };
-use sqlx::{PgExecutor, Row};
+use sqlx::Row;
+
+use crate::pooler::{query, Db, Scope};
 
 use crate::DbError;
 
 /// Stores (or replaces) a job type's policy, creating its queue if missing.
-pub async fn define_job_type<'c>(
-    db: impl PgExecutor<'c>,
-    name: &JobTypeName,
-    policy: &JobPolicy,
-) -> Result<(), DbError> {
-    let concurrency = policy.concurrency.as_ref();
-    let unique = policy.unique.as_ref();
-    sqlx::query("SELECT lockgate.define_job_type($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)")
-        .bind(name.as_str())
-        .bind(policy.queue.as_str())
-        .bind(i32::from(policy.priority))
-        .bind(i32::try_from(policy.max_attempts).unwrap_or(i32::MAX))
-        .bind(millis(policy.backoff.base))
-        .bind(millis(policy.backoff.max))
-        .bind(policy.backoff.jitter)
-        .bind(policy.timeout.map(millis))
-        .bind(concurrency.map(|c| i32::try_from(c.limit).unwrap_or(i32::MAX)))
-        .bind(concurrency.map(|c| c.key.clone()).filter(|k| !k.is_empty()))
-        .bind(millis(concurrency.map_or(lockgate_core::DEFAULT_CONCURRENCY_DURATION, |c| c.duration)))
-        .bind(concurrency.map_or(OnConflict::Block, |c| c.on_conflict).as_str())
-        .bind(unique.map(|u| u.mode.as_str()))
-        .bind(unique.map(|u| u.key.clone()).filter(|k| !k.is_empty()))
-        .bind(unique.map_or(UniqueOnConflict::Reject, |u| u.on_conflict).as_str())
-        .execute(db)
-        .await?;
-    Ok(())
+pub async fn define_job_type<'c>(db: impl Into<Db<'c>>, name: &JobTypeName, policy: &JobPolicy) -> Result<(), DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<(), DbError> = async {
+        let concurrency = policy.concurrency.as_ref();
+        let unique = policy.unique.as_ref();
+        query("SELECT lockgate.define_job_type($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)")
+            .bind(name.as_str())
+            .bind(policy.queue.as_str())
+            .bind(i32::from(policy.priority))
+            .bind(i32::try_from(policy.max_attempts).unwrap_or(i32::MAX))
+            .bind(millis(policy.backoff.base))
+            .bind(millis(policy.backoff.max))
+            .bind(policy.backoff.jitter)
+            .bind(policy.timeout.map(millis))
+            .bind(concurrency.map(|c| i32::try_from(c.limit).unwrap_or(i32::MAX)))
+            .bind(concurrency.map(|c| c.key.clone()).filter(|k| !k.is_empty()))
+            .bind(millis(concurrency.map_or(lockgate_core::DEFAULT_CONCURRENCY_DURATION, |c| c.duration)))
+            .bind(concurrency.map_or(OnConflict::Block, |c| c.on_conflict).as_str())
+            .bind(unique.map(|u| u.mode.as_str()))
+            .bind(unique.map(|u| u.key.clone()).filter(|k| !k.is_empty()))
+            .bind(unique.map_or(UniqueOnConflict::Reject, |u| u.on_conflict).as_str())
+            .execute(scope.conn())
+            .await?;
+        Ok(())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Every stored job type and its policy. Rows that no longer validate (edited by hand into
 /// something this build cannot use) are skipped: their jobs are then dead-lettered as of an
 /// unknown type, with the reason, rather than run under a guessed policy.
-pub async fn load_job_types<'c>(db: impl PgExecutor<'c>) -> Result<Vec<(JobTypeName, JobPolicy)>, DbError> {
-    let rows = sqlx::query(
-        "SELECT name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms,
+pub async fn load_job_types<'c>(db: impl Into<Db<'c>>) -> Result<Vec<(JobTypeName, JobPolicy)>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<(JobTypeName, JobPolicy)>, DbError> = async {
+        let rows = query(
+            "SELECT name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms,
                 concurrency_limit, concurrency_key, concurrency_duration_ms, concurrency_on_conflict,
                 unique_mode, unique_key, unique_on_conflict
            FROM lockgate.job_types ORDER BY name",
-    )
-    .fetch_all(db)
-    .await?;
-    let mut out = Vec::with_capacity(rows.len());
-    for row in rows {
-        let (Ok(name), Ok(queue)) =
-            (JobTypeName::new(row.get::<String, _>(0)), QueueName::new(row.get::<String, _>(1)))
-        else {
-            continue;
-        };
-        let policy = JobPolicy {
-            queue,
-            priority: row.get(2),
-            max_attempts: u32::try_from(row.get::<i32, _>(3)).unwrap_or(1),
-            backoff: Backoff { base: from_millis(row.get(4)), max: from_millis(row.get(5)), jitter: row.get(6) },
-            timeout: row.get::<Option<i64>, _>(7).map(from_millis),
-            concurrency: concurrency_from(&row),
-            unique: unique_from(&row),
-        };
-        out.push((name, policy));
+        )
+        .fetch_all(scope.conn())
+        .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            let (Ok(name), Ok(queue)) =
+                (JobTypeName::new(row.get::<String, _>(0)), QueueName::new(row.get::<String, _>(1)))
+            else {
+                continue;
+            };
+            let policy = JobPolicy {
+                queue,
+                priority: row.get(2),
+                max_attempts: u32::try_from(row.get::<i32, _>(3)).unwrap_or(1),
+                backoff: Backoff { base: from_millis(row.get(4)), max: from_millis(row.get(5)), jitter: row.get(6) },
+                timeout: row.get::<Option<i64>, _>(7).map(from_millis),
+                concurrency: concurrency_from(&row),
+                unique: unique_from(&row),
+            };
+            out.push((name, policy));
+        }
+        Ok(out)
     }
-    Ok(out)
+    .await;
+    scope.finish(out).await
 }
 
 fn concurrency_from(row: &sqlx::postgres::PgRow) -> Option<ConcurrencyPolicy> {

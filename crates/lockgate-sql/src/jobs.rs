@@ -5,7 +5,9 @@ use chrono::{DateTime, Utc};
 use lockgate_core::JobId;
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::{PgExecutor, Row};
+use sqlx::Row;
+
+use crate::pooler::{query, query_as, query_scalar, Db, Scope};
 
 use crate::DbError;
 
@@ -120,35 +122,54 @@ fn cancelled(r: &sqlx::postgres::PgRow) -> Cancelled {
 
 /// `lockgate.job(id)`: the job, or `None` when no job has that id (or it was pruned from the
 /// archive by retention).
-pub async fn job<'c>(db: impl PgExecutor<'c>, id: JobId) -> Result<Option<JobRecord>, DbError> {
-    let row = sqlx::query(&format!("SELECT {JOB_COLUMNS} FROM lockgate.job($1)")).bind(id.0).fetch_optional(db).await?;
-    Ok(row.as_ref().map(job_record))
+pub async fn job<'c>(db: impl Into<Db<'c>>, id: JobId) -> Result<Option<JobRecord>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Option<JobRecord>, DbError> = async {
+        let row = query(&format!("SELECT {JOB_COLUMNS} FROM lockgate.job($1)"))
+            .bind(id.0)
+            .fetch_optional(scope.conn())
+            .await?;
+        Ok(row.as_ref().map(job_record))
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// `lockgate.jobs(...)`: jobs matching `filter`, newest id first, at most `limit` (1 to 1000),
 /// with ids below `before` (the last id of the previous page) when given. An unknown queue is
 /// `DbError::UnknownQueue`; an invalid state, limit or time range `DbError::InvalidArgument`.
 pub async fn jobs<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     filter: &JobFilter,
     limit: i32,
     before: Option<JobId>,
 ) -> Result<Vec<JobRecord>, DbError> {
-    let sql = format!(
-        "SELECT {JOB_COLUMNS} FROM lockgate.jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<JobRecord>, DbError> = async {
+        let sql = format!(
+            "SELECT {JOB_COLUMNS} FROM lockgate.jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
                                                  until => $6, search => $7, max_rows => $8, before_id => $9)"
-    );
-    let rows = bind_filter(sqlx::query(&sql), filter).bind(limit).bind(before.map(|b| b.0)).fetch_all(db).await?;
-    Ok(rows.iter().map(job_record).collect())
+        );
+        let rows =
+            bind_filter(query(&sql), filter).bind(limit).bind(before.map(|b| b.0)).fetch_all(scope.conn()).await?;
+        Ok(rows.iter().map(job_record).collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// `lockgate.cancel(id)`: cancels one job in whatever state it is; `None` when no job has that id.
-pub async fn cancel<'c>(db: impl PgExecutor<'c>, id: JobId) -> Result<Option<Cancelled>, DbError> {
-    let row = sqlx::query("SELECT id, state, queue, cancelled FROM lockgate.cancel($1)")
-        .bind(id.0)
-        .fetch_optional(db)
-        .await?;
-    Ok(row.as_ref().map(cancelled))
+pub async fn cancel<'c>(db: impl Into<Db<'c>>, id: JobId) -> Result<Option<Cancelled>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Option<Cancelled>, DbError> = async {
+        let row = query("SELECT id, state, queue, cancelled FROM lockgate.cancel($1)")
+            .bind(id.0)
+            .fetch_optional(scope.conn())
+            .await?;
+        Ok(row.as_ref().map(cancelled))
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// How many jobs a cancel by query found and cancelled (`lockgate.cancel_jobs`).
@@ -163,22 +184,23 @@ pub struct CancelledCount {
 /// `CALL lockgate.cancel_jobs(...)`: cancels up to `limit` jobs matching `filter` that can still
 /// be cancelled, newest first, each in a transaction of its own (so it cannot run inside the
 /// caller's transaction: give it a pool or a connection outside one).
-pub async fn cancel_jobs<'c>(
-    db: impl PgExecutor<'c>,
-    filter: &JobFilter,
-    limit: i32,
-) -> Result<CancelledCount, DbError> {
-    let row = bind_filter(
-        sqlx::query(
-            "CALL lockgate.cancel_jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
+pub async fn cancel_jobs<'c>(db: impl Into<Db<'c>>, filter: &JobFilter, limit: i32) -> Result<CancelledCount, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<CancelledCount, DbError> = async {
+        let row = bind_filter(
+            query(
+                "CALL lockgate.cancel_jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
                                        until => $6, search => $7, max_rows => $8)",
-        ),
-        filter,
-    )
-    .bind(limit)
-    .fetch_one(db)
-    .await?;
-    Ok(CancelledCount { matched: row.get(0), cancelled: row.get(1) })
+            ),
+            filter,
+        )
+        .bind(limit)
+        .fetch_one(scope.conn())
+        .await?;
+        Ok(CancelledCount { matched: row.get(0), cancelled: row.get(1) })
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// `lockgate.release_cancelled`: gives back the permit (and `while_executing` lock) of the
@@ -186,40 +208,57 @@ pub async fn cancel_jobs<'c>(
 /// stopped. True when it released something; any other delivery, or a second call, releases
 /// nothing.
 pub async fn release_cancelled<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     queue: &str,
     msg_id: i64,
     read_ct: i32,
 ) -> Result<bool, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.release_cancelled($1, $2, $3)")
-        .bind(queue)
-        .bind(msg_id)
-        .bind(read_ct)
-        .fetch_one(db)
-        .await?)
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<bool, DbError> = async {
+        Ok(query_scalar("SELECT lockgate.release_cancelled($1, $2, $3)")
+            .bind(queue)
+            .bind(msg_id)
+            .bind(read_ct)
+            .fetch_one(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Which of the deliveries `(msg_id, read_ct)` of `queue`, no longer there, were cancelled while
 /// they held their job (archived by `lockgate.cancel` with that read_ct): the heartbeat asks about
 /// the deliveries it lost, to tell a cancel from a lapsed lease.
 pub async fn cancelled_messages<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     queue: &str,
     lost: &[(i64, i32)],
 ) -> Result<Vec<i64>, DbError> {
-    let (ids, cts): (Vec<i64>, Vec<i32>) = lost.iter().copied().unzip();
-    Ok(sqlx::query_scalar("SELECT lockgate.cancelled_messages($1, $2, $3)")
-        .bind(queue)
-        .bind(ids)
-        .bind(cts)
-        .fetch_all(db)
-        .await?)
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<i64>, DbError> = async {
+        let (ids, cts): (Vec<i64>, Vec<i32>) = lost.iter().copied().unzip();
+        Ok(query_scalar("SELECT lockgate.cancelled_messages($1, $2, $3)")
+            .bind(queue)
+            .bind(ids)
+            .bind(cts)
+            .fetch_all(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// `lockgate.discard_job(id)`: deletes a dead or parked job for good. `None` for an unknown id;
 /// otherwise the state the job was in and whether it was discarded (only dead and parked jobs are).
-pub async fn discard_job<'c>(db: impl PgExecutor<'c>, id: JobId) -> Result<Option<(String, bool)>, DbError> {
-    let row: (Option<String>, bool) =
-        sqlx::query_as("SELECT state, discarded FROM lockgate.discard_job($1)").bind(id.0).fetch_one(db).await?;
-    Ok(row.0.map(|state| (state, row.1)))
+pub async fn discard_job<'c>(db: impl Into<Db<'c>>, id: JobId) -> Result<Option<(String, bool)>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Option<(String, bool)>, DbError> = async {
+        let row: (Option<String>, bool) = query_as("SELECT state, discarded FROM lockgate.discard_job($1)")
+            .bind(id.0)
+            .fetch_one(scope.conn())
+            .await?;
+        Ok(row.0.map(|state| (state, row.1)))
+    }
+    .await;
+    scope.finish(out).await
 }

@@ -16,6 +16,7 @@ mod job_types;
 mod jobs;
 mod maintenance;
 mod migrate;
+pub mod pooler;
 mod processes;
 mod queues;
 mod recurring;

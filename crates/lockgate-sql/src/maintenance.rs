@@ -2,39 +2,54 @@
 
 use std::time::Duration;
 
-use sqlx::PgExecutor;
+use crate::pooler::{query_scalar, Db, Scope};
 
 use crate::DbError;
 
 /// Deletes up to `max_rows` archived messages of `queue` older than `retention`.
 pub async fn prune_archive<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     queue: &str,
     retention: Duration,
     max_rows: i32,
 ) -> Result<i64, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.prune_archive($1, $2, $3)")
-        .bind(queue)
-        .bind(retention.as_secs_f64())
-        .bind(max_rows)
-        .fetch_one(db)
-        .await?)
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<i64, DbError> = async {
+        Ok(query_scalar("SELECT lockgate.prune_archive($1, $2, $3)")
+            .bind(queue)
+            .bind(retention.as_secs_f64())
+            .bind(max_rows)
+            .fetch_one(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// `lockgate.reap_batches`: counts as failed the members of closed batches idle for `min_idle`
 /// whose job no longer exists (deleted outside lockgate); returns how many.
-pub async fn reap_batches<'c>(db: impl PgExecutor<'c>, min_idle: Duration) -> Result<i32, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.reap_batches(make_interval(secs => $1))")
-        .bind(min_idle.as_secs_f64())
-        .fetch_one(db)
-        .await?)
+pub async fn reap_batches<'c>(db: impl Into<Db<'c>>, min_idle: Duration) -> Result<i32, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<i32, DbError> = async {
+        Ok(query_scalar("SELECT lockgate.reap_batches(make_interval(secs => $1))")
+            .bind(min_idle.as_secs_f64())
+            .fetch_one(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// `lockgate.reap_unique_locks`: deletes uniqueness locks older than `min_age` whose job no
 /// longer exists (deleted outside lockgate); returns how many.
-pub async fn reap_unique_locks<'c>(db: impl PgExecutor<'c>, min_age: Duration) -> Result<i32, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.reap_unique_locks(make_interval(secs => $1))")
-        .bind(min_age.as_secs_f64())
-        .fetch_one(db)
-        .await?)
+pub async fn reap_unique_locks<'c>(db: impl Into<Db<'c>>, min_age: Duration) -> Result<i32, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<i32, DbError> = async {
+        Ok(query_scalar("SELECT lockgate.reap_unique_locks(make_interval(secs => $1))")
+            .bind(min_age.as_secs_f64())
+            .fetch_one(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }

@@ -7,7 +7,9 @@
 //! and records the schema version and a checksum of those functions. Every other command calls
 //! `check_schema` first and refuses to run against a missing or older schema.
 
-use sqlx::{PgPool, Row};
+use sqlx::{PgConnection, PgPool, Row};
+
+use crate::pooler::{query, query_as, query_scalar, Scope};
 
 use crate::DbError;
 
@@ -184,9 +186,9 @@ pub fn functions_checksum() -> String {
 /// Installs or upgrades everything lockgate needs in this database.
 pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
     let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *tx).await?;
+    query("SELECT pg_advisory_xact_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *tx).await?;
     sqlx::raw_sql(BOOTSTRAP).execute(&mut *tx).await?;
-    let present: Vec<String> = sqlx::query_scalar(
+    let present: Vec<String> = query_scalar(
         "SELECT attname::text FROM pg_attribute
           WHERE attrelid = 'lockgate.schema_state'::regclass AND attnum > 0 AND NOT attisdropped",
     )
@@ -201,7 +203,7 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
     // compatible schema it has nothing to do (a rolling deploy's old processes may run migrate at
     // start), against an incompatible one it is refused.
     let recorded: Option<(i32, Option<i32>, Option<i32>)> =
-        sqlx::query_as("SELECT migration, functions_revision, compat FROM lockgate.schema_state")
+        query_as("SELECT migration, functions_revision, compat FROM lockgate.schema_state")
             .fetch_optional(&mut *tx)
             .await?;
     if let Some((found, revision, compat)) = recorded {
@@ -211,8 +213,7 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
             return Ok(MigrateReport { applied: Vec::new(), pgmq_preinstalled: false, newer: Some(found) });
         }
     }
-    let applied: Vec<i32> =
-        sqlx::query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(&mut *tx).await?;
+    let applied: Vec<i32> = query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(&mut *tx).await?;
     let mut report = MigrateReport { applied: Vec::new(), pgmq_preinstalled: false, newer: None };
     for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
         let mut note = None;
@@ -222,7 +223,7 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
         } else {
             sqlx::raw_sql(m.sql).execute(&mut *tx).await?;
         }
-        sqlx::query("INSERT INTO lockgate.schema_migrations (version, name, note) VALUES ($1, $2, $3)")
+        query("INSERT INTO lockgate.schema_migrations (version, name, note) VALUES ($1, $2, $3)")
             .bind(m.version)
             .bind(m.name)
             .bind(note)
@@ -233,7 +234,7 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
     for functions in FUNCTIONS {
         sqlx::raw_sql(functions).execute(&mut *tx).await?;
     }
-    sqlx::query(
+    query(
         "INSERT INTO lockgate.schema_state (migration, functions_checksum, compat, functions_revision)
          VALUES ($1, $2, $3, $4)
          ON CONFLICT (singleton) DO UPDATE SET migration = $1, functions_checksum = $2, compat = $3,
@@ -250,7 +251,7 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
 }
 
 async fn pgmq_present(tx: &mut sqlx::PgConnection) -> Result<bool, DbError> {
-    Ok(sqlx::query_scalar(
+    Ok(query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'pgmq') OR to_regclass('pgmq.meta') IS NOT NULL",
     )
     .fetch_one(tx)
@@ -261,9 +262,9 @@ async fn pgmq_present(tx: &mut sqlx::PgConnection) -> Result<bool, DbError> {
 /// name (all of them where lockgate was never installed), for `lockgate doctor`.
 pub async fn pending_migrations(pool: &PgPool) -> Result<Vec<String>, DbError> {
     let installed: bool =
-        sqlx::query_scalar("SELECT to_regclass('lockgate.schema_migrations') IS NOT NULL").fetch_one(pool).await?;
+        query_scalar("SELECT to_regclass('lockgate.schema_migrations') IS NOT NULL").fetch_one(pool).await?;
     let applied: Vec<i32> = if installed {
-        sqlx::query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(pool).await?
+        query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(pool).await?
     } else {
         Vec::new()
     };
@@ -276,10 +277,15 @@ pub async fn pending_migrations(pool: &PgPool) -> Result<Vec<String>, DbError> {
 
 /// Refuses a database where lockgate or PGMQ is missing, older, newer, or whose functions differ.
 pub async fn check_schema(pool: &PgPool) -> Result<SchemaFit, DbError> {
-    let row =
-        sqlx::query("SELECT to_regclass('lockgate.schema_state') IS NOT NULL, to_regclass('pgmq.meta') IS NOT NULL")
-            .fetch_one(pool)
-            .await?;
+    let mut scope = Scope::open(pool.into()).await?;
+    let out = check_schema_on(scope.conn()).await;
+    scope.finish(out).await
+}
+
+async fn check_schema_on(conn: &mut PgConnection) -> Result<SchemaFit, DbError> {
+    let row = query("SELECT to_regclass('lockgate.schema_state') IS NOT NULL, to_regclass('pgmq.meta') IS NOT NULL")
+        .fetch_one(&mut *conn)
+        .await?;
     if !row.get::<bool, _>(0) {
         return Err(DbError::NotInstalled("no lockgate schema found".into()));
     }
@@ -287,19 +293,19 @@ pub async fn check_schema(pool: &PgPool) -> Result<SchemaFit, DbError> {
         return Err(DbError::NotInstalled("PGMQ is missing".into()));
     }
     // Columns added since the table first shipped read as NULL where a database lacks them.
-    let present: Vec<String> = sqlx::query_scalar(
+    let present: Vec<String> = query_scalar(
         "SELECT attname::text FROM pg_attribute
           WHERE attrelid = 'lockgate.schema_state'::regclass AND attnum > 0 AND NOT attisdropped",
     )
-    .fetch_all(pool)
+    .fetch_all(&mut *conn)
     .await?;
     let column = |name: &str| if present.iter().any(|p| p == name) { name.to_string() } else { "NULL::integer".into() };
-    let state = sqlx::query(&format!(
+    let state = query(&format!(
         "SELECT migration, functions_checksum, {}, {} FROM lockgate.schema_state",
         column("compat"),
         column("functions_revision")
     ))
-    .fetch_optional(pool)
+    .fetch_optional(&mut *conn)
     .await?;
     let Some(state) = state else {
         return Err(DbError::NotInstalled("the schema was never completely migrated".into()));

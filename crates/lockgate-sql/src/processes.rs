@@ -2,7 +2,9 @@
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::{PgExecutor, Row};
+use sqlx::Row;
+
+use crate::pooler::{query, query_as, query_scalar, Db, Scope};
 
 use crate::DbError;
 
@@ -21,7 +23,7 @@ pub struct ProcessRow {
 }
 
 pub async fn register_process<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     kind: &str,
     name: &str,
     host: &str,
@@ -29,62 +31,91 @@ pub async fn register_process<'c>(
     supervisor_id: Option<i64>,
     metadata: &Value,
 ) -> Result<i64, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.register_process($1, $2, $3, $4, $5, $6)")
-        .bind(kind)
-        .bind(name)
-        .bind(host)
-        .bind(pid)
-        .bind(supervisor_id)
-        .bind(metadata)
-        .fetch_one(db)
-        .await?)
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<i64, DbError> = async {
+        Ok(query_scalar("SELECT lockgate.register_process($1, $2, $3, $4, $5, $6)")
+            .bind(kind)
+            .bind(name)
+            .bind(host)
+            .bind(pid)
+            .bind(supervisor_id)
+            .bind(metadata)
+            .fetch_one(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Renews the given rows (with fresh metadata); returns the ids that still exist.
-pub async fn heartbeat_processes<'c>(db: impl PgExecutor<'c>, rows: &[(i64, Value)]) -> Result<Vec<i64>, DbError> {
-    let (ids, metadata): (Vec<i64>, Vec<Value>) = rows.iter().cloned().unzip();
-    Ok(sqlx::query_scalar("SELECT lockgate.heartbeat_processes($1, $2)").bind(ids).bind(metadata).fetch_all(db).await?)
+pub async fn heartbeat_processes<'c>(db: impl Into<Db<'c>>, rows: &[(i64, Value)]) -> Result<Vec<i64>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<i64>, DbError> = async {
+        let (ids, metadata): (Vec<i64>, Vec<Value>) = rows.iter().cloned().unzip();
+        Ok(query_scalar("SELECT lockgate.heartbeat_processes($1, $2)")
+            .bind(ids)
+            .bind(metadata)
+            .fetch_all(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Deletes a supervisor's row and, with it, its services' rows.
-pub async fn deregister_process<'c>(db: impl PgExecutor<'c>, supervisor_id: i64) -> Result<(), DbError> {
-    sqlx::query("SELECT lockgate.deregister_process($1)").bind(supervisor_id).execute(db).await?;
-    Ok(())
+pub async fn deregister_process<'c>(db: impl Into<Db<'c>>, supervisor_id: i64) -> Result<(), DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<(), DbError> = async {
+        query("SELECT lockgate.deregister_process($1)").bind(supervisor_id).execute(scope.conn()).await?;
+        Ok(())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Prunes supervisors silent past `alive_threshold_seconds`; returns `(pruned id, jobs still in
 /// flight)`. Their jobs are left alone: they come back when their visibility lapses (H26).
 pub async fn prune_processes<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     alive_threshold_seconds: f64,
 ) -> Result<Vec<(i64, i64)>, DbError> {
-    Ok(sqlx::query_as("SELECT pruned_id, in_flight FROM lockgate.prune_processes($1)")
-        .bind(alive_threshold_seconds)
-        .fetch_all(db)
-        .await?)
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<(i64, i64)>, DbError> = async {
+        Ok(query_as("SELECT pruned_id, in_flight FROM lockgate.prune_processes($1)")
+            .bind(alive_threshold_seconds)
+            .fetch_all(scope.conn())
+            .await?)
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Every registered process, supervisors first, each followed by its services.
-pub async fn list_processes<'c>(db: impl PgExecutor<'c>) -> Result<Vec<ProcessRow>, DbError> {
-    let rows = sqlx::query(
-        "SELECT id, kind, name, host, pid, supervisor_id, started_at,
+pub async fn list_processes<'c>(db: impl Into<Db<'c>>) -> Result<Vec<ProcessRow>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<ProcessRow>, DbError> = async {
+        let rows = query(
+            "SELECT id, kind, name, host, pid, supervisor_id, started_at,
                 extract(epoch FROM now() - last_heartbeat_at)::float8, metadata
            FROM lockgate.processes ORDER BY COALESCE(supervisor_id, id), supervisor_id NULLS FIRST, id",
-    )
-    .fetch_all(db)
-    .await?;
-    Ok(rows
-        .iter()
-        .map(|r| ProcessRow {
-            id: r.get(0),
-            kind: r.get(1),
-            name: r.get(2),
-            host: r.get(3),
-            pid: r.get(4),
-            supervisor_id: r.get(5),
-            started_at: r.get(6),
-            heartbeat_age_seconds: r.get(7),
-            metadata: r.get(8),
-        })
-        .collect())
+        )
+        .fetch_all(scope.conn())
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| ProcessRow {
+                id: r.get(0),
+                kind: r.get(1),
+                name: r.get(2),
+                host: r.get(3),
+                pid: r.get(4),
+                supervisor_id: r.get(5),
+                started_at: r.get(6),
+                heartbeat_age_seconds: r.get(7),
+                metadata: r.get(8),
+            })
+            .collect())
+    }
+    .await;
+    scope.finish(out).await
 }

@@ -5,7 +5,9 @@
 use chrono::{DateTime, Utc};
 use lockgate_core::RecurringTask;
 use serde_json::Value;
-use sqlx::{PgExecutor, PgPool, Row};
+use sqlx::{PgPool, Row};
+
+use crate::pooler::{query, query_scalar, Db, Scope};
 
 use crate::DbError;
 
@@ -68,22 +70,27 @@ pub struct TickOutcome {
 
 /// Stores (or replaces) a task (`lockgate.define_recurring`). The caller validates it first.
 pub async fn define_recurring<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     task: &RecurringTask,
     source: RecurringSource,
 ) -> Result<(), DbError> {
-    sqlx::query("SELECT lockgate.define_recurring($1, $2, $3, $4, $5, $6, $7, $8)")
-        .bind(&task.name)
-        .bind(&task.cron)
-        .bind(&task.job_type)
-        .bind(&task.args)
-        .bind(&task.timezone)
-        .bind(task.options())
-        .bind(task.enabled)
-        .bind(source.as_str())
-        .execute(db)
-        .await?;
-    Ok(())
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<(), DbError> = async {
+        query("SELECT lockgate.define_recurring($1, $2, $3, $4, $5, $6, $7, $8)")
+            .bind(&task.name)
+            .bind(&task.cron)
+            .bind(&task.job_type)
+            .bind(&task.args)
+            .bind(&task.timezone)
+            .bind(task.options())
+            .bind(task.enabled)
+            .bind(source.as_str())
+            .execute(scope.conn())
+            .await?;
+        Ok(())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Makes the database's config-owned tasks exactly `tasks`, in one transaction: defines each,
@@ -95,68 +102,90 @@ pub async fn sync_config_recurring(db: &PgPool, tasks: &[RecurringTask]) -> Resu
     }
     let keep: Vec<&str> = tasks.iter().map(|t| t.name.as_str()).collect();
     let removed: Vec<String> =
-        sqlx::query_scalar("SELECT lockgate.prune_config_recurring($1)").bind(keep).fetch_all(&mut *tx).await?;
+        query_scalar("SELECT lockgate.prune_config_recurring($1)").bind(keep).fetch_all(&mut *tx).await?;
     tx.commit().await?;
     Ok(removed)
 }
 
 /// Enables or disables a task; `DbError::UnknownRecurringTask` names an unknown one.
-pub async fn set_recurring_enabled<'c>(db: impl PgExecutor<'c>, name: &str, enabled: bool) -> Result<(), DbError> {
-    sqlx::query("SELECT lockgate.set_recurring_enabled($1, $2)").bind(name).bind(enabled).execute(db).await?;
-    Ok(())
+pub async fn set_recurring_enabled<'c>(db: impl Into<Db<'c>>, name: &str, enabled: bool) -> Result<(), DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<(), DbError> = async {
+        query("SELECT lockgate.set_recurring_enabled($1, $2)").bind(name).bind(enabled).execute(scope.conn()).await?;
+        Ok(())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Deletes a task and its ticks; false if there was none.
-pub async fn remove_recurring<'c>(db: impl PgExecutor<'c>, name: &str) -> Result<bool, DbError> {
-    Ok(sqlx::query_scalar("SELECT lockgate.remove_recurring($1)").bind(name).fetch_one(db).await?)
+pub async fn remove_recurring<'c>(db: impl Into<Db<'c>>, name: &str) -> Result<bool, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<bool, DbError> =
+        async { Ok(query_scalar("SELECT lockgate.remove_recurring($1)").bind(name).fetch_one(scope.conn()).await?) }
+            .await;
+    scope.finish(out).await
 }
 
 /// Every task, by name.
-pub async fn list_recurring<'c>(db: impl PgExecutor<'c>) -> Result<Vec<RecurringRow>, DbError> {
-    let rows = sqlx::query(
-        "SELECT name, cron, timezone, job_type, args, options, enabled, source, active_since, last_tick_at,
+pub async fn list_recurring<'c>(db: impl Into<Db<'c>>) -> Result<Vec<RecurringRow>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<RecurringRow>, DbError> = async {
+        let rows = query(
+            "SELECT name, cron, timezone, job_type, args, options, enabled, source, active_since, last_tick_at,
                 last_job_id, last_status, last_error
            FROM lockgate.list_recurring()",
-    )
-    .fetch_all(db)
-    .await?;
-    Ok(rows
-        .iter()
-        .map(|r| RecurringRow {
-            name: r.get(0),
-            cron: r.get(1),
-            timezone: r.get(2),
-            job_type: r.get(3),
-            args: r.get(4),
-            options: r.get(5),
-            enabled: r.get(6),
-            source: r.get(7),
-            active_since: r.get(8),
-            last_tick_at: r.get(9),
-            last_job_id: r.get(10),
-            last_status: r.get(11),
-            last_error: r.get(12),
-        })
-        .collect())
+        )
+        .fetch_all(scope.conn())
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| RecurringRow {
+                name: r.get(0),
+                cron: r.get(1),
+                timezone: r.get(2),
+                job_type: r.get(3),
+                args: r.get(4),
+                options: r.get(5),
+                enabled: r.get(6),
+                source: r.get(7),
+                active_since: r.get(8),
+                last_tick_at: r.get(9),
+                last_job_id: r.get(10),
+                last_status: r.get(11),
+                last_error: r.get(12),
+            })
+            .collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Enqueues the job of `task`'s tick at `tick_at`, unless that tick (or a later one) was
 /// enqueued already; in one transaction with the tick's row (H23).
 pub async fn enqueue_recurring_tick<'c>(
-    db: impl PgExecutor<'c>,
+    db: impl Into<Db<'c>>,
     task: &str,
     tick_at: DateTime<Utc>,
 ) -> Result<TickOutcome, DbError> {
-    let row = sqlx::query("SELECT status, job_id, error FROM lockgate.enqueue_recurring_tick($1, $2)")
-        .bind(task)
-        .bind(tick_at)
-        .fetch_one(db)
-        .await?;
-    Ok(TickOutcome { status: row.get(0), job_id: row.get(1), error: row.get(2) })
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<TickOutcome, DbError> = async {
+        let row = query("SELECT status, job_id, error FROM lockgate.enqueue_recurring_tick($1, $2)")
+            .bind(task)
+            .bind(tick_at)
+            .fetch_one(scope.conn())
+            .await?;
+        Ok(TickOutcome { status: row.get(0), job_id: row.get(1), error: row.get(2) })
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// The database's clock (`now()`): the scheduler's clock, so that every process computes the
 /// same ticks whatever its own clock says.
-pub async fn database_now<'c>(db: impl PgExecutor<'c>) -> Result<DateTime<Utc>, DbError> {
-    Ok(sqlx::query_scalar("SELECT now()").fetch_one(db).await?)
+pub async fn database_now<'c>(db: impl Into<Db<'c>>) -> Result<DateTime<Utc>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<DateTime<Utc>, DbError> =
+        async { Ok(query_scalar("SELECT now()").fetch_one(scope.conn()).await?) }.await;
+    scope.finish(out).await
 }

@@ -1,6 +1,8 @@
 //! Status statements: per-queue counts for `lockgate status`, and the gauges of `/metrics`.
 
-use sqlx::{PgExecutor, Row};
+use sqlx::Row;
+
+use crate::pooler::{query, query_scalar, Db, Scope};
 
 use crate::DbError;
 
@@ -18,24 +20,29 @@ pub struct QueueStats {
     pub paused: bool,
 }
 
-pub async fn queue_stats<'c>(db: impl PgExecutor<'c>) -> Result<Vec<QueueStats>, DbError> {
-    let rows = sqlx::query(
-        "SELECT queue, ready, scheduled, running, dead, oldest_ready_seconds, paused FROM lockgate.queue_stats()",
-    )
-    .fetch_all(db)
-    .await?;
-    Ok(rows
-        .iter()
-        .map(|r| QueueStats {
-            queue: r.get(0),
-            ready: r.get(1),
-            scheduled: r.get(2),
-            running: r.get(3),
-            dead: r.get(4),
-            oldest_ready_seconds: r.get(5),
-            paused: r.get(6),
-        })
-        .collect())
+pub async fn queue_stats<'c>(db: impl Into<Db<'c>>) -> Result<Vec<QueueStats>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<QueueStats>, DbError> = async {
+        let rows = query(
+            "SELECT queue, ready, scheduled, running, dead, oldest_ready_seconds, paused FROM lockgate.queue_stats()",
+        )
+        .fetch_all(scope.conn())
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| QueueStats {
+                queue: r.get(0),
+                ready: r.get(1),
+                scheduled: r.get(2),
+                running: r.get(3),
+                dead: r.get(4),
+                oldest_ready_seconds: r.get(5),
+                paused: r.get(6),
+            })
+            .collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// Uniqueness locks held, per job type and mode (`lockgate.unique_lock_stats`).
@@ -48,14 +55,19 @@ pub struct UniqueLockStats {
     pub oldest_seconds: f64,
 }
 
-pub async fn unique_lock_stats<'c>(db: impl PgExecutor<'c>) -> Result<Vec<UniqueLockStats>, DbError> {
-    let rows = sqlx::query("SELECT job_type, mode, held, oldest_seconds FROM lockgate.unique_lock_stats()")
-        .fetch_all(db)
-        .await?;
-    Ok(rows
-        .iter()
-        .map(|r| UniqueLockStats { job_type: r.get(0), mode: r.get(1), held: r.get(2), oldest_seconds: r.get(3) })
-        .collect())
+pub async fn unique_lock_stats<'c>(db: impl Into<Db<'c>>) -> Result<Vec<UniqueLockStats>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<UniqueLockStats>, DbError> = async {
+        let rows = query("SELECT job_type, mode, held, oldest_seconds FROM lockgate.unique_lock_stats()")
+            .fetch_all(scope.conn())
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| UniqueLockStats { job_type: r.get(0), mode: r.get(1), held: r.get(2), oldest_seconds: r.get(3) })
+            .collect())
+    }
+    .await;
+    scope.finish(out).await
 }
 
 /// One queue's jobs finished in the last minute and hour (`lockgate.queue_throughput`).
@@ -72,13 +84,15 @@ pub struct QueueThroughput {
 }
 
 /// The throughput of every queue, reading at most `max_rows` archive index entries per queue.
-pub async fn queue_throughput<'c>(db: impl PgExecutor<'c>, max_rows: i32) -> Result<Vec<QueueThroughput>, DbError> {
-    let rows = sqlx::query(
+pub async fn queue_throughput<'c>(db: impl Into<Db<'c>>, max_rows: i32) -> Result<Vec<QueueThroughput>, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<Vec<QueueThroughput>, DbError> = async {
+    let rows = query(
         "SELECT queue, succeeded_last_minute, succeeded_last_hour, succeeded_capped, failed_last_minute, failed_last_hour
            FROM lockgate.queue_throughput($1)",
     )
     .bind(max_rows)
-    .fetch_all(db)
+    .fetch_all(scope.conn())
     .await?;
     Ok(rows
         .iter()
@@ -91,6 +105,8 @@ pub async fn queue_throughput<'c>(db: impl PgExecutor<'c>, max_rows: i32) -> Res
             failed_last_hour: r.get(5),
         })
         .collect())
+}.await;
+    scope.finish(out).await
 }
 
 /// What `/metrics` reports from the database, read once per interval
@@ -132,8 +148,13 @@ pub struct ProcessCount {
 }
 
 /// Every gauge of `/metrics` in one statement; keys past the `max_keys` busiest are summed.
-pub async fn metrics_snapshot<'c>(db: impl PgExecutor<'c>, max_keys: i32) -> Result<MetricsSnapshot, DbError> {
-    let snapshot: sqlx::types::Json<MetricsSnapshot> =
-        sqlx::query_scalar("SELECT lockgate.metrics_snapshot($1)").bind(max_keys).fetch_one(db).await?;
-    Ok(snapshot.0)
+pub async fn metrics_snapshot<'c>(db: impl Into<Db<'c>>, max_keys: i32) -> Result<MetricsSnapshot, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out: Result<MetricsSnapshot, DbError> = async {
+        let snapshot: sqlx::types::Json<MetricsSnapshot> =
+            query_scalar("SELECT lockgate.metrics_snapshot($1)").bind(max_keys).fetch_one(scope.conn()).await?;
+        Ok(snapshot.0)
+    }
+    .await;
+    scope.finish(out).await
 }

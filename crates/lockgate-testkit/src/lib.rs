@@ -6,6 +6,7 @@
 //! `postgres://postgres@127.0.0.1:5432/postgres`.
 
 pub mod chaos;
+pub mod pgbouncer;
 mod proxy;
 
 pub use proxy::FaultProxy;

@@ -21,11 +21,21 @@ pub struct Args {
     /// settings.
     #[arg(long, short, default_value = "lockgate.toml")]
     config: PathBuf,
+    /// A direct URL (or one through a session-mode pooler) for the LISTEN connection, when the
+    /// database URL goes through a transaction-mode pooler. Overrides `listen_database_url`.
+    #[arg(long, env = "LOCKGATE_LISTEN_DATABASE_URL")]
+    listen_database_url: Option<String>,
 }
 
 pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     let config = Config::load(&args.config)?;
-    let runtime_config = config.runtime()?;
+    let mut runtime_config = config.runtime()?;
+    if let Some(url) = args.listen_database_url {
+        runtime_config.listen_database_url = Some(url);
+    }
+    if let Some(url) = &runtime_config.listen_database_url {
+        db::check_listen_url(url)?;
+    }
     let job_types = config.job_types()?;
     let recurring = config.recurring()?;
     let pools = config.pools(&job_types)?;

@@ -1,0 +1,123 @@
+//! Transaction pooling (PgBouncer `pool_mode = transaction` and poolers like it): a pooler hands
+//! each transaction, and each statement outside one, to whichever server connection is free.
+//! sqlx runs a statement as two exchanges (Parse + Describe, then Bind + Execute), each ending
+//! with a Sync, and caches named prepared statements per client connection. Through such a
+//! pooler the Bind can reach a server that never saw the Parse, or one holding another
+//! client's statement of the same name: a failed statement at best, the wrong statement run
+//! with our values at worst.
+//!
+//! With [`set_transaction_pooling`] on, every statement lockgate runs is unnamed (never cached)
+//! and runs inside a transaction, so both exchanges reach the one server the pooler pins for
+//! that transaction. Off (the default), statements are prepared once per connection and cached
+//! as sqlx does, and a statement given a pool runs on one of its connections as before.
+//!
+//! The setting is per process: a process that talks to a pooler and to a direct database pays
+//! the pooled path's round trips on both (design §48).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::query::{Query, QueryAs, QueryScalar};
+use sqlx::{Connection, FromRow, PgConnection, PgPool, Postgres, Transaction};
+
+use crate::DbError;
+
+static TRANSACTION_POOLING: AtomicBool = AtomicBool::new(false);
+
+/// Makes every statement lockgate runs in this process safe through a transaction-mode pooler
+/// (see the module docs). Set it before the first statement; the CLI sets it from
+/// `pooler=transaction` in the database URL.
+pub fn set_transaction_pooling(on: bool) {
+    TRANSACTION_POOLING.store(on, Ordering::Relaxed);
+}
+
+/// Whether [`set_transaction_pooling`] is on.
+pub fn transaction_pooling() -> bool {
+    TRANSACTION_POOLING.load(Ordering::Relaxed)
+}
+
+/// `sqlx::query`, unnamed under transaction pooling.
+pub fn query(sql: &str) -> Query<'_, Postgres, PgArguments> {
+    sqlx::query(sql).persistent(!transaction_pooling())
+}
+
+/// `sqlx::query_as`, unnamed under transaction pooling.
+pub fn query_as<'q, O>(sql: &'q str) -> QueryAs<'q, Postgres, O, PgArguments>
+where
+    O: for<'r> FromRow<'r, PgRow>,
+{
+    sqlx::query_as(sql).persistent(!transaction_pooling())
+}
+
+/// `sqlx::query_scalar`, unnamed under transaction pooling.
+pub fn query_scalar<'q, O>(sql: &'q str) -> QueryScalar<'q, Postgres, O, PgArguments>
+where
+    (O,): for<'r> FromRow<'r, PgRow>,
+{
+    sqlx::query_scalar(sql).persistent(!transaction_pooling())
+}
+
+/// What a function of the SQL layer is given to run on: a pool (it takes one connection for the
+/// call) or a connection, which may be a transaction's (`&mut *tx`).
+pub enum Db<'c> {
+    Pool(&'c PgPool),
+    Conn(&'c mut PgConnection),
+}
+
+impl<'c> From<&'c PgPool> for Db<'c> {
+    fn from(pool: &'c PgPool) -> Self {
+        Self::Pool(pool)
+    }
+}
+
+impl<'c> From<&'c mut PgConnection> for Db<'c> {
+    fn from(conn: &'c mut PgConnection) -> Self {
+        Self::Conn(conn)
+    }
+}
+
+impl<'c> From<&'c mut PoolConnection<Postgres>> for Db<'c> {
+    fn from(conn: &'c mut PoolConnection<Postgres>) -> Self {
+        Self::Conn(conn)
+    }
+}
+
+/// Where one of the SQL layer's functions runs its statements: the connection it was given or
+/// one taken from the pool it was given, or, under transaction pooling, a transaction on it (a
+/// savepoint if it is already in one) that [`Scope::finish`] commits.
+pub(crate) enum Scope<'c> {
+    Owned(PoolConnection<Postgres>),
+    Borrowed(&'c mut PgConnection),
+    Pooled(Transaction<'c, Postgres>),
+}
+
+impl<'c> Scope<'c> {
+    pub(crate) async fn open(db: Db<'c>) -> Result<Self, DbError> {
+        Ok(match (db, transaction_pooling()) {
+            (Db::Pool(pool), false) => Self::Owned(pool.acquire().await?),
+            (Db::Conn(conn), false) => Self::Borrowed(conn),
+            (Db::Pool(pool), true) => Self::Pooled(pool.begin().await?),
+            (Db::Conn(conn), true) => Self::Pooled(conn.begin().await?),
+        })
+    }
+
+    pub(crate) fn conn(&mut self) -> &mut PgConnection {
+        match self {
+            Self::Owned(conn) => conn,
+            Self::Borrowed(conn) => conn,
+            Self::Pooled(tx) => tx,
+        }
+    }
+
+    /// Commits a pooled scope whose work succeeded; one that failed rolls back when dropped.
+    pub(crate) async fn finish<T>(self, out: Result<T, DbError>) -> Result<T, DbError> {
+        match (self, out) {
+            (Self::Pooled(tx), Ok(value)) => {
+                tx.commit().await?;
+                Ok(value)
+            }
+            (_, out) => out,
+        }
+    }
+}
