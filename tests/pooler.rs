@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use common::{queue, test_config, Running, WAIT};
 use lockgate::{
-    Client, ConcurrencyPolicy, EnqueueOptions, Job, JobContext, JobError, JobPolicy, OnConflict, PgPool, Registry,
-    RuntimeConfig,
+    Client, ConcurrencyPolicy, EnqueueOptions, Job, JobContext, JobError, JobFilter, JobPolicy, OnConflict, PgPool,
+    Registry, RuntimeConfig,
 };
 use lockgate_testkit::pgbouncer::{PgBouncer, PoolMode};
 use lockgate_testkit::{wait_for, wait_for_count, TestDb};
@@ -138,5 +138,24 @@ async fn listen_on_a_direct_url_wakes_workers_that_go_through_the_pooler() {
     client.enqueue(&Keyed { key: "a".into() }, &EnqueueOptions::default()).await.unwrap();
     wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_pooled", 1, WAIT).await.unwrap();
     running.stop().await;
+    drop(bouncer);
+}
+
+#[tokio::test]
+async fn cancel_by_query_commits_job_by_job_through_transaction_pooling() {
+    let (db, bouncer, pool) = pooled().await;
+    let client = Client::new(pool.clone());
+    client.define::<Keyed>().await.unwrap();
+    for i in 0..5 {
+        client.enqueue(&Keyed { key: format!("c{i}") }, &EnqueueOptions::default()).await.unwrap();
+    }
+    // The procedure commits per job, which no statement inside a transaction may do.
+    let filter = JobFilter { queue: Some("pooled".into()), ..JobFilter::default() };
+    let count = client.cancel_jobs(&filter, 100).await.unwrap();
+    assert_eq!((count.matched, count.cancelled), (5, 5));
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_pooled").await.unwrap(), 0);
+    let bad = JobFilter { states: vec!["nonsense".into()], ..filter };
+    let error = client.cancel_jobs(&bad, 100).await.unwrap_err();
+    assert!(error.to_string().contains("nonsense"), "{error}");
     drop(bouncer);
 }

@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sqlx::Row;
 
-use crate::pooler::{query, query_as, query_scalar, Db, Scope};
+use crate::pooler::{query, query_as, query_scalar, transaction_pooling, Db, Scope};
 
 use crate::DbError;
 
@@ -185,6 +185,9 @@ pub struct CancelledCount {
 /// be cancelled, newest first, each in a transaction of its own (so it cannot run inside the
 /// caller's transaction: give it a pool or a connection outside one).
 pub async fn cancel_jobs<'c>(db: impl Into<Db<'c>>, filter: &JobFilter, limit: i32) -> Result<CancelledCount, DbError> {
+    if transaction_pooling() {
+        return cancel_jobs_one_by_one(db.into(), filter, limit).await;
+    }
     let mut scope = Scope::open(db.into()).await?;
     let out: Result<CancelledCount, DbError> = async {
         let row = bind_filter(
@@ -201,6 +204,50 @@ pub async fn cancel_jobs<'c>(db: impl Into<Db<'c>>, filter: &JobFilter, limit: i
     }
     .await;
     scope.finish(out).await
+}
+
+/// `cancel_jobs` under transaction pooling, where every statement runs in a transaction and so
+/// a procedure cannot commit: the procedure's selection, then one `lockgate.cancel` per job, each
+/// in a transaction of its own.
+async fn cancel_jobs_one_by_one(mut db: Db<'_>, filter: &JobFilter, limit: i32) -> Result<CancelledCount, DbError> {
+    // As lockgate.cancel_jobs: the states that can still be cancelled, narrowed by the filter's.
+    const CANCELLABLE: [&str; 5] = ["queued", "scheduled", "retrying", "running", "parked"];
+    let mut scope = Scope::open(db.reborrow()).await?;
+    let out = async {
+        query("SELECT lockgate._check_states($1)")
+            .bind((!filter.states.is_empty()).then_some(&filter.states))
+            .execute(scope.conn())
+            .await?;
+        let states: Vec<String> = CANCELLABLE
+            .iter()
+            .filter(|s| filter.states.is_empty() || filter.states.iter().any(|f| f == *s))
+            .map(|s| s.to_string())
+            .collect();
+        let narrowed = JobFilter { states, ..filter.clone() };
+        let ids: Vec<i64> = bind_filter(
+            query(
+                "SELECT j.id FROM lockgate.jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
+                                             until => $6, search => $7, max_rows => $8) j",
+            ),
+            &narrowed,
+        )
+        .bind(limit)
+        .fetch_all(scope.conn())
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+        Ok::<_, DbError>(ids)
+    }
+    .await;
+    let ids = scope.finish(out).await?;
+    let mut cancelled = 0;
+    for id in &ids {
+        if cancel(db.reborrow(), JobId(*id)).await?.is_some_and(|c| c.cancelled) {
+            cancelled += 1;
+        }
+    }
+    Ok(CancelledCount { matched: i32::try_from(ids.len()).unwrap_or(i32::MAX), cancelled })
 }
 
 /// `lockgate.release_cancelled`: gives back the permit (and `while_executing` lock) of the

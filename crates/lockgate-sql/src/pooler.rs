@@ -65,6 +65,16 @@ pub enum Db<'c> {
     Conn(&'c mut PgConnection),
 }
 
+impl Db<'_> {
+    /// The same pool or connection, for one more call.
+    pub fn reborrow(&mut self) -> Db<'_> {
+        match self {
+            Self::Pool(pool) => Db::Pool(pool),
+            Self::Conn(conn) => Db::Conn(conn),
+        }
+    }
+}
+
 impl<'c> From<&'c PgPool> for Db<'c> {
     fn from(pool: &'c PgPool) -> Self {
         Self::Pool(pool)
