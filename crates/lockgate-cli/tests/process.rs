@@ -133,12 +133,16 @@ async fn h21_four_processes_migrating_an_empty_database_at_once_all_succeed() {
     let version: i32 =
         sqlx::query_scalar("SELECT migration FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
     assert_eq!(version, lockgate::sql::LATEST_MIGRATION);
-    // Every migration file applied once (their numbers may have gaps while branches merge).
+    // Every migration file applied once (their numbers may have gaps while branches merge), after
+    // 0001, PGMQ, which the pgmq crate's installer put in place once.
     let files = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../../migrations"))
         .unwrap()
         .filter(|f| f.as_ref().unwrap().path().extension().is_some_and(|e| e == "sql"))
         .count();
-    assert_eq!(db.count("SELECT 1 FROM lockgate.schema_migrations").await.unwrap(), files as i64);
+    assert_eq!(db.count("SELECT 1 FROM lockgate.schema_migrations").await.unwrap(), files as i64 + 1);
+    let pgmq: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM pgmq.__pgmq_migrations").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(pgmq, ["pgmq.sql"]);
 }
 
 #[tokio::test]

@@ -35,10 +35,19 @@ pub enum DbError {
          (schema {expected}, compatibility version {expected_compat}) cannot run against: upgrade lockgate"
     )]
     SchemaIncompatible { found: i32, found_compat: i32, expected: i32, expected_compat: i32 },
+    /// The pgmq crate's installer refused (a missing or unreadable upgrade script, a version it
+    /// cannot parse); its database errors are `Sqlx`.
+    #[error("installing PGMQ: {0}")]
+    PgmqInstall(String),
     /// Any other error of the database or the driver. Transparent: sqlx's message already ends
     /// with its cause's, so a prefix of ours plus the cause chain would print it twice.
     #[error(transparent)]
     Sqlx(sqlx::Error),
+    #[error(
+        "lockgate migrate cannot run through a transaction-mode pooler (pooler=transaction): run it with a direct \
+         database URL, or one through a session-mode pooler"
+    )]
+    MigrateThroughPooler,
 }
 
 impl From<sqlx::Error> for DbError {
@@ -61,6 +70,15 @@ impl From<sqlx::Error> for DbError {
             Some("LG005") => Self::Duplicate(message),
             Some("LG006") => Self::UnknownRecurringTask(message),
             _ => Self::Sqlx(err),
+        }
+    }
+}
+
+impl From<pgmq::PgmqError> for DbError {
+    fn from(err: pgmq::PgmqError) -> Self {
+        match err {
+            pgmq::PgmqError::DatabaseError(err) => err.into(),
+            other => Self::PgmqInstall(other.to_string()),
         }
     }
 }

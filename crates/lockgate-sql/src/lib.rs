@@ -39,8 +39,8 @@ pub use jobs::{
 };
 pub use maintenance::{prune_archive, reap_batches, reap_unique_locks};
 pub use migrate::{
-    check_schema, functions_checksum, migrate, pending_migrations, MigrateReport, SchemaFit, FUNCTIONS_REVISION,
-    LATEST_MIGRATION, SCHEMA_COMPAT,
+    check_schema, functions_checksum, migrate, pending_migrations, MigrateReport, PgmqStep, SchemaFit,
+    FUNCTIONS_REVISION, LATEST_MIGRATION, SCHEMA_COMPAT,
 };
 pub use processes::{
     deregister_process, heartbeat_processes, list_processes, prune_processes, register_process, ProcessRow,

@@ -1,58 +1,74 @@
 //! Installing and checking lockgate's schema.
 //!
-//! `migrate` runs in one transaction under an advisory lock, so any number of processes may run
-//! it at once (H21): the first installs, the others wait and find nothing left to do. It applies
-//! the numbered files of `migrations/` not yet recorded (PGMQ 1.11.1 first, skipped where PGMQ
-//! is already installed, as the extension or as SQL), then re-applies every function of `sql/`
-//! and records the schema version and a checksum of those functions. Every other command calls
-//! `check_schema` first and refuses to run against a missing or older schema.
+//! `migrate` holds lockgate's advisory lock from start to end, on the one connection it runs on,
+//! so any number of processes may run it at once (H21): the first installs, the others wait and
+//! find nothing left to do. It installs or upgrades PGMQ with the pgmq crate's embedded installer
+//! (adopting PGMQ an earlier lockgate installed, and leaving alone the extension or SQL it cannot
+//! version; docs/design.md section 47), applies the numbered files of `migrations/` not yet
+//! recorded, then re-applies every function of `sql/` and records the schema version and a
+//! checksum of those functions. Every other command calls `check_schema` first and refuses to run
+//! against a missing or older schema.
 
+use std::fmt;
+
+use pgmq::install;
+use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool, Row};
 
-use crate::pooler::{query, query_as, query_scalar, Scope};
+use crate::pooler::{query, query_as, query_scalar, transaction_pooling, Scope};
 
 use crate::DbError;
 
 struct Migration {
     version: i32,
     name: &'static str,
-    sql: &'static str,
+    /// `None` for PGMQ, which the pgmq crate's installer puts in place before lockgate's own
+    /// transaction: the record says what it found and did.
+    sql: Option<&'static str>,
 }
 
 const MIGRATIONS: &[Migration] = &[
-    Migration { version: 1, name: "pgmq_1.11.1", sql: include_str!("../../../migrations/0001_pgmq_1.11.1.sql") },
+    Migration { version: 1, name: "pgmq", sql: None },
     Migration {
         version: 2,
         name: "lockgate_schema",
-        sql: include_str!("../../../migrations/0002_lockgate_schema.sql"),
+        sql: Some(include_str!("../../../migrations/0002_lockgate_schema.sql")),
     },
-    Migration { version: 3, name: "concurrency", sql: include_str!("../../../migrations/0003_concurrency.sql") },
-    Migration { version: 4, name: "processes", sql: include_str!("../../../migrations/0004_processes.sql") },
+    Migration { version: 3, name: "concurrency", sql: Some(include_str!("../../../migrations/0003_concurrency.sql")) },
+    Migration { version: 4, name: "processes", sql: Some(include_str!("../../../migrations/0004_processes.sql")) },
     Migration {
         version: 5,
         name: "batched_promotion",
-        sql: include_str!("../../../migrations/0005_batched_promotion.sql"),
+        sql: Some(include_str!("../../../migrations/0005_batched_promotion.sql")),
     },
-    Migration { version: 6, name: "claim_index", sql: include_str!("../../../migrations/0006_claim_index.sql") },
-    Migration { version: 7, name: "job_ids", sql: include_str!("../../../migrations/0007_job_ids.sql") },
-    Migration { version: 8, name: "fenced_leases", sql: include_str!("../../../migrations/0008_fenced_leases.sql") },
-    Migration { version: 9, name: "started_runs", sql: include_str!("../../../migrations/0009_started_runs.sql") },
+    Migration { version: 6, name: "claim_index", sql: Some(include_str!("../../../migrations/0006_claim_index.sql")) },
+    Migration { version: 7, name: "job_ids", sql: Some(include_str!("../../../migrations/0007_job_ids.sql")) },
+    Migration {
+        version: 8,
+        name: "fenced_leases",
+        sql: Some(include_str!("../../../migrations/0008_fenced_leases.sql")),
+    },
+    Migration {
+        version: 9,
+        name: "started_runs",
+        sql: Some(include_str!("../../../migrations/0009_started_runs.sql")),
+    },
     Migration {
         version: 10,
         name: "uniqueness_batches",
-        sql: include_str!("../../../migrations/0010_uniqueness_batches.sql"),
+        sql: Some(include_str!("../../../migrations/0010_uniqueness_batches.sql")),
     },
-    Migration { version: 11, name: "recurring", sql: include_str!("../../../migrations/0011_recurring.sql") },
+    Migration { version: 11, name: "recurring", sql: Some(include_str!("../../../migrations/0011_recurring.sql")) },
     Migration {
         version: 12,
         name: "pause_and_return_cap",
-        sql: include_str!("../../../migrations/0012_pause_and_return_cap.sql"),
+        sql: Some(include_str!("../../../migrations/0012_pause_and_return_cap.sql")),
     },
-    Migration { version: 13, name: "job_lookup", sql: include_str!("../../../migrations/0013_job_lookup.sql") },
+    Migration { version: 13, name: "job_lookup", sql: Some(include_str!("../../../migrations/0013_job_lookup.sql")) },
     Migration {
         version: 14,
         name: "job_history_cancel",
-        sql: include_str!("../../../migrations/0014_job_history_cancel.sql"),
+        sql: Some(include_str!("../../../migrations/0014_job_history_cancel.sql")),
     },
 ];
 
@@ -131,16 +147,59 @@ CREATE TABLE IF NOT EXISTS lockgate.schema_state (
 /// (0). Added only where missing, so a migrate with nothing to do takes no ACCESS EXCLUSIVE lock.
 const STATE_COLUMNS: &[&str] = &["compat", "functions_revision"];
 
+/// The PGMQ version migration 0001 installed, from SQL vendored in this repository, before PGMQ
+/// came from the pgmq crate: a database it migrated has that PGMQ and no installer's record of it.
+const VENDORED_PGMQ: &str = "1.11.1";
+
 /// What a migrate run did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MigrateReport {
     /// Names of the numbered migrations this run applied.
     pub applied: Vec<String>,
-    /// Whether PGMQ was found already installed and left as it was.
-    pub pgmq_preinstalled: bool,
+    /// What it found of PGMQ and did with it.
+    pub pgmq: PgmqStep,
     /// The database's schema version when a newer, compatible build had migrated it: nothing was
     /// done.
     pub newer: Option<i32>,
+}
+
+/// What `migrate` did with PGMQ (docs/design.md section 47).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PgmqStep {
+    /// It was missing: installed by the pgmq crate's installer, at this version.
+    Installed { version: String },
+    /// Recorded by the pgmq crate's installer (or installed by an earlier lockgate, and recorded
+    /// now) and already at the version the installer carries.
+    Current { version: String },
+    /// Recorded by the pgmq crate's installer, and upgraded with upstream's scripts.
+    Upgraded { from: String, to: String },
+    /// The pgmq extension, or SQL that no installer recorded: left as it was.
+    LeftAsFound { how: &'static str },
+    /// Not looked at: a newer build migrated this database.
+    NotChecked,
+}
+
+impl fmt::Display for PgmqStep {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Installed { version } => write!(f, "PGMQ {version} installed by the pgmq crate"),
+            Self::Current { version } => write!(f, "PGMQ {version} is up to date"),
+            Self::Upgraded { from, to } => write!(f, "PGMQ upgraded from {from} to {to} by the pgmq crate"),
+            Self::LeftAsFound { how } => write!(f, "PGMQ was already installed {how}; left as it was"),
+            Self::NotChecked => write!(f, "PGMQ not checked: a newer build migrated this database"),
+        }
+    }
+}
+
+/// How PGMQ is present, as `migrate` finds it under its lock.
+enum FoundPgmq {
+    Missing,
+    /// Recorded in `pgmq.__pgmq_migrations` by the pgmq crate's installer.
+    Recorded,
+    /// Installed by an earlier lockgate from its vendored SQL (`VENDORED_PGMQ`).
+    Vendored,
+    /// Installed some other way; the installer must not run over it.
+    Foreign(&'static str),
 }
 
 /// How a database's schema fits this build (`check_schema`), when it can run on it.
@@ -185,8 +244,32 @@ pub fn functions_checksum() -> String {
 
 /// Installs or upgrades everything lockgate needs in this database.
 pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
-    let mut tx = pool.begin().await?;
-    query("SELECT pg_advisory_xact_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *tx).await?;
+    // Its lock is a session's, and PGMQ's installer prepares statements as sqlx does: neither
+    // survives a pooler that lends a server connection per transaction.
+    if transaction_pooling() {
+        return Err(DbError::MigrateThroughPooler);
+    }
+    // PGMQ's installer takes a pool and opens transactions of its own on it. It gets a pool of
+    // one connection, the one that holds lockgate's lock: a session-level lock, so that it spans
+    // lockgate's transactions and the installer's. No ping before handing the connection out (a
+    // failed one would be replaced by a connection without the lock); closing the pool ends the
+    // session, and the lock with it, however the run ends.
+    let locked = PgPoolOptions::new()
+        .max_connections(1)
+        .idle_timeout(None)
+        .max_lifetime(None)
+        .test_before_acquire(false)
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await?;
+    let report = migrate_locked(&locked).await;
+    locked.close().await;
+    report
+}
+
+async fn migrate_locked(locked: &PgPool) -> Result<MigrateReport, DbError> {
+    // On the pool's one connection, which every transaction below runs on.
+    query("SELECT pg_advisory_lock($1)").bind(MIGRATE_LOCK_KEY).execute(locked).await?;
+    let mut tx = locked.begin().await?;
     sqlx::raw_sql(BOOTSTRAP).execute(&mut *tx).await?;
     let present: Vec<String> = query_scalar(
         "SELECT attname::text FROM pg_attribute
@@ -201,7 +284,7 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
     }
     // A binary older than the database must not rewrite newer functions with its own: against a
     // compatible schema it has nothing to do (a rolling deploy's old processes may run migrate at
-    // start), against an incompatible one it is refused.
+    // start), against an incompatible one it is refused. Nor does it touch PGMQ.
     let recorded: Option<(i32, Option<i32>, Option<i32>)> =
         query_as("SELECT migration, functions_revision, compat FROM lockgate.schema_state")
             .fetch_optional(&mut *tx)
@@ -210,19 +293,28 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
         if (found, revision.unwrap_or(0)) > (LATEST_MIGRATION, FUNCTIONS_REVISION) {
             newer_schema(found, compat)?;
             tx.commit().await?;
-            return Ok(MigrateReport { applied: Vec::new(), pgmq_preinstalled: false, newer: Some(found) });
+            return Ok(MigrateReport { applied: Vec::new(), pgmq: PgmqStep::NotChecked, newer: Some(found) });
         }
     }
+    let found = found_pgmq(&mut tx).await?;
+    tx.commit().await?;
+    let pgmq = install_pgmq(locked, found).await?;
+
+    let mut tx = locked.begin().await?;
+    // At once on this session, which holds the lock. Should the pool have replaced a connection
+    // that broke since, this one waits for its turn like any other migrate (and reads what is
+    // applied only now).
+    query("SELECT pg_advisory_xact_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *tx).await?;
     let applied: Vec<i32> = query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(&mut *tx).await?;
-    let mut report = MigrateReport { applied: Vec::new(), pgmq_preinstalled: false, newer: None };
+    let mut report = MigrateReport { applied: Vec::new(), pgmq, newer: None };
     for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
-        let mut note = None;
-        if m.version == 1 && pgmq_present(&mut tx).await? {
-            report.pgmq_preinstalled = true;
-            note = Some("PGMQ was already installed; left as it was");
-        } else {
-            sqlx::raw_sql(m.sql).execute(&mut *tx).await?;
-        }
+        let note = match m.sql {
+            Some(sql) => {
+                sqlx::raw_sql(sql).execute(&mut *tx).await?;
+                None
+            }
+            None => Some(report.pgmq.to_string()),
+        };
         query("INSERT INTO lockgate.schema_migrations (version, name, note) VALUES ($1, $2, $3)")
             .bind(m.version)
             .bind(m.name)
@@ -250,12 +342,59 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
     Ok(report)
 }
 
-async fn pgmq_present(tx: &mut sqlx::PgConnection) -> Result<bool, DbError> {
-    Ok(query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'pgmq') OR to_regclass('pgmq.meta') IS NOT NULL",
+/// What is there of PGMQ. The extension is never run over by the SQL installer (its objects
+/// belong to the extension); SQL the installer did not record is adopted only when an earlier
+/// lockgate installed it, since only then is its version known. An empty record table (left by
+/// the crate's `installed_version` on a database it did not install) records nothing.
+async fn found_pgmq(conn: &mut PgConnection) -> Result<FoundPgmq, DbError> {
+    let (extension, meta, table): (bool, bool, bool) = query_as(
+        "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'pgmq'), to_regclass('pgmq.meta') IS NOT NULL,
+                to_regclass('pgmq.__pgmq_migrations') IS NOT NULL",
     )
-    .fetch_one(tx)
-    .await?)
+    .fetch_one(&mut *conn)
+    .await?;
+    if extension {
+        return Ok(FoundPgmq::Foreign("as the pgmq extension"));
+    }
+    if table && query_scalar("SELECT EXISTS (SELECT 1 FROM pgmq.__pgmq_migrations)").fetch_one(&mut *conn).await? {
+        return Ok(FoundPgmq::Recorded);
+    }
+    if !meta {
+        return Ok(FoundPgmq::Missing);
+    }
+    // Migration 0001 recorded without a note: it ran the vendored SQL (a note says it skipped).
+    let vendored: bool =
+        query_scalar("SELECT EXISTS (SELECT 1 FROM lockgate.schema_migrations WHERE version = 1 AND note IS NULL)")
+            .fetch_one(&mut *conn)
+            .await?;
+    Ok(if vendored { FoundPgmq::Vendored } else { FoundPgmq::Foreign("as SQL that no installer recorded") })
+}
+
+/// Runs the pgmq crate's embedded installer where it may: a fresh install, or upstream's upgrade
+/// scripts from the recorded version to the one the crate carries (none where it is current).
+async fn install_pgmq(locked: &PgPool, found: FoundPgmq) -> Result<PgmqStep, DbError> {
+    match found {
+        FoundPgmq::Foreign(how) => return Ok(PgmqStep::LeftAsFound { how }),
+        FoundPgmq::Missing => {
+            install::install_sql_from_embedded(locked).await?;
+            return Ok(PgmqStep::Installed { version: installed_pgmq(locked).await? });
+        }
+        // Recorded as if the installer had installed it, so that it runs only the upgrades.
+        FoundPgmq::Vendored => install::init_migrations_table(locked, VENDORED_PGMQ.parse()?).await?,
+        FoundPgmq::Recorded => {}
+    }
+    let from = installed_pgmq(locked).await?;
+    install::install_sql_from_embedded(locked).await?;
+    let to = installed_pgmq(locked).await?;
+    Ok(if from == to { PgmqStep::Current { version: to } } else { PgmqStep::Upgraded { from, to } })
+}
+
+/// The PGMQ version the installer has recorded.
+async fn installed_pgmq(locked: &PgPool) -> Result<String, DbError> {
+    install::installed_version(locked)
+        .await?
+        .map(|version| version.to_string())
+        .ok_or_else(|| DbError::PgmqInstall("the installer recorded no version".into()))
 }
 
 /// The numbered migrations this build carries that the database has not recorded, by number and

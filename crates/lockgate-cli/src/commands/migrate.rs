@@ -29,9 +29,7 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
         );
         return Ok(());
     }
-    if report.pgmq_preinstalled {
-        println!("PGMQ was already installed; left as it was");
-    }
+    println!("{}", report.pgmq);
     if report.applied.is_empty() {
         println!("lockgate schema is up to date in {at} (SQL functions refreshed)");
     } else {
