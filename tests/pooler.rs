@@ -159,11 +159,3 @@ async fn cancel_by_query_commits_job_by_job_through_transaction_pooling() {
     assert!(error.to_string().contains("nonsense"), "{error}");
     drop(bouncer);
 }
-
-#[tokio::test]
-async fn migrate_through_transaction_pooling_is_refused_with_advice() {
-    let (db, bouncer, pool) = pooled().await;
-    let error = lockgate::migrate(&pool).await.unwrap_err();
-    assert!(error.to_string().contains("direct database URL"), "{error}");
-    drop((db, bouncer));
-}

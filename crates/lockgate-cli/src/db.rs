@@ -147,10 +147,15 @@ fn take_pooler_mode(url: &str) -> Result<String> {
     Ok(parsed.to_string())
 }
 
+/// Whether a database URL says `pooler=transaction`.
+pub fn says_transaction_pooling(url: &str) -> bool {
+    reqwest::Url::parse(url).is_ok_and(|u| u.query_pairs().any(|(k, v)| k == "pooler" && v == "transaction"))
+}
+
 /// The LISTEN URL of `run` must be a direct one: through a transaction-mode pooler LISTEN
 /// would subscribe a server connection that is lent to others.
 pub fn check_listen_url(url: &str) -> Result<()> {
-    if url.contains("pooler=transaction") {
+    if says_transaction_pooling(url) {
         anyhow::bail!(
             "listen_database_url {} goes through a transaction-mode pooler: LISTEN needs a direct connection \
              (or a session-mode pooler)",

@@ -30,6 +30,9 @@ async fn the_cli_works_through_transaction_pooling_when_the_url_says_so() {
     }
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 5);
 
+    let o = lockgate(&db, &["migrate"]).env("DATABASE_URL", &pooled).output().unwrap();
+    assert!(!o.status.success() && text(&o).contains("with a direct database URL"), "{}", text(&o));
+
     let bogus = format!("{}&pooler=statement", bouncer.url(&db.name));
     let o = lockgate(&db, &["status"]).env("DATABASE_URL", &bogus).output().unwrap();
     assert!(!o.status.success());

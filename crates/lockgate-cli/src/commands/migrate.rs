@@ -4,7 +4,7 @@
 //! `--create-database` says so explicitly, and is what errors about a missing database suggest
 //! (a script that spells it out keeps working if the default ever changes).
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 use crate::db;
 
@@ -18,6 +18,15 @@ pub struct Args {
 pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     // Both spellings create a missing database; see the module docs.
     let _ = args.create_database;
+    // Its lock is a session's, and PGMQ's installer prepares statements as sqlx does: neither
+    // survives a pooler that lends a server connection per transaction.
+    if db::says_transaction_pooling(&target.url()) {
+        bail!(
+            "lockgate migrate cannot run through a transaction-mode pooler (pooler=transaction in {}): run it with \
+             a direct database URL, or one through a session-mode pooler",
+            db::redact(&target.url())
+        );
+    }
     db::create_database_if_missing(target).await?;
     let pool = db::connect(target, 2).await?;
     let report = lockgate::migrate(&pool).await?;
