@@ -16,6 +16,38 @@ pub async fn define_job_type<'c>(
     name: &JobTypeName,
     policy: &JobPolicy,
 ) -> Result<(), DbError> {
+    define_query(name, policy).execute(db).await?;
+    Ok(())
+}
+
+/// Stores a job type's policy only if the type is missing (creating its queue if missing too),
+/// and says whether it did: a type already stored keeps its policy. The table is locked against
+/// other definitions for the transaction, so a definition committed meanwhile is seen, never
+/// overwritten.
+pub async fn define_job_type_if_missing(
+    pool: &sqlx::PgPool,
+    name: &JobTypeName,
+    policy: &JobPolicy,
+) -> Result<bool, DbError> {
+    let mut tx = pool.begin().await?;
+    // Conflicts with itself and with the ROW EXCLUSIVE lock of any INSERT or UPDATE (so with
+    // every define_job_type in progress), not with the reads of enqueues and claims.
+    sqlx::query("LOCK TABLE lockgate.job_types IN SHARE ROW EXCLUSIVE MODE").execute(&mut *tx).await?;
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM lockgate.job_types WHERE name = $1)")
+        .bind(name.as_str())
+        .fetch_one(&mut *tx)
+        .await?;
+    if !exists {
+        define_query(name, policy).execute(&mut *tx).await?;
+    }
+    tx.commit().await?;
+    Ok(!exists)
+}
+
+fn define_query<'q>(
+    name: &'q JobTypeName,
+    policy: &'q JobPolicy,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     let concurrency = policy.concurrency.as_ref();
     let unique = policy.unique.as_ref();
     sqlx::query("SELECT lockgate.define_job_type($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)")
@@ -34,9 +66,6 @@ pub async fn define_job_type<'c>(
         .bind(unique.map(|u| u.mode.as_str()))
         .bind(unique.map(|u| u.key.clone()).filter(|k| !k.is_empty()))
         .bind(unique.map_or(UniqueOnConflict::Reject, |u| u.on_conflict).as_str())
-        .execute(db)
-        .await?;
-    Ok(())
 }
 
 /// Every stored job type and its policy. Rows that no longer validate (edited by hand into
