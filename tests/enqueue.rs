@@ -307,3 +307,20 @@ async fn a_type_deleted_since_first_use_is_defined_again() {
     client.enqueue(&Mail { to: "c".into() }).await.unwrap();
     assert_eq!(stored_policy(&db, "mail").await, Some(Mail::policy()));
 }
+
+#[tokio::test]
+async fn enqueue_in_needs_no_second_connection_for_a_stored_type() {
+    let db = TestDb::migrated().await.unwrap();
+    Client::new(db.pool.clone()).define::<Mail>().await.unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let client = Client::new(pool.clone());
+    let mut tx = pool.begin().await.unwrap(); // the pool's only connection
+    let job = client.enqueue_in(&mut tx, &Mail { to: "a".into() }).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(job.queue, "mail");
+}

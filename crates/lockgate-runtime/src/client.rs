@@ -244,9 +244,10 @@ impl Client {
     }
 
     /// Enqueues one typed job inside the caller's transaction: it exists if and only if that
-    /// transaction commits (G8). Pass `&mut *tx` for a `sqlx::Transaction`. A type used for the
-    /// first time is defined on the client's pool, outside that transaction (a definition is
-    /// no business of the caller's rollback).
+    /// transaction commits (G8). Pass `&mut tx` for a `sqlx::Transaction`. The first use of a
+    /// type looks it up on `conn`; a missing type is defined on the client's pool, outside that
+    /// transaction (a definition is no business of the caller's rollback), which then needs a
+    /// connection of its own.
     pub async fn enqueue_in<J: Job>(&self, conn: &mut PgConnection, job: &J) -> Result<EnqueuedJob, EnqueueError> {
         self.enqueue_in_with(conn, job, &EnqueueOptions::default()).await
     }
@@ -260,6 +261,13 @@ impl Client {
     ) -> Result<EnqueuedJob, EnqueueError> {
         let args = to_args(J::TYPE, job)?;
         let options = options.to_json()?;
+        // Found on the caller's connection, a stored type needs no second one (the caller may
+        // hold the pool's only connection).
+        if !self.defined_set().contains(J::TYPE)
+            && lockgate_sql::job_type_exists(&mut *conn, &JobTypeName::new(J::TYPE)?).await?
+        {
+            self.defined_set().insert(J::TYPE);
+        }
         self.define_on_first_use::<J>().await?;
         let result = lockgate_sql::enqueue(conn, J::TYPE, &args, &options).await.map_err(EnqueueError::from);
         self.forget_if_unknown::<J, _>(result)

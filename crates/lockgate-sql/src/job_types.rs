@@ -21,27 +21,36 @@ pub async fn define_job_type<'c>(
 }
 
 /// Stores a job type's policy only if the type is missing (creating its queue if missing too),
-/// and says whether it did: a type already stored keeps its policy. The table is locked against
-/// other definitions for the transaction, so a definition committed meanwhile is seen, never
-/// overwritten.
+/// and says whether it did: a type already stored keeps its policy. A stored type is found with
+/// one read (which needs no more privilege than an enqueue); a missing one is looked up again
+/// and defined with the table locked against other definitions, so a definition committed
+/// meanwhile is seen, never overwritten.
 pub async fn define_job_type_if_missing(
     pool: &sqlx::PgPool,
     name: &JobTypeName,
     policy: &JobPolicy,
 ) -> Result<bool, DbError> {
+    if job_type_exists(pool, name).await? {
+        return Ok(false);
+    }
     let mut tx = pool.begin().await?;
     // Conflicts with itself and with the ROW EXCLUSIVE lock of any INSERT or UPDATE (so with
     // every define_job_type in progress), not with the reads of enqueues and claims.
     sqlx::query("LOCK TABLE lockgate.job_types IN SHARE ROW EXCLUSIVE MODE").execute(&mut *tx).await?;
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM lockgate.job_types WHERE name = $1)")
-        .bind(name.as_str())
-        .fetch_one(&mut *tx)
-        .await?;
+    let exists = job_type_exists(&mut *tx, name).await?;
     if !exists {
         define_query(name, policy).execute(&mut *tx).await?;
     }
     tx.commit().await?;
     Ok(!exists)
+}
+
+/// Whether `lockgate.job_types` has a row for `name` (as `db` sees it).
+pub async fn job_type_exists<'c>(db: impl PgExecutor<'c>, name: &JobTypeName) -> Result<bool, DbError> {
+    Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM lockgate.job_types WHERE name = $1)")
+        .bind(name.as_str())
+        .fetch_one(db)
+        .await?)
 }
 
 fn define_query<'q>(
