@@ -4,48 +4,41 @@
 //! from SQL (`SELECT lockgate.enqueue(...)`) or from the `lockgate` command; a [`Runtime`] claims
 //! and runs them with fenced, exactly-once completion. See the README for the guarantees.
 //!
-//! ```no_run
-//! use lockgate::{Client, EnqueueOptions, Job, JobContext, JobError, PoolConfig, QueueName, Registry, Runtime, RuntimeConfig};
-//! use tokio_util::sync::CancellationToken;
+//! A typed job, a producer and a worker (`examples/quick_start.rs`, run by the test suite):
 //!
-//! #[derive(serde::Serialize, serde::Deserialize)]
-//! struct Greet { name: String }
-//! impl Job for Greet { const TYPE: &'static str = "greet"; }
+#![doc = concat!("```no_run\n", include_str!("../examples/quick_start.rs"), "\n```")]
 //!
-//! # async fn example() -> anyhow::Result<()> {
-//! let pool = lockgate::PgPool::connect("postgres://postgres@127.0.0.1/lockgate").await?;
-//! lockgate::migrate(&pool).await?;
-//! let mut registry = Registry::new();
-//! registry.register::<Greet, _>(|_ctx: JobContext, job: Greet| async move {
-//!     println!("hello, {}", job.name);
-//!     Ok::<(), JobError>(())
-//! })?;
-//! let client = Client::new(pool.clone());
-//! client.define::<Greet>().await?;
-//! client.enqueue(&Greet { name: "world".into() }, &EnqueueOptions::default()).await?;
-//! let pools = vec![PoolConfig::new("default", vec![QueueName::new("default")?], 10)];
-//! let runtime = Runtime::new(pool, RuntimeConfig::default(), registry, pools)?;
-//! let shutdown = CancellationToken::new();
-//! runtime.run(shutdown).await?;
-//! # Ok(()) }
-//! ```
+//! [`testing`] runs handlers inline and lists what a transaction enqueued.
 
 pub use lockgate_core::{
     ArchiveOutcome, Backoff, BatchId, Claim, ConcurrencyPolicy, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobHeaders,
-    JobId, JobPolicy, JobTypeName, OnConflict, QueueName, RecurringTask, Schedule, UniqueMode, UniqueOnConflict,
-    UniquePolicy, ValidationError, DEFAULT_CONCURRENCY_DURATION, DEFAULT_TIMEZONE, MAX_PAYLOAD_BYTES, MAX_PRIORITY,
+    JobId, JobPolicy, JobPolicyBuilder, JobTypeName, OnConflict, QueueName, RecurringTask, Schedule, UniqueMode,
+    UniqueOnConflict, UniquePolicy, ValidationError, DEFAULT_CONCURRENCY_DURATION, DEFAULT_TIMEZONE, MAX_PAYLOAD_BYTES,
+    MAX_PRIORITY,
 };
 pub use lockgate_runtime::{
-    config, health, heartbeat, maintenance, metrics, process_registry, scheduler, worker, CancelReason, Client,
-    EnqueueError, Handler, Job, JobContext, JobError, Metrics, PoolConfig, RawHandler, Registry, Runtime,
-    RuntimeConfig, RuntimeError,
+    testing, CancelReason, Client, EnqueueError, Handler, Job, JobContext, JobError, Metrics, PoolConfig, RawHandler,
+    Registry, Runtime, RuntimeBuilder, RuntimeConfig, RuntimeError,
 };
 pub use lockgate_sql::{
     check_schema, migrate, BatchCallbacks, BatchInfo, Cancelled, CancelledCount, DbError, JobFilter, JobRecord,
     MigrateReport, PgPool, PgPoolOptions, RecurringRow, JOB_STATES, LATEST_MIGRATION, SCHEMA_COMPAT,
 };
 
-/// The SQL layer, for tests and tools that need a statement the typed API does not expose.
+/// Running through a transaction-mode pooler such as PgBouncer's `pool_mode = transaction`: call
+/// [`pooler::set_transaction_pooling`]`(true)` before the first statement (README, "Poolers").
+pub mod pooler {
+    pub use lockgate_sql::pooler::{set_transaction_pooling, transaction_pooling};
+}
+
+// The runtime's and the SQL layer's internals, for lockgate's own CLI, tests and benchmarks: not
+// part of the API (hidden from the docs, no stability promise). Their public items are reached
+// through the re-exports above.
+#[doc(hidden)]
+pub use lockgate_runtime::{config, health, heartbeat, maintenance, metrics, process_registry, scheduler, worker};
+
+/// The SQL layer, for lockgate's own CLI, tests and tools: not part of the API.
+#[doc(hidden)]
 pub mod sql {
     pub use lockgate_sql::*;
 }

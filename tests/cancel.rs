@@ -214,8 +214,8 @@ async fn a_running_handler_is_cancelled_through_its_heartbeat_and_the_next_job_s
     let db = TestDb::migrated().await.unwrap();
     let client = Client::new(db.pool.clone());
     client.define::<Wait>().await.unwrap();
-    let id = client.enqueue(&Wait { n: 1 }, &Default::default()).await.unwrap().job_id;
-    client.enqueue(&Wait { n: 2 }, &Default::default()).await.unwrap();
+    let id = client.enqueue(&Wait { n: 1 }).await.unwrap().job_id;
+    client.enqueue(&Wait { n: 2 }).await.unwrap();
     let events = Arc::new(Mutex::new(Vec::<String>::new()));
     let mut registry = Registry::new();
     let seen = Arc::clone(&events);

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use lockgate::sql::{claim, PgPoolOptions};
 use lockgate::worker::complete_deliveries;
-use lockgate::{ArchiveOutcome, Client, EnqueueOptions, Job};
+use lockgate::{ArchiveOutcome, Client, Job};
 use lockgate_testkit::{FaultProxy, TestDb};
 use serde::{Deserialize, Serialize};
 
@@ -23,7 +23,7 @@ impl Job for Noop {
 async fn one_job(db: &TestDb) {
     let client = Client::new(db.pool.clone());
     client.define::<Noop>().await.unwrap();
-    client.enqueue(&Noop {}, &EnqueueOptions::default()).await.unwrap();
+    client.enqueue(&Noop {}).await.unwrap();
 }
 
 fn deadline() -> Instant {

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use lockgate::sql::{check_invariants, claim, sweep};
 use lockgate::worker::complete_deliveries;
 use lockgate::{
-    ArchiveOutcome, Claim, Client, ConcurrencyPolicy, DbError, EnqueueError, EnqueueOptions, EnqueueStatus,
-    EnqueuedJob, JobPolicy, JobTypeName, OnConflict,
+    ArchiveOutcome, Claim, Client, ConcurrencyPolicy, EnqueueError, EnqueueOptions, EnqueueStatus, EnqueuedJob,
+    JobPolicy, JobTypeName, OnConflict,
 };
 use lockgate_testkit::{wait_for, FaultProxy, TestDb};
 use serde_json::json;
@@ -501,8 +501,8 @@ async fn discard_and_raise_keys_refuse_from_sql_and_from_rust() {
     client.define_job_type(&JobTypeName::new("strict").unwrap(), &policy).await.unwrap();
     client.enqueue_raw("strict", &json!({}), &EnqueueOptions::default()).await.unwrap();
     let err = client.enqueue_raw("strict", &json!({}), &EnqueueOptions::default()).await.unwrap_err();
-    assert!(matches!(err, EnqueueError::Database(DbError::LimitReached(_))), "{err}");
-    assert!(err.to_string().contains("concurrency limit 1 reached for key \"strict\""), "{err}");
+    assert!(matches!(&err, EnqueueError::LimitReached { key } if key == "strict"), "{err:?}");
+    assert_eq!(err.to_string(), "concurrency limit reached for key \"strict\"");
     let err = sqlx::query("SELECT * FROM lockgate.enqueue('strict', '{}')").execute(&db.pool).await.unwrap_err();
     assert_eq!(err.as_database_error().and_then(|e| e.code()).as_deref(), Some("LG004"));
     assert_eq!(db.count("SELECT 1 FROM lockgate.leases WHERE key = 'strict'").await.unwrap(), 1);

@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::{queue, test_config, Counter, Running};
-use lockgate::{Client, DbError, EnqueueOptions, Job, JobContext, JobError, JobPolicy, Registry};
+use lockgate::{Client, DbError, Job, JobContext, JobError, JobPolicy, Registry};
 use lockgate_testkit::{wait_for, wait_for_count, TestDb};
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
@@ -49,7 +49,7 @@ async fn a_paused_queue_gives_no_claim_to_any_process_and_stays_paused_across_a_
     assert!(client.pause_queue(&queue("default")).await.unwrap());
     assert!(!client.pause_queue(&queue("default")).await.unwrap(), "paused already");
     for n in 0..10 {
-        client.enqueue(&Tick { n }, &EnqueueOptions::default()).await.unwrap();
+        client.enqueue(&Tick { n }).await.unwrap();
     }
     // Counts the claims each process makes (statistics of plpgsql functions, for new sessions).
     sqlx::raw_sql(&format!("ALTER DATABASE {} SET track_functions = 'pl'", db.name)).execute(&db.pool).await.unwrap();

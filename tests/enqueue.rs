@@ -41,18 +41,18 @@ async fn queued(db: &TestDb) -> i64 {
 
 #[tokio::test]
 async fn g8_rust_enqueue_in_rolled_back_transaction_leaves_nothing() {
-    let (db, _client) = setup().await;
+    let (db, client) = setup().await;
     let mut tx = db.pool.begin().await.unwrap();
-    Client::enqueue_in(&mut tx, &Note { text: "x".into() }, &EnqueueOptions::default()).await.unwrap();
+    client.enqueue_in(&mut tx, &Note { text: "x".into() }).await.unwrap();
     tx.rollback().await.unwrap();
     assert_eq!(queued(&db).await, 0);
 }
 
 #[tokio::test]
 async fn g8_rust_enqueue_in_committed_transaction_exists_only_after_commit() {
-    let (db, _client) = setup().await;
+    let (db, client) = setup().await;
     let mut tx = db.pool.begin().await.unwrap();
-    let job = Client::enqueue_in(&mut tx, &Note { text: "x".into() }, &EnqueueOptions::default()).await.unwrap();
+    let job = client.enqueue_in(&mut tx, &Note { text: "x".into() }).await.unwrap();
     assert_eq!(queued(&db).await, 0, "invisible to others before commit");
     tx.commit().await.unwrap();
     assert_eq!(queued(&db).await, 1);
@@ -76,7 +76,7 @@ async fn g8_sql_enqueue_follows_the_callers_transaction() {
 async fn enqueue_many_returns_jobs_in_input_order() {
     let (db, client) = setup().await;
     let notes: Vec<Note> = (0..500).map(|i| Note { text: i.to_string() }).collect();
-    let jobs = client.enqueue_many(&notes, &EnqueueOptions::default()).await.unwrap();
+    let jobs = client.enqueue_many(&notes).await.unwrap();
     assert_eq!(jobs.len(), 500);
     for (i, job) in jobs.iter().enumerate() {
         let text: String = sqlx::query_scalar("SELECT message->>'text' FROM pgmq.q_default WHERE msg_id = $1")
@@ -92,7 +92,7 @@ async fn enqueue_many_returns_jobs_in_input_order() {
 async fn delayed_jobs_are_invisible_until_their_time() {
     let (db, client) = setup().await;
     let options = EnqueueOptions { delay: Some(Duration::from_secs(3600)), ..Default::default() };
-    client.enqueue(&Note { text: "later".into() }, &options).await.unwrap();
+    client.enqueue_with(&Note { text: "later".into() }, &options).await.unwrap();
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_default WHERE vt > now() + interval '59 minutes'").await.unwrap(), 1);
 }
 
@@ -128,12 +128,15 @@ async fn bad_sql_inputs_are_refused_with_errors_that_name_them() {
 #[tokio::test]
 async fn bad_rust_inputs_are_refused_before_or_by_the_database() {
     let (db, client) = setup().await;
-    let err = client.enqueue(&NotAnObject(3), &EnqueueOptions::default()).await.unwrap_err();
+    let err = client.enqueue(&NotAnObject(3)).await.unwrap_err();
     assert!(matches!(err, EnqueueError::NotAnObject { .. }), "{err}");
     let err = client.enqueue_raw("missing_type", &json!({}), &EnqueueOptions::default()).await.unwrap_err();
-    assert!(matches!(err, EnqueueError::Database(DbError::UnknownJobType(_))), "{err}");
+    assert!(matches!(&err, EnqueueError::UnknownJobType { job_type } if job_type == "missing_type"), "{err:?}");
+    assert_eq!(err.to_string(), "unknown job type \"missing_type\"");
+    let err = client.enqueue_many_raw("missing_type", &[json!({})], &EnqueueOptions::default()).await.unwrap_err();
+    assert!(matches!(&err, EnqueueError::UnknownJobType { job_type } if job_type == "missing_type"), "{err:?}");
     let options = EnqueueOptions { priority: Some(42), ..Default::default() };
-    let err = client.enqueue(&Note { text: "x".into() }, &options).await.unwrap_err();
+    let err = client.enqueue_with(&Note { text: "x".into() }, &options).await.unwrap_err();
     assert!(err.to_string().contains("priority"), "{err}");
     let mut policy = JobPolicy::on_queue(common::queue("default"));
     policy.max_attempts = 0;
@@ -145,11 +148,11 @@ async fn bad_rust_inputs_are_refused_before_or_by_the_database() {
 #[tokio::test]
 async fn every_enqueue_path_writes_the_same_headers() {
     let (db, client) = setup().await;
-    let one = client.enqueue(&Note { text: "a".into() }, &EnqueueOptions::default()).await.unwrap();
+    let one = client.enqueue(&Note { text: "a".into() }).await.unwrap();
     let with_options = EnqueueOptions { priority: Some(3), ..Default::default() };
-    let two = client.enqueue(&Note { text: "b".into() }, &with_options).await.unwrap();
+    let two = client.enqueue_with(&Note { text: "b".into() }, &with_options).await.unwrap();
     let many =
-        client.enqueue_many(&[Note { text: "c".into() }, Note { text: "d".into() }], &with_options).await.unwrap();
+        client.enqueue_many_with(&[Note { text: "c".into() }, Note { text: "d".into() }], &with_options).await.unwrap();
     let sql: (i64, i64) =
         sqlx::query_as("SELECT msg_id, job_id FROM lockgate.enqueue_many('note', ARRAY['{}']::jsonb[])")
             .fetch_one(&db.pool)
@@ -187,7 +190,7 @@ async fn a_client_enqueues_concurrently_and_recovers_when_its_connection_is_kill
     let tasks: Vec<_> = (0..20)
         .map(|i| {
             let client = client.clone();
-            tokio::spawn(async move { client.enqueue(&Note { text: i.to_string() }, &EnqueueOptions::default()).await })
+            tokio::spawn(async move { client.enqueue(&Note { text: i.to_string() }).await })
         })
         .collect();
     for task in tasks {
@@ -203,9 +206,9 @@ async fn a_client_enqueues_concurrently_and_recovers_when_its_connection_is_kill
     .await
     .unwrap();
     // The first enqueue may report the broken connection; the next ones go through.
-    let _ = client.enqueue(&Note { text: "after".into() }, &EnqueueOptions::default()).await;
-    client.enqueue(&Note { text: "after".into() }, &EnqueueOptions::default()).await.unwrap();
-    client.enqueue_many(&[Note { text: "x".into() }], &EnqueueOptions::default()).await.unwrap();
+    let _ = client.enqueue(&Note { text: "after".into() }).await;
+    client.enqueue(&Note { text: "after".into() }).await.unwrap();
+    client.enqueue_many(&[Note { text: "x".into() }]).await.unwrap();
     assert!(queued(&db).await >= 22);
 }
 
@@ -226,4 +229,98 @@ async fn a_pgmq_queue_adopted_with_messages_in_it_takes_new_ids_above_them() {
     // with message 1 of the queue.
     let job = client.enqueue_raw("noop", &json!({}), &EnqueueOptions::default()).await.unwrap();
     assert!(job.msg_id.unwrap() > 500, "{job:?}");
+}
+
+/// A type with a policy of its own, which nobody defines before its first enqueue.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Mail {
+    to: String,
+}
+
+impl Job for Mail {
+    const TYPE: &'static str = "mail";
+
+    fn policy() -> JobPolicy {
+        JobPolicy::builder().queue("mail").max_attempts(5).priority(2).build().unwrap()
+    }
+}
+
+async fn stored_policy(db: &TestDb, name: &str) -> Option<JobPolicy> {
+    let stored = lockgate::sql::load_job_types(&db.pool).await.unwrap();
+    stored.into_iter().find(|(n, _)| n.as_str() == name).map(|(_, p)| p)
+}
+
+#[tokio::test]
+async fn a_producer_enqueues_types_nobody_defined() {
+    let db = TestDb::migrated().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    assert_eq!(stored_policy(&db, "mail").await, None);
+    let job = client.enqueue(&Mail { to: "a".into() }).await.unwrap();
+    assert_eq!(job.queue, "mail", "the type's policy applies from the first job");
+    assert_eq!(stored_policy(&db, "mail").await, Some(Mail::policy()));
+    // The other typed verbs define on first use too (here through a clone, which shares what
+    // its original knows).
+    let clone = client.clone();
+    clone.enqueue_many(&[Mail { to: "b".into() }]).await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    client.enqueue_in(&mut tx, &Note { text: "in a transaction".into() }).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(stored_policy(&db, "note").await, Some(Note::policy()), "defined outside the rolled-back transaction");
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_mail").await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn first_use_keeps_the_policy_a_worker_stored() {
+    let db = TestDb::migrated().await.unwrap();
+    // What a worker (or `lockgate define`) stored: another queue and attempts.
+    let mut worker_policy = JobPolicy::on_queue(common::queue("default"));
+    worker_policy.max_attempts = 3;
+    Client::new(db.pool.clone()).define_job_type(&JobTypeName::new("mail").unwrap(), &worker_policy).await.unwrap();
+
+    let producer = Client::new(db.pool.clone());
+    let job = producer.enqueue(&Mail { to: "a".into() }).await.unwrap();
+    assert_eq!(job.queue, "default", "the stored policy routes the job");
+    assert_eq!(stored_policy(&db, "mail").await, Some(worker_policy), "first use replaced nothing");
+    // An explicit define is the way to replace it.
+    producer.define::<Mail>().await.unwrap();
+    assert_eq!(stored_policy(&db, "mail").await, Some(Mail::policy()));
+}
+
+#[tokio::test]
+async fn a_failed_definition_is_returned_and_not_remembered() {
+    let db = TestDb::empty().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    let err = client.enqueue(&Mail { to: "a".into() }).await.unwrap_err();
+    assert!(matches!(err, EnqueueError::Database(_)), "lockgate is not installed yet: {err:?}");
+    lockgate::migrate(&db.pool).await.unwrap();
+    let job = client.clone().enqueue(&Mail { to: "a".into() }).await.unwrap();
+    assert_eq!(job.queue, "mail");
+}
+
+#[tokio::test]
+async fn a_type_deleted_since_first_use_is_defined_again() {
+    let (db, client) = setup().await;
+    client.enqueue(&Mail { to: "a".into() }).await.unwrap();
+    sqlx::query("DELETE FROM lockgate.job_types WHERE name = 'mail'").execute(&db.pool).await.unwrap();
+    let err = client.enqueue(&Mail { to: "b".into() }).await.unwrap_err();
+    assert!(matches!(&err, EnqueueError::UnknownJobType { job_type } if job_type == "mail"), "{err:?}");
+    client.enqueue(&Mail { to: "c".into() }).await.unwrap();
+    assert_eq!(stored_policy(&db, "mail").await, Some(Mail::policy()));
+}
+
+#[tokio::test]
+async fn enqueue_in_needs_no_second_connection_for_a_stored_type() {
+    let db = TestDb::migrated().await.unwrap();
+    Client::new(db.pool.clone()).define::<Mail>().await.unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let client = Client::new(pool.clone());
+    let mut tx = pool.begin().await.unwrap(); // the pool's only connection
+    let job = client.enqueue_in(&mut tx, &Mail { to: "a".into() }).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(job.queue, "mail");
 }

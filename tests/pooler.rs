@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use common::{queue, test_config, Running, WAIT};
 use lockgate::{
-    Client, ConcurrencyPolicy, EnqueueOptions, Job, JobContext, JobError, JobFilter, JobPolicy, OnConflict, PgPool,
-    Registry, RuntimeConfig,
+    Client, ConcurrencyPolicy, Job, JobContext, JobError, JobFilter, JobPolicy, OnConflict, PgPool, Registry,
+    RuntimeConfig,
 };
 use lockgate_testkit::pgbouncer::{PgBouncer, PoolMode};
 use lockgate_testkit::{wait_for, wait_for_count, TestDb};
@@ -45,7 +45,7 @@ impl Job for Keyed {
 
 /// A migrated database, a PgBouncer in transaction mode in front of it, and a pool through it.
 async fn pooled() -> (TestDb, PgBouncer, PgPool) {
-    lockgate::sql::pooler::set_transaction_pooling(true);
+    lockgate::pooler::set_transaction_pooling(true);
     let db = TestDb::migrated().await.unwrap();
     common::install_permit_monitor(&db).await;
     let bouncer = PgBouncer::start(PoolMode::Transaction, 2).await.unwrap();
@@ -81,7 +81,7 @@ async fn producers_and_workers_run_every_job_once_through_transaction_pooling() 
             tokio::spawn(async move {
                 for i in 0..40 {
                     let job = Keyed { key: format!("k{}", (p + i) % 4) };
-                    client.enqueue(&job, &EnqueueOptions::default()).await.expect("enqueue through the pooler");
+                    client.enqueue(&job).await.expect("enqueue through the pooler");
                 }
             })
         })
@@ -135,7 +135,7 @@ async fn listen_on_a_direct_url_wakes_workers_that_go_through_the_pooler() {
     })
     .await
     .unwrap();
-    client.enqueue(&Keyed { key: "a".into() }, &EnqueueOptions::default()).await.unwrap();
+    client.enqueue(&Keyed { key: "a".into() }).await.unwrap();
     wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_pooled", 1, WAIT).await.unwrap();
     running.stop().await;
     drop(bouncer);
@@ -147,7 +147,7 @@ async fn cancel_by_query_commits_job_by_job_through_transaction_pooling() {
     let client = Client::new(pool.clone());
     client.define::<Keyed>().await.unwrap();
     for i in 0..5 {
-        client.enqueue(&Keyed { key: format!("c{i}") }, &EnqueueOptions::default()).await.unwrap();
+        client.enqueue(&Keyed { key: format!("c{i}") }).await.unwrap();
     }
     // The procedure commits per job, which no statement inside a transaction may do.
     let filter = JobFilter { queue: Some("pooled".into()), ..JobFilter::default() };

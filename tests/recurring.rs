@@ -214,7 +214,9 @@ async fn the_configuration_sync_removes_the_config_tasks_it_no_longer_lists_and_
     // A bad task fails the whole sync and changes nothing.
     let err = sync_config_recurring(&db.pool, &[RecurringTask::new("c", "* * * * *", "missing")]).await.unwrap_err();
     assert!(
-        matches!(&err, DbError::UnknownJobType(m) if m.contains("recurring task \"c\": unknown job type \"missing\""))
+        matches!(&err, DbError::UnknownJobType { job_type, message } if job_type == "missing"
+            && message.contains("recurring task \"c\": unknown job type \"missing\"")),
+        "{err:?}"
     );
     assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks").await.unwrap(), 2);
 }
@@ -279,7 +281,11 @@ async fn bad_recurring_definitions_from_rust_are_refused_with_the_problem_named(
         }
     }
     let err = client.define_recurring(&RecurringTask::new("t", "@daily", "nope")).await.unwrap_err();
-    assert!(matches!(&err, EnqueueError::Database(DbError::UnknownJobType(m)) if m.contains("\"nope\"")), "{err}");
+    assert!(
+        matches!(&err, EnqueueError::Database(DbError::UnknownJobType { job_type, message }) if job_type == "nope"
+            && message.contains("recurring task \"t\"")),
+        "{err:?}"
+    );
     let err = client.set_recurring_enabled("nope", true).await.unwrap_err();
     assert!(matches!(&err, DbError::UnknownRecurringTask(m) if m.contains("\"nope\"")), "{err}");
     assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks").await.unwrap(), 0);

@@ -114,7 +114,7 @@ async fn run_over_tls(db: &TestDb, dir: &Path) -> anyhow::Result<()> {
     lockgate::migrate(&pool).await?;
     let client = Client::new(pool.clone());
     client.define::<Hello>().await?;
-    client.enqueue(&Hello { n: 1 }, &Default::default()).await?;
+    client.enqueue(&Hello { n: 1 }).await?;
     let ran = Counter::default();
     let mut registry = Registry::new();
     let counted = ran.clone();

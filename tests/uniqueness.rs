@@ -328,7 +328,7 @@ async fn bad_uniqueness_input_is_refused_with_a_clear_error() {
 #[tokio::test]
 async fn the_rust_api_defines_uniqueness_and_reports_a_duplicate_as_a_status_or_a_matchable_error() {
     use lockgate::{
-        Client, DbError, EnqueueError, EnqueueOptions, EnqueueStatus, JobPolicy, JobTypeName, QueueName, UniqueMode,
+        Client, EnqueueError, EnqueueOptions, EnqueueStatus, JobPolicy, JobTypeName, QueueName, UniqueMode,
         UniqueOnConflict, UniquePolicy,
     };
     let db = TestDb::migrated().await.unwrap();
@@ -349,8 +349,8 @@ async fn the_rust_api_defines_uniqueness_and_reports_a_duplicate_as_a_status_or_
     let held = client.enqueue_raw("reject", &serde_json::json!({"id": 1}), &none).await.unwrap();
     let err = client.enqueue_raw("reject", &serde_json::json!({"id": 1}), &none).await.unwrap_err();
     match err {
-        EnqueueError::Database(DbError::Duplicate(message)) => {
-            assert!(message.contains(&format!("held by job {}", held.job_id)), "{message}")
+        EnqueueError::Duplicate { key, job_type, holder } => {
+            assert_eq!((key.as_str(), job_type.as_str(), holder), ("reject:[1]", "reject", held.job_id))
         }
         other => panic!("expected a duplicate error, got {other:?}"),
     }
@@ -467,7 +467,7 @@ async fn a_worker_archives_a_while_executing_duplicate_without_running_it() {
         })
         .unwrap();
     let none = lockgate::EnqueueOptions::default();
-    client.enqueue(&Reindex { id: 1 }, &none).await.unwrap();
+    client.enqueue_with(&Reindex { id: 1 }, &none).await.unwrap();
     let config = lockgate::RuntimeConfig { heartbeat_interval: Duration::from_millis(300), ..Default::default() };
     let pools = vec![lockgate::PoolConfig::new("test", vec![lockgate::QueueName::new("default").unwrap()], 4)];
     let runtime = lockgate::Runtime::new(db.new_pool(2).await.unwrap(), config, registry, pools).unwrap();
@@ -478,7 +478,7 @@ async fn a_worker_archives_a_while_executing_duplicate_without_running_it() {
     })
     .await
     .unwrap();
-    client.enqueue(&Reindex { id: 1 }, &none).await.unwrap();
+    client.enqueue_with(&Reindex { id: 1 }, &none).await.unwrap();
     wait_for_count(
         &db.pool,
         "SELECT count(*) FROM pgmq.a_default WHERE headers ? 'duplicate_of'",

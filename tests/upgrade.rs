@@ -62,7 +62,7 @@ async fn an_older_process_runs_against_a_newer_compatible_schema() {
         sqlx::query_scalar("SELECT functions_checksum FROM lockgate.schema_state").fetch_one(&db.pool).await.unwrap();
     assert_eq!(checksum, "a newer build", "and rewrote none of the newer functions");
     for n in 0..5 {
-        client.enqueue(&Ping { n }, &Default::default()).await.unwrap();
+        client.enqueue(&Ping { n }).await.unwrap();
     }
     let ran = Counter::default();
     let mut registry = Registry::new();

@@ -39,14 +39,14 @@ async fn setup() -> (TestDb, Client) {
 }
 
 async fn enqueue(client: &Client, n: u32) {
-    client.enqueue(&Work { n }, &EnqueueOptions::default()).await.unwrap();
+    client.enqueue(&Work { n }).await.unwrap();
 }
 
 #[tokio::test]
 async fn g1_enqueued_jobs_run_and_are_archived_once() {
     let (db, client) = setup().await;
     let works: Vec<Work> = (0..60).map(|n| Work { n }).collect();
-    client.enqueue_many(&works, &EnqueueOptions::default()).await.unwrap();
+    client.enqueue_many(&works).await.unwrap();
     let ran = Counter::default();
     let mut registry = Registry::new();
     let counter = ran.clone();
@@ -105,7 +105,7 @@ async fn failed_attempts_retry_in_place_and_then_succeed() {
 #[tokio::test]
 async fn last_failed_attempt_dead_letters_with_every_error_and_dlq_retry_runs_it_again() {
     let (db, client) = setup().await;
-    let job = client.enqueue(&Work { n: 1 }, &EnqueueOptions::default()).await.unwrap();
+    let job = client.enqueue(&Work { n: 1 }).await.unwrap();
     let calls = Counter::default();
     let running = Running::start(&db, test_config(), failing_registry(calls.clone(), 3), &["default"], 2).await;
     wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await.unwrap();
@@ -221,7 +221,7 @@ async fn timeout_cancels_the_attempt_and_counts_as_a_failure() {
     let db = TestDb::migrated().await.unwrap();
     let client = Client::new(db.pool.clone());
     client.define::<Slow>().await.unwrap();
-    client.enqueue(&Slow { millis: 60_000 }, &EnqueueOptions::default()).await.unwrap();
+    client.enqueue(&Slow { millis: 60_000 }).await.unwrap();
     let reasons = Arc::new(Mutex::new(Vec::new()));
     let running =
         Running::start(&db, test_config(), slow_registry(Counter::default(), Arc::clone(&reasons)), &["default"], 1)
@@ -267,7 +267,7 @@ async fn long_setup(millis: u64) -> TestDb {
     let db = TestDb::migrated().await.unwrap();
     let client = Client::new(db.pool.clone());
     client.define::<Long>().await.unwrap();
-    client.enqueue(&Long { millis }, &EnqueueOptions::default()).await.unwrap();
+    client.enqueue(&Long { millis }).await.unwrap();
     db
 }
 
@@ -365,7 +365,7 @@ async fn claims_follow_queue_order_then_priority_then_age() {
     ];
     for (q, priority, tag) in plan {
         let options = EnqueueOptions { queue: Some(queue(q)), priority: Some(priority), ..Default::default() };
-        client.enqueue(&Tagged { tag: tag.into() }, &options).await.unwrap();
+        client.enqueue_with(&Tagged { tag: tag.into() }, &options).await.unwrap();
     }
     let order = Arc::new(Mutex::new(Vec::new()));
     let seen = Arc::clone(&order);
@@ -402,7 +402,7 @@ async fn a_panicking_handler_is_a_failed_attempt_not_a_job_stuck_in_flight() {
     let db = TestDb::migrated().await.unwrap();
     let client = Client::new(db.pool.clone());
     client.define::<Panics>().await.unwrap();
-    client.enqueue(&Panics {}, &EnqueueOptions::default()).await.unwrap();
+    client.enqueue(&Panics {}).await.unwrap();
     let mut registry = Registry::new();
     registry
         .register::<Panics, _>(|_ctx: JobContext, _job: Panics| async move {
@@ -450,7 +450,7 @@ async fn queue_stats_count_ready_scheduled_running_and_dead_jobs() {
         enqueue(&client, n).await;
     }
     let later = EnqueueOptions { delay: Some(Duration::from_secs(600)), ..Default::default() };
-    client.enqueue(&Work { n: 9 }, &later).await.unwrap();
+    client.enqueue_with(&Work { n: 9 }, &later).await.unwrap();
     let claims = claim(&db.pool, &queue("default"), 3, Duration::from_secs(30)).await.unwrap();
     lockgate::sql::retry(&db.pool, &claims[0], Duration::from_secs(600), "boom", 1).await.unwrap();
     lockgate::sql::dead_letter(&db.pool, &claims[1], lockgate::sql::DeadLetterReason::AttemptsExhausted, "x", 3)
@@ -550,7 +550,7 @@ async fn a_runtime_starts_and_stops_twenty_times_leaving_nothing_behind() {
 #[tokio::test]
 async fn g7_shutdown_returns_jobs_claimed_ahead_at_once_and_running_ones_after_the_timeout() {
     let db = long_setup(60_000).await;
-    Client::new(db.pool.clone()).enqueue(&Long { millis: 60_000 }, &EnqueueOptions::default()).await.unwrap();
+    Client::new(db.pool.clone()).enqueue(&Long { millis: 60_000 }).await.unwrap();
     let starts = Counter::default();
     let reasons = Arc::new(Mutex::new(Vec::new()));
     // One handler slot: the second job is claimed ahead and waits in memory.

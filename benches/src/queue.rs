@@ -7,7 +7,7 @@
 //! rows from an identical table.
 
 use anyhow::Result;
-use lockgate::{Client, ConcurrencyPolicy, EnqueueOptions, Job, JobPolicy, QueueName};
+use lockgate::{Client, ConcurrencyPolicy, Job, JobPolicy, QueueName};
 use serde::{Deserialize, Serialize};
 
 use crate::bench_db::BenchDb;
@@ -80,10 +80,10 @@ pub async fn fill_limited(
     while next < n {
         let chunk = (n - next).min(FILL_CHUNK as u64);
         if keys == 0 {
-            client.enqueue_many(&vec![Hot {}; chunk as usize], &EnqueueOptions::default()).await?;
+            client.enqueue_many(&vec![Hot {}; chunk as usize]).await?;
         } else {
             let jobs: Vec<Keyed> = (next..next + chunk).map(|i| Keyed { k: i % keys }).collect();
-            client.enqueue_many(&jobs, &EnqueueOptions::default()).await?;
+            client.enqueue_many(&jobs).await?;
         }
         next += chunk;
         bar.inc(chunk);
@@ -110,7 +110,7 @@ pub async fn fill(db: &BenchDb, client: &Client, n: u64, progress: &Progress, la
     let mut left = n as usize;
     while left > 0 {
         let chunk = left.min(FILL_CHUNK);
-        client.enqueue_many(&vec![Noop {}; chunk], &EnqueueOptions::default()).await?;
+        client.enqueue_many(&vec![Noop {}; chunk]).await?;
         left -= chunk;
         bar.inc(chunk as u64);
     }

@@ -109,7 +109,7 @@ enum Handle {
     /// `Client::enqueue` / `enqueue_many` (the client keeps a connection of its own).
     Client(Client),
     /// `Client::enqueue_in` on a held connection.
-    Held(PoolConnection<Postgres>),
+    Held(Client, PoolConnection<Postgres>),
     /// `pgmq.send` / `send_batch` on a held connection.
     Raw(PoolConnection<Postgres>),
 }
@@ -127,7 +127,7 @@ impl Lane {
         let pool = db.pool_warm(1, 1).await?;
         let handle = match producer {
             Producer::Client => Handle::Client(Client::new(pool.clone())),
-            Producer::HeldConnection => Handle::Held(pool.acquire().await?),
+            Producer::HeldConnection => Handle::Held(Client::new(pool.clone()), pool.acquire().await?),
             Producer::Raw => Handle::Raw(pool.acquire().await?),
         };
         Ok(Self { pool, handle, elapsed: Duration::ZERO, cpu_seconds: Some(0.0) })
@@ -140,9 +140,9 @@ impl Lane {
         let cpu0 = cpu_seconds();
         let started = Instant::now();
         match &mut self.handle {
-            Handle::Client(client) if batch == 1 => drop(client.enqueue(&noops[0], &options).await?),
-            Handle::Client(client) => drop(client.enqueue_many(&noops[..n], &options).await?),
-            Handle::Held(conn) => drop(Client::enqueue_in(conn, &noops[0], &options).await?),
+            Handle::Client(client) if batch == 1 => drop(client.enqueue_with(&noops[0], &options).await?),
+            Handle::Client(client) => drop(client.enqueue_many_with(&noops[..n], &options).await?),
+            Handle::Held(client, conn) => drop(client.enqueue_in_with(conn, &noops[0], &options).await?),
             Handle::Raw(conn) if batch == 1 => raw_send(conn, &raw[0]).await?,
             Handle::Raw(conn) => raw_send_batch(conn, &raw[..n]).await?,
         }

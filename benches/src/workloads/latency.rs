@@ -8,10 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use lockgate::{
-    Client, EnqueueOptions, Job, JobContext, JobError, JobPolicy, PoolConfig, QueueName, Registry, Runtime,
-    RuntimeConfig,
-};
+use lockgate::{Client, Job, JobContext, JobError, JobPolicy, PoolConfig, QueueName, Registry, Runtime, RuntimeConfig};
 use serde::{Deserialize, Serialize};
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
@@ -148,7 +145,7 @@ async fn produce(
     let send = |client: &Client| {
         let job = Ping { sent_us: base.elapsed().as_micros() as u64 };
         let client = client.clone();
-        async move { client.enqueue(&job, &EnqueueOptions::default()).await }
+        async move { client.enqueue(&job).await }
     };
     for _ in 0..WARMUP_JOBS {
         send(&client).await?;

@@ -111,6 +111,22 @@ impl ConcurrencyPolicy {
         Self { limit, key: Vec::new(), duration: DEFAULT_CONCURRENCY_DURATION, on_conflict: OnConflict::Block }
     }
 
+    /// The argument paths whose values make the key (default: one key for the job type).
+    pub fn key<S: Into<String>>(mut self, paths: impl IntoIterator<Item = S>) -> Self {
+        self.key = paths.into_iter().map(Into::into).collect();
+        self
+    }
+
+    pub fn duration(mut self, duration: Duration) -> Self {
+        self.duration = duration;
+        self
+    }
+
+    pub fn on_conflict(mut self, on_conflict: OnConflict) -> Self {
+        self.on_conflict = on_conflict;
+        self
+    }
+
     pub fn validate(&self) -> Result<(), ValidationError> {
         if self.limit < 1 || i32::try_from(self.limit).is_err() {
             return Err(ValidationError::new("concurrency.limit", self.limit, "an integer of at least 1"));
@@ -193,6 +209,17 @@ impl UniquePolicy {
         Self { mode, key: Vec::new(), on_conflict: UniqueOnConflict::Reject }
     }
 
+    /// The argument paths whose values make the key (default: one key for the job type).
+    pub fn key<S: Into<String>>(mut self, paths: impl IntoIterator<Item = S>) -> Self {
+        self.key = paths.into_iter().map(Into::into).collect();
+        self
+    }
+
+    pub fn on_conflict(mut self, on_conflict: UniqueOnConflict) -> Self {
+        self.on_conflict = on_conflict;
+        self
+    }
+
     pub fn validate(&self) -> Result<(), ValidationError> {
         validate_key_paths("unique.key", &self.key)
     }
@@ -237,6 +264,12 @@ impl JobPolicy {
         }
     }
 
+    /// A policy built from lockgate's defaults on the queue `default`; see [`JobPolicyBuilder`].
+    pub fn builder() -> JobPolicyBuilder {
+        let queue = QueueName::new("default").expect("\"default\" is a valid queue name");
+        JobPolicyBuilder { queue: queue.as_str().to_string(), policy: Self::on_queue(queue) }
+    }
+
     pub fn validate(&self) -> Result<(), ValidationError> {
         validate_priority(self.priority)?;
         if self.max_attempts < 1 {
@@ -252,6 +285,78 @@ impl JobPolicy {
             unique.validate()?;
         }
         self.backoff.validate()
+    }
+}
+
+/// Builds a [`JobPolicy`] from lockgate's defaults, checking it as [`JobPolicy::validate`] does
+/// (and the queue's name as [`QueueName::new`] does) when built:
+///
+/// ```
+/// use std::time::Duration;
+/// use lockgate_core::{ConcurrencyPolicy, JobPolicy};
+///
+/// let policy = JobPolicy::builder()
+///     .queue("mail")
+///     .max_attempts(5)
+///     .timeout(Duration::from_secs(60))
+///     .concurrency(ConcurrencyPolicy::new(2).key(["account_id"]))
+///     .build()
+///     .expect("a valid policy");
+/// assert_eq!(policy.queue.as_str(), "mail");
+/// assert!(JobPolicy::builder().max_attempts(0).build().is_err());
+/// ```
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until built"]
+pub struct JobPolicyBuilder {
+    queue: String,
+    policy: JobPolicy,
+}
+
+impl JobPolicyBuilder {
+    /// The queue jobs of this type go to (default `default`).
+    pub fn queue(mut self, queue: impl Into<String>) -> Self {
+        self.queue = queue.into();
+        self
+    }
+
+    /// 0 runs first, `MAX_PRIORITY` last (default 0).
+    pub fn priority(mut self, priority: i16) -> Self {
+        self.policy.priority = priority;
+        self
+    }
+
+    /// Attempts before the job is dead-lettered, counting the first (default 20).
+    pub fn max_attempts(mut self, max_attempts: u32) -> Self {
+        self.policy.max_attempts = max_attempts;
+        self
+    }
+
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.policy.backoff = backoff;
+        self
+    }
+
+    /// How long one attempt may run before it is cancelled and counted as failed (default none).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.policy.timeout = Some(timeout);
+        self
+    }
+
+    pub fn concurrency(mut self, concurrency: ConcurrencyPolicy) -> Self {
+        self.policy.concurrency = Some(concurrency);
+        self
+    }
+
+    pub fn unique(mut self, unique: UniquePolicy) -> Self {
+        self.policy.unique = Some(unique);
+        self
+    }
+
+    /// The policy, or the first field that does not validate.
+    pub fn build(self) -> Result<JobPolicy, ValidationError> {
+        let policy = JobPolicy { queue: QueueName::new(self.queue)?, ..self.policy };
+        policy.validate()?;
+        Ok(policy)
     }
 }
 
@@ -302,5 +407,45 @@ mod tests {
         c.key = vec!["account..id".into()];
         p.concurrency = Some(c);
         assert_eq!(p.validate().unwrap_err().field, "concurrency.key");
+    }
+
+    #[test]
+    fn the_builder_validates_as_the_fields_do() {
+        let built = JobPolicy::builder()
+            .queue("mail")
+            .priority(3)
+            .max_attempts(5)
+            .timeout(Duration::from_secs(60))
+            .concurrency(ConcurrencyPolicy::new(2).key(["account.id"]).on_conflict(OnConflict::Raise))
+            .unique(UniquePolicy::new(UniqueMode::UntilExecuted).key(["order"]))
+            .build()
+            .unwrap();
+        let mut expected = JobPolicy::on_queue(QueueName::new("mail").unwrap());
+        expected.priority = 3;
+        expected.max_attempts = 5;
+        expected.timeout = Some(Duration::from_secs(60));
+        expected.concurrency = Some(ConcurrencyPolicy {
+            limit: 2,
+            key: vec!["account.id".into()],
+            duration: DEFAULT_CONCURRENCY_DURATION,
+            on_conflict: OnConflict::Raise,
+        });
+        expected.unique = Some(UniquePolicy {
+            mode: UniqueMode::UntilExecuted,
+            key: vec!["order".into()],
+            on_conflict: UniqueOnConflict::Reject,
+        });
+        assert_eq!(built, expected);
+        assert_eq!(JobPolicy::builder().build().unwrap().queue.as_str(), "default");
+        let field = |b: JobPolicyBuilder| b.build().unwrap_err().field;
+        assert_eq!(field(JobPolicy::builder().queue("Bad Name")), "queue");
+        assert_eq!(field(JobPolicy::builder().max_attempts(0)), "max_attempts");
+        assert_eq!(field(JobPolicy::builder().priority(10)), "priority");
+        assert_eq!(field(JobPolicy::builder().timeout(Duration::ZERO)), "timeout");
+        assert_eq!(field(JobPolicy::builder().concurrency(ConcurrencyPolicy::new(0))), "concurrency.limit");
+        assert_eq!(
+            field(JobPolicy::builder().unique(UniquePolicy::new(UniqueMode::UntilExecuted).key([""]))),
+            "unique.key"
+        );
     }
 }

@@ -1,15 +1,22 @@
 //! The producer side: enqueue typed or raw jobs, alone, in batches, or inside the caller's
-//! transaction (G8), and define job types. Every method is one round trip.
+//! transaction (G8), and define job types. Every method is one round trip, but for the first
+//! typed enqueue of a type by a client, which first defines the type if it is missing.
+//!
+//! A typed enqueue defines its job type on first use: if `lockgate.job_types` has no row for
+//! it, `J::policy()` is stored; a stored policy (a worker's, an operator's `lockgate.toml`) is
+//! never replaced by one (only [`Client::define`] replaces). The client remembers, for itself
+//! and its clones, which types it has seen defined, so this costs one transaction per type.
 //!
 //! Enqueues that run in their own transaction (`enqueue`, `enqueue_raw`, `enqueue_many`,
-//! `enqueue_many_raw`) go through the client's *lane*: one connection taken out of the pool on
-//! first use and kept by the client (shared by its clones). sqlx's pool tests every connection
+//! `enqueue_many_raw` and the `_with` forms) go through the client's *lane*: one connection
+//! taken out of the pool on first use and kept by the client (shared by its clones). sqlx's pool tests every connection
 //! it takes back with a round trip (`ping` on release, whatever `test_before_acquire` says) and
 //! hands it back through a spawned task, which costs a producer in a loop about as much as its
 //! statement. When the lane is busy (another task of the same client is enqueueing), a call goes
 //! through the pool as before.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, Instant};
 
 use lockgate_core::{
@@ -37,6 +44,9 @@ pub struct Client {
     lane: Arc<Mutex<Lane>>,
     /// Where its enqueues are counted (`lockgate_jobs_enqueued_total`), when given.
     metrics: Option<Arc<Metrics>>,
+    /// The typed job types known to be in `lockgate.job_types` (defined by this client or
+    /// found there), shared by clones. Only a successful definition is remembered.
+    defined: Arc<StdMutex<HashSet<&'static str>>>,
 }
 
 /// The client's own connection, detached from the pool, and when it was last used.
@@ -57,7 +67,7 @@ struct LaneUse<'a> {
 impl Client {
     /// Uses `pool`; the schema must be migrated (see [`Client::check_schema`]).
     pub fn new(pool: PgPool) -> Self {
-        Self { pool, lane: Arc::default(), metrics: None }
+        Self { pool, lane: Arc::default(), metrics: None, defined: Arc::default() }
     }
 
     /// Counts the jobs this client enqueues (or parks) in `metrics`, by queue and job type:
@@ -87,9 +97,44 @@ impl Client {
         lockgate_sql::check_schema(&self.pool).await.map(|_| ())
     }
 
-    /// Stores `J`'s policy (creating its queue if missing), so SQL producers apply it too.
+    /// Stores `J`'s policy (creating its queue if missing), replacing a stored one, so SQL
+    /// producers apply it too. Typed enqueues do not need it: they define a missing type
+    /// themselves (without replacing a stored policy).
     pub async fn define<J: Job>(&self) -> Result<(), EnqueueError> {
-        self.define_job_type(&JobTypeName::new(J::TYPE)?, &J::policy()).await
+        self.define_job_type(&JobTypeName::new(J::TYPE)?, &J::policy()).await?;
+        self.defined_set().insert(J::TYPE);
+        Ok(())
+    }
+
+    /// Makes sure `J`'s type is stored, storing `J::policy()` if it is missing: once per type
+    /// for this client and its clones. A failure is returned and not remembered.
+    async fn define_on_first_use<J: Job>(&self) -> Result<(), EnqueueError> {
+        if self.defined_set().contains(J::TYPE) {
+            return Ok(());
+        }
+        let name = JobTypeName::new(J::TYPE)?;
+        let policy = J::policy();
+        policy.validate()?;
+        if lockgate_sql::define_job_type_if_missing(&self.pool, &name, &policy).await? {
+            tracing::info!(job_type = J::TYPE, queue = %policy.queue, "defined a job type on its first enqueue");
+        }
+        self.defined_set().insert(J::TYPE);
+        Ok(())
+    }
+
+    /// Forgets `J`'s type when the database says it is unknown (deleted since it was seen), so
+    /// the next enqueue defines it again.
+    fn forget_if_unknown<J: Job, T>(&self, result: Result<T, EnqueueError>) -> Result<T, EnqueueError> {
+        if let Err(EnqueueError::UnknownJobType { job_type }) = &result {
+            if job_type == J::TYPE {
+                self.defined_set().remove(J::TYPE);
+            }
+        }
+        result
+    }
+
+    fn defined_set(&self) -> std::sync::MutexGuard<'_, HashSet<&'static str>> {
+        self.defined.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub async fn define_job_type(&self, name: &JobTypeName, policy: &JobPolicy) -> Result<(), EnqueueError> {
@@ -103,7 +148,8 @@ impl Client {
         if let Some(p) = callbacks.properties.as_ref().filter(|p| !p.is_object()) {
             return Err(ValidationError::new("properties", p, "a JSON object").into());
         }
-        Ok(lockgate_sql::create_batch(&self.pool, callbacks).await?)
+        // A callback's unknown type stays the database's error, which says which callback.
+        lockgate_sql::create_batch(&self.pool, callbacks).await.map_err(EnqueueError::Database)
     }
 
     /// Closes a batch: no job can be added any more, and it finishes (enqueueing its callbacks)
@@ -158,10 +204,11 @@ impl Client {
 
     /// Stores (or replaces) a recurring task: from then on, every `lockgate run` enqueues one job
     /// per tick of its schedule. The cron expression, time zone and arguments are checked here,
-    /// the job type and queue by the database (`DbError::UnknownJobType`, `UnknownQueue`).
+    /// the job type and queue by the database (`EnqueueError::Database` with
+    /// `DbError::UnknownJobType` or `UnknownQueue`, whose message names the task).
     pub async fn define_recurring(&self, task: &RecurringTask) -> Result<(), EnqueueError> {
         task.validate()?;
-        Ok(lockgate_sql::define_recurring(&self.pool, task, RecurringSource::Sql).await?)
+        lockgate_sql::define_recurring(&self.pool, task, RecurringSource::Sql).await.map_err(EnqueueError::Database)
     }
 
     /// Enables or disables a recurring task; an unknown name is `DbError::UnknownRecurringTask`.
@@ -180,34 +227,72 @@ impl Client {
         lockgate_sql::list_recurring(&self.pool).await
     }
 
-    /// Enqueues one typed job in its own transaction.
-    pub async fn enqueue<J: Job>(&self, job: &J, options: &EnqueueOptions) -> Result<EnqueuedJob, EnqueueError> {
+    /// Enqueues one typed job in its own transaction, with its type's policy (its queue,
+    /// priority, ...), defining the type on first use.
+    pub async fn enqueue<J: Job>(&self, job: &J) -> Result<EnqueuedJob, EnqueueError> {
+        self.enqueue_with(job, &EnqueueOptions::default()).await
+    }
+
+    /// [`Client::enqueue`] with options: a delay or run time, another priority or queue, an
+    /// explicit key, a batch.
+    pub async fn enqueue_with<J: Job>(&self, job: &J, options: &EnqueueOptions) -> Result<EnqueuedJob, EnqueueError> {
         let args = to_args(J::TYPE, job)?;
-        self.enqueue_one(J::TYPE, &args, &options.to_json()?).await
+        let options = options.to_json()?;
+        self.define_on_first_use::<J>().await?;
+        let result = self.enqueue_one(J::TYPE, &args, &options).await;
+        self.forget_if_unknown::<J, _>(result)
     }
 
     /// Enqueues one typed job inside the caller's transaction: it exists if and only if that
-    /// transaction commits (G8). Pass `&mut *tx` for a `sqlx::Transaction`.
-    pub async fn enqueue_in<J: Job>(
+    /// transaction commits (G8). Pass `&mut tx` for a `sqlx::Transaction`. The first use of a
+    /// type looks it up on `conn`; a missing type is defined on the client's pool, outside that
+    /// transaction (a definition is no business of the caller's rollback), which then needs a
+    /// connection of its own.
+    pub async fn enqueue_in<J: Job>(&self, conn: &mut PgConnection, job: &J) -> Result<EnqueuedJob, EnqueueError> {
+        self.enqueue_in_with(conn, job, &EnqueueOptions::default()).await
+    }
+
+    /// [`Client::enqueue_in`] with options.
+    pub async fn enqueue_in_with<J: Job>(
+        &self,
         conn: &mut PgConnection,
         job: &J,
         options: &EnqueueOptions,
     ) -> Result<EnqueuedJob, EnqueueError> {
         let args = to_args(J::TYPE, job)?;
-        Ok(lockgate_sql::enqueue(conn, J::TYPE, &args, &options.to_json()?).await?)
+        let options = options.to_json()?;
+        // Found on the caller's connection, a stored type needs no second one (the caller may
+        // hold the pool's only connection).
+        if !self.defined_set().contains(J::TYPE)
+            && lockgate_sql::job_type_exists(&mut *conn, &JobTypeName::new(J::TYPE)?).await?
+        {
+            self.defined_set().insert(J::TYPE);
+        }
+        self.define_on_first_use::<J>().await?;
+        let result = lockgate_sql::enqueue(conn, J::TYPE, &args, &options).await.map_err(EnqueueError::from);
+        self.forget_if_unknown::<J, _>(result)
     }
 
     /// Enqueues many jobs of one type in one statement; results are in input order.
-    pub async fn enqueue_many<J: Job>(
+    pub async fn enqueue_many<J: Job>(&self, jobs: &[J]) -> Result<Vec<EnqueuedJob>, EnqueueError> {
+        self.enqueue_many_with(jobs, &EnqueueOptions::default()).await
+    }
+
+    /// [`Client::enqueue_many`] with options, the same for every job.
+    pub async fn enqueue_many_with<J: Job>(
         &self,
         jobs: &[J],
         options: &EnqueueOptions,
     ) -> Result<Vec<EnqueuedJob>, EnqueueError> {
         let args = jobs.iter().map(|j| to_args(J::TYPE, j)).collect::<Result<Vec<_>, _>>()?;
-        self.enqueue_batch(J::TYPE, &args, &options.to_json()?).await
+        let options = options.to_json()?;
+        self.define_on_first_use::<J>().await?;
+        let result = self.enqueue_batch(J::TYPE, &args, &options).await;
+        self.forget_if_unknown::<J, _>(result)
     }
 
-    /// Enqueues many jobs of one type by name with JSON arguments, in one statement.
+    /// Enqueues many jobs of one type by name with JSON arguments, in one statement. The type
+    /// must be defined (there is no policy to define it with): `EnqueueError::UnknownJobType`.
     pub async fn enqueue_many_raw(
         &self,
         job_type: &str,
@@ -220,7 +305,8 @@ impl Client {
         self.enqueue_batch(job_type, args, &options.to_json()?).await
     }
 
-    /// Enqueues a job by type name with JSON arguments (the CLI's path).
+    /// Enqueues a job by type name with JSON arguments (the CLI's path). The type must be
+    /// defined: `EnqueueError::UnknownJobType`.
     pub async fn enqueue_raw(
         &self,
         job_type: &str,

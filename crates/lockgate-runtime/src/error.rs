@@ -1,9 +1,13 @@
 //! Errors of the runtime's two boundaries: enqueueing (what producers match on) and running.
 
-use lockgate_core::ValidationError;
+use lockgate_core::{JobId, ValidationError};
 use lockgate_sql::DbError;
 
 /// Why an enqueue was refused. Nothing is enqueued when any of these is returned.
+///
+/// The refusals a producer handles carry their data: the unknown type, the full key, the held
+/// unique key and its holder. Everything else the database says is [`EnqueueError::Database`],
+/// whose driver error, when there is one, is its source.
 #[derive(Debug, thiserror::Error)]
 pub enum EnqueueError {
     #[error(transparent)]
@@ -12,8 +16,29 @@ pub enum EnqueueError {
     Serialize(#[from] serde_json::Error),
     #[error("job arguments of {job_type} must serialize to a JSON object")]
     NotAnObject { job_type: String },
+    /// The job type is not in `lockgate.job_types` (a typed enqueue defines its type on first
+    /// use, so this is a raw enqueue's, or a type deleted since).
+    #[error("unknown job type \"{job_type}\"")]
+    UnknownJobType { job_type: String },
+    /// The job's concurrency key has no free permit and its type raises on conflict.
+    #[error("concurrency limit reached for key \"{key}\"")]
+    LimitReached { key: String },
+    /// The job's unique key is held by job `holder` and its type rejects duplicates.
+    #[error("unique key \"{key}\" of job type \"{job_type}\" is held by job {holder}")]
+    Duplicate { key: String, job_type: String, holder: JobId },
     #[error(transparent)]
-    Database(#[from] DbError),
+    Database(DbError),
+}
+
+impl From<DbError> for EnqueueError {
+    fn from(err: DbError) -> Self {
+        match err {
+            DbError::UnknownJobType { job_type, .. } => Self::UnknownJobType { job_type },
+            DbError::LimitReached { key, .. } => Self::LimitReached { key },
+            DbError::Duplicate { key, job_type, holder, .. } => Self::Duplicate { key, job_type, holder },
+            other => Self::Database(other),
+        }
+    }
 }
 
 impl EnqueueError {

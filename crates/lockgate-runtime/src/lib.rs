@@ -9,6 +9,7 @@
 //! `supervisor` for the lifecycle.
 
 mod budgets;
+mod builder;
 mod client;
 pub mod config;
 mod error;
@@ -24,9 +25,11 @@ mod policies;
 pub mod process_registry;
 pub mod scheduler;
 mod supervisor;
+pub mod testing;
 mod ticker;
 pub mod worker;
 
+pub use builder::RuntimeBuilder;
 pub use client::Client;
 pub use config::{PoolConfig, RuntimeConfig};
 pub use error::{EnqueueError, RuntimeError};

@@ -4,21 +4,25 @@
 //! unknown recurring task); they are mapped to variants here so callers match on meaning, never
 //! on sqlx internals.
 
+use lockgate_core::JobId;
+
 /// An error from the database, classified.
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
     #[error("{0}")]
     UnknownQueue(String),
-    #[error("{0}")]
-    UnknownJobType(String),
+    /// A job type that is not in `lockgate.job_types` (`LG002`): the enqueued job's, a recurring
+    /// task's or a batch callback's, as `message` (the server's) says.
+    #[error("{message}")]
+    UnknownJobType { job_type: String, message: String },
     #[error("{0}")]
     InvalidArgument(String),
     /// A full concurrency key whose job type raises on conflict (`LG004`).
-    #[error("{0}")]
-    LimitReached(String),
-    /// A unique key held by another job whose type rejects duplicates (`LG005`).
-    #[error("{0}")]
-    Duplicate(String),
+    #[error("{message}")]
+    LimitReached { key: String, message: String },
+    /// A unique key held by job `holder` whose type rejects duplicates (`LG005`).
+    #[error("{message}")]
+    Duplicate { key: String, job_type: String, holder: JobId, message: String },
     /// A recurring task that is not in `lockgate.recurring_tasks` (`LG006`).
     #[error("{0}")]
     UnknownRecurringTask(String),
@@ -57,15 +61,24 @@ impl From<sqlx::Error> for DbError {
             },
             None => db.message().to_string(),
         };
-        match db.code().as_deref() {
-            Some("LG001") => Self::UnknownQueue(message),
-            Some("LG002") => Self::UnknownJobType(message),
-            Some("LG003") => Self::InvalidArgument(message),
-            Some("LG004") => Self::LimitReached(message),
-            Some("LG005") => Self::Duplicate(message),
-            Some("LG006") => Self::UnknownRecurringTask(message),
-            _ => Self::Sqlx(err),
-        }
+        // The data of LG002, LG004 and LG005 is read back from their messages, whose wording is
+        // pinned by sql/ (and by the tests of each error); a message that no longer parses is
+        // reported as the database's error rather than with made-up data.
+        let text = db.message();
+        let parsed = match db.code().as_deref() {
+            Some("LG001") => Some(Self::UnknownQueue(message)),
+            Some("LG002") => quoted_after(text, "unknown job type \"")
+                .map(|job_type| Self::UnknownJobType { job_type: job_type.to_string(), message }),
+            Some("LG003") => Some(Self::InvalidArgument(message)),
+            Some("LG004") => text
+                .split_once(" reached for key \"")
+                .and_then(|(_, rest)| rest.strip_suffix('"'))
+                .map(|key| Self::LimitReached { key: key.to_string(), message }),
+            Some("LG005") => duplicate(text, message),
+            Some("LG006") => Some(Self::UnknownRecurringTask(message)),
+            _ => None,
+        };
+        parsed.unwrap_or(Self::Sqlx(err))
     }
 }
 
@@ -76,6 +89,22 @@ impl From<pgmq::PgmqError> for DbError {
             other => Self::PgmqInstall(other.to_string()),
         }
     }
+}
+
+/// The text between `prefix` and the next `"` (job type names hold no quotes).
+fn quoted_after<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
+    let (_, rest) = text.split_once(prefix)?;
+    rest.split_once('"').map(|(quoted, _)| quoted)
+}
+
+/// `lockgate: unique key "<key>" of job type "<type>" is held by job <id>`; the key comes from
+/// the arguments and may hold anything, so it is cut from the right.
+fn duplicate(text: &str, message: String) -> Option<DbError> {
+    let (head, holder) = text.rsplit_once("\" is held by job ")?;
+    let (head, job_type) = head.rsplit_once("\" of job type \"")?;
+    let (_, key) = head.split_once("unique key \"")?;
+    let holder = JobId(holder.trim().parse().ok()?);
+    Some(DbError::Duplicate { key: key.to_string(), job_type: job_type.to_string(), holder, message })
 }
 
 impl DbError {

@@ -8,38 +8,75 @@ use lockgate_core::{
 };
 use sqlx::Row;
 
-use crate::pooler::{query, Db, Scope};
+use crate::pooler::{query, query_scalar, Db, Scope};
 
 use crate::DbError;
 
 /// Stores (or replaces) a job type's policy, creating its queue if missing.
 pub async fn define_job_type<'c>(db: impl Into<Db<'c>>, name: &JobTypeName, policy: &JobPolicy) -> Result<(), DbError> {
     let mut scope = Scope::open(db.into()).await?;
-    let out: Result<(), DbError> = async {
-        let concurrency = policy.concurrency.as_ref();
-        let unique = policy.unique.as_ref();
-        query("SELECT lockgate.define_job_type($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)")
-            .bind(name.as_str())
-            .bind(policy.queue.as_str())
-            .bind(i32::from(policy.priority))
-            .bind(i32::try_from(policy.max_attempts).unwrap_or(i32::MAX))
-            .bind(millis(policy.backoff.base))
-            .bind(millis(policy.backoff.max))
-            .bind(policy.backoff.jitter)
-            .bind(policy.timeout.map(millis))
-            .bind(concurrency.map(|c| i32::try_from(c.limit).unwrap_or(i32::MAX)))
-            .bind(concurrency.map(|c| c.key.clone()).filter(|k| !k.is_empty()))
-            .bind(millis(concurrency.map_or(lockgate_core::DEFAULT_CONCURRENCY_DURATION, |c| c.duration)))
-            .bind(concurrency.map_or(OnConflict::Block, |c| c.on_conflict).as_str())
-            .bind(unique.map(|u| u.mode.as_str()))
-            .bind(unique.map(|u| u.key.clone()).filter(|k| !k.is_empty()))
-            .bind(unique.map_or(UniqueOnConflict::Reject, |u| u.on_conflict).as_str())
-            .execute(scope.conn())
-            .await?;
-        Ok(())
-    }
-    .await;
+    let out = define_query(name, policy).execute(scope.conn()).await.map(drop).map_err(DbError::from);
     scope.finish(out).await
+}
+
+/// Stores a job type's policy only if the type is missing (creating its queue if missing too),
+/// and says whether it did: a type already stored keeps its policy. A stored type is found with
+/// one read (which needs no more privilege than an enqueue); a missing one is looked up again
+/// and defined with the table locked against other definitions, so a definition committed
+/// meanwhile is seen, never overwritten.
+pub async fn define_job_type_if_missing(
+    pool: &sqlx::PgPool,
+    name: &JobTypeName,
+    policy: &JobPolicy,
+) -> Result<bool, DbError> {
+    if job_type_exists(pool, name).await? {
+        return Ok(false);
+    }
+    let mut tx = pool.begin().await?;
+    // Conflicts with itself and with the ROW EXCLUSIVE lock of any INSERT or UPDATE (so with
+    // every define_job_type in progress), not with the reads of enqueues and claims.
+    query("LOCK TABLE lockgate.job_types IN SHARE ROW EXCLUSIVE MODE").execute(&mut *tx).await?;
+    let exists = job_type_exists(&mut *tx, name).await?;
+    if !exists {
+        define_query(name, policy).execute(&mut *tx).await?;
+    }
+    tx.commit().await?;
+    Ok(!exists)
+}
+
+/// Whether `lockgate.job_types` has a row for `name` (as `db` sees it).
+pub async fn job_type_exists<'c>(db: impl Into<Db<'c>>, name: &JobTypeName) -> Result<bool, DbError> {
+    let mut scope = Scope::open(db.into()).await?;
+    let out = query_scalar("SELECT EXISTS (SELECT 1 FROM lockgate.job_types WHERE name = $1)")
+        .bind(name.as_str())
+        .fetch_one(scope.conn())
+        .await
+        .map_err(DbError::from);
+    scope.finish(out).await
+}
+
+fn define_query<'q>(
+    name: &'q JobTypeName,
+    policy: &'q JobPolicy,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    let concurrency = policy.concurrency.as_ref();
+    let unique = policy.unique.as_ref();
+    query("SELECT lockgate.define_job_type($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)")
+        .bind(name.as_str())
+        .bind(policy.queue.as_str())
+        .bind(i32::from(policy.priority))
+        .bind(i32::try_from(policy.max_attempts).unwrap_or(i32::MAX))
+        .bind(millis(policy.backoff.base))
+        .bind(millis(policy.backoff.max))
+        .bind(policy.backoff.jitter)
+        .bind(policy.timeout.map(millis))
+        .bind(concurrency.map(|c| i32::try_from(c.limit).unwrap_or(i32::MAX)))
+        .bind(concurrency.map(|c| c.key.clone()).filter(|k| !k.is_empty()))
+        .bind(millis(concurrency.map_or(lockgate_core::DEFAULT_CONCURRENCY_DURATION, |c| c.duration)))
+        .bind(concurrency.map_or(OnConflict::Block, |c| c.on_conflict).as_str())
+        .bind(unique.map(|u| u.mode.as_str()))
+        .bind(unique.map(|u| u.key.clone()).filter(|k| !k.is_empty()))
+        .bind(unique.map_or(UniqueOnConflict::Reject, |u| u.on_conflict).as_str())
 }
 
 /// Every stored job type and its policy. Rows that no longer validate (edited by hand into

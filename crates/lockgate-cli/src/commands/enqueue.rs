@@ -3,7 +3,7 @@
 use std::io::Read;
 
 use anyhow::{bail, Context, Result};
-use lockgate::{BatchId, Client, DbError, EnqueueError, EnqueueOptions, EnqueueStatus, QueueName, MAX_PAYLOAD_BYTES};
+use lockgate::{BatchId, Client, EnqueueError, EnqueueOptions, EnqueueStatus, QueueName, MAX_PAYLOAD_BYTES};
 
 use crate::db;
 
@@ -63,10 +63,9 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     lockgate::JobTypeName::new(args.job_type.as_str())?;
     let pool = db::connect_checked(target, 1).await?;
     let job = match Client::new(pool).enqueue_raw(&args.job_type, &value, &options).await {
-        Err(EnqueueError::Database(DbError::UnknownJobType(message))) => bail!(
-            "{message}: define it first, with `lockgate define --config lockgate.toml` (from its \
-             [job_types.{job_type}] table) or in SQL with `SELECT lockgate.define_job_type('{job_type}')`",
-            job_type = args.job_type
+        Err(EnqueueError::UnknownJobType { job_type }) => bail!(
+            "unknown job type \"{job_type}\": define it first, with `lockgate define --config lockgate.toml` \
+             (from its [job_types.{job_type}] table) or in SQL with `SELECT lockgate.define_job_type('{job_type}')`"
         ),
         result => result?,
     };
