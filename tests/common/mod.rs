@@ -110,34 +110,61 @@ pub async fn install_permit_monitor(db: &TestDb) {
     .expect("monitor installed");
 }
 
-/// Records a handler's start in `runs`; returns the row's start so the end can be recorded.
+/// Records a handler's start in `runs`, stamped when called: under load the insert may wait for a
+/// connection, and a start recorded late would shorten the run and hide an overlap.
 pub async fn run_started(pool: &PgPool, job_id: i64, key: &str, worker: i32) {
-    sqlx::query("INSERT INTO runs (job_id, key, worker) VALUES ($1, $2, $3)")
-        .bind(job_id)
-        .bind(key)
-        .bind(worker)
-        .execute(pool)
-        .await
-        .expect("run start recorded");
+    let at = chrono::Utc::now();
+    record_run(pool, || {
+        sqlx::query("INSERT INTO runs (job_id, key, worker, started_at) VALUES ($1, $2, $3, $4)")
+            .bind(job_id)
+            .bind(key)
+            .bind(worker)
+            .bind(at)
+    })
+    .await;
 }
 
+/// Records a handler's end, stamped when called (a late record would lengthen the run).
 pub async fn run_ended(pool: &PgPool, job_id: i64, worker: i32) {
-    sqlx::query("UPDATE runs SET ended_at = clock_timestamp() WHERE job_id = $1 AND worker = $2 AND ended_at IS NULL")
-        .bind(job_id)
-        .bind(worker)
-        .execute(pool)
-        .await
-        .expect("run end recorded");
+    let at = chrono::Utc::now();
+    record_run(pool, || {
+        sqlx::query("UPDATE runs SET ended_at = $3 WHERE job_id = $1 AND worker = $2 AND ended_at IS NULL")
+            .bind(job_id)
+            .bind(worker)
+            .bind(at)
+    })
+    .await;
+}
+
+/// Runs one bookkeeping statement, again while the pool is exhausted or the server is slow: a
+/// handler that panicked here would leave a run without its end.
+async fn record_run<'q>(
+    pool: &PgPool,
+    statement: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        match statement().execute(pool).await {
+            Ok(_) => return,
+            Err(error) if std::time::Instant::now() < deadline => eprintln!("recording a run again after: {error}"),
+            Err(error) => panic!("run not recorded: {error}"),
+        }
+    }
 }
 
 /// The most runs of each key that were ever running at the same instant, from `runs`, leaving
 /// out the first run of `excluded_worker` (a holder whose lease was provably lost; -1: none).
-/// A run whose handler was cancelled has no end and counts until the last recorded instant.
+/// A run whose handler was cancelled (dropped) has no end: it counts until the same job's next
+/// run started (a redelivery: that run's lease had lapsed, and the job's permit went with the new
+/// delivery, which the permit monitor checks), else until the last recorded instant.
 pub async fn max_overlap(pool: &PgPool, excluded_worker: i32) -> Vec<(String, i64)> {
     sqlx::query_as(
         "WITH x AS (SELECT ctid FROM runs WHERE worker = $1 ORDER BY started_at LIMIT 1),
               r AS (SELECT key, started_at,
-                           COALESCE(ended_at, (SELECT max(GREATEST(started_at, ended_at)) FROM runs)) AS ended_at
+                           COALESCE(ended_at,
+                                    (SELECT min(n.started_at) FROM runs n
+                                      WHERE n.job_id = runs.job_id AND n.started_at > runs.started_at),
+                                    (SELECT max(GREATEST(started_at, ended_at)) FROM runs)) AS ended_at
                       FROM runs WHERE ctid NOT IN (SELECT ctid FROM x)),
               ev AS (SELECT key, started_at AS t, 1 AS d FROM r UNION ALL SELECT key, ended_at, -1 FROM r),
               c AS (SELECT key, sum(d) OVER (PARTITION BY key ORDER BY t, d ROWS UNBOUNDED PRECEDING) AS n FROM ev)
