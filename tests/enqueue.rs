@@ -324,3 +324,20 @@ async fn enqueue_in_needs_no_second_connection_for_a_stored_type() {
     tx.commit().await.unwrap();
     assert_eq!(job.queue, "mail");
 }
+
+#[tokio::test]
+async fn enqueue_in_a_repeatable_read_transaction_says_to_define_the_type_first() {
+    let (db, client) = setup().await;
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ").execute(&mut *tx).await.unwrap();
+    // The lookup takes the snapshot; the definition commits on another connection after it.
+    let err = client.enqueue_in(&mut tx, &Mail { to: "a".into() }).await.unwrap_err();
+    assert!(matches!(&err, EnqueueError::DefinedAfterSnapshot { job_type } if job_type == "mail"), "{err:?}");
+    assert!(err.to_string().contains("define it before the transaction begins"), "{err}");
+    tx.rollback().await.unwrap();
+    // Defined now: the next transaction enqueues.
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ").execute(&mut *tx).await.unwrap();
+    client.enqueue_in(&mut tx, &Mail { to: "b".into() }).await.unwrap();
+    tx.commit().await.unwrap();
+}

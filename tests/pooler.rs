@@ -6,7 +6,9 @@
 //! the pooler, run limit-1 jobs exactly once each and never two of a key at once. LISTEN cannot
 //! work there: with a direct `listen_database_url` a job starts long before the next poll.
 //!
-//! The switch is per process and this file is its own test binary: every test here runs pooled.
+//! The switch is per process and this file is its own test binary. `migrate` refuses to run under
+//! it (its lock is a session's), so the one test migrates its databases first, then turns the
+//! switch on and goes through each case in turn.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -23,6 +25,7 @@ use lockgate_testkit::pgbouncer::{PgBouncer, PoolMode};
 use lockgate_testkit::{wait_for, wait_for_count, TestDb};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::PgPoolOptions;
+use sqlx::Executor;
 
 #[derive(Serialize, Deserialize)]
 struct Keyed {
@@ -43,14 +46,30 @@ impl Job for Keyed {
     }
 }
 
-/// A migrated database, a PgBouncer in transaction mode in front of it, and a pool through it.
-async fn pooled() -> (TestDb, PgBouncer, PgPool) {
-    lockgate::pooler::set_transaction_pooling(true);
+/// A migrated database (migrated directly, before the switch is on) and a PgBouncer in
+/// transaction mode in front of it.
+async fn database() -> (TestDb, PgBouncer) {
     let db = TestDb::migrated().await.unwrap();
     common::install_permit_monitor(&db).await;
-    let bouncer = PgBouncer::start(PoolMode::Transaction, 2).await.unwrap();
-    let pool = PgPoolOptions::new().max_connections(16).connect_with(bouncer.options(&db.name)).await.unwrap();
-    (db, bouncer, pool)
+    (db, PgBouncer::start(PoolMode::Transaction, 2).await.unwrap())
+}
+
+/// A pool through the PgBouncer.
+async fn through(db: &TestDb, bouncer: &PgBouncer) -> PgPool {
+    PgPoolOptions::new().max_connections(16).connect_with(bouncer.options(&db.name)).await.unwrap()
+}
+
+#[tokio::test]
+async fn lockgate_works_through_transaction_pooling() {
+    let cases = [database().await, database().await, database().await, database().await];
+    lockgate::pooler::set_transaction_pooling(true);
+    let [a, b, c, d] = cases;
+    producers_and_workers_run_every_job_once(&a.0, &a.1).await;
+    listen_on_a_direct_url_wakes_workers(&b.0, &b.1).await;
+    cancel_by_query_commits_job_by_job(&c.0, &c.1).await;
+    a_callers_own_transaction_is_never_committed_by_lockgate(&d.0, &d.1).await;
+    let error = lockgate::migrate(&through(&d.0, &d.1).await).await.unwrap_err();
+    assert!(error.to_string().contains("direct database URL"), "{error}");
 }
 
 fn registry(direct: PgPool) -> Registry {
@@ -69,9 +88,8 @@ fn registry(direct: PgPool) -> Registry {
     registry
 }
 
-#[tokio::test]
-async fn producers_and_workers_run_every_job_once_through_transaction_pooling() {
-    let (db, bouncer, pool) = pooled().await;
+async fn producers_and_workers_run_every_job_once(db: &TestDb, bouncer: &PgBouncer) {
+    let pool = through(db, bouncer).await;
     let client = Client::new(pool.clone());
     client.define::<Keyed>().await.unwrap();
     // Producers from the crate, concurrently, sharing two server connections.
@@ -110,12 +128,10 @@ async fn producers_and_workers_run_every_job_once_through_transaction_pooling() 
     for (key, most) in common::max_overlap(&db.pool, -1).await {
         assert_eq!(most, 1, "key {key} ran {most} jobs at once");
     }
-    drop(bouncer);
 }
 
-#[tokio::test]
-async fn listen_on_a_direct_url_wakes_workers_that_go_through_the_pooler() {
-    let (db, bouncer, pool) = pooled().await;
+async fn listen_on_a_direct_url_wakes_workers(db: &TestDb, bouncer: &PgBouncer) {
+    let pool = through(db, bouncer).await;
     let client = Client::new(pool.clone());
     client.define::<Keyed>().await.unwrap();
     // Polling alone would take a minute: the start within WAIT is the notification's.
@@ -138,12 +154,10 @@ async fn listen_on_a_direct_url_wakes_workers_that_go_through_the_pooler() {
     client.enqueue(&Keyed { key: "a".into() }).await.unwrap();
     wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_pooled", 1, WAIT).await.unwrap();
     running.stop().await;
-    drop(bouncer);
 }
 
-#[tokio::test]
-async fn cancel_by_query_commits_job_by_job_through_transaction_pooling() {
-    let (db, bouncer, pool) = pooled().await;
+async fn cancel_by_query_commits_job_by_job(db: &TestDb, bouncer: &PgBouncer) {
+    let pool = through(db, bouncer).await;
     let client = Client::new(pool.clone());
     client.define::<Keyed>().await.unwrap();
     for i in 0..5 {
@@ -157,5 +171,30 @@ async fn cancel_by_query_commits_job_by_job_through_transaction_pooling() {
     let bad = JobFilter { states: vec!["nonsense".into()], ..filter };
     let error = client.cancel_jobs(&bad, 100).await.unwrap_err();
     assert!(error.to_string().contains("nonsense"), "{error}");
-    drop(bouncer);
+}
+
+/// A caller that opened its transaction with a `BEGIN` of its own (which sqlx does not count)
+/// and enqueues in it: lockgate works in a savepoint, and the caller's rollback undoes the job.
+async fn a_callers_own_transaction_is_never_committed_by_lockgate(db: &TestDb, bouncer: &PgBouncer) {
+    let pool = through(db, bouncer).await;
+    let client = Client::new(pool.clone());
+    client.define::<Keyed>().await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    conn.execute("BEGIN").await.unwrap();
+    client.enqueue_in(&mut conn, &Keyed { key: "rolled back".into() }).await.unwrap();
+    conn.execute("ROLLBACK").await.unwrap();
+    assert_eq!(
+        db.count("SELECT 1 FROM pgmq.q_pooled").await.unwrap(),
+        0,
+        "lockgate committed the caller's transaction"
+    );
+    // A failed call leaves the caller's transaction usable (rolled back to the savepoint).
+    conn.execute("BEGIN").await.unwrap();
+    let error = lockgate::sql::enqueue(&mut *conn, "no_such_type", &serde_json::json!({}), &serde_json::json!({}))
+        .await
+        .unwrap_err();
+    assert!(error.to_string().contains("no_such_type"), "{error}");
+    client.enqueue_in(&mut conn, &Keyed { key: "kept".into() }).await.unwrap();
+    conn.execute("COMMIT").await.unwrap();
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_pooled").await.unwrap(), 1);
 }

@@ -128,7 +128,12 @@ pub async fn connect(target: &Target, max_connections: u32) -> Result<PgPool> {
 fn take_pooler_mode(url: &str) -> Result<String> {
     let Ok(mut parsed) = reqwest::Url::parse(url) else { return Ok(url.to_string()) };
     let pairs: Vec<(String, String)> = parsed.query_pairs().map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
-    let Some((_, mode)) = pairs.iter().find(|(k, _)| k == "pooler") else { return Ok(url.to_string()) };
+    let modes: Vec<&String> = pairs.iter().filter(|(k, _)| k == "pooler").map(|(_, v)| v).collect();
+    let mode = match modes.as_slice() {
+        [] => return Ok(url.to_string()),
+        [mode] => *mode,
+        _ => anyhow::bail!("invalid database URL {}: pooler is given more than once", redact(url)),
+    };
     match mode.as_str() {
         "transaction" => lockgate::sql::pooler::set_transaction_pooling(true),
         "session" => {}

@@ -38,3 +38,61 @@ async fn the_cli_works_through_transaction_pooling_when_the_url_says_so() {
     assert!(!o.status.success());
     assert!(text(&o).contains("pooler=\"statement\"") && text(&o).contains("pooler=transaction"), "{}", text(&o));
 }
+
+#[tokio::test]
+async fn run_with_sql_job_types_through_transaction_pooling() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE hits (kind text, n integer)").execute(&db.pool).await.unwrap();
+    // Two servers shared by everything; two statements taking the same jsonb: a statement bound
+    // on the wrong server would write the other kind.
+    let bouncer = PgBouncer::start(PoolMode::Transaction, 2).await.unwrap();
+    let pooled = format!("{}&pooler=transaction", bouncer.url(&db.name));
+    let dir = std::env::temp_dir().join(format!("lockgate-pooler-{}-{:08x}", std::process::id(), fastrand::u32(..)));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("lockgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[runtime]\n{DEFAULT_RUNTIME}\n\n\
+             [job_types.left]\nsql = \"INSERT INTO hits SELECT 'left', ($1->>'n')::int\"\n\n\
+             [job_types.right]\nsql = \"INSERT INTO hits SELECT 'right', ($1->>'n')::int\"\n"
+        ),
+    )
+    .unwrap();
+    let o = lockgate(&db, &["define", "--config", config.to_str().unwrap()]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    for n in 0..20 {
+        for kind in ["left", "right"] {
+            let o = lockgate(&db, &["enqueue", kind, &format!("{{\"n\": {n}}}")])
+                .env("DATABASE_URL", &pooled)
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", text(&o));
+        }
+    }
+    let mut child = lockgate(&db, &["run", "--config", config.to_str().unwrap()])
+        .env("DATABASE_URL", &pooled)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let done = lockgate_testkit::wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 40, WAIT).await;
+    signal(&child, "TERM");
+    let status = wait_exit(&mut child).await;
+    let o = child.wait_with_output().unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    done.unwrap_or_else(|e| panic!("{e}\n{}", text(&o)));
+    assert!(status.success(), "{}", text(&o));
+    // Each kind's statement ran once for each of its jobs, and never for the other kind's.
+    let kinds: Vec<(String, i64)> =
+        sqlx::query_as("SELECT kind, count(DISTINCT n) FROM hits GROUP BY kind ORDER BY kind")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(kinds, [("left".to_string(), 20), ("right".to_string(), 20)]);
+    assert_eq!(db.count("SELECT 1 FROM hits").await.unwrap(), 40);
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
+    let retried: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgmq.a_default WHERE read_ct > 1").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(retried, 0, "attempts failed through the pooler: {}", text(&o));
+}

@@ -268,9 +268,16 @@ impl Client {
         {
             self.defined_set().insert(J::TYPE);
         }
+        let defined_now = !self.defined_set().contains(J::TYPE);
         self.define_on_first_use::<J>().await?;
         let result = lockgate_sql::enqueue(conn, J::TYPE, &args, &options).await.map_err(EnqueueError::from);
-        self.forget_if_unknown::<J, _>(result)
+        match self.forget_if_unknown::<J, _>(result) {
+            // Defined a moment ago and committed, yet unknown here: the caller's snapshot is older.
+            Err(EnqueueError::UnknownJobType { job_type }) if defined_now => {
+                Err(EnqueueError::DefinedAfterSnapshot { job_type })
+            }
+            result => result,
+        }
     }
 
     /// Enqueues many jobs of one type in one statement; results are in input order.
@@ -320,7 +327,9 @@ impl Client {
     async fn enqueue_one(&self, job_type: &str, args: &Value, options: &Value) -> Result<EnqueuedJob, EnqueueError> {
         let job = match self.lane().await? {
             Some(mut lane) => {
-                let result = lockgate_sql::enqueue(&mut lane.conn, job_type, args, options).await;
+                let result =
+                    lockgate_sql::enqueue(lockgate_sql::pooler::Db::idle(&mut lane.conn), job_type, args, options)
+                        .await;
                 lane.finish(result)?
             }
             None => lockgate_sql::enqueue(&self.pool, job_type, args, options).await?,
@@ -337,7 +346,9 @@ impl Client {
     ) -> Result<Vec<EnqueuedJob>, EnqueueError> {
         let jobs = match self.lane().await? {
             Some(mut lane) => {
-                let result = lockgate_sql::enqueue_many(&mut lane.conn, job_type, args, options).await;
+                let result =
+                    lockgate_sql::enqueue_many(lockgate_sql::pooler::Db::idle(&mut lane.conn), job_type, args, options)
+                        .await;
                 lane.finish(result)?
             }
             None => lockgate_sql::enqueue_many(&self.pool, job_type, args, options).await?,

@@ -20,6 +20,13 @@ pub enum EnqueueError {
     /// use, so this is a raw enqueue's, or a type deleted since).
     #[error("unknown job type \"{job_type}\"")]
     UnknownJobType { job_type: String },
+    /// `enqueue_in` defined the job type on first use, on another connection, but the caller's
+    /// transaction cannot see it: its snapshot is older (REPEATABLE READ or SERIALIZABLE).
+    #[error(
+        "job type \"{job_type}\" was defined by this enqueue, but the transaction's snapshot is older than the \
+         definition (REPEATABLE READ or SERIALIZABLE): define it before the transaction begins (Client::define)"
+    )]
+    DefinedAfterSnapshot { job_type: String },
     /// The job's concurrency key has no free permit and its type raises on conflict.
     #[error("concurrency limit reached for key \"{key}\"")]
     LimitReached { key: String },

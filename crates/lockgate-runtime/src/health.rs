@@ -33,6 +33,8 @@ pub struct Health {
     phase: AtomicU8,
     registered: AtomicBool,
     listen_down: AtomicBool,
+    /// No LISTEN by design (transaction pooling without a listen URL): the fetch loops poll.
+    listen_off: AtomicBool,
     crashes: Mutex<HashMap<&'static str, VecDeque<Instant>>>,
 }
 
@@ -51,6 +53,10 @@ impl Health {
 
     pub(crate) fn set_listen_down(&self, down: bool) {
         self.listen_down.store(down, Ordering::SeqCst);
+    }
+
+    pub(crate) fn set_listen_off(&self) {
+        self.listen_off.store(true, Ordering::SeqCst);
     }
 
     pub fn listen_down(&self) -> bool {
@@ -88,8 +94,13 @@ impl Health {
             reasons.push("not registered in lockgate.processes".to_string());
         }
         reasons.extend(self.crash_looping().into_iter().map(|s| format!("{s} is crash-looping")));
-        let notes =
-            if self.listen_down() { vec!["degraded: LISTEN connection down, polling".to_string()] } else { vec![] };
+        let notes = if self.listen_off.load(Ordering::SeqCst) {
+            vec!["no LISTEN under transaction pooling without listen_database_url: polling".to_string()]
+        } else if self.listen_down() {
+            vec!["degraded: LISTEN connection down, polling".to_string()]
+        } else {
+            vec![]
+        };
         if reasons.is_empty() {
             Ok(notes)
         } else {
@@ -107,7 +118,14 @@ impl Health {
 
     /// A summary for the registry's metadata.
     pub fn summary(&self) -> Value {
-        json!({ "phase": self.phase_name(), "listen": if self.listen_down() { "down" } else { "up" } })
+        let listen = if self.listen_off.load(Ordering::SeqCst) {
+            "off"
+        } else if self.listen_down() {
+            "down"
+        } else {
+            "up"
+        };
+        json!({ "phase": self.phase_name(), "listen": listen })
     }
 }
 

@@ -152,7 +152,7 @@ impl Heartbeat {
         let Some(conn) = self.conn.as_mut().filter(|_| !lost.is_empty()) else {
             return Vec::new();
         };
-        let asked = lockgate_sql::cancelled_messages(&mut *conn, queue.as_str(), &lost);
+        let asked = lockgate_sql::cancelled_messages(lockgate_sql::pooler::Db::idle(&mut *conn), queue.as_str(), &lost);
         match tokio::time::timeout(self.interval, asked).await {
             Ok(Ok(cancelled)) => cancelled,
             Ok(Err(error)) => {
@@ -190,7 +190,7 @@ impl Heartbeat {
                 Some(conn) => conn,
                 None => conn.insert(connect.connect().await.map_err(DbError::from)?),
             };
-            lockgate_sql::extend(&mut *conn, queue, asked, visibility, owner).await
+            lockgate_sql::extend(lockgate_sql::pooler::Db::idle(&mut *conn), queue, asked, visibility, owner).await
         })
         .await;
         match answered {

@@ -181,6 +181,7 @@ impl Runtime {
                     poll_interval = ?self.config.poll_interval,
                     "transaction pooling without listen_database_url: no LISTEN, the fetch loops poll"
                 );
+                self.health.set_listen_off();
                 None
             }
             None => Some(db.clone()),

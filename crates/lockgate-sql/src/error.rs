@@ -47,6 +47,11 @@ pub enum DbError {
     /// with its cause's, so a prefix of ours plus the cause chain would print it twice.
     #[error(transparent)]
     Sqlx(sqlx::Error),
+    #[error(
+        "lockgate migrate cannot run through a transaction-mode pooler (pooler=transaction): run it with a direct \
+         database URL, or one through a session-mode pooler"
+    )]
+    MigrateThroughPooler,
 }
 
 impl From<sqlx::Error> for DbError {

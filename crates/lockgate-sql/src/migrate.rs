@@ -15,7 +15,7 @@ use pgmq::install;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool, Row};
 
-use crate::pooler::{query, query_as, query_scalar, Scope};
+use crate::pooler::{query, query_as, query_scalar, transaction_pooling, Scope};
 
 use crate::DbError;
 
@@ -244,6 +244,11 @@ pub fn functions_checksum() -> String {
 
 /// Installs or upgrades everything lockgate needs in this database.
 pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
+    // Its lock is a session's, and PGMQ's installer prepares statements as sqlx does: neither
+    // survives a pooler that lends a server connection per transaction.
+    if transaction_pooling() {
+        return Err(DbError::MigrateThroughPooler);
+    }
     // PGMQ's installer takes a pool and opens transactions of its own on it. It gets a pool of
     // one connection, the one that holds lockgate's lock: a session-level lock, so that it spans
     // lockgate's transactions and the installer's. No ping before handing the connection out (a

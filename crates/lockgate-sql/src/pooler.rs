@@ -14,12 +14,14 @@
 //! The setting is per process: a process that talks to a pooler and to a direct database pays
 //! the pooled path's round trips on both (design §48).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::{Query, QueryAs, QueryScalar};
-use sqlx::{Connection, FromRow, PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{Connection, Executor, FromRow, PgConnection, PgPool, Postgres, Transaction};
 
 use crate::DbError;
 
@@ -63,14 +65,23 @@ where
 pub enum Db<'c> {
     Pool(&'c PgPool),
     Conn(&'c mut PgConnection),
+    /// A connection its owner keeps outside any transaction ([`Db::idle`]).
+    Idle(&'c mut PgConnection),
 }
 
-impl Db<'_> {
+impl<'c> Db<'c> {
+    /// A connection its owner never leaves in a transaction (the runtime's loops, the client's
+    /// lane): under transaction pooling it needs no probe for a transaction opened by a raw `BEGIN`.
+    pub fn idle(conn: &'c mut PgConnection) -> Self {
+        Self::Idle(conn)
+    }
+
     /// The same pool or connection, for one more call.
     pub fn reborrow(&mut self) -> Db<'_> {
         match self {
             Self::Pool(pool) => Db::Pool(pool),
             Self::Conn(conn) => Db::Conn(conn),
+            Self::Idle(conn) => Db::Idle(conn),
         }
     }
 }
@@ -100,34 +111,67 @@ pub(crate) enum Scope<'c> {
     Owned(PoolConnection<Postgres>),
     Borrowed(&'c mut PgConnection),
     Pooled(Transaction<'c, Postgres>),
+    /// A savepoint in a transaction the caller opened with a `BEGIN` of its own, which sqlx does
+    /// not count: committing "our" transaction there would commit the caller's.
+    Savepoint(&'c mut PgConnection),
 }
+
+const SAVEPOINT: &str = "SAVEPOINT lockgate_scope";
 
 impl<'c> Scope<'c> {
     pub(crate) async fn open(db: Db<'c>) -> Result<Self, DbError> {
         Ok(match (db, transaction_pooling()) {
             (Db::Pool(pool), false) => Self::Owned(pool.acquire().await?),
-            (Db::Conn(conn), false) => Self::Borrowed(conn),
+            (Db::Conn(conn) | Db::Idle(conn), false) => Self::Borrowed(conn),
             (Db::Pool(pool), true) => Self::Pooled(pool.begin().await?),
-            (Db::Conn(conn), true) => Self::Pooled(conn.begin().await?),
+            (Db::Idle(conn), true) => Self::Pooled(conn.begin().await?),
+            (Db::Conn(conn), true) if conn.is_in_transaction() => Self::Pooled(conn.begin().await?),
+            (Db::Conn(conn), true) => match simple_query(conn, SAVEPOINT).await {
+                Ok(_) => Self::Savepoint(conn),
+                // 25P01: no transaction block, so ours is the only one.
+                Err(err) if err.as_database_error().and_then(|e| e.code()).as_deref() == Some("25P01") => {
+                    Self::Pooled(conn.begin().await?)
+                }
+                Err(err) => return Err(err.into()),
+            },
         })
     }
 
     pub(crate) fn conn(&mut self) -> &mut PgConnection {
         match self {
             Self::Owned(conn) => conn,
-            Self::Borrowed(conn) => conn,
+            Self::Borrowed(conn) | Self::Savepoint(conn) => conn,
             Self::Pooled(tx) => tx,
         }
     }
 
-    /// Commits a pooled scope whose work succeeded; one that failed rolls back when dropped.
+    /// Commits a pooled scope whose work succeeded; one that failed rolls back (a transaction
+    /// when dropped, a savepoint here).
     pub(crate) async fn finish<T>(self, out: Result<T, DbError>) -> Result<T, DbError> {
         match (self, out) {
             (Self::Pooled(tx), Ok(value)) => {
                 tx.commit().await?;
                 Ok(value)
             }
+            (Self::Savepoint(conn), out) => {
+                let end = if out.is_ok() {
+                    "RELEASE SAVEPOINT lockgate_scope"
+                } else {
+                    "ROLLBACK TO SAVEPOINT lockgate_scope; RELEASE SAVEPOINT lockgate_scope"
+                };
+                simple_query(conn, end).await?;
+                out
+            }
             (_, out) => out,
         }
     }
+}
+
+/// One statement without arguments (the simple protocol: one exchange, safe through a pooler),
+/// boxed so that the futures of the functions using it stay provably `Send`.
+fn simple_query<'a>(
+    conn: &'a mut PgConnection,
+    sql: &'static str,
+) -> Pin<Box<dyn Future<Output = Result<(), sqlx::Error>> + Send + 'a>> {
+    Box::pin(async move { conn.execute(sql).await.map(drop) })
 }

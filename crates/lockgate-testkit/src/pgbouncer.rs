@@ -2,8 +2,8 @@
 //! `pgbouncer` (or `LOCKGATE_PGBOUNCER`), started for one test and killed when dropped.
 //!
 //! It logs in to the server as `postgres` whoever the client says it is (`auth_type = any`), keeps
-//! `server_pool_size` server connections per database (few, so that clients share them as they do
-//! in production), and ignores the startup parameter sqlx sends that PgBouncer does not track
+//! `server_pool_size` long-lived server connections per database (few, so that clients share them,
+//! and whatever one client leaves on a server meets the next, as in production), and ignores the startup parameter sqlx sends that PgBouncer does not track
 //! (`extra_float_digits`), as a deployment in front of sqlx must.
 
 use std::path::{Path, PathBuf};
@@ -62,7 +62,7 @@ impl PgBouncer {
                  [pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
                  auth_type = any\npool_mode = {mode}\ndefault_pool_size = {server_pool_size}\n\
                  max_client_conn = 500\nignore_startup_parameters = extra_float_digits\n\
-                 server_lifetime = 0\nlogfile = {log}\npidfile = {pid}\n",
+                 logfile = {log}\npidfile = {pid}\n",
                 host = server.get_host(),
                 server_port = server.get_port(),
                 mode = mode.as_str(),

@@ -8,17 +8,22 @@ use std::pin::Pin;
 use lockgate::{JobContext, JobError, PgPool, RawHandler};
 use serde_json::Value;
 use sqlx::postgres::PgTypeInfo;
-use sqlx::Executor as _;
+use sqlx::{Connection as _, Executor as _};
 
 /// Whether `statement` prepares against the database (tables and columns exist, the syntax is
 /// right), with `$1` typed as the jsonb it is bound as.
 pub async fn check(db: &PgPool, statement: &str) -> anyhow::Result<()> {
     let parameters = if statement.contains("$1") { vec![PgTypeInfo::with_name("jsonb")] } else { vec![] };
-    let mut conn = db.acquire().await?;
-    if let Err(err) = conn.prepare_with(statement, &parameters).await {
+    // In a transaction, rolled back, with the statement closed before the end: through a
+    // transaction-mode pooler the server is the transaction's, and no prepared statement may
+    // outlive it (lockgate_sql::pooler).
+    let mut tx = db.begin().await?;
+    if let Err(err) = tx.prepare_with(statement, &parameters).await {
         let cause = err.as_database_error().map_or_else(|| err.to_string(), |db| db.message().to_string());
         anyhow::bail!("its sql statement does not prepare: {cause}");
     }
+    tx.clear_cached_statements().await?;
+    tx.rollback().await?;
     Ok(())
 }
 
@@ -33,9 +38,17 @@ impl SqlExecutor {
     }
 
     async fn run(&self, args: Value) -> Result<(), JobError> {
-        let query = sqlx::query(&self.statement);
+        // Unnamed and in a transaction of its own under transaction pooling (the pooled path of
+        // lockgate_sql::pooler); prepared once per connection otherwise.
+        let query = lockgate::sql::pooler::query(&self.statement);
         let query = if self.statement.contains("$1") { query.bind(args) } else { query };
-        query.execute(&self.db).await?;
+        if lockgate::pooler::transaction_pooling() {
+            let mut tx = self.db.begin().await?;
+            query.execute(&mut *tx).await?;
+            tx.commit().await?;
+        } else {
+            query.execute(&self.db).await?;
+        }
         Ok(())
     }
 }

@@ -255,7 +255,12 @@ async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queu
     // gone after it committed does not report it lost (it is finishing): no lock between them
     // (H28).
     let result = persist("complete", lease_until, || async {
-        conn.lock().await.run(async |c| lockgate_sql::complete(c, queue, &deliveries, &started).await).await
+        conn.lock()
+            .await
+            .run(async |c| {
+                lockgate_sql::complete(lockgate_sql::pooler::Db::idle(c), queue, &deliveries, &started).await
+            })
+            .await
     })
     .await;
     if let (Err(error), false) = (&result, started.is_empty()) {

@@ -248,7 +248,13 @@ async fn claim_in_order(
         let owner = Some(shared.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
         let visibility = shared.config.visibility_timeout;
         let now = Some(start_now.saturating_sub(claimed.len()) as i32);
-        match conn.run(async |c| lockgate_sql::claim_as(c, queue, want as i32, visibility, owner, now).await).await {
+        match conn
+            .run(async |c| {
+                lockgate_sql::claim_as(lockgate_sql::pooler::Db::idle(c), queue, want as i32, visibility, owner, now)
+                    .await
+            })
+            .await
+        {
             Ok(mut batch) => {
                 backoff.remove(queue);
                 // The deliveries the claim did not mark as claimed ahead take the free slots.
