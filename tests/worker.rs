@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{queue, test_config, Counter, Running, WAIT};
 use lockgate::sql::{claim, dlq_retry, DlqFilter};
-use lockgate::{CancelReason, Client, EnqueueOptions, Job, JobContext, JobError, JobPolicy, Registry};
+use lockgate::{CancelReason, Client, EnqueueOptions, Job, JobContext, JobError, JobPolicy, Registry, RuntimeConfig};
 use lockgate_testkit::{wait_for, wait_for_count, TestDb};
 use serde::{Deserialize, Serialize};
 
@@ -412,7 +412,11 @@ async fn a_panicking_handler_is_a_failed_attempt_not_a_job_stuck_in_flight() {
             Ok::<(), JobError>(())
         })
         .unwrap();
-    let running = Running::start(&db, test_config(), registry, &["default"], 1).await;
+    // The panic hook prints a backtrace (RUST_BACKTRACE=1 here), which on a loaded machine can
+    // hold this test's one-thread runtime, heartbeat included, past a 2 s lease: that is not
+    // what this test is about.
+    let config = RuntimeConfig { visibility_timeout: Duration::from_secs(15), ..test_config() };
+    let running = Running::start(&db, config, registry, &["default"], 1).await;
     wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await.unwrap();
     running.stop().await;
     let error: String =
