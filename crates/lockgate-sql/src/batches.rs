@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sqlx::Row;
 
-use crate::pooler::{query, query_scalar, Db, Scope};
+use crate::pooler::{on, query, query_scalar, Db};
 
 use crate::DbError;
 
@@ -48,46 +48,40 @@ pub struct BatchInfo {
 
 /// `lockgate.create_batch`: a new open batch. Callback types must exist (else `UnknownJobType`).
 pub async fn create_batch<'c>(db: impl Into<Db<'c>>, callbacks: &BatchCallbacks) -> Result<BatchId, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<BatchId, DbError> = async {
+    on(db.into(), async |conn| {
         let id: i64 = query_scalar("SELECT lockgate.create_batch($1, $2, $3, COALESCE($4, '{}'::jsonb))")
             .bind(callbacks.on_finish.as_ref().map(JobTypeName::as_str))
             .bind(callbacks.on_success.as_ref().map(JobTypeName::as_str))
             .bind(callbacks.on_failure.as_ref().map(JobTypeName::as_str))
             .bind(callbacks.properties.as_ref())
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?;
         Ok(BatchId(id))
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// `lockgate.close_batch`: no more jobs; returns the state after closing (`closed`, or
 /// `finished` when nothing was pending). Closing twice or an unknown id is `InvalidArgument`.
 pub async fn close_batch<'c>(db: impl Into<Db<'c>>, batch: BatchId) -> Result<String, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<String, DbError> =
-        async { Ok(query_scalar("SELECT lockgate.close_batch($1)").bind(batch.0).fetch_one(scope.conn()).await?) }
-            .await;
-    scope.finish(out).await
+    on(db.into(), async |conn| {
+        Ok(query_scalar("SELECT lockgate.close_batch($1)").bind(batch.0).fetch_one(conn).await?)
+    })
+    .await
 }
 
 /// `lockgate.batch`: one batch's progress, or `None` for an unknown id.
 pub async fn batch_info<'c>(db: impl Into<Db<'c>>, batch: BatchId) -> Result<Option<BatchInfo>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Option<BatchInfo>, DbError> = async {
-        let row = query("SELECT * FROM lockgate.batch($1)").bind(batch.0).fetch_optional(scope.conn()).await?;
+    on(db.into(), async |conn| {
+        let row = query("SELECT * FROM lockgate.batch($1)").bind(batch.0).fetch_optional(conn).await?;
         Ok(row.map(|r| to_info(&r)))
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Batches not finished yet (or whose callbacks are pending), oldest first.
 pub async fn unfinished_batches<'c>(db: impl Into<Db<'c>>, max_rows: i32) -> Result<Vec<BatchInfo>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<BatchInfo>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query(
             "SELECT b.id, b.state, b.total, b.succeeded, b.failed, b.total - b.succeeded - b.failed, b.on_finish,
                 b.on_success, b.on_failure, b.properties, b.callbacks_pending, b.callback_error, b.created_at,
@@ -95,21 +89,17 @@ pub async fn unfinished_batches<'c>(db: impl Into<Db<'c>>, max_rows: i32) -> Res
            FROM lockgate.unfinished_batches($1) b",
         )
         .bind(max_rows)
-        .fetch_all(scope.conn())
+        .fetch_all(conn)
         .await?;
         Ok(rows.iter().map(to_info).collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// `lockgate.batch_sweep`: enqueues the callbacks of finished batches that could not enqueue
 /// them when they finished; returns how many batches it completed.
 pub async fn batch_sweep<'c>(db: impl Into<Db<'c>>) -> Result<i32, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<i32, DbError> =
-        async { Ok(query_scalar("SELECT lockgate.batch_sweep()").fetch_one(scope.conn()).await?) }.await;
-    scope.finish(out).await
+    on(db.into(), async |conn| Ok(query_scalar("SELECT lockgate.batch_sweep()").fetch_one(conn).await?)).await
 }
 
 fn to_info(r: &sqlx::postgres::PgRow) -> BatchInfo {

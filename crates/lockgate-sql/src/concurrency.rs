@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::Row;
 
-use crate::pooler::{query, query_as, query_scalar, Db, Scope};
+use crate::pooler::{on, query, query_as, query_scalar, Db};
 
 use crate::DbError;
 
@@ -29,33 +29,30 @@ pub async fn sweep<'c>(
     max_keys: i32,
     now: Option<DateTime<Utc>>,
 ) -> Result<SweepReport, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<SweepReport, DbError> = async {
+    on(db.into(), async |conn| {
         let row = query("SELECT expired, orphaned, promoted FROM lockgate.sweep($1, $2)")
             .bind(max_keys)
             .bind(now)
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?;
         Ok(SweepReport { expired: row.get(0), orphaned: row.get(1), promoted: row.get(2) })
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Records this runtime's heartbeat interval; leases are floored at twice the largest recorded.
 pub async fn record_heartbeat_interval<'c>(db: impl Into<Db<'c>>, interval: Duration) -> Result<(), DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<(), DbError> = async {
-    query(
-        "INSERT INTO lockgate.settings (heartbeat_interval_ms) VALUES ($1)
-         ON CONFLICT (singleton) DO UPDATE SET heartbeat_interval_ms = GREATEST(lockgate.settings.heartbeat_interval_ms, $1)",
-    )
-    .bind(i64::try_from(interval.as_millis()).unwrap_or(i64::MAX))
-    .execute(scope.conn())
-    .await?;
-    Ok(())
-}.await;
-    scope.finish(out).await
+    on(db.into(), async |conn| {
+        query(
+            "INSERT INTO lockgate.settings (heartbeat_interval_ms) VALUES ($1)
+             ON CONFLICT (singleton) DO UPDATE SET heartbeat_interval_ms = GREATEST(lockgate.settings.heartbeat_interval_ms, $1)",
+        )
+        .bind(i64::try_from(interval.as_millis()).unwrap_or(i64::MAX))
+        .execute(conn)
+        .await?;
+        Ok(())
+    })
+    .await
 }
 
 /// One key as `lockgate status` shows it.
@@ -69,10 +66,9 @@ pub struct KeyStats {
 }
 
 pub async fn key_stats<'c>(db: impl Into<Db<'c>>) -> Result<Vec<KeyStats>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<KeyStats>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query("SELECT key, lim, held, parked, oldest_parked_seconds FROM lockgate.key_stats()")
-            .fetch_all(scope.conn())
+            .fetch_all(conn)
             .await?;
         Ok(rows
             .iter()
@@ -84,9 +80,8 @@ pub async fn key_stats<'c>(db: impl Into<Db<'c>>) -> Result<Vec<KeyStats>, DbErr
                 oldest_parked_seconds: r.get(4),
             })
             .collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// A job waiting for a permit.
@@ -105,14 +100,13 @@ pub struct ParkedJob {
 
 /// Parked jobs of one key (or all), in promotion order, at most `limit`.
 pub async fn parked_jobs<'c>(db: impl Into<Db<'c>>, key: Option<&str>, limit: i32) -> Result<Vec<ParkedJob>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<ParkedJob>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query(
         "SELECT id, key, queue, job_type, job_id, args, priority, run_at, parked_at FROM lockgate.parked_jobs($1, $2)",
     )
     .bind(key)
     .bind(limit)
-    .fetch_all(scope.conn())
+    .fetch_all(conn)
     .await?;
         Ok(rows
             .iter()
@@ -128,25 +122,22 @@ pub async fn parked_jobs<'c>(db: impl Into<Db<'c>>, key: Option<&str>, limit: i3
                 parked_at: r.get(8),
             })
             .collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// An operator's explicit discard of one parked job; false when there was no such job.
 pub async fn discard_parked<'c>(db: impl Into<Db<'c>>, parked_id: i64) -> Result<bool, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<bool, DbError> =
-        async { Ok(query_scalar("SELECT lockgate.discard_parked($1)").bind(parked_id).fetch_one(scope.conn()).await?) }
-            .await;
-    scope.finish(out).await
+    on(db.into(), async |conn| {
+        Ok(query_scalar("SELECT lockgate.discard_parked($1)").bind(parked_id).fetch_one(conn).await?)
+    })
+    .await
 }
 
 /// Violations of the concurrency invariants as `(key, problem)`; empty when they all hold.
 pub async fn check_invariants<'c>(db: impl Into<Db<'c>>) -> Result<Vec<(String, String)>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<(String, String)>, DbError> =
-        async { Ok(query_as("SELECT key, problem FROM lockgate.check_invariants()").fetch_all(scope.conn()).await?) }
-            .await;
-    scope.finish(out).await
+    on(db.into(), async |conn| {
+        Ok(query_as("SELECT key, problem FROM lockgate.check_invariants()").fetch_all(conn).await?)
+    })
+    .await
 }

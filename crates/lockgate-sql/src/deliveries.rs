@@ -7,7 +7,7 @@ use std::time::Duration;
 use lockgate_core::{Claim, QueueName};
 use sqlx::Row;
 
-use crate::pooler::{query, query_scalar, Db, Scope};
+use crate::pooler::{on, query, query_scalar, Db};
 
 use crate::DbError;
 
@@ -55,8 +55,7 @@ pub async fn claim_as<'c>(
     owner: Option<i64>,
     start_now: Option<i32>,
 ) -> Result<Vec<Claim>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<Claim>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query(
             "SELECT msg_id, read_ct, enqueued_at, message, headers, budget_seconds, claimed_ahead
          FROM lockgate.claim($1, $2, $3, $4, $5)",
@@ -66,7 +65,7 @@ pub async fn claim_as<'c>(
         .bind(visibility.as_secs_f64())
         .bind(owner)
         .bind(start_now)
-        .fetch_all(scope.conn())
+        .fetch_all(conn)
         .await?;
         Ok(rows
             .into_iter()
@@ -81,9 +80,8 @@ pub async fn claim_as<'c>(
                 claimed_ahead: row.get(6),
             })
             .collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// What one renewal did, per delivery asked about. A delivery in neither list is lost: its
@@ -110,8 +108,7 @@ pub async fn extend<'c>(
     visibility: Duration,
     owner: Option<i64>,
 ) -> Result<Renewal, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Renewal, DbError> = async {
+    on(db.into(), async |conn| {
         let (ids, cts) = split(deliveries);
         let rows = query("SELECT msg_id, budget_seconds FROM lockgate.extend($1, $2, $3, $4, $5)")
             .bind(queue.as_str())
@@ -119,7 +116,7 @@ pub async fn extend<'c>(
             .bind(cts)
             .bind(visibility.as_secs_f64())
             .bind(owner)
-            .fetch_all(scope.conn())
+            .fetch_all(conn)
             .await?;
         let mut renewal = Renewal::default();
         for row in rows {
@@ -130,9 +127,8 @@ pub async fn extend<'c>(
             }
         }
         Ok(renewal)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Fenced archive of finished deliveries; returns the msg_ids this call archived. In the same
@@ -143,8 +139,7 @@ pub async fn complete<'c>(
     deliveries: &[(i64, i32)],
     started: &[(i64, i32)],
 ) -> Result<Vec<i64>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<i64>, DbError> = async {
+    on(db.into(), async |conn| {
         let (ids, cts) = split(deliveries);
         let (started_ids, started_cts) = split(started);
         Ok(query_scalar("SELECT lockgate.complete($1, $2, $3, $4, $5)")
@@ -153,11 +148,10 @@ pub async fn complete<'c>(
             .bind(cts)
             .bind(started_ids)
             .bind(started_cts)
-            .fetch_all(scope.conn())
+            .fetch_all(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Retries a failed delivery in place after `delay`; false when this delivery no longer owns it.
@@ -168,8 +162,7 @@ pub async fn retry<'c>(
     error: &str,
     attempt: u32,
 ) -> Result<bool, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<bool, DbError> = async {
+    on(db.into(), async |conn| {
         Ok(query_scalar("SELECT lockgate.retry($1, $2, $3, $4, $5, $6)")
             .bind(claim.queue.as_str())
             .bind(claim.msg_id)
@@ -177,11 +170,10 @@ pub async fn retry<'c>(
             .bind(delay.as_secs_f64())
             .bind(error)
             .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Moves a delivery's message to the dead letters; false when this delivery no longer owns it.
@@ -192,8 +184,7 @@ pub async fn dead_letter<'c>(
     error: &str,
     attempts: u32,
 ) -> Result<bool, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<bool, DbError> = async {
+    on(db.into(), async |conn| {
         Ok(query_scalar("SELECT lockgate.dead_letter($1, $2, $3, $4, $5, $6)")
             .bind(claim.queue.as_str())
             .bind(claim.msg_id)
@@ -201,11 +192,10 @@ pub async fn dead_letter<'c>(
             .bind(reason.as_str())
             .bind(error)
             .bind(i32::try_from(attempts).unwrap_or(i32::MAX))
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Returns unfinished deliveries to their queue, visible at once; returns the msg_ids released.
@@ -215,19 +205,17 @@ pub async fn release<'c>(
     deliveries: &[(i64, i32)],
     max_returns: Option<u32>,
 ) -> Result<Vec<i64>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<i64>, DbError> = async {
+    on(db.into(), async |conn| {
         let (ids, cts) = split(deliveries);
         Ok(query_scalar("SELECT lockgate.release($1, $2, $3, $4)")
             .bind(queue.as_str())
             .bind(ids)
             .bind(cts)
             .bind(max_returns.map(|m| i32::try_from(m).unwrap_or(i32::MAX)))
-            .fetch_all(scope.conn())
+            .fetch_all(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// A budget in seconds from SQL as a Duration (negative or non-finite reads as none left).

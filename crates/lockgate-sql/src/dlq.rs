@@ -6,7 +6,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sqlx::Row;
 
-use crate::pooler::{query, query_scalar, Db, Scope};
+use crate::pooler::{on, query, query_scalar, Db};
 
 use crate::DbError;
 
@@ -40,8 +40,7 @@ pub struct DeadLetter {
 
 /// Dead letters matching `filter`, oldest first, at most `limit`.
 pub async fn dlq_list<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter, limit: i64) -> Result<Vec<DeadLetter>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<DeadLetter>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query(
             "SELECT id, queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at, dead_at,
                 COALESCE(headers->'errors', '[]')
@@ -52,7 +51,7 @@ pub async fn dlq_list<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter, limit: i64)
         .bind(filter.queue.as_deref())
         .bind(filter.job_ids.as_deref())
         .bind(limit)
-        .fetch_all(scope.conn())
+        .fetch_all(conn)
         .await?;
         Ok(rows
             .iter()
@@ -72,9 +71,8 @@ pub async fn dlq_list<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter, limit: i64)
                 errors: r.get(12),
             })
             .collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// What `dlq_retry` did with one dead letter.
@@ -100,12 +98,11 @@ pub struct DlqRetried {
 /// Sends matching dead letters back to their queues, keeping those whose unique key another job
 /// holds or whose queue is gone; one row per dead letter matched.
 pub async fn dlq_retry<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter) -> Result<Vec<DlqRetried>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<DlqRetried>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query("SELECT queue, msg_id, job_id, status FROM lockgate.dlq_retry($1, $2)")
             .bind(filter.queue.as_deref())
             .bind(filter.job_ids.as_deref())
-            .fetch_all(scope.conn())
+            .fetch_all(conn)
             .await?;
         Ok(rows
             .iter()
@@ -121,21 +118,18 @@ pub async fn dlq_retry<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter) -> Result<
                 DlqRetried { queue: r.get(0), job_id, outcome }
             })
             .collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Deletes matching dead letters for good; returns how many.
 pub async fn dlq_purge<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter) -> Result<i64, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<i64, DbError> = async {
+    on(db.into(), async |conn| {
         Ok(query_scalar("SELECT lockgate.dlq_purge($1, $2)")
             .bind(filter.queue.as_deref())
             .bind(filter.job_ids.as_deref())
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }

@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::Row;
 
-use crate::pooler::{query, query_scalar, Db, Scope};
+use crate::pooler::{on, query, query_scalar, Db};
 
 use crate::DbError;
 
@@ -54,13 +54,12 @@ pub struct DoctorThresholds {
 
 /// Runs `lockgate.doctor(...)`.
 pub async fn doctor<'c>(db: impl Into<Db<'c>>, t: &DoctorThresholds) -> Result<Vec<DoctorCheck>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<DoctorCheck>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query("SELECT check_name, verdict, detail, advice FROM lockgate.doctor($1, $2, $3)")
             .bind(t.long_running.as_secs_f64())
             .bind(t.idle_in_transaction.as_secs_f64())
             .bind(t.alive_threshold.as_secs_f64())
-            .fetch_all(scope.conn())
+            .fetch_all(conn)
             .await?;
         Ok(rows
             .iter()
@@ -76,16 +75,12 @@ pub async fn doctor<'c>(db: impl Into<Db<'c>>, t: &DoctorThresholds) -> Result<V
                 advice: r.get(3),
             })
             .collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// The database's clock at the moment it runs the statement (`clock_timestamp()`, not the
 /// transaction's `now()`), for measuring the host's offset from it.
 pub async fn database_clock<'c>(db: impl Into<Db<'c>>) -> Result<DateTime<Utc>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<DateTime<Utc>, DbError> =
-        async { Ok(query_scalar("SELECT clock_timestamp()").fetch_one(scope.conn()).await?) }.await;
-    scope.finish(out).await
+    on(db.into(), async |conn| Ok(query_scalar("SELECT clock_timestamp()").fetch_one(conn).await?)).await
 }

@@ -4,7 +4,7 @@ use lockgate_core::{EnqueueStatus, EnqueuedJob, JobId};
 use serde_json::Value;
 use sqlx::Row;
 
-use crate::pooler::{query, Db, Scope};
+use crate::pooler::{on, query, Db};
 
 use crate::DbError;
 
@@ -15,18 +15,16 @@ pub async fn enqueue<'c>(
     args: &Value,
     options: &Value,
 ) -> Result<EnqueuedJob, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<EnqueuedJob, DbError> = async {
+    on(db.into(), async |conn| {
         let row = query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
             .bind(job_type)
             .bind(args)
             .bind(options)
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?;
         Ok(to_job(&row))
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// `lockgate.enqueue_many(job_type, args[], options)`: many jobs of one type in one statement,
@@ -37,18 +35,16 @@ pub async fn enqueue_many<'c>(
     args: &[Value],
     options: &Value,
 ) -> Result<Vec<EnqueuedJob>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<EnqueuedJob>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue_many($1, $2, $3)")
             .bind(job_type)
             .bind(args)
             .bind(options)
-            .fetch_all(scope.conn())
+            .fetch_all(conn)
             .await?;
         Ok(rows.iter().map(to_job).collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 fn to_job(row: &sqlx::postgres::PgRow) -> EnqueuedJob {

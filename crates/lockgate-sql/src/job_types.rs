@@ -8,15 +8,13 @@ use lockgate_core::{
 };
 use sqlx::Row;
 
-use crate::pooler::{query, query_scalar, Db, Scope};
+use crate::pooler::{on, query, query_scalar, Db};
 
 use crate::DbError;
 
 /// Stores (or replaces) a job type's policy, creating its queue if missing.
 pub async fn define_job_type<'c>(db: impl Into<Db<'c>>, name: &JobTypeName, policy: &JobPolicy) -> Result<(), DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out = define_query(name, policy).execute(scope.conn()).await.map(drop).map_err(DbError::from);
-    scope.finish(out).await
+    on(db.into(), async |conn| define_query(name, policy).execute(conn).await.map(drop).map_err(DbError::from)).await
 }
 
 /// Stores a job type's policy only if the type is missing (creating its queue if missing too),
@@ -46,13 +44,14 @@ pub async fn define_job_type_if_missing(
 
 /// Whether `lockgate.job_types` has a row for `name` (as `db` sees it).
 pub async fn job_type_exists<'c>(db: impl Into<Db<'c>>, name: &JobTypeName) -> Result<bool, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out = query_scalar("SELECT EXISTS (SELECT 1 FROM lockgate.job_types WHERE name = $1)")
-        .bind(name.as_str())
-        .fetch_one(scope.conn())
-        .await
-        .map_err(DbError::from);
-    scope.finish(out).await
+    on(db.into(), async |conn| {
+        query_scalar("SELECT EXISTS (SELECT 1 FROM lockgate.job_types WHERE name = $1)")
+            .bind(name.as_str())
+            .fetch_one(conn)
+            .await
+            .map_err(DbError::from)
+    })
+    .await
 }
 
 fn define_query<'q>(
@@ -83,15 +82,14 @@ fn define_query<'q>(
 /// something this build cannot use) are skipped: their jobs are then dead-lettered as of an
 /// unknown type, with the reason, rather than run under a guessed policy.
 pub async fn load_job_types<'c>(db: impl Into<Db<'c>>) -> Result<Vec<(JobTypeName, JobPolicy)>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<(JobTypeName, JobPolicy)>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query(
             "SELECT name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms,
                 concurrency_limit, concurrency_key, concurrency_duration_ms, concurrency_on_conflict,
                 unique_mode, unique_key, unique_on_conflict
            FROM lockgate.job_types ORDER BY name",
         )
-        .fetch_all(scope.conn())
+        .fetch_all(conn)
         .await?;
         let mut out = Vec::with_capacity(rows.len());
         for row in rows {
@@ -112,9 +110,8 @@ pub async fn load_job_types<'c>(db: impl Into<Db<'c>>) -> Result<Vec<(JobTypeNam
             out.push((name, policy));
         }
         Ok(out)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 fn concurrency_from(row: &sqlx::postgres::PgRow) -> Option<ConcurrencyPolicy> {

@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sqlx::Row;
 
-use crate::pooler::{query, query_as, query_scalar, transaction_pooling, Db, Scope};
+use crate::pooler::{on, query, query_as, query_scalar, transaction_pooling, Db};
 
 use crate::DbError;
 
@@ -123,16 +123,11 @@ fn cancelled(r: &sqlx::postgres::PgRow) -> Cancelled {
 /// `lockgate.job(id)`: the job, or `None` when no job has that id (or it was pruned from the
 /// archive by retention).
 pub async fn job<'c>(db: impl Into<Db<'c>>, id: JobId) -> Result<Option<JobRecord>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Option<JobRecord>, DbError> = async {
-        let row = query(&format!("SELECT {JOB_COLUMNS} FROM lockgate.job($1)"))
-            .bind(id.0)
-            .fetch_optional(scope.conn())
-            .await?;
+    on(db.into(), async |conn| {
+        let row = query(&format!("SELECT {JOB_COLUMNS} FROM lockgate.job($1)")).bind(id.0).fetch_optional(conn).await?;
         Ok(row.as_ref().map(job_record))
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// `lockgate.jobs(...)`: jobs matching `filter`, newest id first, at most `limit` (1 to 1000),
@@ -144,32 +139,27 @@ pub async fn jobs<'c>(
     limit: i32,
     before: Option<JobId>,
 ) -> Result<Vec<JobRecord>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<JobRecord>, DbError> = async {
+    on(db.into(), async |conn| {
         let sql = format!(
             "SELECT {JOB_COLUMNS} FROM lockgate.jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
                                                  until => $6, search => $7, max_rows => $8, before_id => $9)"
         );
-        let rows =
-            bind_filter(query(&sql), filter).bind(limit).bind(before.map(|b| b.0)).fetch_all(scope.conn()).await?;
+        let rows = bind_filter(query(&sql), filter).bind(limit).bind(before.map(|b| b.0)).fetch_all(conn).await?;
         Ok(rows.iter().map(job_record).collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// `lockgate.cancel(id)`: cancels one job in whatever state it is; `None` when no job has that id.
 pub async fn cancel<'c>(db: impl Into<Db<'c>>, id: JobId) -> Result<Option<Cancelled>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Option<Cancelled>, DbError> = async {
+    on(db.into(), async |conn| {
         let row = query("SELECT id, state, queue, cancelled FROM lockgate.cancel($1)")
             .bind(id.0)
-            .fetch_optional(scope.conn())
+            .fetch_optional(conn)
             .await?;
         Ok(row.as_ref().map(cancelled))
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// How many jobs a cancel by query found and cancelled (`lockgate.cancel_jobs`).
@@ -188,8 +178,7 @@ pub async fn cancel_jobs<'c>(db: impl Into<Db<'c>>, filter: &JobFilter, limit: i
     if transaction_pooling() {
         return cancel_jobs_one_by_one(db.into(), filter, limit).await;
     }
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<CancelledCount, DbError> = async {
+    on(db.into(), async |conn| {
         let row = bind_filter(
             query(
                 "CALL lockgate.cancel_jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
@@ -198,12 +187,11 @@ pub async fn cancel_jobs<'c>(db: impl Into<Db<'c>>, filter: &JobFilter, limit: i
             filter,
         )
         .bind(limit)
-        .fetch_one(scope.conn())
+        .fetch_one(conn)
         .await?;
         Ok(CancelledCount { matched: row.get(0), cancelled: row.get(1) })
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// `cancel_jobs` under transaction pooling, where every statement runs in a transaction and so
@@ -212,11 +200,10 @@ pub async fn cancel_jobs<'c>(db: impl Into<Db<'c>>, filter: &JobFilter, limit: i
 async fn cancel_jobs_one_by_one(mut db: Db<'_>, filter: &JobFilter, limit: i32) -> Result<CancelledCount, DbError> {
     // As lockgate.cancel_jobs: the states that can still be cancelled, narrowed by the filter's.
     const CANCELLABLE: [&str; 5] = ["queued", "scheduled", "retrying", "running", "parked"];
-    let mut scope = Scope::open(db.reborrow()).await?;
-    let out = async {
+    let ids = on(db.reborrow(), async |conn| {
         query("SELECT lockgate._check_states($1)")
             .bind((!filter.states.is_empty()).then_some(&filter.states))
-            .execute(scope.conn())
+            .execute(&mut *conn)
             .await?;
         let states: Vec<String> = CANCELLABLE
             .iter()
@@ -232,15 +219,14 @@ async fn cancel_jobs_one_by_one(mut db: Db<'_>, filter: &JobFilter, limit: i32) 
             &narrowed,
         )
         .bind(limit)
-        .fetch_all(scope.conn())
+        .fetch_all(conn)
         .await?
         .iter()
         .map(|row| row.get(0))
         .collect();
-        Ok::<_, DbError>(ids)
-    }
-    .await;
-    let ids = scope.finish(out).await?;
+        Ok(ids)
+    })
+    .await?;
     let mut cancelled = 0;
     for id in &ids {
         if cancel(db.reborrow(), JobId(*id)).await?.is_some_and(|c| c.cancelled) {
@@ -260,17 +246,15 @@ pub async fn release_cancelled<'c>(
     msg_id: i64,
     read_ct: i32,
 ) -> Result<bool, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<bool, DbError> = async {
+    on(db.into(), async |conn| {
         Ok(query_scalar("SELECT lockgate.release_cancelled($1, $2, $3)")
             .bind(queue)
             .bind(msg_id)
             .bind(read_ct)
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Which of the deliveries `(msg_id, read_ct)` of `queue`, no longer there, were cancelled while
@@ -281,31 +265,25 @@ pub async fn cancelled_messages<'c>(
     queue: &str,
     lost: &[(i64, i32)],
 ) -> Result<Vec<i64>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<i64>, DbError> = async {
+    on(db.into(), async |conn| {
         let (ids, cts): (Vec<i64>, Vec<i32>) = lost.iter().copied().unzip();
         Ok(query_scalar("SELECT lockgate.cancelled_messages($1, $2, $3)")
             .bind(queue)
             .bind(ids)
             .bind(cts)
-            .fetch_all(scope.conn())
+            .fetch_all(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// `lockgate.discard_job(id)`: deletes a dead or parked job for good. `None` for an unknown id;
 /// otherwise the state the job was in and whether it was discarded (only dead and parked jobs are).
 pub async fn discard_job<'c>(db: impl Into<Db<'c>>, id: JobId) -> Result<Option<(String, bool)>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Option<(String, bool)>, DbError> = async {
-        let row: (Option<String>, bool) = query_as("SELECT state, discarded FROM lockgate.discard_job($1)")
-            .bind(id.0)
-            .fetch_one(scope.conn())
-            .await?;
+    on(db.into(), async |conn| {
+        let row: (Option<String>, bool) =
+            query_as("SELECT state, discarded FROM lockgate.discard_job($1)").bind(id.0).fetch_one(conn).await?;
         Ok(row.0.map(|state| (state, row.1)))
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }

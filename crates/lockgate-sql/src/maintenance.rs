@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::pooler::{query_scalar, Db, Scope};
+use crate::pooler::{on, query_scalar, Db};
 
 use crate::DbError;
 
@@ -13,43 +13,37 @@ pub async fn prune_archive<'c>(
     retention: Duration,
     max_rows: i32,
 ) -> Result<i64, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<i64, DbError> = async {
+    on(db.into(), async |conn| {
         Ok(query_scalar("SELECT lockgate.prune_archive($1, $2, $3)")
             .bind(queue)
             .bind(retention.as_secs_f64())
             .bind(max_rows)
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// `lockgate.reap_batches`: counts as failed the members of closed batches idle for `min_idle`
 /// whose job no longer exists (deleted outside lockgate); returns how many.
 pub async fn reap_batches<'c>(db: impl Into<Db<'c>>, min_idle: Duration) -> Result<i32, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<i32, DbError> = async {
+    on(db.into(), async |conn| {
         Ok(query_scalar("SELECT lockgate.reap_batches(make_interval(secs => $1))")
             .bind(min_idle.as_secs_f64())
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// `lockgate.reap_unique_locks`: deletes uniqueness locks older than `min_age` whose job no
 /// longer exists (deleted outside lockgate); returns how many.
 pub async fn reap_unique_locks<'c>(db: impl Into<Db<'c>>, min_age: Duration) -> Result<i32, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<i32, DbError> = async {
+    on(db.into(), async |conn| {
         Ok(query_scalar("SELECT lockgate.reap_unique_locks(make_interval(secs => $1))")
             .bind(min_age.as_secs_f64())
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }

@@ -15,7 +15,7 @@ use pgmq::install;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool, Row};
 
-use crate::pooler::{query, query_as, query_scalar, transaction_pooling, Scope};
+use crate::pooler::{on, query, query_as, query_scalar, transaction_pooling};
 
 use crate::DbError;
 
@@ -416,9 +416,7 @@ pub async fn pending_migrations(pool: &PgPool) -> Result<Vec<String>, DbError> {
 
 /// Refuses a database where lockgate or PGMQ is missing, older, newer, or whose functions differ.
 pub async fn check_schema(pool: &PgPool) -> Result<SchemaFit, DbError> {
-    let mut scope = Scope::open(pool.into()).await?;
-    let out = check_schema_on(scope.conn()).await;
-    scope.finish(out).await
+    on(pool.into(), check_schema_on).await
 }
 
 async fn check_schema_on(conn: &mut PgConnection) -> Result<SchemaFit, DbError> {

@@ -107,7 +107,7 @@ impl<'c> From<&'c mut PoolConnection<Postgres>> for Db<'c> {
 /// Where one of the SQL layer's functions runs its statements: the connection it was given or
 /// one taken from the pool it was given, or, under transaction pooling, a transaction on it (a
 /// savepoint if it is already in one) that [`Scope::finish`] commits.
-pub(crate) enum Scope<'c> {
+enum Scope<'c> {
     Owned(PoolConnection<Postgres>),
     Borrowed(&'c mut PgConnection),
     Pooled(Transaction<'c, Postgres>),
@@ -119,7 +119,7 @@ pub(crate) enum Scope<'c> {
 const SAVEPOINT: &str = "SAVEPOINT lockgate_scope";
 
 impl<'c> Scope<'c> {
-    pub(crate) async fn open(db: Db<'c>) -> Result<Self, DbError> {
+    async fn open(db: Db<'c>) -> Result<Self, DbError> {
         Ok(match (db, transaction_pooling()) {
             (Db::Pool(pool), false) => Self::Owned(pool.acquire().await?),
             (Db::Conn(conn) | Db::Idle(conn), false) => Self::Borrowed(conn),
@@ -137,7 +137,7 @@ impl<'c> Scope<'c> {
         })
     }
 
-    pub(crate) fn conn(&mut self) -> &mut PgConnection {
+    fn conn(&mut self) -> &mut PgConnection {
         match self {
             Self::Owned(conn) => conn,
             Self::Borrowed(conn) | Self::Savepoint(conn) => conn,
@@ -147,7 +147,7 @@ impl<'c> Scope<'c> {
 
     /// Commits a pooled scope whose work succeeded; one that failed rolls back (a transaction
     /// when dropped, a savepoint here).
-    pub(crate) async fn finish<T>(self, out: Result<T, DbError>) -> Result<T, DbError> {
+    async fn finish<T>(self, out: Result<T, DbError>) -> Result<T, DbError> {
         match (self, out) {
             (Self::Pooled(tx), Ok(value)) => {
                 tx.commit().await?;
@@ -165,6 +165,17 @@ impl<'c> Scope<'c> {
             (_, out) => out,
         }
     }
+}
+
+/// Runs `statements` on `db` in a [`Scope`]: committed (under transaction pooling) when they
+/// succeed, rolled back when they fail.
+pub(crate) async fn on<T>(
+    db: Db<'_>,
+    statements: impl AsyncFnOnce(&mut PgConnection) -> Result<T, DbError>,
+) -> Result<T, DbError> {
+    let mut scope = Scope::open(db).await?;
+    let out = statements(scope.conn()).await;
+    scope.finish(out).await
 }
 
 /// One statement without arguments (the simple protocol: one exchange, safe through a pooler),

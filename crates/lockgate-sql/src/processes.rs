@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::Row;
 
-use crate::pooler::{query, query_as, query_scalar, Db, Scope};
+use crate::pooler::{on, query, query_as, query_scalar, Db};
 
 use crate::DbError;
 
@@ -31,8 +31,7 @@ pub async fn register_process<'c>(
     supervisor_id: Option<i64>,
     metadata: &Value,
 ) -> Result<i64, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<i64, DbError> = async {
+    on(db.into(), async |conn| {
         Ok(query_scalar("SELECT lockgate.register_process($1, $2, $3, $4, $5, $6)")
             .bind(kind)
             .bind(name)
@@ -40,37 +39,28 @@ pub async fn register_process<'c>(
             .bind(pid)
             .bind(supervisor_id)
             .bind(metadata)
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Renews the given rows (with fresh metadata); returns the ids that still exist.
 pub async fn heartbeat_processes<'c>(db: impl Into<Db<'c>>, rows: &[(i64, Value)]) -> Result<Vec<i64>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<i64>, DbError> = async {
+    on(db.into(), async |conn| {
         let (ids, metadata): (Vec<i64>, Vec<Value>) = rows.iter().cloned().unzip();
-        Ok(query_scalar("SELECT lockgate.heartbeat_processes($1, $2)")
-            .bind(ids)
-            .bind(metadata)
-            .fetch_all(scope.conn())
-            .await?)
-    }
-    .await;
-    scope.finish(out).await
+        Ok(query_scalar("SELECT lockgate.heartbeat_processes($1, $2)").bind(ids).bind(metadata).fetch_all(conn).await?)
+    })
+    .await
 }
 
 /// Deletes a supervisor's row and, with it, its services' rows.
 pub async fn deregister_process<'c>(db: impl Into<Db<'c>>, supervisor_id: i64) -> Result<(), DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<(), DbError> = async {
-        query("SELECT lockgate.deregister_process($1)").bind(supervisor_id).execute(scope.conn()).await?;
+    on(db.into(), async |conn| {
+        query("SELECT lockgate.deregister_process($1)").bind(supervisor_id).execute(conn).await?;
         Ok(())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Prunes supervisors silent past `alive_threshold_seconds`; returns `(pruned id, jobs still in
@@ -79,27 +69,24 @@ pub async fn prune_processes<'c>(
     db: impl Into<Db<'c>>,
     alive_threshold_seconds: f64,
 ) -> Result<Vec<(i64, i64)>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<(i64, i64)>, DbError> = async {
+    on(db.into(), async |conn| {
         Ok(query_as("SELECT pruned_id, in_flight FROM lockgate.prune_processes($1)")
             .bind(alive_threshold_seconds)
-            .fetch_all(scope.conn())
+            .fetch_all(conn)
             .await?)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Every registered process, supervisors first, each followed by its services.
 pub async fn list_processes<'c>(db: impl Into<Db<'c>>) -> Result<Vec<ProcessRow>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<ProcessRow>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query(
             "SELECT id, kind, name, host, pid, supervisor_id, started_at,
                 extract(epoch FROM now() - last_heartbeat_at)::float8, metadata
            FROM lockgate.processes ORDER BY COALESCE(supervisor_id, id), supervisor_id NULLS FIRST, id",
         )
-        .fetch_all(scope.conn())
+        .fetch_all(conn)
         .await?;
         Ok(rows
             .iter()
@@ -115,7 +102,6 @@ pub async fn list_processes<'c>(db: impl Into<Db<'c>>) -> Result<Vec<ProcessRow>
                 metadata: r.get(8),
             })
             .collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }

@@ -7,7 +7,7 @@ use lockgate_core::RecurringTask;
 use serde_json::Value;
 use sqlx::{PgPool, Row};
 
-use crate::pooler::{query, query_scalar, Db, Scope};
+use crate::pooler::{on, query, query_scalar, Db};
 
 use crate::DbError;
 
@@ -74,8 +74,7 @@ pub async fn define_recurring<'c>(
     task: &RecurringTask,
     source: RecurringSource,
 ) -> Result<(), DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<(), DbError> = async {
+    on(db.into(), async |conn| {
         query("SELECT lockgate.define_recurring($1, $2, $3, $4, $5, $6, $7, $8)")
             .bind(&task.name)
             .bind(&task.cron)
@@ -85,12 +84,11 @@ pub async fn define_recurring<'c>(
             .bind(task.options())
             .bind(task.enabled)
             .bind(source.as_str())
-            .execute(scope.conn())
+            .execute(conn)
             .await?;
         Ok(())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Makes the database's config-owned tasks exactly `tasks`, in one transaction: defines each,
@@ -109,34 +107,30 @@ pub async fn sync_config_recurring(db: &PgPool, tasks: &[RecurringTask]) -> Resu
 
 /// Enables or disables a task; `DbError::UnknownRecurringTask` names an unknown one.
 pub async fn set_recurring_enabled<'c>(db: impl Into<Db<'c>>, name: &str, enabled: bool) -> Result<(), DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<(), DbError> = async {
-        query("SELECT lockgate.set_recurring_enabled($1, $2)").bind(name).bind(enabled).execute(scope.conn()).await?;
+    on(db.into(), async |conn| {
+        query("SELECT lockgate.set_recurring_enabled($1, $2)").bind(name).bind(enabled).execute(conn).await?;
         Ok(())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Deletes a task and its ticks; false if there was none.
 pub async fn remove_recurring<'c>(db: impl Into<Db<'c>>, name: &str) -> Result<bool, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<bool, DbError> =
-        async { Ok(query_scalar("SELECT lockgate.remove_recurring($1)").bind(name).fetch_one(scope.conn()).await?) }
-            .await;
-    scope.finish(out).await
+    on(db.into(), async |conn| {
+        Ok(query_scalar("SELECT lockgate.remove_recurring($1)").bind(name).fetch_one(conn).await?)
+    })
+    .await
 }
 
 /// Every task, by name.
 pub async fn list_recurring<'c>(db: impl Into<Db<'c>>) -> Result<Vec<RecurringRow>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<RecurringRow>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query(
             "SELECT name, cron, timezone, job_type, args, options, enabled, source, active_since, last_tick_at,
                 last_job_id, last_status, last_error
            FROM lockgate.list_recurring()",
         )
-        .fetch_all(scope.conn())
+        .fetch_all(conn)
         .await?;
         Ok(rows
             .iter()
@@ -156,9 +150,8 @@ pub async fn list_recurring<'c>(db: impl Into<Db<'c>>) -> Result<Vec<RecurringRo
                 last_error: r.get(12),
             })
             .collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Enqueues the job of `task`'s tick at `tick_at`, unless that tick (or a later one) was
@@ -168,24 +161,19 @@ pub async fn enqueue_recurring_tick<'c>(
     task: &str,
     tick_at: DateTime<Utc>,
 ) -> Result<TickOutcome, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<TickOutcome, DbError> = async {
+    on(db.into(), async |conn| {
         let row = query("SELECT status, job_id, error FROM lockgate.enqueue_recurring_tick($1, $2)")
             .bind(task)
             .bind(tick_at)
-            .fetch_one(scope.conn())
+            .fetch_one(conn)
             .await?;
         Ok(TickOutcome { status: row.get(0), job_id: row.get(1), error: row.get(2) })
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// The database's clock (`now()`): the scheduler's clock, so that every process computes the
 /// same ticks whatever its own clock says.
 pub async fn database_now<'c>(db: impl Into<Db<'c>>) -> Result<DateTime<Utc>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<DateTime<Utc>, DbError> =
-        async { Ok(query_scalar("SELECT now()").fetch_one(scope.conn()).await?) }.await;
-    scope.finish(out).await
+    on(db.into(), async |conn| Ok(query_scalar("SELECT now()").fetch_one(conn).await?)).await
 }

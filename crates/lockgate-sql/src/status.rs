@@ -2,7 +2,7 @@
 
 use sqlx::Row;
 
-use crate::pooler::{query, query_scalar, Db, Scope};
+use crate::pooler::{on, query, query_scalar, Db};
 
 use crate::DbError;
 
@@ -21,12 +21,11 @@ pub struct QueueStats {
 }
 
 pub async fn queue_stats<'c>(db: impl Into<Db<'c>>) -> Result<Vec<QueueStats>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<QueueStats>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query(
             "SELECT queue, ready, scheduled, running, dead, oldest_ready_seconds, paused FROM lockgate.queue_stats()",
         )
-        .fetch_all(scope.conn())
+        .fetch_all(conn)
         .await?;
         Ok(rows
             .iter()
@@ -40,9 +39,8 @@ pub async fn queue_stats<'c>(db: impl Into<Db<'c>>) -> Result<Vec<QueueStats>, D
                 paused: r.get(6),
             })
             .collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// Uniqueness locks held, per job type and mode (`lockgate.unique_lock_stats`).
@@ -56,18 +54,16 @@ pub struct UniqueLockStats {
 }
 
 pub async fn unique_lock_stats<'c>(db: impl Into<Db<'c>>) -> Result<Vec<UniqueLockStats>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<UniqueLockStats>, DbError> = async {
+    on(db.into(), async |conn| {
         let rows = query("SELECT job_type, mode, held, oldest_seconds FROM lockgate.unique_lock_stats()")
-            .fetch_all(scope.conn())
+            .fetch_all(conn)
             .await?;
         Ok(rows
             .iter()
             .map(|r| UniqueLockStats { job_type: r.get(0), mode: r.get(1), held: r.get(2), oldest_seconds: r.get(3) })
             .collect())
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
 
 /// One queue's jobs finished in the last minute and hour (`lockgate.queue_throughput`).
@@ -85,28 +81,27 @@ pub struct QueueThroughput {
 
 /// The throughput of every queue, reading at most `max_rows` archive index entries per queue.
 pub async fn queue_throughput<'c>(db: impl Into<Db<'c>>, max_rows: i32) -> Result<Vec<QueueThroughput>, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<Vec<QueueThroughput>, DbError> = async {
-    let rows = query(
-        "SELECT queue, succeeded_last_minute, succeeded_last_hour, succeeded_capped, failed_last_minute, failed_last_hour
-           FROM lockgate.queue_throughput($1)",
-    )
-    .bind(max_rows)
-    .fetch_all(scope.conn())
-    .await?;
-    Ok(rows
-        .iter()
-        .map(|r| QueueThroughput {
-            queue: r.get(0),
-            succeeded_last_minute: r.get(1),
-            succeeded_last_hour: r.get(2),
-            succeeded_capped: r.get(3),
-            failed_last_minute: r.get(4),
-            failed_last_hour: r.get(5),
-        })
-        .collect())
-}.await;
-    scope.finish(out).await
+    on(db.into(), async |conn| {
+        let rows = query(
+            "SELECT queue, succeeded_last_minute, succeeded_last_hour, succeeded_capped, failed_last_minute, failed_last_hour
+               FROM lockgate.queue_throughput($1)",
+        )
+        .bind(max_rows)
+        .fetch_all(conn)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| QueueThroughput {
+                queue: r.get(0),
+                succeeded_last_minute: r.get(1),
+                succeeded_last_hour: r.get(2),
+                succeeded_capped: r.get(3),
+                failed_last_minute: r.get(4),
+                failed_last_hour: r.get(5),
+            })
+            .collect())
+    })
+    .await
 }
 
 /// What `/metrics` reports from the database, read once per interval
@@ -149,12 +144,10 @@ pub struct ProcessCount {
 
 /// Every gauge of `/metrics` in one statement; keys past the `max_keys` busiest are summed.
 pub async fn metrics_snapshot<'c>(db: impl Into<Db<'c>>, max_keys: i32) -> Result<MetricsSnapshot, DbError> {
-    let mut scope = Scope::open(db.into()).await?;
-    let out: Result<MetricsSnapshot, DbError> = async {
+    on(db.into(), async |conn| {
         let snapshot: sqlx::types::Json<MetricsSnapshot> =
-            query_scalar("SELECT lockgate.metrics_snapshot($1)").bind(max_keys).fetch_one(scope.conn()).await?;
+            query_scalar("SELECT lockgate.metrics_snapshot($1)").bind(max_keys).fetch_one(conn).await?;
         Ok(snapshot.0)
-    }
-    .await;
-    scope.finish(out).await
+    })
+    .await
 }
