@@ -12,9 +12,11 @@
 -- Takes key for job (queue, job_id) with its current message msg_id (NULL while parked), and
 -- returns NULL; or returns the id of the job holding it. The owner taking its own key again (a
 -- redelivered while_executing job: the same job on the same message) takes it back; a message
--- that only copies another job's id in its headers is not that job. Never locks another
--- job's lock row: a producer that meets a duplicate holds nothing that delays its holder's
--- completion. Waits only for a transaction inserting or deleting the same key.
+-- that only copies another job's id in its headers is not that job. A lock kept for a cancelled
+-- job's handler (held_until, sql/045_cancel.sql) is free once held_until has passed: by then the
+-- handler's worker has stopped it (H27). Never locks a live holder's lock row: a producer that
+-- meets a duplicate holds nothing that delays its holder's completion. Waits only for a
+-- transaction inserting or deleting the same key.
 CREATE OR REPLACE FUNCTION lockgate._take_unique(key text, mode text, job_type text, queue text, job_id bigint, msg_id bigint)
 RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE
@@ -30,8 +32,14 @@ BEGIN
         IF taken THEN
             RETURN NULL;
         END IF;
-        SELECT u.queue, u.job_id, u.msg_id INTO holder FROM lockgate.unique_locks u WHERE u.key = _take_unique.key;
+        SELECT u.queue, u.job_id, u.msg_id, u.held_until INTO holder FROM lockgate.unique_locks u WHERE u.key = _take_unique.key;
         IF FOUND THEN
+            IF holder.held_until <= clock_timestamp() THEN
+                -- The cancelled holder's handler has stopped: its lock goes (re-checked under the
+                -- row's lock, so a new owner's row is never deleted), and the key is tried again.
+                DELETE FROM lockgate.unique_locks u WHERE u.key = _take_unique.key AND u.held_until <= clock_timestamp();
+                CONTINUE;
+            END IF;
             IF holder.queue = _take_unique.queue AND holder.job_id = _take_unique.job_id
                AND holder.msg_id IS NOT DISTINCT FROM _take_unique.msg_id THEN
                 UPDATE lockgate.unique_locks u SET msg_id = _take_unique.msg_id, acquired_at = now()
@@ -121,7 +129,8 @@ END $$;
 -- outside lockgate (pgmq.delete, pgmq.archive). Only locks older than min_age, so a lock is
 -- never judged before the transaction that took it has long committed; and since every step
 -- that moves a job to a new message refreshes its lock's acquired_at in the same transaction,
--- a lock judged by a message it no longer names is kept. A lock of a queue whose table is gone
+-- a lock judged by a message it no longer names is kept. A cancelled job's lock (its message
+-- archived by the cancel) goes as soon as its held_until has passed, whatever its age. A lock of a queue whose table is gone
 -- cannot be judged, and is kept. One statement per queue, skipping rows other transactions
 -- hold. Returns how many locks it deleted.
 -- Locks: unique lock rows (SKIP LOCKED). Callers: the maintenance service, operators.
@@ -133,12 +142,13 @@ DECLARE
     reaped integer := 0;
 BEGIN
     FOR q IN SELECT DISTINCT u.queue FROM lockgate.unique_locks u
-              WHERE u.acquired_at < now() - min_age AND u.queue IN (SELECT lockgate._live_queues())
+              WHERE (u.acquired_at < now() - min_age OR u.held_until < now())
+                AND u.queue IN (SELECT lockgate._live_queues())
               ORDER BY u.queue LOOP
         EXECUTE format(
             'WITH doomed AS (
                  SELECT u.key FROM lockgate.unique_locks u
-                  WHERE u.queue = $1 AND u.acquired_at < now() - $2
+                  WHERE u.queue = $1 AND (u.acquired_at < now() - $2 OR u.held_until < now())
                     AND NOT EXISTS (SELECT 1 FROM %1$s m WHERE m.msg_id = u.msg_id)
                     AND NOT EXISTS (SELECT 1 FROM %1$s m WHERE m.msg_id = u.job_id)
                     AND NOT EXISTS (SELECT 1 FROM lockgate.parked p WHERE p.job_id = u.job_id)

@@ -3,15 +3,17 @@
 --
 -- A job in a queue table (queued, scheduled, retrying, running) has its message deleted and
 -- archived, not fenced on a delivery: whichever delivery holds it loses it. In the same
--- transaction, as a completion does, its uniqueness lock is released and its batch counted as
--- failed, and a job that was not running gives its permit back (the next parked job of its key
--- is promoted). A running job keeps its permit until its handler has stopped (G3: a permit is
--- never free while a handler of the key may still run; a while_executing lock, a courtesy
--- rather than a guarantee, is released at once rather than leak with a dead worker): its
--- worker, told by its next heartbeat (which finds the message gone, reported as cancelled), stops
--- the handler and then gives them back through lockgate.release_cancelled; if that worker is
--- dead, the lease runs out within its silence budget and the sweep frees it, as for any lease
--- whose message is gone (sql/080_sweep.sql). The cancelled delivery's late completion, retry or
+-- transaction, as a completion does, its batch is counted as failed, and a job that was not
+-- running gives back its permit (the next parked job of its key is promoted) and its uniqueness
+-- lock. A running job keeps its permit and its while_executing lock until its handler has
+-- stopped (G3: a permit is never free while a handler of the key may still run, and no second
+-- job of a while_executing key starts beside it): its worker, told by its next heartbeat (which
+-- finds the message gone, reported as cancelled), stops the handler and then gives them back
+-- through lockgate.release_cancelled. If that worker is dead, the lease runs out within its
+-- silence budget and the sweep frees it, as for any lease whose message is gone
+-- (sql/080_sweep.sql), and the lock is free once the delivery's visibility at the cancel has
+-- passed (held_until: its worker's watchdog stops the handler before then, H27). An
+-- until_executed lock is released at once: it guards enqueues, not runs. The cancelled delivery's late completion, retry or
 -- return changes nothing (fenced on the queue table, where its row no longer is). A cancel racing
 -- a completion deletes the same row: one of them wins, the other finds nothing. A running attempt
 -- that had started is recorded in the job's attempts with outcome cancelled.
@@ -32,6 +34,7 @@ DECLARE
     p lockgate.parked;
     gone_id bigint;
     gone_headers jsonb;
+    gone_vt timestamptz;
 BEGIN
     id := job_id;
     -- A job can move between the lookup and the delete (a completion archived it, a promotion
@@ -63,9 +66,9 @@ BEGIN
                    FROM gone g
                   CROSS JOIN LATERAL (SELECT CASE WHEN jsonb_typeof(g.headers) = ''object'' THEN g.headers
                                                   ELSE jsonb_build_object(''original_headers'', g.headers) END AS headers) h
-                 RETURNING msg_id, headers',
+                 RETURNING msg_id, headers, vt',
                 lockgate._queue_table(j.queue, 'q'), lockgate._queue_table(j.queue, 'a'))
-               INTO gone_id, gone_headers
+               INTO gone_id, gone_headers, gone_vt
               USING j.msg_id;
             IF gone_id IS NULL THEN
                 CONTINUE;
@@ -76,7 +79,11 @@ BEGIN
             IF gone_headers ? 'ckey' AND gone_headers->>'cancelled_in' <> 'running' THEN
                 PERFORM lockgate._release_leases(j.queue, ARRAY[gone_id]);
             END IF;
-            IF gone_headers ? 'ukey' OR gone_headers ? 'wkey' THEN
+            IF gone_headers ? 'wkey' AND gone_headers->>'cancelled_in' = 'running' THEN
+                -- Kept for its handler: until release_cancelled, or until its visibility ends.
+                UPDATE lockgate.unique_locks u SET held_until = gone_vt
+                 WHERE u.queue = j.queue AND u.job_id = j.id AND u.msg_id = gone_id AND u.mode = 'while_executing';
+            ELSIF gone_headers ? 'ukey' OR gone_headers ? 'wkey' THEN
                 PERFORM lockgate._release_unique(j.queue, ARRAY[j.id], ARRAY[gone_id]);
             END IF;
             IF gone_headers ? 'batch' THEN
@@ -152,16 +159,18 @@ BEGIN
     END LOOP;
 END $$;
 
--- Gives back the permit of a cancelled running delivery, once its handler has stopped: its
--- worker calls it after it learned of the cancel. Fenced on the delivery that was running when the
--- job was cancelled (the archived message's msg_id and read_ct, with cancelled_in running): any
--- other delivery, or a second call, releases nothing. Returns whether it released a permit.
--- Locks: the lease row, then the key's semaphore row (it may wait for a producer holding it), as
--- a completion. Callers: the worker, after a cancelled handler ended.
+-- Gives back the permit and the while_executing lock of a cancelled running delivery, once its
+-- handler has stopped: its worker calls it after it learned of the cancel. Fenced on the delivery
+-- that was running when the job was cancelled (the archived message's msg_id and read_ct, with
+-- cancelled_in running): any other delivery, or a second call, releases nothing. Returns whether
+-- it released anything.
+-- Locks: the lease row, then the key's semaphore row (it may wait for a producer holding it),
+-- then the unique lock row, as a completion. Callers: the worker, after a cancelled handler ended.
 CREATE OR REPLACE FUNCTION lockgate.release_cancelled(queue text, msg_id bigint, read_ct integer)
 RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
     h jsonb;
+    released boolean := false;
 BEGIN
     IF queue NOT IN (SELECT lockgate._live_queues()) THEN
         RETURN false;
@@ -169,16 +178,24 @@ BEGIN
     EXECUTE format('SELECT a.headers FROM %s a WHERE a.msg_id = $1 AND a.read_ct = $2', lockgate._queue_table(queue, 'a'))
        INTO h
       USING msg_id, read_ct;
-    IF jsonb_typeof(h) IS DISTINCT FROM 'object' OR h->>'cancelled_in' IS DISTINCT FROM 'running' OR NOT h ? 'ckey' THEN
+    IF jsonb_typeof(h) IS DISTINCT FROM 'object' OR h->>'cancelled_in' IS DISTINCT FROM 'running' THEN
         RETURN false;
     END IF;
-    PERFORM 1 FROM lockgate.leases l
-      WHERE l.queue = release_cancelled.queue AND l.msg_id = release_cancelled.msg_id FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN false;
+    IF h ? 'ckey' THEN
+        PERFORM 1 FROM lockgate.leases l
+          WHERE l.queue = release_cancelled.queue AND l.msg_id = release_cancelled.msg_id FOR UPDATE;
+        IF FOUND THEN
+            PERFORM lockgate._release_leases(queue, ARRAY[msg_id]);
+            released := true;
+        END IF;
     END IF;
-    PERFORM lockgate._release_leases(queue, ARRAY[msg_id]);
-    RETURN true;
+    IF h ? 'wkey' THEN
+        DELETE FROM lockgate.unique_locks u
+         WHERE u.queue = release_cancelled.queue AND u.job_id = COALESCE(lockgate._job_id_of(h), release_cancelled.msg_id)
+           AND u.msg_id = release_cancelled.msg_id AND u.mode = 'while_executing' AND u.held_until IS NOT NULL;
+        released := released OR FOUND;
+    END IF;
+    RETURN released;
 END $$;
 
 -- Which of the deliveries (msg_ids[i], read_cts[i]) of queue the heartbeat found gone were

@@ -208,23 +208,37 @@ impl Job for Wait {
     }
 }
 
-/// Job 1 waits for its cancellation; job 2, of the same limit-1 key, records its start.
-#[tokio::test]
-async fn a_running_handler_is_cancelled_through_its_heartbeat_and_the_next_job_starts_only_after_it_ended() {
-    let db = TestDb::migrated().await.unwrap();
-    let client = Client::new(db.pool.clone());
-    client.define::<Wait>().await.unwrap();
-    let id = client.enqueue(&Wait { n: 1 }).await.unwrap().job_id;
-    client.enqueue(&Wait { n: 2 }).await.unwrap();
-    let events = Arc::new(Mutex::new(Vec::<String>::new()));
-    let mut registry = Registry::new();
-    let seen = Arc::clone(&events);
+/// As `Wait`, but unlimited: one run at a time only through its while_executing key (the soak's
+/// overlap of seed 17377274692953123380: the cancel released the key while the handler ran).
+#[derive(Serialize, Deserialize)]
+struct WaitAlone {
+    n: u32,
+}
+
+impl Job for WaitAlone {
+    const TYPE: &'static str = "wait_alone";
+    fn policy() -> JobPolicy {
+        let mut policy = JobPolicy::on_queue(queue("default"));
+        policy.max_attempts = 1;
+        policy.unique = Some(lockgate::UniquePolicy::new(lockgate::UniqueMode::WhileExecuting));
+        policy
+    }
+}
+
+/// Registers a handler for `J` in which job 1 waits for its cancellation and job 2 records its
+/// start; the events go to `seen`.
+fn waiting_handler<J: Job + Send + 'static>(
+    registry: &mut Registry,
+    seen: Arc<Mutex<Vec<String>>>,
+    n_of: fn(&J) -> u32,
+) {
     registry
-        .register::<Wait, _>(move |ctx: JobContext, job: Wait| {
+        .register::<J, _>(move |ctx: JobContext, job: J| {
             let seen = Arc::clone(&seen);
+            let n = n_of(&job);
             async move {
-                seen.lock().unwrap().push(format!("start {}", job.n));
-                if job.n == 1 {
+                seen.lock().unwrap().push(format!("start {n}"));
+                if n == 1 {
                     ctx.cancelled().await;
                     let reason = ctx.cancel_reason().map_or("none".to_string(), |r| r.to_string());
                     seen.lock().unwrap().push(format!("end 1: {reason}"));
@@ -234,26 +248,80 @@ async fn a_running_handler_is_cancelled_through_its_heartbeat_and_the_next_job_s
             }
         })
         .unwrap();
-    let pools = vec![lockgate::PoolConfig::new("test", vec![queue("default")], 2)];
-    let runtime = lockgate::Runtime::new(db.new_pool(2).await.unwrap(), test_config(), registry, pools).unwrap();
-    let metrics = runtime.metrics();
-    let running = Running::spawn(runtime);
-    let events_now = || events.lock().unwrap().clone();
-    wait_for("job 1 to start", WAIT, || async { Ok((events_now() == ["start 1"]).then_some(())) }).await.unwrap();
-    let outcome = client.cancel(id).await.unwrap().unwrap();
-    assert_eq!((outcome.state.as_str(), outcome.cancelled), ("running", true));
-    wait_for("job 2 to run", WAIT, || async { Ok((events_now().len() == 3).then_some(())) }).await.unwrap();
-    assert_eq!(events_now(), ["start 1", "end 1: cancelled", "start 2"], "never both at once (G3)");
-    running.stop().await;
-    let text = metrics.encode();
-    assert!(
-        text.lines().any(|l| l == r#"lockgate_jobs_cancelled_total{queue="default",job_type="wait"} 1"#),
-        "the stopped handler is counted once:\n{text}"
-    );
-    assert_eq!(state_of(&db, id.0).await, "cancelled", "its failed return wrote nothing");
-    let dead: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
-    assert_eq!(dead, 0, "never dead-lettered");
-    assert_eq!(permits(&db).await, (0, 0, vec![]));
+}
+
+/// Job 1 waits for its cancellation; job 2, of the same key (a limit-1 concurrency key, then a
+/// while_executing key of an unlimited type), records its start: it must not start before job 1's
+/// handler ended.
+#[tokio::test]
+async fn a_running_handler_is_cancelled_through_its_heartbeat_and_the_next_job_starts_only_after_it_ended() {
+    for limited in [true, false] {
+        let db = TestDb::migrated().await.unwrap();
+        let client = Client::new(db.pool.clone());
+        let events = Arc::new(Mutex::new(Vec::<String>::new()));
+        let mut registry = Registry::new();
+        let (id, job_type) = if limited {
+            client.define::<Wait>().await.unwrap();
+            let id = client.enqueue(&Wait { n: 1 }).await.unwrap().job_id;
+            client.enqueue(&Wait { n: 2 }).await.unwrap();
+            waiting_handler::<Wait>(&mut registry, Arc::clone(&events), |j| j.n);
+            (id, Wait::TYPE)
+        } else {
+            client.define::<WaitAlone>().await.unwrap();
+            let id = client.enqueue(&WaitAlone { n: 1 }).await.unwrap().job_id;
+            client.enqueue(&WaitAlone { n: 2 }).await.unwrap();
+            waiting_handler::<WaitAlone>(&mut registry, Arc::clone(&events), |j| j.n);
+            (id, WaitAlone::TYPE)
+        };
+        // The heartbeat tells job 1 of its cancel up to a second later; claims come every 50 ms.
+        let config = lockgate::RuntimeConfig {
+            visibility_timeout: std::time::Duration::from_secs(3),
+            heartbeat_interval: std::time::Duration::from_secs(1),
+            poll_interval: std::time::Duration::from_millis(50),
+            ..test_config()
+        };
+        let pools = vec![lockgate::PoolConfig::new("test", vec![queue("default")], 2)];
+        let runtime = lockgate::Runtime::new(db.new_pool(2).await.unwrap(), config, registry, pools).unwrap();
+        let metrics = runtime.metrics();
+        let running = Running::spawn(runtime);
+        let events_now = || events.lock().unwrap().clone();
+        wait_for("job 1 to start", WAIT, || async { Ok((events_now() == ["start 1"]).then_some(())) }).await.unwrap();
+        if limited {
+            let outcome = client.cancel(id).await.unwrap().unwrap();
+            assert_eq!((outcome.state.as_str(), outcome.cancelled), ("running", true));
+        } else {
+            // Job 2, put back while job 1 holds the key, is visible again the instant the cancel
+            // commits: the next claim must still not start it beside job 1's handler.
+            let mut tx = db.pool.begin().await.unwrap();
+            assert_eq!(cancel(&mut *tx, id.0).await, Some(("running".to_string(), true)));
+            sqlx::query("UPDATE pgmq.q_default SET vt = clock_timestamp() WHERE msg_id <> $1")
+                .bind(id.0)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+        }
+        wait_for("job 2 to run", WAIT, || async { Ok((events_now().len() == 3).then_some(())) }).await.unwrap();
+        assert_eq!(
+            events_now(),
+            ["start 1", "end 1: cancelled", "start 2"],
+            "never both at once (G3; limited: {limited})"
+        );
+        running.stop().await;
+        let text = metrics.encode();
+        let line = format!(r#"lockgate_jobs_cancelled_total{{queue="default",job_type="{job_type}"}} 1"#);
+        assert!(text.lines().any(|l| l == line), "the stopped handler is counted once:\n{text}");
+        assert_eq!(state_of(&db, id.0).await, "cancelled", "its failed return wrote nothing");
+        let dead: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+        assert_eq!(dead, 0, "never dead-lettered");
+        if limited {
+            assert_eq!(permits(&db).await, (0, 0, vec![]));
+        }
+        let locks: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM lockgate.unique_locks").fetch_one(&db.pool).await.unwrap();
+        assert_eq!(locks, 0, "every lock given back");
+    }
 }
 
 #[tokio::test]
@@ -320,10 +388,76 @@ async fn jobs_are_found_by_every_filter_and_cancelled_by_query() {
     assert_eq!(by(filter(|f| f.states = vec!["cancelled".into()])).await, vec![a[1], a[0]]);
 }
 
-/// From the second review: a cancelled running job's while_executing lock does not wait for its
-/// worker (nor leak with it), its live lease is no doctor alarm, it is no success in the
-/// throughput, and a parked job of a queue dropped behind lockgate's back can still be cancelled,
-/// kept with the dead letters.
+/// A cancelled running job's while_executing lock is kept while its handler may run: a job of
+/// the same key is not started beside it (the soak's overlap of seed 17377274692953123380), and
+/// its worker gives the lock back once the handler ended; a dead worker's lock is free once the
+/// cancelled delivery's visibility has passed (and the reaper takes it then), so it never leaks.
+#[tokio::test]
+async fn a_cancelled_running_job_keeps_its_while_executing_key_until_its_handler_stopped() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('w', unique_mode => 'while_executing', unique_key => ARRAY['u'])")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let lock = || async {
+        sqlx::query_as::<_, (i64, bool)>("SELECT job_id, held_until IS NOT NULL FROM lockgate.unique_locks")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap()
+    };
+    // Put-back jobs are visible again at once, as a second later.
+    let visible_now = || async {
+        sqlx::query("UPDATE pgmq.q_default SET vt = clock_timestamp() WHERE vt > clock_timestamp() AND headers ? 'retry_at'")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    };
+    for worker_alive in [true, false] {
+        let first = enqueue(&db, "w", r#"{"u": 1}"#, "{}").await;
+        let second = enqueue(&db, "w", r#"{"u": 1}"#, "{}").await;
+        let d = claim(&db, 5).await;
+        assert_eq!(d.len(), 1, "one run of the key at a time: {d:?}");
+        assert_eq!(cancel(&db.pool, first).await, Some(("running".to_string(), true)));
+        assert_eq!(lock().await, vec![(first, true)], "kept for the handler that may still run");
+        visible_now().await;
+        assert_eq!(claim(&db, 5).await, vec![], "not started beside the cancelled handler (worker alive: {worker_alive})");
+        assert_eq!(state_of(&db, second).await, "retrying", "put back, a return");
+        let reaped: i32 =
+            sqlx::query_scalar("SELECT lockgate.reap_unique_locks()").fetch_one(&db.pool).await.unwrap();
+        assert_eq!(reaped, 0, "not reaped while the handler may run");
+        if worker_alive {
+            assert!(release_cancelled(&db, d[0]).await, "its worker gives the key back");
+            assert!(!release_cancelled(&db, d[0]).await, "once");
+        } else {
+            // The worker died: its watchdog stopped the handler by the end of the visibility it
+            // had when it was cancelled.
+            sqlx::query("UPDATE lockgate.unique_locks SET held_until = clock_timestamp() - interval '1 second'")
+                .execute(&db.pool)
+                .await
+                .unwrap();
+        }
+        visible_now().await;
+        let next = claim(&db, 5).await;
+        assert_eq!(next.len(), 1, "the next job of the key runs (worker alive: {worker_alive})");
+        assert_eq!(lock().await, vec![(second, false)]);
+        assert!(common::complete_default(&db.pool, next[0]).await);
+        assert_eq!(lock().await, vec![]);
+    }
+    // A dead worker's lock with no job waiting for the key: the reaper takes it once it is free.
+    let alone = enqueue(&db, "w", r#"{"u": 2}"#, "{}").await;
+    claim(&db, 1).await;
+    assert_eq!(cancel(&db.pool, alone).await, Some(("running".to_string(), true)));
+    sqlx::query("UPDATE lockgate.unique_locks SET held_until = clock_timestamp() - interval '1 second'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let reaped: i32 = sqlx::query_scalar("SELECT lockgate.reap_unique_locks()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!((reaped, lock().await), (1, vec![]));
+}
+
+/// From the second review: a cancelled running job's live lease is no doctor alarm, it is no
+/// success in the throughput, and a parked job of a queue dropped behind lockgate's back can
+/// still be cancelled, kept with the dead letters.
 #[tokio::test]
 async fn cancel_leaves_no_lock_behind_raises_no_alarm_and_counts_no_success() {
     let db = TestDb::migrated().await.unwrap();
@@ -341,7 +475,6 @@ async fn cancel_leaves_no_lock_behind_raises_no_alarm_and_counts_no_success() {
     };
     assert_eq!(locks().await, 1, "taken by the claim");
     assert_eq!(cancel(&db.pool, running).await, Some(("running".to_string(), true)));
-    assert_eq!(locks().await, 0, "released by the cancel, not left to the worker");
     let verdict: String =
         sqlx::query_scalar("SELECT verdict FROM lockgate.doctor() WHERE check_name = 'orphaned_leases'")
             .fetch_one(&db.pool)
@@ -354,6 +487,7 @@ async fn cancel_leaves_no_lock_behind_raises_no_alarm_and_counts_no_success() {
         .unwrap();
     assert_eq!(succeeded, 0, "a cancelled job is archived, not succeeded");
     assert!(release_cancelled(&db, d).await);
+    assert_eq!(locks().await, 0, "given back with the permit");
     // A parked job whose queue was dropped behind lockgate's back.
     sqlx::query("SELECT lockgate.define_job_type('gone', queue => 'doomed', concurrency_limit => 1)")
         .execute(&db.pool)
