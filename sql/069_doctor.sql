@@ -216,7 +216,8 @@ END $$;
 -- Keys with parked jobs and room for one of them now: what the sweep promotes (the condition is
 -- the sweep's own, sql/080_sweep.sql: no semaphore row, a type gone or no longer limited, or
 -- fewer permits held than the type's current limit). Seen for a moment after a holder's lease
--- is freed; one that stays means no sweep runs. One row for all of them.
+-- is freed, or for one round of the sweep's repair when no release touched the key; one that
+-- stays means no sweep runs. One row for all of them.
 CREATE OR REPLACE FUNCTION lockgate._doctor_parked()
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE sql STABLE AS $$
@@ -236,7 +237,8 @@ LANGUAGE sql STABLE AS $$
                                             lockgate._doctor_secs(now() - l.oldest)), '; ' ORDER BY l.oldest)
                      FROM listed l),
                   CASE WHEN (SELECT count(*) FROM roomy) > 5 THEN '; …' ELSE '' END),
-           'the sweep promotes them within sweep_interval (5 s by default); if they stay, no sweep is running: '
+           'the sweep promotes them within sweep_interval (5 s by default), or within one round of its repair '
+           '(a pass per 256 keys with parked jobs) when no release touched them; if they stay, no sweep is running: '
            'start lockgate run (or check its log for failed sweep ticks), or SELECT * FROM lockgate.sweep()'
      WHERE EXISTS (SELECT 1 FROM roomy)
     UNION ALL

@@ -436,6 +436,47 @@ async fn h15_thousands_of_held_keys_cannot_starve_a_key_whose_holder_died() {
     assert!(violations.is_empty(), "{violations:?}");
 }
 
+/// The sweep's repair costs the same with any backlog (issue 14): a key with room and parked
+/// jobs that nothing released (here: a permit given back outside any release, as a claim that
+/// re-keys its job does) is found by the round-robin, at most 256 keys per pass, within one round
+/// over every key with parked jobs; the passes before it promote nothing and move the cursor on.
+#[tokio::test]
+async fn the_sweeps_repair_looks_at_a_bounded_window_per_pass_and_reaches_every_key_in_a_round() {
+    let (db, client) = setup(1).await;
+    // 600 keys, each held and with a job parked behind it.
+    let jobs: Vec<serde_json::Value> = (0..600).map(|a| json!({ "account": a })).collect();
+    client.enqueue_many_raw(TYPE, &jobs, &EnqueueOptions::default()).await.unwrap();
+    client.enqueue_many_raw(TYPE, &jobs, &EnqueueOptions::default()).await.unwrap();
+    // The first pass after the migration looks at every key (nothing to do here).
+    assert_eq!(sweep(&db.pool, 1000, None).await.unwrap().promoted, 0);
+    let full: bool = sqlx::query_scalar("SELECT full_scan FROM lockgate.sweep_state").fetch_one(&db.pool).await.unwrap();
+    assert!(!full, "a pass that found fewer than max_keys ends the full scan");
+    // Keys sort as text: "limited:[599]" is the 557th of 600, so the third window of 256 reaches it.
+    sqlx::query(
+        "WITH gone AS (DELETE FROM lockgate.leases WHERE key = $1 RETURNING key)
+         UPDATE lockgate.semaphores s SET value = s.value - 1 FROM gone WHERE s.key = gone.key",
+    )
+    .bind(key(599))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut cursors = Vec::new();
+    for pass in 1..=3 {
+        let promoted = sweep(&db.pool, 1000, None).await.unwrap().promoted;
+        let cursor: Option<String> =
+            sqlx::query_scalar("SELECT cursor_key FROM lockgate.sweep_state").fetch_one(&db.pool).await.unwrap();
+        cursors.push(cursor);
+        assert_eq!(promoted, i32::from(pass == 3), "pass {pass}: cursors {cursors:?}");
+    }
+    assert_eq!(cursors[2], None, "the round wraps around after the last key");
+    assert_eq!((parked(&db).await, value(&db, 599).await), (599, 1));
+    // A policy change (here a raised limit) makes the next pass look at every key at once.
+    let raised = ConcurrencyPolicy { key: vec!["account".into()], ..ConcurrencyPolicy::new(2) };
+    redefine(&client, Some(raised)).await;
+    assert_eq!(sweep(&db.pool, 1000, None).await.unwrap().promoted, 599);
+    assert_invariants(&db).await;
+}
+
 #[tokio::test]
 async fn h16_a_parked_job_whose_type_no_longer_resolves_is_dead_lettered_not_promoted() {
     let (db, client) = setup(1).await;
