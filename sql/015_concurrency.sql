@@ -273,3 +273,32 @@ BEGIN
     END LOOP;
     RETURN cardinality(promotions);
 END $$;
+
+-- Deletes the semaphore rows of idle keys: no permit held, nothing parked, unchanged for longer
+-- than idle. A key's row is created at its first acquire and otherwise never deleted, so keys
+-- per account or per tenant would grow the table without bound (issue 14); a reclaimed key that
+-- is used again gets a new row at its next acquire. Safe under the rows' locks: they are taken
+-- first (SKIP LOCKED: a key an enqueue, claim or completion holds is left for a later pass), and
+-- every path that parks a job or adds a lease holds its key's row first, so the second
+-- statement, with a snapshot taken after the locks, sees every park and lease that will ever
+-- name these keys until they are deleted. At most max_rows keys per call; returns how many it
+-- deleted. Locks: semaphore rows (SKIP LOCKED). Callers: the bookkeeping sweep, operators.
+CREATE OR REPLACE FUNCTION lockgate.reclaim_idle_keys(idle interval DEFAULT '10 minutes', max_rows integer DEFAULT 10000)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    locked text[];
+    n integer;
+BEGIN
+    locked := ARRAY(SELECT s.key FROM lockgate.semaphores s
+                     WHERE s.value = 0 AND s.updated_at < now() - idle
+                     ORDER BY s.key LIMIT max_rows
+                       FOR UPDATE SKIP LOCKED);
+    WITH gone AS (
+        DELETE FROM lockgate.semaphores s USING unnest(locked) AS k(key)
+         WHERE s.key = k.key AND s.value = 0
+           AND NOT EXISTS (SELECT 1 FROM lockgate.parked p WHERE p.key = s.key)
+           AND NOT EXISTS (SELECT 1 FROM lockgate.leases l WHERE l.key = s.key)
+        RETURNING 1)
+    SELECT count(*) INTO n FROM gone;
+    RETURN n;
+END $$;

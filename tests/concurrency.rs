@@ -477,6 +477,57 @@ async fn the_sweeps_repair_looks_at_a_bounded_window_per_pass_and_reaches_every_
     assert_invariants(&db).await;
 }
 
+/// Idle keys are reclaimed (issue 14): a key with no permit held and nothing parked, unchanged
+/// past the threshold, loses its semaphore row; a held, parked, recent or locked key keeps it;
+/// the reclaimer never waits for an open producer transaction; a reclaimed key used again takes
+/// a permit as a new key does.
+#[tokio::test]
+async fn idle_keys_are_reclaimed_under_their_row_lock_and_nothing_else_is() {
+    let (db, client) = setup(1).await;
+    let reclaim = || async {
+        sqlx::query_scalar::<_, i32>("SELECT lockgate.reclaim_idle_keys(interval '1 minute')")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    let keys = || async {
+        sqlx::query_scalar::<_, String>("SELECT key FROM lockgate.semaphores ORDER BY key")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap()
+    };
+    // Keys 2, 3 and 4 used once and finished; key 1 held with a job parked behind it.
+    for account in [2, 3, 4] {
+        enqueue(&client, account, 1).await;
+    }
+    assert_eq!(complete_all_visible(&db).await, 3);
+    enqueue(&client, 1, 1).await;
+    enqueue(&client, 1, 2).await;
+    assert_eq!((value(&db, 1).await, value(&db, 2).await, parked(&db).await), (1, 0, 1));
+    assert_eq!(reclaim().await, 0, "nothing idle for a minute yet");
+    // Keys 2 and 3 idle for an hour; key 4 too, but an open producer transaction is taking it.
+    sqlx::query("UPDATE lockgate.semaphores SET updated_at = now() - interval '1 hour'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut producer = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT lockgate.enqueue($1, $2::jsonb, '{}')")
+        .bind(TYPE)
+        .bind(json!({ "account": 4, "n": 2 }))
+        .execute(&mut *producer)
+        .await
+        .unwrap();
+    assert_eq!(reclaim().await, 2, "keys 2 and 3, without waiting for the producer");
+    assert_eq!(keys().await, vec![key(1), key(4)], "the held key and the key being taken stay");
+    producer.commit().await.unwrap();
+    assert_eq!(value(&db, 4).await, 1);
+    // A reclaimed key is a new key again.
+    let again = enqueue(&client, 2, 2).await;
+    assert!(message_of(&db, again.job_id.0).await.is_some(), "it took a permit at once");
+    assert_eq!(value(&db, 2).await, 1);
+    assert_invariants(&db).await;
+}
+
 #[tokio::test]
 async fn h16_a_parked_job_whose_type_no_longer_resolves_is_dead_lettered_not_promoted() {
     let (db, client) = setup(1).await;

@@ -37,7 +37,7 @@ pub use jobs::{
     cancel, cancel_jobs, cancelled_messages, discard_job, job, jobs, release_cancelled, Cancelled, CancelledCount,
     JobFilter, JobRecord, JOB_STATES,
 };
-pub use maintenance::{prune_archive, reap_batches, reap_unique_locks};
+pub use maintenance::{prune_archive, reap_batches, reap_unique_locks, reclaim_idle_keys};
 pub use migrate::{
     check_schema, functions_checksum, migrate, pending_migrations, MigrateReport, PgmqStep, SchemaFit,
     FUNCTIONS_REVISION, LATEST_MIGRATION, SCHEMA_COMPAT,

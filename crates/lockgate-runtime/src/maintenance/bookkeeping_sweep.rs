@@ -3,8 +3,10 @@
 //! reap uniqueness locks whose job no longer exists (`lockgate.reap_unique_locks`: only locks
 //! older than `REAP_AGE_FLOOR`, so it never judges a lock whose job is being moved) and count as
 //! failed the members of batches idle that long whose job no longer exists
-//! (`lockgate.reap_batches`). Several processes may sweep at once: each step skips rows another
-//! transaction holds, and each runs even when another failed.
+//! (`lockgate.reap_batches`), and delete the semaphore rows of keys idle that long, with no
+//! permit held and nothing parked (`lockgate.reclaim_idle_keys`, up to `RECLAIM_BATCH` per
+//! pass). Several processes may sweep at once: each step skips rows another transaction holds,
+//! and each runs even when another failed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,6 +20,10 @@ use crate::metrics::Metrics;
 /// than any transaction that takes or moves a lock or a job, so the reapers never race one.
 pub const REAP_AGE_FLOOR: Duration = Duration::from_secs(600);
 
+/// Idle keys deleted per pass at most: a million keys enqueued once each are gone within a
+/// hundred passes, each a bounded statement.
+pub const RECLAIM_BATCH: i32 = 10_000;
+
 /// What one pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BookkeepingReport {
@@ -27,6 +33,8 @@ pub struct BookkeepingReport {
     pub locks_reaped: i32,
     /// Batch members counted as failed because their job no longer exists.
     pub batch_jobs_reaped: i32,
+    /// Semaphore rows of idle keys deleted.
+    pub keys_reclaimed: i32,
 }
 
 pub struct BookkeepingSweep {
@@ -66,6 +74,7 @@ impl BookkeepingSweep {
                         callbacks_enqueued = report.callbacks_enqueued,
                         locks_reaped = report.locks_reaped,
                         batch_jobs_reaped = report.batch_jobs_reaped,
+                        keys_reclaimed = report.keys_reclaimed,
                         "bookkeeping sweep"
                     ),
                     Err(error) => tracing::warn!(%error, "bookkeeping sweep failed"),
@@ -75,19 +84,25 @@ impl BookkeepingSweep {
         .await;
     }
 
-    /// One pass; reaps uniqueness locks and lost batch members too when `reap`. Each step runs
-    /// whatever the others did; the first error is returned after all of them.
+    /// One pass; reaps uniqueness locks, lost batch members and idle keys too when `reap`. Each
+    /// step runs whatever the others did; the first error is returned after all of them.
     pub async fn run_once(&self, reap: bool) -> Result<BookkeepingReport, DbError> {
         let callbacks = lockgate_sql::batch_sweep(&self.db).await;
-        let (locks, members) = if reap {
+        let (locks, members, keys) = if reap {
             (
                 lockgate_sql::reap_unique_locks(&self.db, REAP_AGE_FLOOR).await,
                 lockgate_sql::reap_batches(&self.db, REAP_AGE_FLOOR).await,
+                lockgate_sql::reclaim_idle_keys(&self.db, REAP_AGE_FLOOR, RECLAIM_BATCH).await,
             )
         } else {
-            (Ok(0), Ok(0))
+            (Ok(0), Ok(0), Ok(0))
         };
-        Ok(BookkeepingReport { callbacks_enqueued: callbacks?, locks_reaped: locks?, batch_jobs_reaped: members? })
+        Ok(BookkeepingReport {
+            callbacks_enqueued: callbacks?,
+            locks_reaped: locks?,
+            batch_jobs_reaped: members?,
+            keys_reclaimed: keys?,
+        })
     }
 }
 
@@ -99,6 +114,7 @@ fn record(metrics: &Metrics, result: &Result<BookkeepingReport, DbError>) {
                 ("callbacks_enqueued", r.callbacks_enqueued as u64),
                 ("locks_reaped", r.locks_reaped as u64),
                 ("batch_jobs_reaped", r.batch_jobs_reaped as u64),
+                ("keys_reclaimed", r.keys_reclaimed as u64),
             ],
         ),
         Err(_) => metrics.sweep_failed("bookkeeping"),
