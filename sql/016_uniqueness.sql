@@ -83,7 +83,8 @@ END $$;
 -- At claim, before a while_executing job runs: takes its unique key (the claim holds its message
 -- row). Returns the headers to deliver the job with, or NULL when it is not delivered. When
 -- another job holds the key, a type that discards duplicates has the job delivered with
--- duplicate_of (the holder) in its headers, and its worker completes it without running it (so
+-- duplicate_of (the holder) in its headers (unless the holder was cancelled and its handler may
+-- still run: then the job is put back), and its worker completes it without running it (so
 -- the claim itself archives nothing and takes no lock of the completion's bookkeeping); a type
 -- that rejects them has the job put back for a second to wait for the holder (a return, not an
 -- attempt). Never waits more than a few milliseconds: a key another transaction is inserting or
@@ -114,7 +115,10 @@ BEGIN
         END IF;
         RETURN c.headers;
     END IF;
-    IF (SELECT t.unique_on_conflict FROM lockgate.job_types t WHERE t.name = c.headers->>'type') = 'discard' THEN
+    -- A holder cancelled while it ran is no duplicate to discard against: it will never finish
+    -- as a success. The job waits for its handler to stop, as a rejected one does.
+    IF (SELECT t.unique_on_conflict FROM lockgate.job_types t WHERE t.name = c.headers->>'type') = 'discard'
+       AND NOT EXISTS (SELECT 1 FROM lockgate.unique_locks u WHERE u.key = c.headers->>'wkey' AND u.held_until IS NOT NULL) THEN
         c.headers := c.headers || jsonb_build_object('duplicate_of', holder);
         EXECUTE format('UPDATE %s m SET headers = $3 WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
           USING c.msg_id, c.read_ct, c.headers;
@@ -130,7 +134,8 @@ END $$;
 -- never judged before the transaction that took it has long committed; and since every step
 -- that moves a job to a new message refreshes its lock's acquired_at in the same transaction,
 -- a lock judged by a message it no longer names is kept. A cancelled job's lock (its message
--- archived by the cancel) goes as soon as its held_until has passed, whatever its age. A lock of a queue whose table is gone
+-- archived by the cancel) is judged by its held_until alone: it goes once that has passed, and
+-- never before, however old (a long run's lock is as old as the run). A lock of a queue whose table is gone
 -- cannot be judged, and is kept. One statement per queue, skipping rows other transactions
 -- hold. Returns how many locks it deleted.
 -- Locks: unique lock rows (SKIP LOCKED). Callers: the maintenance service, operators.
@@ -142,13 +147,13 @@ DECLARE
     reaped integer := 0;
 BEGIN
     FOR q IN SELECT DISTINCT u.queue FROM lockgate.unique_locks u
-              WHERE (u.acquired_at < now() - min_age OR u.held_until < now())
+              WHERE ((u.held_until IS NULL AND u.acquired_at < now() - min_age) OR u.held_until < now())
                 AND u.queue IN (SELECT lockgate._live_queues())
               ORDER BY u.queue LOOP
         EXECUTE format(
             'WITH doomed AS (
                  SELECT u.key FROM lockgate.unique_locks u
-                  WHERE u.queue = $1 AND (u.acquired_at < now() - $2 OR u.held_until < now())
+                  WHERE u.queue = $1 AND ((u.held_until IS NULL AND u.acquired_at < now() - $2) OR u.held_until < now())
                     AND NOT EXISTS (SELECT 1 FROM %1$s m WHERE m.msg_id = u.msg_id)
                     AND NOT EXISTS (SELECT 1 FROM %1$s m WHERE m.msg_id = u.job_id)
                     AND NOT EXISTS (SELECT 1 FROM lockgate.parked p WHERE p.job_id = u.job_id)

@@ -274,8 +274,10 @@ async fn a_running_handler_is_cancelled_through_its_heartbeat_and_the_next_job_s
             (id, WaitAlone::TYPE)
         };
         // The heartbeat tells job 1 of its cancel up to a second later; claims come every 50 ms.
+        // The visibility is long, so that a lock left to run out with it (held_until) would
+        // start job 2 far later than a lock the worker gave back.
         let config = lockgate::RuntimeConfig {
-            visibility_timeout: std::time::Duration::from_secs(3),
+            visibility_timeout: std::time::Duration::from_secs(10),
             heartbeat_interval: std::time::Duration::from_secs(1),
             poll_interval: std::time::Duration::from_millis(50),
             ..test_config()
@@ -286,6 +288,7 @@ async fn a_running_handler_is_cancelled_through_its_heartbeat_and_the_next_job_s
         let running = Running::spawn(runtime);
         let events_now = || events.lock().unwrap().clone();
         wait_for("job 1 to start", WAIT, || async { Ok((events_now() == ["start 1"]).then_some(())) }).await.unwrap();
+        let mut held_until = None;
         if limited {
             let outcome = client.cancel(id).await.unwrap().unwrap();
             assert_eq!((outcome.state.as_str(), outcome.cancelled), ("running", true));
@@ -300,6 +303,13 @@ async fn a_running_handler_is_cancelled_through_its_heartbeat_and_the_next_job_s
                 .await
                 .unwrap();
             tx.commit().await.unwrap();
+            let until: chrono::DateTime<chrono::Utc> =
+                sqlx::query_scalar("SELECT held_until FROM lockgate.unique_locks WHERE job_id = $1")
+                    .bind(id.0)
+                    .fetch_one(&db.pool)
+                    .await
+                    .unwrap();
+            held_until = Some(until);
         }
         wait_for("job 2 to run", WAIT, || async { Ok((events_now().len() == 3).then_some(())) }).await.unwrap();
         assert_eq!(
@@ -307,6 +317,9 @@ async fn a_running_handler_is_cancelled_through_its_heartbeat_and_the_next_job_s
             ["start 1", "end 1: cancelled", "start 2"],
             "never both at once (G3; limited: {limited})"
         );
+        if let Some(until) = held_until {
+            assert!(chrono::Utc::now() < until, "the worker gave the key back once job 1 ended, before {until}");
+        }
         running.stop().await;
         let text = metrics.encode();
         let line = format!(r#"lockgate_jobs_cancelled_total{{queue="default",job_type="{job_type}"}} 1"#);
@@ -422,6 +435,11 @@ async fn a_cancelled_running_job_keeps_its_while_executing_key_until_its_handler
         visible_now().await;
         assert_eq!(claim(&db, 5).await, vec![], "not started beside the cancelled handler (worker alive: {worker_alive})");
         assert_eq!(state_of(&db, second).await, "retrying", "put back, a return");
+        // From review: a lock as old as a long run is still judged by held_until alone.
+        sqlx::query("UPDATE lockgate.unique_locks SET acquired_at = now() - interval '1 hour'")
+            .execute(&db.pool)
+            .await
+            .unwrap();
         let reaped: i32 =
             sqlx::query_scalar("SELECT lockgate.reap_unique_locks()").fetch_one(&db.pool).await.unwrap();
         assert_eq!(reaped, 0, "not reaped while the handler may run");
@@ -453,6 +471,33 @@ async fn a_cancelled_running_job_keeps_its_while_executing_key_until_its_handler
         .unwrap();
     let reaped: i32 = sqlx::query_scalar("SELECT lockgate.reap_unique_locks()").fetch_one(&db.pool).await.unwrap();
     assert_eq!((reaped, lock().await), (1, vec![]));
+}
+
+/// From review: a type that discards duplicates does not discard the job that replaces a
+/// cancelled one whose handler may still run: it waits for the key, then runs.
+#[tokio::test]
+async fn a_job_enqueued_after_a_cancel_is_no_duplicate_of_the_cancelled_one() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query(
+        "SELECT lockgate.define_job_type('wd', unique_mode => 'while_executing', unique_on_conflict => 'discard')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let cancelled = enqueue(&db, "wd", "{}", "{}").await;
+    let d = claim(&db, 1).await[0];
+    assert_eq!(cancel(&db.pool, cancelled).await, Some(("running".to_string(), true)));
+    let replacement = enqueue(&db, "wd", "{}", "{}").await;
+    assert_eq!(claim(&db, 5).await, vec![], "waits while the cancelled handler may run");
+    assert_eq!(state_of(&db, replacement).await, "retrying", "put back, not discarded");
+    assert!(release_cancelled(&db, d).await);
+    sqlx::query("UPDATE pgmq.q_default SET vt = clock_timestamp()").execute(&db.pool).await.unwrap();
+    let headers: Vec<serde_json::Value> = sqlx::query_scalar("SELECT headers FROM lockgate.claim('default', 5, 30)")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(headers.len(), 1);
+    assert!(headers[0].get("duplicate_of").is_none(), "it runs: {}", headers[0]);
 }
 
 /// From the second review: a cancelled running job's live lease is no doctor alarm, it is no

@@ -80,6 +80,18 @@ struct Entry {
     lease_until: Instant,
 }
 
+/// Whether a claimed delivery may start its handler (`InFlight::start`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// It is still owned with enough budget left: its handler runs.
+    Run,
+    /// Lost, or too little budget left: forgotten, its visibility lapses. Its job may have been
+    /// cancelled meanwhile, so the permit it kept goes back (`give_back_if_cancelled`).
+    Lost,
+    /// Shutdown is returning it, or it is no longer this set's.
+    Refused,
+}
+
 /// Why a handler's outcome may not be written (`InFlight::begin_finishing`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Finish {
@@ -129,23 +141,23 @@ impl InFlight {
     }
 
     /// Waiting → Running, when the executor takes the delivery over with its handler's context.
-    /// False when shutdown returned it, its lease was lost, or its budget is too short to start a
+    /// Not when shutdown returned it, its lease was lost, or its budget is too short to start a
     /// handler that could still be stopped in time (H27); a lost or expiring one is forgotten
     /// (its visibility lapses and it is delivered again).
-    pub fn start(&self, d: &Delivery, ctx: JobContext, now: Instant) -> bool {
+    pub fn start(&self, d: &Delivery, ctx: JobContext, now: Instant) -> Start {
         let mut entries = self.entries();
         let key = (d.queue.clone(), d.msg_id);
         match entries.get_mut(&key) {
             Some(e) if e.read_ct == d.read_ct && e.state == State::Waiting && now + FENCE_MARGIN < e.lease_until => {
                 e.state = State::Running;
                 e.ctx = Some(ctx);
-                true
+                Start::Run
             }
             Some(e) if e.read_ct == d.read_ct && matches!(e.state, State::Lost | State::Waiting) => {
                 entries.remove(&key);
-                false
+                Start::Lost
             }
-            _ => false,
+            _ => Start::Refused,
         }
     }
 
@@ -240,12 +252,16 @@ impl InFlight {
             } else if busy.contains(msg_id) {
                 report.busy += 1;
             } else if !matches!(e.state, State::Lost | State::Finishing | State::Returning) {
+                // No handler runs for it: never started, or ended under shutdown (which will not
+                // return it now that it is lost).
+                let idle = e.ctx.is_none() || e.state == State::Stopped;
                 e.state = State::Lost;
                 let reason = if cancelled.contains(msg_id) { CancelReason::Cancelled } else { CancelReason::LeaseLost };
-                match &e.ctx {
-                    Some(ctx) => ctx.fire(reason),
-                    None if reason == CancelReason::Cancelled => report.cancelled_idle.push((*msg_id, *read_ct)),
-                    None => {}
+                if let Some(ctx) = &e.ctx {
+                    ctx.fire(reason);
+                }
+                if idle && reason == CancelReason::Cancelled {
+                    report.cancelled_idle.push((*msg_id, *read_ct));
                 }
                 if reason == CancelReason::Cancelled {
                     report.cancelled += 1;
@@ -343,7 +359,7 @@ mod tests {
         let now = Instant::now();
         let (d, c) = (delivery(1), ctx(1));
         set.insert_waiting(&d, now + Duration::from_secs(2));
-        assert!(set.start(&d, c.clone(), now));
+        assert_eq!(set.start(&d, c.clone(), now), Start::Run);
         assert!(set.fence(now).is_empty());
         // Renewed: the end moves out, and an older renewal answering late cannot pull it back.
         let renewal = Renewal { renewed: vec![(1, Duration::from_secs(2))], ..Renewal::default() };
@@ -367,7 +383,7 @@ mod tests {
         let now = Instant::now();
         let d = delivery(1);
         set.insert_waiting(&d, now + FENCE_MARGIN);
-        assert!(!set.start(&d, ctx(1), now));
+        assert_eq!(set.start(&d, ctx(1), now), Start::Lost);
         assert_eq!(set.len(), 0, "forgotten: its visibility lapses and it is delivered again");
     }
 
@@ -377,11 +393,32 @@ mod tests {
         let now = Instant::now();
         let (d, c) = (delivery(1), ctx(1));
         set.insert_waiting(&d, now + Duration::from_secs(2));
-        assert!(set.start(&d, c.clone(), now));
+        assert_eq!(set.start(&d, c.clone(), now), Start::Run);
         assert_eq!(set.begin_finishing(&d), Finish::Write);
         let gone = Renewal::default();
         assert_eq!(set.renewed(&d.queue, &[(1, 1)], &gone, now), Renewed::default());
         assert!(set.lease_until(&d).is_some(), "its completion still retries until its lease ends");
+    }
+
+    /// From review: a delivery whose handler ended under shutdown, found cancelled before the
+    /// pool returned it, is no longer returned; its permit and lock must go back at once.
+    #[test]
+    fn a_cancelled_delivery_no_handler_runs_for_is_given_back() {
+        let set = InFlight::default();
+        let now = Instant::now();
+        let (ended, waiting, running) = (delivery(1), delivery(2), delivery(3));
+        for d in [&ended, &waiting, &running] {
+            set.insert_waiting(d, now + Duration::from_secs(2));
+        }
+        assert_eq!(set.start(&ended, ctx(1), now), Start::Run);
+        assert_eq!(set.start(&running, ctx(3), now), Start::Run);
+        set.stop_running();
+        assert_eq!(set.begin_finishing(&ended), Finish::Shutdown);
+        set.stopped(&ended, true);
+        let cancelled = Renewal { cancelled: vec![1, 2, 3], ..Renewal::default() };
+        let report = set.renewed(&ended.queue, &[(1, 1), (2, 1), (3, 1)], &cancelled, now);
+        assert_eq!(report.cancelled_idle, vec![(1, 1), (2, 1)], "not the one whose handler is still stopping");
+        assert!(set.take_stopped().is_empty(), "a cancelled delivery is not returned");
     }
 
     #[test]
@@ -392,8 +429,8 @@ mod tests {
         for d in [&ended, &stuck, &waiting] {
             set.insert_waiting(d, now + Duration::from_secs(2));
         }
-        assert!(set.start(&ended, ctx(1), now));
-        assert!(set.start(&stuck, ctx(2), now));
+        assert_eq!(set.start(&ended, ctx(1), now), Start::Run);
+        assert_eq!(set.start(&stuck, ctx(2), now), Start::Run);
         set.stop_waiting();
         assert_eq!(set.take_stopped(), vec![waiting.clone()]);
         assert_eq!(set.stop_running(), 2);

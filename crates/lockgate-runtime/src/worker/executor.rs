@@ -16,7 +16,7 @@ use super::persist::persist;
 use super::slots::Slot;
 use super::Shared;
 use crate::handler::HandlerFailure;
-use crate::in_flight::{Delivery, Finish, ABORT_WAIT, CANCEL_GRACE};
+use crate::in_flight::{Delivery, Finish, Start, ABORT_WAIT, CANCEL_GRACE};
 use crate::metrics::JobMetrics;
 use crate::{CancelReason, JobContext, JobError};
 
@@ -90,12 +90,21 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         reason: Default::default(),
     };
     let metrics = shared.metrics.job(claim.queue.as_str(), &headers.job_type);
-    if !shared.in_flight.start(&delivery, ctx.clone(), Instant::now()) {
-        tracing::info!(
-            job_id = ctx.job_id.0,
-            "claimed job given back before it started (shutdown, lease lost, or too little budget left to start it)"
-        );
-        return;
+    match shared.in_flight.start(&delivery, ctx.clone(), Instant::now()) {
+        Start::Run => {}
+        Start::Lost => {
+            tracing::info!(
+                job_id = ctx.job_id.0,
+                "claimed job not started: its lease was lost, or too little budget was left to start it"
+            );
+            // Cancelled meanwhile (its heartbeat may not have said so): what it kept goes back.
+            give_back_if_cancelled(&shared.db, &delivery).await;
+            return;
+        }
+        Start::Refused => {
+            tracing::info!(job_id = ctx.job_id.0, "claimed job given back before it started (shutdown)");
+            return;
+        }
     }
     if let Some(holder) = headers.duplicate_of {
         // A while_executing duplicate its type discards: archived without running.
