@@ -21,6 +21,7 @@
 //! max_shutdown_returns = 5          # later shutdown returns of a started run count as attempts
 //! metrics_interval = "15s"          # how often /metrics' gauges are read from the database
 //! metrics_max_keys = 50             # concurrency keys with a series of their own; the rest: "other"
+//! max_claim_ahead_bytes = 16777216  # claimed-ahead job arguments a pool holds in memory (0: none)
 //!
 //! [[pool]]
 //! name = "default"
@@ -97,6 +98,7 @@ struct RuntimeSection {
     max_shutdown_returns: Option<u32>,
     metrics_interval: Option<String>,
     metrics_max_keys: Option<u32>,
+    max_claim_ahead_bytes: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -243,6 +245,7 @@ impl Config {
             metrics_interval: duration_or("runtime.metrics_interval", &r.metrics_interval, d.metrics_interval)?,
             metrics_max_keys: r.metrics_max_keys.unwrap_or(d.metrics_max_keys),
             listen_database_url: self.listen_database_url.clone(),
+            max_claim_ahead_bytes: r.max_claim_ahead_bytes.unwrap_or(d.max_claim_ahead_bytes),
         };
         config.validate()?;
         Ok(config)

@@ -43,6 +43,12 @@ pub const DEFAULT_METRICS_MAX_KEYS: u32 = 50;
 /// must not cycle across deploys forever.
 pub const DEFAULT_MAX_SHUTDOWN_RETURNS: u32 = 5;
 
+/// Each pool holds at most this many bytes of claimed-ahead job arguments (jobs claimed for
+/// handler slots that are not free yet), by the average size of the arguments it has claimed:
+/// 16 MiB keeps a pool of 1 MiB payloads to 16 jobs ahead, and leaves small jobs (a few hundred
+/// bytes) the full claim-ahead of five times the concurrency.
+pub const DEFAULT_MAX_CLAIM_AHEAD_BYTES: usize = 16 * 1024 * 1024;
+
 /// Process-wide settings of the runtime.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RuntimeConfig {
@@ -72,6 +78,9 @@ pub struct RuntimeConfig {
     /// pool's own server, or, under transaction pooling, no LISTEN (fetch loops poll every
     /// `poll_interval`).
     pub listen_database_url: Option<String>,
+    /// Claimed-ahead job arguments a pool may hold in memory, in bytes (0: claim only for free
+    /// handler slots). Judged by the average size of the arguments the pool has claimed.
+    pub max_claim_ahead_bytes: usize,
 }
 
 impl Default for RuntimeConfig {
@@ -91,6 +100,7 @@ impl Default for RuntimeConfig {
             metrics_interval: DEFAULT_METRICS_INTERVAL,
             metrics_max_keys: DEFAULT_METRICS_MAX_KEYS,
             listen_database_url: None,
+            max_claim_ahead_bytes: DEFAULT_MAX_CLAIM_AHEAD_BYTES,
         }
     }
 }

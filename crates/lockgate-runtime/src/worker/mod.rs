@@ -165,7 +165,7 @@ async fn fetch_loop(
     shutdown: &CancellationToken,
 ) {
     let mut backlog = false;
-    let mut prefetch = Prefetch::new(config.concurrency);
+    let mut prefetch = Prefetch::new(config.concurrency, shared.config.max_claim_ahead_bytes);
     let mut conn = HeldConnection::new(shared.db.clone());
     let mut backoff: HashMap<QueueName, QueueBackoff> = HashMap::new();
     loop {
@@ -189,6 +189,8 @@ async fn fetch_loop(
             prefetch.observe_claim(claimed_at.elapsed());
         }
         backlog = claims.len() == permits.len();
+        let bytes: usize = claims.iter().filter_map(|c| c.message.as_ref()).map(slots::approx_bytes).sum();
+        prefetch.observe_payloads(bytes, claims.len());
         if claims.is_empty() {
             drop(permits);
             // A queue backing off is retried when its pause ends, even with no wake-up.

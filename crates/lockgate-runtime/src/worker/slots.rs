@@ -6,7 +6,10 @@
 //! handlers consume during about two claim round trips (so a freed handler slot never waits for
 //! a claim), never fewer than `concurrency` and never more than five times it. Fast jobs thus
 //! get large claims, one commit carrying many jobs; slow jobs are never hoarded by one process
-//! while another has free handlers, since few of them finish during a round trip.
+//! while another has free handlers, since few of them finish during a round trip. The
+//! claim-ahead is also bounded in bytes (`max_claim_ahead_bytes`), by the average size of the
+//! arguments claimed so far: large payloads are claimed fewer at a time, down to none ahead. The
+//! pool's first claim, before any size is known, is for its free handler slots only.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -69,11 +72,30 @@ pub(crate) struct Prefetch {
     rate: f64,
     /// Seconds per claim statement (moving average).
     latency: f64,
+    max_ahead_bytes: usize,
+    /// Bytes of arguments per claimed job (moving average); `None` until a claim returned jobs.
+    payload: Option<f64>,
 }
 
 impl Prefetch {
-    pub fn new(concurrency: usize) -> Self {
-        Self { concurrency, started: 0, window_start: Instant::now(), rate: 0.0, latency: 0.0 }
+    pub fn new(concurrency: usize, max_ahead_bytes: usize) -> Self {
+        Self {
+            concurrency,
+            started: 0,
+            window_start: Instant::now(),
+            rate: 0.0,
+            latency: 0.0,
+            max_ahead_bytes,
+            payload: None,
+        }
+    }
+
+    /// A claim returned `jobs` jobs whose arguments take about `bytes` bytes.
+    pub fn observe_payloads(&mut self, bytes: usize, jobs: usize) {
+        if jobs > 0 {
+            let each = bytes as f64 / jobs as f64;
+            self.payload = Some(self.payload.map_or(each, |avg| SMOOTHING * each + (1.0 - SMOOTHING) * avg));
+        }
     }
 
     pub fn observe_claim(&mut self, took: Duration) {
@@ -94,7 +116,24 @@ impl Prefetch {
             self.window_start = now;
         }
         let cover = (2.0 * self.rate * self.latency).ceil() as usize;
-        self.concurrency + cover.clamp(self.concurrency, 5 * self.concurrency)
+        let ahead = cover.clamp(self.concurrency, 5 * self.concurrency);
+        let by_bytes = match self.payload {
+            None => 0,
+            Some(each) => (self.max_ahead_bytes as f64 / each.max(1.0)).floor() as usize,
+        };
+        self.concurrency + ahead.min(by_bytes)
+    }
+}
+
+/// About how many bytes a JSON value takes in memory as text: its strings and keys, and a few
+/// bytes for every other value. Cheap (no allocation), for sizing the claim-ahead.
+pub(crate) fn approx_bytes(value: &serde_json::Value) -> usize {
+    use serde_json::Value;
+    match value {
+        Value::Null | Value::Bool(_) | Value::Number(_) => 8,
+        Value::String(s) => s.len() + 2,
+        Value::Array(items) => 2 + items.iter().map(approx_bytes).sum::<usize>(),
+        Value::Object(fields) => 2 + fields.iter().map(|(k, v)| k.len() + 3 + approx_bytes(v)).sum::<usize>(),
     }
 }
 
@@ -105,18 +144,42 @@ mod tests {
     #[test]
     fn slow_jobs_are_claimed_one_pool_ahead_and_fast_ones_up_to_five() {
         let start = Instant::now();
-        let mut slow = Prefetch::new(16);
+        let mut slow = Prefetch::new(16, usize::MAX);
+        assert_eq!(slow.limit(start), 16, "the first claim, before any payload size is known: free slots only");
+        slow.observe_payloads(16 * 100, 16);
         slow.observe_claim(Duration::from_millis(2));
         slow.observe_started(16); // 16 jobs in a second: one-second jobs
         assert_eq!(slow.limit(start + Duration::from_secs(1)), 32);
 
-        let mut fast = Prefetch::new(16);
+        let mut fast = Prefetch::new(16, usize::MAX);
+        fast.observe_payloads(100, 1);
         for window in 1..=10 {
             fast.observe_claim(Duration::from_millis(2));
             fast.observe_started(2_000); // 20,000 jobs a second
             fast.limit(start + RATE_WINDOW * window);
         }
         assert_eq!(fast.limit(start + RATE_WINDOW * 10), 96);
+    }
+
+    #[test]
+    fn the_claim_ahead_holds_at_most_its_bytes_of_arguments() {
+        let start = Instant::now();
+        let mib = 1024 * 1024;
+        let mut big = Prefetch::new(16, 16 * mib);
+        big.observe_payloads(16 * mib, 16);
+        for window in 1..=10 {
+            big.observe_claim(Duration::from_millis(2));
+            big.observe_started(2_000);
+            big.limit(start + RATE_WINDOW * window);
+        }
+        assert_eq!(big.limit(start + RATE_WINDOW * 10), 16 + 16, "1 MiB jobs: 16 ahead, not 80");
+        big.observe_payloads(8 * mib, 2); // 4 MiB each, weighed with the past: 2.5 MiB
+        assert_eq!(big.limit(start + RATE_WINDOW * 10), 16 + 6);
+        let mut none = Prefetch::new(4, 0);
+        none.observe_payloads(40, 4);
+        assert_eq!(none.limit(start), 4, "a cap of 0: claims only for free handler slots");
+        let small = serde_json::json!({"account": 7, "note": "hello", "tags": ["a", "b"]});
+        assert_eq!(approx_bytes(&small), 2 + (7 + 3 + 8) + (4 + 3 + 7) + (4 + 3 + 2 + 3 + 3));
     }
 
     #[tokio::test]
