@@ -409,6 +409,7 @@ mod tests {
             database_url = "postgres://x@h/db"
             [runtime]
             visibility_timeout = "1m"
+            max_claim_ahead_bytes = 1048576
             [[pool]]
             queues = ["high", "default"]
             concurrency = 4
@@ -422,6 +423,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.runtime().unwrap().visibility_timeout, Duration::from_secs(60));
+        assert_eq!(c.runtime().unwrap().max_claim_ahead_bytes, 1024 * 1024);
         let jobs = c.job_types().unwrap();
         assert_eq!(jobs[0].executor, Executor::Command(vec!["./resize.sh".into(), "--fast".into()]));
         let http = Config::parse("[job_types.h]\nhttp = { url = \"http://h/\", timeout = \"10s\" }").unwrap();
