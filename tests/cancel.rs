@@ -420,10 +420,12 @@ async fn a_cancelled_running_job_keeps_its_while_executing_key_until_its_handler
     };
     // Put-back jobs are visible again at once, as a second later.
     let visible_now = || async {
-        sqlx::query("UPDATE pgmq.q_default SET vt = clock_timestamp() WHERE vt > clock_timestamp() AND headers ? 'retry_at'")
-            .execute(&db.pool)
-            .await
-            .unwrap();
+        sqlx::query(
+            "UPDATE pgmq.q_default SET vt = clock_timestamp() WHERE vt > clock_timestamp() AND headers ? 'retry_at'",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
     };
     for worker_alive in [true, false] {
         let first = enqueue(&db, "w", r#"{"u": 1}"#, "{}").await;
@@ -433,15 +435,18 @@ async fn a_cancelled_running_job_keeps_its_while_executing_key_until_its_handler
         assert_eq!(cancel(&db.pool, first).await, Some(("running".to_string(), true)));
         assert_eq!(lock().await, vec![(first, true)], "kept for the handler that may still run");
         visible_now().await;
-        assert_eq!(claim(&db, 5).await, vec![], "not started beside the cancelled handler (worker alive: {worker_alive})");
+        assert_eq!(
+            claim(&db, 5).await,
+            vec![],
+            "not started beside the cancelled handler (worker alive: {worker_alive})"
+        );
         assert_eq!(state_of(&db, second).await, "retrying", "put back, a return");
         // From review: a lock as old as a long run is still judged by held_until alone.
         sqlx::query("UPDATE lockgate.unique_locks SET acquired_at = now() - interval '1 hour'")
             .execute(&db.pool)
             .await
             .unwrap();
-        let reaped: i32 =
-            sqlx::query_scalar("SELECT lockgate.reap_unique_locks()").fetch_one(&db.pool).await.unwrap();
+        let reaped: i32 = sqlx::query_scalar("SELECT lockgate.reap_unique_locks()").fetch_one(&db.pool).await.unwrap();
         assert_eq!(reaped, 0, "not reaped while the handler may run");
         if worker_alive {
             assert!(release_cancelled(&db, d[0]).await, "its worker gives the key back");
@@ -492,10 +497,8 @@ async fn a_job_enqueued_after_a_cancel_is_no_duplicate_of_the_cancelled_one() {
     assert_eq!(state_of(&db, replacement).await, "retrying", "put back, not discarded");
     assert!(release_cancelled(&db, d).await);
     sqlx::query("UPDATE pgmq.q_default SET vt = clock_timestamp()").execute(&db.pool).await.unwrap();
-    let headers: Vec<serde_json::Value> = sqlx::query_scalar("SELECT headers FROM lockgate.claim('default', 5, 30)")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
+    let headers: Vec<serde_json::Value> =
+        sqlx::query_scalar("SELECT headers FROM lockgate.claim('default', 5, 30)").fetch_all(&db.pool).await.unwrap();
     assert_eq!(headers.len(), 1);
     assert!(headers[0].get("duplicate_of").is_none(), "it runs: {}", headers[0]);
 }

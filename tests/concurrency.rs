@@ -449,7 +449,8 @@ async fn the_sweeps_repair_looks_at_a_bounded_window_per_pass_and_reaches_every_
     client.enqueue_many_raw(TYPE, &jobs, &EnqueueOptions::default()).await.unwrap();
     // The first pass after the migration looks at every key (nothing to do here).
     assert_eq!(sweep(&db.pool, 1000, None).await.unwrap().promoted, 0);
-    let full: bool = sqlx::query_scalar("SELECT full_scan FROM lockgate.sweep_state").fetch_one(&db.pool).await.unwrap();
+    let full: bool =
+        sqlx::query_scalar("SELECT full_scan FROM lockgate.sweep_state").fetch_one(&db.pool).await.unwrap();
     assert!(!full, "a pass that found fewer than max_keys ends the full scan");
     // Keys sort as text: "limited:[599]" is the 557th of 600, so the third window of 256 reaches it.
     sqlx::query(

@@ -27,7 +27,9 @@ use crate::machine::Machine;
 use crate::plan::{Options, Workload};
 use crate::progress::Progress;
 use crate::report::{Report, WorkloadReport};
-use crate::workloads::{depth, drain as drain_workload, enqueue, latency, limited, memory, workers, Ctx, Outcome};
+use crate::workloads::{
+    depth, drain as drain_workload, enqueue, latency, limited, memory, sweep, workers, Ctx, Outcome,
+};
 
 /// Runs every workload of `plan` in order; `command` is recorded in the report as given.
 pub async fn run(options: Options, plan: &[Workload], command: String) -> Result<Report> {
@@ -59,5 +61,6 @@ async fn run_one(ctx: &Ctx, workload: &Workload) -> Result<Outcome> {
         Workload::Workers(args) => workers::run(ctx, args).await,
         Workload::Memory(args) => memory::run(ctx, args).await,
         Workload::Limited(args) => limited::run(ctx, args).await,
+        Workload::Sweep(args) => sweep::run(ctx, args).await,
     }
 }

@@ -36,6 +36,10 @@ pub const MEMORY_JOBS: u64 = 1_000_000;
 pub const LIMITED_JOBS: u64 = 20_000;
 pub const LIMITED_KEYS: u64 = 1_000;
 pub const HOT_JOBS: u64 = 5_000;
+pub const SWEEP_PARKED: u64 = 1_000_000;
+pub const SWEEP_KEYS: u64 = 100_000;
+pub const SWEEP_PROMOTABLE: u64 = 10;
+pub const IDLE_KEYS: u64 = 1_000_000;
 
 /// Run-wide options.
 #[derive(Debug, Clone)]
@@ -131,6 +135,21 @@ pub struct LimitedArgs {
     pub concurrency: usize,
 }
 
+/// sweep: one concurrency-sweep pass over a parked backlog, and idle-key reclamation.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct SweepArgs {
+    #[arg(long, default_value_t = SWEEP_PARKED)]
+    pub parked: u64,
+    #[arg(long, default_value_t = SWEEP_KEYS)]
+    pub keys: u64,
+    /// Keys whose holder's lease has run out in the busy pass.
+    #[arg(long, default_value_t = SWEEP_PROMOTABLE)]
+    pub promotable: u64,
+    /// Idle keys written for the reclamation measure (0: skip it).
+    #[arg(long, default_value_t = IDLE_KEYS)]
+    pub idle_keys: u64,
+}
+
 /// One workload with its sizes.
 #[derive(Debug, Clone)]
 pub enum Workload {
@@ -142,6 +161,7 @@ pub enum Workload {
     Workers(WorkersArgs),
     Memory(MemoryArgs),
     Limited(LimitedArgs),
+    Sweep(SweepArgs),
 }
 
 impl Workload {
@@ -155,6 +175,7 @@ impl Workload {
             Self::Workers(_) => "workers",
             Self::Memory(_) => "memory",
             Self::Limited(_) => "limited",
+            Self::Sweep(_) => "sweep",
         }
     }
 
@@ -168,6 +189,7 @@ impl Workload {
             Self::Workers(a) => serde_json::to_value(a),
             Self::Memory(a) => serde_json::to_value(a),
             Self::Limited(a) => serde_json::to_value(a),
+            Self::Sweep(a) => serde_json::to_value(a),
         };
         value.unwrap_or_default()
     }
@@ -206,6 +228,12 @@ pub fn all(scale: f64) -> Vec<Workload> {
             keys: n(LIMITED_KEYS).min(n(LIMITED_JOBS)),
             hot_jobs: n(HOT_JOBS),
             concurrency: DRAIN_CONCURRENCY,
+        }),
+        Workload::Sweep(SweepArgs {
+            parked: n(SWEEP_PARKED),
+            keys: n(SWEEP_KEYS).min(n(SWEEP_PARKED)),
+            promotable: SWEEP_PROMOTABLE.min(n(SWEEP_KEYS)),
+            idle_keys: n(IDLE_KEYS),
         }),
         Workload::Memory(MemoryArgs { jobs: n(MEMORY_JOBS), concurrency: DRAIN_CONCURRENCY }),
     ]

@@ -4,8 +4,8 @@
 use std::process::Command;
 
 use lockgate_bench::plan::{
-    BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LimitedArgs, MemoryArgs, Options, WorkersArgs, Workload,
-    DEFAULT_SERVER_URL,
+    BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LimitedArgs, MemoryArgs, Options, SweepArgs, WorkersArgs,
+    Workload, DEFAULT_SERVER_URL,
 };
 
 /// The bench server, else the server the rest of the test suite uses, else the local default.
@@ -25,6 +25,7 @@ fn tiny_plan() -> Vec<Workload> {
         Workload::Depth(DepthArgs { depths: vec![60, 300], window: 40, concurrency: 4 }),
         Workload::Workers(WorkersArgs { jobs: 40, levels: vec![1, 4] }),
         Workload::Limited(LimitedArgs { jobs: 120, keys: 10, hot_jobs: 60, concurrency: 4 }),
+        Workload::Sweep(SweepArgs { parked: 200, keys: 20, promotable: 2, idle_keys: 100 }),
         Workload::Memory(MemoryArgs { jobs: 100, concurrency: 4 }),
     ]
 }
@@ -34,7 +35,7 @@ async fn every_workload_runs_at_a_tiny_size_and_reports_numbers() {
     let options = Options { server_url: server_url(), rounds: 2, progress: false, pool_ping: true };
     let report = lockgate_bench::run(options, &tiny_plan(), "smoke".into()).await.expect("the tiny plan runs");
     let names: Vec<&str> = report.workloads.iter().map(|w| w.name.as_str()).collect();
-    assert_eq!(names, ["enqueue", "bulk", "drain", "latency", "depth", "workers", "limited", "memory"]);
+    assert_eq!(names, ["enqueue", "bulk", "drain", "latency", "depth", "workers", "limited", "sweep", "memory"]);
     for workload in &report.workloads {
         assert!(!workload.rows.is_empty(), "{} produced no rows", workload.name);
         for row in &workload.rows {

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::{anyhow, Result};
 use clap::{Parser, Subcommand};
 use lockgate_bench::plan::{
-    self, BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LimitedArgs, MemoryArgs, Options, WorkersArgs,
-    Workload,
+    self, BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LimitedArgs, MemoryArgs, Options, SweepArgs,
+    WorkersArgs, Workload,
 };
 
 #[derive(Debug, Parser)]
@@ -59,6 +59,8 @@ enum Command {
     Memory(MemoryArgs),
     /// Drain with concurrency limits: 1,000 keys limited to 1 vs unlimited; a hot key limited to 10.
     Limited(LimitedArgs),
+    /// One concurrency-sweep pass over a big parked backlog, and idle-key reclamation.
+    Sweep(SweepArgs),
 }
 
 #[tokio::main]
@@ -85,6 +87,7 @@ async fn main() -> Result<()> {
         Command::Workers(a) => vec![Workload::Workers(a)],
         Command::Memory(a) => vec![Workload::Memory(a)],
         Command::Limited(a) => vec![Workload::Limited(a)],
+        Command::Sweep(a) => vec![Workload::Sweep(a)],
     };
     let options = Options {
         server_url: cli.server_url,

@@ -8,6 +8,7 @@ pub mod enqueue;
 pub mod latency;
 pub mod limited;
 pub mod memory;
+pub mod sweep;
 pub mod workers;
 
 use std::time::Duration;

@@ -354,7 +354,11 @@ pub(crate) async fn give_back_if_cancelled(db: &lockgate_sql::PgPool, delivery: 
     )
     .await
     {
-        Ok((true, _)) => tracing::info!(queue, msg_id, "a cancelled job's handler ended: its permit and while_executing lock are given back"),
+        Ok((true, _)) => tracing::info!(
+            queue,
+            msg_id,
+            "a cancelled job's handler ended: its permit and while_executing lock are given back"
+        ),
         Ok((false, _)) => {}
         Err(error) => tracing::warn!(queue, msg_id, %error, "a cancelled job's permit waits for its lease"),
     }
