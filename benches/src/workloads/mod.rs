@@ -6,8 +6,12 @@ pub mod depth;
 pub mod drain;
 pub mod enqueue;
 pub mod latency;
+pub mod latency_load;
 pub mod limited;
 pub mod memory;
+pub mod producers;
+pub mod queues;
+pub mod runtimes;
 pub mod workers;
 
 use std::time::Duration;
@@ -108,14 +112,18 @@ pub async fn drain_once(
         Side::Lockgate => draining::lockgate(db, spec, &ctx.progress, label).await?,
         Side::Baseline => draining::baseline(db, spec, &ctx.progress, label).await?,
     };
-    let who = if side == Side::Lockgate { "lockgate" } else { "baseline" };
+    note_drain(ctx, label, if side == Side::Lockgate { "lockgate" } else { "baseline" }, &drained);
+    Ok(drained)
+}
+
+/// The progress line of a finished drain.
+pub fn note_drain(ctx: &Ctx, label: &str, who: &str, drained: &Drained) {
     ctx.progress.note(format!(
         "{label}: {who} {:.0} jobs/s ({} jobs in {:.2} s)",
         drained.rate(),
         drained.jobs,
         drained.seconds
     ));
-    Ok(drained)
 }
 
 pub fn rates(runs: &[Drained]) -> Option<Summary> {
