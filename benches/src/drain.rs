@@ -42,6 +42,9 @@ const STALL_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct Drained {
     pub jobs: u64,
     pub seconds: f64,
+    /// From the start to the first job archived: the runtimes' start-up and first claim (or
+    /// the consumers' first read and archive).
+    pub first_seconds: f64,
     /// (jobs archived, this process's resident memory in KiB) at each poll of a lockgate drain.
     pub rss_samples: Vec<(u64, u64)>,
     /// This process's CPU time during the drain (the runtime's or the consumers' client side).
@@ -87,10 +90,14 @@ impl Layout {
         format!("SELECT ({})::bigint", counts.join(" + "))
     }
 
-    /// The `archived_at` of the ($1 + 1)-th row archived, over every queue.
-    fn nth_archived_sql(&self) -> String {
+    /// The `archived_at` of the first row archived and of the ($1 + 1)-th, over every queue.
+    fn archived_at_sql(&self) -> String {
         let all: Vec<String> = self.queues.iter().map(|q| format!("SELECT archived_at FROM pgmq.a_{q}")).collect();
-        format!("SELECT archived_at FROM ({}) a ORDER BY archived_at OFFSET $1 LIMIT 1", all.join(" UNION ALL "))
+        let all = all.join(" UNION ALL ");
+        format!(
+            "SELECT (SELECT min(archived_at) FROM ({all}) a),
+                    (SELECT archived_at FROM ({all}) a ORDER BY archived_at OFFSET $1 LIMIT 1)"
+        )
     }
 }
 
@@ -255,17 +262,19 @@ async fn finish(
     usage: Usage,
     progress: &Progress,
 ) -> Result<Drained> {
-    let end: Option<DateTime<Utc>> = sqlx::query_scalar(&layout.nth_archived_sql())
+    let (first, end): (Option<DateTime<Utc>>, Option<DateTime<Utc>>) = sqlx::query_as(&layout.archived_at_sql())
         .bind(i64::try_from(spec.jobs).unwrap_or(i64::MAX) - 1)
-        .fetch_optional(&db.pool)
+        .fetch_one(&db.pool)
         .await?;
-    let Some(end) = end else { bail!("fewer than {} jobs were archived", spec.jobs) };
+    let (Some(first), Some(end)) = (first, end) else { bail!("fewer than {} jobs were archived", spec.jobs) };
     let micros = (end - start.at).num_microseconds().unwrap_or(0).max(1);
+    let first_micros = (first - start.at).num_microseconds().unwrap_or(0).max(0);
     db.settle(progress).await?;
     let functions = FunctionStats::read(&db.pool).await?.since(&start.functions);
     Ok(Drained {
         jobs: spec.jobs,
         seconds: micros as f64 / 1e6,
+        first_seconds: first_micros as f64 / 1e6,
         rss_samples,
         cpu_seconds: usage.process,
         machine_busy_percent: usage.machine,

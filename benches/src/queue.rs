@@ -141,11 +141,7 @@ pub async fn reset(db: &BenchDb) -> Result<()> {
 }
 
 pub async fn vacuum(db: &BenchDb) -> Result<()> {
-    vacuum_queue(db, QUEUE).await
-}
-
-async fn vacuum_queue(db: &BenchDb, queue: &str) -> Result<()> {
-    sqlx::raw_sql(&format!("VACUUM (ANALYZE) pgmq.q_{queue}")).execute(&db.pool).await?;
+    sqlx::raw_sql(&format!("VACUUM (ANALYZE) pgmq.q_{QUEUE}")).execute(&db.pool).await?;
     Ok(())
 }
 
@@ -184,8 +180,7 @@ pub async fn fill_queues(
         }
     }
     bar.finish_and_clear();
-    for queue in queues {
-        vacuum_queue(db, queue).await?;
-    }
+    let tables: Vec<String> = queues.iter().map(|q| format!("pgmq.q_{q}")).collect();
+    sqlx::raw_sql(&format!("VACUUM (ANALYZE) {}", tables.join(", "))).execute(&db.pool).await?;
     Ok(())
 }

@@ -15,11 +15,14 @@
 //! `pg_notify`, which is what a producer writing for speed would do.
 //!
 //! Targets (issue 14): p50 ≤ 1.15× and p99 ≤ 1.3× the baseline's. The p50 ≤ 5 ms and p99 ≤ 25 ms
-//! bounds of issue 5 are reported among the diagnostics.
+//! bounds of issue 5 are reported among the diagnostics, with each side's statements (calls and
+//! server time, `pg_stat_user_functions`, warm-up jobs included) and, per round, the send call's
+//! p50 and the part of the latency after the call returned (wake-up, claim or read, dispatch).
 //!
 //! The lockgate round is also latency-load's probe (`latency_load.rs`), there with a steady
 //! load of no-op jobs on the same queue.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -35,6 +38,7 @@ use tokio_util::sync::CancellationToken;
 use super::{order, Ctx, Outcome, Side};
 use crate::bench_db::{close, BenchDb};
 use crate::plan::LatencyArgs;
+use crate::probe::FunctionStats;
 use crate::queue::{self, Noop, QUEUE, RAW_QUEUE};
 use crate::report::Row;
 use crate::stats::{percentile, Summary};
@@ -46,6 +50,9 @@ const ROUND_TIMEOUT: Duration = Duration::from_secs(30);
 /// The baseline's notification channel, and the payload that stops its consumer.
 const CHANNEL: &str = "bench_raw";
 const STOP: &str = "stop";
+/// The statements each side runs per job, for the diagnostics (server time per call).
+const LOCKGATE_FUNCTIONS: &[&str] = &["lockgate.enqueue", "lockgate.claim", "lockgate.complete"];
+const BASELINE_FUNCTIONS: &[&str] = &["pgmq.send", "pgmq.read", "pgmq.archive"];
 /// The baseline consumer's read: PGMQ's usual batch, lockgate's visibility timeout.
 const BASELINE_BATCH: i32 = 16;
 const BASELINE_VT_SECONDS: i32 = 30;
@@ -64,24 +71,35 @@ impl Job for Ping {
     }
 }
 
-/// Enqueue → handler start (or → read), in milliseconds, as handlers (or the consumer) record them.
-type Samples = Arc<Mutex<Vec<f64>>>;
+/// Each job's send instant (its `sent_us`) and its latency, enqueue → handler start (or → read)
+/// in milliseconds, as handlers (or the consumer) record them.
+type Samples = Arc<Mutex<Vec<(u64, f64)>>>;
 
 /// The percentiles reported, with their targets as a maximum ratio to the baseline, and the
 /// absolute bounds of issue 5 (ms).
 pub const PERCENTILES: [(&str, f64, Option<f64>, Option<f64>); 3] =
     [("p50", 50.0, Some(1.15), Some(5.0)), ("p95", 95.0, None, None), ("p99", 99.0, Some(1.3), Some(25.0))];
 
-/// One round of one side: the latency at each of PERCENTILES and its max (ms), and the
-/// producer's enqueue call time p50 (ms).
+/// One round of one side: the latency at each of PERCENTILES and its max (ms), the producer's
+/// enqueue call time p50 (ms), and the part of the latency after the call returned (from the
+/// commit's acknowledgement to the handler's start, or to the read's return), p50 and p99 (ms).
 #[derive(Debug, Clone)]
 pub struct RoundResult {
     pub percentiles: [f64; 3],
     pub max: f64,
     pub enqueue_p50: f64,
+    pub after_call: [f64; 2],
 }
 
 impl RoundResult {
+    /// "max 12.3 ms, call p50 2.1 ms, after p50 1.9 / p99 4.2 ms"
+    pub fn parts(&self) -> String {
+        format!(
+            "max {:.2} ms, call p50 {:.2} ms, after p50 {:.2} / p99 {:.2} ms",
+            self.max, self.enqueue_p50, self.after_call[0], self.after_call[1]
+        )
+    }
+
     pub fn line(&self) -> String {
         format!(
             "p50 {:.2} ms, p95 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
@@ -93,6 +111,7 @@ impl RoundResult {
 pub async fn run(ctx: &Ctx, args: &LatencyArgs) -> Result<Outcome> {
     let db = ctx.create_db("latency").await?;
     setup(&db).await?;
+    let before = FunctionStats::read(&db.pool).await?;
     let (mut lockgate, mut baseline) = (Vec::new(), Vec::new());
     for round in 0..ctx.options.rounds {
         let label = ctx.label("latency", round);
@@ -110,9 +129,15 @@ pub async fn run(ctx: &Ctx, args: &LatencyArgs) -> Result<Outcome> {
             }
         }
     }
+    db.settle(&ctx.progress).await?;
+    let functions = FunctionStats::read(&db.pool).await?.since(&before);
     db.close().await?;
     let mut rows = Vec::new();
-    let mut diagnostics = Vec::new();
+    // Every round of a side sends the warm-up jobs and the measured ones.
+    let jobs = (ctx.options.rounds as u64 * (args.jobs() + WARMUP_JOBS)) as f64;
+    let mut diagnostics: Vec<String> =
+        functions.describe(LOCKGATE_FUNCTIONS, jobs).into_iter().map(|l| format!("lockgate {l}")).collect();
+    diagnostics.extend(functions.describe(BASELINE_FUNCTIONS, jobs).into_iter().map(|l| format!("baseline {l}")));
     for (i, (name, _, max_ratio, bound)) in PERCENTILES.iter().enumerate() {
         let Some(summary) = summary(&lockgate, i) else { continue };
         let measure = format!("{name}, 1 job / {} ms for {} s", args.interval_ms, args.duration_s);
@@ -128,16 +153,13 @@ pub async fn run(ctx: &Ctx, args: &LatencyArgs) -> Result<Outcome> {
             None => row,
         });
     }
-    diagnostics.push("per round (the enqueue call's own time is part of the latency):".into());
+    diagnostics.push(
+        "per round (the enqueue call's own time is part of the latency; \"after\" is what came after the call \
+         returned: wake-up, claim or read, dispatch):"
+            .into(),
+    );
     for (round, (l, b)) in lockgate.iter().zip(&baseline).enumerate() {
-        diagnostics.push(format!(
-            "r{}: lockgate max {:.2} ms, enqueue call p50 {:.2} ms; baseline max {:.2} ms, send call p50 {:.2} ms",
-            round + 1,
-            l.max,
-            l.enqueue_p50,
-            b.max,
-            b.enqueue_p50
-        ));
+        diagnostics.push(format!("r{}: lockgate {}; baseline {}", round + 1, l.parts(), b.parts()));
     }
     Ok(Outcome { rows, diagnostics })
 }
@@ -177,9 +199,9 @@ pub async fn lockgate_round(ctx: &Ctx, db: &BenchDb, args: &LatencyArgs, label: 
     stop.cancel();
     let ran = handle.await;
     close(pool).await;
-    let enqueue_ms = produced?;
+    let calls = produced?;
     ran.context("the runtime panicked")?.context("the runtime failed")?;
-    Ok(result(&samples, enqueue_ms))
+    Ok(result(&samples, &calls))
 }
 
 /// One baseline round: a consumer on LISTEN reads and archives what a producer sends and
@@ -200,10 +222,10 @@ async fn listen_round(ctx: &Ctx, db: &BenchDb, args: &LatencyArgs, label: &str) 
     let stopped = sqlx::query("SELECT pg_notify($1, $2)").bind(CHANNEL).bind(STOP).execute(&db.pool).await;
     let consumed = consumer.await;
     close(consumer_pool).await;
-    let enqueue_ms = produced?;
+    let calls = produced?;
     stopped?;
     consumed.context("the baseline consumer panicked")?.context("the baseline consumer failed")?;
-    Ok(result(&samples, enqueue_ms))
+    Ok(result(&samples, &calls))
 }
 
 /// The baseline's consumer: on each notification, reads (and archives) until a read comes back
@@ -234,7 +256,7 @@ async fn consume(mut listener: PgListener, base: Instant, samples: Samples) -> R
                 for (_, message) in &batch {
                     let sent_us =
                         message.get("sent_us").and_then(Value::as_u64).context("a message without sent_us")?;
-                    samples.push(read_us.saturating_sub(sent_us) as f64 / 1000.0);
+                    samples.push((sent_us, read_us.saturating_sub(sent_us) as f64 / 1000.0));
                 }
             }
             let ids: Vec<i64> = batch.iter().map(|(id, _)| *id).collect();
@@ -246,16 +268,23 @@ async fn consume(mut listener: PgListener, base: Instant, samples: Samples) -> R
     }
 }
 
-/// The round's percentiles from the samples, and the producer's call time.
-fn result(samples: &Samples, mut enqueue_ms: Vec<f64>) -> RoundResult {
-    let mut lat = samples.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    lat.sort_by(f64::total_cmp);
-    enqueue_ms.sort_by(f64::total_cmp);
+/// The round's percentiles from the samples, and the producer's call times (send instant, ms).
+fn result(samples: &Samples, calls: &[(u64, f64)]) -> RoundResult {
+    let samples = samples.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let call_of: HashMap<u64, f64> = calls.iter().copied().collect();
+    let mut after: Vec<f64> =
+        samples.iter().filter_map(|(sent, ms)| call_of.get(sent).map(|call| (ms - call).max(0.0))).collect();
+    let mut lat: Vec<f64> = samples.iter().map(|(_, ms)| *ms).collect();
+    let mut enqueue_ms: Vec<f64> = calls.iter().map(|(_, ms)| *ms).collect();
+    for v in [&mut lat, &mut after, &mut enqueue_ms] {
+        v.sort_by(f64::total_cmp);
+    }
     let p = |v: &[f64], q: f64| percentile(v, q).unwrap_or(f64::NAN);
     RoundResult {
         percentiles: PERCENTILES.map(|(_, q, _, _)| p(&lat, q)),
         max: p(&lat, 100.0),
         enqueue_p50: p(&enqueue_ms, 50.0),
+        after_call: [p(&after, 50.0), p(&after, 99.0)],
     }
 }
 
@@ -265,7 +294,7 @@ fn runtime(pool: lockgate::PgPool, concurrency: usize, base: Instant, samples: S
         // Recorded when the handler is called, before its future is first awaited.
         let started_us = base.elapsed().as_micros() as u64;
         let ms = started_us.saturating_sub(job.sent_us) as f64 / 1000.0;
-        samples.lock().unwrap_or_else(|e| e.into_inner()).push(ms);
+        samples.lock().unwrap_or_else(|e| e.into_inner()).push((job.sent_us, ms));
         async { Ok::<(), JobError>(()) }
     })?;
     // The load of latency-load; never enqueued by latency itself.
@@ -283,7 +312,8 @@ enum Sender<'c> {
 }
 
 impl Sender<'_> {
-    async fn send(&mut self, base: Instant) -> Result<()> {
+    /// Sends one job; returns its `sent_us`.
+    async fn send(&mut self, base: Instant) -> Result<u64> {
         let sent_us = base.elapsed().as_micros() as u64;
         match self {
             Self::Client(client) => drop(client.enqueue(&Ping { sent_us }).await?),
@@ -296,12 +326,12 @@ impl Sender<'_> {
                     .await?;
             }
         }
-        Ok(())
+        Ok(sent_us)
     }
 }
 
-/// Warms up, then sends one job per interval; returns each send call's duration (ms) once
-/// every job of the round has been received.
+/// Warms up, then sends one job per interval; returns each job's send instant (`sent_us`) and
+/// call duration (ms) once every job of the round has been received.
 async fn produce(
     ctx: &Ctx,
     args: &LatencyArgs,
@@ -309,7 +339,7 @@ async fn produce(
     samples: &Samples,
     sender: &mut Sender<'_>,
     label: &str,
-) -> Result<Vec<f64>> {
+) -> Result<Vec<(u64, f64)>> {
     for _ in 0..WARMUP_JOBS {
         sender.send(base).await?;
     }
@@ -325,8 +355,8 @@ async fn produce(
     for _ in 0..jobs {
         ticker.tick().await;
         let started = Instant::now();
-        sender.send(base).await?;
-        enqueue_ms.push(started.elapsed().as_secs_f64() * 1000.0);
+        let sent_us = sender.send(base).await?;
+        enqueue_ms.push((sent_us, started.elapsed().as_secs_f64() * 1000.0));
         bar.inc(1);
     }
     let waited = wait_for(samples, jobs as usize).await;

@@ -102,18 +102,18 @@ pub async fn run(ctx: &Ctx, args: &LatencyLoadArgs) -> Result<Outcome> {
         let row = Row::new("latency-load", measure, "ms", summary).baseline("idle runtime", latency::summary(&idle, i));
         rows.push(if *name == "p99" { row.max_ratio_target(3.0) } else { row });
     }
+    diagnostics
+        .push("per round (\"after\" is what came after the enqueue call returned: wake-up, claim, dispatch):".into());
     for (round, (load, (l, i))) in loads.iter().zip(loaded.iter().zip(&idle)).enumerate() {
         diagnostics.push(format!(
             "r{}: load offered {:.0} jobs/s, runtime completed {:.0} jobs/s, {} queued at the round's end; \
-             max {:.2} ms loaded, {:.2} ms idle; enqueue call p50 {:.2} ms loaded, {:.2} ms idle",
+             loaded {}; idle {}",
             round + 1,
             load.offered,
             load.completed,
             load.queued_at_end,
-            l.max,
-            i.max,
-            l.enqueue_p50,
-            i.enqueue_p50
+            l.parts(),
+            i.parts()
         ));
     }
     Ok(Outcome { rows, diagnostics })

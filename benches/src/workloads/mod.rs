@@ -130,6 +130,17 @@ pub fn rates(runs: &[Drained]) -> Option<Summary> {
     Summary::of(&runs.iter().map(Drained::rate).collect::<Vec<_>>())
 }
 
+/// How long the drains took to archive their first job (the runtimes' start-up and first
+/// claim), median of rounds, against the whole drain's median.
+pub fn first_job_line(who: &str, runs: &[Drained]) -> Option<String> {
+    let first = Summary::of(&runs.iter().map(|r| r.first_seconds * 1000.0).collect::<Vec<_>>())?;
+    let whole = Summary::of(&runs.iter().map(|r| r.seconds * 1000.0).collect::<Vec<_>>())?;
+    Some(format!(
+        "{who} first job archived {:.0} ms after the start, of {:.0} ms for the whole drain (medians of rounds)",
+        first.median, whole.median
+    ))
+}
+
 /// Diagnostic lines for a set of drains: statement counts and server time per job (all rounds
 /// summed), and the client's CPU per job.
 pub fn drain_diagnostics(who: &str, runs: &[Drained], functions: &[&str]) -> Vec<String> {

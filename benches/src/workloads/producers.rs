@@ -8,8 +8,9 @@
 //!
 //! Every `lockgate.enqueue` notifies the queue's channel; PostgreSQL serialises notifying
 //! commits on one lock, so this is where that shows. The diagnostics give the server time per
-//! call (`pg_stat_user_functions`, which does not include the commit) and the call times the
-//! producers saw, p50 and p99.
+//! call (`pg_stat_user_functions`, which does not include the commit), the call times the
+//! producers saw, p50 and p99, and what their sessions waited on (`pg_stat_activity`, sampled
+//! every 20 ms while they ran).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,10 +22,10 @@ use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
 use tokio::sync::Barrier;
 
-use super::{order, Ctx, Outcome, Side};
+use super::{order, Ctx, Outcome, Side, POLL};
 use crate::bench_db::{close, BenchDb};
 use crate::plan::ProducersArgs;
-use crate::probe::{busy_percent, cpu_seconds, machine_cpu, FunctionStats};
+use crate::probe::{busy_percent, cpu_seconds, machine_cpu, FunctionStats, WaitProfile, WaitSampler};
 use crate::queue::{self, Noop, RAW_QUEUE};
 use crate::report::Row;
 use crate::stats::{percentile, Summary};
@@ -37,6 +38,8 @@ struct Run {
     functions: FunctionStats,
     /// Every call's duration (ms), sorted.
     calls_ms: Vec<f64>,
+    /// What the producers' sessions waited on while they ran.
+    waits: WaitProfile,
 }
 
 /// What one producer enqueues through.
@@ -128,6 +131,7 @@ async fn concurrent(ctx: &Ctx, db: &BenchDb, side: Side, args: &ProducersArgs, l
     }
     barrier.wait().await;
     let (cpu0, machine0) = (cpu_seconds(), machine_cpu());
+    let sampler = WaitSampler::start(db.pool.clone(), POLL);
     let mut first_start: Option<Instant> = None;
     let mut last_end: Option<Instant> = None;
     let mut calls_ms = Vec::new();
@@ -144,6 +148,7 @@ async fn concurrent(ctx: &Ctx, db: &BenchDb, side: Side, args: &ProducersArgs, l
     }
     let cpu_seconds = cpu_seconds().zip(cpu0).map(|(b, a)| b - a);
     let machine_busy_percent = busy_percent(machine0, machine_cpu());
+    let waits = sampler.finish().await;
     bar.finish_and_clear();
     for pool in pools {
         close(pool).await;
@@ -151,6 +156,7 @@ async fn concurrent(ctx: &Ctx, db: &BenchDb, side: Side, args: &ProducersArgs, l
     if let Some(e) = failed {
         return Err(e);
     }
+    let waits = waits?;
     db.settle(&ctx.progress).await?;
     let functions = FunctionStats::read(&db.pool).await?.since(&before);
     let (Some(first), Some(last)) = (first_start, last_end) else { bail!("no producer ran") };
@@ -161,11 +167,13 @@ async fn concurrent(ctx: &Ctx, db: &BenchDb, side: Side, args: &ProducersArgs, l
         machine_busy_percent,
         functions,
         calls_ms,
+        waits,
     })
 }
 
 /// Server time per call (all rounds), call times as the producers saw them (median over rounds
-/// of each round's p50 and p99), client CPU per job and the machine's busy share.
+/// of each round's p50 and p99), the sessions' waits (all rounds), client CPU per job and the
+/// machine's busy share.
 fn diagnostics(who: &str, runs: &[Run], function: &str, jobs: u64) -> Vec<String> {
     let mut total = FunctionStats::default();
     runs.iter().for_each(|r| total.add(&r.functions));
@@ -178,6 +186,11 @@ fn diagnostics(who: &str, runs: &[Run], function: &str, jobs: u64) -> Vec<String
             "{who} call time (client, commit included) p50 {:.2} ms, p99 {:.2} ms",
             p50.median, p99.median
         ));
+    }
+    let mut waits = WaitProfile::default();
+    runs.iter().for_each(|r| waits.add(&r.waits));
+    if let Some(line) = waits.describe() {
+        lines.push(format!("{who} sessions (pg_stat_activity every {} ms): {line}", POLL.as_millis()));
     }
     let cpu: Option<f64> = runs.iter().map(|r| r.cpu_seconds).sum();
     let busy = Summary::of(&runs.iter().filter_map(|r| r.machine_busy_percent).collect::<Vec<_>>());

@@ -12,7 +12,7 @@
 use anyhow::{bail, Result};
 
 use super::drain::{BASELINE_FUNCTIONS, LOCKGATE_FUNCTIONS};
-use super::{drain_diagnostics, drain_once, note_drain, rates, Ctx, Outcome, Prep, Side, POLL};
+use super::{drain_diagnostics, drain_once, first_job_line, note_drain, rates, Ctx, Outcome, Prep, Side, POLL};
 use crate::drain::{self as draining, Drained, Layout, Spec};
 use crate::plan::QueuesArgs;
 use crate::queue;
@@ -83,5 +83,7 @@ pub async fn run(ctx: &Ctx, args: &QueuesArgs) -> Result<Outcome> {
     let mut diagnostics = drain_diagnostics(&format!("{} queues lockgate", args.queues), many_runs, LOCKGATE_FUNCTIONS);
     diagnostics.extend(drain_diagnostics("1 queue lockgate", single_runs, LOCKGATE_FUNCTIONS));
     diagnostics.extend(drain_diagnostics(&format!("{} queues baseline", args.queues), raw_runs, BASELINE_FUNCTIONS));
+    diagnostics.extend(first_job_line(&format!("{} queues lockgate", args.queues), many_runs));
+    diagnostics.extend(first_job_line("1 queue lockgate", single_runs));
     Ok(Outcome { rows, diagnostics })
 }

@@ -8,7 +8,7 @@
 use anyhow::{bail, Result};
 
 use super::drain::LOCKGATE_FUNCTIONS;
-use super::{drain_diagnostics, note_drain, order, rates, Ctx, Outcome, Side, POLL};
+use super::{drain_diagnostics, first_job_line, note_drain, order, rates, Ctx, Outcome, Side, POLL};
 use crate::drain::{self as draining, Layout, Spec};
 use crate::plan::RuntimesArgs;
 use crate::queue;
@@ -47,8 +47,10 @@ pub async fn run(ctx: &Ctx, args: &RuntimesArgs) -> Result<Outcome> {
     let row = Row::new("runtimes", measure, "jobs/s", summary)
         .baseline(format!("1 runtime × {whole}"), rates(&one))
         .ratio_target(0.9);
-    let mut diagnostics =
-        drain_diagnostics(&format!("{} × {}", args.runtimes, args.concurrency), &many, LOCKGATE_FUNCTIONS);
-    diagnostics.extend(drain_diagnostics(&format!("1 × {whole}"), &one, LOCKGATE_FUNCTIONS));
+    let (split_who, whole_who) = (format!("{} × {}", args.runtimes, args.concurrency), format!("1 × {whole}"));
+    let mut diagnostics = drain_diagnostics(&split_who, &many, LOCKGATE_FUNCTIONS);
+    diagnostics.extend(drain_diagnostics(&whole_who, &one, LOCKGATE_FUNCTIONS));
+    diagnostics.extend(first_job_line(&split_who, &many));
+    diagnostics.extend(first_job_line(&whole_who, &one));
     Ok(Outcome { rows: vec![row], diagnostics })
 }
