@@ -20,7 +20,7 @@ const CONTROL_CONNECTIONS: u32 = 4;
 /// Sessions of the harness's own pool, and of the pools it measures (lockgate's runtime and
 /// client, the baseline's consumers), told apart in `pg_stat_activity`.
 const CONTROL_APP: &str = "lockgate-bench-control";
-const MEASURED_APP: &str = "lockgate-bench";
+pub const MEASURED_APP: &str = "lockgate-bench";
 
 /// How long closed pools' sessions may take to leave before the harness goes on without them.
 const SESSIONS_CLOSE_TIMEOUT: Duration = Duration::from_secs(10);

@@ -28,7 +28,8 @@ use crate::plan::{Options, Workload};
 use crate::progress::Progress;
 use crate::report::{Report, WorkloadReport};
 use crate::workloads::{
-    depth, drain as drain_workload, enqueue, latency, limited, memory, sweep, workers, Ctx, Outcome,
+    depth, drain as drain_workload, enqueue, latency, latency_load, limited, memory, producers, queues, runtimes,
+    sweep, workers, Ctx, Outcome,
 };
 
 /// Runs every workload of `plan` in order; `command` is recorded in the report as given.
@@ -57,6 +58,10 @@ async fn run_one(ctx: &Ctx, workload: &Workload) -> Result<Outcome> {
         Workload::Enqueue(args) => enqueue::run_single(ctx, args).await,
         Workload::Bulk(args) => enqueue::run_bulk(ctx, args).await,
         Workload::Latency(args) => latency::run(ctx, args).await,
+        Workload::LatencyLoad(args) => latency_load::run(ctx, args).await,
+        Workload::Producers(args) => producers::run(ctx, args).await,
+        Workload::Queues(args) => queues::run(ctx, args).await,
+        Workload::Runtimes(args) => runtimes::run(ctx, args).await,
         Workload::Depth(args) => depth::run(ctx, args).await,
         Workload::Workers(args) => workers::run(ctx, args).await,
         Workload::Memory(args) => memory::run(ctx, args).await,

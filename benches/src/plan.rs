@@ -19,8 +19,9 @@ pub const DEFAULT_ROUNDS: usize = 3;
 pub const DRAIN_JOBS: u64 = 20_000;
 pub const DRAIN_CONCURRENCY: usize = 16;
 pub const ENQUEUE_JOBS: u64 = 10_000;
+/// Jobs per batch size: 100 calls of 1,000, or 1,000 calls of 100.
 pub const BULK_JOBS: u64 = 100_000;
-pub const BULK_BATCH: u64 = 1_000;
+pub const BULK_BATCHES: [u64; 2] = [100, 1_000];
 pub const LATENCY_INTERVAL_MS: u64 = 20;
 pub const LATENCY_DURATION_S: f64 = 10.0;
 /// lockgate's own default pool concurrency (DEFAULT_CONCURRENCY): the worker a user starts.
@@ -40,6 +41,18 @@ pub const SWEEP_PARKED: u64 = 1_000_000;
 pub const SWEEP_KEYS: u64 = 100_000;
 pub const SWEEP_PROMOTABLE: u64 = 10;
 pub const IDLE_KEYS: u64 = 1_000_000;
+/// The drain whose rate sets latency-load's load (half of it): the drain workload's size.
+pub const LOAD_RATE_JOBS: u64 = DRAIN_JOBS;
+pub const LOAD_SHARE: f64 = 0.5;
+/// 16 concurrent producers, as the issue specifies; 10,000 jobs in all (625 each), as many as
+/// the single-enqueue workload's, keeps lockgate's side under 30 s a round where its notifying
+/// commits queue up one behind another (about 375 jobs/s on a loaded 2-core machine).
+pub const PRODUCERS: usize = 16;
+pub const PRODUCERS_JOBS: u64 = 10_000;
+pub const QUEUES: usize = 50;
+pub const QUEUE_JOBS: u64 = 1_000;
+pub const RUNTIMES: usize = 4;
+pub const RUNTIMES_JOBS: u64 = DRAIN_JOBS;
 
 /// Run-wide options.
 #[derive(Debug, Clone)]
@@ -72,13 +85,15 @@ pub struct EnqueueArgs {
     pub jobs: u64,
 }
 
-/// bulk: jobs in calls of `batch`, against `pgmq.send_batch`.
+/// bulk: `jobs` jobs in calls of each batch size, against `pgmq.send_batch`; a row per size.
 #[derive(Debug, Clone, Args, Serialize)]
 pub struct BulkArgs {
+    /// Jobs per batch size and producer, per round.
     #[arg(long, default_value_t = BULK_JOBS)]
     pub jobs: u64,
-    #[arg(long, default_value_t = BULK_BATCH)]
-    pub batch: u64,
+    /// Jobs per call (comma-separated sizes).
+    #[arg(long, alias = "batch", value_delimiter = ',', default_values_t = BULK_BATCHES)]
+    pub batches: Vec<u64>,
 }
 
 /// latency: an idle runtime, one job every `interval_ms` for `duration_s`; enqueue → handler start.
@@ -89,6 +104,60 @@ pub struct LatencyArgs {
     #[arg(long, default_value_t = LATENCY_DURATION_S)]
     pub duration_s: f64,
     #[arg(long, default_value_t = LATENCY_CONCURRENCY)]
+    pub concurrency: usize,
+}
+
+/// latency-load: the latency probe while the runtime also drains no-op jobs arriving at a steady
+/// rate, against the same probe on the idle runtime in the same run.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct LatencyLoadArgs {
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub probe: LatencyArgs,
+    /// The load, in no-op jobs per second. Default: `load_share` × the rate at which the
+    /// runtime drains `rate_jobs` jobs, measured first.
+    #[arg(long)]
+    pub load_rate: Option<f64>,
+    #[arg(long, default_value_t = LOAD_SHARE)]
+    pub load_share: f64,
+    /// Jobs of the drain that measures the runtime's maximum rate (unused with --load-rate).
+    #[arg(long, default_value_t = LOAD_RATE_JOBS)]
+    pub rate_jobs: u64,
+}
+
+/// producers: concurrent producers, each on its own connection, one job per transaction;
+/// `Client::enqueue` against `pgmq.send`.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct ProducersArgs {
+    /// Jobs in all per round and side, split evenly among the producers.
+    #[arg(long, default_value_t = PRODUCERS_JOBS)]
+    pub jobs: u64,
+    #[arg(long, default_value_t = PRODUCERS)]
+    pub producers: usize,
+}
+
+/// queues: `queues` queues of `jobs_per_queue` jobs, drained by one worker pool serving them
+/// all, against the same runtime draining as many jobs off one queue.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct QueuesArgs {
+    #[arg(long, default_value_t = QUEUES)]
+    pub queues: usize,
+    #[arg(long, default_value_t = QUEUE_JOBS)]
+    pub jobs_per_queue: u64,
+    #[arg(long, default_value_t = DRAIN_CONCURRENCY)]
+    pub concurrency: usize,
+}
+
+/// runtimes: `runtimes` runtimes at `concurrency` each on one queue, against one runtime at
+/// `runtimes` × `concurrency`.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct RuntimesArgs {
+    #[arg(long, default_value_t = RUNTIMES_JOBS)]
+    pub jobs: u64,
+    #[arg(long, default_value_t = RUNTIMES)]
+    pub runtimes: usize,
+    /// Each runtime's concurrency.
+    #[arg(long, default_value_t = DRAIN_CONCURRENCY)]
     pub concurrency: usize,
 }
 
@@ -157,6 +226,10 @@ pub enum Workload {
     Enqueue(EnqueueArgs),
     Bulk(BulkArgs),
     Latency(LatencyArgs),
+    LatencyLoad(LatencyLoadArgs),
+    Producers(ProducersArgs),
+    Queues(QueuesArgs),
+    Runtimes(RuntimesArgs),
     Depth(DepthArgs),
     Workers(WorkersArgs),
     Memory(MemoryArgs),
@@ -171,6 +244,10 @@ impl Workload {
             Self::Enqueue(_) => "enqueue",
             Self::Bulk(_) => "bulk",
             Self::Latency(_) => "latency",
+            Self::LatencyLoad(_) => "latency-load",
+            Self::Producers(_) => "producers",
+            Self::Queues(_) => "queues",
+            Self::Runtimes(_) => "runtimes",
             Self::Depth(_) => "depth",
             Self::Workers(_) => "workers",
             Self::Memory(_) => "memory",
@@ -185,6 +262,10 @@ impl Workload {
             Self::Enqueue(a) => serde_json::to_value(a),
             Self::Bulk(a) => serde_json::to_value(a),
             Self::Latency(a) => serde_json::to_value(a),
+            Self::LatencyLoad(a) => serde_json::to_value(a),
+            Self::Producers(a) => serde_json::to_value(a),
+            Self::Queues(a) => serde_json::to_value(a),
+            Self::Runtimes(a) => serde_json::to_value(a),
             Self::Depth(a) => serde_json::to_value(a),
             Self::Workers(a) => serde_json::to_value(a),
             Self::Memory(a) => serde_json::to_value(a),
@@ -212,17 +293,27 @@ pub fn all(scale: f64) -> Vec<Workload> {
     let n = |v: u64| ((v as f64 * scale).round() as u64).max(20);
     let depths: Vec<u64> = DEPTHS.iter().map(|&d| n(d)).collect();
     let bulk_jobs = n(BULK_JOBS);
+    let latency = LatencyArgs {
+        interval_ms: LATENCY_INTERVAL_MS,
+        duration_s: (LATENCY_DURATION_S * scale).max(0.2),
+        concurrency: LATENCY_CONCURRENCY,
+    };
     vec![
         Workload::Enqueue(EnqueueArgs { jobs: n(ENQUEUE_JOBS) }),
-        Workload::Bulk(BulkArgs { jobs: bulk_jobs, batch: BULK_BATCH.min(bulk_jobs) }),
+        Workload::Bulk(BulkArgs { jobs: bulk_jobs, batches: BULK_BATCHES.iter().map(|&b| b.min(bulk_jobs)).collect() }),
+        Workload::Producers(ProducersArgs { jobs: n(PRODUCERS_JOBS), producers: PRODUCERS }),
         Workload::Drain(DrainArgs { jobs: n(DRAIN_JOBS), concurrency: DRAIN_CONCURRENCY, baseline_consumers: None }),
-        Workload::Latency(LatencyArgs {
-            interval_ms: LATENCY_INTERVAL_MS,
-            duration_s: (LATENCY_DURATION_S * scale).max(0.2),
-            concurrency: LATENCY_CONCURRENCY,
+        Workload::Latency(latency.clone()),
+        Workload::LatencyLoad(LatencyLoadArgs {
+            probe: latency,
+            load_rate: None,
+            load_share: LOAD_SHARE,
+            rate_jobs: n(LOAD_RATE_JOBS),
         }),
         Workload::Depth(DepthArgs { window: n(DEPTH_WINDOW).min(depths[0]), depths, concurrency: DRAIN_CONCURRENCY }),
         Workload::Workers(WorkersArgs { jobs: n(WORKERS_JOBS), levels: WORKERS_LEVELS.to_vec() }),
+        Workload::Queues(QueuesArgs { queues: QUEUES, jobs_per_queue: n(QUEUE_JOBS), concurrency: DRAIN_CONCURRENCY }),
+        Workload::Runtimes(RuntimesArgs { jobs: n(RUNTIMES_JOBS), runtimes: RUNTIMES, concurrency: DRAIN_CONCURRENCY }),
         Workload::Limited(LimitedArgs {
             jobs: n(LIMITED_JOBS),
             keys: n(LIMITED_KEYS).min(n(LIMITED_JOBS)),

@@ -1,15 +1,21 @@
 //! What a run cost, besides its duration: server-side function calls and time (from
-//! `pg_stat_user_functions`; each bench database sets `track_functions = 'pl'`), and the
-//! harness process's resident memory and CPU time from `/proc/self`.
+//! `pg_stat_user_functions`; each bench database sets `track_functions = 'pl'`), what the
+//! measured sessions wait on (sampled from `pg_stat_activity`), and the harness process's
+//! resident memory and CPU time from `/proc/self`.
 //!
 //! Statistics reach the shared view when a backend exits, so `after` is read once the measured
 //! pools are closed and their sessions gone (`BenchDb::settle`).
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use lockgate::PgPool;
 use serde::Serialize;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::bench_db::MEASURED_APP;
 
 /// Calls and total milliseconds per function (`schema.name`, overloads summed).
 #[derive(Debug, Clone, Default, Serialize)]
@@ -61,6 +67,80 @@ impl FunctionStats {
                 ))
             })
             .collect()
+    }
+}
+
+/// Samples, every `every`, what the measured sessions of the database that are running a
+/// statement (`state = 'active'`) wait on: `wait_event_type:wait_event` (`Lock:object` is a
+/// heavyweight lock on a database object, such as the one every notifying commit takes), or
+/// `running` when they wait on nothing. Idle sessions (waiting for their client) are not
+/// counted. The sampling statement runs on the harness's own pool.
+pub struct WaitSampler {
+    stop: CancellationToken,
+    task: JoinHandle<Result<WaitProfile>>,
+}
+
+/// Active-session samples per wait, and how many samples were taken.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct WaitProfile {
+    pub waits: BTreeMap<String, u64>,
+    pub samples: u64,
+}
+
+impl WaitSampler {
+    pub fn start(pool: PgPool, every: Duration) -> Self {
+        let stop = CancellationToken::new();
+        let token = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut profile = WaitProfile::default();
+            let mut ticker = tokio::time::interval(every);
+            loop {
+                tokio::select! {
+                    () = token.cancelled() => return Ok(profile),
+                    _ = ticker.tick() => {}
+                }
+                let waits: Vec<String> = sqlx::query_scalar(
+                    "SELECT coalesce(wait_event_type || ':' || wait_event, 'running') FROM pg_stat_activity
+                      WHERE datname = current_database() AND application_name = $1 AND state = 'active'",
+                )
+                .bind(MEASURED_APP)
+                .fetch_all(&pool)
+                .await?;
+                profile.samples += 1;
+                for wait in waits {
+                    *profile.waits.entry(wait).or_default() += 1;
+                }
+            }
+        });
+        Self { stop, task }
+    }
+
+    pub async fn finish(self) -> Result<WaitProfile> {
+        self.stop.cancel();
+        self.task.await.context("the wait sampler panicked")?
+    }
+}
+
+impl WaitProfile {
+    pub fn add(&mut self, other: &Self) {
+        self.samples += other.samples;
+        for (wait, n) in &other.waits {
+            *self.waits.entry(wait.clone()).or_default() += n;
+        }
+    }
+
+    /// "14.2 active sessions on average: Lock:object 81%, running 9%, IO:WALSync 6%, …" (the
+    /// five most frequent).
+    pub fn describe(&self) -> Option<String> {
+        let total: u64 = self.waits.values().sum();
+        if self.samples == 0 || total == 0 {
+            return None;
+        }
+        let mut waits: Vec<(&String, &u64)> = self.waits.iter().collect();
+        waits.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        let shares: Vec<String> =
+            waits.iter().take(5).map(|(w, n)| format!("{w} {:.0}%", **n as f64 * 100.0 / total as f64)).collect();
+        Some(format!("{:.1} active sessions on average: {}", total as f64 / self.samples as f64, shares.join(", ")))
     }
 }
 

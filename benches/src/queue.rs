@@ -7,7 +7,7 @@
 //! rows from an identical table.
 
 use anyhow::Result;
-use lockgate::{Client, ConcurrencyPolicy, Job, JobPolicy, QueueName};
+use lockgate::{Client, ConcurrencyPolicy, EnqueueOptions, Job, JobPolicy, QueueName};
 use serde::{Deserialize, Serialize};
 
 use crate::bench_db::BenchDb;
@@ -142,5 +142,45 @@ pub async fn reset(db: &BenchDb) -> Result<()> {
 
 pub async fn vacuum(db: &BenchDb) -> Result<()> {
     sqlx::raw_sql(&format!("VACUUM (ANALYZE) pgmq.q_{QUEUE}")).execute(&db.pool).await?;
+    Ok(())
+}
+
+/// The queues workload's queues, `bench_00`, `bench_01`, …, created with `lockgate.create_queue`
+/// (PGMQ's pair of tables and lockgate's claim index, as for `bench`).
+pub async fn create_queues(db: &BenchDb, n: usize) -> Result<Vec<String>> {
+    let names: Vec<String> = (0..n).map(|i| format!("{QUEUE}_{i:02}")).collect();
+    for name in &names {
+        lockgate::sql::create_queue(&db.pool, name).await?;
+    }
+    Ok(names)
+}
+
+/// Empties `queues` and their archives, then enqueues `per_queue` no-op jobs on each with
+/// `enqueue_many` (the job type's queue overridden per call), and vacuums and analyzes each
+/// queue table, as [`fill`] does for `bench`. Not measured.
+pub async fn fill_queues(
+    db: &BenchDb,
+    client: &Client,
+    queues: &[String],
+    per_queue: u64,
+    progress: &Progress,
+    label: &str,
+) -> Result<()> {
+    let tables: Vec<String> = queues.iter().flat_map(|q| [format!("pgmq.q_{q}"), format!("pgmq.a_{q}")]).collect();
+    sqlx::raw_sql(&format!("TRUNCATE {}", tables.join(", "))).execute(&db.pool).await?;
+    let bar = progress.bar(per_queue * queues.len() as u64, format!("{label}: fill"));
+    for queue in queues {
+        let options = EnqueueOptions { queue: Some(QueueName::new(queue.as_str())?), ..EnqueueOptions::default() };
+        let mut left = per_queue as usize;
+        while left > 0 {
+            let chunk = left.min(FILL_CHUNK);
+            client.enqueue_many_with(&vec![Noop {}; chunk], &options).await?;
+            left -= chunk;
+            bar.inc(chunk as u64);
+        }
+    }
+    bar.finish_and_clear();
+    let tables: Vec<String> = queues.iter().map(|q| format!("pgmq.q_{q}")).collect();
+    sqlx::raw_sql(&format!("VACUUM (ANALYZE) {}", tables.join(", "))).execute(&db.pool).await?;
     Ok(())
 }

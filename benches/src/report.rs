@@ -65,6 +65,14 @@ impl Row {
         self
     }
 
+    /// Target: lockgate/baseline ≤ `max_ratio` (for measures where lower is better, such as
+    /// latencies).
+    pub fn max_ratio_target(mut self, max_ratio: f64) -> Self {
+        self.target = format!("≤ {max_ratio}× baseline");
+        self.check = self.ratio.map(|r| Check { value: r, met: r <= max_ratio, shown: format!("{r:.2}×") });
+        self
+    }
+
     pub fn target(mut self, target: impl Into<String>, check: Option<Check>) -> Self {
         self.target = target.into();
         self.check = check;

@@ -4,8 +4,8 @@
 use std::process::Command;
 
 use lockgate_bench::plan::{
-    BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LimitedArgs, MemoryArgs, Options, SweepArgs, WorkersArgs,
-    Workload, DEFAULT_SERVER_URL,
+    BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LatencyLoadArgs, LimitedArgs, MemoryArgs, Options,
+    ProducersArgs, QueuesArgs, RuntimesArgs, SweepArgs, WorkersArgs, Workload, DEFAULT_SERVER_URL,
 };
 
 /// The bench server, else the server the rest of the test suite uses, else the local default.
@@ -17,11 +17,22 @@ fn server_url() -> String {
 }
 
 fn tiny_plan() -> Vec<Workload> {
+    let probe = LatencyArgs { interval_ms: 20, duration_s: 0.3, concurrency: 2 };
     vec![
         Workload::Enqueue(EnqueueArgs { jobs: 30 }),
-        Workload::Bulk(BulkArgs { jobs: 250, batch: 100 }),
+        Workload::Bulk(BulkArgs { jobs: 250, batches: vec![10, 100] }),
+        Workload::Producers(ProducersArgs { jobs: 40, producers: 4 }),
         Workload::Drain(DrainArgs { jobs: 100, concurrency: 4, baseline_consumers: None }),
-        Workload::Latency(LatencyArgs { interval_ms: 20, duration_s: 0.3, concurrency: 2 }),
+        Workload::Latency(probe.clone()),
+        // The measured maximum rate sets the load, as in a real run.
+        Workload::LatencyLoad(LatencyLoadArgs {
+            probe: LatencyArgs { duration_s: 0.2, ..probe },
+            load_rate: None,
+            load_share: 0.5,
+            rate_jobs: 100,
+        }),
+        Workload::Queues(QueuesArgs { queues: 3, jobs_per_queue: 30, concurrency: 4 }),
+        Workload::Runtimes(RuntimesArgs { jobs: 100, runtimes: 2, concurrency: 2 }),
         Workload::Depth(DepthArgs { depths: vec![60, 300], window: 40, concurrency: 4 }),
         Workload::Workers(WorkersArgs { jobs: 40, levels: vec![1, 4] }),
         Workload::Limited(LimitedArgs { jobs: 120, keys: 10, hot_jobs: 60, concurrency: 4 }),
@@ -35,11 +46,34 @@ async fn every_workload_runs_at_a_tiny_size_and_reports_numbers() {
     let options = Options { server_url: server_url(), rounds: 2, progress: false, pool_ping: true };
     let report = lockgate_bench::run(options, &tiny_plan(), "smoke".into()).await.expect("the tiny plan runs");
     let names: Vec<&str> = report.workloads.iter().map(|w| w.name.as_str()).collect();
-    assert_eq!(names, ["enqueue", "bulk", "drain", "latency", "depth", "workers", "limited", "sweep", "memory"]);
+    assert_eq!(
+        names,
+        [
+            "enqueue",
+            "bulk",
+            "producers",
+            "drain",
+            "latency",
+            "latency-load",
+            "queues",
+            "runtimes",
+            "depth",
+            "workers",
+            "limited",
+            "sweep",
+            "memory"
+        ]
+    );
     for workload in &report.workloads {
         assert!(!workload.rows.is_empty(), "{} produced no rows", workload.name);
         for row in &workload.rows {
             assert!(row.lockgate.median.is_finite(), "{}: {} is not a number", row.workload, row.measure);
+            assert!(
+                row.baseline_name.is_none() || row.baseline.is_some(),
+                "{}: {} has no baseline figures",
+                row.workload,
+                row.measure
+            );
             if let Some(baseline) = &row.baseline {
                 assert!(
                     baseline.median.is_finite() && baseline.median > 0.0,

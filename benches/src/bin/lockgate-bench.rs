@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::{anyhow, Result};
 use clap::{Parser, Subcommand};
 use lockgate_bench::plan::{
-    self, BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LimitedArgs, MemoryArgs, Options, SweepArgs,
-    WorkersArgs, Workload,
+    self, BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LatencyLoadArgs, LimitedArgs, MemoryArgs, Options,
+    ProducersArgs, QueuesArgs, RuntimesArgs, SweepArgs, WorkersArgs, Workload,
 };
 
 #[derive(Debug, Parser)]
@@ -47,10 +47,18 @@ enum Command {
     Drain(DrainArgs),
     /// Enqueue one job per transaction: Client::enqueue vs pgmq.send.
     Enqueue(EnqueueArgs),
-    /// Enqueue in batches: Client::enqueue_many vs pgmq.send_batch.
+    /// Enqueue in batches of each size: Client::enqueue_many vs pgmq.send_batch.
     Bulk(BulkArgs),
-    /// Enqueue → handler start with an idle runtime.
+    /// Concurrent producers, one job per transaction each: Client::enqueue vs pgmq.send.
+    Producers(ProducersArgs),
+    /// Enqueue → handler start with an idle runtime, vs a raw consumer on LISTEN.
     Latency(LatencyArgs),
+    /// Enqueue → handler start while the runtime drains a steady load, vs the idle runtime.
+    LatencyLoad(LatencyLoadArgs),
+    /// 50 queues drained by one pool vs the same jobs on one queue.
+    Queues(QueuesArgs),
+    /// 4 runtimes × concurrency 16 on one queue vs 1 runtime × 64.
+    Runtimes(RuntimesArgs),
     /// Drain rate as the queue's depth grows.
     Depth(DepthArgs),
     /// Drain rate as concurrency grows.
@@ -83,6 +91,10 @@ async fn main() -> Result<()> {
         Command::Enqueue(a) => vec![Workload::Enqueue(a)],
         Command::Bulk(a) => vec![Workload::Bulk(a)],
         Command::Latency(a) => vec![Workload::Latency(a)],
+        Command::LatencyLoad(a) => vec![Workload::LatencyLoad(a)],
+        Command::Producers(a) => vec![Workload::Producers(a)],
+        Command::Queues(a) => vec![Workload::Queues(a)],
+        Command::Runtimes(a) => vec![Workload::Runtimes(a)],
         Command::Depth(a) => vec![Workload::Depth(a)],
         Command::Workers(a) => vec![Workload::Workers(a)],
         Command::Memory(a) => vec![Workload::Memory(a)],

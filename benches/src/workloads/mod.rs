@@ -6,8 +6,12 @@ pub mod depth;
 pub mod drain;
 pub mod enqueue;
 pub mod latency;
+pub mod latency_load;
 pub mod limited;
 pub mod memory;
+pub mod producers;
+pub mod queues;
+pub mod runtimes;
 pub mod sweep;
 pub mod workers;
 
@@ -109,18 +113,33 @@ pub async fn drain_once(
         Side::Lockgate => draining::lockgate(db, spec, &ctx.progress, label).await?,
         Side::Baseline => draining::baseline(db, spec, &ctx.progress, label).await?,
     };
-    let who = if side == Side::Lockgate { "lockgate" } else { "baseline" };
+    note_drain(ctx, label, if side == Side::Lockgate { "lockgate" } else { "baseline" }, &drained);
+    Ok(drained)
+}
+
+/// The progress line of a finished drain.
+pub fn note_drain(ctx: &Ctx, label: &str, who: &str, drained: &Drained) {
     ctx.progress.note(format!(
         "{label}: {who} {:.0} jobs/s ({} jobs in {:.2} s)",
         drained.rate(),
         drained.jobs,
         drained.seconds
     ));
-    Ok(drained)
 }
 
 pub fn rates(runs: &[Drained]) -> Option<Summary> {
     Summary::of(&runs.iter().map(Drained::rate).collect::<Vec<_>>())
+}
+
+/// How long the drains took to archive their first job (the runtimes' start-up and first
+/// claim), median of rounds, against the whole drain's median.
+pub fn first_job_line(who: &str, runs: &[Drained]) -> Option<String> {
+    let first = Summary::of(&runs.iter().map(|r| r.first_seconds * 1000.0).collect::<Vec<_>>())?;
+    let whole = Summary::of(&runs.iter().map(|r| r.seconds * 1000.0).collect::<Vec<_>>())?;
+    Some(format!(
+        "{who} first job archived {:.0} ms after the start, of {:.0} ms for the whole drain (medians of rounds)",
+        first.median, whole.median
+    ))
 }
 
 /// Diagnostic lines for a set of drains: statement counts and server time per job (all rounds
