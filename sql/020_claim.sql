@@ -453,3 +453,27 @@ BEGIN
       USING c.msg_id, c.read_ct;
     RETURN NULL;
 END $$;
+
+-- Claims from several queues in one statement (issue 14): lockgate.claim on each of queues in
+-- order, each for what the earlier ones left of qty (and of start_now), until qty are claimed.
+-- A pool serving many queues claims in one round trip and one commit instead of one per queue.
+-- Each row names its queue. Any error fails the whole call; the worker then claims queue by
+-- queue, so that one failing queue waits alone (H29). Locks: as lockgate.claim, queue by queue.
+-- Callers: the worker's fetch loop, for a pool of more than one queue.
+CREATE OR REPLACE FUNCTION lockgate.claim_queues(queues text[], qty integer, vt_seconds double precision,
+                                                 owner bigint DEFAULT NULL, start_now integer DEFAULT NULL)
+RETURNS TABLE (queue text, msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
+               budget_seconds double precision, claimed_ahead boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+    q text;
+    got integer := 0;
+    n integer;
+BEGIN
+    FOREACH q IN ARRAY COALESCE(queues, '{}') LOOP
+        EXIT WHEN got >= qty;
+        RETURN QUERY SELECT q, c.* FROM lockgate.claim(q, qty - got, vt_seconds, owner, GREATEST(start_now - got, 0)) c;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        got := got + n;
+    END LOOP;
+END $$;

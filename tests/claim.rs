@@ -110,3 +110,31 @@ async fn a_claim_reads_about_what_it_takes_from_a_deep_queue_of_visible_messages
     assert!(read < 100, "a claim of 20 read {read} rows of a queue of 10,000");
     tx.rollback().await.unwrap();
 }
+
+/// One statement claims across a pool's queues (issue 14): queues in the order given, each for
+/// what the earlier ones left, a paused queue skipped, and only `start_now` of them to start at
+/// once; an unknown queue fails the whole call (the worker then claims queue by queue).
+#[tokio::test]
+async fn a_claim_across_queues_takes_them_in_order_for_what_is_left() {
+    let (db, client) = setup().await;
+    for name in ["first", "paused", "second", "third"] {
+        sqlx::query("SELECT lockgate.create_queue($1)").bind(name).execute(&db.pool).await.unwrap();
+        let on = EnqueueOptions { queue: Some(common::queue(name)), ..Default::default() };
+        enqueue(&client, 3, &on).await;
+    }
+    sqlx::query("SELECT lockgate.pause_queue('paused')").execute(&db.pool).await.unwrap();
+    let queues: Vec<_> = ["first", "paused", "second", "third"].into_iter().map(common::queue).collect();
+    let claims =
+        lockgate::sql::claim_queues(&db.pool, &queues, 5, Duration::from_secs(30), None, Some(4)).await.unwrap();
+    let got: Vec<(&str, bool)> = claims.iter().map(|c| (c.queue.as_str(), c.claimed_ahead)).collect();
+    assert_eq!(
+        got,
+        [("first", false), ("first", false), ("first", false), ("second", false), ("second", true)],
+        "queues in order, the paused one skipped, the fifth claimed ahead"
+    );
+    let rest = lockgate::sql::claim_queues(&db.pool, &queues, 10, Duration::from_secs(30), None, None).await.unwrap();
+    let got: Vec<&str> = rest.iter().map(|c| c.queue.as_str()).collect();
+    assert_eq!(got, ["second", "third", "third", "third"]);
+    let missing = vec![common::queue("first"), common::queue("nowhere")];
+    assert!(lockgate::sql::claim_queues(&db.pool, &missing, 10, Duration::from_secs(30), None, None).await.is_err());
+}

@@ -84,6 +84,54 @@ pub async fn claim_as<'c>(
     .await
 }
 
+/// Claims as [`claim_as`] does from each of `queues` in order, for what the earlier ones left,
+/// in one statement (`lockgate.claim_queues`): one round trip and one commit for a pool of many
+/// queues. An error on any queue fails the call; claim queue by queue then to isolate it.
+pub async fn claim_queues<'c>(
+    db: impl Into<Db<'c>>,
+    queues: &[QueueName],
+    qty: i32,
+    visibility: Duration,
+    owner: Option<i64>,
+    start_now: Option<i32>,
+) -> Result<Vec<Claim>, DbError> {
+    on(db.into(), async |conn| {
+        let names: Vec<&str> = queues.iter().map(QueueName::as_str).collect();
+        let rows = query(
+            "SELECT queue, msg_id, read_ct, enqueued_at, message, headers, budget_seconds, claimed_ahead
+         FROM lockgate.claim_queues($1, $2, $3, $4, $5)",
+        )
+        .bind(&names)
+        .bind(qty)
+        .bind(visibility.as_secs_f64())
+        .bind(owner)
+        .bind(start_now)
+        .fetch_all(conn)
+        .await?;
+        let mut claims = Vec::with_capacity(rows.len());
+        for row in rows {
+            let name: String = row.get(0);
+            // One of the names sent, so no new validation: the caller's own QueueName.
+            let Some(queue) = queues.iter().find(|q| q.as_str() == name) else {
+                let problem = format!("lockgate.claim_queues returned queue {name:?}, not one asked for");
+                return Err(DbError::Sqlx(sqlx::Error::Protocol(problem)));
+            };
+            claims.push(Claim {
+                queue: queue.clone(),
+                msg_id: row.get(1),
+                read_ct: row.get(2),
+                enqueued_at: row.get(3),
+                message: row.get(4),
+                headers: row.get(5),
+                budget: seconds(row.get(6)),
+                claimed_ahead: row.get(7),
+            });
+        }
+        Ok(claims)
+    })
+    .await
+}
+
 /// What one renewal did, per delivery asked about. A delivery in neither list is lost: its
 /// message was completed or re-claimed, or (for a limited job) its lease is gone.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -27,7 +27,9 @@ pub use concurrency::{
     check_invariants, discard_parked, key_stats, parked_jobs, record_heartbeat_interval, sweep, KeyStats, ParkedJob,
     SweepReport,
 };
-pub use deliveries::{claim, claim_as, complete, dead_letter, extend, release, retry, DeadLetterReason, Renewal};
+pub use deliveries::{
+    claim, claim_as, claim_queues, complete, dead_letter, extend, release, retry, DeadLetterReason, Renewal,
+};
 pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetried, DlqRetryOutcome};
 pub use doctor::{database_clock, doctor, DoctorCheck, DoctorThresholds, Verdict};
 pub use enqueue::{enqueue, enqueue_many};

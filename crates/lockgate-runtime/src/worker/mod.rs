@@ -227,8 +227,10 @@ async fn fetch_loop(
 /// Claims up to `room` deliveries, earlier queues first; each queue's batch in priority order.
 /// The first `start_now` start at once (there are that many free handler slots); the claim
 /// marks the others as claimed ahead, and their executors record their start (H32).
-/// Each queue stands alone (H29): one whose claim fails is logged and backs off, and the others
-/// are claimed from as usual. Returns the claims and whether every queue tried answered.
+/// A pool of several queues claims from all of them in one statement (`claim_queues`); if that
+/// fails, queue by queue, so that each queue stands alone (H29): one whose claim fails is logged
+/// and backs off, and the others are claimed from as usual. Returns the claims and whether every
+/// queue tried answered.
 async fn claim_in_order(
     config: &PoolConfig,
     shared: &Shared,
@@ -237,6 +239,33 @@ async fn claim_in_order(
     start_now: usize,
     backoff: &mut HashMap<QueueName, QueueBackoff>,
 ) -> (Vec<Claim>, bool) {
+    let ready: Vec<QueueName> =
+        config.queues.iter().filter(|q| backoff.get(*q).is_none_or(|b| Instant::now() >= b.until)).cloned().collect();
+    if ready.len() > 1 {
+        let owner = Some(shared.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
+        let (visibility, want, now) = (shared.config.visibility_timeout, room as i32, Some(start_now as i32));
+        let ready = &ready;
+        match conn
+            .run(async |c| {
+                let db = lockgate_sql::pooler::Db::idle(c);
+                lockgate_sql::claim_queues(db, ready, want, visibility, owner, now).await
+            })
+            .await
+        {
+            Ok(mut claimed) => {
+                for queue in ready {
+                    backoff.remove(queue);
+                }
+                // Queue order first, then each queue's batch as claim_in_order's per-queue path sorts it.
+                let position = |c: &Claim| ready.iter().position(|q| *q == c.queue).unwrap_or(usize::MAX);
+                claimed.sort_by_key(|c| (position(c), priority_of(c), c.claimed_ahead, c.msg_id));
+                return (claimed, true);
+            }
+            Err(error) => {
+                tracing::debug!(pool = %config.name, %error, "claim across queues failed; claiming queue by queue");
+            }
+        }
+    }
     let mut claimed = Vec::with_capacity(room);
     let mut all_ok = true;
     for queue in &config.queues {
