@@ -575,3 +575,59 @@ async fn g7_shutdown_returns_jobs_claimed_ahead_at_once_and_running_ones_after_t
     assert_eq!(rows, vec![(true, 1), (true, 1)], "both back in the queue, ready, neither counted as an attempt");
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
 }
+
+/// A job of `Step` on whichever queue its enqueue names; records its start in the order list.
+#[derive(Serialize, Deserialize)]
+struct Step {
+    n: u32,
+}
+
+impl Job for Step {
+    const TYPE: &'static str = "step";
+    fn policy() -> JobPolicy {
+        JobPolicy::on_queue(queue("low"))
+    }
+}
+
+/// Issue 14: a pool of several queues leaves the ones a claim found empty out of its next claims,
+/// but a job enqueued on one of them (its wake-up) is claimed at the next claim, even while the
+/// pool is busy with its other queues and long before `poll_interval` would look again.
+#[tokio::test]
+async fn a_job_on_a_queue_found_empty_is_claimed_at_once_while_the_pool_is_busy() {
+    let db = TestDb::migrated().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    client.define::<Step>().await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('high')").execute(&db.pool).await.unwrap();
+    let backlog: Vec<Step> = (1..=400).map(|n| Step { n }).collect();
+    client.enqueue_many(&backlog).await.unwrap();
+    let started = Arc::new(Mutex::new(Vec::<u32>::new()));
+    let mut registry = Registry::new();
+    let seen = Arc::clone(&started);
+    registry
+        .register::<Step, _>(move |_ctx: JobContext, step: Step| {
+            let seen = Arc::clone(&seen);
+            async move {
+                seen.lock().unwrap().push(step.n);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                Ok::<(), JobError>(())
+            }
+        })
+        .unwrap();
+    let config = RuntimeConfig { poll_interval: Duration::from_secs(30), ..test_config() };
+    let running = Running::start(&db, config, registry, &["high", "low"], 2).await;
+    let count = || started.lock().unwrap().len();
+    wait_for("the backlog to be running", WAIT, || async { Ok((count() >= 20).then_some(())) }).await.unwrap();
+    let on_high = EnqueueOptions { queue: Some(queue("high")), ..Default::default() };
+    client.enqueue_with(&Step { n: 0 }, &on_high).await.unwrap();
+    let before = count();
+    wait_for("the job on high to start", Duration::from_secs(5), || async {
+        Ok(started.lock().unwrap().contains(&0).then_some(()))
+    })
+    .await
+    .unwrap();
+    let order = started.lock().unwrap().clone();
+    let after = order.iter().position(|&n| n == 0).unwrap() - before;
+    // Claimed ahead before the enqueue, at most 5 × concurrency jobs of low may start first.
+    assert!(after <= 12, "{after} jobs of low started after the enqueue on high, before it");
+    running.stop().await;
+}

@@ -4,6 +4,7 @@
 //! connection costs latency, never jobs (H20). While it is down it reconnects with backoff.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +22,32 @@ pub(crate) struct Notifier {
     db: PgPool,
     health: Arc<Health>,
     /// Channel name → the wake-ups of the pools that serve that queue.
-    channels: HashMap<String, Vec<Arc<Notify>>>,
+    channels: HashMap<String, Vec<Arc<Wake>>>,
+}
+
+/// A pool's wake-up: what the notifier signals when one of the pool's queues got a job. The
+/// generation counts the signals, so a busy fetch loop, which is not waiting, can still tell that
+/// one came (it then looks again at queues it had found empty).
+#[derive(Default)]
+pub(crate) struct Wake {
+    notify: Notify,
+    generation: AtomicU64,
+}
+
+impl Wake {
+    pub fn wake(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        self.notify.notify_one();
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Waits for the next wake-up (or returns at once for one that came since the last wait).
+    pub async fn notified(&self) {
+        self.notify.notified().await;
+    }
 }
 
 impl Notifier {
@@ -29,12 +55,12 @@ impl Notifier {
         Self { db, health, channels: HashMap::new() }
     }
 
-    pub fn subscribe(&mut self, queue: &str, wake: Arc<Notify>) {
+    pub fn subscribe(&mut self, queue: &str, wake: Arc<Wake>) {
         self.channels.entry(format!("lockgate_{queue}")).or_default().push(wake);
     }
 
     fn wake_all(&self) {
-        self.channels.values().flatten().for_each(|w| w.notify_one());
+        self.channels.values().flatten().for_each(|w| w.wake());
     }
 
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
@@ -75,7 +101,7 @@ impl Notifier {
             match notification {
                 Some(n) => {
                     if let Some(wakes) = self.channels.get(n.channel()) {
-                        wakes.iter().for_each(|w| w.notify_one());
+                        wakes.iter().for_each(|w| w.wake());
                     }
                 }
                 None => return Err(sqlx::Error::PoolClosed),

@@ -32,7 +32,6 @@ use std::time::Duration;
 use lockgate_core::{RecurringTask, ValidationError};
 use lockgate_sql::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -42,7 +41,7 @@ use crate::heartbeat::Heartbeat;
 use crate::in_flight::InFlight;
 use crate::maintenance::{ArchiveRetention, BookkeepingSweep, ConcurrencySweep};
 use crate::metrics::{Metrics, MetricsRefresh};
-use crate::notifier::Notifier;
+use crate::notifier::{Notifier, Wake};
 use crate::policies::PolicyCache;
 use crate::process_registry::{PoolReport, ProcessRegistry};
 use crate::scheduler::Scheduler;
@@ -191,7 +190,7 @@ impl Runtime {
         let mut reports = Vec::new();
         let mut pool_parts = Vec::new();
         for pool in &self.pools {
-            let wake = Arc::new(Notify::new());
+            let wake = Arc::new(Wake::default());
             pool.queues.iter().for_each(|q| notifier.subscribe(q.as_str(), Arc::clone(&wake)));
             let in_flight = Arc::new(InFlight::default());
             let last_tick = Arc::new(AtomicI64::new(0));

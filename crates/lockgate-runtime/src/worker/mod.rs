@@ -6,8 +6,11 @@
 //! the heartbeat like running ones) for a handler slot, so a freed slot never waits a claim
 //! round trip. How far ahead adapts to the jobs' speed (see `slots`).
 //!
-//! Each queue's claim stands alone (H29): an error on one queue is logged and that queue alone
-//! waits before its next try, while the pool's other queues carry on.
+//! A pool of several queues claims from all of them in one statement (`lockgate.claim_queues`),
+//! in order, and leaves the queues a claim found empty out of the next claims until a wake-up
+//! for the pool or `poll_interval` (`Drained`). Each queue's claim still stands alone (H29): if
+//! the statement fails, the pool claims queue by queue, and an error on one queue is logged and
+//! that queue alone waits before its next try, while the pool's other queues carry on.
 //!
 //! Self-fencing (H27): the watchdog ticks every `FENCE_TICK` on its own task, independent of the
 //! heartbeat (which may be stuck in a hung TCP call), and cancels every running handler whose
@@ -35,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use lockgate_core::{Claim, QueueName};
 use lockgate_sql::PgPool;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Semaphore;
 
 use held::HeldConnection;
 use slots::{ClaimSlots, Prefetch};
@@ -44,6 +47,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::in_flight::{Delivery, InFlight, FENCE_TICK};
 use crate::metrics::Metrics;
+use crate::notifier::Wake;
 use crate::policies::PolicyCache;
 use crate::{PoolConfig, Registry, RuntimeConfig};
 pub use completer::{complete_deliveries, Completion};
@@ -78,7 +82,7 @@ pub struct WorkerPool {
     config: PoolConfig,
     shared: Arc<Shared>,
     completer: Completer,
-    wake: Arc<Notify>,
+    wake: Arc<Wake>,
 }
 
 impl WorkerPool {
@@ -90,7 +94,7 @@ impl WorkerPool {
         registry: Registry,
         policies: Arc<PolicyCache>,
         in_flight: Arc<InFlight>,
-        wake: Arc<Notify>,
+        wake: Arc<Wake>,
         owner: Arc<AtomicI64>,
         last_tick: Arc<AtomicI64>,
         metrics: Arc<Metrics>,
@@ -149,6 +153,34 @@ async fn watchdog(in_flight: Arc<InFlight>, stop: CancellationToken) {
     .await;
 }
 
+/// Queues of a pool of several that a claim found empty (it took fewer than it asked of them),
+/// left out of the next claims until a wake-up for the pool (a job enqueued on one of them) or
+/// `poll_interval`, so a pool of 50 queues does not probe its empty ones at every claim. A job
+/// that becomes visible without a wake-up (a retry's backoff or a delay ending) waits at most
+/// `poll_interval` there, as it does for an idle pool.
+#[derive(Default)]
+struct Drained {
+    since: HashMap<QueueName, Instant>,
+    /// The pool's wake-up generation when the marks were made.
+    generation: u64,
+}
+
+impl Drained {
+    /// Forgets every mark after a wake-up, and marks older than `poll`.
+    fn refresh(&mut self, wake: &Wake, poll: Duration) {
+        let generation = wake.generation();
+        if generation != self.generation {
+            self.since.clear();
+            self.generation = generation;
+        }
+        self.since.retain(|_, at| at.elapsed() < poll);
+    }
+
+    fn skips(&self, queue: &QueueName) -> bool {
+        self.since.contains_key(queue)
+    }
+}
+
 /// A queue whose last claim failed waits until `until` before it is claimed from again (H29).
 struct QueueBackoff {
     until: Instant,
@@ -161,13 +193,14 @@ async fn fetch_loop(
     slots: &Arc<ClaimSlots>,
     running: &Arc<Semaphore>,
     tracker: &TaskTracker,
-    wake: &Notify,
+    wake: &Wake,
     shutdown: &CancellationToken,
 ) {
     let mut backlog = false;
     let mut prefetch = Prefetch::new(config.concurrency, shared.config.max_claim_ahead_bytes);
     let mut conn = HeldConnection::new(shared.db.clone());
     let mut backoff: HashMap<QueueName, QueueBackoff> = HashMap::new();
+    let mut drained = Drained::default();
     loop {
         shared.last_tick.store(chrono::Utc::now().timestamp_millis(), Ordering::Relaxed);
         let limit = prefetch.limit(Instant::now());
@@ -184,7 +217,9 @@ async fn fetch_loop(
         }
         let claimed_at = Instant::now();
         let start_now = running.available_permits();
-        let (claims, all_ok) = claim_in_order(config, shared, &mut conn, permits.len(), start_now, &mut backoff).await;
+        drained.refresh(wake, shared.config.poll_interval);
+        let skip = Skip { backoff: &mut backoff, drained: &mut drained };
+        let (claims, all_ok) = claim_in_order(config, shared, &mut conn, permits.len(), start_now, skip).await;
         if all_ok {
             prefetch.observe_claim(claimed_at.elapsed());
         }
@@ -237,10 +272,16 @@ async fn claim_in_order(
     conn: &mut HeldConnection,
     room: usize,
     start_now: usize,
-    backoff: &mut HashMap<QueueName, QueueBackoff>,
+    skip: Skip<'_>,
 ) -> (Vec<Claim>, bool) {
-    let ready: Vec<QueueName> =
-        config.queues.iter().filter(|q| backoff.get(*q).is_none_or(|b| Instant::now() >= b.until)).cloned().collect();
+    let Skip { backoff, drained } = skip;
+    let several = config.queues.len() > 1;
+    let ready: Vec<QueueName> = config
+        .queues
+        .iter()
+        .filter(|q| backoff.get(*q).is_none_or(|b| Instant::now() >= b.until) && !drained.skips(q))
+        .cloned()
+        .collect();
     if ready.len() > 1 {
         let owner = Some(shared.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
         let (visibility, want, now) = (shared.config.visibility_timeout, room as i32, Some(start_now as i32));
@@ -259,6 +300,18 @@ async fn claim_in_order(
                 // Queue order first, then each queue's batch as claim_in_order's per-queue path sorts it.
                 let position = |c: &Claim| ready.iter().position(|q| *q == c.queue).unwrap_or(usize::MAX);
                 claimed.sort_by_key(|c| (position(c), priority_of(c), c.claimed_ahead, c.msg_id));
+                // Each queue the statement reached was asked for what the earlier ones left.
+                let mut left = room;
+                for queue in ready {
+                    if left == 0 {
+                        break;
+                    }
+                    let took = claimed.iter().filter(|c| c.queue == *queue).count();
+                    if took < left {
+                        drained.since.insert(queue.clone(), Instant::now());
+                    }
+                    left = left.saturating_sub(took);
+                }
                 return (claimed, true);
             }
             Err(error) => {
@@ -273,7 +326,7 @@ async fn claim_in_order(
         if want == 0 {
             break;
         }
-        if backoff.get(queue).is_some_and(|b| Instant::now() < b.until) {
+        if backoff.get(queue).is_some_and(|b| Instant::now() < b.until) || drained.skips(queue) {
             continue;
         }
         let owner = Some(shared.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
@@ -288,6 +341,9 @@ async fn claim_in_order(
         {
             Ok(mut batch) => {
                 backoff.remove(queue);
+                if several && batch.len() < want {
+                    drained.since.insert(queue.clone(), Instant::now());
+                }
                 // The deliveries the claim did not mark as claimed ahead take the free slots.
                 batch.sort_by_key(|c| (priority_of(c), c.claimed_ahead, c.msg_id));
                 claimed.extend(batch);
@@ -308,6 +364,13 @@ async fn claim_in_order(
         }
     }
     (claimed, all_ok)
+}
+
+/// What keeps a queue out of a claim: a pause after its last claim failed, or a recent claim
+/// that found it empty.
+struct Skip<'a> {
+    backoff: &'a mut HashMap<QueueName, QueueBackoff>,
+    drained: &'a mut Drained,
 }
 
 /// The priority a claim's headers carry (0 when absent, as the claim's own ORDER BY reads it).
