@@ -1,5 +1,5 @@
 //! limited: a drain under concurrency limits, against the unlimited drain of as many jobs in the
-//! same run — `jobs` jobs spread over `keys` keys limited to 1 (target ≥ 0.5× unlimited) — and a
+//! same run — `jobs` jobs spread over `keys` keys limited to 1 (target ≥ 0.8× unlimited, issue 14; issue 9 asked 0.5×) — and a
 //! hot key: `hot_jobs` jobs on one key limited to 10 (reported). Most jobs start parked and run
 //! by promotion. After every limited drain the invariant check (`lockgate.check_invariants`) must
 //! find nothing: a violation fails the workload, whatever the speed.
@@ -47,7 +47,7 @@ pub async fn run(ctx: &Ctx, args: &LimitedArgs) -> Result<Outcome> {
             limited_rate,
         )
         .baseline("unlimited drain", rates(&unlimited))
-        .ratio_target(0.5),
+        .ratio_target(0.8),
         Row::new(
             "limited",
             format!("{} jobs on one key limited to {HOT_LIMIT}; invariants hold", args.hot_jobs),
