@@ -125,10 +125,12 @@ pub enum Op {
     /// its job heartbeats stay healthy; `lockgate.prune_processes` runs; the process re-registers.
     Prune { worker: usize },
     /// Clock: the lease of the `pick`-th visible (waiting) message runs out — what a backlog
-    /// longer than the duration does.
+    /// longer than the duration does — or the lease a cancel kept for a running delivery (its
+    /// message is gone; the lease ends after that delivery's budget).
     LapseLease { pick: usize },
     /// Clock: the visibility of the `pick`-th invisible message passes (a holder silent past its
-    /// visibility while its lease still holds, or a retry's backoff elapsing).
+    /// visibility while its lease still holds, or a retry's backoff elapsing), or the budget of
+    /// the `pick`-th delivery a cancel left running (the visibility it had at the cancel).
     LapseVisibility { pick: usize },
     /// Clock: the holder of the `pick`-th running delivery goes silent past its budget:
     /// visibility and lease both run out.
@@ -192,7 +194,7 @@ impl fmt::Display for Op {
             Op::Stale { pick, action } => write!(f, "stale {action:?} with stale token #{pick}"),
             Op::Sweep => write!(f, "sweep"),
             Op::Prune { worker } => write!(f, "registry of worker {worker} stalls; prune_processes"),
-            Op::LapseLease { pick } => write!(f, "clock: lease of waiting message #{pick} runs out"),
+            Op::LapseLease { pick } => write!(f, "clock: lease of waiting or cancelled message #{pick} runs out"),
             Op::LapseVisibility { pick } => write!(f, "clock: visibility of invisible message #{pick} passes"),
             Op::Silence { pick } => write!(f, "clock: holder of running delivery #{pick} silent past its budget"),
             Op::Redefine { ty, limit } => write!(f, "redefine {} with limit {limit}", ty.name()),

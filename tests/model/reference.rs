@@ -22,7 +22,9 @@ pub enum Fate {
 /// What the holder of a delivery believes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Holder {
-    /// Runs the job: claimed, not finished, never told it lost it, budget not run out.
+    /// Runs the job: claimed, not finished, never told it lost it, budget not run out. A
+    /// cancel does not stop it: its handler runs on until a heartbeat reports the delivery lost
+    /// (then it is `Fenced`), its budget runs out, or it finishes.
     Running,
     /// Stopped without finishing: told it lost the delivery, or its budget ran out (a worker
     /// cancels its handler before then, H27).
@@ -44,6 +46,10 @@ pub struct Delivery {
     /// Its type was limited when it was claimed: it must run holding a permit.
     pub limited: bool,
     pub holder: Holder,
+    /// Its job was cancelled while this delivery was the one running it: the cancel kept what it
+    /// holds (its permit) for its handler, and `lockgate.release_cancelled` with its token gives
+    /// that back once the handler has ended.
+    pub cancelled: bool,
 }
 
 impl Delivery {
@@ -52,13 +58,14 @@ impl Delivery {
     }
     pub fn describe(&self) -> String {
         format!(
-            "delivery d{} {} of job {} key {} by worker {} [{:?}]",
+            "delivery d{} {} of job {} key {} by worker {} [{:?}{}]",
             self.id,
             self.token(),
             self.job_id,
             self.key.as_deref().unwrap_or("-"),
             self.worker,
-            self.holder
+            self.holder,
+            if self.cancelled { ", its job cancelled" } else { "" }
         )
     }
 }
@@ -111,13 +118,16 @@ impl Model {
     }
 
     /// Indices of deliveries whose token is provably stale: a later claim of the same message was
-    /// seen, or the message was archived or dead-lettered.
+    /// seen, or the message was archived, dead-lettered or cancelled. Not those whose holder still
+    /// runs (a cancelled job's, until it learns): what such a holder does with its token is what
+    /// `Extend` and `Finish` model.
     pub fn stale(&self) -> Vec<usize> {
         (0..self.deliveries.len())
             .filter(|&i| {
                 let d = &self.deliveries[i];
-                self.gone.contains(&(d.queue, d.msg_id))
-                    || self.newest_read.get(&(d.queue, d.msg_id)).is_some_and(|&n| n > d.read_ct)
+                d.holder != Holder::Running
+                    && (self.gone.contains(&(d.queue, d.msg_id))
+                        || self.newest_read.get(&(d.queue, d.msg_id)).is_some_and(|&n| n > d.read_ct))
             })
             .collect()
     }
@@ -134,21 +144,34 @@ impl Model {
         fenced
     }
 
-    /// A job was cancelled: every holder still running it is stopped (its heartbeat would tell
-    /// it), and every message it was delivered through is gone. Returns the stopped deliveries.
-    pub fn cancel_job(&mut self, job: i64) -> Vec<usize> {
+    /// A job was cancelled; `running` is the delivery that held it, if it was running. Every
+    /// message it was delivered through is gone, but no holder is stopped here: a holder still
+    /// running it keeps running (and counting against its key's limit) until a heartbeat reports
+    /// its delivery lost, its budget runs out, or it finishes and is refused.
+    pub fn cancel_job(&mut self, job: i64, running: Option<usize>) {
         self.jobs.insert(job, Fate::Cancelled);
-        let mut fenced = Vec::new();
         for d in &mut self.deliveries {
             if d.job_id == job {
                 self.gone.insert((d.queue, d.msg_id));
-                if d.holder == Holder::Running {
-                    d.holder = Holder::Fenced("its job was cancelled".into());
-                    fenced.push(d.id);
-                }
             }
         }
-        fenced
+        if let Some(i) = running {
+            self.deliveries[i].cancelled = true;
+        }
+    }
+
+    /// Messages of cancelled deliveries whose budget (the visibility they had at the cancel) has
+    /// not been seen to pass: their holder still runs.
+    pub fn cancelled_invisible(&self) -> Vec<(Queue, i64)> {
+        let mut out: Vec<(Queue, i64)> = self
+            .deliveries
+            .iter()
+            .filter(|d| d.cancelled && d.holder == Holder::Running)
+            .map(|d| (d.queue, d.msg_id))
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// Records a delivery a claim returned (its `id` and `holder` are set here); returns its id.
@@ -157,6 +180,7 @@ impl Model {
         let newest = self.newest_read.entry((d.queue, d.msg_id)).or_insert(d.read_ct);
         *newest = (*newest).max(d.read_ct);
         d.holder = if budget > 0.0 { Holder::Running } else { Holder::Fenced(format!("claimed with budget {budget}")) };
+        d.cancelled = false;
         let id = d.id;
         self.deliveries.push(d);
         id
