@@ -3,9 +3,10 @@
 //! proptest generates schedules — enqueues (committed and rolled back), claims from two workers,
 //! a claim racing an uncommitted sweep, heartbeats, completions, retries, releases and dead
 //! letters with current and stale tokens, sweeps, prunes, clocks running past visibility and
-//! lease, redefined limits — and runs each against one real database through the public SQL API
-//! over five connections. A reference model (tests/model/reference.rs) follows the jobs and what
-//! each delivery's holder believes, and after every step the database is compared with it:
+//! lease, redefined limits, cancels — and runs each against one real database through the public
+//! SQL API over five connections. A reference model (tests/model/reference.rs) follows the jobs
+//! and what each delivery's holder believes, and after every step the database is compared with
+//! it:
 //!
 //! - (a) per key, the deliveries entitled to run (claimed, not finished, never told they lost,
 //!   budget not run out) never exceed the key's limit (G3);
@@ -17,20 +18,40 @@
 //! - (e) `check_invariants()` reports nothing (asked again after a sweep, rolled back, for what
 //!   only a sweep repairs);
 //! - (f) a stale token's complete/retry/release/dead_letter/extend changes nothing (G2, H1, H25),
-//!   and no call succeeds for a token that was not current;
+//!   no call succeeds for a token that was not current, and `release_cancelled` releases nothing
+//!   for a delivery other than the one its job was cancelled in;
 //! - (g) a job never has two deliveries entitled to run (H26);
-//! - (h) a current delivery of a healthy holder is never refused its renewal or its finish;
-//! - (i) uniqueness (issue 11; `uniq` is unique until executed, duplicates discarded): the lock
-//!   rows are exactly one per live `uniq` job, owned by it, and an enqueue reports a duplicate
-//!   exactly when a live job holds the key — so no stale or duplicate completion, dead letter or
-//!   release ever drops a successor's lock (G2, H14);
+//! - (h) a current delivery of a healthy holder is never refused its renewal or its finish, and a
+//!   heartbeat that finds a delivery lost reports it cancelled (`cancelled_messages`) exactly when
+//!   its job was cancelled while that delivery ran;
+//! - (i) uniqueness (issue 11; `uniq` is unique until executed, duplicates discarded): the
+//!   until_executed lock rows are exactly one per live `uniq` job, owned by it, and an enqueue
+//!   reports a duplicate exactly when a live job holds the key — so no stale or duplicate
+//!   completion, dead letter or release ever drops a successor's lock (G2, H14);
 //! - (j) the batch every job is enqueued into counts exactly the committed jobs, the archived
-//!   ones as succeeded and the dead-lettered ones as failed, at every commit (G2, H22).
+//!   ones as succeeded and the dead-lettered ones as failed, at every commit (G2, H22);
+//! - (k) per while_executing key (type `wexec`: unique while executing, duplicates rejected), at
+//!   most one delivery is entitled to run at any instant (G3, H14);
+//! - (l) the while_executing lock rows are exactly those the model expects: one per key whose
+//!   job's run has not ended (a holder running out of budget ends nothing: the job's next
+//!   delivery takes the lock back), owned by that job; a cancelled running job's kept, with a
+//!   held_until, until its worker calls `release_cancelled` (then that call must release it), and
+//!   once held_until has passed until a claim takes the key over; a claim delivers a job only with
+//!   its key free in that sense.
+//!
+//! A cancel (`lockgate.cancel`) does not stop a running handler: its worker learns of it from its
+//! next heartbeat (`Extend` finds the delivery lost, and `cancelled_messages` says why), or when
+//! its finish is refused, or never (a clock runs its budget out). Until then the holder of the
+//! delivery its job was cancelled in stays entitled to run — it counts in (a), (g) and (k) — and
+//! the cancel must have kept its permit and while_executing lock for it; once its handler has
+//! ended, its worker calls `lockgate.release_cancelled`, as the runtime does. A claim may put a
+//! `wexec` job whose key is held back for a second without returning it (a return, not a
+//! delivery); the model expects nothing of such a claim but that it delivered nothing.
 //!
 //! Time is simulated by moving database times into the past, never by sleeping.
 //!
 //! Size: LOCKGATE_MODEL_CASES (default 64) cases of 1 to LOCKGATE_MODEL_STEPS (default 80)
-//! steps; LOCKGATE_MODEL_SEED replays a run; LOCKGATE_MODEL_CHECKS (default "abcdefghij") keeps
+//! steps; LOCKGATE_MODEL_SEED replays a run; LOCKGATE_MODEL_CHECKS (default "abcdefghijkl") keeps
 //! only some checks. See docs/testing.md.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -198,6 +219,7 @@ impl Run<'_> {
                     .execute(&mut self.c.observer)
                     .await?;
                 let q = Queue::from_name(&queue).ok_or_else(|| anyhow!("lease on unknown queue {queue}"))?;
+                self.budget_passed(q, msg_id).await?;
                 let fenced = self.model.fence_message(q, msg_id, "its lease ran out");
                 Ok(format!("lease of ({queue}, {msg_id}) expired{}", fenced_note(&fenced)))
             }
@@ -219,6 +241,7 @@ impl Run<'_> {
                     return Ok("no invisible message: nothing to do".into());
                 };
                 set_vt_past(&mut self.c.observer, queue, msg_id).await?;
+                self.budget_passed(queue, msg_id).await?;
                 let fenced = self.model.fence_message(queue, msg_id, "its visibility ran out");
                 Ok(format!("visibility of ({}, {msg_id}) passed{}", queue.name(), fenced_note(&fenced)))
             }
@@ -233,6 +256,7 @@ impl Run<'_> {
                     .bind(d.msg_id)
                     .execute(&mut self.c.observer)
                     .await?;
+                self.budget_passed(d.queue, d.msg_id).await?;
                 let fenced = self.model.fence_message(d.queue, d.msg_id, "silent past its budget");
                 Ok(format!("d{} {}: visibility and lease expired{}", d.id, d.token(), fenced_note(&fenced)))
             }
@@ -312,6 +336,13 @@ impl Run<'_> {
     async fn claimed(&mut self, worker: usize, queue: Queue, rows: Vec<Claimed>, started: Instant) -> Result<String> {
         let mut problems = Vec::new();
         let mut said = Vec::new();
+        if self.model.limits.contains_key(&Ty::Wexec) && self.model.wlocks.values().any(|l| l.kept.is_none()) {
+            // A claim parks a limited job again when its lease is gone and its key full; a
+            // while_executing lock its run held goes with it (only `wexec` once it has a limit).
+            let parked: Vec<i64> =
+                sqlx::query_scalar("SELECT job_id FROM lockgate.parked").fetch_all(&mut self.c.observer).await?;
+            self.model.parked_again(&parked);
+        }
         for r in &rows {
             let (vt_left, lease_left) = self.time_left(queue, r.msg_id).await?;
             // The key is the one the message carries once the claim committed: a claim may give a
@@ -346,12 +377,19 @@ impl Run<'_> {
                 ty: r.ty(),
                 key: key.clone(),
                 limited,
+                wkey: r.headers.get("wkey").and_then(serde_json::Value::as_str).map(str::to_string),
                 holder: Holder::Running,
                 cancelled: false,
             };
             let id = self.model.add_delivery(delivery, r.budget);
+            if self.model.deliveries[id].wkey.is_some() {
+                *self.stats.entry("while_executing run claimed").or_default() += 1;
+            }
+            if let Some(problem) = self.model.delivered(id).filter(|_| self.checks.on('l')) {
+                problems.push(problem);
+            }
             said.push(format!(
-                "d{id} ({}, {}, {}) job {} key {} lease {}",
+                "d{id} ({}, {}, {}) job {} key {} lease {}{}",
                 queue.name(),
                 r.msg_id,
                 r.read_ct,
@@ -360,6 +398,10 @@ impl Run<'_> {
                 match lease_left {
                     Some(l) => format!("{l:+.1}s"),
                     None => "none".into(),
+                },
+                match &self.model.deliveries[id].wkey {
+                    Some(w) => format!(" while_executing {w}"),
+                    None => String::new(),
                 }
             ));
         }
@@ -486,6 +528,7 @@ impl Run<'_> {
                             anyhow!("job {job} was cancelled running as ({queue}, {msg_id}, {read_ct}), a delivery no claim returned")
                         })?;
                     running = Some(i);
+                    *self.stats.entry("cancel of a running job (holder runs on)").or_default() += 1;
                 }
                 self.model.cancel_job(job, running);
                 Ok(match running {
@@ -506,6 +549,24 @@ impl Run<'_> {
         }
     }
 
+    /// Clock: the budget of the deliveries of (queue, msg_id) has passed, and with it the
+    /// held_until of a while_executing lock a cancel kept for one of them (the visibility that
+    /// delivery had at the cancel).
+    async fn budget_passed(&mut self, queue: Queue, msg_id: i64) -> Result<()> {
+        if self.api.bookkeeping && self.model.wlocks.values().any(|l| l.kept.is_some()) {
+            sqlx::query(
+                "UPDATE lockgate.unique_locks SET held_until = now() - interval '1 second'
+                  WHERE queue = $1 AND msg_id = $2 AND held_until > now()",
+            )
+            .bind(queue.name())
+            .bind(msg_id)
+            .execute(&mut self.c.observer)
+            .await?;
+        }
+        self.model.budget_passed(queue, msg_id);
+        Ok(())
+    }
+
     /// Delivery i's handler has ended after its worker learned it lost the delivery (or was
     /// refused its finish): the worker gives back what a cancel kept for it, as the runtime does
     /// (`give_back_if_cancelled`). (f) Only the delivery its job was cancelled in may release
@@ -520,6 +581,12 @@ impl Run<'_> {
             .await?;
         if gave && !d.cancelled && self.checks.on('f') {
             problems.push(format!("(f) release_cancelled with {} released something", d.describe()));
+        }
+        if self.model.released(i) && !gave && self.checks.on('l') {
+            problems.push(format!(
+                "(l) release_cancelled with {} released nothing, though its while_executing lock was kept for it",
+                d.describe()
+            ));
         }
         Ok(if gave {
             format!("d{} released what its cancel kept", d.id)
@@ -656,8 +723,9 @@ impl Run<'_> {
                         ));
                     }
                     if told {
+                        *self.stats.entry("heartbeat told a holder of its cancel").or_default() += 1;
                         let gave = self.release_cancelled(i, &mut problems).await?;
-                        said.push(format!("(cancelled: {gave})"));
+                        said.push(format!("d{} told it was cancelled: {gave}", self.model.deliveries[i].id));
                     }
                 }
             }
@@ -716,6 +784,7 @@ impl Run<'_> {
             if !message_current && self.checks.on('f') {
                 bail!("(f) {how:?} took effect for {} whose token was not current", d.describe());
             }
+            self.model.run_ended(d.job_id);
             match how {
                 Finish::Complete => {
                     self.model.jobs.insert(d.job_id, Fate::Archived);
@@ -821,7 +890,7 @@ impl Run<'_> {
     }
 }
 
-/// The first check label, "(a)" to "(h)", a failure names (empty for other errors).
+/// The first check label, "(a)" to "(l)", a failure names (empty for other errors).
 fn violation_kind(message: &str) -> String {
     message
         .match_indices('(')
@@ -937,7 +1006,7 @@ impl Harness {
 fn g3_model_random_schedules_never_admit_more_than_the_limit_lose_nothing_and_fence_stale_tokens() {
     let cases: u32 = env_or("LOCKGATE_MODEL_CASES", 64);
     let max_steps: usize = env_or("LOCKGATE_MODEL_STEPS", 80);
-    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghij".to_string()));
+    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijkl".to_string()));
     let seed: u64 = match std::env::var("LOCKGATE_MODEL_SEED") {
         Ok(s) => s
             .trim_start_matches("0x")
@@ -1020,7 +1089,7 @@ fn g3_model_random_schedules_never_admit_more_than_the_limit_lose_nothing_and_fe
 /// Runs fixed schedules through the same model and checks, each from a clean database; fails
 /// with the first one's trace that breaks a check.
 fn replay_known_schedules(schedules: Vec<(&str, Case)>) {
-    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghij".to_string()));
+    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijkl".to_string()));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let db = rt.block_on(TestDb::migrated()).expect("a migrated test database");
     let mut harness = Harness { db, conns: None, api: None, stats: BTreeMap::new() };
@@ -1218,6 +1287,70 @@ fn g3_model_a_cancelled_running_job_keeps_its_permit_until_its_handler_stopped()
                     claim(1),
                     Op::LapseLease { pick: 0 },
                     Op::Sweep,
+                    claim(1),
+                    Op::Thaw { pick: 0, how: Finish::Complete },
+                ],
+            ),
+        ),
+    ]);
+}
+
+/// G3/H14 under a cancel: a while_executing job cancelled while it runs keeps its key until its
+/// handler has stopped (its worker calls release_cancelled) or its budget has passed (the lock's
+/// held_until); the next job of the key is put back meanwhile, and never runs beside it.
+#[test]
+fn g3_model_a_cancelled_while_executing_job_keeps_its_key_until_its_handler_stopped() {
+    const W0: Op = Op::Enqueue { ty: Ty::Wexec, k: 0 };
+    const CANCEL_A: Op = Op::Cancel { pick: 0 };
+    replay_known_schedules(vec![
+        (
+            "A and B of one key: a claim runs A and puts B back; A is cancelled; B's second passes, a claim puts \
+             it back again; A's heartbeat reports the cancel and its worker gives the key back; B runs",
+            schedule(
+                1,
+                vec![
+                    W0,
+                    W0,
+                    claim(0),
+                    CANCEL_A,
+                    Op::LapseVisibility { pick: 0 },
+                    claim(1),
+                    Op::Extend { mask: 1 },
+                    Op::LapseVisibility { pick: 0 },
+                    claim(1),
+                ],
+            ),
+        ),
+        (
+            "A runs and is cancelled; B is put back; A's handler returns before any heartbeat: its completion is \
+             refused and its worker gives the key back; B runs",
+            schedule(
+                1,
+                vec![
+                    W0,
+                    claim(0),
+                    CANCEL_A,
+                    W0,
+                    claim(1),
+                    Op::Finish { pick: 0, how: Finish::Complete },
+                    Op::LapseVisibility { pick: 0 },
+                    claim(1),
+                ],
+            ),
+        ),
+        (
+            "A runs and is cancelled; B is put back; A's worker dies: once A's budget has passed a claim takes the \
+             key over and B runs; A's late completion is refused and releases nothing of B's",
+            schedule(
+                1,
+                vec![
+                    W0,
+                    claim(0),
+                    CANCEL_A,
+                    W0,
+                    claim(1),
+                    Op::Silence { pick: 0 },
+                    Op::LapseVisibility { pick: 0 },
                     claim(1),
                     Op::Thaw { pick: 0, how: Finish::Complete },
                 ],
