@@ -205,15 +205,20 @@ pub async fn define_types(conn: &mut PgConnection, api: Api, lim_limit: u32, lim
     define(conn, api, Ty::Lim, Some(lim_limit)).await?;
     define(conn, api, Ty::Free, None).await?;
     define(conn, api, Ty::LimB, Some(limb_limit)).await?;
-    // Without uniqueness (an older schema), just another unlimited type.
-    define(conn, api, Ty::Uniq, None).await
+    // Without uniqueness (an older schema), just other unlimited types.
+    define(conn, api, Ty::Uniq, None).await?;
+    define(conn, api, Ty::Wexec, None).await
 }
 
 pub async fn define(conn: &mut PgConnection, api: Api, ty: Ty, limit: Option<u32>) -> Result<()> {
-    let unique = if api.bookkeeping && ty == Ty::Uniq {
-        ", unique_mode => 'until_executed', unique_key => array['k'], unique_on_conflict => 'discard'"
-    } else {
-        ""
+    let unique = match ty {
+        Ty::Uniq if api.bookkeeping => {
+            ", unique_mode => 'until_executed', unique_key => array['k'], unique_on_conflict => 'discard'"
+        }
+        Ty::Wexec if api.bookkeeping => {
+            ", unique_mode => 'while_executing', unique_key => array['k'], unique_on_conflict => 'reject'"
+        }
+        _ => "",
     };
     sqlx::query(&format!(
         "SELECT lockgate.define_job_type($1, queue => $2, concurrency_limit => $3,
@@ -301,7 +306,8 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<String> {
         sqlx::query_scalar("SELECT to_regclass('lockgate.unique_locks') IS NOT NULL").fetch_one(&mut *conn).await?;
     if bookkeeping {
         parts.push(
-            "(SELECT string_agg(format('%s/%s/%s', key, job_id, msg_id), ' ' ORDER BY key) FROM lockgate.unique_locks)"
+            "(SELECT string_agg(format('%s/%s/%s/%s', key, job_id, msg_id, to_jsonb(u)->>'held_until'), ' ' ORDER BY key)
+                FROM lockgate.unique_locks u)"
                 .into(),
         );
         parts.push(
@@ -340,8 +346,11 @@ pub struct State {
     pub leases: Vec<Lease>,
     pub semaphores: Vec<(String, i32, i32)>,
     pub invariants: Vec<(Option<String>, Option<String>)>,
-    /// Uniqueness locks: (key, owning job).
+    /// until_executed locks: (key, owning job).
     pub unique_locks: Vec<(String, i64)>,
+    /// while_executing locks: (key, owning job, held_until: None when not set (a run holds it),
+    /// else whether it has passed (a cancel kept it for its handler)).
+    pub wexec_locks: Vec<(String, i64, Option<bool>)>,
     /// The case's batch: (total, succeeded, failed).
     pub batch: Option<(i64, i64, i64)>,
 }
@@ -384,9 +393,18 @@ impl State {
             .await
             .context("lockgate.check_invariants")?;
         if api.bookkeeping {
-            state.unique_locks = sqlx::query_as("SELECT key, job_id FROM lockgate.unique_locks ORDER BY key")
-                .fetch_all(&mut *tx)
-                .await?;
+            state.unique_locks = sqlx::query_as(
+                "SELECT key, job_id FROM lockgate.unique_locks WHERE mode <> 'while_executing' ORDER BY key",
+            )
+            .fetch_all(&mut *tx)
+            .await?;
+            // held_until through to_jsonb: a schema before it (migration 0015) has no such column.
+            state.wexec_locks = sqlx::query_as(
+                "SELECT key, job_id, (to_jsonb(u)->>'held_until')::timestamptz <= clock_timestamp()
+                   FROM lockgate.unique_locks u WHERE mode = 'while_executing' ORDER BY key",
+            )
+            .fetch_all(&mut *tx)
+            .await?;
             state.batch = sqlx::query_as("SELECT total, succeeded, failed FROM lockgate.batches WHERE id = $1")
                 .bind(BATCH)
                 .fetch_optional(&mut *tx)

@@ -8,7 +8,8 @@ use std::fmt;
 use proptest::collection::vec;
 use proptest::prelude::*;
 
-/// The job types of the model: two limited ones on two queues and an unlimited one.
+/// The job types of the model: two limited ones on two queues, an unlimited one, and two unique
+/// ones (until executed; while executing).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Ty {
     /// Limited, key from argument `k`, on queue `default`.
@@ -21,10 +22,14 @@ pub enum Ty {
     /// Unique until executed, key from argument `k`, duplicates discarded; unlimited (until a
     /// redefinition gives it a limit), on queue `default`. Plain unlimited on an older schema.
     Uniq,
+    /// Unique while executing, key from argument `k`, duplicates rejected: a claim that meets
+    /// its key held puts the job back for a second (a return, no delivery). Unlimited (until a
+    /// redefinition gives it a limit), on queue `default`. Plain unlimited on an older schema.
+    Wexec,
 }
 
 impl Ty {
-    pub const ALL: [Ty; 4] = [Ty::Lim, Ty::Free, Ty::LimB, Ty::Uniq];
+    pub const ALL: [Ty; 5] = [Ty::Lim, Ty::Free, Ty::LimB, Ty::Uniq, Ty::Wexec];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -32,6 +37,7 @@ impl Ty {
             Ty::Free => "free",
             Ty::LimB => "limb",
             Ty::Uniq => "uniq",
+            Ty::Wexec => "wexec",
         }
     }
 
@@ -41,7 +47,7 @@ impl Ty {
 
     pub fn queue(self) -> Queue {
         match self {
-            Ty::Lim | Ty::Free | Ty::Uniq => Queue::Default,
+            Ty::Lim | Ty::Free | Ty::Uniq | Ty::Wexec => Queue::Default,
             Ty::LimB => Queue::Other,
         }
     }
@@ -109,9 +115,12 @@ pub enum Op {
     /// A claim on a worker connection while a sweep on the dispatcher connection has run but not
     /// committed; the sweep commits once the claim waits on its locks (or has returned).
     ClaimRacingSweep { worker: usize, queue: Queue, qty: u8 },
-    /// A heartbeat renewing the running deliveries picked by the bits of `mask` (first 8).
+    /// A heartbeat renewing the running deliveries picked by the bits of `mask` (first 8). A
+    /// delivery it finds lost stops; one whose job was cancelled (`cancelled_messages`) then gives
+    /// back what the cancel kept for it (`release_cancelled`).
     Extend { mask: u8 },
-    /// The holder of the `pick`-th running delivery finishes it.
+    /// The holder of the `pick`-th running delivery finishes it; refused, it calls
+    /// `release_cancelled`, as the runtime does.
     Finish { pick: usize, how: Finish },
     /// The holder of the `pick`-th delivery that ran out of budget or was told it lost — frozen
     /// and thawed, say — finishes it anyway: whatever the database answers, every check must
@@ -125,17 +134,21 @@ pub enum Op {
     /// its job heartbeats stay healthy; `lockgate.prune_processes` runs; the process re-registers.
     Prune { worker: usize },
     /// Clock: the lease of the `pick`-th visible (waiting) message runs out — what a backlog
-    /// longer than the duration does.
+    /// longer than the duration does — or the lease a cancel kept for a running delivery (its
+    /// message is gone; the lease ends after that delivery's budget).
     LapseLease { pick: usize },
     /// Clock: the visibility of the `pick`-th invisible message passes (a holder silent past its
-    /// visibility while its lease still holds, or a retry's backoff elapsing).
+    /// visibility while its lease still holds, or a retry's backoff elapsing), or the budget of
+    /// the `pick`-th delivery a cancel left running (the visibility it had at the cancel).
     LapseVisibility { pick: usize },
     /// Clock: the holder of the `pick`-th running delivery goes silent past its budget:
     /// visibility and lease both run out.
     Silence { pick: usize },
     /// `lockgate.define_job_type` again with another limit (for `free`: its first).
     Redefine { ty: Ty, limit: u32 },
-    /// `lockgate.cancel` of the `pick`-th live job (in id order), whatever state it is in.
+    /// `lockgate.cancel` of the `pick`-th live job (in id order), whatever state it is in. A
+    /// running job's holder is not told: it runs on until a heartbeat, a refused finish or its
+    /// budget stops it.
     Cancel { pick: usize },
 }
 
@@ -192,7 +205,7 @@ impl fmt::Display for Op {
             Op::Stale { pick, action } => write!(f, "stale {action:?} with stale token #{pick}"),
             Op::Sweep => write!(f, "sweep"),
             Op::Prune { worker } => write!(f, "registry of worker {worker} stalls; prune_processes"),
-            Op::LapseLease { pick } => write!(f, "clock: lease of waiting message #{pick} runs out"),
+            Op::LapseLease { pick } => write!(f, "clock: lease of waiting or cancelled message #{pick} runs out"),
             Op::LapseVisibility { pick } => write!(f, "clock: visibility of invisible message #{pick} passes"),
             Op::Silence { pick } => write!(f, "clock: holder of running delivery #{pick} silent past its budget"),
             Op::Redefine { ty, limit } => write!(f, "redefine {} with limit {limit}", ty.name()),
@@ -202,7 +215,7 @@ impl fmt::Display for Op {
 }
 
 fn ty() -> impl Strategy<Value = Ty> {
-    prop_oneof![3 => Just(Ty::Lim), 1 => Just(Ty::Free), 2 => Just(Ty::LimB), 2 => Just(Ty::Uniq)]
+    prop_oneof![3 => Just(Ty::Lim), 1 => Just(Ty::Free), 2 => Just(Ty::LimB), 2 => Just(Ty::Uniq), 2 => Just(Ty::Wexec)]
 }
 
 fn queue() -> impl Strategy<Value = Queue> {

@@ -22,7 +22,9 @@ pub enum Fate {
 /// What the holder of a delivery believes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Holder {
-    /// Runs the job: claimed, not finished, never told it lost it, budget not run out.
+    /// Runs the job: claimed, not finished, never told it lost it, budget not run out. A
+    /// cancel does not stop it: its handler runs on until a heartbeat reports the delivery lost
+    /// (then it is `Fenced`), its budget runs out, or it finishes.
     Running,
     /// Stopped without finishing: told it lost the delivery, or its budget ran out (a worker
     /// cancels its handler before then, H27).
@@ -43,7 +45,13 @@ pub struct Delivery {
     pub key: Option<String>,
     /// Its type was limited when it was claimed: it must run holding a permit.
     pub limited: bool,
+    /// The while_executing key it was delivered with: it runs holding that key's lock.
+    pub wkey: Option<String>,
     pub holder: Holder,
+    /// Its job was cancelled while this delivery was the one running it: the cancel kept what it
+    /// holds (its permit) for its handler, and `lockgate.release_cancelled` with its token gives
+    /// that back once the handler has ended.
+    pub cancelled: bool,
 }
 
 impl Delivery {
@@ -52,13 +60,15 @@ impl Delivery {
     }
     pub fn describe(&self) -> String {
         format!(
-            "delivery d{} {} of job {} key {} by worker {} [{:?}]",
+            "delivery d{} {} of job {} key {}{} by worker {} [{:?}{}]",
             self.id,
             self.token(),
             self.job_id,
             self.key.as_deref().unwrap_or("-"),
+            self.wkey.as_deref().map(|w| format!(" while_executing {w}")).unwrap_or_default(),
             self.worker,
-            self.holder
+            self.holder,
+            if self.cancelled { ", its job cancelled" } else { "" }
         )
     }
 }
@@ -72,6 +82,20 @@ impl Checks {
     pub fn on(&self, c: char) -> bool {
         self.0.contains(c)
     }
+}
+
+/// A while_executing lock as the model expects it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WLock {
+    /// The job whose run took it: a delivery of it was returned, and its run has not ended
+    /// (completed, retried, released, dead-lettered, cancelled, parked again). A holder running
+    /// out of budget ends nothing: the job's next delivery takes the lock back as its owner.
+    pub job: i64,
+    /// The delivery its job was cancelled in, for whose handler the cancel kept it: until
+    /// `release_cancelled` with that delivery's token, or until its budget has passed.
+    pub kept: Option<usize>,
+    /// The kept lock's held_until has passed: a claim of its key takes it over.
+    pub lapsed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -97,6 +121,8 @@ pub struct Model {
     pub unique: BTreeMap<i64, String>,
     /// Committed jobs enqueued into the case's batch.
     pub batch_total: i64,
+    /// The while_executing locks, by key.
+    pub wlocks: BTreeMap<String, WLock>,
 }
 
 impl Model {
@@ -111,13 +137,16 @@ impl Model {
     }
 
     /// Indices of deliveries whose token is provably stale: a later claim of the same message was
-    /// seen, or the message was archived or dead-lettered.
+    /// seen, or the message was archived, dead-lettered or cancelled. Not those whose holder still
+    /// runs (a cancelled job's, until it learns): what such a holder does with its token is what
+    /// `Extend` and `Finish` model.
     pub fn stale(&self) -> Vec<usize> {
         (0..self.deliveries.len())
             .filter(|&i| {
                 let d = &self.deliveries[i];
-                self.gone.contains(&(d.queue, d.msg_id))
-                    || self.newest_read.get(&(d.queue, d.msg_id)).is_some_and(|&n| n > d.read_ct)
+                d.holder != Holder::Running
+                    && (self.gone.contains(&(d.queue, d.msg_id))
+                        || self.newest_read.get(&(d.queue, d.msg_id)).is_some_and(|&n| n > d.read_ct))
             })
             .collect()
     }
@@ -134,21 +163,93 @@ impl Model {
         fenced
     }
 
-    /// A job was cancelled: every holder still running it is stopped (its heartbeat would tell
-    /// it), and every message it was delivered through is gone. Returns the stopped deliveries.
-    pub fn cancel_job(&mut self, job: i64) -> Vec<usize> {
+    /// A job was cancelled; `running` is the delivery that held it, if it was running. Every
+    /// message it was delivered through is gone, but no holder is stopped here: a holder still
+    /// running it keeps running (and counting against its key's limit) until a heartbeat reports
+    /// its delivery lost, its budget runs out, or it finishes and is refused.
+    /// The while_executing lock of a running job is kept for that delivery; any other lock of
+    /// the job is released.
+    pub fn cancel_job(&mut self, job: i64, running: Option<usize>) {
         self.jobs.insert(job, Fate::Cancelled);
-        let mut fenced = Vec::new();
         for d in &mut self.deliveries {
             if d.job_id == job {
                 self.gone.insert((d.queue, d.msg_id));
-                if d.holder == Holder::Running {
-                    d.holder = Holder::Fenced("its job was cancelled".into());
-                    fenced.push(d.id);
+            }
+        }
+        if let Some(i) = running {
+            self.deliveries[i].cancelled = true;
+        }
+        let kept_key = running.and_then(|i| self.deliveries[i].wkey.clone());
+        self.wlocks.retain(|key, l| l.job != job || l.kept.is_some() || Some(key) == kept_key.as_ref());
+        if let (Some(key), Some(i)) = (kept_key, running) {
+            if let Some(l) = self.wlocks.get_mut(&key).filter(|l| l.job == job) {
+                l.kept = Some(i);
+            }
+        }
+    }
+
+    /// A run of `job` ended by a step that took effect (completion, retry, release, dead
+    /// letter): its while_executing lock goes.
+    pub fn run_ended(&mut self, job: i64) {
+        self.wlocks.retain(|_, l| l.job != job || l.kept.is_some());
+    }
+
+    /// The claim parked these jobs again: their while_executing locks went.
+    pub fn parked_again(&mut self, jobs: &[i64]) {
+        self.wlocks.retain(|_, l| !jobs.contains(&l.job) || l.kept.is_some());
+    }
+
+    /// Delivery i's worker called release_cancelled: the lock kept for it goes. Returns whether
+    /// one was there to release.
+    pub fn released(&mut self, i: usize) -> bool {
+        let before = self.wlocks.len();
+        self.wlocks.retain(|_, l| l.kept != Some(i));
+        self.wlocks.len() != before
+    }
+
+    /// A clock moved past the budget of the deliveries of this message: a lock kept for one of
+    /// them is held no longer (its held_until has passed).
+    pub fn budget_passed(&mut self, queue: Queue, msg_id: i64) {
+        for l in self.wlocks.values_mut() {
+            if let Some(i) = l.kept {
+                if self.deliveries[i].queue == queue && self.deliveries[i].msg_id == msg_id {
+                    l.lapsed = true;
                 }
             }
         }
-        fenced
+    }
+
+    /// Delivery i was returned by a claim: a while_executing job now holds its key. Returns
+    /// what is wrong with that, if its key was not free: held by another job's run, or kept for
+    /// a cancelled handler whose budget has not passed.
+    pub fn delivered(&mut self, i: usize) -> Option<String> {
+        let d = &self.deliveries[i];
+        let key = d.wkey.clone()?;
+        let problem = match self.wlocks.get(&key) {
+            Some(l) if l.kept.is_some() && !l.lapsed => {
+                Some(format!("its lock was kept for the cancelled handler of d{}", l.kept.unwrap_or_default()))
+            }
+            Some(l) if l.kept.is_none() && l.job != d.job_id => Some(format!("job {} holds its lock", l.job)),
+            _ => None,
+        };
+        let problem = problem.map(|p| format!("(l) claim delivered {} although {p}", d.describe()));
+        self.wlocks.insert(key, WLock { job: d.job_id, kept: None, lapsed: false });
+        problem
+    }
+
+    /// Messages of cancelled deliveries whose budget (the visibility they had at the cancel) has
+    /// not been seen to pass: their holder still runs, or their lock is still kept.
+    pub fn cancelled_invisible(&self) -> Vec<(Queue, i64)> {
+        let kept: Vec<usize> = self.wlocks.values().filter(|l| !l.lapsed).filter_map(|l| l.kept).collect();
+        let mut out: Vec<(Queue, i64)> = self
+            .deliveries
+            .iter()
+            .filter(|d| d.cancelled && (d.holder == Holder::Running || kept.contains(&d.id)))
+            .map(|d| (d.queue, d.msg_id))
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// Records a delivery a claim returned (its `id` and `holder` are set here); returns its id.
@@ -157,6 +258,7 @@ impl Model {
         let newest = self.newest_read.entry((d.queue, d.msg_id)).or_insert(d.read_ct);
         *newest = (*newest).max(d.read_ct);
         d.holder = if budget > 0.0 { Holder::Running } else { Holder::Fenced(format!("claimed with budget {budget}")) };
+        d.cancelled = false;
         let id = d.id;
         self.deliveries.push(d);
         id
@@ -187,7 +289,8 @@ impl Model {
     }
 
     /// The checks that compare the model with one snapshot of the database: (a), (b), (c), (d),
-    /// (e) as check_invariants() reports it before any sweep, and (g). Returns the violations.
+    /// (e) as check_invariants() reports it before any sweep, (g), (i), (j), (k) and (l). Returns
+    /// the violations.
     pub fn check(&self, st: &State, checks: &Checks) -> Vec<String> {
         let mut out = Vec::new();
         let running: Vec<&Delivery> = self.deliveries.iter().filter(|d| d.holder == Holder::Running).collect();
@@ -307,6 +410,42 @@ impl Model {
             expected.sort();
             if st.unique_locks != expected {
                 out.push(format!("(i) unique locks {:?}, expected {expected:?}", st.unique_locks));
+            }
+        }
+
+        // (k) G3/H14: per while_executing key, at most one delivery entitled to run.
+        if checks.on('k') {
+            let mut per_key: BTreeMap<&str, Vec<&Delivery>> = BTreeMap::new();
+            for d in &running {
+                if let Some(key) = d.wkey.as_deref() {
+                    per_key.entry(key).or_default().push(d);
+                }
+            }
+            for (key, ds) in per_key {
+                if ds.len() > 1 {
+                    let who: Vec<String> = ds.iter().map(|d| d.describe()).collect();
+                    out.push(format!(
+                        "(k) while_executing key {key} has {} deliveries entitled to run at once: {}",
+                        ds.len(),
+                        who.join("; ")
+                    ));
+                }
+            }
+        }
+
+        // (l) G2: the while_executing lock rows are exactly those the model expects: one per
+        // key whose run has not ended, owned by that job; a cancelled running job's kept (with a
+        // held_until) until its worker released it, and after its held_until has passed until a
+        // claim took the key over.
+        if checks.on('l') && self.bookkeeping {
+            let expected: Vec<(String, i64, Option<bool>)> =
+                self.wlocks.iter().map(|(key, l)| (key.clone(), l.job, l.kept.map(|_| l.lapsed))).collect();
+            if st.wexec_locks != expected {
+                out.push(format!(
+                    "(l) while_executing locks (key, job, held_until passed) {:?}, expected {expected:?} (kept for: {:?})",
+                    st.wexec_locks,
+                    self.wlocks.iter().filter_map(|(k, l)| l.kept.map(|i| format!("{k}: d{i}"))).collect::<Vec<_>>()
+                ));
             }
         }
 
