@@ -12,6 +12,12 @@
 -- count are one transaction, so no crash window needs repairing (H11).
 -- Locks, in this order: the unique lock row (types with until_executed uniqueness), the key's
 -- semaphore row (limited types), inserts into pgmq.q_<queue>, then the batch row.
+-- Wake-ups: a job that can run now notifies the queue's channel (lockgate_<queue>) in the same
+-- transaction, so an idle worker claims it as soon as it commits. PostgreSQL serialises every
+-- commit that notifies on one lock, held while the commit is flushed, so concurrent producers
+-- queue behind each other's flushes; notify => false sends none, for a caller that notifies after
+-- its commit in a transaction of its own (which writes nothing, so holds the lock for no flush):
+-- the Rust Client does (docs/design.md section 50).
 -- Callers: the Rust Client, the CLI, SQL producers, triggers.
 
 -- Refuses anything that is not a JSON object of at most 1 MiB (MAX_PAYLOAD_BYTES in Rust).
@@ -145,7 +151,7 @@ $$;
 -- acquire-or-park (limited types), then send. A job with uniqueness draws its id first, so the
 -- lock names its owner before the message exists; the message is sent with that id.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_one(
-    jt lockgate.job_types, args jsonb, queue text, priority smallint, vt timestamptz, immediate boolean, explicit_key text,
+    jt lockgate.job_types, args jsonb, queue text, priority smallint, vt timestamptz, notify boolean, explicit_key text,
     explicit_ukey text, batch bigint,
     OUT msg_id bigint, OUT job_id bigint, OUT status text
 ) LANGUAGE plpgsql AS $$
@@ -245,7 +251,7 @@ BEGIN
     IF batch IS NOT NULL THEN
         INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id) VALUES (_enqueue_one.queue, _enqueue_one.job_id, batch);
     END IF;
-    IF immediate THEN
+    IF notify THEN
         PERFORM pg_notify('lockgate_' || queue, '');
     END IF;
     status := 'enqueued';
@@ -254,7 +260,9 @@ END $$;
 -- One job. The common case, an unlimited type enqueued with no options, takes one function body:
 -- the type's queue exists (job_types.queue references lockgate.queues), so its table name is
 -- formatted directly; everything else goes through _resolve_options and _enqueue_one.
-CREATE OR REPLACE FUNCTION lockgate.enqueue(job_type text, args jsonb DEFAULT '{}', options jsonb DEFAULT '{}')
+CREATE OR REPLACE FUNCTION lockgate.enqueue(
+    job_type text, args jsonb DEFAULT '{}', options jsonb DEFAULT '{}', notify boolean DEFAULT true
+)
 RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
     jt lockgate.job_types;
@@ -275,7 +283,9 @@ BEGIN
            INTO msg_id
           USING args, lockgate._headers(jt.name, jt.priority);
         job_id := msg_id;
-        PERFORM pg_notify('lockgate_' || jt.queue, '');
+        IF notify THEN
+            PERFORM pg_notify('lockgate_' || jt.queue, '');
+        END IF;
         status := 'enqueued';
         RETURN NEXT;
         RETURN;
@@ -284,7 +294,7 @@ BEGIN
     IF o.batch IS NOT NULL THEN
         PERFORM lockgate._check_batch(o.batch);
     END IF;
-    r := lockgate._enqueue_one(jt, args, o.queue, o.priority, o.vt, o.immediate, o.ckey, o.ukey, o.batch);
+    r := lockgate._enqueue_one(jt, args, o.queue, o.priority, o.vt, o.immediate AND notify, o.ckey, o.ukey, o.batch);
     IF o.batch IS NOT NULL THEN
         PERFORM lockgate._add_to_batch(o.batch, CASE WHEN r.status IN ('enqueued', 'parked') THEN 1 ELSE 0 END);
     END IF;
@@ -302,7 +312,9 @@ END $$;
 -- in key order — the unique key, then the concurrency key — so concurrent calls lock unique
 -- lock rows and semaphore rows in one order (a call with both kinds of key may still meet
 -- another in a deadlock, which PostgreSQL breaks by failing one call, undone as a whole).
-CREATE OR REPLACE FUNCTION lockgate.enqueue_many(job_type text, args jsonb[], options jsonb DEFAULT '{}')
+CREATE OR REPLACE FUNCTION lockgate.enqueue_many(
+    job_type text, args jsonb[], options jsonb DEFAULT '{}', notify boolean DEFAULT true
+)
 RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
     jt lockgate.job_types := lockgate.job_policy(job_type);
@@ -322,7 +334,7 @@ BEGIN
                      ORDER BY CASE WHEN jt.unique_mode = 'until_executed' THEN lockgate._key_of(jt.name, jt.unique_key, a.v, o.ukey) END,
                               CASE WHEN jt.concurrency_limit IS NOT NULL THEN lockgate._concurrency_key(jt, a.v, o.ckey) END,
                               a.i) AS ordered,
-                   LATERAL lockgate._enqueue_one(jt, ordered.v, o.queue, o.priority, o.vt, o.immediate, o.ckey, o.ukey, o.batch) e
+                   LATERAL lockgate._enqueue_one(jt, ordered.v, o.queue, o.priority, o.vt, o.immediate AND notify, o.ckey, o.ukey, o.batch) e
              ORDER BY ordered.i
         LOOP
             queue := o.queue;
@@ -350,7 +362,7 @@ BEGIN
     IF inserted < cardinality(args) THEN
         PERFORM lockgate._check_all_args(args);  -- raises for the first bad one, undoing the insert
     END IF;
-    IF o.immediate AND inserted > 0 THEN
+    IF o.immediate AND notify AND inserted > 0 THEN
         PERFORM pg_notify('lockgate_' || o.queue, '');
     END IF;
 END $$;

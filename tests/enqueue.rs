@@ -11,6 +11,7 @@ use lockgate::{Client, DbError, EnqueueError, EnqueueOptions, Job, JobPolicy, Jo
 use lockgate_testkit::TestDb;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use sqlx::postgres::PgListener;
 
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
 struct Note {
@@ -340,4 +341,66 @@ async fn enqueue_in_a_repeatable_read_transaction_says_to_define_the_type_first(
     sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ").execute(&mut *tx).await.unwrap();
     client.enqueue_in(&mut tx, &Mail { to: "b".into() }).await.unwrap();
     tx.commit().await.unwrap();
+}
+
+/// The next notification on the listener's channels, within `common::WAIT`.
+async fn next_payload(listener: &mut PgListener) -> String {
+    let n = tokio::time::timeout(common::WAIT, listener.recv())
+        .await
+        .expect("a notification within WAIT")
+        .expect("the listener's connection");
+    n.payload().to_string()
+}
+
+/// Issue 14: an enqueue in its own transaction wakes idle workers with a second statement after
+/// its commit (concurrent producers then do not queue on PostgreSQL's notify lock behind each
+/// other's commit flushes), and only for a job that can run now; `notify => false` sends no
+/// wake-up at all. Each silent case is followed by a sentinel notification, so the listener's
+/// next one tells whether anything came before it.
+#[tokio::test]
+async fn wake_ups_follow_the_commit_and_only_for_jobs_that_can_run_now() {
+    let (db, client) = setup().await;
+    let mut listener = PgListener::connect_with(&db.pool).await.unwrap();
+    listener.listen("lockgate_default").await.unwrap();
+    let sentinel = || async {
+        sqlx::query("SELECT pg_notify('lockgate_default', 'sentinel')").execute(&db.pool).await.unwrap();
+    };
+
+    sqlx::query("SELECT * FROM lockgate.enqueue('note', '{\"text\": \"a\"}', '{}', notify => false)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "SELECT * FROM lockgate.enqueue_many('note', ARRAY['{\"text\": \"b\"}'::jsonb], '{}', notify => false)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('note', '{\"text\": \"c\"}', '{\"delay\": 60}')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sentinel().await;
+    assert_eq!(next_payload(&mut listener).await, "sentinel", "an enqueue sent a wake-up it should not have");
+
+    sqlx::query("SELECT * FROM lockgate.enqueue('note', '{\"text\": \"d\"}')").execute(&db.pool).await.unwrap();
+    assert_eq!(next_payload(&mut listener).await, "", "SQL's enqueue wakes in its transaction by default");
+
+    // The client's wake-up arrives with its job committed.
+    client.enqueue(&Note { text: "e".into() }).await.unwrap();
+    assert_eq!(next_payload(&mut listener).await, "");
+    assert_eq!(queued(&db).await, 5);
+    client.enqueue_many(&[Note { text: "f".into() }, Note { text: "g".into() }]).await.unwrap();
+    assert_eq!(next_payload(&mut listener).await, "");
+    assert_eq!(queued(&db).await, 7);
+    client.enqueue_raw("note", &json!({"text": "h"}), &EnqueueOptions::default()).await.unwrap();
+    assert_eq!(next_payload(&mut listener).await, "");
+
+    let later = EnqueueOptions { delay: Some(Duration::from_secs(60)), ..Default::default() };
+    client.enqueue_with(&Note { text: "i".into() }, &later).await.unwrap();
+    let at = EnqueueOptions { run_at: Some(chrono::Utc::now() + chrono::Duration::minutes(5)), ..Default::default() };
+    client.enqueue_many_with(&[Note { text: "j".into() }], &at).await.unwrap();
+    sentinel().await;
+    assert_eq!(next_payload(&mut listener).await, "sentinel", "a delayed job woke the workers");
+    assert_eq!(queued(&db).await, 10);
 }

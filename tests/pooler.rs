@@ -190,9 +190,10 @@ async fn a_callers_own_transaction_is_never_committed_by_lockgate(db: &TestDb, b
     );
     // A failed call leaves the caller's transaction usable (rolled back to the savepoint).
     conn.execute("BEGIN").await.unwrap();
-    let error = lockgate::sql::enqueue(&mut *conn, "no_such_type", &serde_json::json!({}), &serde_json::json!({}))
-        .await
-        .unwrap_err();
+    let error =
+        lockgate::sql::enqueue(&mut *conn, "no_such_type", &serde_json::json!({}), &serde_json::json!({}), true)
+            .await
+            .unwrap_err();
     assert!(error.to_string().contains("no_such_type"), "{error}");
     client.enqueue_in(&mut conn, &Keyed { key: "kept".into() }).await.unwrap();
     conn.execute("COMMIT").await.unwrap();

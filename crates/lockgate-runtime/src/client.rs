@@ -1,6 +1,8 @@
 //! The producer side: enqueue typed or raw jobs, alone, in batches, or inside the caller's
 //! transaction (G8), and define job types. Every method is one round trip, but for the first
-//! typed enqueue of a type by a client, which first defines the type if it is missing.
+//! typed enqueue of a type by a client, which first defines the type if it is missing, and for
+//! an enqueue in its own transaction of a job that can run now, which wakes idle workers with a
+//! second statement once it has committed (see `Client::wake`).
 //!
 //! A typed enqueue defines its job type on first use: if `lockgate.job_types` has no row for
 //! it, `J::policy()` is stored; a stored policy (a worker's, an operator's `lockgate.toml`) is
@@ -270,7 +272,8 @@ impl Client {
         }
         let defined_now = !self.defined_set().contains(J::TYPE);
         self.define_on_first_use::<J>().await?;
-        let result = lockgate_sql::enqueue(conn, J::TYPE, &args, &options).await.map_err(EnqueueError::from);
+        // Notifies in the caller's transaction: only its commit makes the job claimable.
+        let result = lockgate_sql::enqueue(conn, J::TYPE, &args, &options, true).await.map_err(EnqueueError::from);
         match self.forget_if_unknown::<J, _>(result) {
             // Defined a moment ago and committed, yet unknown here: the caller's snapshot is older.
             Err(EnqueueError::UnknownJobType { job_type }) if defined_now => {
@@ -327,14 +330,20 @@ impl Client {
     async fn enqueue_one(&self, job_type: &str, args: &Value, options: &Value) -> Result<EnqueuedJob, EnqueueError> {
         let job = match self.lane().await? {
             Some(mut lane) => {
-                let result =
-                    lockgate_sql::enqueue(lockgate_sql::pooler::Db::idle(&mut lane.conn), job_type, args, options)
-                        .await;
+                let result = lockgate_sql::enqueue(
+                    lockgate_sql::pooler::Db::idle(&mut lane.conn),
+                    job_type,
+                    args,
+                    options,
+                    false,
+                )
+                .await;
                 lane.finish(result)?
             }
-            None => lockgate_sql::enqueue(&self.pool, job_type, args, options).await?,
+            None => lockgate_sql::enqueue(&self.pool, job_type, args, options, false).await?,
         };
         self.count_enqueued(job_type, [&job]);
+        self.wake(std::slice::from_ref(&job), options).await;
         Ok(job)
     }
 
@@ -346,15 +355,47 @@ impl Client {
     ) -> Result<Vec<EnqueuedJob>, EnqueueError> {
         let jobs = match self.lane().await? {
             Some(mut lane) => {
-                let result =
-                    lockgate_sql::enqueue_many(lockgate_sql::pooler::Db::idle(&mut lane.conn), job_type, args, options)
-                        .await;
+                let result = lockgate_sql::enqueue_many(
+                    lockgate_sql::pooler::Db::idle(&mut lane.conn),
+                    job_type,
+                    args,
+                    options,
+                    false,
+                )
+                .await;
                 lane.finish(result)?
             }
-            None => lockgate_sql::enqueue_many(&self.pool, job_type, args, options).await?,
+            None => lockgate_sql::enqueue_many(&self.pool, job_type, args, options, false).await?,
         };
         self.count_enqueued(job_type, &jobs);
+        self.wake(&jobs, options).await;
         Ok(jobs)
+    }
+
+    /// Wakes the workers idle on the queue of `jobs` once their enqueue has committed, when one
+    /// of them was enqueued to run now (a delayed job is found by the claim that its time
+    /// wakes; a parked one by its promotion, which notifies). The enqueue left the wake-up to
+    /// this call, in a transaction of its own, so that concurrent producers do not queue on
+    /// PostgreSQL's notify lock behind each other's commit flushes (docs/design.md section 50).
+    /// A failure costs the job only its prompt start, not its existence, so it is logged and the
+    /// enqueue still succeeds: idle workers find the job at their next poll.
+    async fn wake(&self, jobs: &[EnqueuedJob], options: &Value) {
+        let Some(job) = jobs.iter().find(|j| j.status == EnqueueStatus::Enqueued) else { return };
+        if !runs_now(options) {
+            return;
+        }
+        let result = match self.lane().await {
+            Ok(Some(mut lane)) => {
+                let result = lockgate_sql::wake(lockgate_sql::pooler::Db::idle(&mut lane.conn), &job.queue).await;
+                lane.finish(result)
+            }
+            Ok(None) => lockgate_sql::wake(&self.pool, &job.queue).await,
+            Err(e) => Err(e),
+        };
+        if let Err(error) = result {
+            tracing::warn!(queue = %job.queue, %error,
+                "could not wake idle workers after an enqueue; they claim the job at their next poll");
+        }
     }
 
     /// The lane's connection, ready for a statement, or `None` when another task holds the
@@ -398,6 +439,19 @@ impl LaneUse<'_> {
         }
         result
     }
+}
+
+/// Whether enqueue `options` (as `EnqueueOptions::to_json` or a raw caller gave them) let the
+/// job run at once: no delay above zero and no `run_at` in the future. An option it cannot read
+/// counts as running now (a needless wake-up costs one empty claim).
+fn runs_now(options: &Value) -> bool {
+    let delayed = options.get("delay").and_then(Value::as_f64).is_some_and(|d| d > 0.0);
+    let later = options
+        .get("run_at")
+        .and_then(Value::as_str)
+        .and_then(|at| chrono::DateTime::parse_from_rfc3339(at).ok())
+        .is_some_and(|at| at > chrono::Utc::now());
+    !delayed && !later
 }
 
 fn to_args<J: Job>(job_type: &str, job: &J) -> Result<Value, EnqueueError> {

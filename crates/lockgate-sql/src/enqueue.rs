@@ -8,18 +8,21 @@ use crate::pooler::{on, query, Db};
 
 use crate::DbError;
 
-/// `lockgate.enqueue(job_type, args, options)`: one job.
+/// `lockgate.enqueue(job_type, args, options, notify)`: one job. With `notify` false the
+/// statement sends no wake-up; the caller sends one with [`wake`] once it has committed.
 pub async fn enqueue<'c>(
     db: impl Into<Db<'c>>,
     job_type: &str,
     args: &Value,
     options: &Value,
+    notify: bool,
 ) -> Result<EnqueuedJob, DbError> {
     on(db.into(), async |conn| {
-        let row = query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
+        let row = query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3, $4)")
             .bind(job_type)
             .bind(args)
             .bind(options)
+            .bind(notify)
             .fetch_one(conn)
             .await?;
         Ok(to_job(&row))
@@ -27,22 +30,35 @@ pub async fn enqueue<'c>(
     .await
 }
 
-/// `lockgate.enqueue_many(job_type, args[], options)`: many jobs of one type in one statement,
-/// returned in the order of `args`.
+/// `lockgate.enqueue_many(job_type, args[], options, notify)`: many jobs of one type in one
+/// statement, returned in the order of `args`; `notify` as for [`enqueue`].
 pub async fn enqueue_many<'c>(
     db: impl Into<Db<'c>>,
     job_type: &str,
     args: &[Value],
     options: &Value,
+    notify: bool,
 ) -> Result<Vec<EnqueuedJob>, DbError> {
     on(db.into(), async |conn| {
-        let rows = query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue_many($1, $2, $3)")
+        let rows = query("SELECT queue, msg_id, job_id, status FROM lockgate.enqueue_many($1, $2, $3, $4)")
             .bind(job_type)
             .bind(args)
             .bind(options)
+            .bind(notify)
             .fetch_all(conn)
             .await?;
         Ok(rows.iter().map(to_job).collect())
+    })
+    .await
+}
+
+/// Wakes the workers idle on `queue` (its channel, `lockgate_<queue>`), in a transaction of its
+/// own: after an enqueue with `notify` false has committed, so that a woken worker finds the job.
+/// The transaction writes nothing, so it holds PostgreSQL's notify lock for no commit flush.
+pub async fn wake<'c>(db: impl Into<Db<'c>>, queue: &str) -> Result<(), DbError> {
+    on(db.into(), async |conn| {
+        query("SELECT pg_notify('lockgate_' || $1, '')").bind(queue).execute(conn).await?;
+        Ok(())
     })
     .await
 }
