@@ -51,11 +51,14 @@ BEGIN
         pruned_id := dead.id;
         in_flight := 0;
         FOR q IN SELECT lockgate._live_queues() AS name LOOP
+            -- Through the claim index, priority by priority: only messages invisible now (in
+            -- flight, delayed, waiting to retry) are read, however long the visible backlog.
             EXECUTE format(
                 'SELECT count(*) FROM %s m
-                  WHERE m.headers->>''owner'' = $1::text AND m.vt > clock_timestamp() AND NOT m.headers ? ''retry_at''',
+                  WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = ANY (''{0,1,2,3,4,5,6,7,8,9}''::smallint[])
+                    AND m.vt > $2 AND m.headers->>''owner'' = $1::text AND NOT m.headers ? ''retry_at''',
                 lockgate._queue_table(q.name, 'q'))
-               INTO n USING dead.id;
+               INTO n USING dead.id, clock_timestamp();
             in_flight := in_flight + n;
         END LOOP;
         RETURN NEXT;

@@ -247,6 +247,57 @@ async fn g7_a_heartbeat_that_raced_a_shutdown_return_does_not_hide_the_job_again
     assert_eq!(claim(&db.pool, 1).await.len(), 1, "the returned job is visible at once");
 }
 
+/// Issue 14: a prune counts the pruned process's jobs in flight by reading only the messages
+/// invisible now (in flight, delayed, waiting to retry), through the claim index priority by
+/// priority, however long the visible backlog behind them.
+#[tokio::test]
+async fn a_prune_reads_the_invisible_messages_only_not_the_backlog() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('plain')").execute(&db.pool).await.unwrap();
+    let owner: i64 = sqlx::query_scalar("SELECT lockgate.register_process('supervisor', 'p', 'h', 1)")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    for priority in [0, 5, 9] {
+        sqlx::query("SELECT * FROM lockgate.enqueue('plain', '{}', jsonb_build_object('priority', $1::int))")
+            .bind(priority)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let claimed: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.claim('default', 3, 300, $1)")
+        .bind(owner)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 3);
+    sqlx::query("SELECT * FROM lockgate.enqueue('plain', '{}', '{\"delay\": 600}')").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue_many('plain', array_fill('{}'::jsonb, ARRAY[2000]))")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("ANALYZE pgmq.q_default").execute(&db.pool).await.unwrap();
+    sqlx::query("UPDATE lockgate.processes SET last_heartbeat_at = now() - interval '60 seconds'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    let pruned: Vec<(i64, i64)> = sqlx::query_as("SELECT pruned_id, in_flight FROM lockgate.prune_processes(30)")
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(pruned, vec![(owner, 3)], "its three claimed jobs are in flight; the delayed one is no one's");
+    let read: i64 = sqlx::query_scalar(
+        "SELECT seq_tup_read + COALESCE(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables
+          WHERE relid = 'pgmq.q_default'::regclass",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert!(read <= 4, "the prune read {read} messages of 2,004 (4 invisible)");
+}
+
 #[tokio::test]
 async fn h26_a_prune_never_returns_a_delivery_before_its_budget_ends() {
     let db = limited(2, 60_000).await;
