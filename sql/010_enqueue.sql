@@ -14,10 +14,10 @@
 -- semaphore row (limited types), inserts into pgmq.q_<queue>, then the batch row.
 -- Wake-ups: a job that can run now notifies the queue's channel (lockgate_<queue>) in the same
 -- transaction, so an idle worker claims it as soon as it commits. PostgreSQL serialises every
--- commit that notifies on one lock, held while the commit is flushed, so concurrent producers
--- queue behind each other's flushes; notify => false sends none, for a caller that notifies after
--- its commit in a transaction of its own (which writes nothing, so holds the lock for no flush):
--- the Rust Client does (docs/design.md section 50).
+-- commit that notified on one lock, held while the commit is flushed, so concurrent producers
+-- queue behind each other's flushes. The four-argument forms take notify: false sends nothing,
+-- for a caller that wakes the workers after its commit with lockgate.wake, in a transaction of
+-- its own that does not wait for its flush. The Rust Client does (docs/design.md section 50).
 -- Callers: the Rust Client, the CLI, SQL producers, triggers.
 
 -- Refuses anything that is not a JSON object of at most 1 MiB (MAX_PAYLOAD_BYTES in Rust).
@@ -151,7 +151,7 @@ $$;
 -- acquire-or-park (limited types), then send. A job with uniqueness draws its id first, so the
 -- lock names its owner before the message exists; the message is sent with that id.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_one(
-    jt lockgate.job_types, args jsonb, queue text, priority smallint, vt timestamptz, notify boolean, explicit_key text,
+    jt lockgate.job_types, args jsonb, queue text, priority smallint, vt timestamptz, immediate boolean, explicit_key text,
     explicit_ukey text, batch bigint,
     OUT msg_id bigint, OUT job_id bigint, OUT status text
 ) LANGUAGE plpgsql AS $$
@@ -251,18 +251,17 @@ BEGIN
     IF batch IS NOT NULL THEN
         INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id) VALUES (_enqueue_one.queue, _enqueue_one.job_id, batch);
     END IF;
-    IF notify THEN
+    IF immediate THEN
         PERFORM pg_notify('lockgate_' || queue, '');
     END IF;
     status := 'enqueued';
 END $$;
 
--- One job. The common case, an unlimited type enqueued with no options, takes one function body:
+-- One job, waking idle workers in the transaction when notify. The common case, an unlimited type
+-- enqueued with no options, takes one function body:
 -- the type's queue exists (job_types.queue references lockgate.queues), so its table name is
 -- formatted directly; everything else goes through _resolve_options and _enqueue_one.
-CREATE OR REPLACE FUNCTION lockgate.enqueue(
-    job_type text, args jsonb DEFAULT '{}', options jsonb DEFAULT '{}', notify boolean DEFAULT true
-)
+CREATE OR REPLACE FUNCTION lockgate.enqueue(job_type text, args jsonb, options jsonb, notify boolean)
 RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
     jt lockgate.job_types;
@@ -312,9 +311,7 @@ END $$;
 -- in key order — the unique key, then the concurrency key — so concurrent calls lock unique
 -- lock rows and semaphore rows in one order (a call with both kinds of key may still meet
 -- another in a deadlock, which PostgreSQL breaks by failing one call, undone as a whole).
-CREATE OR REPLACE FUNCTION lockgate.enqueue_many(
-    job_type text, args jsonb[], options jsonb DEFAULT '{}', notify boolean DEFAULT true
-)
+CREATE OR REPLACE FUNCTION lockgate.enqueue_many(job_type text, args jsonb[], options jsonb, notify boolean)
 RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
     jt lockgate.job_types := lockgate.job_policy(job_type);
@@ -366,3 +363,31 @@ BEGIN
         PERFORM pg_notify('lockgate_' || o.queue, '');
     END IF;
 END $$;
+
+-- The forms every producer calls: they wake idle workers in the caller's transaction. Separate
+-- functions, not a defaulted fourth argument, so that objects depending on them (a BEGIN ATOMIC
+-- function, granted privileges) stay as they were. PL/pgSQL, which keeps its statement's plan for
+-- the session: about 5 us a call, where a SQL function, planned at every call, cost 15 us.
+CREATE OR REPLACE FUNCTION lockgate.enqueue(job_type text, args jsonb DEFAULT '{}', options jsonb DEFAULT '{}')
+RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM lockgate.enqueue(job_type, args, options, true);
+END $$;
+
+CREATE OR REPLACE FUNCTION lockgate.enqueue_many(job_type text, args jsonb[], options jsonb DEFAULT '{}')
+RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM lockgate.enqueue_many(job_type, args, options, true);
+END $$;
+
+-- Wakes the workers idle on a queue, for jobs enqueued with notify false once their transaction
+-- has committed (so that a woken worker finds them). PostgreSQL gives a transaction that
+-- notifies an id, so even one that wrote nothing else flushes a commit record while it holds the
+-- notify lock: a caller that runs this alone, outside any transaction block, may add
+-- set_config('synchronous_commit', 'off', true) to the same statement, as the Rust Client does
+-- (a notification is not durable anyway). Locks: PostgreSQL's notify lock, at commit.
+-- Callers: the Rust Client, SQL producers that enqueue with notify false.
+CREATE OR REPLACE FUNCTION lockgate.wake(queue text)
+RETURNS void LANGUAGE sql AS $$
+    SELECT pg_notify('lockgate_' || queue, '');
+$$;

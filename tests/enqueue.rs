@@ -352,10 +352,9 @@ async fn next_payload(listener: &mut PgListener) -> String {
     n.payload().to_string()
 }
 
-/// Issue 14: an enqueue in its own transaction wakes idle workers with a second statement after
-/// its commit (concurrent producers then do not queue on PostgreSQL's notify lock behind each
-/// other's commit flushes), and only for a job that can run now; `notify => false` sends no
-/// wake-up at all. Each silent case is followed by a sentinel notification, so the listener's
+/// Issue 14: an enqueue in its own transaction wakes idle workers after its commit (concurrent
+/// producers then do not queue on PostgreSQL's notify lock behind each other's commit flushes),
+/// and only for a job that can run now; `notify => false` sends no wake-up at all. Each silent case is followed by a sentinel notification, so the listener's
 /// next one tells whether anything came before it.
 #[tokio::test]
 async fn wake_ups_follow_the_commit_and_only_for_jobs_that_can_run_now() {
@@ -400,7 +399,68 @@ async fn wake_ups_follow_the_commit_and_only_for_jobs_that_can_run_now() {
     client.enqueue_with(&Note { text: "i".into() }, &later).await.unwrap();
     let at = EnqueueOptions { run_at: Some(chrono::Utc::now() + chrono::Duration::minutes(5)), ..Default::default() };
     client.enqueue_many_with(&[Note { text: "j".into() }], &at).await.unwrap();
+    client.wakes_sent().await;
     sentinel().await;
     assert_eq!(next_payload(&mut listener).await, "sentinel", "a delayed job woke the workers");
     assert_eq!(queued(&db).await, 10);
+}
+
+/// Issue 14: what the client's wake-up is, seen from inside: `pg_notify` shadowed (a function of
+/// the same name in `public`, put before `pg_catalog` in the search path) records whether the
+/// transaction that notifies had written anything, and whether its commit waits for its flush.
+/// SQL's enqueue notifies in its writing transaction, as it must; the client's notifies in one
+/// that has written nothing and does not wait, in a statement of its own; `lockgate.wake` alone
+/// leaves `synchronous_commit` as it was (G8: it may run in a transaction that has written).
+#[tokio::test]
+async fn the_clients_wake_up_is_a_transaction_of_its_own_that_waits_for_no_flush() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE public.notified (channel text, had_written boolean, synchronous_commit text);
+         CREATE FUNCTION public.pg_notify(channel text, payload text) RETURNS void LANGUAGE plpgsql AS $$
+         DECLARE written boolean := pg_current_xact_id_if_assigned() IS NOT NULL;
+         BEGIN
+             INSERT INTO public.notified VALUES (channel, written, current_setting('synchronous_commit'));
+             PERFORM pg_catalog.pg_notify(channel, payload);
+         END $$;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let name: String = sqlx::query_scalar("SELECT current_database()").fetch_one(&db.pool).await.unwrap();
+    sqlx::raw_sql(&format!("ALTER DATABASE \"{name}\" SET search_path = public, pg_catalog"))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // New connections take the setting.
+    let pool = db.new_pool(4).await.unwrap();
+    let client = Client::new(pool.clone());
+    client.define::<Note>().await.unwrap();
+    let notified = || async {
+        let rows: Vec<(String, bool, String)> =
+            sqlx::query_as("DELETE FROM public.notified RETURNING channel, had_written, synchronous_commit")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        rows
+    };
+
+    sqlx::query("SELECT * FROM lockgate.enqueue('note', '{}')").execute(&pool).await.unwrap();
+    assert_eq!(notified().await, [("lockgate_default".to_string(), true, "on".to_string())]);
+
+    client.enqueue(&Note { text: "a".into() }).await.unwrap();
+    client.wakes_sent().await;
+    assert_eq!(notified().await, [("lockgate_default".to_string(), false, "off".to_string())]);
+    client.enqueue_many(&[Note { text: "b".into() }, Note { text: "c".into() }]).await.unwrap();
+    client.wakes_sent().await;
+    assert_eq!(notified().await, [("lockgate_default".to_string(), false, "off".to_string())]);
+
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('note', '{}', '{}', false)").execute(&mut *tx).await.unwrap();
+    sqlx::query("SELECT lockgate.wake('default')").execute(&mut *tx).await.unwrap();
+    let setting: String =
+        sqlx::query_scalar("SELECT current_setting('synchronous_commit')").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(setting, "on", "a wake-up in a writing transaction must not make its commit asynchronous");
+    tx.commit().await.unwrap();
+    assert_eq!(notified().await, [("lockgate_default".to_string(), true, "on".to_string())]);
+    assert_eq!(queued(&db).await, 5);
 }

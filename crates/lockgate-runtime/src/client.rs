@@ -1,8 +1,11 @@
 //! The producer side: enqueue typed or raw jobs, alone, in batches, or inside the caller's
 //! transaction (G8), and define job types. Every method is one round trip, but for the first
-//! typed enqueue of a type by a client, which first defines the type if it is missing, and for
-//! an enqueue in its own transaction of a job that can run now, which wakes idle workers with a
-//! second statement once it has committed (see `Client::wake`).
+//! typed enqueue of a type by a client, which first defines the type if it is missing.
+//!
+//! An enqueue in its own transaction sends no notification in it: once it has committed, the
+//! client's wake task sends the wake-up (`lockgate.wake`) on a connection of its own, for every
+//! enqueue that committed while its last one was in flight at once (docs/design.md section 50).
+//! The enqueue returns at its commit; [`Client::wakes_sent`] waits for the wake-ups.
 //!
 //! A typed enqueue defines its job type on first use: if `lockgate.job_types` has no row for
 //! it, `J::policy()` is stored; a stored policy (a worker's, an operator's `lockgate.toml`) is
@@ -17,7 +20,7 @@
 //! statement. When the lane is busy (another task of the same client is enqueueing), a call goes
 //! through the pool as before.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, Instant};
 
@@ -31,7 +34,7 @@ use lockgate_sql::{
 };
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
-use tokio::sync::{Mutex, MutexGuard};
+use tokio::sync::{mpsc, oneshot, Mutex, MutexGuard};
 
 use crate::{EnqueueError, Job, Metrics};
 
@@ -39,11 +42,20 @@ use crate::{EnqueueError, Job, Metrics};
 /// would (a server restart or an idle-session timeout may have closed it meanwhile).
 const LANE_IDLE_PING: Duration = Duration::from_secs(5);
 
-/// A handle for producers. Cheap to clone (it holds a pool, and shares its lane connection).
+/// A job enqueued to run at a `run_at` no further ahead of this process's clock than this is
+/// woken as if it ran now: the database's clock decides when it becomes visible, and a needless
+/// wake-up costs one claim that finds nothing, where a missing one costs `poll_interval`.
+const RUN_AT_CLOCK_MARGIN: Duration = Duration::from_secs(60);
+
+/// A handle for producers. Cheap to clone (it holds a pool, and shares its lane connection and
+/// its wake task).
 #[derive(Debug, Clone)]
 pub struct Client {
     pool: PgPool,
     lane: Arc<Mutex<Lane>>,
+    /// The sender of the wake task, started on the first wake-up; the task ends when the last
+    /// clone of the client is dropped, after sending what it was given.
+    wakes: Arc<StdMutex<Option<mpsc::UnboundedSender<WakeRequest>>>>,
     /// Where its enqueues are counted (`lockgate_jobs_enqueued_total`), when given.
     metrics: Option<Arc<Metrics>>,
     /// The typed job types known to be in `lockgate.job_types` (defined by this client or
@@ -69,7 +81,7 @@ struct LaneUse<'a> {
 impl Client {
     /// Uses `pool`; the schema must be migrated (see [`Client::check_schema`]).
     pub fn new(pool: PgPool) -> Self {
-        Self { pool, lane: Arc::default(), metrics: None, defined: Arc::default() }
+        Self { pool, lane: Arc::default(), wakes: Arc::default(), metrics: None, defined: Arc::default() }
     }
 
     /// Counts the jobs this client enqueues (or parks) in `metrics`, by queue and job type:
@@ -343,7 +355,7 @@ impl Client {
             None => lockgate_sql::enqueue(&self.pool, job_type, args, options, false).await?,
         };
         self.count_enqueued(job_type, [&job]);
-        self.wake(std::slice::from_ref(&job), options).await;
+        self.wake(std::slice::from_ref(&job), options);
         Ok(job)
     }
 
@@ -368,34 +380,56 @@ impl Client {
             None => lockgate_sql::enqueue_many(&self.pool, job_type, args, options, false).await?,
         };
         self.count_enqueued(job_type, &jobs);
-        self.wake(&jobs, options).await;
+        self.wake(&jobs, options);
         Ok(jobs)
     }
 
-    /// Wakes the workers idle on the queue of `jobs` once their enqueue has committed, when one
-    /// of them was enqueued to run now (a delayed job is found by the claim that its time
-    /// wakes; a parked one by its promotion, which notifies). The enqueue left the wake-up to
-    /// this call, in a transaction of its own, so that concurrent producers do not queue on
-    /// PostgreSQL's notify lock behind each other's commit flushes (docs/design.md section 50).
-    /// A failure costs the job only its prompt start, not its existence, so it is logged and the
-    /// enqueue still succeeds: idle workers find the job at their next poll.
-    async fn wake(&self, jobs: &[EnqueuedJob], options: &Value) {
+    /// Asks the wake task to wake the workers idle on the queue of `jobs`, whose enqueue has
+    /// committed, when one of them was enqueued to run now (a delayed job is claimed at a poll
+    /// once its time comes; a parked one at its promotion, which notifies). Returns at once: the
+    /// enqueue's outcome is its commit, and a caller's timeout must not fire on a committed job
+    /// (a retry would enqueue it twice). A wake-up that is never sent (the process exits first;
+    /// see [`Client::wakes_sent`]) or fails costs the job only its prompt start: idle workers
+    /// claim it at their next poll.
+    fn wake(&self, jobs: &[EnqueuedJob], options: &Value) {
         let Some(job) = jobs.iter().find(|j| j.status == EnqueueStatus::Enqueued) else { return };
-        if !runs_now(options) {
-            return;
+        if runs_now(options) {
+            self.send_to_wake_task(WakeRequest::Queue(job.queue.clone()));
         }
-        let result = match self.lane().await {
-            Ok(Some(mut lane)) => {
-                let result = lockgate_sql::wake(lockgate_sql::pooler::Db::idle(&mut lane.conn), &job.queue).await;
-                lane.finish(result)
-            }
-            Ok(None) => lockgate_sql::wake(&self.pool, &job.queue).await,
-            Err(e) => Err(e),
+    }
+
+    /// Waits until every wake-up asked for before this call has been sent (or has failed, which
+    /// is logged). A process that exits right after enqueueing calls it, or its jobs start only
+    /// at the workers' next poll, `poll_interval` later.
+    pub async fn wakes_sent(&self) {
+        let (done, sent) = oneshot::channel();
+        if self.send_to_wake_task(WakeRequest::Flush(done)) {
+            // An error means the task is gone, with nothing left to send.
+            let _ = sent.await;
+        }
+    }
+
+    /// Hands `request` to the wake task, starting it if it is not running; false if there was
+    /// nothing to start it on (no Tokio runtime: then nothing is pending either).
+    fn send_to_wake_task(&self, request: WakeRequest) -> bool {
+        let mut wakes = self.wakes.lock().unwrap_or_else(|e| e.into_inner());
+        let request = match wakes.as_ref() {
+            Some(tx) => match tx.send(request) {
+                Ok(()) => return true,
+                Err(mpsc::error::SendError(request)) => request,
+            },
+            None => request,
         };
-        if let Err(error) = result {
-            tracing::warn!(queue = %job.queue, %error,
-                "could not wake idle workers after an enqueue; they claim the job at their next poll");
+        // No task is running (none was started, or it panicked): nothing is pending.
+        if matches!(request, WakeRequest::Flush(_)) {
+            return false;
         }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
+        let (tx, rx) = mpsc::unbounded_channel();
+        runtime.spawn(send_wakes(self.pool.clone(), rx));
+        let sent = tx.send(request).is_ok();
+        *wakes = Some(tx);
+        sent
     }
 
     /// The lane's connection, ready for a statement, or `None` when another task holds the
@@ -441,16 +475,70 @@ impl LaneUse<'_> {
     }
 }
 
-/// Whether enqueue `options` (as `EnqueueOptions::to_json` or a raw caller gave them) let the
-/// job run at once: no delay above zero and no `run_at` in the future. An option it cannot read
-/// counts as running now (a needless wake-up costs one empty claim).
+/// What the wake task is asked: a queue to wake, or to say when everything asked before is sent.
+#[derive(Debug)]
+enum WakeRequest {
+    Queue(String),
+    Flush(oneshot::Sender<()>),
+}
+
+/// The wake task: sends `lockgate.wake` for the queues it is given, on a connection of its own
+/// (taken from the pool and kept). Every request waiting when it starts a statement joins it, so
+/// producers enqueueing at once through one client share wake-ups, each sent after its commit.
+/// A failed statement is tried once more on a new connection, then logged.
+async fn send_wakes(pool: PgPool, mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
+    let mut conn: Option<PgConnection> = None;
+    while let Some(first) = requests.recv().await {
+        let mut queues = BTreeSet::new();
+        let mut flushes = Vec::new();
+        let mut take = |request| match request {
+            WakeRequest::Queue(queue) => {
+                queues.insert(queue);
+            }
+            WakeRequest::Flush(done) => flushes.push(done),
+        };
+        take(first);
+        while let Ok(request) = requests.try_recv() {
+            take(request);
+        }
+        if !queues.is_empty() {
+            let queues: Vec<String> = queues.into_iter().collect();
+            let mut result = wake_on(&pool, &mut conn, &queues).await;
+            if result.is_err() {
+                conn = None;
+                result = wake_on(&pool, &mut conn, &queues).await;
+            }
+            if let Err(error) = result {
+                conn = None;
+                tracing::warn!(?queues, %error,
+                    "could not wake idle workers after an enqueue; they claim its jobs at their next poll");
+            }
+        }
+        for done in flushes {
+            let _ = done.send(());
+        }
+    }
+}
+
+async fn wake_on(pool: &PgPool, conn: &mut Option<PgConnection>, queues: &[String]) -> Result<(), DbError> {
+    let conn = match conn {
+        Some(conn) => conn,
+        None => conn.insert(pool.acquire().await?.detach()),
+    };
+    lockgate_sql::wake(conn, queues).await
+}
+
+/// Whether enqueue `options` (as `EnqueueOptions::to_json` or a raw caller gave them) may let
+/// the job run at once: no delay above zero (counted from the database's clock, so no clock
+/// skew changes it), and no `run_at` more than `RUN_AT_CLOCK_MARGIN` ahead of this process's
+/// clock. An option it cannot read counts as running now.
 fn runs_now(options: &Value) -> bool {
     let delayed = options.get("delay").and_then(Value::as_f64).is_some_and(|d| d > 0.0);
     let later = options
         .get("run_at")
         .and_then(Value::as_str)
         .and_then(|at| chrono::DateTime::parse_from_rfc3339(at).ok())
-        .is_some_and(|at| at > chrono::Utc::now());
+        .is_some_and(|at| at > chrono::Utc::now() + RUN_AT_CLOCK_MARGIN);
     !delayed && !later
 }
 

@@ -52,12 +52,22 @@ pub async fn enqueue_many<'c>(
     .await
 }
 
-/// Wakes the workers idle on `queue` (its channel, `lockgate_<queue>`), in a transaction of its
-/// own: after an enqueue with `notify` false has committed, so that a woken worker finds the job.
-/// The transaction writes nothing, so it holds PostgreSQL's notify lock for no commit flush.
-pub async fn wake<'c>(db: impl Into<Db<'c>>, queue: &str) -> Result<(), DbError> {
-    on(db.into(), async |conn| {
-        query("SELECT pg_notify('lockgate_' || $1, '')").bind(queue).execute(conn).await?;
+/// `lockgate.wake` for each of `queues`, in one statement of its own transaction: wakes the
+/// workers idle on them after an enqueue with `notify` false has committed, so that a woken
+/// worker finds the jobs. The transaction writes nothing but the commit record PostgreSQL gives a
+/// notifying transaction, and does not wait for its flush (a notification is not durable), so it
+/// holds the notify lock for no flush. Never call it on a connection inside a transaction block:
+/// the block's writes would then commit without waiting for their flush.
+pub async fn wake(conn: &mut sqlx::PgConnection, queues: &[String]) -> Result<(), DbError> {
+    on(Db::idle(conn), async |conn| {
+        query(
+            "SELECT lockgate.wake(q)
+               FROM (SELECT set_config('synchronous_commit', 'off', true)) AS this_transaction_only,
+                    unnest($1::text[]) AS q",
+        )
+        .bind(queues)
+        .execute(conn)
+        .await?;
         Ok(())
     })
     .await

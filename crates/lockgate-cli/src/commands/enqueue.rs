@@ -62,13 +62,16 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     // An invalid name is said to be invalid, not suggested as a type to define (nor pasted into SQL).
     lockgate::JobTypeName::new(args.job_type.as_str())?;
     let pool = db::connect_checked(target, 1).await?;
-    let job = match Client::new(pool).enqueue_raw(&args.job_type, &value, &options).await {
+    let client = Client::new(pool);
+    let job = match client.enqueue_raw(&args.job_type, &value, &options).await {
         Err(EnqueueError::UnknownJobType { job_type }) => bail!(
             "unknown job type \"{job_type}\": define it first, with `lockgate define --config lockgate.toml` \
              (from its [job_types.{job_type}] table) or in SQL with `SELECT lockgate.define_job_type('{job_type}')`"
         ),
         result => result?,
     };
+    // The job's wake-up, before the process exits: idle workers start it now, not at their poll.
+    client.wakes_sent().await;
     match (job.status, job.msg_id) {
         (_, Some(msg_id)) => println!("enqueued job {} on queue {} (msg_id {msg_id})", job.job_id, job.queue),
         (EnqueueStatus::Duplicate, None) => {
