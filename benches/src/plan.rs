@@ -53,6 +53,9 @@ pub const QUEUES: usize = 50;
 pub const QUEUE_JOBS: u64 = 1_000;
 pub const RUNTIMES: usize = 4;
 pub const RUNTIMES_JOBS: u64 = DRAIN_JOBS;
+pub const CHURN_JOBS: u64 = 1_000_000;
+pub const CHURN_BATCH: u64 = 1_000;
+pub const CHURN_REPEATS: usize = 3;
 
 /// Run-wide options.
 #[derive(Debug, Clone)]
@@ -219,6 +222,23 @@ pub struct SweepArgs {
     pub idle_keys: u64,
 }
 
+/// churn: `jobs` jobs enqueued in calls of `batch` and drained by one runtime, `repeats` times;
+/// the tables' sizes after each drain and VACUUM, against a plain PGMQ queue drained by raw
+/// consumers.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct ChurnArgs {
+    #[arg(long, default_value_t = CHURN_JOBS)]
+    pub jobs: u64,
+    /// Jobs per `enqueue_many` (and `pgmq.send_batch`) call.
+    #[arg(long, default_value_t = CHURN_BATCH)]
+    pub batch: u64,
+    /// Fill, drain and VACUUM this many times per side and round, on the same tables.
+    #[arg(long, default_value_t = CHURN_REPEATS)]
+    pub repeats: usize,
+    #[arg(long, default_value_t = DRAIN_CONCURRENCY)]
+    pub concurrency: usize,
+}
+
 /// One workload with its sizes.
 #[derive(Debug, Clone)]
 pub enum Workload {
@@ -235,6 +255,7 @@ pub enum Workload {
     Memory(MemoryArgs),
     Limited(LimitedArgs),
     Sweep(SweepArgs),
+    Churn(ChurnArgs),
 }
 
 impl Workload {
@@ -253,6 +274,7 @@ impl Workload {
             Self::Memory(_) => "memory",
             Self::Limited(_) => "limited",
             Self::Sweep(_) => "sweep",
+            Self::Churn(_) => "churn",
         }
     }
 
@@ -271,6 +293,7 @@ impl Workload {
             Self::Memory(a) => serde_json::to_value(a),
             Self::Limited(a) => serde_json::to_value(a),
             Self::Sweep(a) => serde_json::to_value(a),
+            Self::Churn(a) => serde_json::to_value(a),
         };
         value.unwrap_or_default()
     }
@@ -287,8 +310,9 @@ impl LatencyArgs {
     }
 }
 
-/// Every workload at the sizes, each multiplied by `scale`. Floors keep tiny scales
-/// meaningful (a few jobs at least), and the depth window never exceeds the smallest depth.
+/// Every workload at the sizes, each multiplied by `scale`, but churn: at its size it
+/// runs for most of an hour, and runs alone. Floors keep tiny
+/// scales meaningful (a few jobs at least), and the depth window never exceeds the smallest depth.
 pub fn all(scale: f64) -> Vec<Workload> {
     let n = |v: u64| ((v as f64 * scale).round() as u64).max(20);
     let depths: Vec<u64> = DEPTHS.iter().map(|&d| n(d)).collect();
