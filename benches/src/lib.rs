@@ -29,7 +29,7 @@ use crate::plan::{Options, Workload};
 use crate::progress::Progress;
 use crate::report::{Report, WorkloadReport};
 use crate::workloads::{
-    churn, depth, drain as drain_workload, enqueue, latency, latency_load, limited, memory, producers, queues,
+    burst, churn, depth, drain as drain_workload, enqueue, latency, latency_load, limited, memory, producers, queues,
     runtimes, sweep, workers, Ctx, Outcome,
 };
 
@@ -68,6 +68,7 @@ async fn run_one(ctx: &Ctx, workload: &Workload) -> Result<Outcome> {
         Workload::Memory(args) => memory::run(ctx, args).await,
         Workload::Limited(args) => limited::run(ctx, args).await,
         Workload::Sweep(args) => sweep::run(ctx, args).await,
+        Workload::Burst(args) => burst::run(ctx, args).await,
         Workload::Churn(args) => churn::run(ctx, args).await,
     }
 }

@@ -4,8 +4,8 @@
 use std::process::Command;
 
 use lockgate_bench::plan::{
-    BulkArgs, ChurnArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LatencyLoadArgs, LimitedArgs, MemoryArgs,
-    Options, ProducersArgs, QueuesArgs, RuntimesArgs, SweepArgs, WorkersArgs, Workload, DEFAULT_SERVER_URL,
+    BulkArgs, BurstArgs, ChurnArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LatencyLoadArgs, LimitedArgs,
+    MemoryArgs, Options, ProducersArgs, QueuesArgs, RuntimesArgs, SweepArgs, WorkersArgs, Workload, DEFAULT_SERVER_URL,
 };
 use lockgate_bench::report::Report;
 
@@ -72,16 +72,29 @@ async fn every_workload_runs_at_a_tiny_size_and_reports_numbers() {
 /// The long workloads, kept out of `all`, once each at a tiny size.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_long_workloads_run_once_at_a_tiny_size_and_report_numbers() {
-    let plan = [Workload::Churn(ChurnArgs { jobs: 2_000, batch: 1_000, repeats: 2, concurrency: 4 })];
+    let burst = BurstArgs {
+        rate: 100.0,
+        burst_factor: 1.5,
+        warmup_s: 2.0,
+        burst_s: 1.0,
+        recovery_s: 2.0,
+        window_s: 1.0,
+        handler_ms: 1,
+        concurrency: 4,
+        producers: 2,
+    };
+    let plan =
+        [Workload::Burst(burst), Workload::Churn(ChurnArgs { jobs: 2_000, batch: 1_000, repeats: 2, concurrency: 4 })];
     let options = Options { server_url: server_url(), rounds: 1, progress: false, pool_ping: true };
     let report = lockgate_bench::run(options, &plan, "smoke".into()).await.expect("the long workloads run");
     let names: Vec<&str> = report.workloads.iter().map(|w| w.name.as_str()).collect();
-    assert_eq!(names, ["churn"]);
+    assert_eq!(names, ["burst", "churn"]);
     assert_numbers(&report);
 }
 
 /// Every workload has rows, every figure is a number, and every baseline named has figures: a
-/// positive one, but for shares, which a table without HOT updates leaves at zero.
+/// positive one, but for counts and shares, which an idle queue or a table without HOT updates
+/// leave at zero.
 fn assert_numbers(report: &Report) {
     for workload in &report.workloads {
         assert!(!workload.rows.is_empty(), "{} produced no rows", workload.name);
@@ -94,7 +107,7 @@ fn assert_numbers(report: &Report) {
                 row.measure
             );
             if let Some(baseline) = &row.baseline {
-                let may_be_zero = row.unit == "%";
+                let may_be_zero = matches!(row.unit.as_str(), "jobs" | "%");
                 assert!(
                     baseline.median.is_finite() && (baseline.median > 0.0 || may_be_zero && baseline.median == 0.0),
                     "{}: baseline {baseline:?}",

@@ -2,6 +2,7 @@
 //! returns its rows. Where lockgate and the baseline both run, each round runs both, in an order
 //! that alternates from round to round so that drift on a shared machine hits both sides alike.
 
+pub mod burst;
 pub mod churn;
 pub mod depth;
 pub mod drain;
