@@ -126,7 +126,8 @@ impl Schedule {
 struct Spans {
     /// Before, during and after the burst.
     phases: [(f64, f64); 3],
-    /// Whole windows ending at the burst's start, the latest first.
+    /// Whole windows ending at the burst's start, the latest first (one shorter window when the
+    /// warm-up is shorter than a window).
     before: Vec<(f64, f64)>,
     /// Windows from the burst's end to the schedule's (the last one may be shorter).
     after: Vec<(f64, f64)>,

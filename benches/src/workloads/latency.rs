@@ -61,7 +61,7 @@ const BASELINE_VT_SECONDS: i32 = 30;
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Ping {
     /// Microseconds from the shared base instant to just before the enqueue call.
-    pub sent_us: u64,
+    sent_us: u64,
 }
 
 impl Job for Ping {
