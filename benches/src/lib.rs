@@ -16,6 +16,7 @@ pub mod progress;
 pub mod queue;
 pub mod report;
 pub mod stats;
+pub mod tables;
 pub mod workloads;
 
 use std::time::Instant;
@@ -28,8 +29,8 @@ use crate::plan::{Options, Workload};
 use crate::progress::Progress;
 use crate::report::{Report, WorkloadReport};
 use crate::workloads::{
-    depth, drain as drain_workload, enqueue, latency, latency_load, limited, memory, producers, queues, runtimes,
-    sweep, workers, Ctx, Outcome,
+    burst, churn, depth, drain as drain_workload, enqueue, latency, latency_load, limited, memory, producers, queues,
+    runtimes, sweep, workers, Ctx, Outcome,
 };
 
 /// Runs every workload of `plan` in order; `command` is recorded in the report as given.
@@ -67,5 +68,7 @@ async fn run_one(ctx: &Ctx, workload: &Workload) -> Result<Outcome> {
         Workload::Memory(args) => memory::run(ctx, args).await,
         Workload::Limited(args) => limited::run(ctx, args).await,
         Workload::Sweep(args) => sweep::run(ctx, args).await,
+        Workload::Burst(args) => burst::run(ctx, args).await,
+        Workload::Churn(args) => churn::run(ctx, args).await,
     }
 }

@@ -53,6 +53,21 @@ pub const QUEUES: usize = 50;
 pub const QUEUE_JOBS: u64 = 1_000;
 pub const RUNTIMES: usize = 4;
 pub const RUNTIMES_JOBS: u64 = DRAIN_JOBS;
+/// burst: the steady rate, 1.5× that for a minute, a minute to recover, 30 s to warm up.
+pub const BURST_RATE: f64 = 800.0;
+pub const BURST_FACTOR: f64 = 1.5;
+pub const BURST_WARMUP_S: f64 = 30.0;
+pub const BURST_S: f64 = 60.0;
+pub const BURST_RECOVERY_S: f64 = 60.0;
+/// The recovery is read off the p99 of windows this long.
+pub const BURST_WINDOW_S: f64 = 10.0;
+pub const BURST_HANDLER_MS: u64 = 1;
+/// Enough producers that the schedule holds at 1,200 jobs/s while each call waits its turn for
+/// the notifying commit (design §1): every producer then has 6.7 ms per job.
+pub const BURST_PRODUCERS: usize = 8;
+pub const CHURN_JOBS: u64 = 1_000_000;
+pub const CHURN_BATCH: u64 = 1_000;
+pub const CHURN_REPEATS: usize = 3;
 
 /// Run-wide options.
 #[derive(Debug, Clone)]
@@ -219,6 +234,54 @@ pub struct SweepArgs {
     pub idle_keys: u64,
 }
 
+/// burst: producers at a steady rate, then `burst_factor` × that rate for `burst_s`, then the
+/// steady rate again for `recovery_s` (after `warmup_s` of it); enqueue → handler start per
+/// phase, against raw PGMQ on the same schedule.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct BurstArgs {
+    /// The steady rate, jobs/s.
+    #[arg(long, default_value_t = BURST_RATE)]
+    pub rate: f64,
+    /// The burst's rate, as a multiple of the steady rate.
+    #[arg(long, default_value_t = BURST_FACTOR)]
+    pub burst_factor: f64,
+    #[arg(long, default_value_t = BURST_WARMUP_S)]
+    pub warmup_s: f64,
+    #[arg(long, default_value_t = BURST_S)]
+    pub burst_s: f64,
+    #[arg(long, default_value_t = BURST_RECOVERY_S)]
+    pub recovery_s: f64,
+    /// The windows whose p99 shows the recovery.
+    #[arg(long, default_value_t = BURST_WINDOW_S)]
+    pub window_s: f64,
+    /// How long each handler sleeps.
+    #[arg(long, default_value_t = BURST_HANDLER_MS)]
+    pub handler_ms: u64,
+    /// The runtime's concurrency, and the baseline's concurrent consumers.
+    #[arg(long, default_value_t = DRAIN_CONCURRENCY)]
+    pub concurrency: usize,
+    /// Producers sharing the schedule, each on its own connection.
+    #[arg(long, default_value_t = BURST_PRODUCERS)]
+    pub producers: usize,
+}
+
+/// churn: `jobs` jobs enqueued in calls of `batch` and drained by one runtime, `repeats` times;
+/// the tables' sizes after each drain and VACUUM, against a plain PGMQ queue drained by raw
+/// consumers.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct ChurnArgs {
+    #[arg(long, default_value_t = CHURN_JOBS)]
+    pub jobs: u64,
+    /// Jobs per `enqueue_many` (and `pgmq.send_batch`) call.
+    #[arg(long, default_value_t = CHURN_BATCH)]
+    pub batch: u64,
+    /// Fill, drain and VACUUM this many times per side and round, on the same tables.
+    #[arg(long, default_value_t = CHURN_REPEATS)]
+    pub repeats: usize,
+    #[arg(long, default_value_t = DRAIN_CONCURRENCY)]
+    pub concurrency: usize,
+}
+
 /// One workload with its sizes.
 #[derive(Debug, Clone)]
 pub enum Workload {
@@ -235,6 +298,8 @@ pub enum Workload {
     Memory(MemoryArgs),
     Limited(LimitedArgs),
     Sweep(SweepArgs),
+    Burst(BurstArgs),
+    Churn(ChurnArgs),
 }
 
 impl Workload {
@@ -253,6 +318,8 @@ impl Workload {
             Self::Memory(_) => "memory",
             Self::Limited(_) => "limited",
             Self::Sweep(_) => "sweep",
+            Self::Burst(_) => "burst",
+            Self::Churn(_) => "churn",
         }
     }
 
@@ -271,6 +338,8 @@ impl Workload {
             Self::Memory(a) => serde_json::to_value(a),
             Self::Limited(a) => serde_json::to_value(a),
             Self::Sweep(a) => serde_json::to_value(a),
+            Self::Burst(a) => serde_json::to_value(a),
+            Self::Churn(a) => serde_json::to_value(a),
         };
         value.unwrap_or_default()
     }
@@ -287,8 +356,9 @@ impl LatencyArgs {
     }
 }
 
-/// Every workload at the sizes, each multiplied by `scale`. Floors keep tiny scales
-/// meaningful (a few jobs at least), and the depth window never exceeds the smallest depth.
+/// Every workload at the sizes, each multiplied by `scale`, but burst and churn: at their
+/// sizes they run for a quarter of an hour and most of an hour, and run alone. Floors keep tiny
+/// scales meaningful (a few jobs at least), and the depth window never exceeds the smallest depth.
 pub fn all(scale: f64) -> Vec<Workload> {
     let n = |v: u64| ((v as f64 * scale).round() as u64).max(20);
     let depths: Vec<u64> = DEPTHS.iter().map(|&d| n(d)).collect();

@@ -106,16 +106,50 @@ pub async fn setup(db: &BenchDb) -> Result<Client> {
 /// table as autovacuum would (the test server runs with autovacuum off), so that every drain
 /// starts from the same clean table with planner statistics.
 pub async fn fill(db: &BenchDb, client: &Client, n: u64, progress: &Progress, label: &str) -> Result<()> {
+    fill_in_calls(db, client, n, FILL_CHUNK, progress, label).await
+}
+
+/// [`fill`] in `enqueue_many` calls of `per_call` jobs.
+pub async fn fill_in_calls(
+    db: &BenchDb,
+    client: &Client,
+    n: u64,
+    per_call: usize,
+    progress: &Progress,
+    label: &str,
+) -> Result<()> {
     let bar = progress.bar(n, format!("{label}: fill"));
+    let jobs = vec![Noop {}; per_call.max(1)];
     let mut left = n as usize;
     while left > 0 {
-        let chunk = left.min(FILL_CHUNK);
-        client.enqueue_many(&vec![Noop {}; chunk]).await?;
+        let chunk = left.min(jobs.len());
+        client.enqueue_many(&jobs[..chunk]).await?;
         left -= chunk;
         bar.inc(chunk as u64);
     }
     bar.finish_and_clear();
     vacuum(db).await
+}
+
+/// Sends `n` empty messages to the baseline's queue `raw` in `pgmq.send_batch` calls of
+/// `per_call`, then vacuums and analyzes its table, as [`fill_in_calls`] does for `bench`.
+pub async fn fill_raw(db: &BenchDb, n: u64, per_call: usize, progress: &Progress, label: &str) -> Result<()> {
+    let bar = progress.bar(n, format!("{label}: fill"));
+    let messages = vec![serde_json::json!({}); per_call.max(1)];
+    let mut left = n as usize;
+    while left > 0 {
+        let chunk = left.min(messages.len());
+        sqlx::query("SELECT pgmq.send_batch($1, $2)")
+            .bind(RAW_QUEUE)
+            .bind(&messages[..chunk])
+            .execute(&db.pool)
+            .await?;
+        left -= chunk;
+        bar.inc(chunk as u64);
+    }
+    bar.finish_and_clear();
+    sqlx::raw_sql(&format!("VACUUM (ANALYZE) pgmq.q_{RAW_QUEUE}")).execute(&db.pool).await?;
+    Ok(())
 }
 
 /// Ready jobs on `bench` (a full count: only between measurements).

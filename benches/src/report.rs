@@ -164,11 +164,13 @@ fn cells(row: &Row) -> [String; 9] {
     ]
 }
 
-/// Rates as whole numbers with thousands separators; milliseconds and MiB with decimals.
+/// Rates and sizes as whole numbers with thousands separators; milliseconds, MiB and percentages
+/// with decimals.
 pub fn format_value(x: f64, unit: &str) -> String {
     match unit {
         "ms" => return format!("{x:.2}"),
         "MiB" => return format!("{x:+.1}"),
+        "%" => return format!("{x:.1}"),
         _ => {}
     }
     let whole = x.round() as i64;
@@ -195,5 +197,6 @@ mod tests {
         assert_eq!(format_value(1234567.4, "jobs/s"), "1,234,567");
         assert_eq!(format_value(999.0, "jobs/s"), "999");
         assert_eq!(format_value(4.456, "ms"), "4.46");
+        assert_eq!(format_value(0.44, "%"), "0.4");
     }
 }

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::{anyhow, Result};
 use clap::{Parser, Subcommand};
 use lockgate_bench::plan::{
-    self, BulkArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LatencyLoadArgs, LimitedArgs, MemoryArgs, Options,
-    ProducersArgs, QueuesArgs, RuntimesArgs, SweepArgs, WorkersArgs, Workload,
+    self, BulkArgs, BurstArgs, ChurnArgs, DepthArgs, DrainArgs, EnqueueArgs, LatencyArgs, LatencyLoadArgs, LimitedArgs,
+    MemoryArgs, Options, ProducersArgs, QueuesArgs, RuntimesArgs, SweepArgs, WorkersArgs, Workload,
 };
 
 #[derive(Debug, Parser)]
@@ -34,7 +34,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Every workload at the sizes (times --scale).
+    /// Every workload at the sizes (times --scale), but burst and churn (long; run them alone).
     All {
         /// Multiply every size (jobs, depths, durations) by this; concurrency is never scaled.
         #[arg(long, default_value_t = 1.0)]
@@ -69,6 +69,10 @@ enum Command {
     Limited(LimitedArgs),
     /// One concurrency-sweep pass over a big parked backlog, and idle-key reclamation.
     Sweep(SweepArgs),
+    /// Steady load, a burst at 1.5× and the recovery: latency per phase vs raw PGMQ on the same schedule.
+    Burst(BurstArgs),
+    /// Table and index sizes after repeated big drains, each vacuumed, vs a plain PGMQ queue.
+    Churn(ChurnArgs),
 }
 
 #[tokio::main]
@@ -100,6 +104,8 @@ async fn main() -> Result<()> {
         Command::Memory(a) => vec![Workload::Memory(a)],
         Command::Limited(a) => vec![Workload::Limited(a)],
         Command::Sweep(a) => vec![Workload::Sweep(a)],
+        Command::Burst(a) => vec![Workload::Burst(a)],
+        Command::Churn(a) => vec![Workload::Churn(a)],
     };
     let options = Options {
         server_url: cli.server_url,

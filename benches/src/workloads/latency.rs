@@ -20,7 +20,8 @@
 //! p50 and the part of the latency after the call returned (wake-up, claim or read, dispatch).
 //!
 //! The lockgate round is also latency-load's probe (`latency_load.rs`), there with a steady
-//! load of no-op jobs on the same queue.
+//! load of no-op jobs on the same queue. The burst workload (`burst.rs`) sends the same jobs
+//! through the same producers, on a schedule, to handlers that take some time.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -48,7 +49,7 @@ const WARMUP_JOBS: u64 = 5;
 /// How long the last job of a round may take to start before the round fails.
 const ROUND_TIMEOUT: Duration = Duration::from_secs(30);
 /// The baseline's notification channel, and the payload that stops its consumer.
-const CHANNEL: &str = "bench_raw";
+pub const CHANNEL: &str = "bench_raw";
 const STOP: &str = "stop";
 /// The statements each side runs per job, for the diagnostics (server time per call).
 const LOCKGATE_FUNCTIONS: &[&str] = &["lockgate.enqueue", "lockgate.claim", "lockgate.complete"];
@@ -73,7 +74,7 @@ impl Job for Ping {
 
 /// Each job's send instant (its `sent_us`) and its latency, enqueue → handler start (or → read)
 /// in milliseconds, as handlers (or the consumer) record them.
-type Samples = Arc<Mutex<Vec<(u64, f64)>>>;
+pub type Samples = Arc<Mutex<Vec<(u64, f64)>>>;
 
 /// The percentiles reported, with their targets as a maximum ratio to the baseline, and the
 /// absolute bounds of issue 5 (ms).
@@ -183,7 +184,7 @@ pub async fn lockgate_round(ctx: &Ctx, db: &BenchDb, args: &LatencyArgs, label: 
     let base = Instant::now();
     let samples: Samples = Arc::default();
     let pool = db.pool_warm(8, 3).await?;
-    let runtime = runtime(pool.clone(), args.concurrency, base, Arc::clone(&samples))?;
+    let runtime = runtime(pool.clone(), args.concurrency, base, Arc::clone(&samples), Duration::ZERO)?;
     let stop = CancellationToken::new();
     let handle = tokio::spawn(runtime.run(stop.clone()));
     let produced = match db.pool_warm(2, 1).await {
@@ -288,14 +289,27 @@ fn result(samples: &Samples, calls: &[(u64, f64)]) -> RoundResult {
     }
 }
 
-fn runtime(pool: lockgate::PgPool, concurrency: usize, base: Instant, samples: Samples) -> Result<Runtime> {
+/// A runtime serving `bench` at `concurrency`, whose `Ping` handler records its latency and then
+/// sleeps for `handler_time` (returns at once when it is zero).
+pub fn runtime(
+    pool: lockgate::PgPool,
+    concurrency: usize,
+    base: Instant,
+    samples: Samples,
+    handler_time: Duration,
+) -> Result<Runtime> {
     let mut registry = Registry::new();
     registry.register::<Ping, _>(move |_ctx: JobContext, job: Ping| {
         // Recorded when the handler is called, before its future is first awaited.
         let started_us = base.elapsed().as_micros() as u64;
         let ms = started_us.saturating_sub(job.sent_us) as f64 / 1000.0;
         samples.lock().unwrap_or_else(|e| e.into_inner()).push((job.sent_us, ms));
-        async { Ok::<(), JobError>(()) }
+        async move {
+            if !handler_time.is_zero() {
+                tokio::time::sleep(handler_time).await;
+            }
+            Ok::<(), JobError>(())
+        }
     })?;
     // The load of latency-load; never enqueued by latency itself.
     registry.register::<Noop, _>(|_ctx: JobContext, _job: Noop| async { Ok::<(), JobError>(()) })?;
@@ -304,7 +318,7 @@ fn runtime(pool: lockgate::PgPool, concurrency: usize, base: Instant, samples: S
 }
 
 /// How the probe's producer sends.
-enum Sender<'c> {
+pub enum Sender<'c> {
     /// `Client::enqueue` of a `Ping` (the client keeps a connection of its own).
     Client(Client),
     /// `pgmq.send` + `pg_notify` in one statement, on a held connection.
@@ -313,7 +327,7 @@ enum Sender<'c> {
 
 impl Sender<'_> {
     /// Sends one job; returns its `sent_us`.
-    async fn send(&mut self, base: Instant) -> Result<u64> {
+    pub async fn send(&mut self, base: Instant) -> Result<u64> {
         let sent_us = base.elapsed().as_micros() as u64;
         match self {
             Self::Client(client) => drop(client.enqueue(&Ping { sent_us }).await?),

@@ -4,14 +4,11 @@
 //! start-up allocations: pools, buffers, task slabs) to the end. Target: within 16 MiB. The queue
 //! table is vacuumed periodically during the drain (see VACUUM_INTERVAL).
 
-use std::time::Duration;
-
 use anyhow::{bail, Result};
-use lockgate::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::drain::LOCKGATE_FUNCTIONS;
-use super::{drain_diagnostics, drain_once, Ctx, Outcome, Prep, Side};
+use super::{drain_diagnostics, drain_once, vacuum_every, Ctx, Outcome, Prep, Side, LARGE_POLL, VACUUM_INTERVAL};
 use crate::drain::Spec;
 use crate::plan::MemoryArgs;
 use crate::queue::{self, QUEUE};
@@ -20,34 +17,12 @@ use crate::stats::Summary;
 
 /// Memory growth that still counts as flat: allocator noise, not a leak that grows with jobs.
 const FLAT_MIB: f64 = 16.0;
-/// Polling a growing million-row archive: once a second is plenty for memory samples.
-const POLL: Duration = Duration::from_secs(1);
-/// The test server runs with autovacuum off. Without vacuum, a long drain leaves its dead rows at
-/// the head of the queue's indexes and every claim steps over all of them, so the drain slows
-/// as it goes (for lockgate and `pgmq.read` alike); the harness vacuums instead, about as often
-/// as autovacuum would visit a table losing thousands of rows a second.
-const VACUUM_INTERVAL: Duration = Duration::from_secs(15);
-
-/// Vacuums the queue table every `interval` until `stop`; returns how many times it did.
-async fn vacuum_every(db: PgPool, interval: Duration, stop: CancellationToken) -> u32 {
-    let mut done = 0;
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => return done,
-            () = tokio::time::sleep(interval) => {}
-        }
-        if sqlx::raw_sql(&format!("VACUUM pgmq.q_{QUEUE}")).execute(&db).await.is_ok() {
-            done += 1;
-        }
-    }
-}
-
 pub async fn run(ctx: &Ctx, args: &MemoryArgs) -> Result<Outcome> {
     let db = ctx.create_db("memory").await?;
     let client = queue::setup(&db).await?;
-    let spec = Spec { jobs: args.jobs, concurrency: args.concurrency, poll: POLL };
+    let spec = Spec { jobs: args.jobs, concurrency: args.concurrency, poll: LARGE_POLL };
     let stop = CancellationToken::new();
-    let vacuum = tokio::spawn(vacuum_every(db.pool.clone(), VACUUM_INTERVAL, stop.clone()));
+    let vacuum = tokio::spawn(vacuum_every(db.pool.clone(), format!("pgmq.q_{QUEUE}"), stop.clone()));
     let drained = drain_once(ctx, &db, &client, Prep::Fresh(args.jobs), Side::Lockgate, spec, "memory").await;
     stop.cancel();
     let vacuums = vacuum.await.unwrap_or(0);

@@ -2,6 +2,8 @@
 //! returns its rows. Where lockgate and the baseline both run, each round runs both, in an order
 //! that alternates from round to round so that drift on a shared machine hits both sides alike.
 
+pub mod burst;
+pub mod churn;
 pub mod depth;
 pub mod drain;
 pub mod enqueue;
@@ -18,7 +20,8 @@ pub mod workers;
 use std::time::Duration;
 
 use anyhow::Result;
-use lockgate::Client;
+use lockgate::{Client, PgPool};
+use tokio_util::sync::CancellationToken;
 
 use crate::bench_db::BenchDb;
 use crate::drain::{self as draining, Drained, Spec};
@@ -32,6 +35,16 @@ use crate::stats::Summary;
 /// How often drains poll the archive count: fine enough for a live bar and memory samples,
 /// coarse enough to cost the server little (timing itself comes from `archived_at`).
 pub const POLL: Duration = Duration::from_millis(20);
+/// How often drains of a million jobs poll: counting a growing million-row archive costs the
+/// server tens of milliseconds, and once a second is plenty for memory samples and for knowing
+/// when to stop.
+pub const LARGE_POLL: Duration = Duration::from_secs(1);
+
+/// The test server runs with autovacuum off. Without vacuum, a long drain leaves its dead rows at
+/// the head of the queue's indexes and every claim steps over all of them, so the drain slows
+/// as it goes (for lockgate and `pgmq.read` alike); workloads that run long vacuum instead, about
+/// as often as autovacuum would visit a table losing thousands of rows a second.
+pub const VACUUM_INTERVAL: Duration = Duration::from_secs(15);
 
 /// What a workload returns: its table rows, and what limits it (statement counts per job,
 /// server time, client CPU, memory) as lines for the report.
@@ -159,4 +172,18 @@ pub fn drain_diagnostics(who: &str, runs: &[Drained], functions: &[&str]) -> Vec
         ));
     }
     lines
+}
+
+/// Vacuums `table` every `VACUUM_INTERVAL` until `stop`; returns how many times it did.
+pub async fn vacuum_every(db: PgPool, table: String, stop: CancellationToken) -> u32 {
+    let mut done = 0;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return done,
+            () = tokio::time::sleep(VACUUM_INTERVAL) => {}
+        }
+        if sqlx::raw_sql(&format!("VACUUM {table}")).execute(&db).await.is_ok() {
+            done += 1;
+        }
+    }
 }
