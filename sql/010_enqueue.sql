@@ -17,7 +17,7 @@
 -- commit that notified on one lock, held while the commit is flushed, so concurrent producers
 -- queue behind each other's flushes. The four-argument forms take notify: false sends nothing,
 -- for a caller that wakes the workers after its commit with lockgate.wake, in a transaction of
--- its own that does not wait for its flush. The Rust Client does (docs/design.md section 50).
+-- its own that has no flush to wait for. The Rust Client does (docs/design.md section 50).
 -- Callers: the Rust Client, the CLI, SQL producers, triggers.
 
 -- Refuses anything that is not a JSON object of at most 1 MiB (MAX_PAYLOAD_BYTES in Rust).
@@ -381,12 +381,11 @@ BEGIN
 END $$;
 
 -- Wakes the workers idle on a queue, for jobs enqueued with notify false once their transaction
--- has committed (so that a woken worker finds them). PostgreSQL gives a transaction that
--- notifies an id, so even one that wrote nothing else flushes a commit record while it holds the
--- notify lock: a caller that runs this alone, outside any transaction block, may add
--- set_config('synchronous_commit', 'off', true) to the same statement, as the Rust Client does
--- (a notification is not durable anyway). Locks: PostgreSQL's notify lock, at commit.
--- Callers: the Rust Client, SQL producers that enqueue with notify false.
+-- has committed (so that a woken worker finds them). Run alone, its transaction writes nothing
+-- but the commit record PostgreSQL gives a notifying transaction, which the commit does not wait
+-- to flush (only a transaction that wrote other WAL does), so it holds the notify lock for no
+-- flush. Locks: PostgreSQL's notify lock, at commit. Callers: the Rust Client, SQL producers
+-- that enqueue with notify false.
 CREATE OR REPLACE FUNCTION lockgate.wake(queue text)
 RETURNS void LANGUAGE sql AS $$
     SELECT pg_notify('lockgate_' || queue, '');

@@ -39,7 +39,9 @@
 -- worker died before starting it — counts that delivery as a return, not an attempt; at most 3
 -- times per job (header unstarted), so a job that kills its worker the instant it starts, before
 -- its start is recorded, still runs out of attempts.
--- A paused queue (lockgate.pause_queue) returns nothing.
+-- A paused queue (lockgate.pause_queue) returns nothing. A claim that took messages it does not
+-- return (dead-lettered, parked, put back) notifies the queue's channel, so a worker that reads a
+-- short claim as an empty queue claims again (docs/design.md section 51).
 -- Callers: the worker's fetch loop. qty = batch size, vt_seconds = visibility timeout.
 CREATE OR REPLACE FUNCTION lockgate.claim(queue text, qty integer, vt_seconds double precision, owner bigint DEFAULT NULL,
                                           start_now integer DEFAULT NULL)
@@ -69,6 +71,8 @@ DECLARE
     unleased lockgate._claimed[] := '{}';
     u lockgate._claimed;
     visible_at timestamptz;
+    -- Deliveries returned; fewer than were taken when some were dead-lettered, parked or put back.
+    returned integer := 0;
 BEGIN
     IF vt_seconds IS NULL OR NOT vt_seconds > 0 OR vt_seconds IN ('infinity', 'NaN') THEN
         RAISE EXCEPTION 'lockgate: invalid visibility timeout % seconds: a positive, finite number', vt_seconds
@@ -172,6 +176,7 @@ BEGIN
             headers := r.headers;
             budget_seconds := extract(epoch FROM r.vt - at);
             claimed_ahead := r.ahead;
+            returned := returned + 1;
             RETURN NEXT;
         END LOOP;
         -- What was visible at that priority may all have been taken by other claimers meanwhile:
@@ -210,6 +215,7 @@ BEGIN
             headers := u.headers;
             budget_seconds := extract(epoch FROM u.vt - at);
             claimed_ahead := u.ahead;
+            returned := returned + 1;
             RETURN NEXT;
         END LOOP;
     END IF;
@@ -232,8 +238,16 @@ BEGIN
             -- The budget ends when the message becomes visible again, however long this took.
             budget_seconds := extract(epoch FROM visible_at - at);
             claimed_ahead := u.ahead;
+            returned := returned + 1;
             RETURN NEXT;
         END LOOP;
+    END IF;
+    -- Taken but not returned (dead-lettered, parked, put back): a worker sees a claim that ran
+    -- short and may leave the queue alone until a wake-up, while more visible messages wait behind
+    -- the ones taken. Wake it (at this claim's commit); rows put back stay invisible for a second,
+    -- so the next claim does not take them again at once.
+    IF qty - left_to_claim > returned THEN
+        PERFORM pg_notify('lockgate_' || queue, '');
     END IF;
     -- Messages at a priority outside 0..9 (sent with raw PGMQ) are never claimed by the probes
     -- above: dead-letter them rather than leave them waiting forever (H29). Looked for only when

@@ -680,3 +680,44 @@ async fn a_pool_that_found_its_queue_empty_claims_each_new_job_at_its_wake_up() 
     order.sort_unstable();
     assert_eq!(order, (1..=40).collect::<Vec<_>>(), "every job started once");
 }
+
+/// Issue 14, from a review: a claim that takes messages it does not return (here messages no
+/// worker can decode, dead-lettered by the claim) runs short though more jobs are visible behind
+/// it. The pool must not read that as an empty queue and wait for `poll_interval`: the claim wakes
+/// it. For a pool of one queue and for a pool of several.
+#[tokio::test]
+async fn a_claim_that_dead_letters_part_of_what_it_took_leaves_nothing_waiting_for_a_poll() {
+    for queues in [&["low"][..], &["high", "low"][..]] {
+        let db = TestDb::migrated().await.unwrap();
+        let client = Client::new(db.pool.clone());
+        client.define::<Step>().await.unwrap();
+        sqlx::query("SELECT lockgate.create_queue('high')").execute(&db.pool).await.unwrap();
+        // Twenty of them among the jobs, so that claims run short again and again.
+        for batch in 0..20 {
+            sqlx::query("SELECT pgmq.send('low', '{\"not\": \"a lockgate job\"}')").execute(&db.pool).await.unwrap();
+            let jobs: Vec<Step> = (1..=10).map(|n| Step { n: batch * 10 + n }).collect();
+            client.enqueue_many(&jobs).await.unwrap();
+        }
+        let started = Arc::new(Mutex::new(0usize));
+        let mut registry = Registry::new();
+        let seen = Arc::clone(&started);
+        registry
+            .register::<Step, _>(move |_ctx: JobContext, _step: Step| {
+                let seen = Arc::clone(&seen);
+                async move {
+                    *seen.lock().unwrap() += 1;
+                    Ok::<(), JobError>(())
+                }
+            })
+            .unwrap();
+        let config = RuntimeConfig { poll_interval: Duration::from_secs(60), ..test_config() };
+        let running = Running::start(&db, config, registry, queues, 2).await;
+        wait_for("every job to start, well before the poll", WAIT, || async {
+            Ok((*started.lock().unwrap() == 200).then_some(()))
+        })
+        .await
+        .unwrap_or_else(|e| panic!("pool of {queues:?}: {e}"));
+        running.stop().await;
+        assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 20, "the undecodable messages");
+    }
+}

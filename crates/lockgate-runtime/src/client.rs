@@ -340,6 +340,7 @@ impl Client {
     }
 
     async fn enqueue_one(&self, job_type: &str, args: &Value, options: &Value) -> Result<EnqueuedJob, EnqueueError> {
+        let notify = !wake_task_runs_freely();
         let job = match self.lane().await? {
             Some(mut lane) => {
                 let result = lockgate_sql::enqueue(
@@ -347,15 +348,17 @@ impl Client {
                     job_type,
                     args,
                     options,
-                    false,
+                    notify,
                 )
                 .await;
                 lane.finish(result)?
             }
-            None => lockgate_sql::enqueue(&self.pool, job_type, args, options, false).await?,
+            None => lockgate_sql::enqueue(&self.pool, job_type, args, options, notify).await?,
         };
         self.count_enqueued(job_type, [&job]);
-        self.wake(std::slice::from_ref(&job), options);
+        if !notify {
+            self.wake(std::slice::from_ref(&job), options);
+        }
         Ok(job)
     }
 
@@ -365,6 +368,7 @@ impl Client {
         args: &[Value],
         options: &Value,
     ) -> Result<Vec<EnqueuedJob>, EnqueueError> {
+        let notify = !wake_task_runs_freely();
         let jobs = match self.lane().await? {
             Some(mut lane) => {
                 let result = lockgate_sql::enqueue_many(
@@ -372,15 +376,17 @@ impl Client {
                     job_type,
                     args,
                     options,
-                    false,
+                    notify,
                 )
                 .await;
                 lane.finish(result)?
             }
-            None => lockgate_sql::enqueue_many(&self.pool, job_type, args, options, false).await?,
+            None => lockgate_sql::enqueue_many(&self.pool, job_type, args, options, notify).await?,
         };
         self.count_enqueued(job_type, &jobs);
-        self.wake(&jobs, options);
+        if !notify {
+            self.wake(&jobs, options);
+        }
         Ok(jobs)
     }
 
@@ -475,6 +481,16 @@ impl LaneUse<'_> {
     }
 }
 
+/// Whether a wake task spawned now runs while its caller waits: on a multi-threaded Tokio
+/// runtime it does. On a current-thread runtime it runs only while the runtime is driven, and a
+/// producer that drives one for each call (a synchronous wrapper's `block_on`) would send its
+/// wake-ups late or, dropping the runtime, never: there the enqueue notifies in its own
+/// transaction, as SQL's does.
+fn wake_task_runs_freely() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| matches!(h.runtime_flavor(), tokio::runtime::RuntimeFlavor::MultiThread))
+}
+
 /// What the wake task is asked: a queue to wake, or to say when everything asked before is sent.
 #[derive(Debug)]
 enum WakeRequest {
@@ -525,7 +541,7 @@ async fn wake_on(pool: &PgPool, conn: &mut Option<PgConnection>, queues: &[Strin
         Some(conn) => conn,
         None => conn.insert(pool.acquire().await?.detach()),
     };
-    lockgate_sql::wake(conn, queues).await
+    lockgate_sql::wake(lockgate_sql::pooler::Db::idle(conn), queues).await
 }
 
 /// Whether enqueue `options` (as `EnqueueOptions::to_json` or a raw caller gave them) may let

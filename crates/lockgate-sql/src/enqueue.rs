@@ -52,22 +52,13 @@ pub async fn enqueue_many<'c>(
     .await
 }
 
-/// `lockgate.wake` for each of `queues`, in one statement of its own transaction: wakes the
-/// workers idle on them after an enqueue with `notify` false has committed, so that a woken
-/// worker finds the jobs. The transaction writes nothing but the commit record PostgreSQL gives a
-/// notifying transaction, and does not wait for its flush (a notification is not durable), so it
-/// holds the notify lock for no flush. Never call it on a connection inside a transaction block:
-/// the block's writes would then commit without waiting for their flush.
-pub async fn wake(conn: &mut sqlx::PgConnection, queues: &[String]) -> Result<(), DbError> {
-    on(Db::idle(conn), async |conn| {
-        query(
-            "SELECT lockgate.wake(q)
-               FROM (SELECT set_config('synchronous_commit', 'off', true)) AS this_transaction_only,
-                    unnest($1::text[]) AS q",
-        )
-        .bind(queues)
-        .execute(conn)
-        .await?;
+/// `lockgate.wake` for each of `queues`, in one statement: wakes the workers idle on them after
+/// an enqueue with `notify` false has committed, so that a woken worker finds the jobs. Outside a
+/// transaction block, its transaction writes nothing but the commit record PostgreSQL gives a
+/// notifying transaction, which its commit does not wait to flush.
+pub async fn wake<'c>(db: impl Into<Db<'c>>, queues: &[String]) -> Result<(), DbError> {
+    on(db.into(), async |conn| {
+        query("SELECT lockgate.wake(q) FROM unnest($1::text[]) q").bind(queues).execute(conn).await?;
         Ok(())
     })
     .await

@@ -155,10 +155,10 @@ async fn watchdog(in_flight: Arc<InFlight>, stop: CancellationToken) {
     .await;
 }
 
-/// Queues that a claim found empty (it took fewer than it asked of them: `FOR UPDATE SKIP
-/// LOCKED` passes over rows other claimers hold, so fewer means no more were visible), left out
-/// of the next claims until a wake-up for the pool (a job enqueued on one of them) or
-/// `poll_interval`. A job that becomes visible without a wake-up (a retry's backoff or a delay
+/// Queues that a claim found empty (it returned fewer than it asked of them; `FOR UPDATE SKIP
+/// LOCKED` passes over rows other claimers hold, and a claim that took messages it does not
+/// return, dead-lettered, parked or put back, wakes the pool itself), left out of the next
+/// claims until a wake-up for the pool (a job enqueued on one of them) or `poll_interval`. A job that becomes visible without a wake-up (a retry's backoff or a delay
 /// ending) waits at most `poll_interval` there, as it does for an idle pool.
 #[derive(Default)]
 struct Drained {
