@@ -632,12 +632,10 @@ async fn a_job_on_a_queue_found_empty_is_claimed_at_once_while_the_pool_is_busy(
     running.stop().await;
 }
 
-/// Issue 14: a pool of one queue whose claim took fewer jobs than it asked for leaves the queue
-/// out of its next claim until a wake-up (no claim that finds nothing after every job; the
-/// latency benchmark counts them). Every job
-/// enqueued later is still claimed at its wake-up, long before `poll_interval`: one at a time into
-/// an idle pool, and while the pool is busy with the one before (the wake-up arriving during a
-/// claim or a run).
+/// Issue 14: a pool of one queue, with `poll_interval` far away, claims every job enqueued into it
+/// at the job's wake-up: one at a time into an idle pool, and while the pool is busy with the one
+/// before (the wake-up arriving during a claim or a run, where a wake-up lost would leave the job
+/// for the poll).
 #[tokio::test]
 async fn a_pool_that_found_its_queue_empty_claims_each_new_job_at_its_wake_up() {
     let db = TestDb::migrated().await.unwrap();

@@ -7,10 +7,9 @@
 //! round trip. How far ahead adapts to the jobs' speed (see `slots`).
 //!
 //! A pool of several queues claims from all of them in one statement (`lockgate.claim_queues`),
-//! in order. Every pool leaves the queues a claim found empty (it took fewer than it asked for)
-//! out of the next claims until a wake-up for the pool or `poll_interval` (`Drained`), so a
-//! claim that takes the last jobs is not followed by one that finds nothing, and a pool of 50
-//! queues does not probe its empty ones at every claim. Each queue's claim still stands alone (H29): if
+//! in order, and leaves the queues a claim found empty (it returned fewer than it asked for) out
+//! of the next claims until a wake-up for the pool or `poll_interval` (`Drained`), so a pool of
+//! 50 queues does not probe its empty ones at every claim. Each queue's claim still stands alone (H29): if
 //! the statement fails, the pool claims queue by queue, and an error on one queue is logged and
 //! that queue alone waits before its next try, while the pool's other queues carry on.
 //!
@@ -155,11 +154,13 @@ async fn watchdog(in_flight: Arc<InFlight>, stop: CancellationToken) {
     .await;
 }
 
-/// Queues that a claim found empty (it returned fewer than it asked of them; `FOR UPDATE SKIP
-/// LOCKED` passes over rows other claimers hold, and a claim that took messages it does not
-/// return, dead-lettered, parked or put back, wakes the pool itself), left out of the next
-/// claims until a wake-up for the pool (a job enqueued on one of them) or `poll_interval`. A job that becomes visible without a wake-up (a retry's backoff or a delay
-/// ending) waits at most `poll_interval` there, as it does for an idle pool.
+/// Queues of a pool of several that a claim found empty (it returned fewer than it asked of
+/// them; `FOR UPDATE SKIP LOCKED` passes over rows other claimers hold, and a claim that took
+/// messages it does not return, dead-lettered, parked or put back, wakes the pool itself), left
+/// out of the next claims until a wake-up for the pool (a job enqueued on one of them) or
+/// `poll_interval`. A job that becomes visible without a wake-up (a retry's backoff or a delay
+/// ending) waits at most `poll_interval` there, as it does for an idle pool. A pool of one queue
+/// claims again at once after a short claim (docs/design.md section 51).
 #[derive(Default)]
 struct Drained {
     since: HashMap<QueueName, Instant>,
@@ -277,6 +278,7 @@ async fn claim_in_order(
     skip: Skip<'_>,
 ) -> (Vec<Claim>, bool) {
     let Skip { backoff, drained } = skip;
+    let several = config.queues.len() > 1;
     let ready: Vec<QueueName> = config
         .queues
         .iter()
@@ -342,7 +344,7 @@ async fn claim_in_order(
         {
             Ok(mut batch) => {
                 backoff.remove(queue);
-                if batch.len() < want {
+                if several && batch.len() < want {
                     drained.since.insert(queue.clone(), Instant::now());
                 }
                 // The deliveries the claim did not mark as claimed ahead take the free slots.
