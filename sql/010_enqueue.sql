@@ -8,10 +8,12 @@
 -- is full and on_conflict is block: it waits in lockgate.parked), 'discarded' (full, discard) or
 -- 'duplicate' (its unique key is held and its type discards duplicates: job_id names the job
 -- holding the key). A full key with on_conflict raise fails with LG004, a held unique key with
--- on_conflict reject with LG005. The uniqueness lock, acquire-or-park, the send and the batch's
--- count are one transaction, so no crash window needs repairing (H11).
--- Locks, in this order: the unique lock row (types with until_executed uniqueness), the key's
--- semaphore row (limited types), inserts into pgmq.q_<queue>, then the batch row.
+-- on_conflict reject with LG005. The uniqueness lock, acquire-or-park, the send and the batch
+-- membership are one transaction, so no crash window needs repairing (H11).
+-- Locks, in this order: the batch row FOR KEY SHARE (a job added to a batch: it never updates
+-- the row, so it waits for nothing but a close_batch), the unique lock row (types with
+-- until_executed uniqueness), the key's semaphore row (limited types), inserts into
+-- pgmq.q_<queue> and lockgate.batch_jobs.
 -- Wake-ups: a job that can run now notifies the queue's channel (lockgate_<queue>) in the same
 -- transaction, so an idle worker claims it as soon as it commits. PostgreSQL serialises every
 -- commit that notified on one lock, held while the commit is flushed, so concurrent producers
@@ -291,12 +293,9 @@ BEGIN
     END IF;
     o := lockgate._resolve_options(jt, options);
     IF o.batch IS NOT NULL THEN
-        PERFORM lockgate._check_batch(o.batch);
+        PERFORM lockgate._join_batch(o.batch);
     END IF;
     r := lockgate._enqueue_one(jt, args, o.queue, o.priority, o.vt, o.immediate AND notify, o.ckey, o.ukey, o.batch);
-    IF o.batch IS NOT NULL THEN
-        PERFORM lockgate._add_to_batch(o.batch, CASE WHEN r.status IN ('enqueued', 'parked') THEN 1 ELSE 0 END);
-    END IF;
     queue := o.queue;
     msg_id := r.msg_id;
     job_id := r.job_id;
@@ -322,9 +321,8 @@ BEGIN
     IF jt.concurrency_limit IS NOT NULL OR jt.unique_mode IS NOT NULL OR o.batch IS NOT NULL THEN
         PERFORM lockgate._check_all_args(args);
         IF o.batch IS NOT NULL THEN
-            PERFORM lockgate._check_batch(o.batch);
+            PERFORM lockgate._join_batch(o.batch);
         END IF;
-        inserted := 0;
         FOR r IN
             SELECT e.msg_id, e.job_id, e.status
               FROM (SELECT a.v, a.i FROM unnest(args) WITH ORDINALITY a(v, i)
@@ -338,12 +336,8 @@ BEGIN
             msg_id := r.msg_id;
             job_id := r.job_id;
             status := r.status;
-            inserted := inserted + CASE WHEN r.status IN ('enqueued', 'parked') THEN 1 ELSE 0 END;
             RETURN NEXT;
         END LOOP;
-        IF o.batch IS NOT NULL THEN
-            PERFORM lockgate._add_to_batch(o.batch, inserted::integer);
-        END IF;
         RETURN;
     END IF;
     -- Every job of the call has the same headers (its id is its msg_id): nothing is built per row.

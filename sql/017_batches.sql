@@ -1,17 +1,26 @@
 -- Batches (G2, H22): a job enqueued into a batch has a membership row (lockgate.batch_jobs,
 -- keyed by the job) and carries the batch's id in its headers ("batch", which only tells the
--- completion to look for the membership). total grows in the enqueue transaction; succeeded in
--- the completion that archived a job, failed in the dead-letter that removed one (or the
--- discard of a parked one), each gated by its fenced statement and by deleting the job's
--- membership, so a duplicate delivery, a retry or a message that merely carries a batch header
--- counts nothing more. The transaction that counts a closed batch's last job finishes it:
--- counting and finishing update the batch row, whose row lock serialises them, so of two last
--- completions racing on two connections exactly one sees the count complete (H22).
+-- completion to look for the membership). succeeded grows in the completion that archived a
+-- job, failed in the dead-letter that removed one (or the cancel or discard of a parked one),
+-- each gated by its fenced statement and by deleting the job's membership, so a duplicate
+-- delivery, a retry or a message that merely carries a batch header counts nothing more.
+-- total is fixed when the batch closes (succeeded + failed + its memberships then); while it is
+-- open, it is counted the same way when read. The transaction that counts a closed batch's last
+-- job finishes it: counting and finishing update the batch row, whose row lock serialises them,
+-- so of two last completions racing on two connections exactly one sees the count complete
+-- (H22).
+-- An enqueue never updates the batch row: it holds it FOR KEY SHARE (checking that it is open,
+-- and again through each membership's foreign key) until its commit. Shares do not conflict
+-- with the counting's FOR NO KEY UPDATE, so a producer transaction adding jobs of limited types
+-- to a batch, statement after statement, never waits for a completion that counts the batch
+-- while holding a semaphore row the producer needs next, nor the other way round (H31). Only
+-- close_batch takes FOR UPDATE: it waits for the enqueues adding to the batch to commit, so the
+-- total it fixes has them all, and an enqueue that comes after finds the batch closed.
 -- Callbacks are enqueued in that transaction when their types take no lock (no limit, no
 -- uniqueness: the enqueue only inserts a message); otherwise by the batch sweep, at most a
 -- sweep interval later, so a completion never waits for or deadlocks on a callback's keys.
--- Lock order: a batch row comes after every other row its transaction locks (messages, leases,
--- semaphores, unique locks, batch memberships); batches in id order.
+-- Lock order: a batch row is counted after every other row its transaction locks (messages,
+-- leases, semaphores, unique locks, batch memberships); batches in id order.
 
 -- Validates a callback job type: NULL (none) or a defined type.
 CREATE OR REPLACE FUNCTION lockgate._check_callback(which text, job_type text)
@@ -51,35 +60,16 @@ BEGIN
     RETURN id;
 END $$;
 
--- Raises naming the batch when it does not exist or is not open. A plain read: the enqueue's
--- _add_to_batch decides under the row lock; this only keeps a job of a closed batch from being
--- enqueued at all.
-CREATE OR REPLACE FUNCTION lockgate._check_batch(batch bigint)
-RETURNS void LANGUAGE plpgsql STABLE AS $$
-DECLARE
-    st text;
-BEGIN
-    SELECT b.state INTO st FROM lockgate.batches b WHERE b.id = batch;
-    IF st IS DISTINCT FROM 'open' THEN
-        RAISE EXCEPTION 'lockgate: %', CASE WHEN st IS NULL THEN format('batch %s does not exist', batch)
-                                            ELSE format('batch %s is %s: no job can be added to it', batch, st) END
-            USING ERRCODE = 'LG003';
-    END IF;
-END $$;
-
--- Counts n jobs enqueued into an open batch; raises naming the batch when it does not exist or
--- is closed (nothing of the enqueue is kept). n may be 0 (every job a duplicate): the batch is
--- still checked.
-CREATE OR REPLACE FUNCTION lockgate._add_to_batch(batch bigint, n integer)
+-- Holds the batch row FOR KEY SHARE until the enqueue's commit, raising naming the batch when
+-- it does not exist or is not open (nothing of the enqueue is kept). Taken before the enqueue
+-- locks anything else: a close in progress makes it wait, then raise.
+CREATE OR REPLACE FUNCTION lockgate._join_batch(batch bigint)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     st text;
 BEGIN
-    UPDATE lockgate.batches b SET total = b.total + n, updated_at = now()
-     WHERE b.id = batch AND b.state = 'open'
-    RETURNING b.state INTO st;
-    IF NOT FOUND THEN
-        SELECT b.state INTO st FROM lockgate.batches b WHERE b.id = batch;
+    SELECT b.state INTO st FROM lockgate.batches b WHERE b.id = batch FOR KEY SHARE;
+    IF st IS DISTINCT FROM 'open' THEN
         RAISE EXCEPTION 'lockgate: %', CASE WHEN st IS NULL THEN format('batch %s does not exist', batch)
                                             ELSE format('batch %s is %s: no job can be added to it', batch, st) END
             USING ERRCODE = 'LG003';
@@ -89,13 +79,19 @@ END $$;
 -- Closes an open batch: no job can be added any more, and it finishes when its last job is
 -- counted (at once if none is pending). Raises for an unknown batch or one already closed.
 -- Returns its state after closing ('closed' or 'finished').
--- Locks: the batch row. Callers: Client::close_batch, the CLI, SQL producers.
+-- Locks: the batch row FOR UPDATE, which waits for the enqueues holding it FOR KEY SHARE (adding
+-- jobs, not committed yet) and for a counting completion; the total is then read in a statement
+-- of its own, whose snapshot has every job they added and every count they made.
+-- Callers: Client::close_batch, the CLI, SQL producers.
 CREATE OR REPLACE FUNCTION lockgate.close_batch(batch_id bigint)
 RETURNS text LANGUAGE plpgsql AS $$
 DECLARE
     b lockgate.batches;
 BEGIN
-    UPDATE lockgate.batches x SET state = 'closed', closed_at = now(), updated_at = now()
+    PERFORM 1 FROM lockgate.batches x WHERE x.id = batch_id FOR UPDATE;
+    UPDATE lockgate.batches x
+       SET state = 'closed', closed_at = now(), updated_at = now(),
+           total = x.succeeded + x.failed + (SELECT count(*) FROM lockgate.batch_jobs m WHERE m.batch_id = x.id)
      WHERE x.id = batch_id AND x.state = 'open'
     RETURNING x.* INTO b;
     IF NOT FOUND THEN
@@ -110,6 +106,15 @@ BEGIN
     END IF;
     RETURN 'closed';
 END $$;
+
+-- A batch's total: fixed once it is closed; while it is open, the jobs counted so far and its
+-- memberships (jobs not counted yet) as the caller's snapshot sees them.
+CREATE OR REPLACE FUNCTION lockgate._batch_total(b lockgate.batches)
+RETURNS bigint LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN b.state = 'open'
+                THEN b.succeeded + b.failed + (SELECT count(*) FROM lockgate.batch_jobs m WHERE m.batch_id = b.id)
+                ELSE b.total END
+$$;
 
 -- Counts finished jobs of batches (one element per job; as_failed tells how): in batch id order,
 -- each batch row once. Batches whose count is now complete and closed are finished here.
@@ -127,7 +132,7 @@ BEGIN
                SET succeeded = b.succeeded + CASE WHEN as_failed THEN 0 ELSE n.n END,
                    failed = b.failed + CASE WHEN as_failed THEN n.n ELSE 0 END,
                    updated_at = now()
-              FROM (SELECT n.id, n.n FROM n JOIN lockgate.batches y ON y.id = n.id ORDER BY n.id FOR UPDATE OF y) n
+              FROM (SELECT n.id, n.n FROM n JOIN lockgate.batches y ON y.id = n.id ORDER BY n.id FOR NO KEY UPDATE OF y) n
              WHERE b.id = n.id
             RETURNING b.id, b.state, b.total, b.succeeded, b.failed)
         SELECT c.id FROM counted c WHERE c.state = 'closed' AND c.succeeded + c.failed = c.total ORDER BY c.id
@@ -220,7 +225,7 @@ DECLARE
 BEGIN
     PERFORM set_config('lock_timeout', '100ms', true);
     FOR b IN SELECT * FROM lockgate.batches x WHERE x.callbacks_pending AND x.state = 'finished'
-              ORDER BY x.id LIMIT max_rows FOR UPDATE SKIP LOCKED LOOP
+              ORDER BY x.id LIMIT max_rows FOR NO KEY UPDATE SKIP LOCKED LOOP
         PERFORM lockgate._enqueue_callbacks(b);
         IF NOT (SELECT x.callbacks_pending FROM lockgate.batches x WHERE x.id = b.id) THEN
             repaired := repaired + 1;
@@ -274,14 +279,16 @@ RETURNS TABLE (id bigint, state text, total bigint, succeeded bigint, failed big
                on_finish text, on_success text, on_failure text, properties jsonb, callbacks_pending boolean,
                callback_error text, created_at timestamptz, closed_at timestamptz, finished_at timestamptz)
 LANGUAGE sql STABLE AS $$
-    SELECT b.id, b.state, b.total, b.succeeded, b.failed, b.total - b.succeeded - b.failed,
+    SELECT b.id, b.state, t.total, b.succeeded, b.failed, t.total - b.succeeded - b.failed,
            b.on_finish, b.on_success, b.on_failure, b.properties, b.callbacks_pending, b.callback_error,
            b.created_at, b.closed_at, b.finished_at
-      FROM lockgate.batches b WHERE b.id = batch_id
+      FROM lockgate.batches b CROSS JOIN LATERAL (SELECT lockgate._batch_total(b) AS total) t
+     WHERE b.id = batch_id
 $$;
 
 -- Batches not yet finished (or with callbacks pending), oldest first, for lockgate status.
 CREATE OR REPLACE FUNCTION lockgate.unfinished_batches(max_rows integer DEFAULT 20)
 RETURNS SETOF lockgate.batches LANGUAGE sql STABLE AS $$
-    SELECT * FROM lockgate.batches b WHERE b.state <> 'finished' OR b.callbacks_pending ORDER BY b.id LIMIT max_rows
+    SELECT (jsonb_populate_record(b, jsonb_build_object('total', lockgate._batch_total(b)))).*
+      FROM lockgate.batches b WHERE b.state <> 'finished' OR b.callbacks_pending ORDER BY b.id LIMIT max_rows
 $$;

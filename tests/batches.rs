@@ -47,7 +47,7 @@ async fn add_jobs(db: &PgPool, batch: i64, n: usize) {
         .unwrap();
 }
 
-async fn close(db: &PgPool, batch: i64) -> Result<String, String> {
+async fn close(db: impl sqlx::PgExecutor<'_>, batch: i64) -> Result<String, String> {
     sqlx::query_scalar("SELECT lockgate.close_batch($1)").bind(batch).fetch_one(db).await.map_err(|e| e.to_string())
 }
 
@@ -492,4 +492,141 @@ async fn a_parked_job_bound_for_a_queue_dropped_outside_lockgate_is_dead_lettere
         sqlx::query_as("SELECT status, msg_id FROM lockgate.dlq_retry()").fetch_all(&db.pool).await.unwrap();
     assert_eq!(retried, vec![("queue_missing".to_string(), None)], "kept, and named");
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 1);
+}
+
+/// H31: an enqueue of several limited jobs into a batch holds the batch row FOR KEY SHARE (its
+/// first membership row's foreign key) while it waits for the semaphore row of a later job; a
+/// completion or a cancel of a job of that key holds the semaphore row and then counts the batch.
+/// Counting must not need a lock that waits for the share. A third session holds the batch row
+/// first, so that each of the two locks its semaphore row before the counting waits: with
+/// FOR UPDATE on the batch row the two deadlocked (found by the chaos soak).
+#[tokio::test]
+async fn h31_counting_a_batch_while_an_enqueue_into_it_waits_for_a_key_is_no_deadlock() {
+    for cancel in [true, false] {
+        let db = setup().await;
+        sqlx::query("SELECT lockgate.define_job_type('lim', concurrency_limit => 1, concurrency_key => '{k}')")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let batch = create_batch(&db.pool).await;
+        let enqueue_many = |conn_url: String, args: Vec<Value>| async move {
+            let mut conn = PgConnection::connect(&conn_url).await?;
+            sqlx::query("SELECT * FROM lockgate.enqueue_many('lim', $1, jsonb_build_object('batch', $2::bigint))")
+                .bind(args)
+                .bind(batch)
+                .execute(&mut conn)
+                .await
+        };
+        // X holds key b's permit: queued, to be cancelled (which gives the permit back at once),
+        // or running, to be completed.
+        enqueue_many(db.url.clone(), vec![json!({"k": "b"})]).await.unwrap();
+        let x: Delivery = if cancel {
+            sqlx::query_as("SELECT msg_id, 0 FROM pgmq.q_default").fetch_one(&db.pool).await.unwrap()
+        } else {
+            sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap()
+        };
+        let mut holder = PgConnection::connect(&db.url).await.unwrap();
+        let mut held = holder.begin().await.unwrap();
+        sqlx::query("SELECT 1 FROM lockgate.batches WHERE id = $1 FOR NO KEY UPDATE")
+            .bind(batch)
+            .execute(&mut *held)
+            .await
+            .unwrap();
+        // X's end: it locks key b's semaphore row, then waits for the batch row.
+        let url = db.url.clone();
+        let ender = tokio::spawn(async move {
+            let mut conn = PgConnection::connect(&url).await?;
+            if cancel {
+                sqlx::query("SELECT * FROM lockgate.cancel($1)").bind(x.0).execute(&mut conn).await.map(|_| ())
+            } else {
+                sqlx::query("SELECT * FROM lockgate.complete('default', $1, $2)")
+                    .bind(vec![x.0])
+                    .bind(vec![x.1])
+                    .execute(&mut conn)
+                    .await
+                    .map(|_| ())
+            }
+        });
+        let waiting =
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
+        wait_for_count(&db.pool, waiting, 1, Duration::from_secs(10)).await.unwrap();
+        // The enqueue adds a's member (sharing the batch row), then waits for key b's row, which
+        // X's end holds.
+        let producer = tokio::spawn(enqueue_many(db.url.clone(), vec![json!({"k": "a"}), json!({"k": "b"})]));
+        wait_for_count(&db.pool, waiting, 2, Duration::from_secs(10)).await.unwrap();
+        held.commit().await.unwrap();
+        ender.await.unwrap().expect("the cancel or completion lands, no deadlock");
+        producer.await.unwrap().expect("the enqueue lands, no deadlock");
+        let deadlocks: i64 = wait_for("deadlock statistics", Duration::from_secs(5), || async {
+            let n: i64 = sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+                .fetch_one(&db.pool)
+                .await?;
+            Ok(Some(n))
+        })
+        .await
+        .unwrap();
+        assert_eq!(deadlocks, 0, "cancel {cancel}");
+        let (state, total, succeeded, failed, pending) = progress(&db.pool, batch).await;
+        assert_eq!(
+            (state.as_str(), total, succeeded, failed, pending),
+            ("open", 3, i64::from(!cancel), i64::from(cancel), 2),
+            "cancel {cancel}"
+        );
+        let statuses: Vec<String> = sqlx::query_scalar("SELECT headers->>'ckey' FROM pgmq.q_default ORDER BY msg_id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(statuses.len(), 2, "a's and b's jobs are queued, b's with the permit X gave back: {statuses:?}");
+    }
+}
+
+/// H31: a producer transaction adds jobs of limited keys to a batch statement after statement,
+/// while a completion of a job of a later key counts the batch. The enqueue used to add to the
+/// batch's total, holding the batch row until its commit: the completion, holding the key's
+/// semaphore row, waited for the batch row, and the producer's next enqueue waited for the
+/// semaphore row. Now the enqueue only shares the batch row, and the total is fixed at close.
+#[tokio::test]
+async fn h31_a_producer_transaction_filling_a_batch_and_a_completion_counting_it_never_deadlock() {
+    let db = setup().await;
+    sqlx::query("SELECT lockgate.define_job_type('lim', concurrency_limit => 1, concurrency_key => '{k}')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let batch = create_batch(&db.pool).await;
+    let enqueue = "SELECT status FROM lockgate.enqueue('lim', $1, jsonb_build_object('batch', $2::bigint))";
+    let status: String =
+        sqlx::query_scalar(enqueue).bind(json!({"k": "b"})).bind(batch).fetch_one(&db.pool).await.unwrap();
+    assert_eq!(status, "enqueued");
+    let x: Delivery =
+        sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)").fetch_one(&db.pool).await.unwrap();
+    let mut producer = PgConnection::connect(&db.url).await.unwrap();
+    let mut tx = producer.begin().await.unwrap();
+    let status: String =
+        sqlx::query_scalar(enqueue).bind(json!({"k": "a"})).bind(batch).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(status, "enqueued");
+    // X's completion locks key b's semaphore row and counts the batch: it must not wait.
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("SET lock_timeout = '5s'").execute(&mut conn).await.unwrap();
+    assert!(common::complete_default(&mut conn, x).await, "the completion counts the batch beside the open producer");
+    let status: String =
+        sqlx::query_scalar(enqueue).bind(json!({"k": "b"})).bind(batch).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(status, "enqueued", "key b's permit came back with X's completion");
+    // Open, the total counts the producer's jobs only once they are committed.
+    assert_eq!(progress(&db.pool, batch).await, ("open".to_string(), 1, 1, 0, 0));
+    // A close waits for the producer (it shares the batch row), then fixes the total with its jobs.
+    let url = db.url.clone();
+    let closer = tokio::spawn(async move {
+        let mut conn = PgConnection::connect(&url).await.unwrap();
+        close(&mut conn, batch).await
+    });
+    common::until_one_waits_for_a_lock(&db.pool).await;
+    tx.commit().await.unwrap();
+    assert_eq!(closer.await.unwrap().unwrap(), "closed");
+    assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 3, 1, 0, 2));
+    // Nothing is added to a closed batch.
+    let refused = sqlx::query_scalar::<_, String>(enqueue).bind(json!({"k": "c"})).bind(batch).fetch_one(&db.pool).await;
+    assert!(refused.unwrap_err().to_string().contains(&format!("batch {batch} is closed")));
 }

@@ -124,11 +124,18 @@ pub async fn run_started(pool: &PgPool, job_id: i64, key: &str, worker: i32) {
     .await;
 }
 
-/// Records a handler's end, stamped when called (a late record would lengthen the run).
+/// Records a handler's end, stamped when called (a late record would lengthen the run). Only the
+/// latest open run of the job on that worker ends: an earlier run whose handler was cancelled
+/// (no end) may be followed by a redelivery to the same worker, and ending both would stretch
+/// the cancelled run over every run of its key in between (a false overlap).
 pub async fn run_ended(pool: &PgPool, job_id: i64, worker: i32) {
     let at = chrono::Utc::now();
     record_run(pool, || {
-        sqlx::query("UPDATE runs SET ended_at = $3 WHERE job_id = $1 AND worker = $2 AND ended_at IS NULL")
+        sqlx::query(
+            "UPDATE runs SET ended_at = $3
+              WHERE ctid = (SELECT ctid FROM runs WHERE job_id = $1 AND worker = $2 AND ended_at IS NULL
+                             ORDER BY started_at DESC LIMIT 1)",
+        )
             .bind(job_id)
             .bind(worker)
             .bind(at)

@@ -311,8 +311,8 @@ pub async fn snapshot(conn: &mut PgConnection) -> Result<String> {
                 .into(),
         );
         parts.push(
-            "(SELECT string_agg(format('%s/%s/%s/%s', id, total, succeeded, failed), ' ' ORDER BY id)
-                FROM lockgate.batches)"
+            "(SELECT string_agg(format('%s/%s/%s/%s', x.id, x.total, x.succeeded, x.failed), ' ' ORDER BY x.id)
+                FROM lockgate.batches b CROSS JOIN LATERAL lockgate.batch(b.id) x)"
                 .into(),
         );
     }
@@ -405,7 +405,7 @@ impl State {
             )
             .fetch_all(&mut *tx)
             .await?;
-            state.batch = sqlx::query_as("SELECT total, succeeded, failed FROM lockgate.batches WHERE id = $1")
+            state.batch = sqlx::query_as("SELECT total, succeeded, failed FROM lockgate.batch($1)")
                 .bind(BATCH)
                 .fetch_optional(&mut *tx)
                 .await?;
