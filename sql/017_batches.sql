@@ -81,13 +81,20 @@ END $$;
 -- Returns its state after closing ('closed' or 'finished').
 -- Locks: the batch row FOR UPDATE, which waits for the enqueues holding it FOR KEY SHARE (adding
 -- jobs, not committed yet) and for a counting completion; the total is then read in a statement
--- of its own, whose snapshot has every job they added and every count they made.
+-- of its own, whose snapshot has every job they added and every count they made. Hence READ
+-- COMMITTED only: in a repeatable read or serializable transaction every statement reads the
+-- snapshot of its first, which misses the jobs committed while the close waited.
 -- Callers: Client::close_batch, the CLI, SQL producers.
 CREATE OR REPLACE FUNCTION lockgate.close_batch(batch_id bigint)
 RETURNS text LANGUAGE plpgsql AS $$
 DECLARE
     b lockgate.batches;
 BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'lockgate: close_batch needs a READ COMMITTED transaction, not %', current_setting('transaction_isolation')
+            USING ERRCODE = 'LG003',
+                  HINT = 'the total it fixes must see the jobs producers commit while it waits; close the batch in a transaction of its own';
+    END IF;
     PERFORM 1 FROM lockgate.batches x WHERE x.id = batch_id FOR UPDATE;
     UPDATE lockgate.batches x
        SET state = 'closed', closed_at = now(), updated_at = now(),

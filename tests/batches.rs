@@ -278,6 +278,14 @@ async fn bad_batch_input_is_refused_with_a_clear_error() {
     assert!(close(&db.pool, batch).await.unwrap_err().contains("is already finished"));
     let closed = create_batch(&db.pool).await;
     add_jobs(&db.pool, closed, 1).await;
+    // A close reads what producers committed while it waited: a snapshot fixed for the whole
+    // transaction would miss it.
+    let mut conn = db.pool.acquire().await.unwrap();
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *conn).await.unwrap();
+    let e = close(&mut *conn, closed).await.unwrap_err();
+    assert!(e.contains("close_batch needs a READ COMMITTED transaction, not repeatable read"), "{e}");
+    sqlx::query("ROLLBACK").execute(&mut *conn).await.unwrap();
+    drop(conn);
     close(&db.pool, closed).await.unwrap();
     assert!(close(&db.pool, closed).await.unwrap_err().contains("is already closed"));
     for b in [batch, closed] {
@@ -362,6 +370,14 @@ async fn h29_a_message_that_only_carries_a_batch_header_neither_fails_a_claim_no
     let open = create_batch(&db.pool).await;
     let closed = create_batch(&db.pool).await;
     add_jobs(&db.pool, closed, 1).await;
+    // A close reads what producers committed while it waited: a snapshot fixed for the whole
+    // transaction would miss it.
+    let mut conn = db.pool.acquire().await.unwrap();
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *conn).await.unwrap();
+    let e = close(&mut *conn, closed).await.unwrap_err();
+    assert!(e.contains("close_batch needs a READ COMMITTED transaction, not repeatable read"), "{e}");
+    sqlx::query("ROLLBACK").execute(&mut *conn).await.unwrap();
+    drop(conn);
     close(&db.pool, closed).await.unwrap();
     // Sent outside lockgate: a job of a defined type naming both batches, and a malformed one.
     for headers in [
@@ -561,9 +577,10 @@ async fn h31_counting_a_batch_while_an_enqueue_into_it_waits_for_a_key_is_no_dea
         ender.await.unwrap().expect("the cancel or completion lands, no deadlock");
         producer.await.unwrap().expect("the enqueue lands, no deadlock");
         let deadlocks: i64 = wait_for("deadlock statistics", Duration::from_secs(5), || async {
-            let n: i64 = sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
-                .fetch_one(&db.pool)
-                .await?;
+            let n: i64 =
+                sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+                    .fetch_one(&db.pool)
+                    .await?;
             Ok(Some(n))
         })
         .await
@@ -600,8 +617,10 @@ async fn h31_a_producer_transaction_filling_a_batch_and_a_completion_counting_it
     let status: String =
         sqlx::query_scalar(enqueue).bind(json!({"k": "b"})).bind(batch).fetch_one(&db.pool).await.unwrap();
     assert_eq!(status, "enqueued");
-    let x: Delivery =
-        sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)").fetch_one(&db.pool).await.unwrap();
+    let x: Delivery = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
     let mut producer = PgConnection::connect(&db.url).await.unwrap();
     let mut tx = producer.begin().await.unwrap();
     let status: String =
@@ -627,6 +646,7 @@ async fn h31_a_producer_transaction_filling_a_batch_and_a_completion_counting_it
     assert_eq!(closer.await.unwrap().unwrap(), "closed");
     assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 3, 1, 0, 2));
     // Nothing is added to a closed batch.
-    let refused = sqlx::query_scalar::<_, String>(enqueue).bind(json!({"k": "c"})).bind(batch).fetch_one(&db.pool).await;
+    let refused =
+        sqlx::query_scalar::<_, String>(enqueue).bind(json!({"k": "c"})).bind(batch).fetch_one(&db.pool).await;
     assert!(refused.unwrap_err().to_string().contains(&format!("batch {batch} is closed")));
 }

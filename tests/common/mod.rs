@@ -136,9 +136,9 @@ pub async fn run_ended(pool: &PgPool, job_id: i64, worker: i32) {
               WHERE ctid = (SELECT ctid FROM runs WHERE job_id = $1 AND worker = $2 AND ended_at IS NULL
                              ORDER BY started_at DESC LIMIT 1)",
         )
-            .bind(job_id)
-            .bind(worker)
-            .bind(at)
+        .bind(job_id)
+        .bind(worker)
+        .bind(at)
     })
     .await;
 }
