@@ -589,6 +589,25 @@ impl Job for Step {
     }
 }
 
+/// A registry running `Step` jobs, each recording its n when it starts and then sleeping
+/// `run_ms(n)` milliseconds; and the list of the ns started, in order.
+fn step_registry(run_ms: fn(u32) -> u64) -> (Registry, Arc<Mutex<Vec<u32>>>) {
+    let started = Arc::new(Mutex::new(Vec::new()));
+    let mut registry = Registry::new();
+    let seen = Arc::clone(&started);
+    registry
+        .register::<Step, _>(move |_ctx: JobContext, step: Step| {
+            let seen = Arc::clone(&seen);
+            async move {
+                seen.lock().unwrap().push(step.n);
+                tokio::time::sleep(Duration::from_millis(run_ms(step.n))).await;
+                Ok::<(), JobError>(())
+            }
+        })
+        .unwrap();
+    (registry, started)
+}
+
 /// Issue 14: a pool of several queues leaves the ones a claim found empty out of its next claims,
 /// but a job enqueued on one of them (its wake-up) is claimed at the next claim, even while the
 /// pool is busy with its other queues and long before `poll_interval` would look again.
@@ -600,19 +619,7 @@ async fn a_job_on_a_queue_found_empty_is_claimed_at_once_while_the_pool_is_busy(
     sqlx::query("SELECT lockgate.create_queue('high')").execute(&db.pool).await.unwrap();
     let backlog: Vec<Step> = (1..=400).map(|n| Step { n }).collect();
     client.enqueue_many(&backlog).await.unwrap();
-    let started = Arc::new(Mutex::new(Vec::<u32>::new()));
-    let mut registry = Registry::new();
-    let seen = Arc::clone(&started);
-    registry
-        .register::<Step, _>(move |_ctx: JobContext, step: Step| {
-            let seen = Arc::clone(&seen);
-            async move {
-                seen.lock().unwrap().push(step.n);
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                Ok::<(), JobError>(())
-            }
-        })
-        .unwrap();
+    let (registry, started) = step_registry(|_| 10);
     let config = RuntimeConfig { poll_interval: Duration::from_secs(30), ..test_config() };
     let running = Running::start(&db, config, registry, &["high", "low"], 2).await;
     let count = || started.lock().unwrap().len();
@@ -637,24 +644,12 @@ async fn a_job_on_a_queue_found_empty_is_claimed_at_once_while_the_pool_is_busy(
 /// before (the wake-up arriving during a claim or a run, where a wake-up lost would leave the job
 /// for the poll).
 #[tokio::test]
-async fn a_pool_that_found_its_queue_empty_claims_each_new_job_at_its_wake_up() {
+async fn a_pool_of_one_queue_claims_each_new_job_at_its_wake_up() {
     let db = TestDb::migrated().await.unwrap();
     let client = Client::new(db.pool.clone());
     client.define::<Step>().await.unwrap();
-    let started = Arc::new(Mutex::new(Vec::<u32>::new()));
-    let mut registry = Registry::new();
-    let seen = Arc::clone(&started);
-    registry
-        .register::<Step, _>(move |_ctx: JobContext, step: Step| {
-            let seen = Arc::clone(&seen);
-            async move {
-                seen.lock().unwrap().push(step.n);
-                // Odd jobs run a while, so the next one's wake-up finds the pool busy.
-                tokio::time::sleep(Duration::from_millis(if step.n % 2 == 1 { 30 } else { 0 })).await;
-                Ok::<(), JobError>(())
-            }
-        })
-        .unwrap();
+    // Odd jobs run a while, so the next one's wake-up finds the pool busy.
+    let (registry, started) = step_registry(|n| if n % 2 == 1 { 30 } else { 0 });
     let config = RuntimeConfig { poll_interval: Duration::from_secs(60), ..test_config() };
     let running = Running::start(&db, config, registry, &["low"], 4).await;
     for n in 1..=40 {
@@ -696,22 +691,11 @@ async fn a_claim_that_dead_letters_part_of_what_it_took_leaves_nothing_waiting_f
             let jobs: Vec<Step> = (1..=10).map(|n| Step { n: batch * 10 + n }).collect();
             client.enqueue_many(&jobs).await.unwrap();
         }
-        let started = Arc::new(Mutex::new(0usize));
-        let mut registry = Registry::new();
-        let seen = Arc::clone(&started);
-        registry
-            .register::<Step, _>(move |_ctx: JobContext, _step: Step| {
-                let seen = Arc::clone(&seen);
-                async move {
-                    *seen.lock().unwrap() += 1;
-                    Ok::<(), JobError>(())
-                }
-            })
-            .unwrap();
+        let (registry, started) = step_registry(|_| 0);
         let config = RuntimeConfig { poll_interval: Duration::from_secs(60), ..test_config() };
         let running = Running::start(&db, config, registry, queues, 2).await;
         wait_for("every job to start, well before the poll", WAIT, || async {
-            Ok((*started.lock().unwrap() == 200).then_some(()))
+            Ok((started.lock().unwrap().len() == 200).then_some(()))
         })
         .await
         .unwrap_or_else(|e| panic!("pool of {queues:?}: {e}"));

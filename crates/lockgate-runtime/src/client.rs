@@ -28,6 +28,7 @@ use lockgate_core::{
     BatchId, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobId, JobPolicy, JobTypeName, QueueName, RecurringTask,
     ValidationError,
 };
+use lockgate_sql::pooler::Db;
 use lockgate_sql::{
     BatchCallbacks, BatchInfo, Cancelled, CancelledCount, DbError, JobFilter, JobRecord, PgPool, RecurringRow,
     RecurringSource,
@@ -341,20 +342,9 @@ impl Client {
 
     async fn enqueue_one(&self, job_type: &str, args: &Value, options: &Value) -> Result<EnqueuedJob, EnqueueError> {
         let notify = !wake_task_runs_freely();
-        let job = match self.lane().await? {
-            Some(mut lane) => {
-                let result = lockgate_sql::enqueue(
-                    lockgate_sql::pooler::Db::idle(&mut lane.conn),
-                    job_type,
-                    args,
-                    options,
-                    notify,
-                )
-                .await;
-                lane.finish(result)?
-            }
-            None => lockgate_sql::enqueue(&self.pool, job_type, args, options, notify).await?,
-        };
+        let mut lane = self.lane().await?;
+        let result = lockgate_sql::enqueue(self.via(&mut lane), job_type, args, options, notify).await;
+        let job = LaneUse::finish(lane, result)?;
         self.count_enqueued(job_type, [&job]);
         if !notify {
             self.wake(std::slice::from_ref(&job), options);
@@ -369,20 +359,9 @@ impl Client {
         options: &Value,
     ) -> Result<Vec<EnqueuedJob>, EnqueueError> {
         let notify = !wake_task_runs_freely();
-        let jobs = match self.lane().await? {
-            Some(mut lane) => {
-                let result = lockgate_sql::enqueue_many(
-                    lockgate_sql::pooler::Db::idle(&mut lane.conn),
-                    job_type,
-                    args,
-                    options,
-                    notify,
-                )
-                .await;
-                lane.finish(result)?
-            }
-            None => lockgate_sql::enqueue_many(&self.pool, job_type, args, options, notify).await?,
-        };
+        let mut lane = self.lane().await?;
+        let result = lockgate_sql::enqueue_many(self.via(&mut lane), job_type, args, options, notify).await;
+        let jobs = LaneUse::finish(lane, result)?;
         self.count_enqueued(job_type, &jobs);
         if !notify {
             self.wake(&jobs, options);
@@ -438,6 +417,15 @@ impl Client {
         sent
     }
 
+    /// Where a statement runs: on the lane's connection when the caller holds the lane, else
+    /// through the pool.
+    fn via<'a>(&'a self, lane: &'a mut Option<LaneUse<'_>>) -> Db<'a> {
+        match lane {
+            Some(lane) => Db::idle(&mut lane.conn),
+            None => Db::from(&self.pool),
+        }
+    }
+
     /// The lane's connection, ready for a statement, or `None` when another task holds the
     /// lane or the pool is closed (the caller then goes through the pool, which reports a closed
     /// pool itself). Fails as the pool's `acquire` fails when no connection can be had.
@@ -463,10 +451,10 @@ impl Client {
 }
 
 impl LaneUse<'_> {
-    /// Puts the connection back unless the statement's error says it may be broken (anything
-    /// but an error the server reported on a healthy session).
-    fn finish<T>(self, result: Result<T, DbError>) -> Result<T, DbError> {
-        let LaneUse { mut lane, conn } = self;
+    /// Puts the lane's connection back, if the statement used it, unless the statement's error
+    /// says it may be broken (anything but an error the server reported on a healthy session).
+    fn finish<T>(used: Option<Self>, result: Result<T, DbError>) -> Result<T, DbError> {
+        let Some(LaneUse { mut lane, conn }) = used else { return result };
         lane.last_used = Some(Instant::now());
         let healthy = match &result {
             Ok(_) => true,
@@ -541,7 +529,7 @@ async fn wake_on(pool: &PgPool, conn: &mut Option<PgConnection>, queues: &[Strin
         Some(conn) => conn,
         None => conn.insert(pool.acquire().await?.detach()),
     };
-    lockgate_sql::wake(lockgate_sql::pooler::Db::idle(conn), queues).await
+    lockgate_sql::wake(Db::idle(conn), queues).await
 }
 
 /// Whether enqueue `options` (as `EnqueueOptions::to_json` or a raw caller gave them) may let
