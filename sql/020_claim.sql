@@ -88,11 +88,15 @@ BEGIN
         -- The next priority holding a visible message: a statement of its own, small to plan, so
         -- that an idle worker's claim (most claims, when workers outnumber jobs) ends here. A
         -- LATERAL probe with its own LIMIT: the planner cannot turn it into a semi-join over the
-        -- whole table, as it may an EXISTS when most messages are visible.
+        -- whole table, as it may an EXISTS when most messages are visible. Ordered as the claim
+        -- index is, so it is always that index's probe: unordered, with statistics saying most
+        -- messages are visible at that priority (taken during a burst that is now in flight), a
+        -- sequential scan looked as cheap for LIMIT 1 and read the whole queue once per priority.
         EXECUTE format(
             'SELECT p FROM generate_series($1 + 1, 9) p
               CROSS JOIN LATERAL (SELECT 1 FROM %s m
                                    WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = p AND m.vt <= $2
+                                   ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0), m.vt
                                    LIMIT 1) visible
               LIMIT 1', tbl)
           INTO best USING after, at;

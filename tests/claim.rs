@@ -111,6 +111,29 @@ async fn a_claim_reads_about_what_it_takes_from_a_deep_queue_of_visible_messages
     tx.rollback().await.unwrap();
 }
 
+/// Statistics that say nearly every message is visible at priority 0 (taken during a burst) while
+/// nearly every one is now in flight: the probe for the next priority holding a visible message,
+/// estimated to find one at once, was planned as a sequential scan per priority, and read the
+/// whole queue ten times on every claim (200,000 rows here) until the next ANALYZE.
+#[tokio::test]
+async fn a_claim_reads_what_it_takes_when_the_statistics_say_the_backlog_is_visible() {
+    let (db, client) = setup().await;
+    for _ in 0..20 {
+        enqueue(&client, 1_000, &EnqueueOptions::default()).await;
+    }
+    sqlx::query("ANALYZE pgmq.q_claims").execute(&db.pool).await.unwrap();
+    let queue = common::queue("claims");
+    assert_eq!(claim(&db.pool, &queue, 20_000, Duration::from_secs(600)).await.unwrap().len(), 20_000);
+    enqueue(&client, 1, &EnqueueOptions::default()).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    let before = common::rows_read(&mut tx, "pgmq.q_claims").await;
+    assert_eq!(claim(&mut *tx, &queue, 20, Duration::from_secs(30)).await.unwrap().len(), 1);
+    assert!(claim(&mut *tx, &queue, 20, Duration::from_secs(30)).await.unwrap().is_empty());
+    let read = common::rows_read(&mut tx, "pgmq.q_claims").await - before;
+    assert!(read < 100, "two claims read {read} rows of a queue of 20,001, one of them visible");
+    tx.rollback().await.unwrap();
+}
+
 /// One statement claims across a pool's queues (issue 14): queues in the order given, each for
 /// what the earlier ones left, a paused queue skipped, and only `start_now` of them to start at
 /// once; an unknown queue fails the whole call (the worker then claims queue by queue).
