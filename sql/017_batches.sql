@@ -3,21 +3,25 @@
 -- completion to look for the membership). succeeded grows in the completion that archived a
 -- job, failed in the dead-letter that removed one (or the cancel or discard of a parked one),
 -- each gated by its fenced statement and by deleting the job's membership, so a duplicate
--- delivery, a retry or a message that merely carries a batch header counts nothing more.
--- total is fixed when the batch closes (succeeded + failed + its memberships then); while it is
--- open, it is counted the same way when read. The transaction that counts a closed batch's last
--- job finishes it: counting and finishing update the batch row, whose row lock serialises them,
--- so of two last completions racing on two connections exactly one sees the count complete
--- (H22).
+-- delivery, a retry or a message that merely carries a batch header counts nothing more. A
+-- batch's total is succeeded + failed + its memberships, fixed (written to total) when it
+-- finishes.
+-- A closed batch finishes when it has no membership left and no enqueue is still adding to it;
+-- the transaction that sees that, under the batch row's lock, finishes it: a completion or
+-- dead letter counting its last job, the close itself, or the batch sweep. Counting, closing
+-- and finishing lock the batch row FOR NO KEY UPDATE, in a statement of their own before they
+-- read anything, so each reads what the one before it committed: of two last completions
+-- racing on two connections exactly one sees nothing left (H22).
 -- An enqueue never updates the batch row: it holds it FOR KEY SHARE (checking that it is open,
--- and again through each membership's foreign key) until its commit. Shares do not conflict
--- with the counting's FOR NO KEY UPDATE, so a producer transaction adding jobs of limited types
--- to a batch, statement after statement, never waits for a completion that counts the batch
--- while holding a semaphore row the producer needs next, nor the other way round (H31). Only
--- close_batch takes FOR UPDATE: it waits for the enqueues adding to the batch to commit, so the
--- total it fixes has them all, and an enqueue that comes after finds the batch closed.
--- Callbacks are enqueued in that transaction when their types take no lock (no limit, no
--- uniqueness: the enqueue only inserts a message); otherwise by the batch sweep, at most a
+-- and again through each membership's foreign key) until its commit. That share conflicts with
+-- none of the locks above, so a producer transaction adding jobs of limited keys to a batch,
+-- statement after statement, never waits for a completion that counts the batch while holding
+-- a semaphore row the producer needs next, nor the other way round, and a close never waits for
+-- a producer (H31). Only finishing needs the share gone: it takes the row FOR UPDATE SKIP
+-- LOCKED, and while an enqueue holds the share it leaves the batch closed; that enqueue's jobs
+-- finish it, or, when it added none, the batch sweep does.
+-- Callbacks are enqueued in the finishing transaction when their types take no lock (no limit,
+-- no uniqueness: the enqueue only inserts a message); otherwise by the batch sweep, at most a
 -- sweep interval later, so a completion never waits for or deadlocks on a callback's keys.
 -- Lock order: a batch row is counted after every other row its transaction locks (messages,
 -- leases, semaphores, unique locks, batch memberships); batches in id order.
@@ -77,74 +81,85 @@ BEGIN
 END $$;
 
 -- Closes an open batch: no job can be added any more, and it finishes when its last job is
--- counted (at once if none is pending). Raises for an unknown batch or one already closed.
--- Returns its state after closing ('closed' or 'finished').
--- Locks: the batch row FOR UPDATE, which waits for the enqueues holding it FOR KEY SHARE (adding
--- jobs, not committed yet) and for a counting completion; the total is then read in a statement
--- of its own, whose snapshot has every job they added and every count they made. Hence READ
--- COMMITTED only: in a repeatable read or serializable transaction every statement reads the
--- snapshot of its first, which misses the jobs committed while the close waited.
--- Callers: Client::close_batch, the CLI, SQL producers.
+-- counted (at once if none is pending and no enqueue is still adding to it). Raises for an
+-- unknown batch or one already closed. Returns its state after closing ('closed' or 'finished').
+-- An enqueue that began adding to the batch before the close committed still adds its jobs.
+-- Locks: the batch row FOR NO KEY UPDATE (it waits for a counting completion, never for an
+-- enqueue). Callers: Client::close_batch, the CLI, SQL producers.
 CREATE OR REPLACE FUNCTION lockgate.close_batch(batch_id bigint)
 RETURNS text LANGUAGE plpgsql AS $$
 DECLARE
-    b lockgate.batches;
+    st text;
 BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'lockgate: close_batch needs a READ COMMITTED transaction, not %', current_setting('transaction_isolation')
-            USING ERRCODE = 'LG003',
-                  HINT = 'the total it fixes must see the jobs producers commit while it waits; close the batch in a transaction of its own';
-    END IF;
-    PERFORM 1 FROM lockgate.batches x WHERE x.id = batch_id FOR UPDATE;
-    UPDATE lockgate.batches x
-       SET state = 'closed', closed_at = now(), updated_at = now(),
-           total = x.succeeded + x.failed + (SELECT count(*) FROM lockgate.batch_jobs m WHERE m.batch_id = x.id)
+    UPDATE lockgate.batches x SET state = 'closed', closed_at = now(), updated_at = now()
      WHERE x.id = batch_id AND x.state = 'open'
-    RETURNING x.* INTO b;
+    RETURNING x.state INTO st;
     IF NOT FOUND THEN
-        SELECT * INTO b FROM lockgate.batches x WHERE x.id = batch_id;
-        RAISE EXCEPTION 'lockgate: %', CASE WHEN b.id IS NULL THEN format('batch %s does not exist', batch_id)
-                                            ELSE format('batch %s is already %s', batch_id, b.state) END
+        SELECT x.state INTO st FROM lockgate.batches x WHERE x.id = batch_id;
+        RAISE EXCEPTION 'lockgate: %', CASE WHEN st IS NULL THEN format('batch %s does not exist', batch_id)
+                                            ELSE format('batch %s is already %s', batch_id, st) END
             USING ERRCODE = 'LG003';
     END IF;
-    IF b.succeeded + b.failed = b.total THEN
-        PERFORM lockgate._finish_batch(b.id);
+    IF lockgate._finish_if_done(batch_id) THEN
         RETURN 'finished';
     END IF;
     RETURN 'closed';
 END $$;
 
--- A batch's total: fixed once it is closed; while it is open, the jobs counted so far and its
+-- A batch's total: fixed once it is finished; before, the jobs counted so far and its
 -- memberships (jobs not counted yet) as the caller's snapshot sees them.
 CREATE OR REPLACE FUNCTION lockgate._batch_total(b lockgate.batches)
 RETURNS bigint LANGUAGE sql STABLE AS $$
-    SELECT CASE WHEN b.state = 'open'
-                THEN b.succeeded + b.failed + (SELECT count(*) FROM lockgate.batch_jobs m WHERE m.batch_id = b.id)
-                ELSE b.total END
+    SELECT CASE WHEN b.state = 'finished' THEN b.total
+                ELSE b.succeeded + b.failed + (SELECT count(*) FROM lockgate.batch_jobs m WHERE m.batch_id = b.id) END
 $$;
 
--- Counts finished jobs of batches (one element per job; as_failed tells how): in batch id order,
--- each batch row once. Batches whose count is now complete and closed are finished here.
--- Called inside the transaction whose fenced statement ended these jobs. Ids that name no
--- batch (removed by hand) are ignored.
+-- Finishes a closed batch that has no membership left and no enqueue adding to it; whether it
+-- did. The caller holds the batch row FOR NO KEY UPDATE, taken in an earlier statement, so the
+-- memberships read here are those committed by whoever held it before. An enqueue still adding
+-- to the batch holds the row FOR KEY SHARE: the FOR UPDATE SKIP LOCKED then finds nothing and
+-- the batch stays closed, for that enqueue's jobs (or the batch sweep) to finish. Once taken,
+-- FOR UPDATE keeps any new enqueue out until the finish commits (it then finds the batch
+-- finished). A transaction waiting for the row makes SKIP LOCKED find nothing too: that
+-- transaction counts, closes or sweeps the batch next, and checks again.
+CREATE OR REPLACE FUNCTION lockgate._finish_if_done(batch_id bigint)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM lockgate.batch_jobs m WHERE m.batch_id = _finish_if_done.batch_id) THEN
+        RETURN false;
+    END IF;
+    PERFORM 1 FROM lockgate.batches x WHERE x.id = batch_id AND x.state = 'closed' FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM lockgate._finish_batch(batch_id);
+    RETURN true;
+END $$;
+
+-- Counts finished jobs of batches (one element per job; as_failed tells how): the batch rows
+-- locked first, in id order, in a statement of their own (an UPDATE that locks its rows in a
+-- subquery deadlocks with another such UPDATE while an enqueue shares the row), then counted;
+-- closed batches with nothing left are finished here. Called inside the transaction whose
+-- fenced statement ended these jobs. Ids that name no batch (removed by hand) are ignored.
 CREATE OR REPLACE FUNCTION lockgate._count_batches(batch_ids bigint[], as_failed boolean)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
-    done bigint;
+    closed bigint;
 BEGIN
-    FOR done IN
-        WITH n AS (SELECT x.id, count(*) AS n FROM unnest(batch_ids) AS x(id) GROUP BY x.id),
-        counted AS (
-            UPDATE lockgate.batches b
-               SET succeeded = b.succeeded + CASE WHEN as_failed THEN 0 ELSE n.n END,
-                   failed = b.failed + CASE WHEN as_failed THEN n.n ELSE 0 END,
-                   updated_at = now()
-              FROM (SELECT n.id, n.n FROM n JOIN lockgate.batches y ON y.id = n.id ORDER BY n.id FOR NO KEY UPDATE OF y) n
-             WHERE b.id = n.id
-            RETURNING b.id, b.state, b.total, b.succeeded, b.failed)
-        SELECT c.id FROM counted c WHERE c.state = 'closed' AND c.succeeded + c.failed = c.total ORDER BY c.id
-    LOOP
-        PERFORM lockgate._finish_batch(done);
+    PERFORM 1 FROM lockgate.batches y
+     WHERE y.id IN (SELECT DISTINCT x.id FROM unnest(batch_ids) AS x(id))
+     ORDER BY y.id FOR NO KEY UPDATE;
+    WITH n AS (SELECT x.id, count(*) AS n FROM unnest(batch_ids) AS x(id) GROUP BY x.id)
+    UPDATE lockgate.batches b
+       SET succeeded = b.succeeded + CASE WHEN as_failed THEN 0 ELSE n.n END,
+           failed = b.failed + CASE WHEN as_failed THEN n.n ELSE 0 END,
+           updated_at = now()
+      FROM n
+     WHERE b.id = n.id;
+    FOR closed IN SELECT b.id FROM lockgate.batches b
+                   WHERE b.id IN (SELECT DISTINCT x.id FROM unnest(batch_ids) AS x(id)) AND b.state = 'closed'
+                   ORDER BY b.id LOOP
+        PERFORM lockgate._finish_if_done(closed);
     END LOOP;
 END $$;
 
@@ -166,7 +181,7 @@ BEGIN
 END $$;
 
 -- Finishes a closed batch whose jobs are all counted (the caller holds its row lock): marks it
--- finished with its callbacks pending, and enqueues them at once when none of their types takes
+-- finished with its total fixed and its callbacks pending, and enqueues them at once when none of their types takes
 -- a lock (no limit, no uniqueness). The others are left to the sweep (lockgate.batch_sweep), so
 -- a completion never waits for a callback's keys nor deadlocks on them; nor does a callback
 -- that cannot be enqueued fail the completion. Each callback is enqueued once: the state moves
@@ -177,7 +192,8 @@ RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     b lockgate.batches;
 BEGIN
-    UPDATE lockgate.batches x SET state = 'finished', finished_at = now(), updated_at = now(), callbacks_pending = true
+    UPDATE lockgate.batches x SET state = 'finished', finished_at = now(), updated_at = now(), callbacks_pending = true,
+                                  total = x.succeeded + x.failed
      WHERE x.id = batch_id AND x.state = 'closed'
     RETURNING x.* INTO b;
     IF FOUND AND NOT EXISTS (
@@ -218,19 +234,30 @@ BEGIN
     END;
 END $$;
 
--- The batch sweep (dispatcher): enqueues the callbacks of finished batches whose callbacks were
+-- The batch sweep (dispatcher): finishes closed batches with nothing left that no completion
+-- finished (an enqueue was still adding to the batch when its last job was counted, and added
+-- nothing, or rolled back), and enqueues the callbacks of finished batches whose callbacks were
 -- not enqueued when they finished (types that take locks, or an enqueue that failed). Never
 -- waits long: a callback's key held by another transaction makes the enqueue give up after
--- 100 ms, and the batch stays pending for the next pass. Returns how many batches it completed.
+-- 100 ms, and the batch stays pending for the next pass. Returns how many batches it finished
+-- or completed the callbacks of.
 -- Locks: batch rows (SKIP LOCKED), then what the callbacks' enqueues lock.
 -- Callers: the bookkeeping sweep service, operators.
 CREATE OR REPLACE FUNCTION lockgate.batch_sweep(max_rows integer DEFAULT 100)
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     b lockgate.batches;
+    done bigint;
     repaired integer := 0;
 BEGIN
     PERFORM set_config('lock_timeout', '100ms', true);
+    FOR done IN SELECT x.id FROM lockgate.batches x
+                 WHERE x.state = 'closed' AND NOT EXISTS (SELECT 1 FROM lockgate.batch_jobs m WHERE m.batch_id = x.id)
+                 ORDER BY x.id LIMIT max_rows FOR NO KEY UPDATE SKIP LOCKED LOOP
+        IF lockgate._finish_if_done(done) THEN
+            repaired := repaired + 1;
+        END IF;
+    END LOOP;
     FOR b IN SELECT * FROM lockgate.batches x WHERE x.callbacks_pending AND x.state = 'finished'
               ORDER BY x.id LIMIT max_rows FOR NO KEY UPDATE SKIP LOCKED LOOP
         PERFORM lockgate._enqueue_callbacks(b);

@@ -37,7 +37,7 @@ async fn create_batch(db: &PgPool) -> i64 {
         .unwrap()
 }
 
-async fn add_jobs(db: &PgPool, batch: i64, n: usize) {
+async fn add_jobs(db: impl sqlx::PgExecutor<'_>, batch: i64, n: usize) {
     let args: Vec<Value> = (0..n).map(|i| json!({ "i": i })).collect();
     sqlx::query("SELECT * FROM lockgate.enqueue_many('work', $1, jsonb_build_object('batch', $2::bigint))")
         .bind(args)
@@ -278,14 +278,6 @@ async fn bad_batch_input_is_refused_with_a_clear_error() {
     assert!(close(&db.pool, batch).await.unwrap_err().contains("is already finished"));
     let closed = create_batch(&db.pool).await;
     add_jobs(&db.pool, closed, 1).await;
-    // A close reads what producers committed while it waited: a snapshot fixed for the whole
-    // transaction would miss it.
-    let mut conn = db.pool.acquire().await.unwrap();
-    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *conn).await.unwrap();
-    let e = close(&mut *conn, closed).await.unwrap_err();
-    assert!(e.contains("close_batch needs a READ COMMITTED transaction, not repeatable read"), "{e}");
-    sqlx::query("ROLLBACK").execute(&mut *conn).await.unwrap();
-    drop(conn);
     close(&db.pool, closed).await.unwrap();
     assert!(close(&db.pool, closed).await.unwrap_err().contains("is already closed"));
     for b in [batch, closed] {
@@ -370,14 +362,6 @@ async fn h29_a_message_that_only_carries_a_batch_header_neither_fails_a_claim_no
     let open = create_batch(&db.pool).await;
     let closed = create_batch(&db.pool).await;
     add_jobs(&db.pool, closed, 1).await;
-    // A close reads what producers committed while it waited: a snapshot fixed for the whole
-    // transaction would miss it.
-    let mut conn = db.pool.acquire().await.unwrap();
-    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *conn).await.unwrap();
-    let e = close(&mut *conn, closed).await.unwrap_err();
-    assert!(e.contains("close_batch needs a READ COMMITTED transaction, not repeatable read"), "{e}");
-    sqlx::query("ROLLBACK").execute(&mut *conn).await.unwrap();
-    drop(conn);
     close(&db.pool, closed).await.unwrap();
     // Sent outside lockgate: a job of a defined type naming both batches, and a malformed one.
     for headers in [
@@ -604,49 +588,202 @@ async fn h31_counting_a_batch_while_an_enqueue_into_it_waits_for_a_key_is_no_dea
 /// while a completion of a job of a later key counts the batch. The enqueue used to add to the
 /// batch's total, holding the batch row until its commit: the completion, holding the key's
 /// semaphore row, waited for the batch row, and the producer's next enqueue waited for the
-/// semaphore row. Now the enqueue only shares the batch row, and the total is fixed at close.
+/// semaphore row. Now the enqueue only shares the batch row, a close does not wait for it, and
+/// the batch cannot finish before it commits.
 #[tokio::test]
 async fn h31_a_producer_transaction_filling_a_batch_and_a_completion_counting_it_never_deadlock() {
     let db = setup().await;
-    sqlx::query("SELECT lockgate.define_job_type('lim', concurrency_limit => 1, concurrency_key => '{k}')")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    define_lim(&db.pool).await;
     let batch = create_batch(&db.pool).await;
-    let enqueue = "SELECT status FROM lockgate.enqueue('lim', $1, jsonb_build_object('batch', $2::bigint))";
-    let status: String =
-        sqlx::query_scalar(enqueue).bind(json!({"k": "b"})).bind(batch).fetch_one(&db.pool).await.unwrap();
-    assert_eq!(status, "enqueued");
+    assert_eq!(enqueue_lim(&db.pool, "b", batch).await.unwrap(), "enqueued");
     let x: Delivery = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
         .fetch_one(&db.pool)
         .await
         .unwrap();
     let mut producer = PgConnection::connect(&db.url).await.unwrap();
     let mut tx = producer.begin().await.unwrap();
-    let status: String =
-        sqlx::query_scalar(enqueue).bind(json!({"k": "a"})).bind(batch).fetch_one(&mut *tx).await.unwrap();
-    assert_eq!(status, "enqueued");
+    assert_eq!(enqueue_lim(&mut *tx, "a", batch).await.unwrap(), "enqueued");
     // X's completion locks key b's semaphore row and counts the batch: it must not wait.
     let mut conn = PgConnection::connect(&db.url).await.unwrap();
     sqlx::query("SET lock_timeout = '5s'").execute(&mut conn).await.unwrap();
     assert!(common::complete_default(&mut conn, x).await, "the completion counts the batch beside the open producer");
-    let status: String =
-        sqlx::query_scalar(enqueue).bind(json!({"k": "b"})).bind(batch).fetch_one(&mut *tx).await.unwrap();
-    assert_eq!(status, "enqueued", "key b's permit came back with X's completion");
-    // Open, the total counts the producer's jobs only once they are committed.
+    assert_eq!(enqueue_lim(&mut *tx, "b", batch).await.unwrap(), "enqueued", "key b's permit came back with X");
+    // Before the producer commits, the total counts what is committed.
     assert_eq!(progress(&db.pool, batch).await, ("open".to_string(), 1, 1, 0, 0));
-    // A close waits for the producer (it shares the batch row), then fixes the total with its jobs.
+    // A close does not wait for the producer, and the batch has nothing pending it can see: it
+    // must not finish while the producer is still adding to it.
+    assert_eq!(close(&mut conn, batch).await.unwrap(), "closed");
+    assert_eq!(lockgate::sql::batch_sweep(&db.pool).await.unwrap(), 0, "nor does the sweep finish it");
+    tx.commit().await.unwrap();
+    assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 3, 1, 0, 2));
+    let refused = enqueue_lim(&db.pool, "c", batch).await.unwrap_err();
+    assert!(refused.contains(&format!("batch {batch} is closed")), "{refused}");
+    // Its two jobs finish it, once.
+    let claimed: Vec<Delivery> = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 10, 30)")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 2);
+    complete_all(&db.pool, &claimed).await;
+    assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 3, 3, 0, 0));
+    assert_eq!(callbacks(&db.pool).await.into_iter().map(|c| c.0).collect::<Vec<_>>(), vec!["done", "ok"]);
+}
+
+/// A batch closed while a producer was adding to it, whose producer then added nothing (here it
+/// rolled back), has nothing left to count: no completion will finish it, so the sweep does.
+#[tokio::test]
+async fn a_closed_batch_left_with_nothing_by_a_producer_that_rolled_back_is_finished_by_the_sweep() {
+    let db = setup().await;
+    let batch = create_batch(&db.pool).await;
+    add_jobs(&db.pool, batch, 1).await;
+    let mut producer = PgConnection::connect(&db.url).await.unwrap();
+    let mut tx = producer.begin().await.unwrap();
+    add_jobs(&mut *tx, batch, 1).await;
+    assert_eq!(close(&db.pool, batch).await.unwrap(), "closed");
+    let claimed = claim_work(&db.pool).await;
+    complete_all(&db.pool, &claimed).await;
+    assert_eq!(progress(&db.pool, batch).await.0, "closed", "the producer may still add jobs");
+    tx.rollback().await.unwrap();
+    assert_eq!(lockgate::sql::batch_sweep(&db.pool).await.unwrap(), 1);
+    assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 1, 1, 0, 0));
+    assert_eq!(callbacks(&db.pool).await.into_iter().map(|c| c.0).collect::<Vec<_>>(), vec!["done", "ok"]);
+}
+
+/// H31, from a review: three completions of one batch, one holding the batch row, two waiting for
+/// it, while a producer shares the row. Locking the row in a subquery of the counting UPDATE
+/// made the two waiters deadlock once the first committed.
+#[tokio::test]
+async fn h31_completions_of_one_batch_queued_behind_each_other_beside_a_producer_never_deadlock() {
+    let db = setup().await;
+    let batch = create_batch(&db.pool).await;
+    add_jobs(&db.pool, batch, 3).await;
+    let claimed = claim_work(&db.pool).await;
+    assert_eq!(claimed.len(), 3);
+    let mut producer = PgConnection::connect(&db.url).await.unwrap();
+    let mut producing = producer.begin().await.unwrap();
+    add_jobs(&mut *producing, batch, 1).await;
+    let mut first = PgConnection::connect(&db.url).await.unwrap();
+    let mut tx = first.begin().await.unwrap();
+    assert!(common::complete_default(&mut *tx, claimed[0]).await);
+    let mut waiters = Vec::new();
+    for (n, d) in claimed[1..].iter().copied().enumerate() {
+        let url = db.url.clone();
+        waiters.push(tokio::spawn(async move {
+            let mut conn = PgConnection::connect(&url).await?;
+            sqlx::query("SELECT * FROM lockgate.complete('default', $1, $2)")
+                .bind(vec![d.0])
+                .bind(vec![d.1])
+                .execute(&mut conn)
+                .await
+        }));
+        wait_for_count(&db.pool, WAITING, n as i64 + 1, Duration::from_secs(10)).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    for w in waiters {
+        w.await.unwrap().expect("each completion lands, no deadlock");
+    }
+    producing.commit().await.unwrap();
+    assert_eq!(progress(&db.pool, batch).await, ("open".to_string(), 4, 3, 0, 1));
+}
+
+/// H31, from a review: a close that waits for a completion holding the batch row, while a
+/// producer shares the row and a completion of a limited job of the batch holds its key. The
+/// close used to wait for the producer too (FOR UPDATE), and the completion queued behind the
+/// close; the producer's next enqueue of that key closed the cycle. And a close in a producer
+/// transaction holding a key, beside a second producer about to take that key, deadlocked too.
+#[tokio::test]
+async fn h31_a_close_beside_producers_and_completions_never_deadlocks() {
+    let db = setup().await;
+    define_lim(&db.pool).await;
+    let batch = create_batch(&db.pool).await;
+    add_jobs(&db.pool, batch, 1).await;
+    assert_eq!(enqueue_lim(&db.pool, "zz", batch).await.unwrap(), "enqueued");
+    let claimed: Vec<Delivery> =
+        sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 10, 30) ORDER BY headers ? 'ckey'")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let (x, y) = (claimed[0], claimed[1]);
+    let mut holder = PgConnection::connect(&db.url).await.unwrap();
+    let mut holding = holder.begin().await.unwrap();
+    assert!(common::complete_default(&mut *holding, x).await);
+    let mut producing = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut producing).await.unwrap();
+    add_jobs(&mut producing, batch, 1).await;
     let url = db.url.clone();
     let closer = tokio::spawn(async move {
         let mut conn = PgConnection::connect(&url).await.unwrap();
         close(&mut conn, batch).await
     });
-    common::until_one_waits_for_a_lock(&db.pool).await;
-    tx.commit().await.unwrap();
+    wait_for_count(&db.pool, WAITING, 1, Duration::from_secs(10)).await.unwrap();
+    let url = db.url.clone();
+    let completer = tokio::spawn(async move {
+        let mut conn = PgConnection::connect(&url).await?;
+        sqlx::query("SELECT * FROM lockgate.complete('default', $1, $2)")
+            .bind(vec![y.0])
+            .bind(vec![y.1])
+            .execute(&mut conn)
+            .await
+    });
+    wait_for_count(&db.pool, WAITING, 2, Duration::from_secs(10)).await.unwrap();
+    holding.commit().await.unwrap();
+    let next = tokio::spawn(async move {
+        let status = enqueue_lim(&mut producing, "zz", batch).await;
+        (sqlx::query("COMMIT").execute(&mut producing).await, status)
+    });
     assert_eq!(closer.await.unwrap().unwrap(), "closed");
-    assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 3, 1, 0, 2));
-    // Nothing is added to a closed batch.
-    let refused =
-        sqlx::query_scalar::<_, String>(enqueue).bind(json!({"k": "c"})).bind(batch).fetch_one(&db.pool).await;
-    assert!(refused.unwrap_err().to_string().contains(&format!("batch {batch} is closed")));
+    completer.await.unwrap().expect("the completion lands, no deadlock");
+    let (committed, status) = next.await.unwrap();
+    committed.unwrap();
+    assert_eq!(status.unwrap(), "enqueued", "the producer had joined before the close");
+    assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 4, 2, 0, 2));
+
+    // A close in a producer transaction that holds a key, beside a second producer.
+    let batch = create_batch(&db.pool).await;
+    let mut first = PgConnection::connect(&db.url).await.unwrap();
+    let mut p1 = first.begin().await.unwrap();
+    assert_eq!(enqueue_lim(&mut *p1, "a", batch).await.unwrap(), "enqueued");
+    let mut p2 = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut p2).await.unwrap();
+    add_jobs(&mut p2, batch, 1).await;
+    assert_eq!(close(&mut *p1, batch).await.unwrap(), "closed");
+    let next = tokio::spawn(async move {
+        let status = enqueue_lim(&mut p2, "a", batch).await;
+        (sqlx::query("COMMIT").execute(&mut p2).await, status)
+    });
+    wait_for_count(&db.pool, WAITING, 1, Duration::from_secs(10)).await.unwrap();
+    p1.commit().await.unwrap();
+    let (committed, status) = next.await.unwrap();
+    committed.unwrap();
+    assert_eq!(status.unwrap(), "parked", "joined before the close; key a is full");
+    let deadlocks: i64 =
+        sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(deadlocks, 0);
+}
+
+const WAITING: &str =
+    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
+
+async fn define_lim(db: &PgPool) {
+    sqlx::query("SELECT lockgate.define_job_type('lim', concurrency_limit => 1, concurrency_key => '{k}')")
+        .execute(db)
+        .await
+        .unwrap();
+}
+
+async fn enqueue_lim(db: impl sqlx::PgExecutor<'_>, key: &str, batch: i64) -> Result<String, String> {
+    sqlx::query_scalar("SELECT status FROM lockgate.enqueue('lim', jsonb_build_object('k', $1::text), jsonb_build_object('batch', $2::bigint))")
+        .bind(key)
+        .bind(batch)
+        .fetch_one(db)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn complete_all(db: &PgPool, deliveries: &[Delivery]) {
+    let (ids, cts): (Vec<i64>, Vec<i32>) = deliveries.iter().map(|d| (d.0, d.1)).unzip();
+    sqlx::query("SELECT lockgate.complete('default', $1, $2)").bind(ids).bind(cts).execute(db).await.unwrap();
 }
