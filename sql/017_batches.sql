@@ -120,8 +120,9 @@ $$;
 -- to the batch holds the row FOR KEY SHARE: the FOR UPDATE SKIP LOCKED then finds nothing and
 -- the batch stays closed, for that enqueue's jobs (or the batch sweep) to finish. Once taken,
 -- FOR UPDATE keeps any new enqueue out until the finish commits (it then finds the batch
--- finished). A transaction waiting for the row makes SKIP LOCKED find nothing too: that
--- transaction counts, closes or sweeps the batch next, and checks again.
+-- finished), and the memberships are read once more: an enqueue that committed between the
+-- first read and the lock is seen there. A transaction waiting for the row makes SKIP LOCKED
+-- find nothing too: that transaction counts, closes or sweeps the batch next, and checks again.
 CREATE OR REPLACE FUNCTION lockgate._finish_if_done(batch_id bigint)
 RETURNS boolean LANGUAGE plpgsql AS $$
 BEGIN
@@ -130,6 +131,11 @@ BEGIN
     END IF;
     PERFORM 1 FROM lockgate.batches x WHERE x.id = batch_id AND x.state = 'closed' FOR UPDATE SKIP LOCKED;
     IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    -- Again, now that no enqueue can share the row: one that committed between the first read
+    -- and the lock left memberships the first read could not see.
+    IF EXISTS (SELECT 1 FROM lockgate.batch_jobs m WHERE m.batch_id = _finish_if_done.batch_id) THEN
         RETURN false;
     END IF;
     PERFORM lockgate._finish_batch(batch_id);
@@ -168,17 +174,23 @@ END $$;
 CREATE OR REPLACE FUNCTION lockgate._count_batch_jobs(queue text, job_ids bigint[], as_failed boolean)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
-    batch_ids bigint[];
+    batch_ids bigint[] := lockgate._drop_memberships(queue, job_ids);
 BEGIN
-    WITH gone AS (
-        DELETE FROM lockgate.batch_jobs m USING unnest(job_ids) AS j(id)
-         WHERE m.queue = _count_batch_jobs.queue AND m.job_id = j.id
-        RETURNING m.batch_id)
-    SELECT array_agg(gone.batch_id) INTO batch_ids FROM gone;
-    IF batch_ids IS NOT NULL THEN
+    IF cardinality(batch_ids) > 0 THEN
         PERFORM lockgate._count_batches(batch_ids, as_failed);
     END IF;
 END $$;
+
+-- Deletes the memberships of the given jobs of queue; returns their batches' ids, one element
+-- per membership deleted (empty when none).
+CREATE OR REPLACE FUNCTION lockgate._drop_memberships(queue text, job_ids bigint[])
+RETURNS bigint[] LANGUAGE sql AS $$
+    WITH gone AS (
+        DELETE FROM lockgate.batch_jobs m USING unnest(job_ids) AS j(id)
+         WHERE m.queue = _drop_memberships.queue AND m.job_id = j.id
+        RETURNING m.batch_id)
+    SELECT COALESCE(array_agg(gone.batch_id), '{}') FROM gone
+$$;
 
 -- Finishes a closed batch whose jobs are all counted (the caller holds its row lock): marks it
 -- finished with its total fixed and its callbacks pending, and enqueues them at once when none of their types takes
@@ -251,9 +263,11 @@ DECLARE
     repaired integer := 0;
 BEGIN
     PERFORM set_config('lock_timeout', '100ms', true);
+    -- FOR UPDATE SKIP LOCKED: a batch an enqueue still shares is passed over here, not taken
+    -- into the LIMIT (a producer adding to many batches would otherwise fill it).
     FOR done IN SELECT x.id FROM lockgate.batches x
                  WHERE x.state = 'closed' AND NOT EXISTS (SELECT 1 FROM lockgate.batch_jobs m WHERE m.batch_id = x.id)
-                 ORDER BY x.id LIMIT max_rows FOR NO KEY UPDATE SKIP LOCKED LOOP
+                 ORDER BY x.id LIMIT max_rows FOR UPDATE SKIP LOCKED LOOP
         IF lockgate._finish_if_done(done) THEN
             repaired := repaired + 1;
         END IF;
@@ -274,12 +288,16 @@ END $$;
 -- batch can finish. A job moves between parked and queued in one transaction, so one
 -- statement's snapshot sees it in one place or the other. A member of a queue whose table is
 -- gone cannot be judged and is kept. Returns how many members it counted.
--- Locks: membership rows (SKIP LOCKED), then batch rows. Callers: the bookkeeping sweep, operators.
+-- Locks: membership rows (SKIP LOCKED), queue by queue, then the batch rows of them all, once,
+-- in id order (counting queue by queue would lock one queue's batches before another's, out of
+-- the order a completion counting several batches keeps). Callers: the bookkeeping sweep,
+-- operators.
 CREATE OR REPLACE FUNCTION lockgate.reap_batches(min_idle interval DEFAULT '10 minutes', max_rows integer DEFAULT 1000)
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     q record;
     lost bigint[];
+    batch_ids bigint[] := '{}';
     reaped integer := 0;
 BEGIN
     FOR q IN SELECT DISTINCT m.queue FROM lockgate.batch_jobs m JOIN lockgate.batches b ON b.id = m.batch_id
@@ -299,10 +317,13 @@ BEGIN
             lockgate._queue_table(q.queue, 'q'))
           INTO lost USING q.queue, min_idle, max_rows;
         IF lost IS NOT NULL THEN
-            PERFORM lockgate._count_batch_jobs(q.queue, lost, true);
+            batch_ids := batch_ids || lockgate._drop_memberships(q.queue, lost);
             reaped := reaped + cardinality(lost);
         END IF;
     END LOOP;
+    IF cardinality(batch_ids) > 0 THEN
+        PERFORM lockgate._count_batches(batch_ids, true);
+    END IF;
     RETURN reaped;
 END $$;
 

@@ -787,3 +787,81 @@ async fn complete_all(db: &PgPool, deliveries: &[Delivery]) {
     let (ids, cts): (Vec<i64>, Vec<i32>) = deliveries.iter().map(|d| (d.0, d.1)).unzip();
     sqlx::query("SELECT lockgate.complete('default', $1, $2)").bind(ids).bind(cts).execute(db).await.unwrap();
 }
+
+/// H31, from a review: the reaper counted lost members queue by queue, locking one queue's
+/// batches before another's, while a completion counting two batches locks them in id order.
+/// Batch hi has a lost member in queue default, batch lo one in queue q2; a completion of a job of
+/// each waits behind a session holding lo. The reaper must lock lo before hi, as the completion
+/// does.
+#[tokio::test]
+async fn h31_the_reaper_and_a_completion_of_several_batches_lock_them_in_one_order() {
+    let db = setup().await;
+    sqlx::query("SELECT lockgate.create_queue('q2')").execute(&db.pool).await.unwrap();
+    let (lo, hi) = (create_batch(&db.pool).await, create_batch(&db.pool).await);
+    for b in [lo, hi] {
+        add_jobs(&db.pool, b, 1).await;
+    }
+    sqlx::query("INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id) VALUES ('default', -1, $1), ('q2', -2, $2)")
+        .bind(hi)
+        .bind(lo)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    for b in [lo, hi] {
+        close(&db.pool, b).await.unwrap();
+    }
+    let claimed = claim_work(&db.pool).await;
+    let mut holder = PgConnection::connect(&db.url).await.unwrap();
+    let mut holding = holder.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lockgate.batches WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(lo)
+        .execute(&mut *holding)
+        .await
+        .unwrap();
+    let url = db.url.clone();
+    let completer = tokio::spawn(async move {
+        let mut conn = PgConnection::connect(&url).await?;
+        let (ids, cts): (Vec<i64>, Vec<i32>) = claimed.iter().map(|d| (d.0, d.1)).unzip();
+        sqlx::query("SELECT * FROM lockgate.complete('default', $1, $2)").bind(ids).bind(cts).execute(&mut conn).await
+    });
+    wait_for_count(&db.pool, WAITING, 1, Duration::from_secs(10)).await.unwrap();
+    let url = db.url.clone();
+    let reaper = tokio::spawn(async move {
+        let mut conn = PgConnection::connect(&url).await?;
+        sqlx::query_scalar::<_, i32>("SELECT lockgate.reap_batches('0 seconds')").fetch_one(&mut conn).await
+    });
+    wait_for_count(&db.pool, WAITING, 2, Duration::from_secs(10)).await.unwrap();
+    holding.commit().await.unwrap();
+    completer.await.unwrap().expect("the completion lands, no deadlock");
+    assert_eq!(reaper.await.unwrap().expect("the reaper lands, no deadlock"), 2);
+    for b in [lo, hi] {
+        assert_eq!(progress(&db.pool, b).await, ("finished".to_string(), 2, 1, 1, 0));
+    }
+}
+
+/// From a review: the batch sweep takes at most max_rows closed batches with nothing left per
+/// pass. Batches a producer is still adding to cannot finish yet; they must not fill the pass
+/// and keep a batch that can finish waiting for as long as that producer stays open.
+#[tokio::test]
+async fn the_batch_sweep_passes_over_batches_a_producer_still_adds_to() {
+    let db = setup().await;
+    let (a, b, victim) = (create_batch(&db.pool).await, create_batch(&db.pool).await, create_batch(&db.pool).await);
+    let mut producer = PgConnection::connect(&db.url).await.unwrap();
+    let mut adding = producer.begin().await.unwrap();
+    for x in [a, b] {
+        add_jobs(&mut *adding, x, 1).await;
+    }
+    // The victim's producer joined it and rolled back after the close: nothing left, not finished.
+    let mut other = PgConnection::connect(&db.url).await.unwrap();
+    let mut joined = other.begin().await.unwrap();
+    add_jobs(&mut *joined, victim, 1).await;
+    for x in [a, b, victim] {
+        assert_eq!(close(&db.pool, x).await.unwrap(), "closed");
+    }
+    joined.rollback().await.unwrap();
+    let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep(2)").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(swept, 1, "the victim finished in the first pass");
+    assert_eq!(progress(&db.pool, victim).await, ("finished".to_string(), 0, 0, 0, 0));
+    assert_eq!(progress(&db.pool, a).await.0, "closed");
+    adding.commit().await.unwrap();
+}
