@@ -126,6 +126,12 @@ $$;
 CREATE OR REPLACE FUNCTION lockgate._finish_if_done(batch_id bigint)
 RETURNS boolean LANGUAGE plpgsql AS $$
 BEGIN
+    -- The reads after the locks must see what committed before them: a repeatable read or
+    -- serializable transaction reads its first statement's snapshot, and would miss a producer
+    -- that committed since. It leaves the finish to a later count or the batch sweep.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN false;
+    END IF;
     IF EXISTS (SELECT 1 FROM lockgate.batch_jobs m WHERE m.batch_id = _finish_if_done.batch_id) THEN
         RETURN false;
     END IF;

@@ -865,3 +865,32 @@ async fn the_batch_sweep_passes_over_batches_a_producer_still_adds_to() {
     assert_eq!(progress(&db.pool, a).await.0, "closed");
     adding.commit().await.unwrap();
 }
+
+/// From a review: a finish reads the memberships after its locks, in statements that must see what
+/// committed before them. In a repeatable read transaction they read its first snapshot: a
+/// producer committing since was missed, and the batch finished with a job still in it. Such a
+/// transaction leaves the finish to the batch sweep.
+#[tokio::test]
+async fn a_repeatable_read_transaction_never_finishes_a_batch_and_the_sweep_does() {
+    let db = setup().await;
+    let batch = create_batch(&db.pool).await;
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut conn).await.unwrap();
+    sqlx::query("SELECT 1").execute(&mut conn).await.unwrap();
+    // A producer adds a job after the snapshot was taken.
+    add_jobs(&db.pool, batch, 1).await;
+    assert_eq!(close(&mut conn, batch).await.unwrap(), "closed", "nothing pending as its snapshot sees it");
+    sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+    assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 1, 0, 0, 1));
+    let claimed = claim_work(&db.pool).await;
+    complete_all(&db.pool, &claimed).await;
+    assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 1, 1, 0, 0));
+
+    // With nothing pending at all, the sweep finishes what the repeatable read close left.
+    let empty = create_batch(&db.pool).await;
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut conn).await.unwrap();
+    assert_eq!(close(&mut conn, empty).await.unwrap(), "closed");
+    sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+    assert_eq!(lockgate::sql::batch_sweep(&db.pool).await.unwrap(), 1);
+    assert_eq!(progress(&db.pool, empty).await.0, "finished");
+}
