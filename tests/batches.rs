@@ -528,48 +528,26 @@ async fn h31_counting_a_batch_while_an_enqueue_into_it_waits_for_a_key_is_no_dea
                 .await
                 .unwrap()
         };
-        let mut holder = PgConnection::connect(&db.url).await.unwrap();
-        let mut held = holder.begin().await.unwrap();
-        sqlx::query("SELECT 1 FROM lockgate.batches WHERE id = $1 FOR NO KEY UPDATE")
-            .bind(batch)
-            .execute(&mut *held)
-            .await
-            .unwrap();
+        let mut held = hold_batch_row(&db.url, batch).await;
         // X's end: it locks key b's semaphore row, then waits for the batch row.
-        let url = db.url.clone();
-        let ender = tokio::spawn(async move {
-            let mut conn = PgConnection::connect(&url).await?;
-            if cancel {
+        let ender = if cancel {
+            let url = db.url.clone();
+            tokio::spawn(async move {
+                let mut conn = PgConnection::connect(&url).await?;
                 sqlx::query("SELECT * FROM lockgate.cancel($1)").bind(x.0).execute(&mut conn).await.map(|_| ())
-            } else {
-                sqlx::query("SELECT * FROM lockgate.complete('default', $1, $2)")
-                    .bind(vec![x.0])
-                    .bind(vec![x.1])
-                    .execute(&mut conn)
-                    .await
-                    .map(|_| ())
-            }
-        });
-        let waiting =
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
-        wait_for_count(&db.pool, waiting, 1, Duration::from_secs(10)).await.unwrap();
+            })
+        } else {
+            common::complete_apart(&db.url, vec![x])
+        };
+        wait_for_count(&db.pool, WAITING, 1, Duration::from_secs(10)).await.unwrap();
         // The enqueue adds a's member (sharing the batch row), then waits for key b's row, which
         // X's end holds.
         let producer = tokio::spawn(enqueue_many(db.url.clone(), vec![json!({"k": "a"}), json!({"k": "b"})]));
-        wait_for_count(&db.pool, waiting, 2, Duration::from_secs(10)).await.unwrap();
-        held.commit().await.unwrap();
+        wait_for_count(&db.pool, WAITING, 2, Duration::from_secs(10)).await.unwrap();
+        sqlx::query("COMMIT").execute(&mut held).await.unwrap();
         ender.await.unwrap().expect("the cancel or completion lands, no deadlock");
         producer.await.unwrap().expect("the enqueue lands, no deadlock");
-        let deadlocks: i64 = wait_for("deadlock statistics", Duration::from_secs(5), || async {
-            let n: i64 =
-                sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
-                    .fetch_one(&db.pool)
-                    .await?;
-            Ok(Some(n))
-        })
-        .await
-        .unwrap();
-        assert_eq!(deadlocks, 0, "cancel {cancel}");
+        assert_eq!(common::deadlocks(&db.pool).await, 0, "cancel {cancel}");
         let (state, total, succeeded, failed, pending) = progress(&db.pool, batch).await;
         assert_eq!(
             (state.as_str(), total, succeeded, failed, pending),
@@ -667,15 +645,7 @@ async fn h31_completions_of_one_batch_queued_behind_each_other_beside_a_producer
     assert!(common::complete_default(&mut *tx, claimed[0]).await);
     let mut waiters = Vec::new();
     for (n, d) in claimed[1..].iter().copied().enumerate() {
-        let url = db.url.clone();
-        waiters.push(tokio::spawn(async move {
-            let mut conn = PgConnection::connect(&url).await?;
-            sqlx::query("SELECT * FROM lockgate.complete('default', $1, $2)")
-                .bind(vec![d.0])
-                .bind(vec![d.1])
-                .execute(&mut conn)
-                .await
-        }));
+        waiters.push(common::complete_apart(&db.url, vec![d]));
         wait_for_count(&db.pool, WAITING, n as i64 + 1, Duration::from_secs(10)).await.unwrap();
     }
     tx.commit().await.unwrap();
@@ -716,15 +686,7 @@ async fn h31_a_close_beside_producers_and_completions_never_deadlocks() {
         close(&mut conn, batch).await
     });
     wait_for_count(&db.pool, WAITING, 1, Duration::from_secs(10)).await.unwrap();
-    let url = db.url.clone();
-    let completer = tokio::spawn(async move {
-        let mut conn = PgConnection::connect(&url).await?;
-        sqlx::query("SELECT * FROM lockgate.complete('default', $1, $2)")
-            .bind(vec![y.0])
-            .bind(vec![y.1])
-            .execute(&mut conn)
-            .await
-    });
+    let completer = common::complete_apart(&db.url, vec![y]);
     wait_for_count(&db.pool, WAITING, 2, Duration::from_secs(10)).await.unwrap();
     holding.commit().await.unwrap();
     let next = tokio::spawn(async move {
@@ -756,16 +718,22 @@ async fn h31_a_close_beside_producers_and_completions_never_deadlocks() {
     let (committed, status) = next.await.unwrap();
     committed.unwrap();
     assert_eq!(status.unwrap(), "parked", "joined before the close; key a is full");
-    let deadlocks: i64 =
-        sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-    assert_eq!(deadlocks, 0);
+    assert_eq!(common::deadlocks(&db.pool).await, 0);
 }
 
-const WAITING: &str =
-    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
+const WAITING: &str = common::WAITING_FOR_A_LOCK;
+
+/// A session holding the batch row as a counting completion does, its transaction left open.
+async fn hold_batch_row(url: &str, batch: i64) -> PgConnection {
+    let mut conn = PgConnection::connect(url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+    sqlx::query("SELECT 1 FROM lockgate.batches WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(batch)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn
+}
 
 async fn define_lim(db: &PgPool) {
     sqlx::query("SELECT lockgate.define_job_type('lim', concurrency_limit => 1, concurrency_key => '{k}')")
@@ -811,19 +779,8 @@ async fn h31_the_reaper_and_a_completion_of_several_batches_lock_them_in_one_ord
         close(&db.pool, b).await.unwrap();
     }
     let claimed = claim_work(&db.pool).await;
-    let mut holder = PgConnection::connect(&db.url).await.unwrap();
-    let mut holding = holder.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM lockgate.batches WHERE id = $1 FOR NO KEY UPDATE")
-        .bind(lo)
-        .execute(&mut *holding)
-        .await
-        .unwrap();
-    let url = db.url.clone();
-    let completer = tokio::spawn(async move {
-        let mut conn = PgConnection::connect(&url).await?;
-        let (ids, cts): (Vec<i64>, Vec<i32>) = claimed.iter().map(|d| (d.0, d.1)).unzip();
-        sqlx::query("SELECT * FROM lockgate.complete('default', $1, $2)").bind(ids).bind(cts).execute(&mut conn).await
-    });
+    let mut holding = hold_batch_row(&db.url, lo).await;
+    let completer = common::complete_apart(&db.url, claimed);
     wait_for_count(&db.pool, WAITING, 1, Duration::from_secs(10)).await.unwrap();
     let url = db.url.clone();
     let reaper = tokio::spawn(async move {
@@ -831,7 +788,7 @@ async fn h31_the_reaper_and_a_completion_of_several_batches_lock_them_in_one_ord
         sqlx::query_scalar::<_, i32>("SELECT lockgate.reap_batches('0 seconds')").fetch_one(&mut conn).await
     });
     wait_for_count(&db.pool, WAITING, 2, Duration::from_secs(10)).await.unwrap();
-    holding.commit().await.unwrap();
+    sqlx::query("COMMIT").execute(&mut holding).await.unwrap();
     completer.await.unwrap().expect("the completion lands, no deadlock");
     assert_eq!(reaper.await.unwrap().expect("the reaper lands, no deadlock"), 2);
     for b in [lo, hi] {

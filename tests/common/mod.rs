@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use lockgate::{PgPool, PoolConfig, QueueName, Registry, Runtime, RuntimeConfig};
 use lockgate_testkit::TestDb;
+use sqlx::Connection;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -204,6 +205,38 @@ pub async fn rows_read(conn: &mut sqlx::PgConnection, table: &str) -> i64 {
     .expect("table statistics of this transaction")
 }
 
+/// How many sessions of the test's database wait for a lock (for `wait_for_count`).
+pub const WAITING_FOR_A_LOCK: &str =
+    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
+
+/// The deadlocks the server counted in the test's database, once its statistics are flushed.
+pub async fn deadlocks(db: &PgPool) -> i64 {
+    lockgate_testkit::wait_for("deadlock statistics", Duration::from_secs(5), || async {
+        let n: i64 = sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+            .fetch_one(db)
+            .await?;
+        Ok(Some(n))
+    })
+    .await
+    .expect("deadlock statistics")
+}
+
+/// `lockgate.complete` of `deliveries` of queue `default`, on a connection of its own, in a task:
+/// for a completion that is to wait for a lock while the test goes on.
+pub fn complete_apart(url: &str, deliveries: Vec<(i64, i32)>) -> JoinHandle<Result<(), sqlx::Error>> {
+    let url = url.to_string();
+    tokio::spawn(async move {
+        let mut conn = sqlx::PgConnection::connect(&url).await?;
+        let (ids, cts): (Vec<i64>, Vec<i32>) = deliveries.into_iter().unzip();
+        sqlx::query("SELECT * FROM lockgate.complete('default', $1, $2)")
+            .bind(ids)
+            .bind(cts)
+            .execute(&mut conn)
+            .await?;
+        Ok(())
+    })
+}
+
 /// `lockgate.complete` of one delivery `(msg_id, read_ct)` of queue `default`; whether it
 /// archived the message.
 pub async fn complete_default(db: impl sqlx::PgExecutor<'_>, d: (i64, i32)) -> bool {
@@ -231,11 +264,7 @@ pub async fn dead_letter_default(db: impl sqlx::PgExecutor<'_>, d: (i64, i32)) -
 /// connections has reached its blocking statement).
 pub async fn until_one_waits_for_a_lock(db: &PgPool) {
     lockgate_testkit::wait_for("a session to wait for a row lock", Duration::from_secs(10), || async {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(db)
-        .await?;
+        let waiting: i64 = sqlx::query_scalar(WAITING_FOR_A_LOCK).fetch_one(db).await?;
         Ok((waiting == 1).then_some(()))
     })
     .await
