@@ -161,16 +161,18 @@ BEGIN
     PERFORM 1 FROM lockgate.batches y
      WHERE y.id IN (SELECT DISTINCT x.id FROM unnest(batch_ids) AS x(id))
      ORDER BY y.id FOR NO KEY UPDATE;
-    WITH n AS (SELECT x.id, count(*) AS n FROM unnest(batch_ids) AS x(id) GROUP BY x.id)
-    UPDATE lockgate.batches b
-       SET succeeded = b.succeeded + CASE WHEN as_failed THEN 0 ELSE n.n END,
-           failed = b.failed + CASE WHEN as_failed THEN n.n ELSE 0 END,
-           updated_at = now()
-      FROM n
-     WHERE b.id = n.id;
-    FOR closed IN SELECT b.id FROM lockgate.batches b
-                   WHERE b.id IN (SELECT DISTINCT x.id FROM unnest(batch_ids) AS x(id)) AND b.state = 'closed'
-                   ORDER BY b.id LOOP
+    FOR closed IN
+        WITH n AS (SELECT x.id, count(*) AS n FROM unnest(batch_ids) AS x(id) GROUP BY x.id),
+        counted AS (
+            UPDATE lockgate.batches b
+               SET succeeded = b.succeeded + CASE WHEN as_failed THEN 0 ELSE n.n END,
+                   failed = b.failed + CASE WHEN as_failed THEN n.n ELSE 0 END,
+                   updated_at = now()
+              FROM n
+             WHERE b.id = n.id
+            RETURNING b.id, b.state)
+        SELECT c.id FROM counted c WHERE c.state = 'closed' ORDER BY c.id
+    LOOP
         PERFORM lockgate._finish_if_done(closed);
     END LOOP;
 END $$;
