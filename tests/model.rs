@@ -28,8 +28,12 @@
 //!   until_executed lock rows are exactly one per live `uniq` job, owned by it, and an enqueue
 //!   reports a duplicate exactly when a live job holds the key — so no stale or duplicate
 //!   completion, dead letter or release ever drops a successor's lock (G2, H14);
-//! - (j) the batch every job is enqueued into counts exactly the committed jobs, the archived
-//!   ones as succeeded and the dead-lettered ones as failed, at every commit (G2, H22);
+//! - (j) the batch every job is enqueued into until a step closes it counts exactly the committed
+//!   jobs enqueued into it, the archived ones as succeeded and the dead-lettered ones as failed,
+//!   at every commit (G2, H22); it is finished exactly when it is closed and each of them has a
+//!   fate (only the batch sweep may finish one whose close met an open enqueue that then added
+//!   nothing), its on_finish callback enqueued once; a close never waits for an open enqueue
+//!   into the batch (H31);
 //! - (k) per while_executing key (type `wexec`: unique while executing, duplicates rejected), at
 //!   most one delivery is entitled to run at any instant (G3, H14);
 //! - (l) the while_executing lock rows are exactly those the model expects: one per key whose
@@ -68,7 +72,7 @@ use std::collections::BTreeMap;
 use std::hash::{BuildHasher, Hasher};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use lockgate_testkit::TestDb;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
 use serde_json::json;
@@ -126,10 +130,10 @@ impl Run<'_> {
                     sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
                         .bind(ty.name())
                         .bind(json!({ "k": k }))
-                        .bind(db::enqueue_options(self.api))
+                        .bind(db::enqueue_options(self.api, !self.model.batch.closed))
                         .fetch_all(&mut self.c.producer)
                         .await?;
-                self.enqueued(*ty, &[*k], &rows)
+                self.enqueued(*ty, &[*k], &rows, !self.model.batch.closed)
             }
             Op::EnqueueMany { ty, ks } => {
                 let args: Vec<serde_json::Value> = ks.iter().map(|k| json!({ "k": k })).collect();
@@ -137,10 +141,10 @@ impl Run<'_> {
                     sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue_many($1, $2, $3)")
                         .bind(ty.name())
                         .bind(args)
-                        .bind(db::enqueue_options(self.api))
+                        .bind(db::enqueue_options(self.api, !self.model.batch.closed))
                         .fetch_all(&mut self.c.producer)
                         .await?;
-                self.enqueued(*ty, ks, &rows)
+                self.enqueued(*ty, ks, &rows, !self.model.batch.closed)
             }
             Op::EnqueueRolledBack { ty, k } => {
                 let mut tx = self.c.producer.begin().await?;
@@ -148,7 +152,7 @@ impl Run<'_> {
                     sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
                         .bind(ty.name())
                         .bind(json!({ "k": k }))
-                        .bind(db::enqueue_options(self.api))
+                        .bind(db::enqueue_options(self.api, !self.model.batch.closed))
                         .fetch_one(&mut *tx)
                         .await?;
                 // A duplicate's job_id names the live job holding the key: nothing of this
@@ -194,7 +198,19 @@ impl Run<'_> {
                 self.finish(i, *how).await
             }
             Op::Stale { pick, action } => self.stale(*pick, *action).await,
-            Op::Sweep => db::sweep(&mut self.c.dispatcher).await,
+            Op::Sweep => {
+                let mut said = db::sweep(&mut self.c.dispatcher).await?;
+                if self.api.bookkeeping {
+                    let finished: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()")
+                        .fetch_one(&mut self.c.dispatcher)
+                        .await
+                        .context("lockgate.batch_sweep")?;
+                    self.model.batch.left_to_sweep = false;
+                    said.push_str(&format!("; batch sweep: {finished}"));
+                }
+                Ok(said)
+            }
+            Op::Close { during } => self.close(*during).await,
             Op::Prune { worker } => self.prune(*worker).await,
             Op::LapseLease { pick } => {
                 // Leases still live on messages that are visible (jobs waiting in a backlog), or
@@ -293,8 +309,80 @@ impl Run<'_> {
         }
     }
 
-    /// Records the jobs an enqueue of `ty` with keys `ks` (in argument order) returned.
-    fn enqueued(&mut self, ty: Ty, ks: &[u8], rows: &[(Option<i64>, i64, String)]) -> Result<String> {
+    /// `lockgate.close_batch` of the case's batch; with `during`, while an enqueue of (type, k)
+    /// into it is open on the producer connection, which then commits (true) or rolls back. The
+    /// close must not wait for that enqueue (H31) and cannot finish the batch while it is open;
+    /// the enqueue's job, committed, counts in the batch, and once every job of the batch has a
+    /// fate with none left to count, only the batch sweep finishes it.
+    async fn close(&mut self, during: Option<(Ty, u8, bool)>) -> Result<String> {
+        if !self.api.bookkeeping {
+            return Ok("no batches in this schema: nothing to do".into());
+        }
+        let close = "SELECT lockgate.close_batch($1)";
+        if self.model.batch.closed {
+            let refused = sqlx::query_scalar::<_, String>(close).bind(db::BATCH).fetch_one(&mut self.c.producer).await;
+            return match refused {
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("LG003") => Ok(format!("refused: {e}")),
+                other => bail!("closing a closed batch answered {other:?}, not an LG003 error"),
+            };
+        }
+        let Some((ty, k, commit)) = during else {
+            let state: String = sqlx::query_scalar(close).bind(db::BATCH).fetch_one(&mut self.c.producer).await?;
+            self.model.batch.closed = true;
+            let expected = if self.model.batch_counted() { "finished" } else { "closed" };
+            if state != expected {
+                bail!("(j) close_batch returned {state}, expected {expected}");
+            }
+            *self
+                .stats
+                .entry(if state == "finished" {
+                    "batch finished by its close"
+                } else {
+                    "batch closed with jobs to count"
+                })
+                .or_default() += 1;
+            return Ok(state);
+        };
+        let mut tx = self.c.producer.begin().await?;
+        let (msg_id, job_id, status): (Option<i64>, i64, String) =
+            sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
+                .bind(ty.name())
+                .bind(json!({ "k": k }))
+                .bind(db::enqueue_options(self.api, true))
+                .fetch_one(&mut *tx)
+                .await?;
+        let closing = sqlx::query_scalar::<_, String>(close).bind(db::BATCH).fetch_one(&mut self.c.dispatcher);
+        let state = match tokio::time::timeout(Duration::from_secs(10), closing).await {
+            Ok(state) => state?,
+            Err(_) => bail!("(j) close_batch waited for an open enqueue into the batch (H31)"),
+        };
+        self.model.batch.closed = true;
+        let rows = [(msg_id, job_id, status.clone())];
+        let said = if commit {
+            tx.commit().await?;
+            self.enqueued(ty, &[k], &rows, true)?
+        } else {
+            tx.rollback().await?;
+            if status == "duplicate" {
+                self.check_duplicate(ty, k, job_id)?;
+            } else {
+                self.model.rolled_back.insert(job_id);
+            }
+            format!("job {job_id} {status} (msg {msg_id:?}), rolled back")
+        };
+        self.model.batch.left_to_sweep = self.model.batch_counted();
+        if self.model.batch.left_to_sweep {
+            *self.stats.entry("batch left to the batch sweep").or_default() += 1;
+        }
+        if state != "closed" {
+            bail!("(j) close_batch returned {state} while an enqueue into the batch was open");
+        }
+        Ok(format!("closed during an enqueue ({said})"))
+    }
+
+    /// Records the jobs an enqueue of `ty` with keys `ks` (in argument order) returned, into the
+    /// case's batch or not.
+    fn enqueued(&mut self, ty: Ty, ks: &[u8], rows: &[(Option<i64>, i64, String)], in_batch: bool) -> Result<String> {
         let mut said = Vec::new();
         for ((msg_id, job_id, status), k) in rows.iter().zip(ks) {
             match status.as_str() {
@@ -306,7 +394,9 @@ impl Run<'_> {
                         self.model.unique.insert(*job_id, key);
                     }
                     self.model.jobs.insert(*job_id, Fate::Live);
-                    self.model.batch_total += 1;
+                    if in_batch && self.api.bookkeeping {
+                        self.model.batch_jobs.insert(*job_id);
+                    }
                 }
                 "duplicate" => self.check_duplicate(ty, *k, *job_id)?,
                 other => bail!("enqueue of a blocking type returned status {other} for job {job_id}"),
@@ -1239,6 +1329,65 @@ fn h14_model_a_stale_delivery_never_releases_a_successors_unique_lock_or_counts_
             ],
         ),
     )]);
+}
+
+/// Issue 11 (G2, H22, H31): a batch finishes exactly when it is closed and every job enqueued
+/// into it has a fate, its callback enqueued once; a close never waits for an enqueue into the
+/// batch, and when that enqueue adds nothing after all, the batch sweep finishes the batch.
+#[test]
+fn h22_model_a_closed_batch_finishes_once_when_its_last_job_is_counted() {
+    const FREE0: Op = Op::Enqueue { ty: Ty::Free, k: 0 };
+    replay_known_schedules(vec![
+        (
+            "two jobs; the batch is closed; one completes, one is dead-lettered: the second finishes it;              a later job goes outside the batch; closing again is refused",
+            schedule(
+                1,
+                vec![
+                    FREE0,
+                    FREE0,
+                    Op::Close { during: None },
+                    claim(0),
+                    Op::Finish { pick: 0, how: Finish::Complete },
+                    claim(1),
+                    Op::Finish { pick: 0, how: Finish::DeadLetter },
+                    FREE0,
+                    Op::Close { during: None },
+                ],
+            ),
+        ),
+        (
+            "a job is dead-lettered, then the batch is closed: the close finishes it",
+            schedule(
+                1,
+                vec![FREE0, claim(0), Op::Finish { pick: 0, how: Finish::DeadLetter }, Op::Close { during: None }],
+            ),
+        ),
+        (
+            "a job completes; the batch is closed while an enqueue into it is open, which rolls back: only              the batch sweep can finish it",
+            schedule(
+                1,
+                vec![
+                    FREE0,
+                    claim(0),
+                    Op::Finish { pick: 0, how: Finish::Complete },
+                    Op::Close { during: Some((Ty::Lim, 0, false)) },
+                    Op::Sweep,
+                ],
+            ),
+        ),
+        (
+            "the batch is closed while an enqueue into it is open, which commits: its job counts, and its              completion finishes the batch",
+            schedule(
+                1,
+                vec![
+                    Op::Close { during: Some((Ty::Uniq, 1, true)) },
+                    Op::Sweep,
+                    claim(0),
+                    Op::Finish { pick: 0, how: Finish::Complete },
+                ],
+            ),
+        ),
+    ]);
 }
 
 /// Issue 12 (G3): a cancel does not stop a running handler; its worker learns of it at its next

@@ -235,16 +235,18 @@ pub async fn define(conn: &mut PgConnection, api: Api, ty: Ty, limit: Option<u32
     Ok(())
 }
 
-/// The enqueue options of every job: into the run's batch, where batches exist.
-pub fn enqueue_options(api: Api) -> Value {
-    if api.bookkeeping {
+/// The enqueue options of every job: into the run's batch, where batches exist, while it is open.
+pub fn enqueue_options(api: Api, batch_open: bool) -> Value {
+    if api.bookkeeping && batch_open {
         serde_json::json!({ "batch": BATCH })
     } else {
         serde_json::json!({})
     }
 }
 
-/// The one batch every job of a case goes into (the first id after the reset), left open.
+/// The one batch every job of a case goes into (the first id after the reset) until a step
+/// closes it. Its on_finish callback is of type `fin`, on a queue of its own (`cb`) that no step
+/// claims from, so each enqueue of it stays there to be counted.
 pub const BATCH: i64 = 1;
 
 pub async fn register(conn: &mut PgConnection, worker: usize) -> Result<i64> {
@@ -270,8 +272,9 @@ pub async fn reset(conn: &mut PgConnection, api: Api) -> Result<()> {
     .context("resetting the database between cases")?;
     if api.bookkeeping {
         sqlx::raw_sql(
-            "TRUNCATE lockgate.unique_locks, lockgate.batch_jobs, lockgate.batches RESTART IDENTITY;
-             SELECT lockgate.create_batch();",
+            "SELECT lockgate.define_job_type('fin', queue => 'cb');
+             TRUNCATE pgmq.q_cb, pgmq.a_cb, lockgate.unique_locks, lockgate.batch_jobs, lockgate.batches RESTART IDENTITY;
+             SELECT lockgate.create_batch(on_finish => 'fin');",
         )
         .execute(&mut *conn)
         .await
@@ -353,6 +356,9 @@ pub struct State {
     pub wexec_locks: Vec<(String, i64, Option<bool>)>,
     /// The case's batch: (total, succeeded, failed).
     pub batch: Option<(i64, i64, i64)>,
+    pub batch_state: Option<String>,
+    /// Messages of the batch's callback type, waiting or archived.
+    pub batch_callbacks: i64,
 }
 
 impl State {
@@ -405,10 +411,19 @@ impl State {
             )
             .fetch_all(&mut *tx)
             .await?;
-            state.batch = sqlx::query_as("SELECT total, succeeded, failed FROM lockgate.batch($1)")
-                .bind(BATCH)
-                .fetch_optional(&mut *tx)
-                .await?;
+            let batch: Option<(i64, i64, i64, String)> =
+                sqlx::query_as("SELECT total, succeeded, failed, state FROM lockgate.batch($1)")
+                    .bind(BATCH)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            state.batch = batch.as_ref().map(|b| (b.0, b.1, b.2));
+            state.batch_state = batch.map(|b| b.3);
+            state.batch_callbacks = sqlx::query_scalar(
+                "SELECT (SELECT count(*) FROM pgmq.q_cb WHERE headers->>'type' = 'fin')
+                      + (SELECT count(*) FROM pgmq.a_cb WHERE headers->>'type' = 'fin')",
+            )
+            .fetch_one(&mut *tx)
+            .await?;
         }
         tx.rollback().await?;
         Ok(state)

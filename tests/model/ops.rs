@@ -150,6 +150,10 @@ pub enum Op {
     /// running job's holder is not told: it runs on until a heartbeat, a refused finish or its
     /// budget stops it.
     Cancel { pick: usize },
+    /// `lockgate.close_batch` of the case's batch: later enqueues go outside it. With `during`
+    /// (type, k, commit), while an enqueue of that job into the batch is open on the producer
+    /// connection, which then commits or rolls back.
+    Close { during: Option<(Ty, u8, bool)> },
 }
 
 /// One generated case: the initial limits of `lim` and `limb`, and the schedule.
@@ -183,6 +187,8 @@ impl Op {
             Op::Silence { .. } => "holder silent",
             Op::Redefine { .. } => "redefine limit",
             Op::Cancel { .. } => "cancel",
+            Op::Close { during: None } => "close batch",
+            Op::Close { during: Some(_) } => "close batch during an enqueue",
         }
     }
 }
@@ -210,6 +216,13 @@ impl fmt::Display for Op {
             Op::Silence { pick } => write!(f, "clock: holder of running delivery #{pick} silent past its budget"),
             Op::Redefine { ty, limit } => write!(f, "redefine {} with limit {limit}", ty.name()),
             Op::Cancel { pick } => write!(f, "cancel live job #{pick}"),
+            Op::Close { during: None } => write!(f, "close the batch"),
+            Op::Close { during: Some((ty, k, commit)) } => write!(
+                f,
+                "close the batch while an enqueue of {} {{k:{k}}} into it is open, then {}",
+                ty.name(),
+                if *commit { "commit it" } else { "roll it back" }
+            ),
         }
     }
 }
@@ -261,6 +274,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..8usize).prop_map(|pick| Op::Silence { pick }),
         1 => (ty(), 1..=3u32).prop_map(|(ty, limit)| Op::Redefine { ty, limit }),
         2 => (0..8usize).prop_map(|pick| Op::Cancel { pick }),
+        1 => proptest::option::of((ty(), 0..2u8, any::<bool>())).prop_map(|during| Op::Close { during }),
     ]
 }
 

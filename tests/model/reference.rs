@@ -98,6 +98,17 @@ pub struct WLock {
     pub lapsed: bool,
 }
 
+/// What the model expects of the case's batch beyond its counts.
+#[derive(Debug, Default)]
+pub struct BatchModel {
+    /// `lockgate.close_batch` committed: enqueues after it go outside the batch.
+    pub closed: bool,
+    /// Closed with every job counted while an enqueue still shared the batch row, which then
+    /// added nothing (rolled back, or a duplicate): no completion is left to finish it, and only
+    /// the batch sweep may.
+    pub left_to_sweep: bool,
+}
+
 #[derive(Debug, Default)]
 pub struct Model {
     pub limits: BTreeMap<Ty, u32>,
@@ -119,13 +130,30 @@ pub struct Model {
     pub bookkeeping: bool,
     /// The unique key of each committed job of a unique type.
     pub unique: BTreeMap<i64, String>,
-    /// Committed jobs enqueued into the case's batch.
-    pub batch_total: i64,
+    /// The case's batch: the committed jobs enqueued into it (while it was open).
+    pub batch_jobs: BTreeSet<i64>,
+    pub batch: BatchModel,
     /// The while_executing locks, by key.
     pub wlocks: BTreeMap<String, WLock>,
 }
 
 impl Model {
+    /// Every job enqueued into the batch has a fate: none is live.
+    pub fn batch_counted(&self) -> bool {
+        self.batch_jobs.iter().all(|j| self.jobs.get(j) != Some(&Fate::Live))
+    }
+
+    /// The state the case's batch must be in.
+    pub fn batch_state(&self) -> &'static str {
+        if !self.batch.closed {
+            "open"
+        } else if self.batch_counted() && !self.batch.left_to_sweep {
+            "finished"
+        } else {
+            "closed"
+        }
+    }
+
     /// Indices of running deliveries, in claim order.
     pub fn running(&self) -> Vec<usize> {
         (0..self.deliveries.len()).filter(|&i| self.deliveries[i].holder == Holder::Running).collect()
@@ -449,13 +477,29 @@ impl Model {
             }
         }
 
-        // (j) G2/H22: the batch counts every committed job once, by its fate.
+        // (j) G2/H22: the batch counts every committed job enqueued into it once, by its fate;
+        // it finishes exactly when it is closed and every one of them has a fate (the batch
+        // sweep finishing one that no completion could), and its callback is enqueued once then.
         if checks.on('j') && self.bookkeeping {
-            let count = |fate: Fate| self.jobs.values().filter(|f| **f == fate).count() as i64;
-            let expected =
-                (self.batch_total, count(Fate::Archived), count(Fate::DeadLettered) + count(Fate::Cancelled));
+            let count = |fate: Fate| self.batch_jobs.iter().filter(|j| self.jobs.get(*j) == Some(&fate)).count() as i64;
+            let expected = (
+                self.batch_jobs.len() as i64,
+                count(Fate::Archived),
+                count(Fate::DeadLettered) + count(Fate::Cancelled),
+            );
             if st.batch != Some(expected) {
                 out.push(format!("(j) batch (total, succeeded, failed) is {:?}, expected {expected:?}", st.batch));
+            }
+            let state = self.batch_state();
+            if st.batch_state.as_deref() != Some(state) {
+                out.push(format!("(j) batch state is {:?}, expected {state}", st.batch_state));
+            }
+            let callbacks = i64::from(state == "finished");
+            if st.batch_callbacks != callbacks {
+                out.push(format!(
+                    "(j) the batch's callback was enqueued {} times, expected {callbacks}",
+                    st.batch_callbacks
+                ));
             }
         }
 
