@@ -68,6 +68,7 @@ BEGIN
         PERFORM setval('lockgate.job_id_seq', top);
     END IF;
     INSERT INTO lockgate.queues (name) VALUES (queue) ON CONFLICT DO NOTHING;
+    PERFORM lockgate._install_claim_steps(queue);
 END $$;
 
 -- Pauses a queue: every claim skips it from the next statement on (running jobs finish, their

@@ -1,3 +1,71 @@
+-- A queue's claim steps, generated with its table's name written in (docs/design.md §54):
+-- lockgate._claim_probe_<queue>(after, at), the next priority after `after` holding a message
+-- visible at `at` (NULL: none), and lockgate._claim_take_<queue>(qty, vt_seconds, owner, at,
+-- priority, queue, start_now), which claims up to qty of that priority's visible messages. A
+-- statement on a table named at run time is dynamic SQL, planned at every call, and planning
+-- the claim statement cost more than running it; in a function of its own, PL/pgSQL plans it
+-- once per session. Written by lockgate.create_queue, again for every queue each time the
+-- functions are installed (the end of this file), and by a claim that finds them missing.
+-- Locks: none (catalog rows). Callers: create_queue, migrate, lockgate.claim.
+CREATE OR REPLACE FUNCTION lockgate._install_claim_steps(queue text)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    tbl text := lockgate._queue_table(queue, 'q');
+BEGIN
+    -- A LATERAL probe with its own LIMIT: the planner cannot turn it into a semi-join over the
+    -- whole table, as it may an EXISTS when most messages are visible. Ordered as the claim
+    -- index is, so it is always that index's probe: unordered, with statistics saying most
+    -- messages are visible at that priority (taken during a burst that is now in flight), a
+    -- sequential scan looked as cheap for LIMIT 1 and read the whole queue once per priority.
+    EXECUTE format($f$
+        CREATE OR REPLACE FUNCTION lockgate.%1$I(integer, timestamptz)
+        RETURNS integer LANGUAGE plpgsql AS $body$
+        BEGIN
+            RETURN (SELECT p FROM generate_series($1 + 1, 9) p
+                     CROSS JOIN LATERAL (SELECT 1 FROM %2$s m
+                                          WHERE COALESCE((m.headers->>'priority')::smallint, 0) = p AND m.vt <= $2
+                                          ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt
+                                          LIMIT 1) visible
+                     LIMIT 1);
+        END $body$ $f$, '_claim_probe_' || queue, tbl);
+    -- Messages of one priority, visible longest first, then oldest, skipping rows other
+    -- claimers hold; the first start_now of them (NULL: all) start now, the others are claimed
+    -- ahead. limited: the message carries a concurrency key; unconfirmed: its last delivery was
+    -- claimed ahead and never started; lease_end: its lease's end as the statement's snapshot
+    -- read it.
+    EXECUTE format($f$
+        CREATE OR REPLACE FUNCTION lockgate.%1$I(integer, double precision, bigint, timestamptz, integer, text, integer)
+        RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
+                       vt timestamptz, ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)
+        LANGUAGE plpgsql AS $body$
+        #variable_conflict use_column
+        BEGIN
+            RETURN QUERY
+            WITH next AS (
+                 SELECT m.msg_id, m.vt AS was, jsonb_typeof(m.headers) = 'object' AND m.headers ? 'ckey' AS limited,
+                        m.read_ct > 0 AND m.last_read_at IS NULL AS unconfirmed
+                   FROM %2$s m
+                  WHERE COALESCE((m.headers->>'priority')::smallint, 0) = $5 AND m.vt <= $4
+                  ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt, m.msg_id
+                  LIMIT $1
+                    FOR UPDATE SKIP LOCKED),
+             ranked AS (SELECT next.*, row_number() OVER (ORDER BY next.was, next.msg_id) AS rn FROM next)
+             UPDATE %2$s m
+                SET vt = clock_timestamp() + make_interval(secs => $2),
+                    read_ct = m.read_ct + 1,
+                    last_read_at = CASE WHEN ranked.rn > $7 THEN NULL ELSE clock_timestamp() END,
+                    headers = CASE WHEN jsonb_typeof(m.headers) <> 'object' THEN m.headers
+                                   WHEN $3 IS NULL THEN m.headers - 'retry_at'
+                                   ELSE m.headers - 'retry_at' || jsonb_build_object('owner', $3) END
+               FROM ranked
+              WHERE m.msg_id = ranked.msg_id
+             RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, m.vt, m.last_read_at IS NULL,
+                       ranked.limited, ranked.unconfirmed,
+                       CASE WHEN ranked.limited THEN (SELECT l.expires_at FROM lockgate.leases l
+                                                     WHERE l.queue = $6 AND l.msg_id = m.msg_id) END;
+        END $body$ $f$, '_claim_take_' || queue, tbl);
+END $$;
+
 -- Claim: take up to qty visible messages of a queue, lowest priority value first, then the one
 -- visible longest (its scheduled time, or its retry time), then the oldest, making them
 -- invisible for vt_seconds and incrementing read_ct. Each returned row is one delivery;
@@ -19,6 +87,7 @@
 -- A small statement finds the next priority holding a visible message (one index probe per
 -- priority, stopping at the first), and the claim statement claims from it; with every job at
 -- one priority, a full claim is those two statements, and a claim that finds nothing is one.
+-- Both are the queue's claim steps (above), planned once per session.
 --
 -- Locks, in the order every path keeps (docs/design.md, "Lock order"): the claimed message rows
 -- (FOR UPDATE SKIP LOCKED: concurrent claimers never wait or collide), then their lease rows
@@ -50,6 +119,10 @@ RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message 
 LANGUAGE plpgsql AS $$
 DECLARE
     tbl text := lockgate._queue_table(queue, 'q');
+    -- The queue's claim steps (lockgate._install_claim_steps), called through statements that
+    -- are cheap to plan: the steps' own statements are planned once per session.
+    probe text := format('SELECT lockgate.%I($1, $2)', '_claim_probe_' || queue);
+    take text := format('SELECT * FROM lockgate.%I($1, $2, $3, $4, $5, $6, $7)', '_claim_take_' || queue);
     r record;
     -- The priority claimed from last; each statement takes the next one holding a visible message.
     after integer := -1;
@@ -82,51 +155,21 @@ BEGIN
     IF (SELECT q.paused_at FROM lockgate.queues q WHERE q.name = claim.queue) IS NOT NULL THEN
         RETURN;
     END IF;
+    -- Missing only for a queue whose table was made again behind lockgate's back: written once,
+    -- under create_queue's lock.
+    IF to_regproc(format('lockgate.%I', '_claim_take_' || queue)) IS NULL THEN
+        PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
+        PERFORM lockgate._install_claim_steps(queue);
+    END IF;
     SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
       FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;
     WHILE left_to_claim > 0 AND after < 9 LOOP
-        -- The next priority holding a visible message: a statement of its own, small to plan, so
-        -- that an idle worker's claim (most claims, when workers outnumber jobs) ends here. A
-        -- LATERAL probe with its own LIMIT: the planner cannot turn it into a semi-join over the
-        -- whole table, as it may an EXISTS when most messages are visible. Ordered as the claim
-        -- index is, so it is always that index's probe: unordered, with statistics saying most
-        -- messages are visible at that priority (taken during a burst that is now in flight), a
-        -- sequential scan looked as cheap for LIMIT 1 and read the whole queue once per priority.
-        EXECUTE format(
-            'SELECT p FROM generate_series($1 + 1, 9) p
-              CROSS JOIN LATERAL (SELECT 1 FROM %s m
-                                   WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = p AND m.vt <= $2
-                                   ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0), m.vt
-                                   LIMIT 1) visible
-              LIMIT 1', tbl)
-          INTO best USING after, at;
+        -- The next priority holding a visible message (the queue's probe step), so that an idle
+        -- worker's claim (most claims, when workers outnumber jobs) ends here.
+        EXECUTE probe INTO best USING after, at;
         EXIT WHEN best IS NULL;
         after := best;
-        FOR r IN EXECUTE format(
-            'WITH next AS (
-                 SELECT m.msg_id, m.vt AS was, jsonb_typeof(m.headers) = ''object'' AND m.headers ? ''ckey'' AS limited,
-                        m.read_ct > 0 AND m.last_read_at IS NULL AS unconfirmed
-                   FROM %1$s m
-                  WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = $5 AND m.vt <= $4
-                  ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0), m.vt, m.msg_id
-                  LIMIT $1
-                    FOR UPDATE SKIP LOCKED),
-             ranked AS (SELECT next.*, row_number() OVER (ORDER BY next.was, next.msg_id) AS rn FROM next)
-             UPDATE %1$s m
-                SET vt = clock_timestamp() + make_interval(secs => $2),
-                    read_ct = m.read_ct + 1,
-                    last_read_at = CASE WHEN ranked.rn > $7 THEN NULL ELSE clock_timestamp() END,
-                    headers = CASE WHEN jsonb_typeof(m.headers) <> ''object'' THEN m.headers
-                                   WHEN $3 IS NULL THEN m.headers - ''retry_at''
-                                   ELSE m.headers - ''retry_at'' || jsonb_build_object(''owner'', $3) END
-               FROM ranked
-              WHERE m.msg_id = ranked.msg_id
-             RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, m.vt, m.last_read_at IS NULL AS ahead,
-                       ranked.limited, ranked.unconfirmed,
-                       CASE WHEN ranked.limited THEN (SELECT l.expires_at FROM lockgate.leases l
-                                                     WHERE l.queue = $6 AND l.msg_id = m.msg_id) END AS lease_end',
-            tbl)
-          USING left_to_claim, vt_seconds, owner, at, best, queue, start_now - (qty - left_to_claim)
+        FOR r IN EXECUTE take USING left_to_claim, vt_seconds, owner, at, best, queue, start_now - (qty - left_to_claim)
         LOOP
             left_to_claim := left_to_claim - 1;
             -- Checked here, not in the statement: a statement run by EXECUTE is planned at every
@@ -495,3 +538,7 @@ BEGIN
         got := got + n;
     END LOOP;
 END $$;
+
+-- Every queue's claim steps, written again with each install of these functions (a queue
+-- whose table was dropped behind lockgate's back has none: it cannot be claimed from).
+SELECT lockgate._install_claim_steps(q) FROM lockgate._live_queues() q;

@@ -161,3 +161,45 @@ async fn a_claim_across_queues_takes_them_in_order_for_what_is_left() {
     let missing = vec![common::queue("first"), common::queue("nowhere")];
     assert!(lockgate::sql::claim_queues(&db.pool, &missing, 10, Duration::from_secs(30), None, None).await.is_err());
 }
+
+/// Issue 14 (docs/design.md §54): a queue's claim statements live in functions generated for
+/// it. A queue with the longest name allowed gets functions of its own (no identifier cut short
+/// into another queue's), and a claim on a queue whose functions are gone writes them again.
+#[tokio::test]
+async fn each_queue_claims_through_steps_of_its_own_written_again_when_missing() {
+    let db = TestDb::migrated().await.unwrap();
+    // Two names of the longest length a queue may have, alike but for their last letter.
+    let (long, twin) = (format!("q{}a", "x".repeat(45)), format!("q{}b", "x".repeat(45)));
+    assert_eq!((long.len(), twin.len()), (47, 47));
+    for (ty, queue) in [("on_long", &long), ("on_twin", &twin)] {
+        sqlx::query("SELECT lockgate.define_job_type($1, queue => $2)")
+            .bind(ty)
+            .bind(queue)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        sqlx::query("SELECT * FROM lockgate.enqueue($1, '{}')").bind(ty).execute(&db.pool).await.unwrap();
+    }
+    let steps: Vec<String> = sqlx::query_scalar(
+        "SELECT proname::text FROM pg_proc WHERE pronamespace = 'lockgate'::regnamespace
+            AND proname LIKE '\\_claim\\_%' AND (proname LIKE '%' || $1 OR proname LIKE '%' || $2) ORDER BY 1",
+    )
+    .bind(&long)
+    .bind(&twin)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(steps.len(), 4, "a probe and a take step per queue, named in full: {steps:?}");
+    sqlx::raw_sql(&format!("DROP FUNCTION lockgate._claim_probe_{long}; DROP FUNCTION lockgate._claim_take_{long}"))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    for (ty, queue) in [("on_long", &long), ("on_twin", &twin)] {
+        let types: Vec<String> = sqlx::query_scalar("SELECT headers->>'type' FROM lockgate.claim($1, 10, 30)")
+            .bind(queue)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(types, vec![ty.to_string()], "queue {queue} claims its own job");
+    }
+}
