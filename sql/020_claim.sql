@@ -5,20 +5,37 @@
 -- statement on a table named at run time is dynamic SQL, planned at every call, and planning
 -- the claim statement cost more than running it; in a function of its own, PL/pgSQL plans it
 -- once per session. Written by lockgate.create_queue, again for every queue each time the
--- functions are installed (the end of this file), and by a claim that finds them missing.
--- Locks: none (catalog rows). Callers: create_queue, migrate, lockgate.claim.
-CREATE OR REPLACE FUNCTION lockgate._install_claim_steps(queue text)
-RETURNS void LANGUAGE plpgsql AS $$
+-- functions are installed (the end of this file; every_time true), and by a claim that finds
+-- them missing (every_time false: written only if still missing once the lock is held).
+-- SECURITY DEFINER: the steps belong to the role that installed lockgate's functions (the one
+-- that runs migrate), whoever creates the queue or claims, so that no other role needs CREATE
+-- on schema lockgate, a later migrate may replace them, and no role can own, in advance, a
+-- function a claim will call. Each is dropped and created again, so a step left by anyone else
+-- (or with another result type) is never kept. Locks: create_queue's advisory lock on the queue
+-- name (migrate, create_queue and a claim writing them take turns), then catalog rows.
+-- Callers: create_queue, migrate, lockgate.claim.
+CREATE OR REPLACE FUNCTION lockgate._install_claim_steps(queue text, every_time boolean DEFAULT true)
+RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
     tbl text := lockgate._queue_table(queue, 'q');
+    probe text := format('lockgate.%I(integer, timestamptz)', '_claim_probe_' || queue);
+    take text := format('lockgate.%I(integer, double precision, bigint, timestamptz, integer, text, integer)',
+                        '_claim_take_' || queue);
 BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
+    IF NOT every_time AND EXISTS (SELECT 1 FROM pg_proc p WHERE p.oid = to_regprocedure(probe))
+                      AND EXISTS (SELECT 1 FROM pg_proc p WHERE p.oid = to_regprocedure(take)) THEN
+        RETURN;
+    END IF;
+    EXECUTE 'DROP FUNCTION IF EXISTS ' || probe;
+    EXECUTE 'DROP FUNCTION IF EXISTS ' || take;
     -- A LATERAL probe with its own LIMIT: the planner cannot turn it into a semi-join over the
     -- whole table, as it may an EXISTS when most messages are visible. Ordered as the claim
     -- index is, so it is always that index's probe: unordered, with statistics saying most
     -- messages are visible at that priority (taken during a burst that is now in flight), a
     -- sequential scan looked as cheap for LIMIT 1 and read the whole queue once per priority.
     EXECUTE format($f$
-        CREATE OR REPLACE FUNCTION lockgate.%1$I(integer, timestamptz)
+        CREATE FUNCTION lockgate.%1$I(integer, timestamptz)
         RETURNS integer LANGUAGE plpgsql AS $body$
         BEGIN
             RETURN (SELECT p FROM generate_series($1 + 1, 9) p
@@ -32,12 +49,15 @@ BEGIN
     -- claimers hold; the first start_now of them (NULL: all) start now, the others are claimed
     -- ahead. limited: the message carries a concurrency key; unconfirmed: its last delivery was
     -- claimed ahead and never started; lease_end: its lease's end as the statement's snapshot
-    -- read it.
+    -- read it. Hash and merge joins off: the plan kept for the session may be the generic one,
+    -- which knows no qty; guessing a large one, it joined the taken rows back to the table
+    -- through a sequential scan of the whole queue, and kept doing so for every later claim.
+    -- Joined by primary key lookups, a claim reads what it takes.
     EXECUTE format($f$
-        CREATE OR REPLACE FUNCTION lockgate.%1$I(integer, double precision, bigint, timestamptz, integer, text, integer)
+        CREATE FUNCTION lockgate.%1$I(integer, double precision, bigint, timestamptz, integer, text, integer)
         RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
                        vt timestamptz, ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)
-        LANGUAGE plpgsql AS $body$
+        LANGUAGE plpgsql SET enable_hashjoin = off SET enable_mergejoin = off AS $body$
         #variable_conflict use_column
         BEGIN
             RETURN QUERY
@@ -155,11 +175,12 @@ BEGIN
     IF (SELECT q.paused_at FROM lockgate.queues q WHERE q.name = claim.queue) IS NOT NULL THEN
         RETURN;
     END IF;
-    -- Missing only for a queue whose table was made again behind lockgate's back: written once,
-    -- under create_queue's lock.
-    IF to_regproc(format('lockgate.%I', '_claim_take_' || queue)) IS NULL THEN
-        PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
-        PERFORM lockgate._install_claim_steps(queue);
+    -- Missing only for a queue whose table was made again behind lockgate's back (or whose
+    -- steps someone dropped): written once, under create_queue's lock.
+    IF to_regprocedure(format('lockgate.%I(integer, timestamptz)', '_claim_probe_' || queue)) IS NULL
+       OR to_regprocedure(format('lockgate.%I(integer, double precision, bigint, timestamptz, integer, text, integer)',
+                                 '_claim_take_' || queue)) IS NULL THEN
+        PERFORM lockgate._install_claim_steps(queue, false);
     END IF;
     SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
       FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;

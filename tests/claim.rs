@@ -162,6 +162,30 @@ async fn a_claim_across_queues_takes_them_in_order_for_what_is_left() {
     assert!(lockgate::sql::claim_queues(&db.pool, &missing, 10, Duration::from_secs(30), None, None).await.is_err());
 }
 
+/// Issue 14 (docs/design.md §54): a session keeps the plan of its claim statements, and after
+/// five calls that may be the generic plan, made without knowing how many a claim asks for.
+/// Guessing a large claim, it joined the taken rows back to the queue through a sequential scan,
+/// and every later claim of that session read the whole queue, even one that takes ten.
+#[tokio::test]
+async fn a_session_whose_claims_were_large_still_reads_only_what_a_small_claim_takes() {
+    let (db, client) = setup().await;
+    for _ in 0..30 {
+        enqueue(&client, 1_000, &EnqueueOptions::default()).await;
+    }
+    sqlx::query("VACUUM ANALYZE pgmq.q_claims").execute(&db.pool).await.unwrap();
+    let queue = common::queue("claims");
+    let mut conn = db.pool.acquire().await.unwrap();
+    for _ in 0..6 {
+        assert_eq!(claim(&mut *conn, &queue, 4_000, Duration::from_secs(600)).await.unwrap().len(), 4_000);
+    }
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    let before = common::rows_read(&mut tx, "pgmq.q_claims").await;
+    assert_eq!(claim(&mut *tx, &queue, 10, Duration::from_secs(600)).await.unwrap().len(), 10);
+    let read = common::rows_read(&mut tx, "pgmq.q_claims").await - before;
+    assert!(read < 100, "a claim of 10 read {read} rows of a queue of 30,000 after six claims of 4,000");
+    tx.rollback().await.unwrap();
+}
+
 /// Issue 14 (docs/design.md §54): a queue's claim statements live in functions generated for
 /// it. A queue with the longest name allowed gets functions of its own (no identifier cut short
 /// into another queue's), and a claim on a queue whose functions are gone writes them again.
@@ -202,4 +226,63 @@ async fn each_queue_claims_through_steps_of_its_own_written_again_when_missing()
             .unwrap();
         assert_eq!(types, vec![ty.to_string()], "queue {queue} claims its own job");
     }
+}
+
+/// Issue 14 (docs/design.md §54): the claim steps belong to the role that installed lockgate's
+/// functions, whoever creates the queue. A role with no CREATE on schema lockgate creates a
+/// queue and claims from it; the steps are the installer's, so the next migrate may write them
+/// again; and a function a role planted in advance under a step's name is replaced, not kept
+/// (it would have run, with its owner's choice of code, inside every claim). One transaction,
+/// rolled back: the roles never outlive the test.
+#[tokio::test]
+async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
+    let db = TestDb::migrated().await.unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    let (app, other) = (format!("{}_app", db.name), format!("{}_other", db.name));
+    let installer: String = sqlx::query_scalar("SELECT current_user::text").fetch_one(&mut *tx).await.unwrap();
+    sqlx::raw_sql(&format!(
+        "CREATE ROLE {app} NOLOGIN;
+         GRANT USAGE ON SCHEMA lockgate TO {app}; GRANT USAGE, CREATE ON SCHEMA pgmq TO {app};
+         GRANT ALL ON ALL TABLES IN SCHEMA lockgate, pgmq TO {app};
+         GRANT ALL ON ALL SEQUENCES IN SCHEMA lockgate, pgmq TO {app};
+         CREATE ROLE {other} NOLOGIN; GRANT USAGE, CREATE ON SCHEMA lockgate TO {other};
+         SET LOCAL ROLE {other};
+         CREATE FUNCTION lockgate._claim_probe_planted(integer, timestamptz) RETURNS integer
+             LANGUAGE sql AS 'SELECT NULL::integer';
+         SET LOCAL ROLE {app};
+         SELECT lockgate.define_job_type('app_job', queue => 'planted');
+         SELECT * FROM lockgate.enqueue('app_job', '{{}}');"
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let claimed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lockgate.claim('planted', 10, 30)").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(claimed, 1, "the app role claims through the steps");
+    sqlx::query("RESET ROLE").execute(&mut *tx).await.unwrap();
+    let expected =
+        vec![("_claim_probe_planted".to_string(), installer.clone()), ("_claim_take_planted".to_string(), installer)];
+    assert_eq!(
+        step_owners(&mut tx, "planted").await,
+        expected,
+        "the planted probe is gone; both steps are the installer's"
+    );
+    // What migrate does for every queue: writes them again, over steps an app role's queue got.
+    sqlx::query("SELECT lockgate._install_claim_steps('planted')").execute(&mut *tx).await.unwrap();
+    assert_eq!(step_owners(&mut tx, "planted").await, expected);
+    tx.rollback().await.unwrap();
+}
+
+/// A queue's claim steps and their owners, by name.
+async fn step_owners(conn: &mut sqlx::PgConnection, queue: &str) -> Vec<(String, String)> {
+    sqlx::query_as(
+        "SELECT proname::text, proowner::regrole::text FROM pg_proc
+          WHERE pronamespace = 'lockgate'::regnamespace AND proname IN ('_claim_probe_' || $1, '_claim_take_' || $1)
+          ORDER BY 1",
+    )
+    .bind(queue)
+    .fetch_all(conn)
+    .await
+    .unwrap()
 }
