@@ -4,47 +4,48 @@
 -- priority, queue, start_now), which claims up to qty of that priority's visible messages. A
 -- statement on a table named at run time is dynamic SQL, planned at every call, and planning
 -- the claim statement cost more than running it; in a function of its own, PL/pgSQL plans it
--- once per session. Written by lockgate.create_queue, again for every queue each time the
--- functions are installed (the end of this file; every_time true), and by a claim that finds
--- them missing (every_time false: written only if still missing once the lock is held).
+-- once per session. Written by lockgate.create_queue, for every queue each time the functions
+-- are installed (the end of this file), and by a claim that finds one missing.
+-- Idempotent: a step that exists as it would be written (same body, settings and owner) is left
+-- alone, without a lock, so installing again costs nothing and disturbs no claim. A step to
+-- write is written under create_queue's advisory lock on the queue name: in place (CREATE OR
+-- REPLACE, keeping whatever depends on it) when it is the installer's own; dropped and created
+-- anew when it belongs to anyone else (planted under a step's name before the queue existed:
+-- never kept, and never run inside a claim; the drop fails rather than cascade).
 -- SECURITY DEFINER: the steps belong to the role that installed lockgate's functions (the one
 -- that runs migrate), whoever creates the queue or claims, so that no other role needs CREATE
--- on schema lockgate, a later migrate may replace them, and no role can own, in advance, a
--- function a claim will call. Each is dropped and created again, so a step left by anyone else
--- (or with another result type) is never kept. Locks: create_queue's advisory lock on the queue
--- name (migrate, create_queue and a claim writing them take turns), then catalog rows.
+-- on schema lockgate and a later migrate may write them again.
+-- Locks: none when nothing changes; else the queue name's advisory lock, then catalog rows.
 -- Callers: create_queue, migrate, lockgate.claim.
-CREATE OR REPLACE FUNCTION lockgate._install_claim_steps(queue text, every_time boolean DEFAULT true)
+CREATE OR REPLACE FUNCTION lockgate._install_claim_steps(queue text)
 RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
     tbl text := lockgate._queue_table(queue, 'q');
-    probe text := format('lockgate.%I(integer, timestamptz)', '_claim_probe_' || queue);
-    take text := format('lockgate.%I(integer, double precision, bigint, timestamptz, integer, text, integer)',
-                        '_claim_take_' || queue);
+    names text[] := ARRAY['_claim_probe_' || queue, '_claim_take_' || queue];
+    args text[] := ARRAY['integer, timestamp with time zone',
+                         'integer, double precision, bigint, timestamp with time zone, integer, text, integer'];
+    heads text[];
+    configs text[];
+    bodies text[];
+    found record;
+    i integer;
 BEGIN
-    PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
-    IF NOT every_time AND EXISTS (SELECT 1 FROM pg_proc p WHERE p.oid = to_regprocedure(probe))
-                      AND EXISTS (SELECT 1 FROM pg_proc p WHERE p.oid = to_regprocedure(take)) THEN
-        RETURN;
-    END IF;
-    EXECUTE 'DROP FUNCTION IF EXISTS ' || probe;
-    EXECUTE 'DROP FUNCTION IF EXISTS ' || take;
     -- A LATERAL probe with its own LIMIT: the planner cannot turn it into a semi-join over the
     -- whole table, as it may an EXISTS when most messages are visible. Ordered as the claim
     -- index is, so it is always that index's probe: unordered, with statistics saying most
     -- messages are visible at that priority (taken during a burst that is now in flight), a
     -- sequential scan looked as cheap for LIMIT 1 and read the whole queue once per priority.
-    EXECUTE format($f$
-        CREATE FUNCTION lockgate.%1$I(integer, timestamptz)
-        RETURNS integer LANGUAGE plpgsql AS $body$
+    heads[1] := 'RETURNS integer LANGUAGE plpgsql';
+    configs[1] := NULL;
+    bodies[1] := format($f$
         BEGIN
             RETURN (SELECT p FROM generate_series($1 + 1, 9) p
-                     CROSS JOIN LATERAL (SELECT 1 FROM %2$s m
+                     CROSS JOIN LATERAL (SELECT 1 FROM %1$s m
                                           WHERE COALESCE((m.headers->>'priority')::smallint, 0) = p AND m.vt <= $2
                                           ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt
                                           LIMIT 1) visible
                      LIMIT 1);
-        END $body$ $f$, '_claim_probe_' || queue, tbl);
+        END $f$, tbl);
     -- Messages of one priority, visible longest first, then oldest, skipping rows other
     -- claimers hold; the first start_now of them (NULL: all) start now, the others are claimed
     -- ahead. limited: the message carries a concurrency key; unconfirmed: its last delivery was
@@ -53,24 +54,24 @@ BEGIN
     -- which knows no qty; guessing a large one, it joined the taken rows back to the table
     -- through a sequential scan of the whole queue, and kept doing so for every later claim.
     -- Joined by primary key lookups, a claim reads what it takes.
-    EXECUTE format($f$
-        CREATE FUNCTION lockgate.%1$I(integer, double precision, bigint, timestamptz, integer, text, integer)
-        RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
-                       vt timestamptz, ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)
-        LANGUAGE plpgsql SET enable_hashjoin = off SET enable_mergejoin = off AS $body$
+    heads[2] := 'RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
+                                vt timestamptz, ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)
+                 LANGUAGE plpgsql SET enable_hashjoin = off SET enable_mergejoin = off';
+    configs[2] := '{enable_hashjoin=off,enable_mergejoin=off}';
+    bodies[2] := format($f$
         #variable_conflict use_column
         BEGIN
             RETURN QUERY
             WITH next AS (
                  SELECT m.msg_id, m.vt AS was, jsonb_typeof(m.headers) = 'object' AND m.headers ? 'ckey' AS limited,
                         m.read_ct > 0 AND m.last_read_at IS NULL AS unconfirmed
-                   FROM %2$s m
+                   FROM %1$s m
                   WHERE COALESCE((m.headers->>'priority')::smallint, 0) = $5 AND m.vt <= $4
                   ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt, m.msg_id
                   LIMIT $1
                     FOR UPDATE SKIP LOCKED),
              ranked AS (SELECT next.*, row_number() OVER (ORDER BY next.was, next.msg_id) AS rn FROM next)
-             UPDATE %2$s m
+             UPDATE %1$s m
                 SET vt = clock_timestamp() + make_interval(secs => $2),
                     read_ct = m.read_ct + 1,
                     last_read_at = CASE WHEN ranked.rn > $7 THEN NULL ELSE clock_timestamp() END,
@@ -83,7 +84,27 @@ BEGIN
                        ranked.limited, ranked.unconfirmed,
                        CASE WHEN ranked.limited THEN (SELECT l.expires_at FROM lockgate.leases l
                                                      WHERE l.queue = $6 AND l.msg_id = m.msg_id) END;
-        END $body$ $f$, '_claim_take_' || queue, tbl);
+        END $f$, tbl);
+    FOR i IN 1 .. 2 LOOP
+        FOR pass IN 1 .. 2 LOOP
+            SELECT p.oid, p.prosrc = bodies[i] AND p.proconfig::text IS NOT DISTINCT FROM configs[i] AS same,
+                   p.proowner = to_regrole(current_user) AS ours
+              INTO found
+              FROM pg_proc p
+             WHERE p.pronamespace = 'lockgate'::regnamespace AND p.proname = names[i]
+               AND pg_get_function_identity_arguments(p.oid) = args[i];
+            EXIT WHEN found.oid IS NOT NULL AND found.same AND found.ours;
+            IF pass = 1 THEN
+                -- Something to write: look again once no other writer of this queue's steps runs.
+                PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
+                CONTINUE;
+            END IF;
+            IF found.oid IS NOT NULL AND NOT found.ours THEN
+                EXECUTE format('DROP FUNCTION lockgate.%I(%s)', names[i], args[i]);
+            END IF;
+            EXECUTE format('CREATE OR REPLACE FUNCTION lockgate.%I(%s) %s AS %L', names[i], args[i], heads[i], bodies[i]);
+        END LOOP;
+    END LOOP;
 END $$;
 
 -- Claim: take up to qty visible messages of a queue, lowest priority value first, then the one
@@ -180,7 +201,7 @@ BEGIN
     IF to_regprocedure(format('lockgate.%I(integer, timestamptz)', '_claim_probe_' || queue)) IS NULL
        OR to_regprocedure(format('lockgate.%I(integer, double precision, bigint, timestamptz, integer, text, integer)',
                                  '_claim_take_' || queue)) IS NULL THEN
-        PERFORM lockgate._install_claim_steps(queue, false);
+        PERFORM lockgate._install_claim_steps(queue);
     END IF;
     SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
       FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;

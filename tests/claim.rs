@@ -268,9 +268,32 @@ async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
         expected,
         "the planted probe is gone; both steps are the installer's"
     );
-    // What migrate does for every queue: writes them again, over steps an app role's queue got.
+    // What migrate does for every queue. Steps as they would be written are left alone: no
+    // rewrite (a concurrent claim would find its step replaced) and no lock.
+    let versions = "SELECT string_agg(ctid::text, ',' ORDER BY proname) FROM pg_proc
+                     WHERE proname IN ('_claim_probe_planted', '_claim_take_planted')";
+    let before: String = sqlx::query_scalar(versions).fetch_one(&mut *tx).await.unwrap();
     sqlx::query("SELECT lockgate._install_claim_steps('planted')").execute(&mut *tx).await.unwrap();
+    let after: String = sqlx::query_scalar(versions).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(before, after, "steps already current are not written again");
+    // A step that differs is written in place: a view some role built on it does not stop it.
+    sqlx::raw_sql(
+        "CREATE OR REPLACE FUNCTION lockgate._claim_probe_planted(integer, timestamptz) RETURNS integer
+             LANGUAGE sql AS 'SELECT 0';
+         CREATE TEMP VIEW pinned AS SELECT lockgate._claim_probe_planted(0, now());
+         SELECT lockgate._install_claim_steps('planted');",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
     assert_eq!(step_owners(&mut tx, "planted").await, expected);
+    let language: String = sqlx::query_scalar(
+        "SELECT l.lanname::text FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang WHERE p.proname = '_claim_probe_planted'",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(language, "plpgsql", "the step is written again, as lockgate's");
     tx.rollback().await.unwrap();
 }
 
