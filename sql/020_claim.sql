@@ -87,8 +87,13 @@ BEGIN
         END $f$, tbl);
     FOR i IN 1 .. 2 LOOP
         FOR pass IN 1 .. 2 LOOP
-            SELECT p.oid, p.prosrc = bodies[i] AND p.proconfig::text IS NOT DISTINCT FROM configs[i] AS same,
-                   p.proowner = to_regrole(current_user) AS ours
+            -- The owner by its name as it is (to_regrole would read current_user as SQL syntax:
+            -- lowercased, and refused with a dot or a space in it).
+            SELECT p.oid,
+                   p.prosrc = bodies[i] AND p.proconfig::text IS NOT DISTINCT FROM configs[i]
+                     AND p.prolang = (SELECT l.oid FROM pg_language l WHERE l.lanname = 'plpgsql')
+                     AND NOT p.prosecdef AND NOT p.proisstrict AND p.provolatile = 'v' AS same,
+                   p.proowner = (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user) AS ours
               INTO found
               FROM pg_proc p
              WHERE p.pronamespace = 'lockgate'::regnamespace AND p.proname = names[i]

@@ -294,6 +294,21 @@ async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
     .await
     .unwrap();
     assert_eq!(language, "plpgsql", "the step is written again, as lockgate's");
+    // A step altered in place (STRICT: every claim without an owner would return nothing) is
+    // written again too.
+    sqlx::raw_sql(
+        "ALTER FUNCTION lockgate._claim_take_planted(integer, double precision, bigint, timestamptz, integer, text, integer)
+             STRICT;
+         SELECT lockgate._install_claim_steps('planted');",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let strict: bool = sqlx::query_scalar("SELECT proisstrict FROM pg_proc WHERE proname = '_claim_take_planted'")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert!(!strict, "the altered step is written again as lockgate's");
     tx.rollback().await.unwrap();
 }
 
