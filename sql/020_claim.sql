@@ -219,8 +219,9 @@ BEGIN
         FOR r IN EXECUTE take USING left_to_claim, vt_seconds, owner, at, best, queue, start_now - (qty - left_to_claim)
         LOOP
             left_to_claim := left_to_claim - 1;
-            -- Checked here, not in the statement: a statement run by EXECUTE is planned at every
-            -- call, and planning the inlined check cost more than the claim's own work.
+            -- Checked here, row by row, not in the take step: written when that statement was
+            -- planned at every call, where planning the inlined check cost more than the claim's
+            -- own work; whether the check now costs less inside the step is not measured.
             problem := lockgate._malformed(r.message, r.headers);
             IF problem IS NOT NULL THEN
                 PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable', problem, r.read_ct);
