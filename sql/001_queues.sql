@@ -1,7 +1,8 @@
 -- Queues: lockgate.create_queue creates the PGMQ pair and lockgate's claim index in one
 -- transaction; lockgate._queue_table resolves a queue name to its quoted PGMQ table or raises
--- LG001. Every function that touches a queue's table goes through _queue_table, so no unknown
--- or malformed name can reach a dynamic statement.
+-- LG001. Every function that touches a queue's table goes through _queue_table (or, as the
+-- claim does, reads the queue's row itself and calls it only to raise), so no unknown or
+-- malformed name can reach a dynamic statement.
 --
 -- Error codes raised by lockgate's functions (matched by the Rust layer):
 --   LG001 unknown queue · LG002 unknown job type · LG003 invalid argument

@@ -164,7 +164,8 @@ RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message 
                budget_seconds double precision, claimed_ahead boolean)
 LANGUAGE plpgsql AS $$
 DECLARE
-    tbl text := lockgate._queue_table(queue, 'q');
+    -- The queue's table, named once the claim has found the queue's row (as _queue_table would).
+    tbl text;
     -- The queue's claim steps (lockgate._install_claim_steps), called through statements that
     -- are cheap to plan: the steps' own statements are planned once per session.
     probe text := format('SELECT lockgate.%I($1, $2)', '_claim_probe_' || queue);
@@ -178,27 +179,38 @@ DECLARE
     -- condition on it could not bound the index scan. Budgets are counted from here.
     at timestamptz := clock_timestamp();
     problem text;
-    -- The limited types and their key derivations' versions, read once per claim.
+    -- The limited types and their key derivations' versions, read once per claim, at the first
+    -- message taken: a claim that finds nothing never needs them.
     keyed_types text[];
     key_versions integer[];
+    types_read boolean := false;
     i integer;
     -- Limited jobs, whose leases are renewed after the claim statements; those whose lease is
     -- gone or of another key, decided after that, in key order.
     limited lockgate._claimed[] := '{}';
     lease_end timestamptz;
-    floor_ms bigint := lockgate._lease_floor_ms();
+    -- Read only when a lease is renewed: a SQL function with a subquery is not inlined, and is
+    -- planned again in every transaction that calls it.
+    floor_ms bigint;
     unleased lockgate._claimed[] := '{}';
     u lockgate._claimed;
     visible_at timestamptz;
     -- Deliveries returned; fewer than were taken when some were dead-lettered, parked or put back.
     returned integer := 0;
+    paused timestamptz;
 BEGIN
+    -- One primary-key lookup says the queue exists and whether it is paused.
+    SELECT q.paused_at INTO paused FROM lockgate.queues q WHERE q.name = claim.queue;
+    IF NOT FOUND THEN
+        PERFORM lockgate._queue_table(queue, 'q');  -- raises LG001 for the unknown queue
+    END IF;
+    tbl := format('pgmq.%I', 'q_' || queue);
     IF vt_seconds IS NULL OR NOT vt_seconds > 0 OR vt_seconds IN ('infinity', 'NaN') THEN
         RAISE EXCEPTION 'lockgate: invalid visibility timeout % seconds: a positive, finite number', vt_seconds
             USING ERRCODE = 'LG003';
     END IF;
-    -- A paused queue gives nothing (lockgate.pause_queue); one primary-key lookup.
-    IF (SELECT q.paused_at FROM lockgate.queues q WHERE q.name = claim.queue) IS NOT NULL THEN
+    -- A paused queue gives nothing (lockgate.pause_queue).
+    IF paused IS NOT NULL THEN
         RETURN;
     END IF;
     -- Missing only for a queue whose table was made again behind lockgate's back (or whose
@@ -208,8 +220,6 @@ BEGIN
                                  '_claim_take_' || queue)) IS NULL THEN
         PERFORM lockgate._install_claim_steps(queue);
     END IF;
-    SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
-      FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;
     WHILE left_to_claim > 0 AND after < 9 LOOP
         -- The next priority holding a visible message (the queue's probe step), so that an idle
         -- worker's claim (most claims, when workers outnumber jobs) ends here.
@@ -238,6 +248,11 @@ BEGIN
             -- A job whose type gained a limit, or whose key was derived under other key paths,
             -- takes a permit of the key the current policy gives it (H33), giving back the one it
             -- holds.
+            IF NOT types_read THEN
+                SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
+                  FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;
+                types_read := true;
+            END IF;
             i := array_position(keyed_types, r.headers->>'type');
             IF i IS NOT NULL AND NOT r.headers ? 'ckey_explicit'
                AND (NOT r.limited OR COALESCE((r.headers->>'kv')::integer, 0) <> key_versions[i]) THEN
@@ -285,6 +300,7 @@ BEGIN
     -- again or parks (lockgate._reacquire). One primary-key lookup per job, a plan that holds
     -- without statistics; jobs whose lease outlasts their visibility never pay for it.
     IF cardinality(limited) > 0 THEN
+        floor_ms := lockgate._lease_floor_ms();
         FOR u IN SELECT * FROM unnest(limited) LOOP
             UPDATE lockgate.leases l
                SET expires_at = GREATEST(l.expires_at, clock_timestamp() + lockgate._lease_interval(l.duration_ms, floor_ms))
