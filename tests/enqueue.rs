@@ -404,10 +404,10 @@ async fn wake_ups_follow_the_commit_and_only_for_jobs_that_can_run_now() {
 
 /// A pool on which `pg_notify` is shadowed (a function of the same name in `public`, put before
 /// `pg_catalog` in the search path) to record, for each notification, whether the transaction
-/// sending it had written anything; and a client on that pool.
+/// sending it had written anything, and the session that sent it; and a client on that pool.
 async fn shadowed_notify(db: &TestDb) -> (sqlx::PgPool, Client) {
     sqlx::raw_sql(
-        "CREATE TABLE public.notified (channel text, had_written boolean);
+        "CREATE TABLE public.notified (channel text, had_written boolean, backend integer DEFAULT pg_backend_pid());
          CREATE FUNCTION public.pg_notify(channel text, payload text) RETURNS void LANGUAGE plpgsql AS $$
          DECLARE written boolean := pg_current_xact_id_if_assigned() IS NOT NULL;
          BEGIN
@@ -463,6 +463,48 @@ async fn the_clients_wake_up_is_a_transaction_of_its_own_that_wrote_nothing() {
     let sent = notified(&pool).await;
     assert!(!sent.is_empty() && sent.iter().all(|n| *n == woke()[0]), "{sent:?}");
     assert_eq!(queued(&db).await, 6);
+}
+
+/// Issue 14: producers that each have a client of their own (web workers with one client
+/// apiece, the 16-producer benchmark) share one wake task per database and role, so enqueues
+/// that commit while a wake-up is in flight share the next one, whichever client made them:
+/// every client's wake-up comes from the same session. With a task per client, each enqueue
+/// cost a wake-up transaction of its own, about 15% of the 16-producer benchmark's rate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_of_one_process_share_one_wake_task_per_database_and_role() {
+    let db = TestDb::migrated().await.unwrap();
+    let (pool, first) = shadowed_notify(&db).await;
+    let second = Client::new(db.new_pool(2).await.unwrap());
+    second.define::<Note>().await.unwrap();
+
+    first.enqueue(&Note { text: "a".into() }).await.unwrap();
+    first.wakes_sent().await;
+    second.enqueue(&Note { text: "b".into() }).await.unwrap();
+    // The second client's flush waits for the shared task, which sent the first one's already.
+    second.wakes_sent().await;
+    let (c, d) = (Note { text: "c".into() }, Note { text: "d".into() });
+    let (a, b) = tokio::join!(first.enqueue(&c), second.enqueue(&d));
+    a.unwrap();
+    b.unwrap();
+    first.wakes_sent().await;
+    second.wakes_sent().await;
+    let sessions: Vec<i32> = sqlx::query_scalar("SELECT DISTINCT backend FROM public.notified WHERE NOT had_written")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(sessions.len(), 1, "wake-ups came from several sessions: {sessions:?}");
+    // Dropping one client leaves the task to the other.
+    drop(first);
+    second.enqueue(&Note { text: "e".into() }).await.unwrap();
+    second.wakes_sent().await;
+    let last: Vec<i32> =
+        sqlx::query_scalar("SELECT backend FROM public.notified WHERE NOT had_written AND backend <> $1")
+            .bind(sessions[0])
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert!(last.is_empty(), "the wake task was replaced although a client still held it: {last:?}");
+    assert_eq!(queued(&db).await, 5);
 }
 
 /// On a current-thread runtime the wake task would run only while the runtime is driven (a

@@ -2,10 +2,12 @@
 //! transaction (G8), and define job types. Every method is one round trip, but for the first
 //! typed enqueue of a type by a client, which first defines the type if it is missing.
 //!
-//! An enqueue in its own transaction sends no notification in it: once it has committed, the
-//! client's wake task sends the wake-up (`lockgate.wake`) on a connection of its own, for every
-//! enqueue that committed while its last one was in flight at once (docs/design.md section 50).
-//! The enqueue returns at its commit; [`Client::wakes_sent`] waits for the wake-ups.
+//! An enqueue in its own transaction sends no notification in it: once it has committed, a wake
+//! task sends the wake-up (`lockgate.wake`) on a connection of its own, for every enqueue that
+//! committed while its last one was in flight at once (docs/design.md section 50). One wake task
+//! serves every client of the process on the same database and role, so producers that each
+//! have a client of their own share wake-ups too. The enqueue returns at its commit;
+//! [`Client::wakes_sent`] waits for the wake-ups.
 //!
 //! A typed enqueue defines its job type on first use: if `lockgate.job_types` has no row for
 //! it, `J::policy()` is stored; a stored policy (a worker's, an operator's `lockgate.toml`) is
@@ -20,8 +22,9 @@
 //! statement. When the lane is busy (another task of the same client is enqueueing), a call goes
 //! through the pool as before.
 
-use std::collections::{BTreeSet, HashSet};
-use std::sync::{Arc, Mutex as StdMutex};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, LazyLock, Mutex as StdMutex, Weak};
 use std::time::{Duration, Instant};
 
 use lockgate_core::{
@@ -49,14 +52,15 @@ const LANE_IDLE_PING: Duration = Duration::from_secs(5);
 const RUN_AT_CLOCK_MARGIN: Duration = Duration::from_secs(60);
 
 /// A handle for producers. Cheap to clone (it holds a pool, and shares its lane connection and
-/// its wake task).
+/// its wake task, which it shares with every other client of the process on the same database
+/// and role).
 #[derive(Debug, Clone)]
 pub struct Client {
     pool: PgPool,
     lane: Arc<Mutex<Lane>>,
-    /// The sender of the wake task, started on the first wake-up; the task ends when the last
-    /// clone of the client is dropped, after sending what it was given.
-    wakes: Arc<StdMutex<Option<mpsc::UnboundedSender<WakeRequest>>>>,
+    /// The sender of the wake task, found or started on the first wake-up; the task ends when
+    /// the last client holding it is dropped, after sending what it was given.
+    wakes: Arc<StdMutex<Option<Arc<WakeSender>>>>,
     /// Where its enqueues are counted (`lockgate_jobs_enqueued_total`), when given.
     metrics: Option<Arc<Metrics>>,
     /// The typed job types known to be in `lockgate.job_types` (defined by this client or
@@ -379,7 +383,7 @@ impl Client {
     fn wake(&self, jobs: &[EnqueuedJob], options: &Value) {
         let Some(job) = jobs.iter().find(|j| j.status == EnqueueStatus::Enqueued) else { return };
         if runs_now(options) {
-            self.send_to_wake_task(WakeRequest::Queue(job.queue.clone()));
+            self.send_to_wake_task(WakeRequest::Queue(job.queue.clone(), self.pool.clone()));
         }
     }
 
@@ -394,8 +398,9 @@ impl Client {
         }
     }
 
-    /// Hands `request` to the wake task, starting it if it is not running; false if there was
-    /// nothing to start it on (no Tokio runtime: then nothing is pending either).
+    /// Hands `request` to the wake task: the client's own, else the process's for its database
+    /// and role, else a new one; false if there was nothing to start it on (no Tokio runtime:
+    /// then nothing is pending either).
     fn send_to_wake_task(&self, request: WakeRequest) -> bool {
         let mut wakes = self.wakes.lock().unwrap_or_else(|e| e.into_inner());
         let request = match wakes.as_ref() {
@@ -405,14 +410,30 @@ impl Client {
             },
             None => request,
         };
-        // No task is running (none was started, or it panicked): nothing is pending.
+        // This client has no running task (it never asked for one, or its runtime is gone):
+        // nothing of its own is pending.
         if matches!(request, WakeRequest::Flush(_)) {
             return false;
         }
+        let target = WakeTarget::of(&self.pool);
+        let mut tasks = WAKE_TASKS.lock().unwrap_or_else(|e| e.into_inner());
+        let request = match tasks.get(&target).and_then(Weak::upgrade) {
+            Some(tx) => match tx.send(request) {
+                Ok(()) => {
+                    *wakes = Some(tx);
+                    return true;
+                }
+                Err(mpsc::error::SendError(request)) => request,
+            },
+            None => request,
+        };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
         let (tx, rx) = mpsc::unbounded_channel();
-        runtime.spawn(send_wakes(self.pool.clone(), rx));
+        runtime.spawn(send_wakes(rx));
         let sent = tx.send(request).is_ok();
+        let tx = Arc::new(tx);
+        tasks.retain(|_, task| task.strong_count() > 0);
+        tasks.insert(target, Arc::downgrade(&tx));
         *wakes = Some(tx);
         sent
     }
@@ -479,25 +500,60 @@ fn wake_task_runs_freely() -> bool {
         .is_ok_and(|h| matches!(h.runtime_flavor(), tokio::runtime::RuntimeFlavor::MultiThread))
 }
 
-/// What the wake task is asked: a queue to wake, or to say when everything asked before is sent.
+/// What a wake task is asked: a queue to wake (with the asking client's pool, where a new
+/// connection comes from), or to say when everything asked before is sent.
 #[derive(Debug)]
 enum WakeRequest {
-    Queue(String),
+    Queue(String, PgPool),
     Flush(oneshot::Sender<()>),
 }
 
-/// The wake task: sends `lockgate.wake` for the queues it is given, on a connection of its own
-/// (taken from the pool and kept). Every request waiting when it starts a statement joins it, so
-/// producers enqueueing at once through one client share wake-ups, each sent after its commit.
-/// A failed statement is tried once more on a new connection, then logged.
-async fn send_wakes(pool: PgPool, mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
+type WakeSender = mpsc::UnboundedSender<WakeRequest>;
+
+/// What a wake task's connection reaches: a notification is seen only on its own database, and
+/// `lockgate.wake` runs with the role's privileges, so clients share a task only when they
+/// connect to the same database as the same role.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct WakeTarget {
+    host: String,
+    port: u16,
+    socket: Option<PathBuf>,
+    database: Option<String>,
+    username: String,
+}
+
+impl WakeTarget {
+    fn of(pool: &PgPool) -> Self {
+        let options = pool.connect_options();
+        Self {
+            host: options.get_host().to_string(),
+            port: options.get_port(),
+            socket: options.get_socket().cloned(),
+            database: options.get_database().map(str::to_string),
+            username: options.get_username().to_string(),
+        }
+    }
+}
+
+/// The process's wake tasks, by target. A task lives while a client holds its sender; an entry
+/// whose task has ended is replaced by the next client that needs one.
+static WAKE_TASKS: LazyLock<StdMutex<HashMap<WakeTarget, Weak<WakeSender>>>> = LazyLock::new(Default::default);
+
+/// A wake task: sends `lockgate.wake` for the queues it is given, on a connection of its own
+/// (taken from the pool of the latest request, and kept). Every request waiting when it starts a
+/// statement joins it, so producers enqueueing at once, through one client or many, share
+/// wake-ups, each sent after its commit. A failed statement is tried once more on a new
+/// connection, then logged.
+async fn send_wakes(mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
     let mut conn: Option<PgConnection> = None;
+    let mut pool: Option<PgPool> = None;
     while let Some(first) = requests.recv().await {
         let mut queues = BTreeSet::new();
         let mut flushes = Vec::new();
         let mut take = |request| match request {
-            WakeRequest::Queue(queue) => {
+            WakeRequest::Queue(queue, from) => {
                 queues.insert(queue);
+                pool = Some(from);
             }
             WakeRequest::Flush(done) => flushes.push(done),
         };
@@ -505,12 +561,13 @@ async fn send_wakes(pool: PgPool, mut requests: mpsc::UnboundedReceiver<WakeRequ
         while let Ok(request) = requests.try_recv() {
             take(request);
         }
-        if !queues.is_empty() {
+        // A request to wake a queue came with its pool, so there is one whenever there are queues.
+        if let Some(pool) = pool.as_ref().filter(|_| !queues.is_empty()) {
             let queues: Vec<String> = queues.into_iter().collect();
-            let mut result = wake_on(&pool, &mut conn, &queues).await;
+            let mut result = wake_on(pool, &mut conn, &queues).await;
             if result.is_err() {
                 conn = None;
-                result = wake_on(&pool, &mut conn, &queues).await;
+                result = wake_on(pool, &mut conn, &queues).await;
             }
             if let Err(error) = result {
                 conn = None;
