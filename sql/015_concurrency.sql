@@ -106,7 +106,10 @@ END $$;
 -- priority, then oldest), as many as that type's current limit leaves room for once the permits
 -- are back, less any among them of another type or bound for a queue that is gone; the
 -- semaphore row is written once, with what was given back and what was taken (the CHECK on
--- value <= lim stands behind the arithmetic, G3). A key
+-- value <= lim stands behind the arithmetic, G3), and not at all when the two cancel out under
+-- an unchanged limit (a key handing its permit from the job that finished to the next one: the
+-- row the caller holds locked is what orders every path, and updated_at, which idle-key
+-- reclamation reads, matters only once the value is 0, which is always written). A key
 -- that still has room afterwards (its next job's type is gone or no longer limited, its queue is
 -- gone, or jobs of another type share its explicit key) goes through _promote, one job at a
 -- time, which dead-letters what can never run (H16) and releases what no longer needs a permit.
@@ -152,7 +155,7 @@ BEGIN
         UPDATE lockgate.semaphores s
            SET value = s.value + c.n, lim = COALESCE(c.lim, s.lim), updated_at = now()
           FROM change c
-         WHERE s.key = c.key),
+         WHERE s.key = c.key AND (c.n <> 0 OR c.lim <> s.lim)),
     moved AS (
         DELETE FROM lockgate.parked x USING picked WHERE x.id = picked.id
         RETURNING x.queue, x.run_at, x.args, x.headers, x.key, picked.duration_ms, x.priority, x.id)

@@ -687,6 +687,41 @@ async fn one_completion_promotes_each_released_key_in_priority_order_up_to_its_c
     assert_invariants(&db).await;
 }
 
+/// Issue 14: a completion that hands its permit to the key's next parked job gives one back and
+/// takes one, so the key's semaphore row is left as it is (it stays locked by the completion,
+/// which is what orders every other path): one write less per limited job in a drain. The
+/// completion that leaves the key idle writes it, value 0 and a fresh updated_at, which is what
+/// idle-key reclamation reads.
+#[tokio::test]
+async fn a_key_handing_its_permit_to_its_next_parked_job_leaves_its_semaphore_row_unwritten() {
+    let (db, client) = setup(1).await;
+    enqueue(&client, 1, 1).await;
+    assert_eq!(enqueue(&client, 1, 2).await.status, EnqueueStatus::Parked);
+    let version = || async {
+        sqlx::query_as::<_, (String, i32, chrono::DateTime<chrono::Utc>)>(
+            "SELECT xmin::text, value, updated_at FROM lockgate.semaphores WHERE key = $1",
+        )
+        .bind(key(1))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    let before = version().await;
+    let first = claim_one(&db).await;
+    assert_eq!(complete(&db, &first).await, ArchiveOutcome::Archived);
+    assert_eq!(parked(&db).await, 0, "the parked job was promoted");
+    assert_eq!(version().await, before, "the row was written although nothing in it changed");
+    assert_invariants(&db).await;
+
+    let second = claim_one(&db).await;
+    assert_eq!(complete(&db, &second).await, ArchiveOutcome::Archived);
+    let after = version().await;
+    assert_ne!(after.0, before.0, "the key's last permit was given back without writing its row");
+    assert_eq!(after.1, 0);
+    assert!(after.2 > before.2, "updated_at did not move when the key went idle");
+    assert_invariants(&db).await;
+}
+
 #[tokio::test]
 async fn a_key_shared_by_two_types_promotes_each_job_under_its_own_types_limit() {
     let (db, client) = setup(1).await;
