@@ -466,12 +466,12 @@ async fn the_clients_wake_up_is_a_transaction_of_its_own_that_wrote_nothing() {
 }
 
 /// Issue 14: producers that each have a client of their own (web workers with one client
-/// apiece, the 16-producer benchmark) share one wake task per database and role, so enqueues
+/// apiece, the 16-producer benchmark) share one wake task per runtime, database and role, so enqueues
 /// that commit while a wake-up is in flight share the next one, whichever client made them:
 /// every client's wake-up comes from the same session. With a task per client, each enqueue
 /// cost a wake-up transaction of its own, about 15% of the 16-producer benchmark's rate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn clients_of_one_process_share_one_wake_task_per_database_and_role() {
+async fn clients_of_one_runtime_share_one_wake_task_per_database_and_role() {
     let db = TestDb::migrated().await.unwrap();
     let (pool, first) = shadowed_notify(&db).await;
     let second = Client::new(db.new_pool(2).await.unwrap());
@@ -505,6 +505,49 @@ async fn clients_of_one_process_share_one_wake_task_per_database_and_role() {
             .unwrap();
     assert!(last.is_empty(), "the wake task was replaced although a client still held it: {last:?}");
     assert_eq!(queued(&db).await, 5);
+}
+
+/// A wake task runs on one Tokio runtime and dies with it, taking along whatever it was asked and
+/// had not sent: clients on different runtimes (two runtimes in one process, each test of a
+/// suite on its own) never share one, so a runtime shutting down loses no other runtime's
+/// wake-ups. Each runtime's clients send theirs from a session of their own.
+#[test]
+fn clients_on_different_runtimes_never_share_a_wake_task() {
+    let runtime = || tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let (first_rt, second_rt) = (runtime(), runtime());
+    let db = first_rt.block_on(TestDb::migrated()).unwrap();
+    let (pool, first) = first_rt.block_on(shadowed_notify(&db));
+    let second = second_rt.block_on(async {
+        let second = Client::new(db.new_pool(2).await.unwrap());
+        second.define::<Note>().await.unwrap();
+        second
+    });
+    first_rt.block_on(async {
+        first.enqueue(&Note { text: "a".into() }).await.unwrap();
+        first.wakes_sent().await;
+    });
+    second_rt.block_on(async {
+        second.enqueue(&Note { text: "b".into() }).await.unwrap();
+        second.wakes_sent().await;
+    });
+    let sessions: Vec<i32> = first_rt
+        .block_on(
+            sqlx::query_scalar("SELECT DISTINCT backend FROM public.notified WHERE NOT had_written").fetch_all(&pool),
+        )
+        .unwrap();
+    assert_eq!(sessions.len(), 2, "clients on two runtimes shared a wake task: {sessions:?}");
+    // The first runtime goes, and its task with it; the second runtime's clients still wake.
+    drop(first);
+    drop(first_rt);
+    second_rt.block_on(async {
+        second.enqueue(&Note { text: "c".into() }).await.unwrap();
+        second.wakes_sent().await;
+        let woken: i64 = sqlx::query_scalar("SELECT count(*) FROM public.notified WHERE NOT had_written")
+            .fetch_one(second.pool())
+            .await
+            .unwrap();
+        assert_eq!(woken, 3);
+    });
 }
 
 /// On a current-thread runtime the wake task would run only while the runtime is driven (a

@@ -5,7 +5,7 @@
 //! An enqueue in its own transaction sends no notification in it: once it has committed, a wake
 //! task sends the wake-up (`lockgate.wake`) on a connection of its own, for every enqueue that
 //! committed while its last one was in flight at once (docs/design.md section 50). One wake task
-//! serves every client of the process on the same database and role, so producers that each
+//! serves every client on the same Tokio runtime, database and role, so producers that each
 //! have a client of their own share wake-ups too. The enqueue returns at its commit;
 //! [`Client::wakes_sent`] waits for the wake-ups.
 //!
@@ -52,8 +52,8 @@ const LANE_IDLE_PING: Duration = Duration::from_secs(5);
 const RUN_AT_CLOCK_MARGIN: Duration = Duration::from_secs(60);
 
 /// A handle for producers. Cheap to clone (it holds a pool, and shares its lane connection and
-/// its wake task, which it shares with every other client of the process on the same database
-/// and role).
+/// its wake task, which it shares with every other client on the same runtime, database and
+/// role).
 #[derive(Debug, Clone)]
 pub struct Client {
     pool: PgPool,
@@ -398,8 +398,8 @@ impl Client {
         }
     }
 
-    /// Hands `request` to the wake task: the client's own, else the process's for its database
-    /// and role, else a new one; false if there was nothing to start it on (no Tokio runtime:
+    /// Hands `request` to the wake task: the client's own, else the one its runtime has for its
+    /// database and role, else a new one; false if there was nothing to start it on (no Tokio runtime:
     /// then nothing is pending either).
     fn send_to_wake_task(&self, request: WakeRequest) -> bool {
         let mut wakes = self.wakes.lock().unwrap_or_else(|e| e.into_inner());
@@ -415,7 +415,8 @@ impl Client {
         if matches!(request, WakeRequest::Flush(_)) {
             return false;
         }
-        let target = WakeTarget::of(&self.pool);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
+        let target = WakeTarget::of(&self.pool, &runtime);
         let mut tasks = WAKE_TASKS.lock().unwrap_or_else(|e| e.into_inner());
         let request = match tasks.get(&target).and_then(Weak::upgrade) {
             Some(tx) => match tx.send(request) {
@@ -427,7 +428,6 @@ impl Client {
             },
             None => request,
         };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
         let (tx, rx) = mpsc::unbounded_channel();
         runtime.spawn(send_wakes(rx));
         let sent = tx.send(request).is_ok();
@@ -510,11 +510,13 @@ enum WakeRequest {
 
 type WakeSender = mpsc::UnboundedSender<WakeRequest>;
 
-/// What a wake task's connection reaches: a notification is seen only on its own database, and
-/// `lockgate.wake` runs with the role's privileges, so clients share a task only when they
-/// connect to the same database as the same role.
+/// What a wake task's connection reaches, and where the task runs: a notification is seen only
+/// on its own database, and `lockgate.wake` runs with the role's privileges, so clients share a
+/// task only when they connect to the same database as the same role; and only on the same Tokio
+/// runtime, since a task dies with its runtime, taking with it what other clients had asked.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct WakeTarget {
+    runtime: tokio::runtime::Id,
     host: String,
     port: u16,
     socket: Option<PathBuf>,
@@ -523,9 +525,10 @@ struct WakeTarget {
 }
 
 impl WakeTarget {
-    fn of(pool: &PgPool) -> Self {
+    fn of(pool: &PgPool, runtime: &tokio::runtime::Handle) -> Self {
         let options = pool.connect_options();
         Self {
+            runtime: runtime.id(),
             host: options.get_host().to_string(),
             port: options.get_port(),
             socket: options.get_socket().cloned(),
@@ -535,7 +538,7 @@ impl WakeTarget {
     }
 }
 
-/// The process's wake tasks, by target. A task lives while a client holds its sender; an entry
+/// The process's wake tasks, by runtime, database and role. A task lives while a client holds its sender; an entry
 /// whose task has ended is replaced by the next client that needs one.
 static WAKE_TASKS: LazyLock<StdMutex<HashMap<WakeTarget, Weak<WakeSender>>>> = LazyLock::new(Default::default);
 
