@@ -374,6 +374,25 @@ BEGIN
     RETURN QUERY SELECT * FROM lockgate.enqueue_many(job_type, args, options, true);
 END $$;
 
+-- Notifies queue's channel in the caller's transaction, unless another transaction is doing so
+-- through this function at this moment; true when it notified. PostgreSQL holds its notify lock
+-- from before a notifying transaction's commit record until that record is flushed, so notifying
+-- commits go one flush after another, where other commits share their flushes: the Rust
+-- Client's enqueue calls this in its own transaction (its wake-up then arrives with the commit,
+-- with no statement of its own after it), and sends lockgate.wake after the commit when this
+-- returns false, so that concurrent producers never queue on that lock behind each other. The
+-- advisory lock taken here (never waited for) is held to the end of the transaction, as the
+-- notify lock is. Callers: the Rust Client's enqueues in their own transaction.
+CREATE OR REPLACE FUNCTION lockgate._notify_unless_busy(queue text)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT pg_try_advisory_xact_lock(hashtext('lockgate.notifying')) THEN
+        RETURN false;
+    END IF;
+    PERFORM pg_notify('lockgate_' || queue, '');
+    RETURN true;
+END $$;
+
 -- Wakes the workers idle on a queue, for jobs enqueued with notify false once their transaction
 -- has committed (so that a woken worker finds them). Run alone, its transaction writes nothing
 -- but the commit record PostgreSQL gives a notifying transaction, which the commit does not wait

@@ -167,9 +167,10 @@ DECLARE
     -- The queue's table, named once the claim has found the queue's row (as _queue_table would).
     tbl text;
     -- The queue's claim steps (lockgate._install_claim_steps), called through statements that
-    -- are cheap to plan: the steps' own statements are planned once per session.
-    probe text := format('SELECT lockgate.%I($1, $2)', '_claim_probe_' || queue);
-    take text := format('SELECT * FROM lockgate.%I($1, $2, $3, $4, $5, $6, $7)', '_claim_take_' || queue);
+    -- are cheap to plan: the steps' own statements are planned once per session. Named once the
+    -- queue is known to exist (a NULL name would fail in format() with an error naming nothing).
+    probe text;
+    take text;
     r record;
     -- The priority claimed from last; each statement takes the next one holding a visible message.
     after integer := -1;
@@ -205,6 +206,8 @@ BEGIN
         PERFORM lockgate._queue_table(queue, 'q');  -- raises LG001 for the unknown queue
     END IF;
     tbl := format('pgmq.%I', 'q_' || queue);
+    probe := format('SELECT lockgate.%I($1, $2)', '_claim_probe_' || queue);
+    take := format('SELECT * FROM lockgate.%I($1, $2, $3, $4, $5, $6, $7)', '_claim_take_' || queue);
     IF vt_seconds IS NULL OR NOT vt_seconds > 0 OR vt_seconds IN ('infinity', 'NaN') THEN
         RAISE EXCEPTION 'lockgate: invalid visibility timeout % seconds: a positive, finite number', vt_seconds
             USING ERRCODE = 'LG003';

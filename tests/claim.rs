@@ -186,6 +186,23 @@ async fn a_session_whose_claims_were_large_still_reads_only_what_a_small_claim_t
     tx.rollback().await.unwrap();
 }
 
+/// A claim on no queue at all (NULL, from SQL) is refused as an unknown queue (LG001), as any
+/// unknown name is, before anything else is looked at. A review found it failing instead inside
+/// format() with "null values cannot be formatted as an SQL identifier", which names nothing.
+#[tokio::test]
+async fn a_claim_on_a_null_queue_is_refused_as_an_unknown_queue() {
+    let (db, _client) = setup().await;
+    for sql in [
+        "SELECT * FROM lockgate.claim(NULL, 1, 30)",
+        "SELECT * FROM lockgate.claim(NULL, 1, 'NaN')",
+        "SELECT * FROM lockgate.claim_queues(ARRAY['claims', NULL], 2, 30)",
+    ] {
+        let err = sqlx::query(sql).fetch_all(&db.pool).await.unwrap_err();
+        let code = err.as_database_error().and_then(|e| e.code()).map(|c| c.to_string());
+        assert_eq!(code.as_deref(), Some("LG001"), "{sql}: {err}");
+    }
+}
+
 /// Issue 14 (docs/design.md §54): a queue's claim statements live in functions generated for
 /// it. A queue with the longest name allowed gets functions of its own (no identifier cut short
 /// into another queue's), and a claim on a queue whose functions are gone writes them again.

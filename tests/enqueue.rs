@@ -434,35 +434,60 @@ async fn notified(pool: &sqlx::PgPool) -> Vec<(String, bool)> {
     sqlx::query_as("DELETE FROM public.notified RETURNING channel, had_written").fetch_all(pool).await.unwrap()
 }
 
+/// Another transaction notifying through `lockgate._notify_unless_busy`, as a concurrent
+/// producer's enqueue would be while it commits: until the returned connection's transaction
+/// ends, every client enqueue leaves its wake-up to the wake task.
+async fn busy_notifier(pool: &sqlx::PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('lockgate.notifying'))").execute(&mut *tx).await.unwrap();
+    tx
+}
+
 /// Issue 14: what the client's wake-up is, seen from inside. SQL's enqueue notifies in its
-/// writing transaction, as it must; the client's notifies after the commit, in a transaction that
-/// has written nothing (its commit record is then not waited for: PostgreSQL flushes at commit
-/// only a transaction that wrote other WAL), so concurrent producers do not queue on the notify
-/// lock behind each other's flushes.
+/// writing transaction, as it must. So does the client's when no other enqueue is notifying at
+/// that moment: its wake-up comes with its commit, and nothing follows it. When another one is
+/// (it holds PostgreSQL's notify lock until its commit is flushed), the client does not queue
+/// behind it: it commits without notifying, and its wake task notifies after the commit, in a
+/// transaction that has written nothing (its commit record is then not waited for: PostgreSQL
+/// flushes at commit only a transaction that wrote other WAL).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_clients_wake_up_is_a_transaction_of_its_own_that_wrote_nothing() {
+async fn the_clients_wake_up_comes_with_its_commit_unless_another_enqueue_is_notifying() {
     let db = TestDb::migrated().await.unwrap();
     let (pool, client) = shadowed_notify(&db).await;
-    let woke = || vec![("lockgate_default".to_string(), false)];
+    let with_commit = || vec![("lockgate_default".to_string(), true)];
+    let after_commit = || vec![("lockgate_default".to_string(), false)];
 
     sqlx::query("SELECT * FROM lockgate.enqueue('note', '{}')").execute(&pool).await.unwrap();
-    assert_eq!(notified(&pool).await, [("lockgate_default".to_string(), true)]);
+    assert_eq!(notified(&pool).await, with_commit());
 
     client.enqueue(&Note { text: "a".into() }).await.unwrap();
     client.wakes_sent().await;
-    assert_eq!(notified(&pool).await, woke());
+    assert_eq!(notified(&pool).await, with_commit(), "one wake-up, in the enqueue's transaction");
     client.enqueue_many(&[Note { text: "b".into() }, Note { text: "c".into() }]).await.unwrap();
     client.wakes_sent().await;
-    assert_eq!(notified(&pool).await, woke());
+    assert_eq!(notified(&pool).await, with_commit());
+    // A delayed job wakes no one, in its transaction or after.
+    let later = EnqueueOptions { delay: Some(Duration::from_secs(60)), ..Default::default() };
+    client.enqueue_with(&Note { text: "d".into() }, &later).await.unwrap();
+    client.wakes_sent().await;
+    assert_eq!(notified(&pool).await, []);
+
+    let busy = busy_notifier(&db.pool).await;
+    client.enqueue(&Note { text: "e".into() }).await.unwrap();
+    client.enqueue_many(&[Note { text: "f".into() }, Note { text: "g".into() }]).await.unwrap();
+    client.wakes_sent().await;
+    let sent = notified(&pool).await;
+    assert!(!sent.is_empty() && sent.iter().all(|n| *n == after_commit()[0]), "{sent:?}");
     // Through the pool, while another task holds the client's lane.
-    let (d, e) = (Note { text: "d".into() }, Note { text: "e".into() });
-    let (a, b) = tokio::join!(client.enqueue(&d), client.enqueue(&e));
+    let (h, i) = (Note { text: "h".into() }, Note { text: "i".into() });
+    let (a, b) = tokio::join!(client.enqueue(&h), client.enqueue(&i));
     a.unwrap();
     b.unwrap();
     client.wakes_sent().await;
     let sent = notified(&pool).await;
-    assert!(!sent.is_empty() && sent.iter().all(|n| *n == woke()[0]), "{sent:?}");
-    assert_eq!(queued(&db).await, 6);
+    assert!(!sent.is_empty() && sent.iter().all(|n| *n == after_commit()[0]), "{sent:?}");
+    busy.rollback().await.unwrap();
+    assert_eq!(queued(&db).await, 10);
 }
 
 /// Issue 14: producers that each have a client of their own (web workers with one client
@@ -476,6 +501,7 @@ async fn clients_of_one_runtime_share_one_wake_task_per_database_and_role() {
     let (pool, first) = shadowed_notify(&db).await;
     let second = Client::new(db.new_pool(2).await.unwrap());
     second.define::<Note>().await.unwrap();
+    let busy = busy_notifier(&db.pool).await;
 
     first.enqueue(&Note { text: "a".into() }).await.unwrap();
     first.wakes_sent().await;
@@ -504,7 +530,70 @@ async fn clients_of_one_runtime_share_one_wake_task_per_database_and_role() {
             .await
             .unwrap();
     assert!(last.is_empty(), "the wake task was replaced although a client still held it: {last:?}");
+    busy.rollback().await.unwrap();
     assert_eq!(queued(&db).await, 5);
+}
+
+/// A shared wake task holds no client's pool: it connects with the connect options of the
+/// latest request. A client dropped with its pool takes the pool's connections with it (the task
+/// kept the pool of the latest request, and with it that pool's connections, until another
+/// client's wake-up replaced it; and a pool closed meanwhile cost every client its wake-ups, the
+/// task reconnecting through it). Found by a review.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_wake_task_holds_no_clients_pool() {
+    let db = TestDb::migrated().await.unwrap();
+    let (pool, keeper) = shadowed_notify(&db).await;
+    let busy = busy_notifier(&db.pool).await;
+    keeper.enqueue(&Note { text: "a".into() }).await.unwrap();
+    keeper.wakes_sent().await;
+    let options = pool.connect_options().as_ref().clone().application_name("dropped_client");
+    let dropped_pool = sqlx::postgres::PgPoolOptions::new().connect_with(options).await.unwrap();
+    // Three idle connections in the pool.
+    let (c1, c2, c3) = tokio::join!(dropped_pool.acquire(), dropped_pool.acquire(), dropped_pool.acquire());
+    drop((c1.unwrap(), c2.unwrap(), c3.unwrap()));
+    let dropped = Client::new(dropped_pool.clone());
+    dropped.define::<Note>().await.unwrap();
+    // The latest request the task has seen is the dropped client's.
+    dropped.enqueue(&Note { text: "b".into() }).await.unwrap();
+    dropped.wakes_sent().await;
+    drop((dropped, dropped_pool));
+    let named = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'dropped_client'";
+    lockgate_testkit::wait_for_count(&db.pool, named, 0, Duration::from_secs(10)).await.unwrap();
+    // The task's session ends; the next wake-up reconnects, with the options that came with it.
+    let task: i32 = sqlx::query_scalar("SELECT backend FROM public.notified WHERE NOT had_written LIMIT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)").bind(task).execute(&db.pool).await.unwrap();
+    notified(&pool).await;
+    keeper.enqueue(&Note { text: "c".into() }).await.unwrap();
+    keeper.wakes_sent().await;
+    assert_eq!(notified(&pool).await, [("lockgate_default".to_string(), false)], "the keeper's wake-up was lost");
+    busy.rollback().await.unwrap();
+}
+
+/// Clients that log in as the same user but with other startup options (where a role or a
+/// search path may be set) never share a wake task: `lockgate.wake` runs with its session's role
+/// and settings, and one client's wake-ups must not run with another's. Found by a review (a
+/// client whose options set another role shared the task of a plain one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_with_other_startup_options_never_share_a_wake_task() {
+    let db = TestDb::migrated().await.unwrap();
+    let (pool, first) = shadowed_notify(&db).await;
+    let options = pool.connect_options().as_ref().clone().options([("search_path", "public,pg_catalog")]);
+    let second = Client::new(sqlx::postgres::PgPoolOptions::new().connect_with(options).await.unwrap());
+    second.define::<Note>().await.unwrap();
+    let busy = busy_notifier(&db.pool).await;
+    first.enqueue(&Note { text: "a".into() }).await.unwrap();
+    first.wakes_sent().await;
+    second.enqueue(&Note { text: "b".into() }).await.unwrap();
+    second.wakes_sent().await;
+    let sessions: Vec<i32> = sqlx::query_scalar("SELECT DISTINCT backend FROM public.notified WHERE NOT had_written")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(sessions.len(), 2, "clients with other startup options shared a wake task: {sessions:?}");
+    busy.rollback().await.unwrap();
 }
 
 /// A wake task runs on one Tokio runtime and dies with it, taking along whatever it was asked and
@@ -522,6 +611,8 @@ fn clients_on_different_runtimes_never_share_a_wake_task() {
         second.define::<Note>().await.unwrap();
         second
     });
+    // On a pool of the second runtime, whose connections outlive the first.
+    let busy = second_rt.block_on(async { busy_notifier(&db.new_pool(1).await.unwrap()).await });
     first_rt.block_on(async {
         first.enqueue(&Note { text: "a".into() }).await.unwrap();
         first.wakes_sent().await;
@@ -547,6 +638,7 @@ fn clients_on_different_runtimes_never_share_a_wake_task() {
             .await
             .unwrap();
         assert_eq!(woken, 3);
+        busy.rollback().await.unwrap();
     });
 }
 

@@ -2,9 +2,11 @@
 //! transaction (G8), and define job types. Every method is one round trip, but for the first
 //! typed enqueue of a type by a client, which first defines the type if it is missing.
 //!
-//! An enqueue in its own transaction sends no notification in it: once it has committed, a wake
-//! task sends the wake-up (`lockgate.wake`) on a connection of its own, for every enqueue that
-//! committed while its last one was in flight at once (docs/design.md section 50). One wake task
+//! An enqueue in its own transaction notifies in it only when no other transaction is notifying
+//! that way at the moment (`lockgate._notify_unless_busy`): its wake-up then arrives with its
+//! commit. Otherwise, once it has committed, a wake task sends the wake-up (`lockgate.wake`) on a
+//! connection of its own, for every enqueue that committed while its last one was in flight at
+//! once (docs/design.md section 50). One wake task
 //! serves every client on the same Tokio runtime, database and role, so producers that each
 //! have a client of their own share wake-ups too. The enqueue returns at its commit;
 //! [`Client::wakes_sent`] waits for the wake-ups.
@@ -37,6 +39,7 @@ use lockgate_sql::{
     RecurringSource,
 };
 use serde_json::Value;
+use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::{mpsc, oneshot, Mutex, MutexGuard};
 
@@ -345,12 +348,16 @@ impl Client {
     }
 
     async fn enqueue_one(&self, job_type: &str, args: &Value, options: &Value) -> Result<EnqueuedJob, EnqueueError> {
-        let notify = !wake_task_runs_freely();
         let mut lane = self.lane().await?;
-        let result = lockgate_sql::enqueue(self.via(&mut lane), job_type, args, options, notify).await;
-        let job = LaneUse::finish(lane, result)?;
+        let db = self.via(&mut lane);
+        let result = if wake_task_runs_freely() {
+            lockgate_sql::enqueue_and_wake(db, job_type, args, options, runs_now(options)).await
+        } else {
+            lockgate_sql::enqueue(db, job_type, args, options, true).await.map(|job| (job, true))
+        };
+        let (job, woken) = LaneUse::finish(lane, result)?;
         self.count_enqueued(job_type, [&job]);
-        if !notify {
+        if !woken {
             self.wake(std::slice::from_ref(&job), options);
         }
         Ok(job)
@@ -362,12 +369,16 @@ impl Client {
         args: &[Value],
         options: &Value,
     ) -> Result<Vec<EnqueuedJob>, EnqueueError> {
-        let notify = !wake_task_runs_freely();
         let mut lane = self.lane().await?;
-        let result = lockgate_sql::enqueue_many(self.via(&mut lane), job_type, args, options, notify).await;
-        let jobs = LaneUse::finish(lane, result)?;
+        let db = self.via(&mut lane);
+        let result = if wake_task_runs_freely() {
+            lockgate_sql::enqueue_many_and_wake(db, job_type, args, options, runs_now(options)).await
+        } else {
+            lockgate_sql::enqueue_many(db, job_type, args, options, true).await.map(|jobs| (jobs, true))
+        };
+        let (jobs, woken) = LaneUse::finish(lane, result)?;
         self.count_enqueued(job_type, &jobs);
-        if !notify {
+        if !woken {
             self.wake(&jobs, options);
         }
         Ok(jobs)
@@ -383,7 +394,7 @@ impl Client {
     fn wake(&self, jobs: &[EnqueuedJob], options: &Value) {
         let Some(job) = jobs.iter().find(|j| j.status == EnqueueStatus::Enqueued) else { return };
         if runs_now(options) {
-            self.send_to_wake_task(WakeRequest::Queue(job.queue.clone(), self.pool.clone()));
+            self.send_to_wake_task(WakeRequest::Queue(job.queue.clone(), self.pool.connect_options()));
         }
     }
 
@@ -500,20 +511,22 @@ fn wake_task_runs_freely() -> bool {
         .is_ok_and(|h| matches!(h.runtime_flavor(), tokio::runtime::RuntimeFlavor::MultiThread))
 }
 
-/// What a wake task is asked: a queue to wake (with the asking client's pool, where a new
-/// connection comes from), or to say when everything asked before is sent.
+/// What a wake task is asked: a queue to wake (with the asking client's connect options, which a
+/// new connection of the task's is made with), or to say when everything asked before is sent.
 #[derive(Debug)]
 enum WakeRequest {
-    Queue(String, PgPool),
+    Queue(String, Arc<PgConnectOptions>),
     Flush(oneshot::Sender<()>),
 }
 
 type WakeSender = mpsc::UnboundedSender<WakeRequest>;
 
 /// What a wake task's connection reaches, and where the task runs: a notification is seen only
-/// on its own database, and `lockgate.wake` runs with the role's privileges, so clients share a
-/// task only when they connect to the same database as the same role; and only on the same Tokio
+/// on its own database, and `lockgate.wake` runs with the session's role and settings, so clients
+/// share a task only when they connect to the same database as the same user with the same
+/// startup options (where a role or a search path may be set); and only on the same Tokio
 /// runtime, since a task dies with its runtime, taking with it what other clients had asked.
+/// The task connects with the options alone: a pool's `after_connect` does not run on it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct WakeTarget {
     runtime: tokio::runtime::Id,
@@ -522,6 +535,7 @@ struct WakeTarget {
     socket: Option<PathBuf>,
     database: Option<String>,
     username: String,
+    options: Option<String>,
 }
 
 impl WakeTarget {
@@ -534,6 +548,7 @@ impl WakeTarget {
             socket: options.get_socket().cloned(),
             database: options.get_database().map(str::to_string),
             username: options.get_username().to_string(),
+            options: options.get_options().map(str::to_string),
         }
     }
 }
@@ -543,20 +558,21 @@ impl WakeTarget {
 static WAKE_TASKS: LazyLock<StdMutex<HashMap<WakeTarget, Weak<WakeSender>>>> = LazyLock::new(Default::default);
 
 /// A wake task: sends `lockgate.wake` for the queues it is given, on a connection of its own
-/// (taken from the pool of the latest request, and kept). Every request waiting when it starts a
+/// (made with the connect options of the latest request, and kept; no client's pool is held,
+/// so a client dropped or a pool closed takes nothing from the others). Every request waiting when it starts a
 /// statement joins it, so producers enqueueing at once, through one client or many, share
 /// wake-ups, each sent after its commit. A failed statement is tried once more on a new
 /// connection, then logged.
 async fn send_wakes(mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
     let mut conn: Option<PgConnection> = None;
-    let mut pool: Option<PgPool> = None;
+    let mut target: Option<Arc<PgConnectOptions>> = None;
     while let Some(first) = requests.recv().await {
         let mut queues = BTreeSet::new();
         let mut flushes = Vec::new();
         let mut take = |request| match request {
             WakeRequest::Queue(queue, from) => {
                 queues.insert(queue);
-                pool = Some(from);
+                target = Some(from);
             }
             WakeRequest::Flush(done) => flushes.push(done),
         };
@@ -564,13 +580,13 @@ async fn send_wakes(mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
         while let Ok(request) = requests.try_recv() {
             take(request);
         }
-        // A request to wake a queue came with its pool, so there is one whenever there are queues.
-        if let Some(pool) = pool.as_ref().filter(|_| !queues.is_empty()) {
+        // A request to wake a queue came with its options, so there are some whenever there are queues.
+        if let Some(options) = target.as_deref().filter(|_| !queues.is_empty()) {
             let queues: Vec<String> = queues.into_iter().collect();
-            let mut result = wake_on(pool, &mut conn, &queues).await;
+            let mut result = wake_on(options, &mut conn, &queues).await;
             if result.is_err() {
                 conn = None;
-                result = wake_on(pool, &mut conn, &queues).await;
+                result = wake_on(options, &mut conn, &queues).await;
             }
             if let Err(error) = result {
                 conn = None;
@@ -584,10 +600,14 @@ async fn send_wakes(mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
     }
 }
 
-async fn wake_on(pool: &PgPool, conn: &mut Option<PgConnection>, queues: &[String]) -> Result<(), DbError> {
+async fn wake_on(
+    options: &PgConnectOptions,
+    conn: &mut Option<PgConnection>,
+    queues: &[String],
+) -> Result<(), DbError> {
     let conn = match conn {
         Some(conn) => conn,
-        None => conn.insert(pool.acquire().await?.detach()),
+        None => conn.insert(PgConnection::connect_with(options).await.map_err(DbError::from)?),
     };
     lockgate_sql::wake(Db::idle(conn), queues).await
 }

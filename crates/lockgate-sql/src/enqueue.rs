@@ -52,6 +52,64 @@ pub async fn enqueue_many<'c>(
     .await
 }
 
+/// [`enqueue`] with `notify` false, then, in the same statement and transaction, the wake-up
+/// when the job was enqueued, `runs_now` (the caller's reading of its options) and no other
+/// transaction is notifying through `lockgate._notify_unless_busy` at this moment. Returns the
+/// job and whether it was woken; when it was not, the caller sends [`wake`] after the commit.
+pub async fn enqueue_and_wake<'c>(
+    db: impl Into<Db<'c>>,
+    job_type: &str,
+    args: &Value,
+    options: &Value,
+    runs_now: bool,
+) -> Result<(EnqueuedJob, bool), DbError> {
+    on(db.into(), async |conn| {
+        let row = query(
+            "SELECT e.queue, e.msg_id, e.job_id, e.status,
+                    CASE WHEN $4 AND e.status = 'enqueued' THEN lockgate._notify_unless_busy(e.queue) ELSE false END
+               FROM lockgate.enqueue($1, $2, $3, false) e",
+        )
+        .bind(job_type)
+        .bind(args)
+        .bind(options)
+        .bind(runs_now)
+        .fetch_one(conn)
+        .await?;
+        Ok((to_job(&row), row.get(4)))
+    })
+    .await
+}
+
+/// [`enqueue_many`] with `notify` false and the wake-up of [`enqueue_and_wake`], sent at most
+/// once, when any job was enqueued (they share one queue).
+pub async fn enqueue_many_and_wake<'c>(
+    db: impl Into<Db<'c>>,
+    job_type: &str,
+    args: &[Value],
+    options: &Value,
+    runs_now: bool,
+) -> Result<(Vec<EnqueuedJob>, bool), DbError> {
+    on(db.into(), async |conn| {
+        let rows = query(
+            "WITH e AS MATERIALIZED (
+                 SELECT * FROM lockgate.enqueue_many($1, $2, $3, false) WITH ORDINALITY AS e(queue, msg_id, job_id, status, i)),
+             w AS MATERIALIZED (
+                 SELECT CASE WHEN $4 THEN lockgate._notify_unless_busy(e.queue) ELSE false END AS woken
+                   FROM (SELECT e.queue FROM e WHERE e.status = 'enqueued' LIMIT 1) e)
+             SELECT e.queue, e.msg_id, e.job_id, e.status, COALESCE((SELECT w.woken FROM w), false) FROM e ORDER BY e.i",
+        )
+        .bind(job_type)
+        .bind(args)
+        .bind(options)
+        .bind(runs_now)
+        .fetch_all(conn)
+        .await?;
+        let woken = rows.first().is_some_and(|row| row.get(4));
+        Ok((rows.iter().map(to_job).collect(), woken))
+    })
+    .await
+}
+
 /// `lockgate.wake` for each of `queues`, in one statement: wakes the workers idle on them after
 /// an enqueue with `notify` false has committed, so that a woken worker finds the jobs. Outside a
 /// transaction block, its transaction writes nothing but the commit record PostgreSQL gives a

@@ -32,7 +32,7 @@ pub use deliveries::{
 };
 pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetried, DlqRetryOutcome};
 pub use doctor::{database_clock, doctor, DoctorCheck, DoctorThresholds, Verdict};
-pub use enqueue::{enqueue, enqueue_many, wake};
+pub use enqueue::{enqueue, enqueue_and_wake, enqueue_many, enqueue_many_and_wake, wake};
 pub use error::DbError;
 pub use job_types::{define_job_type, define_job_type_if_missing, job_type_exists, load_job_types};
 pub use jobs::{
