@@ -380,15 +380,21 @@ END $$;
 -- commits go one flush after another, where other commits share their flushes: the Rust
 -- Client's enqueue calls this in its own transaction (its wake-up then arrives with the commit,
 -- with no statement of its own after it), and sends lockgate.wake after the commit when this
--- returns false, so that concurrent producers never queue on that lock behind each other. The
--- advisory lock taken here (never waited for) is held to the end of the transaction, as the
--- notify lock is. Callers: the Rust Client's enqueues in their own transaction.
+-- returns false, so that a database's concurrent producers never queue on that lock behind each
+-- other (the notify lock is one for the whole server; this one, per database). The advisory
+-- lock taken here (never waited for; a two-key lock, apart from every one-key advisory lock,
+-- lockgate's per-queue ones included) is held to the end of the transaction, as the notify lock
+-- is. The notifying transaction then waits for the notify lock at its commit, which no
+-- lock_timeout may turn into a failed enqueue: it is set to 0 for the rest of the transaction.
+-- Run it outside a transaction block: inside one, it holds the lock until the caller commits.
+-- Callers: the Rust Client's enqueues in their own transaction.
 CREATE OR REPLACE FUNCTION lockgate._notify_unless_busy(queue text)
 RETURNS boolean LANGUAGE plpgsql AS $$
 BEGIN
-    IF NOT pg_try_advisory_xact_lock(hashtext('lockgate.notifying')) THEN
+    IF NOT pg_try_advisory_xact_lock(hashtext('lockgate'), 1) THEN
         RETURN false;
     END IF;
+    PERFORM set_config('lock_timeout', '0', true);
     PERFORM pg_notify('lockgate_' || queue, '');
     RETURN true;
 END $$;

@@ -439,7 +439,7 @@ async fn notified(pool: &sqlx::PgPool) -> Vec<(String, bool)> {
 /// ends, every client enqueue leaves its wake-up to the wake task.
 async fn busy_notifier(pool: &sqlx::PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
     let mut tx = pool.begin().await.unwrap();
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('lockgate.notifying'))").execute(&mut *tx).await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('lockgate'), 1)").execute(&mut *tx).await.unwrap();
     tx
 }
 
@@ -490,6 +490,33 @@ async fn the_clients_wake_up_comes_with_its_commit_unless_another_enqueue_is_not
     assert_eq!(queued(&db).await, 10);
 }
 
+/// The enqueue that notifies in its own transaction waits for PostgreSQL's notify lock at its
+/// commit, behind whichever transaction is committing a notification (an SQL producer's, a
+/// promotion's, another database's): no `lock_timeout` of the producer's session may turn that
+/// wait into a failed enqueue (a review measured every such enqueue failing under 1 ms). The
+/// function sets it to 0 for the rest of its transaction, and only when it notifies.
+#[tokio::test]
+async fn the_enqueue_that_notifies_waits_for_the_notify_lock_whatever_its_lock_timeout() {
+    let db = TestDb::migrated().await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '1ms'").execute(&mut *tx).await.unwrap();
+    let woken: bool =
+        sqlx::query_scalar("SELECT lockgate._notify_unless_busy('default')").fetch_one(&mut *tx).await.unwrap();
+    let timeout: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!((woken, timeout.as_str()), (true, "0"));
+    tx.rollback().await.unwrap();
+    // Busy: nothing sent, and the session's setting left alone.
+    let busy = busy_notifier(&db.pool).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '1ms'").execute(&mut *tx).await.unwrap();
+    let woken: bool =
+        sqlx::query_scalar("SELECT lockgate._notify_unless_busy('default')").fetch_one(&mut *tx).await.unwrap();
+    let timeout: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!((woken, timeout.as_str()), (false, "1ms"));
+    tx.rollback().await.unwrap();
+    busy.rollback().await.unwrap();
+}
+
 /// Issue 14: producers that each have a client of their own (web workers with one client
 /// apiece, the 16-producer benchmark) share one wake task per runtime, database and role, so enqueues
 /// that commit while a wake-up is in flight share the next one, whichever client made them:
@@ -534,11 +561,12 @@ async fn clients_of_one_runtime_share_one_wake_task_per_database_and_role() {
     assert_eq!(queued(&db).await, 5);
 }
 
-/// A shared wake task holds no client's pool: it connects with the connect options of the
-/// latest request. A client dropped with its pool takes the pool's connections with it (the task
-/// kept the pool of the latest request, and with it that pool's connections, until another
-/// client's wake-up replaced it; and a pool closed meanwhile cost every client its wake-ups, the
-/// task reconnecting through it). Found by a review.
+/// A shared wake task keeps no client's pool: a new connection comes from the pools of the
+/// requests it is sending, the latest first, closed ones skipped, and none is kept after. A
+/// client dropped with its pool takes the pool's connections with it (the task kept the pool of
+/// the latest request, and with it that pool's connections, until another client's wake-up
+/// replaced it; and a pool closed meanwhile cost every client its wake-ups, the task reconnecting
+/// through it). Found by a review.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_wake_task_holds_no_clients_pool() {
     let db = TestDb::migrated().await.unwrap();
@@ -559,7 +587,7 @@ async fn a_shared_wake_task_holds_no_clients_pool() {
     drop((dropped, dropped_pool));
     let named = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'dropped_client'";
     lockgate_testkit::wait_for_count(&db.pool, named, 0, Duration::from_secs(10)).await.unwrap();
-    // The task's session ends; the next wake-up reconnects, with the options that came with it.
+    // The task's session ends; the next wake-up reconnects, through the pool that came with it.
     let task: i32 = sqlx::query_scalar("SELECT backend FROM public.notified WHERE NOT had_written LIMIT 1")
         .fetch_one(&pool)
         .await

@@ -59,7 +59,9 @@ async fn through(db: &TestDb, bouncer: &PgBouncer) -> PgPool {
     PgPoolOptions::new().max_connections(16).connect_with(bouncer.options(&db.name)).await.unwrap()
 }
 
-#[tokio::test]
+// Multi-threaded, so that the Client's enqueues take the path they take in a service: the
+// wake-up in the enqueue's transaction when no other one is notifying, else from the wake task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lockgate_works_through_transaction_pooling() {
     let cases = [database().await, database().await, database().await, database().await];
     lockgate::pooler::set_transaction_pooling(true);

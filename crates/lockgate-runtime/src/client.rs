@@ -39,7 +39,6 @@ use lockgate_sql::{
     RecurringSource,
 };
 use serde_json::Value;
-use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::{mpsc, oneshot, Mutex, MutexGuard};
 
@@ -394,7 +393,7 @@ impl Client {
     fn wake(&self, jobs: &[EnqueuedJob], options: &Value) {
         let Some(job) = jobs.iter().find(|j| j.status == EnqueueStatus::Enqueued) else { return };
         if runs_now(options) {
-            self.send_to_wake_task(WakeRequest::Queue(job.queue.clone(), self.pool.connect_options()));
+            self.send_to_wake_task(WakeRequest::Queue(job.queue.clone(), self.pool.clone()));
         }
     }
 
@@ -511,11 +510,11 @@ fn wake_task_runs_freely() -> bool {
         .is_ok_and(|h| matches!(h.runtime_flavor(), tokio::runtime::RuntimeFlavor::MultiThread))
 }
 
-/// What a wake task is asked: a queue to wake (with the asking client's connect options, which a
-/// new connection of the task's is made with), or to say when everything asked before is sent.
+/// What a wake task is asked: a queue to wake (with the asking client's pool, which a new
+/// connection of the task's may come from), or to say when everything asked before is sent.
 #[derive(Debug)]
 enum WakeRequest {
-    Queue(String, Arc<PgConnectOptions>),
+    Queue(String, PgPool),
     Flush(oneshot::Sender<()>),
 }
 
@@ -524,9 +523,10 @@ type WakeSender = mpsc::UnboundedSender<WakeRequest>;
 /// What a wake task's connection reaches, and where the task runs: a notification is seen only
 /// on its own database, and `lockgate.wake` runs with the session's role and settings, so clients
 /// share a task only when they connect to the same database as the same user with the same
-/// startup options (where a role or a search path may be set); and only on the same Tokio
-/// runtime, since a task dies with its runtime, taking with it what other clients had asked.
-/// The task connects with the options alone: a pool's `after_connect` does not run on it.
+/// startup options (where a role or a search path may be set) and TLS mode; and only on the
+/// same Tokio runtime, since a task dies with its runtime, taking with it what other clients had
+/// asked. (A role switched in a pool's `after_connect` is not seen: pools that differ only there
+/// share a task, whose connection comes from one of them.)
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct WakeTarget {
     runtime: tokio::runtime::Id,
@@ -536,6 +536,7 @@ struct WakeTarget {
     database: Option<String>,
     username: String,
     options: Option<String>,
+    tls: String,
 }
 
 impl WakeTarget {
@@ -549,6 +550,7 @@ impl WakeTarget {
             database: options.get_database().map(str::to_string),
             username: options.get_username().to_string(),
             options: options.get_options().map(str::to_string),
+            tls: format!("{:?}", options.get_ssl_mode()),
         }
     }
 }
@@ -557,22 +559,27 @@ impl WakeTarget {
 /// whose task has ended is replaced by the next client that needs one.
 static WAKE_TASKS: LazyLock<StdMutex<HashMap<WakeTarget, Weak<WakeSender>>>> = LazyLock::new(Default::default);
 
-/// A wake task: sends `lockgate.wake` for the queues it is given, on a connection of its own
-/// (made with the connect options of the latest request, and kept; no client's pool is held,
-/// so a client dropped or a pool closed takes nothing from the others). Every request waiting when it starts a
+/// A wake task: sends `lockgate.wake` for the queues it is given, on a connection of its own,
+/// kept. A new one is taken from the pools of the requests being sent, the latest first,
+/// skipping closed ones (with each pool's `after_connect` and `acquire_timeout`), and detached
+/// from it; no pool is kept beyond the statement, so a client dropped or a pool closed takes
+/// nothing from the others. Every request waiting when it starts a
 /// statement joins it, so producers enqueueing at once, through one client or many, share
 /// wake-ups, each sent after its commit. A failed statement is tried once more on a new
 /// connection, then logged.
 async fn send_wakes(mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
     let mut conn: Option<PgConnection> = None;
-    let mut target: Option<Arc<PgConnectOptions>> = None;
     while let Some(first) = requests.recv().await {
         let mut queues = BTreeSet::new();
         let mut flushes = Vec::new();
+        // The pools of this statement's requests, the latest first.
+        let mut pools: Vec<PgPool> = Vec::new();
         let mut take = |request| match request {
             WakeRequest::Queue(queue, from) => {
                 queues.insert(queue);
-                target = Some(from);
+                // Once per pool (its clones share their options).
+                pools.retain(|p| !Arc::ptr_eq(&p.connect_options(), &from.connect_options()));
+                pools.insert(0, from);
             }
             WakeRequest::Flush(done) => flushes.push(done),
         };
@@ -580,13 +587,12 @@ async fn send_wakes(mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
         while let Ok(request) = requests.try_recv() {
             take(request);
         }
-        // A request to wake a queue came with its options, so there are some whenever there are queues.
-        if let Some(options) = target.as_deref().filter(|_| !queues.is_empty()) {
+        if !queues.is_empty() {
             let queues: Vec<String> = queues.into_iter().collect();
-            let mut result = wake_on(options, &mut conn, &queues).await;
+            let mut result = wake_on(&pools, &mut conn, &queues).await;
             if result.is_err() {
                 conn = None;
-                result = wake_on(options, &mut conn, &queues).await;
+                result = wake_on(&pools, &mut conn, &queues).await;
             }
             if let Err(error) = result {
                 conn = None;
@@ -600,16 +606,25 @@ async fn send_wakes(mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
     }
 }
 
-async fn wake_on(
-    options: &PgConnectOptions,
-    conn: &mut Option<PgConnection>,
-    queues: &[String],
-) -> Result<(), DbError> {
+async fn wake_on(pools: &[PgPool], conn: &mut Option<PgConnection>, queues: &[String]) -> Result<(), DbError> {
     let conn = match conn {
         Some(conn) => conn,
-        None => conn.insert(PgConnection::connect_with(options).await.map_err(DbError::from)?),
+        None => conn.insert(connect(pools).await?),
     };
     lockgate_sql::wake(Db::idle(conn), queues).await
+}
+
+/// A connection from the first of `pools` that is open and gives one (within its own
+/// `acquire_timeout`), detached from it; the last failure when none does.
+async fn connect(pools: &[PgPool]) -> Result<PgConnection, DbError> {
+    let mut failure = DbError::from(sqlx::Error::PoolClosed);
+    for pool in pools.iter().filter(|p| !p.is_closed()) {
+        match pool.acquire().await {
+            Ok(conn) => return Ok(conn.detach()),
+            Err(error) => failure = error.into(),
+        }
+    }
+    Err(failure)
 }
 
 /// Whether enqueue `options` (as `EnqueueOptions::to_json` or a raw caller gave them) may let

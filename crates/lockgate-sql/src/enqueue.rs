@@ -56,6 +56,8 @@ pub async fn enqueue_many<'c>(
 /// when the job was enqueued, `runs_now` (the caller's reading of its options) and no other
 /// transaction is notifying through `lockgate._notify_unless_busy` at this moment. Returns the
 /// job and whether it was woken; when it was not, the caller sends [`wake`] after the commit.
+/// Run it outside a transaction block: inside one, the lock that says "notifying" is held until
+/// the caller commits, and every other client enqueue leaves its wake-up to after its commit.
 pub async fn enqueue_and_wake<'c>(
     db: impl Into<Db<'c>>,
     job_type: &str,
