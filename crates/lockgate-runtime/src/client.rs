@@ -6,10 +6,10 @@
 //! that way at the moment (`lockgate._notify_unless_busy`): its wake-up then arrives with its
 //! commit. Otherwise, once it has committed, a wake task sends the wake-up (`lockgate.wake`) on a
 //! connection of its own, for every enqueue that committed while its last one was in flight at
-//! once (docs/design.md section 50). One wake task
-//! serves every client on the same Tokio runtime, database and role, so producers that each
-//! have a client of their own share wake-ups too. The enqueue returns at its commit;
-//! [`Client::wakes_sent`] waits for the wake-ups.
+//! once (docs/design.md section 50). One wake task serves every client on the same Tokio
+//! runtime, database and login, so producers that each have a client of their own share
+//! wake-ups too. The enqueue returns at its commit; [`Client::wakes_sent`] waits for the
+//! wake-ups.
 //!
 //! A typed enqueue defines its job type on first use: if `lockgate.job_types` has no row for
 //! it, `J::policy()` is stored; a stored policy (a worker's, an operator's `lockgate.toml`) is
@@ -55,7 +55,7 @@ const RUN_AT_CLOCK_MARGIN: Duration = Duration::from_secs(60);
 
 /// A handle for producers. Cheap to clone (it holds a pool, and shares its lane connection and
 /// its wake task, which it shares with every other client on the same runtime, database and
-/// role).
+/// login).
 #[derive(Debug, Clone)]
 pub struct Client {
     pool: PgPool,
@@ -409,8 +409,8 @@ impl Client {
     }
 
     /// Hands `request` to the wake task: the client's own, else the one its runtime has for its
-    /// database and role, else a new one; false if there was nothing to start it on (no Tokio runtime:
-    /// then nothing is pending either).
+    /// database and login, else a new one; false if there was nothing to start it on (no Tokio
+    /// runtime: then nothing is pending either).
     fn send_to_wake_task(&self, request: WakeRequest) -> bool {
         let mut wakes = self.wakes.lock().unwrap_or_else(|e| e.into_inner());
         let request = match wakes.as_ref() {
@@ -555,18 +555,17 @@ impl WakeTarget {
     }
 }
 
-/// The process's wake tasks, by runtime, database and role. A task lives while a client holds its sender; an entry
-/// whose task has ended is replaced by the next client that needs one.
+/// The process's wake tasks, by runtime, database and login. A task lives while a client holds
+/// its sender; an entry whose task has ended is replaced by the next client that needs one.
 static WAKE_TASKS: LazyLock<StdMutex<HashMap<WakeTarget, Weak<WakeSender>>>> = LazyLock::new(Default::default);
 
 /// A wake task: sends `lockgate.wake` for the queues it is given, on a connection of its own,
 /// kept. A new one is taken from the pools of the requests being sent, the latest first,
 /// skipping closed ones (with each pool's `after_connect` and `acquire_timeout`), and detached
 /// from it; no pool is kept beyond the statement, so a client dropped or a pool closed takes
-/// nothing from the others. Every request waiting when it starts a
-/// statement joins it, so producers enqueueing at once, through one client or many, share
-/// wake-ups, each sent after its commit. A failed statement is tried once more on a new
-/// connection, then logged.
+/// nothing from the others. Every request waiting when it starts a statement joins it, so
+/// producers enqueueing at once, through one client or many, share wake-ups, each sent after
+/// its commit. A failed statement is tried once more on a new connection, then logged.
 async fn send_wakes(mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
     let mut conn: Option<PgConnection> = None;
     while let Some(first) = requests.recv().await {

@@ -96,8 +96,8 @@ pub async fn enqueue_many_and_wake<'c>(
             "WITH e AS MATERIALIZED (
                  SELECT * FROM lockgate.enqueue_many($1, $2, $3, false) WITH ORDINALITY AS e(queue, msg_id, job_id, status, i)),
              w AS MATERIALIZED (
-                 SELECT CASE WHEN $4 THEN lockgate._notify_unless_busy(e.queue) ELSE false END AS woken
-                   FROM (SELECT e.queue FROM e WHERE e.status = 'enqueued' LIMIT 1) e)
+                 SELECT CASE WHEN $4 THEN lockgate._notify_unless_busy(first.queue) ELSE false END AS woken
+                   FROM (SELECT e.queue FROM e WHERE e.status = 'enqueued' LIMIT 1) first)
              SELECT e.queue, e.msg_id, e.job_id, e.status, COALESCE((SELECT w.woken FROM w), false) FROM e ORDER BY e.i",
         )
         .bind(job_type)
