@@ -1,114 +1,119 @@
--- A queue's claim steps, generated with its table's name written in (docs/design.md §54):
--- lockgate._claim_probe_<queue>(after, at), the next priority after `after` holding a message
--- visible at `at` (NULL: none), and lockgate._claim_take_<queue>(qty, vt_seconds, owner, at,
--- priority, queue, start_now), which claims up to qty of that priority's visible messages. A
--- statement on a table named at run time is dynamic SQL, planned at every call, and planning
--- the claim statement cost more than running it; in a function of its own, PL/pgSQL plans it
--- once per session. Written by lockgate.create_queue, for every queue each time the functions
--- are installed (the end of this file), and by a claim that finds one missing.
+-- A queue's claim step, generated with its table's name written in (docs/design.md §54):
+-- lockgate._claim_take_<queue>(qty, vt_seconds, owner, at, start_now, queue) claims up to qty
+-- visible messages, one priority at a time, best first. A statement on a table named at run
+-- time is dynamic SQL, planned at every call, and planning the claim statement cost more than
+-- running it; in a function of its own, PL/pgSQL plans it once per session. One step, not a
+-- probe and a take called in turn: each dynamic call is parsed and planned at every claim, so
+-- a claim makes one (docs/design.md §56). Written by lockgate.create_queue, for every queue
+-- each time the functions are installed (the end of this file), and by a claim that finds it
+-- missing.
 -- Idempotent: a step that exists as it would be written (same body, settings and owner) is left
 -- alone, without a lock, so installing again costs nothing and disturbs no claim. A step to
 -- write is written under create_queue's advisory lock on the queue name: in place (CREATE OR
 -- REPLACE, keeping whatever depends on it) when it is the installer's own; dropped and created
--- anew when it belongs to anyone else (planted under a step's name before the queue existed:
+-- anew when it belongs to anyone else (planted under the step's name before the queue existed:
 -- never kept, and never run inside a claim; the drop fails rather than cascade).
--- SECURITY DEFINER: the steps belong to the role that installed lockgate's functions (the one
+-- SECURITY DEFINER: the step belongs to the role that installed lockgate's functions (the one
 -- that runs migrate), whoever creates the queue or claims, so that no other role needs CREATE
--- on schema lockgate and a later migrate may write them again.
+-- on schema lockgate and a later migrate may write it again.
 -- Locks: none when nothing changes; else the queue name's advisory lock, then catalog rows.
 -- Callers: create_queue, migrate, lockgate.claim.
 CREATE OR REPLACE FUNCTION lockgate._install_claim_steps(queue text)
 RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
     tbl text := lockgate._queue_table(queue, 'q');
-    names text[] := ARRAY['_claim_probe_' || queue, '_claim_take_' || queue];
-    args text[] := ARRAY['integer, timestamp with time zone',
-                         'integer, double precision, bigint, timestamp with time zone, integer, text, integer'];
-    heads text[];
-    configs text[];
-    bodies text[];
+    name text := '_claim_take_' || queue;
+    args text := 'integer, double precision, bigint, timestamp with time zone, integer, text';
+    head text;
+    config text;
+    body text;
     found record;
-    i integer;
 BEGIN
-    -- A LATERAL probe with its own LIMIT: the planner cannot turn it into a semi-join over the
-    -- whole table, as it may an EXISTS when most messages are visible. Ordered as the claim
-    -- index is, so it is always that index's probe: unordered, with statistics saying most
-    -- messages are visible at that priority (taken during a burst that is now in flight), a
-    -- sequential scan looked as cheap for LIMIT 1 and read the whole queue once per priority.
-    heads[1] := 'RETURNS integer LANGUAGE plpgsql';
-    configs[1] := NULL;
-    bodies[1] := format($f$
-        BEGIN
-            RETURN (SELECT p FROM generate_series($1 + 1, 9) p
-                     CROSS JOIN LATERAL (SELECT 1 FROM %1$s m
-                                          WHERE COALESCE((m.headers->>'priority')::smallint, 0) = p AND m.vt <= $2
-                                          ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt
-                                          LIMIT 1) visible
-                     LIMIT 1);
-        END $f$, tbl);
-    -- Messages of one priority, visible longest first, then oldest, skipping rows other
-    -- claimers hold; the first start_now of them (NULL: all) start now, the others are claimed
+    -- Messages of the best priority holding a visible message, visible longest first, then
+    -- oldest, skipping rows other claimers hold; then the next priority's, while fewer than qty
+    -- were taken (what was visible at one priority may all have been taken by other claimers
+    -- meanwhile). The first start_now of them (NULL: all) start now, the others are claimed
     -- ahead. limited: the message carries a concurrency key; unconfirmed: its last delivery was
     -- claimed ahead and never started; lease_end: its lease's end as the statement's snapshot
-    -- read it. Hash and merge joins off: the plan kept for the session may be the generic one,
-    -- which knows no qty; guessing a large one, it joined the taken rows back to the table
-    -- through a sequential scan of the whole queue, and kept doing so for every later claim.
-    -- Joined by primary key lookups, a claim reads what it takes.
-    heads[2] := 'RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
-                                vt timestamptz, ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)
-                 LANGUAGE plpgsql SET enable_hashjoin = off SET enable_mergejoin = off';
-    configs[2] := '{enable_hashjoin=off,enable_mergejoin=off}';
-    bodies[2] := format($f$
+    -- read it.
+    -- The priority probe is a LATERAL subquery with its own LIMIT: the planner cannot turn it
+    -- into a semi-join over the whole table, as it may an EXISTS when most messages are
+    -- visible. Ordered as the claim index is, so it is always that index's probe: unordered,
+    -- with statistics saying most messages are visible at that priority (taken during a burst
+    -- that is now in flight), a sequential scan looked as cheap for LIMIT 1 and read the whole
+    -- queue once per priority.
+    -- Hash and merge joins off: the plan kept for the session may be the generic one, which
+    -- knows no qty; guessing a large one, it joined the taken rows back to the table through a
+    -- sequential scan of the whole queue, and kept doing so for every later claim. Joined by
+    -- primary key lookups, a claim reads what it takes.
+    head := 'RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
+                            vt timestamptz, ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)
+             LANGUAGE plpgsql SET enable_hashjoin = off SET enable_mergejoin = off';
+    config := '{enable_hashjoin=off,enable_mergejoin=off}';
+    body := format($f$
         #variable_conflict use_column
+        DECLARE
+            best integer := -1;
+            wanted integer := $1;
+            took integer;
         BEGIN
-            RETURN QUERY
-            WITH next AS (
-                 SELECT m.msg_id, m.vt AS was, jsonb_typeof(m.headers) = 'object' AND m.headers ? 'ckey' AS limited,
-                        m.read_ct > 0 AND m.last_read_at IS NULL AS unconfirmed
-                   FROM %1$s m
-                  WHERE COALESCE((m.headers->>'priority')::smallint, 0) = $5 AND m.vt <= $4
-                  ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt, m.msg_id
-                  LIMIT $1
-                    FOR UPDATE SKIP LOCKED),
-             ranked AS (SELECT next.*, row_number() OVER (ORDER BY next.was, next.msg_id) AS rn FROM next)
-             UPDATE %1$s m
-                SET vt = clock_timestamp() + make_interval(secs => $2),
-                    read_ct = m.read_ct + 1,
-                    last_read_at = CASE WHEN ranked.rn > $7 THEN NULL ELSE clock_timestamp() END,
-                    headers = CASE WHEN jsonb_typeof(m.headers) <> 'object' THEN m.headers
-                                   WHEN $3 IS NULL THEN m.headers - 'retry_at'
-                                   ELSE m.headers - 'retry_at' || jsonb_build_object('owner', $3) END
-               FROM ranked
-              WHERE m.msg_id = ranked.msg_id
-             RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, m.vt, m.last_read_at IS NULL,
-                       ranked.limited, ranked.unconfirmed,
-                       CASE WHEN ranked.limited THEN (SELECT l.expires_at FROM lockgate.leases l
-                                                     WHERE l.queue = $6 AND l.msg_id = m.msg_id) END;
+            WHILE wanted > 0 LOOP
+                best := (SELECT g.p FROM generate_series(best + 1, 9) g(p)
+                          CROSS JOIN LATERAL (SELECT 1 FROM %1$s m
+                                               WHERE COALESCE((m.headers->>'priority')::smallint, 0) = g.p AND m.vt <= $4
+                                               ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt
+                                               LIMIT 1) visible
+                          LIMIT 1);
+                EXIT WHEN best IS NULL;
+                RETURN QUERY
+                WITH next AS (
+                     SELECT m.msg_id, m.vt AS was, jsonb_typeof(m.headers) = 'object' AND m.headers ? 'ckey' AS limited,
+                            m.read_ct > 0 AND m.last_read_at IS NULL AS unconfirmed
+                       FROM %1$s m
+                      WHERE COALESCE((m.headers->>'priority')::smallint, 0) = best AND m.vt <= $4
+                      ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt, m.msg_id
+                      LIMIT wanted
+                        FOR UPDATE SKIP LOCKED),
+                 ranked AS (SELECT next.*, row_number() OVER (ORDER BY next.was, next.msg_id) AS rn FROM next)
+                 UPDATE %1$s m
+                    SET vt = clock_timestamp() + make_interval(secs => $2),
+                        read_ct = m.read_ct + 1,
+                        last_read_at = CASE WHEN ranked.rn > $5 - ($1 - wanted) THEN NULL ELSE clock_timestamp() END,
+                        headers = CASE WHEN jsonb_typeof(m.headers) <> 'object' THEN m.headers
+                                       WHEN $3 IS NULL THEN m.headers - 'retry_at'
+                                       ELSE m.headers - 'retry_at' || jsonb_build_object('owner', $3) END
+                   FROM ranked
+                  WHERE m.msg_id = ranked.msg_id
+                 RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, m.vt, m.last_read_at IS NULL,
+                           ranked.limited, ranked.unconfirmed,
+                           CASE WHEN ranked.limited THEN (SELECT l.expires_at FROM lockgate.leases l
+                                                         WHERE l.queue = $6 AND l.msg_id = m.msg_id) END;
+                GET DIAGNOSTICS took = ROW_COUNT;
+                wanted := wanted - took;
+            END LOOP;
         END $f$, tbl);
-    FOR i IN 1 .. 2 LOOP
-        FOR pass IN 1 .. 2 LOOP
-            -- The owner by its name as it is (to_regrole would read current_user as SQL syntax:
-            -- lowercased, and refused with a dot or a space in it).
-            SELECT p.oid,
-                   p.prosrc = bodies[i] AND p.proconfig::text IS NOT DISTINCT FROM configs[i]
-                     AND p.prolang = (SELECT l.oid FROM pg_language l WHERE l.lanname = 'plpgsql')
-                     AND NOT p.prosecdef AND NOT p.proisstrict AND p.provolatile = 'v' AS same,
-                   p.proowner = (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user) AS ours
-              INTO found
-              FROM pg_proc p
-             WHERE p.pronamespace = 'lockgate'::regnamespace AND p.proname = names[i]
-               AND pg_get_function_identity_arguments(p.oid) = args[i];
-            EXIT WHEN found.oid IS NOT NULL AND found.same AND found.ours;
-            IF pass = 1 THEN
-                -- Something to write: look again once no other writer of this queue's steps runs.
-                PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
-                CONTINUE;
-            END IF;
-            IF found.oid IS NOT NULL AND NOT found.ours THEN
-                EXECUTE format('DROP FUNCTION lockgate.%I(%s)', names[i], args[i]);
-            END IF;
-            EXECUTE format('CREATE OR REPLACE FUNCTION lockgate.%I(%s) %s AS %L', names[i], args[i], heads[i], bodies[i]);
-        END LOOP;
+    FOR pass IN 1 .. 2 LOOP
+        -- The owner by its name as it is (to_regrole would read current_user as SQL syntax:
+        -- lowercased, and refused with a dot or a space in it).
+        SELECT p.oid,
+               p.prosrc = body AND p.proconfig::text IS NOT DISTINCT FROM config
+                 AND p.prolang = (SELECT l.oid FROM pg_language l WHERE l.lanname = 'plpgsql')
+                 AND NOT p.prosecdef AND NOT p.proisstrict AND p.provolatile = 'v' AS same,
+               p.proowner = (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user) AS ours
+          INTO found
+          FROM pg_proc p
+         WHERE p.pronamespace = 'lockgate'::regnamespace AND p.proname = name
+           AND pg_get_function_identity_arguments(p.oid) = args;
+        EXIT WHEN found.oid IS NOT NULL AND found.same AND found.ours;
+        IF pass = 1 THEN
+            -- Something to write: look again once no other writer of this queue's step runs.
+            PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
+            CONTINUE;
+        END IF;
+        IF found.oid IS NOT NULL AND NOT found.ours THEN
+            EXECUTE format('DROP FUNCTION lockgate.%I(%s)', name, args);
+        END IF;
+        EXECUTE format('CREATE OR REPLACE FUNCTION lockgate.%I(%s) %s AS %L', name, args, head, body);
     END LOOP;
 END $$;
 
@@ -130,10 +135,9 @@ END $$;
 --
 -- One priority at a time, through the claim index (priority, vt, msg_id): within a priority the
 -- visible messages come first, so a claim never scans the delayed or in-flight ones after them.
--- A small statement finds the next priority holding a visible message (one index probe per
--- priority, stopping at the first), and the claim statement claims from it; with every job at
--- one priority, a full claim is those two statements, and a claim that finds nothing is one.
--- Both are the queue's claim steps (above), planned once per session.
+-- The queue's claim step (above) finds the next priority holding a visible message (one index
+-- probe per priority, stopping at the first) and claims from it, until it has qty or no
+-- priority is left; its statements are planned once per session, and the claim calls it once.
 --
 -- Locks, in the order every path keeps (docs/design.md, "Lock order"): the claimed message rows
 -- (FOR UPDATE SKIP LOCKED: concurrent claimers never wait or collide), then their lease rows
@@ -166,15 +170,11 @@ LANGUAGE plpgsql AS $$
 DECLARE
     -- The queue's table, named once the claim has found the queue's row (as _queue_table would).
     tbl text;
-    -- The queue's claim steps (lockgate._install_claim_steps), called through statements that
-    -- are cheap to plan: the steps' own statements are planned once per session. Named once the
+    -- The queue's claim step (lockgate._install_claim_steps), called through a statement that is
+    -- cheap to plan: the step's own statements are planned once per session. Named once the
     -- queue is known to exist (a NULL name would fail in format() with an error naming nothing).
-    probe text;
     take text;
     r record;
-    -- The priority claimed from last; each statement takes the next one holding a visible message.
-    after integer := -1;
-    best integer;
     left_to_claim integer := qty;
     -- Bound as a value, not called in the statements: clock_timestamp() is volatile, so a
     -- condition on it could not bound the index scan. Budgets are counted from here.
@@ -206,8 +206,7 @@ BEGIN
         PERFORM lockgate._queue_table(queue, 'q');  -- raises LG001 for the unknown queue
     END IF;
     tbl := format('pgmq.%I', 'q_' || queue);
-    probe := format('SELECT lockgate.%I($1, $2)', '_claim_probe_' || queue);
-    take := format('SELECT * FROM lockgate.%I($1, $2, $3, $4, $5, $6, $7)', '_claim_take_' || queue);
+    take := format('SELECT * FROM lockgate.%I($1, $2, $3, $4, $5, $6)', '_claim_take_' || queue);
     IF vt_seconds IS NULL OR NOT vt_seconds > 0 OR vt_seconds IN ('infinity', 'NaN') THEN
         RAISE EXCEPTION 'lockgate: invalid visibility timeout % seconds: a positive, finite number', vt_seconds
             USING ERRCODE = 'LG003';
@@ -217,83 +216,73 @@ BEGIN
         RETURN;
     END IF;
     -- Missing only for a queue whose table was made again behind lockgate's back (or whose
-    -- steps someone dropped): written once, under create_queue's lock.
-    IF to_regprocedure(format('lockgate.%I(integer, timestamptz)', '_claim_probe_' || queue)) IS NULL
-       OR to_regprocedure(format('lockgate.%I(integer, double precision, bigint, timestamptz, integer, text, integer)',
-                                 '_claim_take_' || queue)) IS NULL THEN
+    -- step someone dropped): written once, under create_queue's lock.
+    IF to_regprocedure(format('lockgate.%I(integer, double precision, bigint, timestamptz, integer, text)',
+                              '_claim_take_' || queue)) IS NULL THEN
         PERFORM lockgate._install_claim_steps(queue);
     END IF;
-    WHILE left_to_claim > 0 AND after < 9 LOOP
-        -- The next priority holding a visible message (the queue's probe step), so that an idle
-        -- worker's claim (most claims, when workers outnumber jobs) ends here.
-        EXECUTE probe INTO best USING after, at;
-        EXIT WHEN best IS NULL;
-        after := best;
-        FOR r IN EXECUTE take USING left_to_claim, vt_seconds, owner, at, best, queue, start_now - (qty - left_to_claim)
-        LOOP
-            left_to_claim := left_to_claim - 1;
-            -- Checked here, row by row, not in the take step: written when that statement was
-            -- planned at every call, where planning the inlined check cost more than the claim's
-            -- own work; whether the check now costs less inside the step is not measured.
-            problem := lockgate._malformed(r.message, r.headers);
-            IF problem IS NOT NULL THEN
-                PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable', problem, r.read_ct);
-                CONTINUE;
-            END IF;
-            IF r.unconfirmed AND COALESCE((r.headers->>'unstarted')::integer, 0) < 3 THEN
-                -- The last delivery was claimed ahead and its start never recorded: its worker died
-                -- before running it, so it was a return, not an attempt (H32).
-                r.headers := r.headers || jsonb_build_object(
-                    'returns', LEAST(COALESCE((r.headers->>'returns')::integer, 0) + 1, 999999999),
-                    'unstarted', COALESCE((r.headers->>'unstarted')::integer, 0) + 1);
-                EXECUTE format('UPDATE %s m SET headers = $2 WHERE m.msg_id = $1', tbl) USING r.msg_id, r.headers;
-            END IF;
-            -- A job whose type gained a limit, or whose key was derived under other key paths,
-            -- takes a permit of the key the current policy gives it (H33), giving back the one it
-            -- holds.
-            IF NOT types_read THEN
-                SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
-                  FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;
-                types_read := true;
-            END IF;
-            i := array_position(keyed_types, r.headers->>'type');
-            IF i IS NOT NULL AND NOT r.headers ? 'ckey_explicit'
-               AND (NOT r.limited OR COALESCE((r.headers->>'kv')::integer, 0) <> key_versions[i]) THEN
-                unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
-                CONTINUE;
-            END IF;
-            -- A lease that outlasts the new visibility needs nothing more: until its end only this
-            -- delivery's own fenced steps can remove it (a sweep frees only leases past their end,
-            -- and every other step on it needs the message row this claim holds). Read from the
-            -- statement's snapshot, the end may be older than the row: a release or retry of the
-            -- last delivery can commit between the snapshot and the message's lock; but no step
-            -- ever moves a lease's end earlier (each renews it to GREATEST(old, new)), so the end
-            -- read is a lower bound of the end that holds.
-            IF r.limited AND r.lease_end IS NULL THEN
-                unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
-                CONTINUE;
-            END IF;
-            IF r.limited AND r.lease_end < r.vt THEN
-                limited := limited || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
-                CONTINUE;
-            END IF;
-            IF r.headers ? 'wkey' THEN
-                r.headers := lockgate._start_unique(queue,
-                    ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed);
-                CONTINUE WHEN r.headers IS NULL;
-            END IF;
-            msg_id := r.msg_id;
-            read_ct := r.read_ct;
-            enqueued_at := r.enqueued_at;
-            message := r.message;
-            headers := r.headers;
-            budget_seconds := extract(epoch FROM r.vt - at);
-            claimed_ahead := r.ahead;
-            returned := returned + 1;
-            RETURN NEXT;
-        END LOOP;
-        -- What was visible at that priority may all have been taken by other claimers meanwhile:
-        -- the next probe looks at the later priorities.
+    FOR r IN EXECUTE take USING qty, vt_seconds, owner, at, start_now, queue
+    LOOP
+        left_to_claim := left_to_claim - 1;
+        -- Checked here, row by row, not in the take step: written when that statement was
+        -- planned at every call, where planning the inlined check cost more than the claim's
+        -- own work; whether the check now costs less inside the step is not measured.
+        problem := lockgate._malformed(r.message, r.headers);
+        IF problem IS NOT NULL THEN
+            PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable', problem, r.read_ct);
+            CONTINUE;
+        END IF;
+        IF r.unconfirmed AND COALESCE((r.headers->>'unstarted')::integer, 0) < 3 THEN
+            -- The last delivery was claimed ahead and its start never recorded: its worker died
+            -- before running it, so it was a return, not an attempt (H32).
+            r.headers := r.headers || jsonb_build_object(
+                'returns', LEAST(COALESCE((r.headers->>'returns')::integer, 0) + 1, 999999999),
+                'unstarted', COALESCE((r.headers->>'unstarted')::integer, 0) + 1);
+            EXECUTE format('UPDATE %s m SET headers = $2 WHERE m.msg_id = $1', tbl) USING r.msg_id, r.headers;
+        END IF;
+        -- A job whose type gained a limit, or whose key was derived under other key paths,
+        -- takes a permit of the key the current policy gives it (H33), giving back the one it
+        -- holds.
+        IF NOT types_read THEN
+            SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
+              FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;
+            types_read := true;
+        END IF;
+        i := array_position(keyed_types, r.headers->>'type');
+        IF i IS NOT NULL AND NOT r.headers ? 'ckey_explicit'
+           AND (NOT r.limited OR COALESCE((r.headers->>'kv')::integer, 0) <> key_versions[i]) THEN
+            unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
+            CONTINUE;
+        END IF;
+        -- A lease that outlasts the new visibility needs nothing more: until its end only this
+        -- delivery's own fenced steps can remove it (a sweep frees only leases past their end,
+        -- and every other step on it needs the message row this claim holds). Read from the
+        -- statement's snapshot, the end may be older than the row: a release or retry of the
+        -- last delivery can commit between the snapshot and the message's lock; but no step
+        -- ever moves a lease's end earlier (each renews it to GREATEST(old, new)), so the end
+        -- read is a lower bound of the end that holds.
+        IF r.limited AND r.lease_end IS NULL THEN
+            unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
+            CONTINUE;
+        END IF;
+        IF r.limited AND r.lease_end < r.vt THEN
+            limited := limited || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
+            CONTINUE;
+        END IF;
+        IF r.headers ? 'wkey' THEN
+            r.headers := lockgate._start_unique(queue,
+                ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed);
+            CONTINUE WHEN r.headers IS NULL;
+        END IF;
+        msg_id := r.msg_id;
+        read_ct := r.read_ct;
+        enqueued_at := r.enqueued_at;
+        message := r.message;
+        headers := r.headers;
+        budget_seconds := extract(epoch FROM r.vt - at);
+        claimed_ahead := r.ahead;
+        returned := returned + 1;
+        RETURN NEXT;
     END LOOP;
     -- The leases that end before the new visibility would (a backlog older than the limit's
     -- duration, or a duration shorter than the visibility), renewed (and so locked) before the
@@ -606,6 +595,19 @@ BEGIN
     END LOOP;
 END $$;
 
--- Every queue's claim steps, written again with each install of these functions (a queue
+-- Every queue's claim step, written again with each install of these functions (a queue
 -- whose table was dropped behind lockgate's back has none: it cannot be claimed from).
 SELECT lockgate._install_claim_steps(q) FROM lockgate._live_queues() q;
+
+-- The steps of functions revisions 11 to 18, a probe and a take called in turn, replaced by the
+-- one step above: nothing calls them once this file is installed.
+DO $$
+DECLARE
+    q text;
+BEGIN
+    FOR q IN SELECT lockgate._live_queues() LOOP
+        EXECUTE format('DROP FUNCTION IF EXISTS lockgate.%I(integer, timestamptz)', '_claim_probe_' || q);
+        EXECUTE format('DROP FUNCTION IF EXISTS lockgate.%I(integer, double precision, bigint, timestamptz, integer, text, integer)',
+                       '_claim_take_' || q);
+    END LOOP;
+END $$;

@@ -52,6 +52,28 @@ async fn a_claim_takes_the_best_priority_first_and_fills_up_from_the_next_ones()
     assert!(claim(&db.pool, &queue, 20, Duration::from_secs(30)).await.unwrap().is_empty());
 }
 
+/// H32: a claim that fills up from several priorities starts as many as there are free handler
+/// slots, counted across its priorities in claim order; the rest are claimed ahead.
+#[tokio::test]
+async fn a_claim_across_priorities_starts_its_first_start_now_jobs_and_claims_the_rest_ahead() {
+    let (db, client) = setup().await;
+    enqueue(&client, 3, &priority(0)).await;
+    enqueue(&client, 3, &priority(1)).await;
+    let claims = lockgate::sql::claim_as(&db.pool, &common::queue("claims"), 6, Duration::from_secs(30), None, Some(4))
+        .await
+        .unwrap();
+    let mut ahead: Vec<(i64, bool)> = claims
+        .iter()
+        .map(|c| (c.headers.as_ref().unwrap()["priority"].as_i64().unwrap_or(0), c.claimed_ahead))
+        .collect();
+    ahead.sort_unstable();
+    assert_eq!(
+        ahead,
+        vec![(0, false), (0, false), (0, false), (1, false), (1, true), (1, true)],
+        "4 start now, 3 of priority 0 and the first of priority 1"
+    );
+}
+
 #[tokio::test]
 async fn a_claim_whose_best_priority_another_claimer_holds_goes_on_to_the_next_one() {
     use sqlx::Connection;
@@ -230,11 +252,8 @@ async fn each_queue_claims_through_steps_of_its_own_written_again_when_missing()
     .fetch_all(&db.pool)
     .await
     .unwrap();
-    assert_eq!(steps.len(), 4, "a probe and a take step per queue, named in full: {steps:?}");
-    sqlx::raw_sql(&format!("DROP FUNCTION lockgate._claim_probe_{long}; DROP FUNCTION lockgate._claim_take_{long}"))
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    assert_eq!(steps.len(), 2, "a step per queue, named in full: {steps:?}");
+    sqlx::raw_sql(&format!("DROP FUNCTION lockgate._claim_take_{long}")).execute(&db.pool).await.unwrap();
     for (ty, queue) in [("on_long", &long), ("on_twin", &twin)] {
         let types: Vec<String> = sqlx::query_scalar("SELECT headers->>'type' FROM lockgate.claim($1, 10, 30)")
             .bind(queue)
@@ -265,8 +284,8 @@ async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
          GRANT ALL ON ALL SEQUENCES IN SCHEMA lockgate, pgmq TO {app};
          CREATE ROLE {other} NOLOGIN; GRANT USAGE, CREATE ON SCHEMA lockgate TO {other};
          SET LOCAL ROLE {other};
-         CREATE FUNCTION lockgate._claim_probe_planted(integer, timestamptz) RETURNS integer
-             LANGUAGE sql AS 'SELECT NULL::integer';
+         CREATE FUNCTION lockgate._claim_take_planted(integer, double precision, bigint, timestamptz, integer, text)
+             RETURNS SETOF integer LANGUAGE sql AS 'SELECT NULL::integer WHERE false';
          SET LOCAL ROLE {app};
          SELECT lockgate.define_job_type('app_job', queue => 'planted');
          SELECT * FROM lockgate.enqueue('app_job', '{{}}');"
@@ -278,26 +297,27 @@ async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
         sqlx::query_scalar("SELECT count(*) FROM lockgate.claim('planted', 10, 30)").fetch_one(&mut *tx).await.unwrap();
     assert_eq!(claimed, 1, "the app role claims through the steps");
     sqlx::query("RESET ROLE").execute(&mut *tx).await.unwrap();
-    let expected =
-        vec![("_claim_probe_planted".to_string(), installer.clone()), ("_claim_take_planted".to_string(), installer)];
+    let expected = vec![("_claim_take_planted".to_string(), installer)];
     assert_eq!(
         step_owners(&mut tx, "planted").await,
         expected,
-        "the planted probe is gone; both steps are the installer's"
+        "the planted step is gone; the step is the installer's"
     );
     // What migrate does for every queue. Steps as they would be written are left alone: no
     // rewrite (a concurrent claim would find its step replaced) and no lock.
     let versions = "SELECT string_agg(ctid::text, ',' ORDER BY proname) FROM pg_proc
-                     WHERE proname IN ('_claim_probe_planted', '_claim_take_planted')";
+                     WHERE proname = '_claim_take_planted'";
     let before: String = sqlx::query_scalar(versions).fetch_one(&mut *tx).await.unwrap();
     sqlx::query("SELECT lockgate._install_claim_steps('planted')").execute(&mut *tx).await.unwrap();
     let after: String = sqlx::query_scalar(versions).fetch_one(&mut *tx).await.unwrap();
     assert_eq!(before, after, "steps already current are not written again");
     // A step that differs is written in place: a view some role built on it does not stop it.
     sqlx::raw_sql(
-        "CREATE OR REPLACE FUNCTION lockgate._claim_probe_planted(integer, timestamptz) RETURNS integer
-             LANGUAGE sql AS 'SELECT 0';
-         CREATE TEMP VIEW pinned AS SELECT lockgate._claim_probe_planted(0, now());
+        "CREATE OR REPLACE FUNCTION lockgate._claim_take_planted(integer, double precision, bigint, timestamptz, integer, text)
+             RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
+                            vt timestamptz, ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)
+             LANGUAGE sql AS 'SELECT NULL::bigint, 0, now(), NULL::jsonb, NULL::jsonb, now(), false, false, false, now() WHERE false';
+         CREATE TEMP VIEW pinned AS SELECT * FROM lockgate._claim_take_planted(0, 1, NULL, now(), NULL, 'planted');
          SELECT lockgate._install_claim_steps('planted');",
     )
     .execute(&mut *tx)
@@ -305,7 +325,7 @@ async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
     .unwrap();
     assert_eq!(step_owners(&mut tx, "planted").await, expected);
     let language: String = sqlx::query_scalar(
-        "SELECT l.lanname::text FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang WHERE p.proname = '_claim_probe_planted'",
+        "SELECT l.lanname::text FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang WHERE p.proname = '_claim_take_planted'",
     )
     .fetch_one(&mut *tx)
     .await
@@ -314,8 +334,7 @@ async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
     // A step altered in place (STRICT: every claim without an owner would return nothing) is
     // written again too.
     sqlx::raw_sql(
-        "ALTER FUNCTION lockgate._claim_take_planted(integer, double precision, bigint, timestamptz, integer, text, integer)
-             STRICT;
+        "ALTER FUNCTION lockgate._claim_take_planted(integer, double precision, bigint, timestamptz, integer, text) STRICT;
          SELECT lockgate._install_claim_steps('planted');",
     )
     .execute(&mut *tx)
@@ -329,7 +348,45 @@ async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
     tx.rollback().await.unwrap();
 }
 
-/// A queue's claim steps and their owners, by name.
+/// Issue 14 (docs/design.md §56): functions revisions 11 to 18 gave each queue two steps, a
+/// probe and a take with seven arguments, called in turn. Installing this revision's functions
+/// over them leaves the one step of this revision and drops both earlier ones, and the queue
+/// claims through it.
+#[tokio::test]
+async fn installing_the_functions_drops_the_claim_steps_of_earlier_revisions() {
+    let (db, client) = setup().await;
+    enqueue(&client, 1, &EnqueueOptions::default()).await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION lockgate._claim_probe_claims(integer, timestamptz) RETURNS integer
+             LANGUAGE sql AS 'SELECT NULL::integer';
+         CREATE FUNCTION lockgate._claim_take_claims(integer, double precision, bigint, timestamptz, integer, text, integer)
+             RETURNS SETOF integer LANGUAGE sql AS 'SELECT NULL::integer WHERE false';",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE lockgate.schema_state SET functions_revision = functions_revision - 1")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    lockgate::migrate(&db.pool).await.unwrap();
+    let steps: Vec<String> = sqlx::query_scalar(
+        "SELECT proname::text || '(' || pg_get_function_identity_arguments(oid) || ')' FROM pg_proc
+          WHERE pronamespace = 'lockgate'::regnamespace AND proname LIKE '\\_claim\\_%claims' ORDER BY 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        steps,
+        vec!["_claim_take_claims(integer, double precision, bigint, timestamp with time zone, integer, text)"],
+        "one step, of this revision"
+    );
+    let claimed = claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(claimed.len(), 1, "the queue claims through it");
+}
+
+/// A queue's claim step, and a probe left from an earlier revision, and their owners, by name.
 async fn step_owners(conn: &mut sqlx::PgConnection, queue: &str) -> Vec<(String, String)> {
     sqlx::query_as(
         "SELECT proname::text, proowner::regrole::text FROM pg_proc

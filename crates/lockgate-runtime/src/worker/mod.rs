@@ -259,6 +259,10 @@ async fn fetch_loop(
             tracker.spawn(executor::execute(Arc::clone(shared), claim, claimed_at, (permit, run)));
             prefetch.observe_started(1);
         }
+        // Let the executors just spawned reach their handlers before the next claim is sent: a
+        // spawned task waits in this thread's queue until the loop yields, and the claim's own
+        // work (and the database's, on a small machine) would otherwise come first.
+        tokio::task::yield_now().await;
     }
 }
 
