@@ -28,6 +28,7 @@ DECLARE
     config text;
     body text;
     found record;
+    other record;
 BEGIN
     -- Messages of the best priority holding a visible message, visible longest first, then
     -- oldest, skipping rows other claimers hold; then the next priority's, while fewer than qty
@@ -115,6 +116,28 @@ BEGIN
         END IF;
         EXECUTE format('CREATE OR REPLACE FUNCTION lockgate.%I(%s) %s AS %L', name, args, head, body);
     END LOOP;
+    -- Other functions under the step's names, which no claim calls: the probe and the
+    -- seven-argument take of functions revisions 11 to 18, and any other overload of the step's
+    -- name (one with an extra defaulted argument would make the claim's call ambiguous, and every
+    -- claim on the queue fail). Dropped under the queue name's lock; one that something depends
+    -- on is kept, with a warning naming it, rather than fail the install.
+    IF EXISTS (SELECT 1 FROM pg_proc p
+                WHERE p.pronamespace = 'lockgate'::regnamespace
+                  AND (p.proname = '_claim_probe_' || queue
+                       OR (p.proname = name AND pg_get_function_identity_arguments(p.oid) <> args))) THEN
+        PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
+        FOR other IN SELECT p.oid::regprocedure AS f FROM pg_proc p
+                      WHERE p.pronamespace = 'lockgate'::regnamespace
+                        AND (p.proname = '_claim_probe_' || queue
+                             OR (p.proname = name AND pg_get_function_identity_arguments(p.oid) <> args)) LOOP
+            BEGIN
+                EXECUTE format('DROP FUNCTION %s', other.f);
+            EXCEPTION WHEN dependent_objects_still_exist THEN
+                RAISE WARNING 'lockgate: % is kept, unused: other objects depend on it', other.f
+                    USING HINT = 'drop what depends on it, then run lockgate migrate again';
+            END;
+        END LOOP;
+    END IF;
 END $$;
 
 -- Claim: take up to qty visible messages of a queue, lowest priority value first, then the one
@@ -598,16 +621,3 @@ END $$;
 -- Every queue's claim step, written again with each install of these functions (a queue
 -- whose table was dropped behind lockgate's back has none: it cannot be claimed from).
 SELECT lockgate._install_claim_steps(q) FROM lockgate._live_queues() q;
-
--- The steps of functions revisions 11 to 18, a probe and a take called in turn, replaced by the
--- one step above: nothing calls them once this file is installed.
-DO $$
-DECLARE
-    q text;
-BEGIN
-    FOR q IN SELECT lockgate._live_queues() LOOP
-        EXECUTE format('DROP FUNCTION IF EXISTS lockgate.%I(integer, timestamptz)', '_claim_probe_' || q);
-        EXECUTE format('DROP FUNCTION IF EXISTS lockgate.%I(integer, double precision, bigint, timestamptz, integer, text, integer)',
-                       '_claim_take_' || q);
-    END LOOP;
-END $$;

@@ -350,40 +350,70 @@ async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
 
 /// Issue 14 (docs/design.md §56): functions revisions 11 to 18 gave each queue two steps, a
 /// probe and a take with seven arguments, called in turn. Installing this revision's functions
-/// over them leaves the one step of this revision and drops both earlier ones, and the queue
-/// claims through it.
+/// over them leaves the one step of this revision and drops both earlier ones, and any other
+/// overload of the step's name (one with a defaulted extra argument made every claim on the queue
+/// fail as ambiguous); the queue claims through it. An earlier step something depends on (a view
+/// some role built on it) is kept with a warning: it does not stop the install.
 #[tokio::test]
 async fn installing_the_functions_drops_the_claim_steps_of_earlier_revisions() {
     let (db, client) = setup().await;
     enqueue(&client, 1, &EnqueueOptions::default()).await;
+    client
+        .define_job_type(&JobTypeName::new("kept_job").unwrap(), &JobPolicy::on_queue(common::queue("kept")))
+        .await
+        .unwrap();
     sqlx::raw_sql(
         "CREATE FUNCTION lockgate._claim_probe_claims(integer, timestamptz) RETURNS integer
              LANGUAGE sql AS 'SELECT NULL::integer';
          CREATE FUNCTION lockgate._claim_take_claims(integer, double precision, bigint, timestamptz, integer, text, integer)
-             RETURNS SETOF integer LANGUAGE sql AS 'SELECT NULL::integer WHERE false';",
+             RETURNS SETOF integer LANGUAGE sql AS 'SELECT NULL::integer WHERE false';
+         CREATE FUNCTION lockgate._claim_probe_kept(integer, timestamptz) RETURNS integer
+             LANGUAGE sql AS 'SELECT NULL::integer';
+         CREATE VIEW public.on_old_probe AS SELECT lockgate._claim_probe_kept(-1, now());",
     )
     .execute(&db.pool)
     .await
     .unwrap();
+    let steps = async |queue: &str| -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT proname::text || '(' || pg_get_function_identity_arguments(oid) || ')' FROM pg_proc
+              WHERE pronamespace = 'lockgate'::regnamespace
+                AND proname IN ('_claim_probe_' || $1, '_claim_take_' || $1) ORDER BY 1",
+        )
+        .bind(queue)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+    };
+    let step = "_claim_take_claims(integer, double precision, bigint, timestamp with time zone, integer, text)";
+    assert_eq!(steps("claims").await.len(), 3, "the earlier steps are there");
     sqlx::query("UPDATE lockgate.schema_state SET functions_revision = functions_revision - 1")
         .execute(&db.pool)
         .await
         .unwrap();
     lockgate::migrate(&db.pool).await.unwrap();
-    let steps: Vec<String> = sqlx::query_scalar(
-        "SELECT proname::text || '(' || pg_get_function_identity_arguments(oid) || ')' FROM pg_proc
-          WHERE pronamespace = 'lockgate'::regnamespace AND proname LIKE '\\_claim\\_%claims' ORDER BY 1",
-    )
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
+    assert_eq!(steps("claims").await, vec![step.to_string()], "one step, of this revision");
     assert_eq!(
-        steps,
-        vec!["_claim_take_claims(integer, double precision, bigint, timestamp with time zone, integer, text)"],
-        "one step, of this revision"
+        steps("kept").await,
+        vec!["_claim_probe_kept(integer, timestamp with time zone)".to_string(), step.replace("claims", "kept")],
+        "the probe a view depends on is kept; the install went on"
     );
     let claimed = claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.unwrap();
     assert_eq!(claimed.len(), 1, "the queue claims through it");
+    // An overload planted under the step's name, its extra argument defaulted: the claim's call
+    // is ambiguous until the next install drops it.
+    sqlx::raw_sql(
+        "CREATE FUNCTION lockgate._claim_take_claims(integer, double precision, bigint, timestamptz, integer, text,
+                                                     integer DEFAULT 0)
+             RETURNS SETOF integer LANGUAGE sql AS 'SELECT 1 WHERE false';",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    assert!(claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.is_err());
+    sqlx::query("SELECT lockgate._install_claim_steps('claims')").execute(&db.pool).await.unwrap();
+    assert_eq!(steps("claims").await, vec![step.to_string()], "the overload is gone");
+    claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.unwrap();
 }
 
 /// A queue's claim step, and a probe left from an earlier revision, and their owners, by name.
