@@ -29,8 +29,12 @@ RETURNS SETOF text LANGUAGE sql STABLE AS $$
 $$;
 
 -- Creates a queue if it does not exist. Safe to run from many sessions at once (H21): the
--- advisory lock serialises creators of the same name until commit.
--- Locks: advisory xact lock on the queue name. Callers: migrate, define_job_type, Client, CLI.
+-- advisory lock serialises creators of the same name until commit. A queue whose row is already
+-- visible is complete (its row is inserted in the transaction that creates everything else), so
+-- the common call, for a queue that exists, returns before the lock: processes starting together
+-- do not queue behind each other's commits.
+-- Locks: advisory xact lock on the queue name, when the queue is not visible yet. Callers:
+-- migrate, define_job_type, Client, CLI.
 CREATE OR REPLACE FUNCTION lockgate.create_queue(queue text)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
@@ -41,7 +45,11 @@ BEGIN
             USING ERRCODE = 'LG003',
                   DETAIL = 'a queue name is a lowercase letter followed by lowercase letters, digits or _, at most 47 characters';
     END IF;
+    IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) THEN
+        RETURN;
+    END IF;
     PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
+    -- Looked for again: a creator that held the lock may have committed it meanwhile.
     IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) THEN
         RETURN;
     END IF;

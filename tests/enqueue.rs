@@ -287,6 +287,69 @@ async fn first_use_keeps_the_policy_a_worker_stored() {
     assert_eq!(stored_policy(&db, "mail").await, Some(Mail::policy()));
 }
 
+/// Whether `sql` fails with a lock timeout on `conn` (its `lock_timeout` is short): it needed a
+/// lock another session holds.
+async fn times_out_on_a_lock(conn: &mut sqlx::PgConnection, sql: &str) -> bool {
+    match sqlx::query(sql).execute(&mut *conn).await {
+        Ok(_) => false,
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => true,
+        Err(e) => panic!("{sql}: {e}"),
+    }
+}
+
+#[tokio::test]
+async fn a_definition_or_queue_that_exists_as_given_takes_no_lock_and_a_change_still_does() {
+    let db = TestDb::migrated().await.unwrap();
+    let limited = "SELECT lockgate.define_job_type('sync', 'accounts', 2, 5, concurrency_limit => 1,
+                          concurrency_key => ARRAY['account'], unique_mode => 'until_executed',
+                          unique_key => ARRAY['account', 'day'])";
+    let plain = "SELECT lockgate.define_job_type('mail', 'mail')";
+    for sql in [limited, plain] {
+        sqlx::query(sql).execute(&db.pool).await.unwrap();
+    }
+    let stamp = "SELECT updated_at::text FROM lockgate.job_types WHERE name = 'sync'";
+    let defined_at: String = sqlx::query_scalar(stamp).fetch_one(&db.pool).await.unwrap();
+
+    // Another session holds both types' rows and both queues' creation locks, as a process
+    // redefining them (or creating the queues) would until its commit.
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lockgate.job_types FOR UPDATE").execute(&mut *holder).await.unwrap();
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock(hashtext('lockgate.queue:' || q)) FROM unnest(ARRAY['accounts', 'mail']) q",
+    )
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let mut other = db.pool.acquire().await.unwrap();
+    sqlx::query("SET lock_timeout = '300ms'").execute(&mut *other).await.unwrap();
+    for sql in [limited, plain, "SELECT lockgate.create_queue('accounts')", "SELECT lockgate.create_queue('mail')"] {
+        assert!(!times_out_on_a_lock(&mut other, sql).await, "{sql} is stored as given: it waits for nothing");
+    }
+    // A change, and a queue not created yet, still take their locks (and wait for the holder).
+    let changed = "SELECT lockgate.define_job_type('sync', 'accounts', 2, 6, concurrency_limit => 1,
+                          concurrency_key => ARRAY['account'], unique_mode => 'until_executed',
+                          unique_key => ARRAY['account', 'day'])";
+    assert!(times_out_on_a_lock(&mut other, changed).await, "a change to max_attempts writes the row");
+    let rekeyed = "SELECT lockgate.define_job_type('sync', 'accounts', 2, 5, concurrency_limit => 1,
+                          concurrency_key => ARRAY['account', 'region'], unique_mode => 'until_executed',
+                          unique_key => ARRAY['account', 'day'])";
+    assert!(times_out_on_a_lock(&mut other, rekeyed).await, "a change to a key path writes the row");
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('lockgate.queue:fresh'))").execute(&mut *holder).await.unwrap();
+    assert!(times_out_on_a_lock(&mut other, "SELECT lockgate.create_queue('fresh')").await, "creating waits (H21)");
+    holder.rollback().await.unwrap();
+
+    let unchanged: String = sqlx::query_scalar(stamp).fetch_one(&db.pool).await.unwrap();
+    assert_eq!(unchanged, defined_at, "defining it as it was wrote nothing");
+    sqlx::query(changed).execute(&mut *other).await.unwrap();
+    let attempts: i32 = sqlx::query_scalar("SELECT max_attempts FROM lockgate.job_types WHERE name = 'sync'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(attempts, 6, "the change is stored once nothing holds the row");
+    sqlx::query("SELECT lockgate.create_queue('fresh')").execute(&mut *other).await.unwrap();
+    assert_eq!(db.count("SELECT 1 FROM lockgate.queues WHERE name = 'fresh'").await.unwrap(), 1);
+}
+
 #[tokio::test]
 async fn a_failed_definition_is_returned_and_not_remembered() {
     let db = TestDb::empty().await.unwrap();
