@@ -339,7 +339,8 @@ impl MetricsRefresh {
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
-        crate::ticker::every(self.interval, &shutdown, || async {
+        // The first refresh at once: a scrape right after the start finds the gauges.
+        crate::ticker::every(self.interval, Duration::ZERO, &shutdown, || async {
             if let Err(error) = self.run_once().await {
                 self.metrics.refresh_errors.inc();
                 tracing::warn!(%error, "could not read the metrics' gauges; they keep their last values");

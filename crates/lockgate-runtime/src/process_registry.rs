@@ -142,7 +142,8 @@ impl ProcessRegistry {
     }
 
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
-        crate::ticker::every(self.interval, &shutdown, || async {
+        // The first beat is one interval after the registration, which recorded one.
+        crate::ticker::every(self.interval, self.interval, &shutdown, || async {
             match self.run_once().await {
                 Ok(report) if report == RegistryReport::default() => {
                     self.metrics.prune_runs.inc();

@@ -6,13 +6,13 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-/// Calls `tick` every `interval` (the first at once) until `shutdown` fires.
-pub(crate) async fn every<F, Fut>(interval: Duration, shutdown: &CancellationToken, mut tick: F)
+/// Calls `tick` every `interval`, the first time `first` from now, until `shutdown` fires.
+pub(crate) async fn every<F, Fut>(interval: Duration, first: Duration, shutdown: &CancellationToken, mut tick: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = ()>,
 {
-    let mut ticker = tokio::time::interval(interval);
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + first, interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
@@ -21,5 +21,47 @@ where
             _ = ticker.tick() => {}
         }
         tick().await;
+    }
+}
+
+/// A random delay shorter than `interval`: when a maintenance service makes its first pass. A
+/// process's first moments go to its start-up and its first claims rather than to every pass at
+/// once, and processes started together (a deploy) make their passes at spread-out moments
+/// instead of all at the same one, interval after interval.
+pub(crate) fn phase(interval: Duration) -> Duration {
+    interval.mul_f64(fastrand::f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Instant;
+
+    use super::*;
+
+    #[test]
+    fn a_phase_falls_within_its_interval_and_varies() {
+        let interval = Duration::from_secs(5);
+        let phases: Vec<Duration> = (0..64).map(|_| phase(interval)).collect();
+        assert!(phases.iter().all(|p| *p < interval));
+        assert!(phases.iter().any(|p| *p != phases[0]), "one phase for every service would bunch their passes");
+    }
+
+    #[tokio::test]
+    async fn the_first_tick_comes_after_its_delay_and_the_others_every_interval() {
+        let (shutdown, ticks, start) = (CancellationToken::new(), AtomicUsize::new(0), Instant::now());
+        let first = Duration::from_millis(60);
+        let mut at = Vec::new();
+        every(Duration::from_millis(10), first, &shutdown, || {
+            at.push(start.elapsed());
+            if ticks.fetch_add(1, Ordering::SeqCst) == 2 {
+                shutdown.cancel();
+            }
+            async {}
+        })
+        .await;
+        assert_eq!(at.len(), 3);
+        assert!(at[0] >= first, "first tick at {:?}, before its {first:?}", at[0]);
+        assert!(at[2] >= first + Duration::from_millis(20), "ticks {at:?}");
     }
 }

@@ -32,7 +32,7 @@ impl ArchiveRetention {
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
-        crate::ticker::every(self.interval, &shutdown, || async {
+        crate::ticker::every(self.interval, crate::ticker::phase(self.interval), &shutdown, || async {
             let result = self.run_once().await;
             match (&self.metrics, &result) {
                 (Some(m), Ok(deleted)) => m.sweep_ran("archive_retention", &[("deleted", *deleted as u64)]),

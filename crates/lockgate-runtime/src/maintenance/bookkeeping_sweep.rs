@@ -58,7 +58,7 @@ impl BookkeepingSweep {
     pub async fn run(self, shutdown: CancellationToken) {
         let mut last_reap: Option<Instant> = None;
         let this = &self;
-        crate::ticker::every(self.interval, &shutdown, || {
+        crate::ticker::every(self.interval, crate::ticker::phase(self.interval), &shutdown, || {
             let reap = last_reap.is_none_or(|at| at.elapsed() >= self.reap_interval);
             if reap {
                 last_reap = Some(Instant::now());

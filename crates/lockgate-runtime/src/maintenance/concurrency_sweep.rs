@@ -33,7 +33,7 @@ impl ConcurrencySweep {
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
-        crate::ticker::every(self.interval, &shutdown, || async {
+        crate::ticker::every(self.interval, crate::ticker::phase(self.interval), &shutdown, || async {
             let result = self.run_once().await;
             if let Some(metrics) = &self.metrics {
                 record(metrics, &result);

@@ -139,7 +139,7 @@ impl WorkerPool {
 
 /// The pool's self-fencing watchdog (H27): see the module docs.
 async fn watchdog(in_flight: Arc<InFlight>, stop: CancellationToken) {
-    crate::ticker::every(FENCE_TICK, &stop, || async {
+    crate::ticker::every(FENCE_TICK, Duration::ZERO, &stop, || async {
         for fenced in in_flight.fence(Instant::now()) {
             let Delivery { queue, msg_id, .. } = &fenced.delivery;
             tracing::warn!(
