@@ -30,9 +30,11 @@ $$;
 
 -- Creates a queue if it does not exist. Safe to run from many sessions at once (H21): the
 -- advisory lock serialises creators of the same name until commit. A queue whose row is already
--- visible is complete (its row is inserted in the transaction that creates everything else), so
--- the common call, for a queue that exists, returns before the lock: processes starting together
--- do not queue behind each other's commits.
+-- visible was created whole (its row is inserted in the transaction that creates everything
+-- else), so the common call, for a queue that exists, returns before the lock: processes
+-- starting together do not queue behind each other's commits. A table dropped since, behind
+-- lockgate's back (pgmq.drop_queue), is not made again here, with or without the lock:
+-- check_invariants reports such a queue.
 -- Locks: advisory xact lock on the queue name, when the queue is not visible yet. Callers:
 -- migrate, define_job_type, Client, CLI.
 CREATE OR REPLACE FUNCTION lockgate.create_queue(queue text)

@@ -6,9 +6,12 @@
 -- Uniqueness: unique_mode NULL means none; 'until_executed' (a lock from enqueue until the job is
 -- terminal) or 'while_executing' (a lock while a run is running); unique_key lists argument paths
 -- as concurrency_key does; unique_on_conflict is 'reject' (LG005) or 'discard' (status duplicate).
--- A definition identical to the stored one writes nothing and takes no lock, so processes that
--- start together with the same types (a deploy) do not queue behind each other's commits.
--- Locks: the job_types row (upsert), unless the stored definition is identical. Callers:
+-- A definition identical to the stored one writes nothing and only shares the row's lock, so
+-- processes that start together with the same types (a deploy) do not queue behind each
+-- other's commits; a change (or a delete) of the row by another transaction still waits for the
+-- definer's commit, or is waited for, so the last definition to commit is the one that holds.
+-- Locks: the job_types row, FOR SHARE when the stored definition is identical (which needs the
+-- same UPDATE privilege as the upsert), else FOR UPDATE by the upsert. Callers:
 -- Client::define_job_type, lockgate run, SQL users.
 
 CREATE OR REPLACE FUNCTION lockgate.define_job_type(
@@ -67,18 +70,23 @@ BEGIN
         RAISE EXCEPTION 'lockgate: invalid key path in %: argument paths such as "account" or "account.id"',
             array_to_string(concurrency_key || unique_key, ', ', 'NULL') USING ERRCODE = 'LG003';
     END IF;
-    -- Stored as given already (its queue then exists: job_types.queue references it).
-    IF EXISTS (SELECT 1 FROM lockgate.job_types t
-                WHERE t.name = define_job_type.name
-                  AND (t.queue, t.priority, t.max_attempts, t.backoff_base_ms, t.backoff_max_ms, t.backoff_jitter,
-                       t.timeout_ms, t.concurrency_limit, t.concurrency_key, t.concurrency_duration_ms,
-                       t.concurrency_on_conflict, t.unique_mode, t.unique_key, t.unique_on_conflict)
-                      IS NOT DISTINCT FROM
-                      (define_job_type.queue, define_job_type.priority, define_job_type.max_attempts,
-                       define_job_type.backoff_base_ms, define_job_type.backoff_max_ms, define_job_type.backoff_jitter,
-                       define_job_type.timeout_ms, define_job_type.concurrency_limit, define_job_type.concurrency_key,
-                       define_job_type.concurrency_duration_ms, define_job_type.concurrency_on_conflict,
-                       define_job_type.unique_mode, define_job_type.unique_key, define_job_type.unique_on_conflict)) THEN
+    -- Stored as given already (its queue then exists: job_types.queue references it). The share
+    -- lock holds the row as it is until this transaction ends, as the upsert's lock would: a
+    -- concurrent change or delete commits after this definition, or, committed first, is seen
+    -- here (the row is looked at again once its writer ends) and then overwritten by the upsert.
+    PERFORM FROM lockgate.job_types t
+      WHERE t.name = define_job_type.name
+        AND (t.queue, t.priority, t.max_attempts, t.backoff_base_ms, t.backoff_max_ms, t.backoff_jitter,
+             t.timeout_ms, t.concurrency_limit, t.concurrency_key, t.concurrency_duration_ms,
+             t.concurrency_on_conflict, t.unique_mode, t.unique_key, t.unique_on_conflict)
+            IS NOT DISTINCT FROM
+            (define_job_type.queue, define_job_type.priority, define_job_type.max_attempts,
+             define_job_type.backoff_base_ms, define_job_type.backoff_max_ms, define_job_type.backoff_jitter,
+             define_job_type.timeout_ms, define_job_type.concurrency_limit, define_job_type.concurrency_key,
+             define_job_type.concurrency_duration_ms, define_job_type.concurrency_on_conflict,
+             define_job_type.unique_mode, define_job_type.unique_key, define_job_type.unique_on_conflict)
+      FOR SHARE OF t;
+    IF FOUND THEN
         RETURN;
     END IF;
     PERFORM lockgate.create_queue(queue);

@@ -310,10 +310,11 @@ async fn a_definition_or_queue_that_exists_as_given_takes_no_lock_and_a_change_s
     let stamp = "SELECT updated_at::text FROM lockgate.job_types WHERE name = 'sync'";
     let defined_at: String = sqlx::query_scalar(stamp).fetch_one(&db.pool).await.unwrap();
 
-    // Another session holds both types' rows and both queues' creation locks, as a process
-    // redefining them (or creating the queues) would until its commit.
+    // Another session holds both types' rows as a process defining them as they are would
+    // (shared), and both queues' creation locks, as a process creating them would until its
+    // commit.
     let mut holder = db.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM lockgate.job_types FOR UPDATE").execute(&mut *holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM lockgate.job_types FOR SHARE").execute(&mut *holder).await.unwrap();
     sqlx::query(
         "SELECT pg_advisory_xact_lock(hashtext('lockgate.queue:' || q)) FROM unnest(ARRAY['accounts', 'mail']) q",
     )
@@ -348,6 +349,81 @@ async fn a_definition_or_queue_that_exists_as_given_takes_no_lock_and_a_change_s
     assert_eq!(attempts, 6, "the change is stored once nothing holds the row");
     sqlx::query("SELECT lockgate.create_queue('fresh')").execute(&mut *other).await.unwrap();
     assert_eq!(db.count("SELECT 1 FROM lockgate.queues WHERE name = 'fresh'").await.unwrap(), 1);
+
+    // A change or a delete not committed yet: a definition as the row stands waits for it, then
+    // finds it and writes its own values, so the last definition to commit is the one stored.
+    for writer_sql in [
+        "UPDATE lockgate.job_types SET max_attempts = 9 WHERE name = 'mail'",
+        "DELETE FROM lockgate.job_types WHERE name = 'mail'",
+    ] {
+        let mut writer = db.pool.begin().await.unwrap();
+        sqlx::query(writer_sql).execute(&mut *writer).await.unwrap();
+        assert!(times_out_on_a_lock(&mut other, plain).await, "{writer_sql}, uncommitted: the definition waits");
+        let pool = db.pool.clone();
+        let define = tokio::spawn(async move { sqlx::query(plain).execute(&pool).await });
+        lockgate_testkit::wait_for_count(&db.pool, common::WAITING_FOR_A_LOCK, 1, common::WAIT).await.unwrap();
+        writer.commit().await.unwrap();
+        define.await.unwrap().unwrap();
+        let attempts: Option<i32> =
+            sqlx::query_scalar("SELECT max_attempts FROM lockgate.job_types WHERE name = 'mail'")
+                .fetch_optional(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!(attempts, Some(20), "after {writer_sql}: the definition committed last holds");
+    }
+}
+
+/// Each column a definition sets, changed behind define_job_type's back: defining the type as it
+/// was stored writes it back, so no column is missing from the "stored as given" comparison.
+#[tokio::test]
+async fn a_definition_restores_any_one_column_changed_since() {
+    let db = TestDb::migrated().await.unwrap();
+    let define = "SELECT lockgate.define_job_type('sync', 'accounts', 2, 5, concurrency_limit => 1,
+                          concurrency_key => ARRAY['account'], unique_mode => 'until_executed',
+                          unique_key => ARRAY['account', 'day'])";
+    sqlx::query(define).execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('other')").execute(&db.pool).await.unwrap();
+    let changes = [
+        ("queue", "'other'"),
+        ("priority", "3"),
+        ("max_attempts", "7"),
+        ("backoff_base_ms", "5"),
+        ("backoff_max_ms", "99999"),
+        ("backoff_jitter", "0.5"),
+        ("timeout_ms", "1234"),
+        ("concurrency_limit", "2"),
+        ("concurrency_key", "ARRAY['region']"),
+        ("concurrency_duration_ms", "12345"),
+        ("concurrency_on_conflict", "'discard'"),
+        ("unique_mode", "'while_executing'"),
+        ("unique_key", "ARRAY['account']"),
+        ("unique_on_conflict", "'discard'"),
+    ];
+    // A column added to the table must be added here (or to the exceptions, with a reason).
+    let set_by_definition: Vec<String> = sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns
+          WHERE table_schema = 'lockgate' AND table_name = 'job_types'
+            AND column_name NOT IN ('name',                     -- the key
+                                    'updated_at',               -- when it last changed
+                                    'concurrency_key_version')  -- derived from the key paths
+          ORDER BY ordinal_position",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(set_by_definition, changes.iter().map(|(c, _)| c.to_string()).collect::<Vec<_>>());
+    let row =
+        "SELECT to_jsonb(t) - 'updated_at' - 'concurrency_key_version' FROM lockgate.job_types t WHERE name = 'sync'";
+    let stored: serde_json::Value = sqlx::query_scalar(row).fetch_one(&db.pool).await.unwrap();
+    for (column, value) in changes {
+        sqlx::query(&format!("UPDATE lockgate.job_types SET {column} = {value} WHERE name = 'sync'"))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        sqlx::query(define).execute(&db.pool).await.unwrap();
+        let now: serde_json::Value = sqlx::query_scalar(row).fetch_one(&db.pool).await.unwrap();
+        assert_eq!(now, stored, "{column} changed since: the definition writes it back");
+    }
 }
 
 #[tokio::test]
