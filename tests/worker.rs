@@ -538,6 +538,27 @@ async fn a_prune_in_the_middle_of_registration_cannot_fail_the_start() {
 }
 
 #[tokio::test]
+async fn a_started_process_row_says_it_runs_before_its_first_heartbeat_interval_ends() {
+    let (db, _client) = setup().await;
+    // Registration records the booting phase; the next beat would be a minute away.
+    let config = RuntimeConfig {
+        process_heartbeat_interval: Duration::from_secs(60),
+        alive_threshold: Duration::from_secs(180),
+        ..test_config()
+    };
+    let running = Running::start(&db, config, failing_registry(Counter::default(), 0), &["default"], 2).await;
+    wait_for_count(
+        &db.pool,
+        "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor' AND metadata->'health'->>'phase' = 'running'",
+        1,
+        WAIT,
+    )
+    .await
+    .unwrap();
+    running.stop().await;
+}
+
+#[tokio::test]
 async fn a_runtime_starts_and_stops_twenty_times_leaving_nothing_behind() {
     let (db, client) = setup().await;
     for round in 0..20 {

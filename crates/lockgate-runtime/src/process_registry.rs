@@ -58,6 +58,8 @@ pub(crate) struct ProcessRegistry {
     interval: Duration,
     alive_threshold: Duration,
     metrics: Arc<Metrics>,
+    /// Fired once the process runs: its first beat then records that, not the booting phase.
+    running: tokio::sync::Notify,
 }
 
 impl ProcessRegistry {
@@ -83,7 +85,13 @@ impl ProcessRegistry {
             interval,
             alive_threshold,
             metrics,
+            running: tokio::sync::Notify::new(),
         }
+    }
+
+    /// The process runs: its next beat comes now rather than one interval after registering.
+    pub fn running(&self) {
+        self.running.notify_one();
     }
 
     /// Inserts this process's rows; the supervisor's id becomes the owner tag of claims.
@@ -142,8 +150,16 @@ impl ProcessRegistry {
     }
 
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
-        // The first beat is one interval after the registration, which recorded one.
-        crate::ticker::every(self.interval, self.interval, &shutdown, || async {
+        // The registration recorded a beat while the process was booting; the next comes once it
+        // runs (so its row says so), or one interval after registering if that is sooner, or at
+        // once when this service was restarted after a crash.
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => return,
+            () = self.running.notified() => {}
+            () = tokio::time::sleep(crate::ticker::first_pass(self.interval)) => {}
+        }
+        crate::ticker::every(self.interval, Duration::ZERO, &shutdown, || async {
             match self.run_once().await {
                 Ok(report) if report == RegistryReport::default() => {
                     self.metrics.prune_runs.inc();

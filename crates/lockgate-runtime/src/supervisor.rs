@@ -306,6 +306,7 @@ impl Runtime {
             }));
         }
         self.health.set_running();
+        process_registry.running();
         self.log_started();
         tokio::select! {
             () = shutdown.cancelled() => self.health.set_draining(),
@@ -343,8 +344,6 @@ impl Runtime {
     }
 }
 
-/// Runs the service `make` builds until `token` fires; restarts it with backoff whenever it
-/// panics or returns early, and records each crash in `health`.
 /// Runs one start-up step, riding out a database that is restarting or that terminated the
 /// connection (H19): a transient error is logged and retried with backoff until the step succeeds
 /// or shutdown is asked for; any other error ends the start.
@@ -369,15 +368,20 @@ where
     }
 }
 
+/// Runs the service `make` builds until `token` fires; restarts it with backoff whenever it
+/// panics or returns early, and records each crash in `health`. A restarted service makes its
+/// first pass at once (`ticker::first_pass`).
 async fn supervise<F, Fut>(name: &'static str, health: Arc<Health>, token: CancellationToken, mut make: F)
 where
     F: FnMut(CancellationToken) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let mut pause = FIRST_RESTART_PAUSE;
+    let mut restarted = false;
     loop {
         let started = std::time::Instant::now();
-        let outcome = tokio::spawn(make(token.clone())).await;
+        let outcome = tokio::spawn(crate::ticker::started(restarted, make(token.clone()))).await;
+        restarted = true;
         // A service that ran well for a while before crashing starts its backoff over.
         if started.elapsed() > STABLE_RUN {
             pause = FIRST_RESTART_PAUSE;
@@ -410,10 +414,14 @@ mod tests {
         let token = CancellationToken::new();
         let runs = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&runs);
+        let first_passes = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let passes = Arc::clone(&first_passes);
         let task =
             tokio::spawn(supervise("flaky", Arc::clone(&health), token.clone(), move |stop: CancellationToken| {
                 let run = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                let passes = Arc::clone(&passes);
                 async move {
+                    passes.lock().unwrap().push(crate::ticker::first_pass(Duration::from_secs(5)));
                     if run <= 3 {
                         panic!("crash number {run}");
                     }
@@ -430,5 +438,11 @@ mod tests {
         token.cancel();
         task.await.unwrap();
         assert_eq!(runs.load(Ordering::SeqCst), 4, "a cancelled service is not restarted");
+        let passes = first_passes.lock().unwrap().clone();
+        assert_eq!(
+            passes,
+            [Duration::from_secs(5), Duration::ZERO, Duration::ZERO, Duration::ZERO],
+            "restarts pass at once"
+        );
     }
 }

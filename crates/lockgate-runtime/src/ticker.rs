@@ -32,6 +32,28 @@ pub(crate) fn phase(interval: Duration) -> Duration {
     interval.mul_f64(fastrand::f64())
 }
 
+tokio::task_local! {
+    /// Set for a service the supervisor restarted after a crash.
+    static RESTARTED: bool;
+}
+
+/// Runs `service` as the supervisor's restart (`restarted`) or first start of it.
+pub(crate) async fn started<F: Future>(restarted: bool, service: F) -> F::Output {
+    RESTARTED.scope(restarted, service).await
+}
+
+/// When a service's first pass comes: after `delay` when the process starts it, at once when
+/// the supervisor restarted it after a crash, so that a service that crashes at its pass crashes
+/// again at once (the crash loop shows within its window) and a restarted heartbeat does not
+/// leave its row silent for one more interval.
+pub(crate) fn first_pass(delay: Duration) -> Duration {
+    if RESTARTED.try_with(|restarted| *restarted).unwrap_or(false) {
+        Duration::ZERO
+    } else {
+        delay
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -45,6 +67,14 @@ mod tests {
         let phases: Vec<Duration> = (0..64).map(|_| phase(interval)).collect();
         assert!(phases.iter().all(|p| *p < interval));
         assert!(phases.iter().any(|p| *p != phases[0]), "one phase for every service would bunch their passes");
+    }
+
+    #[tokio::test]
+    async fn a_restarted_service_makes_its_first_pass_at_once() {
+        let delay = Duration::from_secs(5);
+        assert_eq!(first_pass(delay), delay, "outside the supervisor");
+        assert_eq!(started(false, async { first_pass(delay) }).await, delay, "a first start");
+        assert_eq!(started(true, async { first_pass(delay) }).await, Duration::ZERO, "a restart");
     }
 
     #[tokio::test]

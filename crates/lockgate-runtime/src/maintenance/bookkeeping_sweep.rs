@@ -56,31 +56,37 @@ impl BookkeepingSweep {
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
-        let mut last_reap: Option<Instant> = None;
+        // The reapers' first pass, like the sweep's, at a random moment within their own interval.
+        let mut next_reap = Instant::now() + crate::ticker::first_pass(crate::ticker::phase(self.reap_interval));
         let this = &self;
-        crate::ticker::every(self.interval, crate::ticker::phase(self.interval), &shutdown, || {
-            let reap = last_reap.is_none_or(|at| at.elapsed() >= self.reap_interval);
-            if reap {
-                last_reap = Some(Instant::now());
-            }
-            async move {
-                let result = this.run_once(reap).await;
-                if let Some(metrics) = &this.metrics {
-                    record(metrics, &result);
+        crate::ticker::every(
+            self.interval,
+            crate::ticker::first_pass(crate::ticker::phase(self.interval)),
+            &shutdown,
+            || {
+                let reap = Instant::now() >= next_reap;
+                if reap {
+                    next_reap = Instant::now() + self.reap_interval;
                 }
-                match result {
-                    Ok(report) if report == BookkeepingReport::default() => {}
-                    Ok(report) => tracing::info!(
-                        callbacks_enqueued = report.callbacks_enqueued,
-                        locks_reaped = report.locks_reaped,
-                        batch_jobs_reaped = report.batch_jobs_reaped,
-                        keys_reclaimed = report.keys_reclaimed,
-                        "bookkeeping sweep"
-                    ),
-                    Err(error) => tracing::warn!(%error, "bookkeeping sweep failed"),
+                async move {
+                    let result = this.run_once(reap).await;
+                    if let Some(metrics) = &this.metrics {
+                        record(metrics, &result);
+                    }
+                    match result {
+                        Ok(report) if report == BookkeepingReport::default() => {}
+                        Ok(report) => tracing::info!(
+                            callbacks_enqueued = report.callbacks_enqueued,
+                            locks_reaped = report.locks_reaped,
+                            batch_jobs_reaped = report.batch_jobs_reaped,
+                            keys_reclaimed = report.keys_reclaimed,
+                            "bookkeeping sweep"
+                        ),
+                        Err(error) => tracing::warn!(%error, "bookkeeping sweep failed"),
+                    }
                 }
-            }
-        })
+            },
+        )
         .await;
     }
 
