@@ -6,12 +6,14 @@
 -- Uniqueness: unique_mode NULL means none; 'until_executed' (a lock from enqueue until the job is
 -- terminal) or 'while_executing' (a lock while a run is running); unique_key lists argument paths
 -- as concurrency_key does; unique_on_conflict is 'reject' (LG005) or 'discard' (status duplicate).
--- A definition identical to the stored one writes nothing and only shares the row's lock, so
+-- A definition identical to the stored one changes nothing and only shares the row's lock, so
 -- processes that start together with the same types (a deploy) do not queue behind each
 -- other's commits; a change (or a delete) of the row by another transaction still waits for the
 -- definer's commit, or is waited for, so the last definition to commit is the one that holds.
 -- Locks: the job_types row, FOR SHARE when the stored definition is identical (which needs the
--- same UPDATE privilege as the upsert), else FOR UPDATE by the upsert. Callers:
+-- UPDATE privilege), else exclusively by the upsert. A transaction that defines a type as
+-- stored and later changes it can deadlock with another doing the same (both share the row,
+-- neither can upgrade): a change belongs in the transaction's first definition. Callers:
 -- Client::define_job_type, lockgate run, SQL users.
 
 CREATE OR REPLACE FUNCTION lockgate.define_job_type(

@@ -298,7 +298,7 @@ async fn times_out_on_a_lock(conn: &mut sqlx::PgConnection, sql: &str) -> bool {
 }
 
 #[tokio::test]
-async fn a_definition_or_queue_that_exists_as_given_takes_no_lock_and_a_change_still_does() {
+async fn a_definition_or_queue_that_exists_as_given_waits_for_no_other_definer_and_a_change_still_does() {
     let db = TestDb::migrated().await.unwrap();
     let limited = "SELECT lockgate.define_job_type('sync', 'accounts', 2, 5, concurrency_limit => 1,
                           concurrency_key => ARRAY['account'], unique_mode => 'until_executed',

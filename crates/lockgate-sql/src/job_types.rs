@@ -32,7 +32,9 @@ pub async fn define_job_type_if_missing(
     }
     let mut tx = pool.begin().await?;
     // Conflicts with itself and with the ROW EXCLUSIVE lock of any INSERT or UPDATE (so with
-    // every define_job_type in progress), not with the reads of enqueues and claims.
+    // every define_job_type in progress that writes; one that finds the type stored as given
+    // holds only a row share lock, and the type then exists), not with the reads of enqueues
+    // and claims.
     query("LOCK TABLE lockgate.job_types IN SHARE ROW EXCLUSIVE MODE").execute(&mut *tx).await?;
     let exists = job_type_exists(&mut *tx, name).await?;
     if !exists {

@@ -64,9 +64,15 @@ impl BookkeepingSweep {
             crate::ticker::first_pass(crate::ticker::phase(self.interval)),
             &shutdown,
             || {
-                let reap = Instant::now() >= next_reap;
+                let now = Instant::now();
+                let reap = now >= next_reap;
                 if reap {
-                    next_reap = Instant::now() + self.reap_interval;
+                    // Every reap_interval from the first reap, not from when this pass woke (a
+                    // late wake-up would otherwise push every later reap back by one pass).
+                    next_reap += self.reap_interval;
+                    if next_reap <= now {
+                        next_reap = now + self.reap_interval;
+                    }
                 }
                 async move {
                     let result = this.run_once(reap).await;
