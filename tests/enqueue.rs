@@ -297,12 +297,15 @@ async fn times_out_on_a_lock(conn: &mut sqlx::PgConnection, sql: &str) -> bool {
     }
 }
 
+/// A limited type with uniqueness: a definition with arrays and NULLs to compare.
+const SYNC: &str = "SELECT lockgate.define_job_type('sync', 'accounts', 2, 5, concurrency_limit => 1,
+                          concurrency_key => ARRAY['account'], unique_mode => 'until_executed',
+                          unique_key => ARRAY['account', 'day'])";
+
 #[tokio::test]
 async fn a_definition_or_queue_that_exists_as_given_waits_for_no_other_definer_and_a_change_still_does() {
     let db = TestDb::migrated().await.unwrap();
-    let limited = "SELECT lockgate.define_job_type('sync', 'accounts', 2, 5, concurrency_limit => 1,
-                          concurrency_key => ARRAY['account'], unique_mode => 'until_executed',
-                          unique_key => ARRAY['account', 'day'])";
+    let limited = SYNC;
     let plain = "SELECT lockgate.define_job_type('mail', 'mail')";
     for sql in [limited, plain] {
         sqlx::query(sql).execute(&db.pool).await.unwrap();
@@ -378,9 +381,7 @@ async fn a_definition_or_queue_that_exists_as_given_waits_for_no_other_definer_a
 #[tokio::test]
 async fn a_definition_restores_any_one_column_changed_since() {
     let db = TestDb::migrated().await.unwrap();
-    let define = "SELECT lockgate.define_job_type('sync', 'accounts', 2, 5, concurrency_limit => 1,
-                          concurrency_key => ARRAY['account'], unique_mode => 'until_executed',
-                          unique_key => ARRAY['account', 'day'])";
+    let define = SYNC;
     sqlx::query(define).execute(&db.pool).await.unwrap();
     sqlx::query("SELECT lockgate.create_queue('other')").execute(&db.pool).await.unwrap();
     let changes = [

@@ -27,9 +27,10 @@ where
 /// A random delay shorter than `interval`: when a maintenance service makes its first pass. A
 /// process's first moments go to its start-up and its first claims rather than to every pass at
 /// once, and processes started together (a deploy) make their passes at spread-out moments
-/// instead of all at the same one, interval after interval.
+/// instead of all at the same one, interval after interval. At once in a restarted service
+/// ([`first_pass`]).
 pub(crate) fn phase(interval: Duration) -> Duration {
-    interval.mul_f64(fastrand::f64())
+    first_pass(interval.mul_f64(fastrand::f64()))
 }
 
 tokio::task_local! {
@@ -75,6 +76,7 @@ mod tests {
         assert_eq!(first_pass(delay), delay, "outside the supervisor");
         assert_eq!(started(false, async { first_pass(delay) }).await, delay, "a first start");
         assert_eq!(started(true, async { first_pass(delay) }).await, Duration::ZERO, "a restart");
+        assert_eq!(started(true, async { phase(delay) }).await, Duration::ZERO, "a restart's random phase");
     }
 
     #[tokio::test]

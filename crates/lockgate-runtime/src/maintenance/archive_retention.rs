@@ -32,24 +32,19 @@ impl ArchiveRetention {
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
-        crate::ticker::every(
-            self.interval,
-            crate::ticker::first_pass(crate::ticker::phase(self.interval)),
-            &shutdown,
-            || async {
-                let result = self.run_once().await;
-                match (&self.metrics, &result) {
-                    (Some(m), Ok(deleted)) => m.sweep_ran("archive_retention", &[("deleted", *deleted as u64)]),
-                    (Some(m), Err(_)) => m.sweep_failed("archive_retention"),
-                    (None, _) => {}
-                }
-                match result {
-                    Ok(0) => {}
-                    Ok(deleted) => tracing::info!(deleted, "pruned archived jobs"),
-                    Err(error) => tracing::warn!(%error, "archive retention failed"),
-                }
-            },
-        )
+        crate::ticker::every(self.interval, crate::ticker::phase(self.interval), &shutdown, || async {
+            let result = self.run_once().await;
+            match (&self.metrics, &result) {
+                (Some(m), Ok(deleted)) => m.sweep_ran("archive_retention", &[("deleted", *deleted as u64)]),
+                (Some(m), Err(_)) => m.sweep_failed("archive_retention"),
+                (None, _) => {}
+            }
+            match result {
+                Ok(0) => {}
+                Ok(deleted) => tracing::info!(deleted, "pruned archived jobs"),
+                Err(error) => tracing::warn!(%error, "archive retention failed"),
+            }
+        })
         .await;
     }
 

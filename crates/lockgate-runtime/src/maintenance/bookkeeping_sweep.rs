@@ -57,42 +57,37 @@ impl BookkeepingSweep {
 
     pub async fn run(self, shutdown: CancellationToken) {
         // The reapers' first pass, like the sweep's, at a random moment within their own interval.
-        let mut next_reap = Instant::now() + crate::ticker::first_pass(crate::ticker::phase(self.reap_interval));
+        let mut next_reap = Instant::now() + crate::ticker::phase(self.reap_interval);
         let this = &self;
-        crate::ticker::every(
-            self.interval,
-            crate::ticker::first_pass(crate::ticker::phase(self.interval)),
-            &shutdown,
-            || {
-                let now = Instant::now();
-                let reap = now >= next_reap;
-                if reap {
-                    // Every reap_interval from the first reap, not from when this pass woke (a
-                    // late wake-up would otherwise push every later reap back by one pass).
-                    next_reap += self.reap_interval;
-                    if next_reap <= now {
-                        next_reap = now + self.reap_interval;
-                    }
+        crate::ticker::every(self.interval, crate::ticker::phase(self.interval), &shutdown, || {
+            let now = Instant::now();
+            let reap = now >= next_reap;
+            if reap {
+                // Every reap_interval from the first reap, not from when this pass woke (a
+                // late wake-up would otherwise push every later reap back by one pass).
+                next_reap += self.reap_interval;
+                if next_reap <= now {
+                    next_reap = now + self.reap_interval;
                 }
-                async move {
-                    let result = this.run_once(reap).await;
-                    if let Some(metrics) = &this.metrics {
-                        record(metrics, &result);
-                    }
-                    match result {
-                        Ok(report) if report == BookkeepingReport::default() => {}
-                        Ok(report) => tracing::info!(
-                            callbacks_enqueued = report.callbacks_enqueued,
-                            locks_reaped = report.locks_reaped,
-                            batch_jobs_reaped = report.batch_jobs_reaped,
-                            keys_reclaimed = report.keys_reclaimed,
-                            "bookkeeping sweep"
-                        ),
-                        Err(error) => tracing::warn!(%error, "bookkeeping sweep failed"),
-                    }
+            }
+            async move {
+                let result = this.run_once(reap).await;
+                if let Some(metrics) = &this.metrics {
+                    record(metrics, &result);
                 }
-            },
-        )
+                match result {
+                    Ok(report) if report == BookkeepingReport::default() => {}
+                    Ok(report) => tracing::info!(
+                        callbacks_enqueued = report.callbacks_enqueued,
+                        locks_reaped = report.locks_reaped,
+                        batch_jobs_reaped = report.batch_jobs_reaped,
+                        keys_reclaimed = report.keys_reclaimed,
+                        "bookkeeping sweep"
+                    ),
+                    Err(error) => tracing::warn!(%error, "bookkeeping sweep failed"),
+                }
+            }
+        })
         .await;
     }
 

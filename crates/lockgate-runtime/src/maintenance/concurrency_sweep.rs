@@ -33,27 +33,22 @@ impl ConcurrencySweep {
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
-        crate::ticker::every(
-            self.interval,
-            crate::ticker::first_pass(crate::ticker::phase(self.interval)),
-            &shutdown,
-            || async {
-                let result = self.run_once().await;
-                if let Some(metrics) = &self.metrics {
-                    record(metrics, &result);
-                }
-                match result {
-                    Ok(report) if report == SweepReport::default() => {}
-                    Ok(report) => tracing::info!(
-                        expired = report.expired,
-                        orphaned = report.orphaned,
-                        promoted = report.promoted,
-                        "concurrency sweep"
-                    ),
-                    Err(error) => tracing::warn!(%error, "concurrency sweep failed"),
-                }
-            },
-        )
+        crate::ticker::every(self.interval, crate::ticker::phase(self.interval), &shutdown, || async {
+            let result = self.run_once().await;
+            if let Some(metrics) = &self.metrics {
+                record(metrics, &result);
+            }
+            match result {
+                Ok(report) if report == SweepReport::default() => {}
+                Ok(report) => tracing::info!(
+                    expired = report.expired,
+                    orphaned = report.orphaned,
+                    promoted = report.promoted,
+                    "concurrency sweep"
+                ),
+                Err(error) => tracing::warn!(%error, "concurrency sweep failed"),
+            }
+        })
         .await;
     }
 
