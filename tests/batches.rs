@@ -688,11 +688,15 @@ async fn h31_a_close_beside_producers_and_completions_never_deadlocks() {
     wait_for_count(&db.pool, WAITING, 1, Duration::from_secs(10)).await.unwrap();
     let completer = common::complete_apart(&db.url, vec![y]);
     wait_for_count(&db.pool, WAITING, 2, Duration::from_secs(10)).await.unwrap();
-    holding.commit().await.unwrap();
+    // The producer's next enqueue of the key, while the close still waits: it joins the batch
+    // (still open) and waits for the key the completion holds. Sent once the close committed,
+    // it would find the batch closed; so it is waiting before the holder lets the close go.
     let next = tokio::spawn(async move {
         let status = enqueue_lim(&mut producing, "zz", batch).await;
         (sqlx::query("COMMIT").execute(&mut producing).await, status)
     });
+    wait_for_count(&db.pool, WAITING, 3, Duration::from_secs(10)).await.unwrap();
+    holding.commit().await.unwrap();
     assert_eq!(closer.await.unwrap().unwrap(), "closed");
     completer.await.unwrap().expect("the completion lands, no deadlock");
     let (committed, status) = next.await.unwrap();
