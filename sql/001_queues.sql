@@ -28,6 +28,77 @@ RETURNS SETOF text LANGUAGE sql STABLE AS $$
     SELECT q.name FROM lockgate.queues q WHERE to_regclass(format('pgmq.%I', 'q_' || q.name)) IS NOT NULL ORDER BY q.name
 $$;
 
+-- Writes one of a queue's generated steps (lockgate.<name>(<args>), a PL/pgSQL function with
+-- the queue's table named in its body, so that its statements are planned once per session:
+-- the claim step, sql/020_claim.sql; the enqueue steps, sql/010_enqueue.sql). Idempotent: a step
+-- that exists as it would be written (same body, settings and owner) is left alone, without a
+-- lock, so installing again costs nothing and disturbs no caller. A step to write is written
+-- under create_queue's advisory lock on the queue name: in place (CREATE OR REPLACE, keeping
+-- whatever depends on it) when it is the installer's own; dropped and created anew when it
+-- belongs to anyone else (planted under the step's name before the queue existed: never kept,
+-- and never run by lockgate; the drop fails rather than cascade). Then every other function
+-- under the step's name (an overload with an extra defaulted argument would make the callers'
+-- call ambiguous, and every call fail) and under the names in stale (an earlier revision's
+-- steps) is dropped under the same lock; one that something depends on, or that the installer
+-- may not drop (another role's, when the installer is no superuser), is kept, with a warning
+-- naming it, rather than fail the install (a claim's or an enqueue's callers then find the
+-- name ambiguous: the enqueue plans its INSERT instead, `lockgate doctor` names the queue).
+-- Runs as its caller: called by the SECURITY DEFINER installers, as the role that installed
+-- lockgate's functions, with every argument typed (so that no overload of this function another
+-- role adds is a better match); called directly by another role, it runs as that role.
+-- Locks: none when nothing changes; else the queue name's advisory lock, then catalog rows.
+-- Callers: lockgate._install_claim_steps, lockgate._install_enqueue_steps (SECURITY DEFINER).
+CREATE OR REPLACE FUNCTION lockgate._write_step(queue text, name text, args text, head text, config text, body text,
+                                                stale text[])
+RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
+DECLARE
+    found record;
+    other record;
+BEGIN
+    FOR pass IN 1 .. 2 LOOP
+        -- The owner by its name as it is (to_regrole would read current_user as SQL syntax:
+        -- lowercased, and refused with a dot or a space in it).
+        SELECT p.oid,
+               p.prosrc = body AND p.proconfig::text IS NOT DISTINCT FROM config
+                 AND p.prolang = (SELECT l.oid FROM pg_language l WHERE l.lanname = 'plpgsql')
+                 AND NOT p.prosecdef AND NOT p.proisstrict AND p.provolatile = 'v' AS same,
+               p.proowner = (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user) AS ours
+          INTO found
+          FROM pg_proc p
+         WHERE p.pronamespace = 'lockgate'::regnamespace AND p.proname = name
+           AND pg_get_function_identity_arguments(p.oid) = args;
+        EXIT WHEN found.oid IS NOT NULL AND found.same AND found.ours;
+        IF pass = 1 THEN
+            -- Something to write: look again once no other writer of this queue's steps runs.
+            PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
+            CONTINUE;
+        END IF;
+        IF found.oid IS NOT NULL AND NOT found.ours THEN
+            EXECUTE format('DROP FUNCTION lockgate.%I(%s)', name, args);
+        END IF;
+        EXECUTE format('CREATE OR REPLACE FUNCTION lockgate.%I(%s) %s AS %L', name, args, head, body);
+    END LOOP;
+    IF EXISTS (SELECT 1 FROM pg_proc p
+                WHERE p.pronamespace = 'lockgate'::regnamespace
+                  AND (p.proname = ANY (stale) OR (p.proname = name AND pg_get_function_identity_arguments(p.oid) <> args))) THEN
+        PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
+        FOR other IN SELECT p.oid::regprocedure AS f FROM pg_proc p
+                      WHERE p.pronamespace = 'lockgate'::regnamespace
+                        AND (p.proname = ANY (stale) OR (p.proname = name AND pg_get_function_identity_arguments(p.oid) <> args)) LOOP
+            BEGIN
+                EXECUTE format('DROP FUNCTION %s', other.f);
+            EXCEPTION
+                WHEN dependent_objects_still_exist THEN
+                    RAISE WARNING 'lockgate: % is kept, unused: other objects depend on it', other.f
+                        USING HINT = 'drop what depends on it, then run lockgate migrate again';
+                WHEN insufficient_privilege THEN
+                    RAISE WARNING 'lockgate: % is kept: it belongs to another role, which lockgate may not drop', other.f
+                        USING HINT = 'drop it as its owner or a superuser, then run lockgate migrate again';
+            END;
+        END LOOP;
+    END IF;
+END $$;
+
 -- Creates a queue if it does not exist. Safe to run from many sessions at once (H21): the
 -- advisory lock serialises creators of the same name until commit. A queue whose row is already
 -- visible was created whole (its row is inserted in the transaction that creates everything
@@ -80,6 +151,7 @@ BEGIN
     END IF;
     INSERT INTO lockgate.queues (name) VALUES (queue) ON CONFLICT DO NOTHING;
     PERFORM lockgate._install_claim_steps(queue);
+    PERFORM lockgate._install_enqueue_steps(queue);
 END $$;
 
 -- Pauses a queue: every claim skips it from the next statement on (running jobs finish, their

@@ -22,6 +22,102 @@
 -- its own that has no flush to wait for. The Rust Client does (docs/design.md section 50).
 -- Callers: the Rust Client, the CLI, SQL producers, triggers.
 
+-- A queue's enqueue steps, generated with its table's name written in, as the claim step is
+-- (sql/020_claim.sql). lockgate._enqueue_into_<queue>(vt, args, headers) inserts one message
+-- per element of args that is a JSON object of at most 1 MiB, in the order of args, all visible
+-- at vt with the same headers, and returns their msg_ids in that order;
+-- lockgate._enqueue1_into_<queue>(vt, args, headers) inserts the one message of a single
+-- enqueue (arguments already checked) and returns its msg_id, without an array or a set to pass
+-- it through. An INSERT on a table named at run time is planned at every call, and planning it
+-- cost about as much as inserting fifty jobs; in a function of its own, PL/pgSQL plans it once
+-- per session, and the caller's dynamic statement is only the step's call. Written through
+-- lockgate._write_step by create_queue and, for every queue, each time the functions are
+-- installed (the end of this file); never inside a producer's transaction (an enqueue that
+-- finds no step it can trust plans its INSERT instead, lockgate._enqueue_step). SECURITY
+-- DEFINER for the reason the claim step's installer is; every argument of its calls is typed,
+-- so no overload another role might add under a called function's name can be a better match
+-- and run as the installer. Locks: none when nothing changes; else the queue name's advisory
+-- lock, then catalog rows. Callers: create_queue, migrate.
+CREATE OR REPLACE FUNCTION lockgate._install_enqueue_steps(queue text)
+RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
+DECLARE
+    tbl text := lockgate._queue_table(queue, 'q'::text);
+BEGIN
+    PERFORM lockgate._write_step(queue, '_enqueue_into_' || queue, 'timestamp with time zone, jsonb[], jsonb'::text,
+        'RETURNS SETOF bigint LANGUAGE plpgsql'::text, NULL::text,
+        format($f$
+        BEGIN
+            RETURN QUERY
+            INSERT INTO %1$s (vt, message, headers)
+            SELECT $1, a.v, $3
+              FROM unnest($2) a(v)
+             WHERE jsonb_typeof(a.v) = 'object' AND pg_column_size(a.v) <= 1048576
+            RETURNING msg_id;
+        END $f$, tbl),
+        '{}'::text[]);
+    PERFORM lockgate._write_step(queue, '_enqueue1_into_' || queue, 'timestamp with time zone, jsonb, jsonb'::text,
+        'RETURNS bigint LANGUAGE plpgsql'::text, NULL::text,
+        format($f$
+        DECLARE
+            id bigint;
+        BEGIN
+            INSERT INTO %1$s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id INTO id;
+            RETURN id;
+        END $f$, tbl),
+        '{}'::text[]);
+END $$;
+
+-- The statement that inserts an enqueue's messages into queue's table, with ($1 vt, $2 args,
+-- $3 headers), returning their msg_ids in the order of args: one job (args jsonb) when one,
+-- else many (args jsonb[]; only those that are JSON objects of at most 1 MiB). It calls the
+-- queue's enqueue step when the step is as lockgate writes it: the one function under its
+-- name, with its argument types, owned by the role that owns lockgate's installers, and one the
+-- caller may run. Otherwise (dropped by hand, planted or overloaded by another role, its
+-- EXECUTE revoked) it is the INSERT itself, planned at this call as before the steps existed:
+-- an enqueue never runs another role's code, never fails for a step, and takes no lock and
+-- writes no catalog row in the producer's transaction; `lockgate doctor` names the queue
+-- (queue_steps) and the next migrate writes the steps again.
+-- The name is looked up at every call (to_regproc: NULL when no function or more than one
+-- bears it, 0.6 us), and the caller's EXECUTE privilege; the owner and argument types of the
+-- function found are read from the catalog (a query, about 5 us) once per session and function,
+-- its oid then kept in a session setting (lockgate.trusted_<step>): a function with that oid is
+-- the one checked (only its owner could alter it), and a step dropped and made again, by anyone,
+-- has another oid and is checked again. A setting is no secret: whoever can set one in a
+-- session could set its search_path too, and shadow any function lockgate calls there; the
+-- memo is against mistakes and other roles' functions, not against the session's own client.
+-- LG001 for an unknown queue.
+CREATE OR REPLACE FUNCTION lockgate._enqueue_step(queue text, one boolean)
+RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    step text := CASE WHEN one THEN '_enqueue1_into_' ELSE '_enqueue_into_' END || queue;
+    found oid := to_regproc(format('lockgate.%I', step));
+    memo text := 'lockgate.trusted' || step;
+    trusted boolean := found IS NOT NULL AND has_function_privilege(found, 'EXECUTE');
+BEGIN
+    IF trusted AND found::text IS DISTINCT FROM current_setting(memo, true) THEN
+        SELECT p.proowner = i.proowner
+               AND p.proargtypes = array_to_string(CASE WHEN one THEN '{timestamptz,jsonb,jsonb}'::regtype[]::oid[]
+                                                        ELSE '{timestamptz,jsonb[],jsonb}'::regtype[]::oid[] END,
+                                                   ' ')::oidvector
+          INTO trusted
+          FROM pg_catalog.pg_proc p, pg_catalog.pg_proc i
+         WHERE p.oid = found AND i.oid = 'lockgate._install_enqueue_steps(text)'::regprocedure;
+        IF trusted THEN
+            PERFORM set_config(memo, found::text, false);
+        END IF;
+    END IF;
+    IF trusted THEN
+        RETURN CASE WHEN one THEN format('SELECT lockgate.%I($1, $2, $3)', step)
+                    ELSE format('SELECT s.id FROM lockgate.%I($1, $2, $3) s(id)', step) END;
+    END IF;
+    RETURN CASE WHEN one THEN format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id',
+                                     lockgate._queue_table(queue, 'q'))
+                ELSE format('INSERT INTO %s (vt, message, headers)
+                             SELECT $1, a.v, $3 FROM unnest($2) a(v)
+                              WHERE jsonb_typeof(a.v) = ''object'' AND pg_column_size(a.v) <= 1048576
+                             RETURNING msg_id', lockgate._queue_table(queue, 'q')) END;
+END $$;
+
 -- Refuses anything that is not a JSON object of at most 1 MiB (MAX_PAYLOAD_BYTES in Rust).
 CREATE OR REPLACE FUNCTION lockgate._check_args(args jsonb, ordinal integer DEFAULT NULL)
 RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
@@ -107,7 +203,16 @@ BEGIN
         END IF;
         priority := (options->>'priority')::smallint;
     END IF;
-    queue := COALESCE(options->>'queue', jt.queue);
+    IF options->>'queue' IS NOT NULL THEN
+        IF jsonb_typeof(options->'queue') <> 'string' THEN
+            RAISE EXCEPTION 'lockgate: invalid queue %: a queue name, as a string', options->'queue'
+                USING ERRCODE = 'LG003';
+        END IF;
+        -- LG001 names an unknown queue here, before a job is parked for it or its enqueue step
+        -- looked up (a type's own queue exists: job_types.queue references lockgate.queues).
+        queue := options->>'queue';
+        PERFORM lockgate._queue_table(queue, 'q');
+    END IF;
     IF options ? 'concurrency_key' THEN
         IF jt.concurrency_limit IS NULL THEN
             RAISE EXCEPTION 'lockgate: job type "%" has no concurrency limit, so it takes no concurrency_key', jt.name
@@ -236,8 +341,7 @@ BEGIN
         job_id := nextval('lockgate.job_id_seq');
     END IF;
     IF job_id IS NULL THEN
-        EXECUTE format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id',
-                       lockgate._queue_table(queue, 'q'))
+        EXECUTE lockgate._enqueue_step(queue, true)
            INTO msg_id
           USING vt, args, headers;
     ELSE
@@ -279,10 +383,9 @@ BEGIN
     END IF;
     IF jt.concurrency_limit IS NULL AND jt.unique_mode IS NULL AND (options IS NULL OR options = '{}') THEN
         queue := jt.queue;
-        EXECUTE format('INSERT INTO pgmq.%I (vt, message, headers) VALUES (clock_timestamp(), $1, $2) RETURNING msg_id',
-                       'q_' || jt.queue)
+        EXECUTE lockgate._enqueue_step(jt.queue, true)
            INTO msg_id
-          USING args, lockgate._headers(jt.name, jt.priority);
+          USING clock_timestamp(), args, lockgate._headers(jt.name, jt.priority);
         job_id := msg_id;
         IF notify THEN
             PERFORM pg_notify('lockgate_' || jt.queue, '');
@@ -341,14 +444,9 @@ BEGIN
         RETURN;
     END IF;
     -- Every job of the call has the same headers (its id is its msg_id): nothing is built per row.
-    RETURN QUERY EXECUTE format(
-        'INSERT INTO %s (vt, message, headers)
-         SELECT $1, a.v, $2
-           FROM unnest($3::jsonb[]) a(v)
-          WHERE jsonb_typeof(a.v) = ''object'' AND pg_column_size(a.v) <= 1048576
-         RETURNING $4::text, msg_id, msg_id, ''enqueued''::text',
-        lockgate._queue_table(o.queue, 'q'))
-      USING o.vt, lockgate._headers(jt.name, o.priority), args, o.queue;
+    RETURN QUERY EXECUTE format('WITH e(id) AS (%s) SELECT $4::text, e.id, e.id, ''enqueued''::text FROM e',
+                                lockgate._enqueue_step(o.queue, false))
+      USING o.vt, args, lockgate._headers(jt.name, o.priority), o.queue;
     GET DIAGNOSTICS inserted = ROW_COUNT;
     IF inserted < cardinality(args) THEN
         PERFORM lockgate._check_all_args(args);  -- raises for the first bad one, undoing the insert
@@ -409,3 +507,7 @@ CREATE OR REPLACE FUNCTION lockgate.wake(queue text)
 RETURNS void LANGUAGE sql AS $$
     SELECT pg_notify('lockgate_' || queue, '');
 $$;
+
+-- Every queue's enqueue steps, written again with each install of these functions (not for a
+-- queue whose table was dropped behind lockgate's back: nothing can be enqueued into it).
+SELECT lockgate._install_enqueue_steps(q) FROM lockgate._live_queues() q;

@@ -6,29 +6,25 @@
 -- probe and a take called in turn: each dynamic call is parsed and planned at every claim, so
 -- a claim makes one (docs/design.md §56). Written by lockgate.create_queue, for every queue
 -- each time the functions are installed (the end of this file), and by a claim that finds it
--- missing.
--- Idempotent: a step that exists as it would be written (same body, settings and owner) is left
--- alone, without a lock, so installing again costs nothing and disturbs no claim. A step to
--- write is written under create_queue's advisory lock on the queue name: in place (CREATE OR
--- REPLACE, keeping whatever depends on it) when it is the installer's own; dropped and created
--- anew when it belongs to anyone else (planted under the step's name before the queue existed:
--- never kept, and never run inside a claim; the drop fails rather than cascade).
+-- missing, through lockgate._write_step (sql/001_queues.sql: idempotent, without a lock when
+-- nothing changes; a step planted by another role is never kept), which also drops the probe
+-- step of functions revisions 11 to 18.
 -- SECURITY DEFINER: the step belongs to the role that installed lockgate's functions (the one
 -- that runs migrate), whoever creates the queue or claims, so that no other role needs CREATE
--- on schema lockgate and a later migrate may write it again.
+-- on schema lockgate and a later migrate may write it again. Every argument of its calls is
+-- typed, so no overload another role might add under a called function's name is a better
+-- match, to run as the installer.
 -- Locks: none when nothing changes; else the queue name's advisory lock, then catalog rows.
 -- Callers: create_queue, migrate, lockgate.claim.
 CREATE OR REPLACE FUNCTION lockgate._install_claim_steps(queue text)
 RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
-    tbl text := lockgate._queue_table(queue, 'q');
+    tbl text := lockgate._queue_table(queue, 'q'::text);
     name text := '_claim_take_' || queue;
     args text := 'integer, double precision, bigint, timestamp with time zone, integer, text';
     head text;
     config text;
     body text;
-    found record;
-    other record;
 BEGIN
     -- Messages of the best priority holding a visible message, visible longest first, then
     -- oldest, skipping rows other claimers hold; then the next priority's, while fewer than qty
@@ -93,51 +89,7 @@ BEGIN
                 wanted := wanted - took;
             END LOOP;
         END $f$, tbl);
-    FOR pass IN 1 .. 2 LOOP
-        -- The owner by its name as it is (to_regrole would read current_user as SQL syntax:
-        -- lowercased, and refused with a dot or a space in it).
-        SELECT p.oid,
-               p.prosrc = body AND p.proconfig::text IS NOT DISTINCT FROM config
-                 AND p.prolang = (SELECT l.oid FROM pg_language l WHERE l.lanname = 'plpgsql')
-                 AND NOT p.prosecdef AND NOT p.proisstrict AND p.provolatile = 'v' AS same,
-               p.proowner = (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user) AS ours
-          INTO found
-          FROM pg_proc p
-         WHERE p.pronamespace = 'lockgate'::regnamespace AND p.proname = name
-           AND pg_get_function_identity_arguments(p.oid) = args;
-        EXIT WHEN found.oid IS NOT NULL AND found.same AND found.ours;
-        IF pass = 1 THEN
-            -- Something to write: look again once no other writer of this queue's step runs.
-            PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
-            CONTINUE;
-        END IF;
-        IF found.oid IS NOT NULL AND NOT found.ours THEN
-            EXECUTE format('DROP FUNCTION lockgate.%I(%s)', name, args);
-        END IF;
-        EXECUTE format('CREATE OR REPLACE FUNCTION lockgate.%I(%s) %s AS %L', name, args, head, body);
-    END LOOP;
-    -- Other functions under the step's names, which no claim calls: the probe and the
-    -- seven-argument take of functions revisions 11 to 18, and any other overload of the step's
-    -- name (one with an extra defaulted argument would make the claim's call ambiguous, and every
-    -- claim on the queue fail). Dropped under the queue name's lock; one that something depends
-    -- on is kept, with a warning naming it, rather than fail the install.
-    IF EXISTS (SELECT 1 FROM pg_proc p
-                WHERE p.pronamespace = 'lockgate'::regnamespace
-                  AND (p.proname = '_claim_probe_' || queue
-                       OR (p.proname = name AND pg_get_function_identity_arguments(p.oid) <> args))) THEN
-        PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
-        FOR other IN SELECT p.oid::regprocedure AS f FROM pg_proc p
-                      WHERE p.pronamespace = 'lockgate'::regnamespace
-                        AND (p.proname = '_claim_probe_' || queue
-                             OR (p.proname = name AND pg_get_function_identity_arguments(p.oid) <> args)) LOOP
-            BEGIN
-                EXECUTE format('DROP FUNCTION %s', other.f);
-            EXCEPTION WHEN dependent_objects_still_exist THEN
-                RAISE WARNING 'lockgate: % is kept, unused: other objects depend on it', other.f
-                    USING HINT = 'drop what depends on it, then run lockgate migrate again';
-            END;
-        END LOOP;
-    END IF;
+    PERFORM lockgate._write_step(queue, name, args, head, config, body, ARRAY['_claim_probe_' || queue]::text[]);
 END $$;
 
 -- Claim: take up to qty visible messages of a queue, lowest priority value first, then the one

@@ -271,6 +271,47 @@ LANGUAGE sql STABLE AS $$
      WHERE NOT EXISTS (SELECT 1 FROM stale)
 $$;
 
+-- Queues whose generated steps (the claim step, sql/020_claim.sql; the enqueue steps,
+-- sql/010_enqueue.sql) are not as lockgate writes them: missing (dropped by hand, or the queue's
+-- table was missing at the last migrate), more than one function under a step's name (an
+-- overload some role added), another owner than lockgate's installers' or other argument types.
+-- Nothing is wrong meanwhile, only slower: an enqueue plans its INSERT at every call instead,
+-- and a claim writes a missing claim step itself. One row per step, or one ok row.
+CREATE OR REPLACE FUNCTION lockgate._doctor_steps()
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    WITH expected AS (
+        SELECT q.queue, s.prefix || q.queue AS name, s.args
+          FROM lockgate._live_queues() q(queue)
+         CROSS JOIN (VALUES ('_claim_take_', '{integer,double precision,bigint,timestamptz,integer,text}'::regtype[]::oid[]),
+                            ('_enqueue_into_', '{timestamptz,jsonb[],jsonb}'::regtype[]::oid[]),
+                            ('_enqueue1_into_', '{timestamptz,jsonb,jsonb}'::regtype[]::oid[])) s(prefix, args)),
+    installer AS (
+        SELECT x.proowner FROM pg_catalog.pg_proc x WHERE x.oid = 'lockgate._install_enqueue_steps(text)'::regprocedure),
+    wrong AS (
+        SELECT e.queue, e.name,
+               CASE WHEN count(p.oid) = 0 THEN 'missing'
+                    WHEN count(p.oid) > 1 THEN format('one of %s functions under its name', count(p.oid))
+                    WHEN bool_and(p.proowner <> (SELECT i.proowner FROM installer i))
+                        THEN format('owned by %s, not by lockgate''s installer %s', string_agg(p.proowner::regrole::text, ''),
+                                    (SELECT i.proowner::regrole::text FROM installer i))
+                    WHEN bool_and(p.proargtypes <> array_to_string(e.args, ' ')::oidvector)
+                        THEN format('of other arguments (%s)', string_agg(pg_get_function_identity_arguments(p.oid), ''))
+               END AS why
+          FROM expected e
+          LEFT JOIN pg_catalog.pg_proc p ON p.proname = e.name::name AND p.pronamespace = 'lockgate'::regnamespace
+         GROUP BY e.queue, e.name, e.args)
+    SELECT 'queue_steps', 'warn', format('queue %s: lockgate.%s is %s', w.queue, w.name, w.why),
+           'run lockgate migrate, which writes every queue''s steps again; until then the queue works, more slowly '
+           '(its enqueues plan their INSERT at every call). A function under a step''s name that another role '
+           'owns is dropped by that role or a superuser first'
+      FROM wrong w WHERE w.why IS NOT NULL
+    UNION ALL
+    SELECT 'queue_steps', 'ok', format('%s queue(s), each with its claim and enqueue steps as lockgate writes them',
+                                       (SELECT count(*) FROM lockgate._live_queues())), NULL
+     WHERE NOT EXISTS (SELECT 1 FROM wrong w WHERE w.why IS NOT NULL)
+$$;
+
 -- Whether this role can see other roles' sessions (a superuser, or a member of
 -- pg_read_all_stats): without it the sessions check is blind to them. One warn row, or none.
 CREATE OR REPLACE FUNCTION lockgate._doctor_visibility()
@@ -309,5 +350,6 @@ BEGIN
         UNION ALL SELECT * FROM lockgate._doctor_tables()
         UNION ALL SELECT * FROM lockgate._doctor_leases()
         UNION ALL SELECT * FROM lockgate._doctor_parked()
-        UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds));
+        UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds))
+        UNION ALL SELECT * FROM lockgate._doctor_steps();
 END $$;

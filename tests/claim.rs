@@ -264,14 +264,14 @@ async fn each_queue_claims_through_steps_of_its_own_written_again_when_missing()
     }
 }
 
-/// Issue 14 (docs/design.md §54): the claim steps belong to the role that installed lockgate's
-/// functions, whoever creates the queue. A role with no CREATE on schema lockgate creates a
-/// queue and claims from it; the steps are the installer's, so the next migrate may write them
-/// again; and a function a role planted in advance under a step's name is replaced, not kept
-/// (it would have run, with its owner's choice of code, inside every claim). One transaction,
-/// rolled back: the roles never outlive the test.
+/// Issue 14 (docs/design.md §54, §58): the claim and enqueue steps belong to the role that
+/// installed lockgate's functions, whoever creates the queue. A role with no CREATE on schema
+/// lockgate creates a queue, enqueues into it and claims from it; the steps are the installer's,
+/// so the next migrate may write them again; and a function a role planted in advance under a
+/// step's name is replaced, not kept (it would have run, with its owner's choice of code, inside
+/// every claim or enqueue). One transaction, rolled back: the roles never outlive the test.
 #[tokio::test]
-async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
+async fn queue_steps_belong_to_the_installer_whoever_creates_the_queue() {
     let db = TestDb::migrated().await.unwrap();
     let mut conn = db.pool.acquire().await.unwrap();
     let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
@@ -286,6 +286,8 @@ async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
          SET LOCAL ROLE {other};
          CREATE FUNCTION lockgate._claim_take_planted(integer, double precision, bigint, timestamptz, integer, text)
              RETURNS SETOF integer LANGUAGE sql AS 'SELECT NULL::integer WHERE false';
+         CREATE FUNCTION lockgate._enqueue1_into_planted(timestamptz, jsonb, jsonb)
+             RETURNS bigint LANGUAGE sql AS 'SELECT -1::bigint';
          SET LOCAL ROLE {app};
          SELECT lockgate.define_job_type('app_job', queue => 'planted');
          SELECT * FROM lockgate.enqueue('app_job', '{{}}');"
@@ -297,11 +299,14 @@ async fn claim_steps_belong_to_the_installer_whoever_creates_the_queue() {
         sqlx::query_scalar("SELECT count(*) FROM lockgate.claim('planted', 10, 30)").fetch_one(&mut *tx).await.unwrap();
     assert_eq!(claimed, 1, "the app role claims through the steps");
     sqlx::query("RESET ROLE").execute(&mut *tx).await.unwrap();
-    let expected = vec![("_claim_take_planted".to_string(), installer)];
+    let expected: Vec<(String, String)> = ["_claim_take_planted", "_enqueue1_into_planted", "_enqueue_into_planted"]
+        .iter()
+        .map(|step| (step.to_string(), installer.clone()))
+        .collect();
     assert_eq!(
         step_owners(&mut tx, "planted").await,
         expected,
-        "the planted step is gone; the step is the installer's"
+        "the planted steps are gone; the steps are the installer's"
     );
     // What migrate does for every queue. Steps as they would be written are left alone: no
     // rewrite (a concurrent claim would find its step replaced) and no lock.
@@ -416,15 +421,47 @@ async fn installing_the_functions_drops_the_claim_steps_of_earlier_revisions() {
     claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.unwrap();
 }
 
-/// A queue's claim step, and a probe left from an earlier revision, and their owners, by name.
+/// A queue's claim and enqueue steps, and a probe left from an earlier revision, and their
+/// owners, by name.
 async fn step_owners(conn: &mut sqlx::PgConnection, queue: &str) -> Vec<(String, String)> {
     sqlx::query_as(
         "SELECT proname::text, proowner::regrole::text FROM pg_proc
-          WHERE pronamespace = 'lockgate'::regnamespace AND proname IN ('_claim_probe_' || $1, '_claim_take_' || $1)
+          WHERE pronamespace = 'lockgate'::regnamespace
+            AND proname IN ('_claim_probe_' || $1, '_claim_take_' || $1, '_enqueue1_into_' || $1, '_enqueue_into_' || $1)
           ORDER BY 1",
     )
     .bind(queue)
     .fetch_all(conn)
     .await
     .unwrap()
+}
+
+/// Issue 14 (docs/design.md §58): a queue's steps are named by a prefix and the queue's name, and
+/// no other lockgate function starts with one of the prefixes, so no queue name can make a step
+/// that overwrites one of lockgate's own functions or another queue's step (nor one whose
+/// install drops them as "other overloads" of its name). Fails when a function is added under a
+/// step prefix, or a prefix chosen that one of lockgate's functions starts with.
+#[tokio::test]
+async fn no_lockgate_function_but_a_queues_step_starts_with_a_step_prefix() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('one')").execute(&db.pool).await.unwrap();
+    let strays: Vec<String> = sqlx::query_scalar(
+        "SELECT p.proname::text FROM pg_proc p
+          WHERE p.pronamespace = 'lockgate'::regnamespace
+            AND p.proname ~ '^_(claim_take|enqueue_into|enqueue1_into)_'
+            AND NOT EXISTS (SELECT 1 FROM lockgate.queues q
+                             WHERE p.proname IN ('_claim_take_' || q.name, '_enqueue_into_' || q.name,
+                                                 '_enqueue1_into_' || q.name))",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(strays, Vec::<String>::new(), "functions under a step prefix that are no queue's step");
+    let steps: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_proc WHERE pronamespace = 'lockgate'::regnamespace AND proname ~ '^_(claim_take|enqueue_into|enqueue1_into)_one$'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(steps, 3, "the queue's three steps are there, so the query sees them");
 }

@@ -818,3 +818,134 @@ async fn on_a_current_thread_runtime_the_client_notifies_in_its_transaction() {
     client.enqueue(&Note { text: "a".into() }).await.unwrap();
     assert_eq!(notified(&pool).await, [("lockgate_default".to_string(), true)]);
 }
+
+/// The enqueue steps of a queue, with their arguments.
+async fn enqueue_steps(db: &TestDb, queue: &str) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT proname::text || '(' || pg_get_function_identity_arguments(oid) || ')' FROM pg_proc
+          WHERE pronamespace = 'lockgate'::regnamespace AND proname IN ('_enqueue1_into_' || $1, '_enqueue_into_' || $1)
+          ORDER BY 1",
+    )
+    .bind(queue)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// The queue_steps rows of `lockgate.doctor()`: verdict and detail.
+async fn doctor_steps(conn: &mut sqlx::PgConnection) -> Vec<(String, String)> {
+    sqlx::query_as("SELECT verdict, detail FROM lockgate.doctor() WHERE check_name = 'queue_steps' ORDER BY detail")
+        .fetch_all(conn)
+        .await
+        .unwrap()
+}
+
+/// Issue 14 (docs/design.md §58): every queue has two generated enqueue steps, its table named
+/// in their INSERTs. An enqueue runs a step only as lockgate wrote it: one that is missing
+/// (dropped by hand), planted by another role under the step's name and arguments, or shadowed
+/// by an overload is not run; the enqueue inserts with a statement of its own instead, on each
+/// path (one job, many jobs, a job with options), and writes no step and takes no lock in the
+/// producer's transaction. `lockgate doctor` names each such step; the next migrate writes them
+/// again. The roles live in one transaction, rolled back.
+#[tokio::test]
+async fn an_enqueue_runs_only_its_queues_own_steps_and_enqueues_without_them() {
+    let (db, _client) = setup().await;
+    let steps = vec![
+        "_enqueue1_into_default(timestamp with time zone, jsonb, jsonb)".to_string(),
+        "_enqueue_into_default(timestamp with time zone, jsonb[], jsonb)".to_string(),
+    ];
+    assert_eq!(enqueue_steps(&db, "default").await, steps, "written with the queue");
+    let paths = [
+        ("SELECT count(*) FROM lockgate.enqueue('note', '{\"text\": \"one\"}')", 1),
+        ("SELECT count(*) FROM lockgate.enqueue_many('note', ARRAY['{\"text\": \"a\"}', '{\"text\": \"b\"}']::jsonb[])", 2),
+        ("SELECT count(*) FROM lockgate.enqueue('note', '{\"text\": \"later\"}', '{\"delay\": 60}')", 1),
+    ];
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    let mut expected = 0;
+    let enqueue_each = async |tx: &mut sqlx::PgConnection, expected: &mut i64, what: &str| {
+        for (path, jobs) in paths {
+            sqlx::query(path).execute(&mut *tx).await.expect(path);
+            *expected += jobs;
+            let queued: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM pgmq.q_default").fetch_one(&mut *tx).await.unwrap();
+            assert_eq!(queued, *expected, "{what}: {path} enqueued");
+        }
+    };
+    // Through the steps, so that this session has checked them and kept their oids.
+    enqueue_each(&mut tx, &mut expected, "as written").await;
+    // Missing.
+    sqlx::raw_sql(
+        "DROP FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb);
+         DROP FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb);",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    enqueue_each(&mut tx, &mut expected, "missing").await;
+    assert_eq!(
+        doctor_steps(&mut tx).await,
+        vec![
+            ("warn".to_string(), "queue default: lockgate._enqueue1_into_default is missing".to_string()),
+            ("warn".to_string(), "queue default: lockgate._enqueue_into_default is missing".to_string()),
+        ]
+    );
+    // Planted by another role, under the names and arguments of the steps; and an overload.
+    let other = format!("{}_other", db.name);
+    sqlx::raw_sql(&format!(
+        "CREATE ROLE {other} NOLOGIN; GRANT USAGE, CREATE ON SCHEMA lockgate TO {other};
+         SET LOCAL ROLE {other};
+         CREATE FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb)
+             RETURNS bigint LANGUAGE sql AS 'SELECT -1::bigint';
+         CREATE FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb)
+             RETURNS SETOF bigint LANGUAGE sql AS 'SELECT -1::bigint';
+         RESET ROLE;"
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    enqueue_each(&mut tx, &mut expected, "planted").await;
+    let doctor = doctor_steps(&mut tx).await;
+    assert!(
+        doctor.iter().all(|(verdict, detail)| verdict == "warn" && detail.contains(&format!("owned by {other}"))),
+        "{doctor:?}"
+    );
+    sqlx::raw_sql(
+        "DROP FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb);
+         DROP FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb);
+         SELECT lockgate._install_enqueue_steps('default');
+         CREATE FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb, integer DEFAULT 0)
+             RETURNS bigint LANGUAGE sql AS 'SELECT -1::bigint';
+         CREATE FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb, integer DEFAULT 0)
+             RETURNS SETOF bigint LANGUAGE sql AS 'SELECT -1::bigint';",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    enqueue_each(&mut tx, &mut expected, "overloaded").await;
+    let negative: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgmq.q_default WHERE msg_id < 0").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(negative, 0, "no planted function ran");
+    // What migrate does for every queue: the overloads go, the steps are lockgate's again.
+    sqlx::query("SELECT lockgate._install_enqueue_steps('default')").execute(&mut *tx).await.unwrap();
+    assert_eq!(doctor_steps(&mut tx).await.len(), 1);
+    assert_eq!(doctor_steps(&mut tx).await[0].0, "ok");
+    tx.rollback().await.unwrap();
+    assert_eq!(enqueue_steps(&db, "default").await, steps);
+}
+
+/// Bad input: a job enqueued for a queue that does not exist is refused with LG001 naming it,
+/// also when its key is full and it would otherwise wait parked for a queue that never comes.
+#[tokio::test]
+async fn a_limited_job_for_a_missing_queue_is_refused_even_when_it_would_park() {
+    let (db, _client) = setup().await;
+    sqlx::query("SELECT lockgate.define_job_type('solo', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('solo', '{}')").execute(&db.pool).await.unwrap();
+    let err = sqlx::query("SELECT * FROM lockgate.enqueue('solo', '{}', '{\"queue\": \"missing\"}')")
+        .execute(&db.pool)
+        .await
+        .expect_err("an unknown queue");
+    let err = DbError::from(err).to_string();
+    assert!(err.contains("queue \"missing\" does not exist"), "{err}");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 0, "nothing parked");
+}

@@ -99,10 +99,12 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "orphaned_leases",
         "parked_with_room",
         "stale_processes",
+        "queue_steps",
     ] {
         assert_eq!(named(&checks, name).len(), 1, "one {name} check: {checks:#?}");
     }
-    for name in ["schema", "clock", "sessions", "orphaned_leases", "parked_with_room", "stale_processes"] {
+    for name in ["schema", "clock", "sessions", "orphaned_leases", "parked_with_room", "stale_processes", "queue_steps"]
+    {
         assert_eq!(named(&checks, name)[0]["verdict"], "ok", "{checks:#?}");
     }
 
