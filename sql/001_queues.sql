@@ -35,14 +35,14 @@ $$;
 -- lock, so installing again costs nothing and disturbs no caller. A step to write is written
 -- under create_queue's advisory lock on the queue name: in place (CREATE OR REPLACE, keeping
 -- whatever depends on it) when it is the installer's own; dropped and created anew when it
--- belongs to anyone else (planted under the step's name before the queue existed: never kept,
--- and never run by lockgate; the drop fails rather than cascade). Then every other function
--- under the step's name (an overload with an extra defaulted argument would make the callers'
--- call ambiguous, and every call fail) and under the names in stale (an earlier revision's
--- steps) is dropped under the same lock; one that something depends on, or that the installer
--- may not drop (another role's, when the installer is no superuser), is kept, with a warning
--- naming it, rather than fail the install (a claim's or an enqueue's callers then find the
--- name ambiguous: the enqueue plans its INSERT instead, `lockgate doctor` names the queue).
+-- belongs to anyone else (planted under the step's name: never kept; the drop fails rather than
+-- cascade, and fails for an installer that may not drop it). Then every other function under
+-- the step's name (an overload with an extra defaulted argument would make the callers' call
+-- ambiguous) and under the names in stale (an earlier revision's steps) is dropped under the
+-- same lock; one that something depends on, or that the installer may not drop (another
+-- role's, when the installer is neither a superuser nor the schema's owner), is kept, with a
+-- warning naming it, rather than fail the install. Whatever is left, the callers run a step
+-- only once lockgate._trusted_step trusts it, and `lockgate doctor` names it (queue_steps).
 -- Runs as its caller: called by the SECURITY DEFINER installers, as the role that installed
 -- lockgate's functions, with every argument typed (so that no overload of this function another
 -- role adds is a better match); called directly by another role, it runs as that role.
@@ -99,6 +99,41 @@ BEGIN
     END IF;
 END $$;
 
+-- Whether lockgate.<step> is a generated step as lockgate writes it, for its caller to run: the
+-- one function under that name (to_regproc: NULL when there is none or more than one, 0.6 us),
+-- which the caller may execute, owned by the owner of the step's installer, with the argument
+-- types args. The owner and argument types are read from the catalog (a query, about 5 us) once
+-- per session and function; the function's oid is then kept in a session setting
+-- (lockgate.trusted<step>, e.g. lockgate.trusted_enqueue1_into_mail), and a later call that
+-- finds the same oid under the name needs only the lookup and the privilege check. A step
+-- dropped and made again, by anyone, has another oid and is checked again. What a kept oid does
+-- not see: a step its owner gives to another role (ALTER FUNCTION ... OWNER TO, REASSIGN OWNED),
+-- which that role may then rewrite, is trusted by the sessions that checked it before, until
+-- they end; give lockgate's functions to no other role. A setting is no secret: whoever can set
+-- one in a session could set its search_path as well, and shadow any built-in function lockgate
+-- calls there; the memo is against mistakes and other roles' functions, not against the
+-- session's own client. Each queue adds a setting or two to a session (PostgreSQL 15 sorts its
+-- settings as each is added: the first call per step costs 0.1 ms with a hundred queues, 0.3 ms
+-- with thousands). Callers: lockgate._enqueue_step, lockgate.claim.
+CREATE OR REPLACE FUNCTION lockgate._trusted_step(step text, args regtype[], installer regprocedure)
+RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    found oid := to_regproc(format('lockgate.%I', step));
+    memo text := 'lockgate.trusted' || step;
+    trusted boolean := found IS NOT NULL AND has_function_privilege(found, 'EXECUTE');
+BEGIN
+    IF trusted AND found::text IS DISTINCT FROM current_setting(memo, true) THEN
+        SELECT p.proowner = i.proowner AND p.proargtypes = array_to_string(args::oid[], ' ')::oidvector
+          INTO trusted
+          FROM pg_catalog.pg_proc p, pg_catalog.pg_proc i
+         WHERE p.oid = found AND i.oid = installer;
+        IF trusted THEN
+            PERFORM set_config(memo, found::text, false);
+        END IF;
+    END IF;
+    RETURN trusted;
+END $$;
+
 -- Creates a queue if it does not exist. Safe to run from many sessions at once (H21): the
 -- advisory lock serialises creators of the same name until commit. A queue whose row is already
 -- visible was created whole (its row is inserted in the transaction that creates everything
@@ -152,6 +187,7 @@ BEGIN
     INSERT INTO lockgate.queues (name) VALUES (queue) ON CONFLICT DO NOTHING;
     PERFORM lockgate._install_claim_steps(queue);
     PERFORM lockgate._install_enqueue_steps(queue);
+    PERFORM lockgate._install_complete_steps(queue);
 END $$;
 
 -- Pauses a queue: every claim skips it from the next statement on (running jobs finish, their

@@ -22,6 +22,21 @@
 -- its own that has no flush to wait for. The Rust Client does (docs/design.md section 50).
 -- Callers: the Rust Client, the CLI, SQL producers, triggers.
 
+-- The INSERT of an enqueue into the queue table tbl, with ($1 vt, $2 args, $3 headers),
+-- returning the msg_ids in the order of args: one job (args jsonb) when one, else many (args
+-- jsonb[]; only those that are JSON objects of at most 1 MiB, the caller raising for the first
+-- other one). The body of the queue's enqueue steps, and the statement an enqueue plans itself
+-- when it cannot trust them.
+CREATE OR REPLACE FUNCTION lockgate._enqueue_sql(tbl text, one boolean)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN one THEN format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id', tbl)
+                ELSE format('INSERT INTO %s (vt, message, headers)
+            SELECT $1, a.v, $3
+              FROM unnest($2) a(v)
+             WHERE jsonb_typeof(a.v) = ''object'' AND pg_column_size(a.v) <= 1048576
+            RETURNING msg_id', tbl) END
+$$;
+
 -- A queue's enqueue steps, generated with its table's name written in, as the claim step is
 -- (sql/020_claim.sql). lockgate._enqueue_into_<queue>(vt, args, headers) inserts one message
 -- per element of args that is a JSON object of at most 1 MiB, in the order of args, all visible
@@ -45,77 +60,34 @@ DECLARE
 BEGIN
     PERFORM lockgate._write_step(queue, '_enqueue_into_' || queue, 'timestamp with time zone, jsonb[], jsonb'::text,
         'RETURNS SETOF bigint LANGUAGE plpgsql'::text, NULL::text,
-        format($f$
-        BEGIN
-            RETURN QUERY
-            INSERT INTO %1$s (vt, message, headers)
-            SELECT $1, a.v, $3
-              FROM unnest($2) a(v)
-             WHERE jsonb_typeof(a.v) = 'object' AND pg_column_size(a.v) <= 1048576
-            RETURNING msg_id;
-        END $f$, tbl),
+        format(E'\n        BEGIN\n            RETURN QUERY %s;\n        END ', lockgate._enqueue_sql(tbl, false)),
         '{}'::text[]);
     PERFORM lockgate._write_step(queue, '_enqueue1_into_' || queue, 'timestamp with time zone, jsonb, jsonb'::text,
         'RETURNS bigint LANGUAGE plpgsql'::text, NULL::text,
-        format($f$
-        DECLARE
-            id bigint;
-        BEGIN
-            INSERT INTO %1$s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id INTO id;
-            RETURN id;
-        END $f$, tbl),
+        format(E'\n        DECLARE\n            id bigint;\n        BEGIN\n            %s INTO id;\n            RETURN id;\n        END ',
+               lockgate._enqueue_sql(tbl, true)),
         '{}'::text[]);
 END $$;
 
--- The statement that inserts an enqueue's messages into queue's table, with ($1 vt, $2 args,
--- $3 headers), returning their msg_ids in the order of args: one job (args jsonb) when one,
--- else many (args jsonb[]; only those that are JSON objects of at most 1 MiB). It calls the
--- queue's enqueue step when the step is as lockgate writes it: the one function under its
--- name, with its argument types, owned by the role that owns lockgate's installers, and one the
--- caller may run. Otherwise (dropped by hand, planted or overloaded by another role, its
--- EXECUTE revoked) it is the INSERT itself, planned at this call as before the steps existed:
--- an enqueue never runs another role's code, never fails for a step, and takes no lock and
--- writes no catalog row in the producer's transaction; `lockgate doctor` names the queue
--- (queue_steps) and the next migrate writes the steps again.
--- The name is looked up at every call (to_regproc: NULL when no function or more than one
--- bears it, 0.6 us), and the caller's EXECUTE privilege; the owner and argument types of the
--- function found are read from the catalog (a query, about 5 us) once per session and function,
--- its oid then kept in a session setting (lockgate.trusted_<step>): a function with that oid is
--- the one checked (only its owner could alter it), and a step dropped and made again, by anyone,
--- has another oid and is checked again. A setting is no secret: whoever can set one in a
--- session could set its search_path too, and shadow any function lockgate calls there; the
--- memo is against mistakes and other roles' functions, not against the session's own client.
--- LG001 for an unknown queue.
+-- The statement that inserts an enqueue's messages into queue's table (lockgate._enqueue_sql's
+-- parameters and result): the call of the queue's enqueue step when lockgate._trusted_step
+-- trusts it, else the INSERT itself, planned at this call as before the steps existed. So an
+-- enqueue never runs another role's code, never fails for a step (dropped by hand, planted or
+-- overloaded by another role, its EXECUTE revoked), and takes no lock and writes no catalog row
+-- in the producer's transaction; `lockgate doctor` names such a step (queue_steps) and the next
+-- migrate writes the steps again. LG001 for an unknown queue.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_step(queue text, one boolean)
 RETURNS text LANGUAGE plpgsql AS $$
 DECLARE
     step text := CASE WHEN one THEN '_enqueue1_into_' ELSE '_enqueue_into_' END || queue;
-    found oid := to_regproc(format('lockgate.%I', step));
-    memo text := 'lockgate.trusted' || step;
-    trusted boolean := found IS NOT NULL AND has_function_privilege(found, 'EXECUTE');
 BEGIN
-    IF trusted AND found::text IS DISTINCT FROM current_setting(memo, true) THEN
-        SELECT p.proowner = i.proowner
-               AND p.proargtypes = array_to_string(CASE WHEN one THEN '{timestamptz,jsonb,jsonb}'::regtype[]::oid[]
-                                                        ELSE '{timestamptz,jsonb[],jsonb}'::regtype[]::oid[] END,
-                                                   ' ')::oidvector
-          INTO trusted
-          FROM pg_catalog.pg_proc p, pg_catalog.pg_proc i
-         WHERE p.oid = found AND i.oid = 'lockgate._install_enqueue_steps(text)'::regprocedure;
-        IF trusted THEN
-            PERFORM set_config(memo, found::text, false);
-        END IF;
-    END IF;
-    IF trusted THEN
+    IF lockgate._trusted_step(step, CASE WHEN one THEN '{timestamptz,jsonb,jsonb}'::regtype[]
+                                         ELSE '{timestamptz,jsonb[],jsonb}'::regtype[] END,
+                              'lockgate._install_enqueue_steps(text)'::regprocedure) THEN
         RETURN CASE WHEN one THEN format('SELECT lockgate.%I($1, $2, $3)', step)
                     ELSE format('SELECT s.id FROM lockgate.%I($1, $2, $3) s(id)', step) END;
     END IF;
-    RETURN CASE WHEN one THEN format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id',
-                                     lockgate._queue_table(queue, 'q'))
-                ELSE format('INSERT INTO %s (vt, message, headers)
-                             SELECT $1, a.v, $3 FROM unnest($2) a(v)
-                              WHERE jsonb_typeof(a.v) = ''object'' AND pg_column_size(a.v) <= 1048576
-                             RETURNING msg_id', lockgate._queue_table(queue, 'q')) END;
+    RETURN lockgate._enqueue_sql(lockgate._queue_table(queue, 'q'), one);
 END $$;
 
 -- Refuses anything that is not a JSON object of at most 1 MiB (MAX_PAYLOAD_BYTES in Rust).
@@ -364,9 +336,9 @@ BEGIN
 END $$;
 
 -- One job, waking idle workers in the transaction when notify. The common case, an unlimited type
--- enqueued with no options, takes one function body:
--- the type's queue exists (job_types.queue references lockgate.queues), so its table name is
--- formatted directly; everything else goes through _resolve_options and _enqueue_one.
+-- enqueued with no options, takes one function body: the type's queue exists (job_types.queue
+-- references lockgate.queues), so it goes straight to the queue's one-job enqueue step
+-- (lockgate._enqueue_step); everything else goes through _resolve_options and _enqueue_one.
 CREATE OR REPLACE FUNCTION lockgate.enqueue(job_type text, args jsonb, options jsonb, notify boolean)
 RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
@@ -407,9 +379,10 @@ BEGIN
 END $$;
 
 -- Many jobs of one type sharing one options object, in one call; rows come back in the order
--- of args. Unlimited types without uniqueness or batch take one set-based INSERT, which checks
--- the arguments as it goes and raises for the first bad one afterwards (the raise undoes the
--- insert); its rows come back in insertion order, the order of args. Other types take each job
+-- of args. Unlimited types without uniqueness or batch take one set-based INSERT (the queue's
+-- enqueue step, lockgate._enqueue_step), which checks the arguments as it goes and raises for
+-- the first bad one afterwards (the raise undoes the insert); its rows come back in insertion
+-- order, the order of args. Other types take each job
 -- in key order — the unique key, then the concurrency key — so concurrent calls lock unique
 -- lock rows and semaphore rows in one order (a call with both kinds of key may still meet
 -- another in a deadlock, which PostgreSQL breaks by failing one call, undone as a whole).

@@ -190,10 +190,13 @@ BEGIN
     IF paused IS NOT NULL THEN
         RETURN;
     END IF;
-    -- Missing only for a queue whose table was made again behind lockgate's back (or whose
-    -- step someone dropped): written once, under create_queue's lock.
-    IF to_regprocedure(format('lockgate.%I(integer, double precision, bigint, timestamptz, integer, text)',
-                              '_claim_take_' || queue)) IS NULL THEN
+    -- A step that is not lockgate's (dropped by hand, or the queue's table was missing at the
+    -- last migrate; planted or overloaded by another role: lockgate._trusted_step) is written
+    -- again here, under create_queue's lock, before the claim runs it; an installer that may
+    -- not replace another role's function fails the claim rather than run that function.
+    IF NOT lockgate._trusted_step('_claim_take_' || queue,
+                                  '{integer,double precision,bigint,timestamptz,integer,text}'::regtype[],
+                                  'lockgate._install_claim_steps(text)'::regprocedure) THEN
         PERFORM lockgate._install_claim_steps(queue);
     END IF;
     FOR r IN EXECUTE take USING qty, vt_seconds, owner, at, start_now, queue

@@ -15,6 +15,63 @@
 -- message rows, their lease rows, then semaphore rows in key order, then unique lock rows, then
 -- batch membership rows, batch rows in id order. Callers: the completer, batching many
 -- deliveries of one queue.
+-- The statements of a completion on queue table tbl and its archive atbl, with ($1 msg_ids,
+-- $2 read_cts, $3 started_ids, $4 started_cts): the start records of the deliveries claimed
+-- ahead that have started (one), and the fenced archive, returning (archived msg_ids, those
+-- with a concurrency key, [msg_id, headers] of those with a unique key or a batch) (not one).
+-- The body of the queue's completion step, and the statements a completion plans itself when
+-- it cannot trust the step.
+CREATE OR REPLACE FUNCTION lockgate._complete_sql(tbl text, atbl text, starts boolean)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN starts THEN format(
+        'UPDATE %1$s m SET last_read_at = clock_timestamp()
+           FROM (SELECT x.msg_id FROM %1$s x JOIN unnest($3::bigint[], $4::integer[]) AS s(msg_id, read_ct)
+                     ON x.msg_id = s.msg_id AND x.read_ct = s.read_ct
+                  WHERE x.last_read_at IS NULL
+                  ORDER BY x.msg_id FOR UPDATE OF x) started
+          WHERE m.msg_id = started.msg_id', tbl)
+    ELSE format(
+        'WITH done AS (
+             DELETE FROM %1$s m
+              USING unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)
+              WHERE m.msg_id = d.msg_id AND m.read_ct = d.read_ct
+             RETURNING m.*),
+         ins AS (
+             INSERT INTO %2$s (msg_id, vt, read_ct, enqueued_at, last_read_at, message, headers)
+             SELECT msg_id, vt, read_ct, enqueued_at, last_read_at, message, headers FROM done
+             RETURNING msg_id, headers)
+         SELECT array_agg(msg_id), array_agg(msg_id) FILTER (WHERE headers ? ''ckey''),
+                jsonb_agg(jsonb_build_array(msg_id, headers)) FILTER (WHERE headers ?| ''{ukey,wkey,batch}'')
+           FROM ins', tbl, atbl) END
+$$;
+
+-- A queue's completion step, generated with its tables' names written in, as its claim and
+-- enqueue steps are (sql/020_claim.sql, sql/010_enqueue.sql; docs/design.md §58):
+-- lockgate._complete_into_<queue>(msg_ids, read_cts, started_ids, started_cts) records the starts
+-- and archives, as lockgate._complete_sql's statements, planned once per session instead of at
+-- every completion; one row (archived, limited, kept), none when msg_ids is empty. Hash and
+-- merge joins off, as in the claim step: the plan kept for the session may be the generic one,
+-- which knows no batch size. Written through lockgate._write_step by create_queue and, for every
+-- queue, each time the functions are installed (the end of this file). SECURITY DEFINER, with
+-- typed arguments in every call, for the reasons the other installers are. Locks: none when
+-- nothing changes; else the queue name's advisory lock, then catalog rows. Callers:
+-- create_queue, migrate.
+CREATE OR REPLACE FUNCTION lockgate._install_complete_steps(queue text)
+RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
+DECLARE
+    tbl text := lockgate._queue_table(queue, 'q'::text);
+    atbl text := lockgate._queue_table(queue, 'a'::text);
+BEGIN
+    PERFORM lockgate._write_step(queue, '_complete_into_' || queue, 'bigint[], integer[], bigint[], integer[]'::text,
+        'RETURNS TABLE (archived bigint[], limited bigint[], kept jsonb) LANGUAGE plpgsql
+             SET enable_hashjoin = off SET enable_mergejoin = off'::text,
+        '{enable_hashjoin=off,enable_mergejoin=off}'::text,
+        format(E'\n        BEGIN\n            IF cardinality($3) > 0 THEN\n                %s;\n            END IF;\n'
+               || E'            IF cardinality($1) > 0 THEN\n                RETURN QUERY %s;\n            END IF;\n        END ',
+               lockgate._complete_sql(tbl, atbl, true), lockgate._complete_sql(tbl, atbl, false)),
+        '{}'::text[]);
+END $$;
+
 CREATE OR REPLACE FUNCTION lockgate.complete(queue text, msg_ids bigint[], read_cts integer[],
                                              started_ids bigint[] DEFAULT NULL, started_cts integer[] DEFAULT NULL)
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$
@@ -28,36 +85,25 @@ DECLARE
     uniq_msgs bigint[];
     batched bigint[];
 BEGIN
-    IF cardinality(started_ids) > 0 THEN
-        EXECUTE format(
-            'UPDATE %1$s m SET last_read_at = clock_timestamp()
-               FROM (SELECT x.msg_id FROM %1$s x JOIN unnest($1::bigint[], $2::integer[]) AS s(msg_id, read_ct)
-                         ON x.msg_id = s.msg_id AND x.read_ct = s.read_ct
-                      WHERE x.last_read_at IS NULL
-                      ORDER BY x.msg_id FOR UPDATE OF x) started
-              WHERE m.msg_id = started.msg_id',
-            lockgate._queue_table(queue, 'q'))
-          USING started_ids, started_cts;
+    IF lockgate._trusted_step('_complete_into_' || queue, '{bigint[],integer[],bigint[],integer[]}'::regtype[],
+                              'lockgate._install_complete_steps(text)'::regprocedure) THEN
+        EXECUTE format('SELECT * FROM lockgate.%I($1, $2, $3, $4)', '_complete_into_' || queue)
+           INTO archived, limited, kept
+          USING msg_ids, read_cts, started_ids, started_cts;
+    ELSE
+        IF cardinality(started_ids) > 0 THEN
+            EXECUTE lockgate._complete_sql(lockgate._queue_table(queue, 'q'), NULL, true)
+              USING msg_ids, read_cts, started_ids, started_cts;
+        END IF;
+        IF cardinality(msg_ids) > 0 THEN
+            EXECUTE lockgate._complete_sql(lockgate._queue_table(queue, 'q'), lockgate._queue_table(queue, 'a'), false)
+               INTO archived, limited, kept
+              USING msg_ids, read_cts, started_ids, started_cts;
+        END IF;
     END IF;
-    IF cardinality(msg_ids) = 0 THEN
+    IF archived IS NULL THEN
         RETURN;
     END IF;
-    EXECUTE format(
-        'WITH done AS (
-             DELETE FROM %1$s m
-              USING unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)
-              WHERE m.msg_id = d.msg_id AND m.read_ct = d.read_ct
-             RETURNING m.*),
-         ins AS (
-             INSERT INTO %2$s (msg_id, vt, read_ct, enqueued_at, last_read_at, message, headers)
-             SELECT msg_id, vt, read_ct, enqueued_at, last_read_at, message, headers FROM done
-             RETURNING msg_id, headers)
-         SELECT array_agg(msg_id), array_agg(msg_id) FILTER (WHERE headers ? ''ckey''),
-                jsonb_agg(jsonb_build_array(msg_id, headers)) FILTER (WHERE headers ?| ''{ukey,wkey,batch}'')
-           FROM ins',
-        lockgate._queue_table(queue, 'q'), lockgate._queue_table(queue, 'a'))
-       INTO archived, limited, kept
-      USING msg_ids, read_cts;
     IF limited IS NOT NULL THEN
         PERFORM lockgate._release_leases(queue, limited);
     END IF;
@@ -76,3 +122,7 @@ BEGIN
     END IF;
     RETURN QUERY SELECT unnest(archived);
 END $$;
+
+-- Every queue's completion step, written again with each install of these functions (not for a
+-- queue whose table was dropped behind lockgate's back).
+SELECT lockgate._install_complete_steps(q) FROM lockgate._live_queues() q;

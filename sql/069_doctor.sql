@@ -272,42 +272,50 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- Queues whose generated steps (the claim step, sql/020_claim.sql; the enqueue steps,
--- sql/010_enqueue.sql) are not as lockgate writes them: missing (dropped by hand, or the queue's
+-- sql/010_enqueue.sql; the completion step, sql/040_complete.sql) are not as lockgate writes them: missing (dropped by hand, or the queue's
 -- table was missing at the last migrate), more than one function under a step's name (an
--- overload some role added), another owner than lockgate's installers' or other argument types.
--- Nothing is wrong meanwhile, only slower: an enqueue plans its INSERT at every call instead,
--- and a claim writes a missing claim step itself. One row per step, or one ok row.
+-- overload some role added), another owner than its installer's, or other argument types.
+-- Enqueues, completions and claims run no such step (lockgate._trusted_step): an enqueue or a
+-- completion plans its statements at every call instead (slower, never wrong), a claim writes
+-- its step again, or fails when its
+-- installer may not replace another role's function. Not seen here: a step whose EXECUTE a
+-- role lacks (that role's enqueues take the slower path; grant EXECUTE on the steps). One
+-- lookup by name per step; one row per step, or one ok row.
 CREATE OR REPLACE FUNCTION lockgate._doctor_steps()
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE sql STABLE AS $$
     WITH expected AS (
-        SELECT q.queue, s.prefix || q.queue AS name, s.args
+        SELECT q.queue, s.prefix || q.queue AS name, s.args, (SELECT x.proowner FROM pg_catalog.pg_proc x WHERE x.oid = s.installer) AS owner
           FROM lockgate._live_queues() q(queue)
-         CROSS JOIN (VALUES ('_claim_take_', '{integer,double precision,bigint,timestamptz,integer,text}'::regtype[]::oid[]),
-                            ('_enqueue_into_', '{timestamptz,jsonb[],jsonb}'::regtype[]::oid[]),
-                            ('_enqueue1_into_', '{timestamptz,jsonb,jsonb}'::regtype[]::oid[])) s(prefix, args)),
-    installer AS (
-        SELECT x.proowner FROM pg_catalog.pg_proc x WHERE x.oid = 'lockgate._install_enqueue_steps(text)'::regprocedure),
+         CROSS JOIN (VALUES ('_claim_take_', '{integer,double precision,bigint,timestamptz,integer,text}'::regtype[],
+                             'lockgate._install_claim_steps(text)'::regprocedure),
+                            ('_enqueue_into_', '{timestamptz,jsonb[],jsonb}'::regtype[],
+                             'lockgate._install_enqueue_steps(text)'::regprocedure),
+                            ('_enqueue1_into_', '{timestamptz,jsonb,jsonb}'::regtype[],
+                             'lockgate._install_enqueue_steps(text)'::regprocedure),
+                            ('_complete_into_', '{bigint[],integer[],bigint[],integer[]}'::regtype[],
+                             'lockgate._install_complete_steps(text)'::regprocedure)) s(prefix, args, installer)),
     wrong AS (
         SELECT e.queue, e.name,
-               CASE WHEN count(p.oid) = 0 THEN 'missing'
-                    WHEN count(p.oid) > 1 THEN format('one of %s functions under its name', count(p.oid))
-                    WHEN bool_and(p.proowner <> (SELECT i.proowner FROM installer i))
-                        THEN format('owned by %s, not by lockgate''s installer %s', string_agg(p.proowner::regrole::text, ''),
-                                    (SELECT i.proowner::regrole::text FROM installer i))
-                    WHEN bool_and(p.proargtypes <> array_to_string(e.args, ' ')::oidvector)
-                        THEN format('of other arguments (%s)', string_agg(pg_get_function_identity_arguments(p.oid), ''))
+               CASE WHEN f.n = 0 THEN 'missing'
+                    WHEN f.n > 1 THEN format('one of %s functions under its name', f.n)
+                    WHEN f.owner <> e.owner
+                        THEN format('owned by %s, not by its installer''s owner %s', f.owner::regrole, e.owner::regrole)
+                    WHEN f.argtypes <> array_to_string(e.args::oid[], ' ')::oidvector
+                        THEN format('of other arguments (%s)', oidvectortypes(f.argtypes))
                END AS why
           FROM expected e
-          LEFT JOIN pg_catalog.pg_proc p ON p.proname = e.name::name AND p.pronamespace = 'lockgate'::regnamespace
-         GROUP BY e.queue, e.name, e.args)
+         CROSS JOIN LATERAL (SELECT count(*) AS n, min(p.proowner::bigint)::oid AS owner,
+                                    min(p.proargtypes::text)::oidvector AS argtypes
+                               FROM pg_catalog.pg_proc p
+                              WHERE p.proname = e.name::name AND p.pronamespace = 'lockgate'::regnamespace) f)
     SELECT 'queue_steps', 'warn', format('queue %s: lockgate.%s is %s', w.queue, w.name, w.why),
-           'run lockgate migrate, which writes every queue''s steps again; until then the queue works, more slowly '
-           '(its enqueues plan their INSERT at every call). A function under a step''s name that another role '
-           'owns is dropped by that role or a superuser first'
+           'run lockgate migrate as the role that installed lockgate (or a superuser), which writes every queue''s '
+           'steps again and drops other functions under their names; until then the queue''s enqueues and '
+           'completions plan their statements at every call, and its claims write the claim step again'
       FROM wrong w WHERE w.why IS NOT NULL
     UNION ALL
-    SELECT 'queue_steps', 'ok', format('%s queue(s), each with its claim and enqueue steps as lockgate writes them',
+    SELECT 'queue_steps', 'ok', format('%s queue(s), each with its claim, enqueue and completion steps as lockgate writes them',
                                        (SELECT count(*) FROM lockgate._live_queues())), NULL
      WHERE NOT EXISTS (SELECT 1 FROM wrong w WHERE w.why IS NOT NULL)
 $$;

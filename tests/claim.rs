@@ -299,10 +299,11 @@ async fn queue_steps_belong_to_the_installer_whoever_creates_the_queue() {
         sqlx::query_scalar("SELECT count(*) FROM lockgate.claim('planted', 10, 30)").fetch_one(&mut *tx).await.unwrap();
     assert_eq!(claimed, 1, "the app role claims through the steps");
     sqlx::query("RESET ROLE").execute(&mut *tx).await.unwrap();
-    let expected: Vec<(String, String)> = ["_claim_take_planted", "_enqueue1_into_planted", "_enqueue_into_planted"]
-        .iter()
-        .map(|step| (step.to_string(), installer.clone()))
-        .collect();
+    let expected: Vec<(String, String)> =
+        ["_claim_take_planted", "_complete_into_planted", "_enqueue1_into_planted", "_enqueue_into_planted"]
+            .iter()
+            .map(|step| (step.to_string(), installer.clone()))
+            .collect();
     assert_eq!(
         step_owners(&mut tx, "planted").await,
         expected,
@@ -350,6 +351,29 @@ async fn queue_steps_belong_to_the_installer_whoever_creates_the_queue() {
         .await
         .unwrap();
     assert!(!strict, "the altered step is written again as lockgate's");
+    // The step dropped after the queue exists, and another one planted in its place by the
+    // other role: the app role's claim does not run it; it writes the step again and claims.
+    sqlx::raw_sql(&format!(
+        "DROP VIEW pinned;
+         DROP FUNCTION lockgate._claim_take_planted(integer, double precision, bigint, timestamptz, integer, text);
+         SET LOCAL ROLE {other};
+         CREATE FUNCTION lockgate._claim_take_planted(integer, double precision, bigint, timestamptz, integer, text)
+             RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
+                            vt timestamptz, ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)
+             LANGUAGE sql AS 'SELECT -1::bigint, 1, now(), ''{{}}''::jsonb, ''{{\"type\": \"app_job\"}}''::jsonb, now(),
+                                     false, false, false, NULL::timestamptz';
+         SET LOCAL ROLE {app};
+         SELECT * FROM lockgate.enqueue('app_job', '{{}}');"
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let ids: Vec<i64> =
+        sqlx::query_scalar("SELECT msg_id FROM lockgate.claim('planted', 10, 30)").fetch_all(&mut *tx).await.unwrap();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert!(ids[0] > 0, "the planted step did not run: {ids:?}");
+    sqlx::query("RESET ROLE").execute(&mut *tx).await.unwrap();
+    assert_eq!(step_owners(&mut tx, "planted").await, expected, "the step is the installer's again");
     tx.rollback().await.unwrap();
 }
 
@@ -405,8 +429,9 @@ async fn installing_the_functions_drops_the_claim_steps_of_earlier_revisions() {
     );
     let claimed = claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.unwrap();
     assert_eq!(claimed.len(), 1, "the queue claims through it");
-    // An overload planted under the step's name, its extra argument defaulted: the claim's call
-    // is ambiguous until the next install drops it.
+    // An overload planted under the step's name, its extra argument defaulted, would make the
+    // claim's call ambiguous: the claim finds the step untrusted, writes it again (dropping the
+    // overload) and claims.
     sqlx::raw_sql(
         "CREATE FUNCTION lockgate._claim_take_claims(integer, double precision, bigint, timestamptz, integer, text,
                                                      integer DEFAULT 0)
@@ -415,10 +440,10 @@ async fn installing_the_functions_drops_the_claim_steps_of_earlier_revisions() {
     .execute(&db.pool)
     .await
     .unwrap();
-    assert!(claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.is_err());
-    sqlx::query("SELECT lockgate._install_claim_steps('claims')").execute(&db.pool).await.unwrap();
+    enqueue(&client, 1, &EnqueueOptions::default()).await;
+    let claimed = claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(claimed.len(), 1, "the claim repaired its step and claimed");
     assert_eq!(steps("claims").await, vec![step.to_string()], "the overload is gone");
-    claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.unwrap();
 }
 
 /// A queue's claim and enqueue steps, and a probe left from an earlier revision, and their
@@ -427,7 +452,8 @@ async fn step_owners(conn: &mut sqlx::PgConnection, queue: &str) -> Vec<(String,
     sqlx::query_as(
         "SELECT proname::text, proowner::regrole::text FROM pg_proc
           WHERE pronamespace = 'lockgate'::regnamespace
-            AND proname IN ('_claim_probe_' || $1, '_claim_take_' || $1, '_enqueue1_into_' || $1, '_enqueue_into_' || $1)
+            AND proname IN ('_claim_probe_' || $1, '_claim_take_' || $1, '_enqueue1_into_' || $1, '_enqueue_into_' || $1,
+                            '_complete_into_' || $1)
           ORDER BY 1",
     )
     .bind(queue)
@@ -448,20 +474,20 @@ async fn no_lockgate_function_but_a_queues_step_starts_with_a_step_prefix() {
     let strays: Vec<String> = sqlx::query_scalar(
         "SELECT p.proname::text FROM pg_proc p
           WHERE p.pronamespace = 'lockgate'::regnamespace
-            AND p.proname ~ '^_(claim_take|enqueue_into|enqueue1_into)_'
+            AND p.proname ~ '^_(claim_take|enqueue_into|enqueue1_into|complete_into)_'
             AND NOT EXISTS (SELECT 1 FROM lockgate.queues q
                              WHERE p.proname IN ('_claim_take_' || q.name, '_enqueue_into_' || q.name,
-                                                 '_enqueue1_into_' || q.name))",
+                                                 '_enqueue1_into_' || q.name, '_complete_into_' || q.name))",
     )
     .fetch_all(&db.pool)
     .await
     .unwrap();
     assert_eq!(strays, Vec::<String>::new(), "functions under a step prefix that are no queue's step");
     let steps: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_proc WHERE pronamespace = 'lockgate'::regnamespace AND proname ~ '^_(claim_take|enqueue_into|enqueue1_into)_one$'",
+        "SELECT count(*) FROM pg_proc WHERE pronamespace = 'lockgate'::regnamespace AND proname ~ '^_(claim_take|enqueue_into|enqueue1_into|complete_into)_one$'",
     )
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!(steps, 3, "the queue's three steps are there, so the query sees them");
+    assert_eq!(steps, 4, "the queue's four steps are there, so the query sees them");
 }

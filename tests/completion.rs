@@ -150,3 +150,67 @@ async fn h18_a_completion_stalled_by_a_database_blip_lands_once_the_database_is_
     let read_ct: i32 = sqlx::query_scalar("SELECT read_ct FROM pgmq.a_default").fetch_one(&db.pool).await.unwrap();
     assert_eq!(read_ct, 1);
 }
+
+/// Issue 14 (docs/design.md §58): a completion runs the queue's completion step only as lockgate
+/// wrote it. With the step dropped and another role's function planted under its name and
+/// arguments, the completion plans its own statements: a stale delivery still archives nothing
+/// (G2), the current one archives, the start of a delivery claimed ahead is recorded, and the
+/// planted function never runs. The role lives in one transaction, rolled back.
+#[tokio::test]
+async fn g2_a_completion_runs_no_completion_step_but_lockgates() {
+    let db = TestDb::migrated().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    client.define::<Noop>().await.unwrap();
+    client.enqueue_many(&[Noop {}, Noop {}]).await.unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    let claimed: Vec<(i64, i32)> =
+        sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 2, 30, NULL, 1) ORDER BY msg_id")
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+    let ((done, done_ct), (ahead, ahead_ct)) = (claimed[0], claimed[1]);
+    let other = format!("{}_other", db.name);
+    sqlx::raw_sql(&format!(
+        "DROP FUNCTION lockgate._complete_into_default(bigint[], integer[], bigint[], integer[]);
+         CREATE ROLE {other} NOLOGIN; GRANT USAGE, CREATE ON SCHEMA lockgate TO {other};
+         CREATE TABLE public.planted_ran (n integer); GRANT INSERT ON public.planted_ran TO PUBLIC;
+         SET LOCAL ROLE {other};
+         CREATE FUNCTION lockgate._complete_into_default(bigint[], integer[], bigint[], integer[])
+             RETURNS TABLE (archived bigint[], limited bigint[], kept jsonb)
+             LANGUAGE sql AS 'INSERT INTO public.planted_ran VALUES (1) RETURNING ARRAY[-1::bigint], NULL::bigint[], NULL::jsonb';
+         RESET ROLE;"
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let complete = "SELECT c FROM lockgate.complete('default', ARRAY[$1]::bigint[], ARRAY[$2]::integer[],
+                                                   ARRAY[$3]::bigint[], ARRAY[$4]::integer[]) c";
+    let stale: Vec<i64> = sqlx::query_scalar(complete)
+        .bind(done)
+        .bind(done_ct + 1)
+        .bind(ahead)
+        .bind(ahead_ct)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(stale, Vec::<i64>::new(), "a stale delivery archives nothing");
+    let archived: Vec<i64> = sqlx::query_scalar(complete)
+        .bind(done)
+        .bind(done_ct)
+        .bind(ahead)
+        .bind(ahead_ct)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(archived, vec![done], "the current delivery archives");
+    let started: bool = sqlx::query_scalar("SELECT last_read_at IS NOT NULL FROM pgmq.q_default WHERE msg_id = $1")
+        .bind(ahead)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert!(started, "the start of the delivery claimed ahead is recorded");
+    let ran: i64 = sqlx::query_scalar("SELECT count(*) FROM public.planted_ran").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(ran, 0, "the planted function never ran");
+    tx.rollback().await.unwrap();
+}
