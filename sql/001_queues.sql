@@ -30,7 +30,8 @@ $$;
 
 -- Writes one of a queue's generated steps (lockgate.<name>(<args>), a PL/pgSQL function with
 -- the queue's table named in its body, so that its statements are planned once per session:
--- the claim step, sql/020_claim.sql; the enqueue steps, sql/010_enqueue.sql). Idempotent: a step
+-- the claim step, sql/020_claim.sql; the enqueue steps, sql/010_enqueue.sql; the completion
+-- step, sql/040_complete.sql). Idempotent: a step
 -- that exists as it would be written (same body, settings and owner) is left alone, without a
 -- lock, so installing again costs nothing and disturbs no caller. A step to write is written
 -- under create_queue's advisory lock on the queue name: in place (CREATE OR REPLACE, keeping
@@ -47,7 +48,8 @@ $$;
 -- lockgate's functions, with every argument typed (so that no overload of this function another
 -- role adds is a better match); called directly by another role, it runs as that role.
 -- Locks: none when nothing changes; else the queue name's advisory lock, then catalog rows.
--- Callers: lockgate._install_claim_steps, lockgate._install_enqueue_steps (SECURITY DEFINER).
+-- Callers: lockgate._install_claim_steps, lockgate._install_enqueue_steps,
+-- lockgate._install_complete_steps (SECURITY DEFINER).
 CREATE OR REPLACE FUNCTION lockgate._write_step(queue text, name text, args text, head text, config text, body text,
                                                 stale text[])
 RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
@@ -74,7 +76,14 @@ BEGIN
             CONTINUE;
         END IF;
         IF found.oid IS NOT NULL AND NOT found.ours THEN
-            EXECUTE format('DROP FUNCTION lockgate.%I(%s)', name, args);
+            BEGIN
+                EXECUTE format('DROP FUNCTION lockgate.%I(%s)', name, args);
+            EXCEPTION WHEN insufficient_privilege THEN
+                RAISE EXCEPTION 'lockgate: lockgate.%(%) belongs to role %, and % may not replace it', name, args,
+                                pg_get_userbyid((SELECT p.proowner FROM pg_proc p WHERE p.oid = found.oid)), current_user
+                    USING ERRCODE = 'insufficient_privilege',
+                          HINT = 'drop it as its owner or a superuser, then run lockgate migrate; lockgate runs no step it did not write';
+            END;
         END IF;
         EXECUTE format('CREATE OR REPLACE FUNCTION lockgate.%I(%s) %s AS %L', name, args, head, body);
     END LOOP;
@@ -100,25 +109,31 @@ BEGIN
 END $$;
 
 -- Whether lockgate.<step> is a generated step as lockgate writes it, for its caller to run: the
--- one function under that name (to_regproc: NULL when there is none or more than one, 0.6 us),
--- which the caller may execute, owned by the owner of the step's installer, with the argument
--- types args. The owner and argument types are read from the catalog (a query, about 5 us) once
--- per session and function; the function's oid is then kept in a session setting
--- (lockgate.trusted<step>, e.g. lockgate.trusted_enqueue1_into_mail), and a later call that
--- finds the same oid under the name needs only the lookup and the privilege check. A step
--- dropped and made again, by anyone, has another oid and is checked again. What a kept oid does
--- not see: a step its owner gives to another role (ALTER FUNCTION ... OWNER TO, REASSIGN OWNED),
--- which that role may then rewrite, is trusted by the sessions that checked it before, until
--- they end; give lockgate's functions to no other role. A setting is no secret: whoever can set
--- one in a session could set its search_path as well, and shadow any built-in function lockgate
--- calls there; the memo is against mistakes and other roles' functions, not against the
--- session's own client. Each queue adds a setting or two to a session (PostgreSQL 15 sorts its
--- settings as each is added: the first call per step costs 0.1 ms with a hundred queues, 0.3 ms
--- with thousands). Callers: lockgate._enqueue_step, lockgate.claim.
-CREATE OR REPLACE FUNCTION lockgate._trusted_step(step text, args regtype[], installer regprocedure)
+-- function under that name with the argument types args — when alone, the one function under
+-- that name (to_regproc, 0.6 us: NULL when there is none or more than one, so that a caller
+-- that falls back never meets an ambiguous call); otherwise the one of that signature
+-- (to_regprocedure, 2 us: other overloads, which the caller's call does not match, do not
+-- matter) — which the caller may execute, owned by the owner of the step's installer. The owner
+-- and argument types are read from the catalog (a query, about 5 us) once per session and
+-- function; the function's oid is then kept in a session setting (lockgate.trusted<step>, e.g.
+-- lockgate.trusted_enqueue1_into_mail), and a later call that finds the same oid needs only the
+-- lookup and the privilege check. A step dropped and made again, by anyone, has another oid and
+-- is checked again. What a kept oid does not see: a step its owner gives to another role (ALTER
+-- FUNCTION ... OWNER TO, REASSIGN OWNED), which that role may then rewrite, is trusted by the
+-- sessions that checked it before, until they end; give lockgate's functions to no other role.
+-- A setting is no secret: whoever can set one in a session could set its search_path as well,
+-- and shadow any built-in function lockgate calls there; the memo is against mistakes and other
+-- roles' functions, not against the session's own client. Each step adds a setting to a
+-- session (PostgreSQL 15 sorts its settings as each is added: the first call per step costs
+-- 0.1 ms with a hundred queues, 0.3 ms with thousands). Callers: lockgate._enqueue_step and
+-- lockgate.complete (alone), lockgate.claim (by signature: it writes its step again when it
+-- finds none it trusts, and an overload it cannot drop must not make it do so at every claim).
+CREATE OR REPLACE FUNCTION lockgate._trusted_step(step text, args regtype[], installer regprocedure,
+                                                   alone boolean DEFAULT true)
 RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
-    found oid := to_regproc(format('lockgate.%I', step));
+    found oid := CASE WHEN alone THEN to_regproc(format('lockgate.%I', step))
+                      ELSE to_regprocedure(format('lockgate.%I(%s)', step, array_to_string(args, ', '))) END;
     memo text := 'lockgate.trusted' || step;
     trusted boolean := found IS NOT NULL AND has_function_privilege(found, 'EXECUTE');
 BEGIN

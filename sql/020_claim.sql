@@ -191,12 +191,14 @@ BEGIN
         RETURN;
     END IF;
     -- A step that is not lockgate's (dropped by hand, or the queue's table was missing at the
-    -- last migrate; planted or overloaded by another role: lockgate._trusted_step) is written
+    -- last migrate; planted by another role: lockgate._trusted_step, by signature) is written
     -- again here, under create_queue's lock, before the claim runs it; an installer that may
-    -- not replace another role's function fails the claim rather than run that function.
+    -- not replace another role's function fails the claim, naming it, rather than run it. An
+    -- overload beside the step is left to the next install (one with an extra defaulted
+    -- argument makes the claim's call ambiguous until then, as before).
     IF NOT lockgate._trusted_step('_claim_take_' || queue,
                                   '{integer,double precision,bigint,timestamptz,integer,text}'::regtype[],
-                                  'lockgate._install_claim_steps(text)'::regprocedure) THEN
+                                  'lockgate._install_claim_steps(text)'::regprocedure, false) THEN
         PERFORM lockgate._install_claim_steps(queue);
     END IF;
     FOR r IN EXECUTE take USING qty, vt_seconds, owner, at, start_now, queue

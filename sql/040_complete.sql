@@ -1,20 +1,6 @@
--- Completion: the fenced archive of finished deliveries. A delivery is archived only where its
--- (msg_id, read_ct) still matches, so a stale delivery can never archive a message that a newer
--- delivery owns (PGMQ's own archive matches msg_id alone). In the same transaction, and only for
--- the rows this statement archived, the jobs' leases are deleted, their permits given back and
--- the next parked jobs promoted (G2, H1, H6, H7), their uniqueness locks released (H14) and
--- their batches counted, finishing a batch whose last job this is (H22). Returns the msg_ids
--- this call archived; the caller reports every other one as AlreadyArchived (or Ambiguous on a
--- retry after a broken commit).
---
--- started_ids/started_cts: deliveries claimed ahead that have started since (H32): their start
--- is recorded (last_read_at, NULL until then), fenced on (msg_id, read_ct), so their run counts
--- as an attempt even if their worker dies. Riding on the completions' statement, a start costs
--- no commit of its own while jobs finish, and a HOT update (last_read_at is in no index).
--- Locks: the started message rows in msg_id order (as a release locks its rows), the deleted
--- message rows, their lease rows, then semaphore rows in key order, then unique lock rows, then
--- batch membership rows, batch rows in id order. Callers: the completer, batching many
--- deliveries of one queue.
+-- Completion: the fenced archive of finished deliveries (lockgate.complete, below), through
+-- each queue's generated completion step.
+
 -- The statements of a completion on queue table tbl and its archive atbl, with ($1 msg_ids,
 -- $2 read_cts, $3 started_ids, $4 started_cts): the start records of the deliveries claimed
 -- ahead that have started (one), and the fenced archive, returning (archived msg_ids, those
@@ -49,9 +35,13 @@ $$;
 -- enqueue steps are (sql/020_claim.sql, sql/010_enqueue.sql; docs/design.md §58):
 -- lockgate._complete_into_<queue>(msg_ids, read_cts, started_ids, started_cts) records the starts
 -- and archives, as lockgate._complete_sql's statements, planned once per session instead of at
--- every completion; one row (archived, limited, kept), none when msg_ids is empty. Hash and
--- merge joins off, as in the claim step: the plan kept for the session may be the generic one,
--- which knows no batch size. Written through lockgate._write_step by create_queue and, for every
+-- every completion; one row (archived, limited, kept), none when msg_ids is empty. The plan is
+-- the generic one, always (left to choose, PL/pgSQL planned a batch of a few jobs again at every
+-- call, its custom plan looking cheaper), with sequential scans and hash and merge joins off: a
+-- generic plan made while the queue was small and freshly analysed joined the ids to a
+-- sequential scan of the table, and kept doing so once the queue held 200,000 jobs (50-90 ms a
+-- completion of one job, review). Index lookups by msg_id are what a completion needs at any
+-- size. Written through lockgate._write_step by create_queue and, for every
 -- queue, each time the functions are installed (the end of this file). SECURITY DEFINER, with
 -- typed arguments in every call, for the reasons the other installers are. Locks: none when
 -- nothing changes; else the queue name's advisory lock, then catalog rows. Callers:
@@ -64,14 +54,32 @@ DECLARE
 BEGIN
     PERFORM lockgate._write_step(queue, '_complete_into_' || queue, 'bigint[], integer[], bigint[], integer[]'::text,
         'RETURNS TABLE (archived bigint[], limited bigint[], kept jsonb) LANGUAGE plpgsql
+             SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
              SET enable_hashjoin = off SET enable_mergejoin = off'::text,
-        '{enable_hashjoin=off,enable_mergejoin=off}'::text,
+        '{plan_cache_mode=force_generic_plan,enable_seqscan=off,enable_hashjoin=off,enable_mergejoin=off}'::text,
         format(E'\n        BEGIN\n            IF cardinality($3) > 0 THEN\n                %s;\n            END IF;\n'
                || E'            IF cardinality($1) > 0 THEN\n                RETURN QUERY %s;\n            END IF;\n        END ',
                lockgate._complete_sql(tbl, atbl, true), lockgate._complete_sql(tbl, atbl, false)),
         '{}'::text[]);
 END $$;
 
+-- Completes deliveries: the fenced archive of finished ones. A delivery is archived only where its
+-- (msg_id, read_ct) still matches, so a stale delivery can never archive a message that a newer
+-- delivery owns (PGMQ's own archive matches msg_id alone). In the same transaction, and only for
+-- the rows this statement archived, the jobs' leases are deleted, their permits given back and
+-- the next parked jobs promoted (G2, H1, H6, H7), their uniqueness locks released (H14) and
+-- their batches counted, finishing a batch whose last job this is (H22). Returns the msg_ids
+-- this call archived; the caller reports every other one as AlreadyArchived (or Ambiguous on a
+-- retry after a broken commit).
+--
+-- started_ids/started_cts: deliveries claimed ahead that have started since (H32): their start
+-- is recorded (last_read_at, NULL until then), fenced on (msg_id, read_ct), so their run counts
+-- as an attempt even if their worker dies. Riding on the completions' statement, a start costs
+-- no commit of its own while jobs finish, and a HOT update (last_read_at is in no index).
+-- Locks: the started message rows in msg_id order (as a release locks its rows), the deleted
+-- message rows, their lease rows, then semaphore rows in key order, then unique lock rows, then
+-- batch membership rows, batch rows in id order. Callers: the completer, batching many
+-- deliveries of one queue.
 CREATE OR REPLACE FUNCTION lockgate.complete(queue text, msg_ids bigint[], read_cts integer[],
                                              started_ids bigint[] DEFAULT NULL, started_cts integer[] DEFAULT NULL)
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$

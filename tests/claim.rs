@@ -429,9 +429,9 @@ async fn installing_the_functions_drops_the_claim_steps_of_earlier_revisions() {
     );
     let claimed = claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.unwrap();
     assert_eq!(claimed.len(), 1, "the queue claims through it");
-    // An overload planted under the step's name, its extra argument defaulted, would make the
-    // claim's call ambiguous: the claim finds the step untrusted, writes it again (dropping the
-    // overload) and claims.
+    // An overload planted under the step's name, its extra argument defaulted: the claim's call
+    // is ambiguous until the next install drops it (the claim trusts its step by signature, and
+    // does not write it again for an overload beside it).
     sqlx::raw_sql(
         "CREATE FUNCTION lockgate._claim_take_claims(integer, double precision, bigint, timestamptz, integer, text,
                                                      integer DEFAULT 0)
@@ -440,10 +440,10 @@ async fn installing_the_functions_drops_the_claim_steps_of_earlier_revisions() {
     .execute(&db.pool)
     .await
     .unwrap();
-    enqueue(&client, 1, &EnqueueOptions::default()).await;
-    let claimed = claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.unwrap();
-    assert_eq!(claimed.len(), 1, "the claim repaired its step and claimed");
+    assert!(claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.is_err());
+    sqlx::query("SELECT lockgate._install_claim_steps('claims')").execute(&db.pool).await.unwrap();
     assert_eq!(steps("claims").await, vec![step.to_string()], "the overload is gone");
+    claim(&db.pool, &common::queue("claims"), 10, Duration::from_secs(30)).await.unwrap();
 }
 
 /// A queue's claim and enqueue steps, and a probe left from an earlier revision, and their
@@ -490,4 +490,36 @@ async fn no_lockgate_function_but_a_queues_step_starts_with_a_step_prefix() {
     .await
     .unwrap();
     assert_eq!(steps, 4, "the queue's four steps are there, so the query sees them");
+}
+
+/// Issue 14 (docs/design.md §58, from a review): a function beside a queue's claim step under its
+/// name, which the install may not drop (a view depends on it), does not make every claim write
+/// the step again: a claim trusts its step by signature, so it takes no lock on the queue's name
+/// and a second claim does not wait for the first one's transaction.
+#[tokio::test]
+async fn an_overload_beside_the_claim_step_makes_no_claim_wait_for_another() {
+    let (db, client) = setup().await;
+    enqueue(&client, 2, &EnqueueOptions::default()).await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION lockgate._claim_take_claims(integer) RETURNS integer LANGUAGE sql AS 'SELECT 1';
+         CREATE VIEW public.on_overload AS SELECT lockgate._claim_take_claims(1);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut first = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url).await.unwrap();
+    let mut holding = sqlx::Connection::begin(&mut first).await.unwrap();
+    let one: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.claim('claims', 1, 30)")
+        .fetch_one(&mut *holding)
+        .await
+        .unwrap();
+    assert_eq!(one, 1);
+    let mut second = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url).await.unwrap();
+    sqlx::query("SET lock_timeout = '2s'").execute(&mut second).await.unwrap();
+    let other: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.claim('claims', 1, 30)")
+        .fetch_one(&mut second)
+        .await
+        .expect("the second claim waits for no lock the first one holds");
+    assert_eq!(other, 1);
+    holding.rollback().await.unwrap();
 }

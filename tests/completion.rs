@@ -214,3 +214,48 @@ async fn g2_a_completion_runs_no_completion_step_but_lockgates() {
     assert_eq!(ran, 0, "the planted function never ran");
     tx.rollback().await.unwrap();
 }
+
+/// Issue 14 (docs/design.md §58, from a review): a queue's completion step keeps one plan for
+/// its session, so that plan must suit the queue at any size. One made while the queue was small
+/// and freshly analysed joined the completed ids to a sequential scan of the queue table, and
+/// kept doing so once the queue held 200,000 jobs (tens of milliseconds for a completion of one
+/// job). A session completes ten times on a small analysed queue; another fills the queue; the
+/// first session's next completion reads the queue table by index only: no sequential scan in
+/// its transaction.
+#[tokio::test]
+async fn a_completion_plan_made_on_a_small_queue_scans_no_table() {
+    let db = TestDb::migrated().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    client.define::<Noop>().await.unwrap();
+    client.enqueue_many(&(0..40).map(|_| Noop {}).collect::<Vec<_>>()).await.unwrap();
+    sqlx::query("VACUUM ANALYZE pgmq.q_default").execute(&db.pool).await.unwrap();
+    let mut completer = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url).await.unwrap();
+    let claim_some = "SELECT msg_id, read_ct FROM lockgate.claim('default', $1, 30, NULL, $2) ORDER BY msg_id";
+    let complete = "SELECT count(*) FROM lockgate.complete('default', $1, $2, $3, $4)";
+    let mut round = async |conn: &mut sqlx::PgConnection, n: i32| -> i64 {
+        let got: Vec<(i64, i32)> = sqlx::query_as(claim_some).bind(2 * n).bind(n).fetch_all(&db.pool).await.unwrap();
+        let (done, ahead) = got.split_at(got.len().min(n as usize));
+        let ids = |d: &[(i64, i32)]| d.iter().map(|x| x.0).collect::<Vec<_>>();
+        let cts = |d: &[(i64, i32)]| d.iter().map(|x| x.1).collect::<Vec<_>>();
+        sqlx::query_scalar(complete)
+            .bind(ids(done))
+            .bind(cts(done))
+            .bind(ids(ahead))
+            .bind(cts(ahead))
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap()
+    };
+    for _ in 0..10 {
+        round(&mut completer, 1).await;
+    }
+    client.enqueue_many(&(0..5000).map(|_| Noop {}).collect::<Vec<_>>()).await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut completer).await.unwrap();
+    assert_eq!(round(&mut tx, 1).await, 1, "the completion archives its job");
+    let scans: i64 = sqlx::query_scalar("SELECT pg_stat_get_xact_numscans('pgmq.q_default'::regclass)")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(scans, 0, "the completion read the queue table by index only");
+    tx.commit().await.unwrap();
+}
