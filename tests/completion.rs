@@ -232,7 +232,7 @@ async fn a_completion_plan_made_on_a_small_queue_scans_no_table() {
     let mut completer = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url).await.unwrap();
     let claim_some = "SELECT msg_id, read_ct FROM lockgate.claim('default', $1, 30, NULL, $2) ORDER BY msg_id";
     let complete = "SELECT count(*) FROM lockgate.complete('default', $1, $2, $3, $4)";
-    let mut round = async |conn: &mut sqlx::PgConnection, n: i32| -> i64 {
+    let round = async |conn: &mut sqlx::PgConnection, n: i32| -> i64 {
         let got: Vec<(i64, i32)> = sqlx::query_as(claim_some).bind(2 * n).bind(n).fetch_all(&db.pool).await.unwrap();
         let (done, ahead) = got.split_at(got.len().min(n as usize));
         let ids = |d: &[(i64, i32)]| d.iter().map(|x| x.0).collect::<Vec<_>>();
