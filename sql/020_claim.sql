@@ -43,10 +43,15 @@ BEGIN
     -- knows no qty; guessing a large one, it joined the taken rows back to the table through a
     -- sequential scan of the whole queue, and kept doing so for every later claim. Joined by
     -- primary key lookups, a claim reads what it takes.
+    -- Sequential scans off: a plan made while the queue fitted in a page or two (a few claims
+    -- on a small queue just analysed) read it sequentially, cheapest then, in the probe, the
+    -- take and the join back, and every later claim of that session read the whole queue once
+    -- producers filled it, until its next ANALYZE. With them off, every plan goes by the claim
+    -- index and the primary key, whatever the statistics said when it was made.
     head := 'RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
                             vt timestamptz, ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)
-             LANGUAGE plpgsql SET enable_hashjoin = off SET enable_mergejoin = off';
-    config := '{enable_hashjoin=off,enable_mergejoin=off}';
+             LANGUAGE plpgsql SET enable_hashjoin = off SET enable_mergejoin = off SET enable_seqscan = off';
+    config := '{enable_hashjoin=off,enable_mergejoin=off,enable_seqscan=off}';
     body := format($f$
         #variable_conflict use_column
         DECLARE

@@ -208,6 +208,32 @@ async fn a_session_whose_claims_were_large_still_reads_only_what_a_small_claim_t
     tx.rollback().await.unwrap();
 }
 
+/// The claim's plan, like the completion's, may be made while the queue is small: after five
+/// claims on a freshly analysed queue of 40 jobs the session kept a generic plan that read the
+/// queue table sequentially (the join back of the taken rows, and the take itself), which is
+/// cheapest on one page. Once producers filled the queue every claim of that session read the
+/// whole table, until the next ANALYZE. The claim step runs with sequential scans off.
+#[tokio::test]
+async fn a_claim_plan_made_on_a_small_queue_scans_no_table() {
+    let (db, client) = setup().await;
+    enqueue(&client, 40, &EnqueueOptions::default()).await;
+    sqlx::query("VACUUM ANALYZE pgmq.q_claims").execute(&db.pool).await.unwrap();
+    let queue = common::queue("claims");
+    let mut conn = db.pool.acquire().await.unwrap();
+    for _ in 0..6 {
+        assert_eq!(claim(&mut *conn, &queue, 2, Duration::from_secs(600)).await.unwrap().len(), 2);
+    }
+    enqueue(&client, 5_000, &EnqueueOptions::default()).await;
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    assert_eq!(claim(&mut *tx, &queue, 16, Duration::from_secs(600)).await.unwrap().len(), 16);
+    let scans: i64 = sqlx::query_scalar("SELECT pg_stat_get_xact_numscans('pgmq.q_claims'::regclass)")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(scans, 0, "the claim read the queue table by index only");
+    tx.rollback().await.unwrap();
+}
+
 /// A claim on no queue at all (NULL, from SQL) is refused as an unknown queue (LG001), as any
 /// unknown name is, before anything else is looked at. A review found it failing instead inside
 /// format() with "null values cannot be formatted as an SQL identifier", which names nothing.
