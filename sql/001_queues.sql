@@ -28,10 +28,31 @@ RETURNS SETOF text LANGUAGE sql STABLE AS $$
     SELECT q.name FROM lockgate.queues q WHERE to_regclass(format('pgmq.%I', 'q_' || q.name)) IS NOT NULL ORDER BY q.name
 $$;
 
--- Writes one of a queue's generated steps (lockgate.<name>(<args>), a PL/pgSQL function with
--- the queue's table named in its body, so that its statements are planned once per session:
--- the claim step, sql/020_claim.sql; the enqueue steps, sql/010_enqueue.sql; the completion
--- step, sql/040_complete.sql). Idempotent: a step
+-- Functions revision 27 reads each step's name and arguments from lockgate._steps(): the earlier
+-- signatures of the step writer and of the trust check, which took them from their callers.
+DROP FUNCTION IF EXISTS lockgate._write_step(text, text, text, text, text, text, text[]);
+DROP FUNCTION IF EXISTS lockgate._trusted_step(text, regtype[], regprocedure, boolean);
+
+-- A queue's generated steps, one row each: the prefix of its name (the queue's name follows; no
+-- other lockgate function starts with one), its argument types, and the function that writes
+-- it. The one list that lockgate._write_step, lockgate._trusted_step, `lockgate doctor`
+-- (queue_steps) and the tests read: a new step is a row here, its installer, and its caller.
+CREATE OR REPLACE FUNCTION lockgate._steps()
+RETURNS TABLE (prefix text, args regtype[], installer text)
+LANGUAGE sql IMMUTABLE AS $$
+    VALUES ('_claim_take_', '{integer,double precision,bigint,timestamptz,integer,text}'::regtype[],
+            'lockgate._install_claim_steps(text)'),
+           ('_enqueue_into_', '{timestamptz,jsonb[],jsonb}'::regtype[], 'lockgate._install_enqueue_steps(text)'),
+           ('_enqueue1_into_', '{timestamptz,jsonb,jsonb}'::regtype[], 'lockgate._install_enqueue_steps(text)'),
+           ('_complete_into_', '{bigint[],integer[],bigint[],integer[]}'::regtype[],
+            'lockgate._install_complete_steps(text)'),
+           ('_promote_into_', '{lockgate.promotion[],text}'::regtype[], 'lockgate._install_promote_steps(text)')
+$$;
+
+-- Writes one of a queue's generated steps (lockgate.<prefix><queue>(<its arguments in
+-- lockgate._steps()>), a PL/pgSQL function with the queue's table named in its body, so that its
+-- statements are planned once per session: the claim step, sql/020_claim.sql; the enqueue
+-- steps, sql/010_enqueue.sql; the completion step, sql/040_complete.sql). Idempotent: a step
 -- that exists as it would be written (same body, settings and owner) is left alone, without a
 -- lock, so installing again costs nothing and disturbs no caller. A step to write is written
 -- under create_queue's advisory lock on the queue name: in place (CREATE OR REPLACE, keeping
@@ -50,13 +71,17 @@ $$;
 -- Locks: none when nothing changes; else the queue name's advisory lock, then catalog rows.
 -- Callers: lockgate._install_claim_steps, lockgate._install_enqueue_steps,
 -- lockgate._install_complete_steps (SECURITY DEFINER).
-CREATE OR REPLACE FUNCTION lockgate._write_step(queue text, name text, args text, head text, config text, body text,
-                                                stale text[])
+CREATE OR REPLACE FUNCTION lockgate._write_step(queue text, prefix text, head text, config text, body text, stale text[])
 RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
+    name text := prefix || queue;
+    args text := (SELECT array_to_string(s.args, ', ') FROM lockgate._steps() s WHERE s.prefix = _write_step.prefix);
     found record;
     other record;
 BEGIN
+    IF args IS NULL THEN
+        RAISE EXCEPTION 'lockgate: "%" is not the prefix of a queue step (lockgate._steps())', prefix;
+    END IF;
     FOR pass IN 1 .. 2 LOOP
         -- The owner by its name as it is (to_regrole would read current_user as SQL syntax:
         -- lowercased, and refused with a dot or a space in it).
@@ -108,45 +133,56 @@ BEGIN
     END IF;
 END $$;
 
--- Whether lockgate.<step> is a generated step as lockgate writes it, for its caller to run: the
--- function under that name with the argument types args — when alone, the one function under
--- that name (to_regproc, 0.6 us: NULL when there is none or more than one, so that a caller
--- that falls back never meets an ambiguous call); otherwise the one of that signature
--- (to_regprocedure, 2 us: other overloads, which the caller's call does not match, do not
--- matter) — which the caller may execute, owned by the owner of the step's installer. The owner
--- and argument types are read from the catalog (a query, about 5 us) once per session and
--- function; the function's oid is then kept in a session setting (lockgate.trusted<step>, e.g.
+-- Whether lockgate.<prefix><queue> is the queue's step as lockgate writes it, for its caller to
+-- run: the function under that name with the step's argument types (lockgate._steps()) — looked
+-- up as the one function under that name (to_regproc, 0.6 us: NULL when there is none or more
+-- than one, so that a caller that falls back never meets an ambiguous call), or, by_signature,
+-- as the one of that signature (to_regprocedure and the step's arguments from the list, 8 us in
+-- all: other overloads, which the caller's call does not match, do not matter) — which the caller
+-- may execute, owned by the owner of the step's installer. The owner and argument types are
+-- read from the catalog (a query, about 5 us) once per session and function; the function's oid
+-- is then kept in a session setting (lockgate.trusted<step>, e.g.
 -- lockgate.trusted_enqueue1_into_mail), and a later call that finds the same oid needs only the
--- lookup and the privilege check. A step dropped and made again, by anyone, has another oid and
--- is checked again. What a kept oid does not see: a step its owner gives to another role (ALTER
--- FUNCTION ... OWNER TO, REASSIGN OWNED), which that role may then rewrite, is trusted by the
--- sessions that checked it before, until they end; give lockgate's functions to no other role.
--- A setting is no secret: whoever can set one in a session could set its search_path as well,
--- and shadow any built-in function lockgate calls there; the memo is against mistakes and other
--- roles' functions, not against the session's own client. Each step adds a setting to a
--- session (PostgreSQL 15 sorts its settings as each is added: the first call per step costs
--- 0.1 ms with a hundred queues, 0.3 ms with thousands). Callers: lockgate._enqueue_step and
--- lockgate.complete (alone), lockgate.claim (by signature: it writes its step again when it
--- finds none it trusts, and an overload it cannot drop must not make it do so at every claim).
-CREATE OR REPLACE FUNCTION lockgate._trusted_step(step text, args regtype[], installer regprocedure,
-                                                   alone boolean DEFAULT true)
+-- lookup and the privilege check (2 us in all; the list is not read). A step dropped and made
+-- again, by anyone, has another oid and is checked again. What a kept oid does not see: a step
+-- its owner gives to another role (ALTER FUNCTION ... OWNER TO, REASSIGN OWNED), which that role
+-- may then rewrite, is trusted by the sessions that checked it before, until they end; give
+-- lockgate's functions to no other role. A setting is no secret: whoever can set one in a
+-- session could set its search_path as well, and shadow any built-in function lockgate calls
+-- there; the memo is against mistakes and other roles' functions, not against the session's own
+-- client. Each step adds a setting to a session (PostgreSQL 15 sorts its settings as each is
+-- added: the first call per step costs 0.1 ms with a hundred queues, 0.3 ms with thousands).
+-- False for a NULL queue or a prefix not in the list. Callers: lockgate._enqueue_step,
+-- lockgate.complete, lockgate.claim (by signature: it writes its step again when it finds none
+-- it trusts, and an overload it cannot drop must not make it do so at every claim).
+CREATE OR REPLACE FUNCTION lockgate._trusted_step(prefix text, queue text, by_signature boolean DEFAULT false)
 RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
-    found oid := CASE WHEN alone THEN to_regproc(format('lockgate.%I', step))
-                      ELSE to_regprocedure(format('lockgate.%I(%s)', step, array_to_string(args, ', '))) END;
+    step text := prefix || queue;
+    args regtype[];
+    step_oid oid;
     memo text := 'lockgate.trusted' || step;
-    trusted boolean := found IS NOT NULL AND has_function_privilege(found, 'EXECUTE');
+    trusted boolean;
 BEGIN
-    IF trusted AND found::text IS DISTINCT FROM current_setting(memo, true) THEN
-        SELECT p.proowner = i.proowner AND p.proargtypes = array_to_string(args::oid[], ' ')::oidvector
+    IF step IS NULL THEN
+        RETURN false;
+    ELSIF by_signature THEN
+        SELECT x.args INTO args FROM lockgate._steps() x WHERE x.prefix = _trusted_step.prefix;
+        step_oid := to_regprocedure(format('lockgate.%I(%s)', step, array_to_string(args, ', ')));
+    ELSE
+        step_oid := to_regproc(format('lockgate.%I', step));
+    END IF;
+    trusted := step_oid IS NOT NULL AND has_function_privilege(step_oid, 'EXECUTE');
+    IF trusted AND step_oid::text IS DISTINCT FROM current_setting(memo, true) THEN
+        SELECT p.proowner = i.proowner AND p.proargtypes = array_to_string(x.args::oid[], ' ')::oidvector
           INTO trusted
-          FROM pg_catalog.pg_proc p, pg_catalog.pg_proc i
-         WHERE p.oid = found AND i.oid = installer;
+          FROM lockgate._steps() x, pg_catalog.pg_proc p, pg_catalog.pg_proc i
+         WHERE x.prefix = _trusted_step.prefix AND p.oid = step_oid AND i.oid = x.installer::regprocedure;
         IF trusted THEN
-            PERFORM set_config(memo, found::text, false);
+            PERFORM set_config(memo, step_oid::text, false);
         END IF;
     END IF;
-    RETURN trusted;
+    RETURN COALESCE(trusted, false);
 END $$;
 
 -- Creates a queue if it does not exist. Safe to run from many sessions at once (H21): the
@@ -203,6 +239,7 @@ BEGIN
     PERFORM lockgate._install_claim_steps(queue);
     PERFORM lockgate._install_enqueue_steps(queue);
     PERFORM lockgate._install_complete_steps(queue);
+    PERFORM lockgate._install_promote_steps(queue);
 END $$;
 
 -- Pauses a queue: every claim skips it from the next statement on (running jobs finish, their

@@ -58,11 +58,11 @@ RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_
 DECLARE
     tbl text := lockgate._queue_table(queue, 'q'::text);
 BEGIN
-    PERFORM lockgate._write_step(queue, '_enqueue_into_' || queue, 'timestamp with time zone, jsonb[], jsonb'::text,
+    PERFORM lockgate._write_step(queue, '_enqueue_into_'::text,
         'RETURNS SETOF bigint LANGUAGE plpgsql'::text, NULL::text,
         format(E'\n        BEGIN\n            RETURN QUERY %s;\n        END ', lockgate._enqueue_sql(tbl, false)),
         '{}'::text[]);
-    PERFORM lockgate._write_step(queue, '_enqueue1_into_' || queue, 'timestamp with time zone, jsonb, jsonb'::text,
+    PERFORM lockgate._write_step(queue, '_enqueue1_into_'::text,
         'RETURNS bigint LANGUAGE plpgsql'::text, NULL::text,
         format(E'\n        DECLARE\n            id bigint;\n        BEGIN\n            %s INTO id;\n            RETURN id;\n        END ',
                lockgate._enqueue_sql(tbl, true)),
@@ -79,11 +79,10 @@ END $$;
 CREATE OR REPLACE FUNCTION lockgate._enqueue_step(queue text, one boolean)
 RETURNS text LANGUAGE plpgsql AS $$
 DECLARE
-    step text := CASE WHEN one THEN '_enqueue1_into_' ELSE '_enqueue_into_' END || queue;
+    prefix text := CASE WHEN one THEN '_enqueue1_into_' ELSE '_enqueue_into_' END;
+    step text := prefix || queue;
 BEGIN
-    IF lockgate._trusted_step(step, CASE WHEN one THEN '{timestamptz,jsonb,jsonb}'::regtype[]
-                                         ELSE '{timestamptz,jsonb[],jsonb}'::regtype[] END,
-                              'lockgate._install_enqueue_steps(text)'::regprocedure) THEN
+    IF lockgate._trusted_step(prefix, queue) THEN
         RETURN CASE WHEN one THEN format('SELECT lockgate.%I($1, $2, $3)', step)
                     ELSE format('SELECT s.id FROM lockgate.%I($1, $2, $3) s(id)', step) END;
     END IF;

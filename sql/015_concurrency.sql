@@ -23,10 +23,12 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
     SELECT lockgate._key_of(jt.name, jt.concurrency_key, args, explicit)
 $$;
 
--- The floor of every lease's silence budget: twice the heartbeat interval (H10).
+-- The floor of every lease's silence budget: twice the heartbeat interval (H10). The one row
+-- by its key, so that a caller running with sequential scans off (a queue's steps) reads it by
+-- index rather than under the planner's penalty (which brought in JIT compilation, 20 ms).
 CREATE OR REPLACE FUNCTION lockgate._lease_floor_ms()
 RETURNS bigint LANGUAGE sql STABLE AS $$
-    SELECT 2 * COALESCE((SELECT s.heartbeat_interval_ms FROM lockgate.settings s), 5000)
+    SELECT 2 * COALESCE((SELECT s.heartbeat_interval_ms FROM lockgate.settings s WHERE s.singleton), 5000)
 $$;
 
 -- A lease's silence budget: the type's duration, floored. A plain expression, so the planner
@@ -236,9 +238,57 @@ BEGIN
     END LOOP;
 END $$;
 
--- Sends promoted jobs: one INSERT per queue for their messages and one for their leases (matched
--- by job id), and one notification per queue with a job visible now; the uniqueness locks of
--- jobs that hold one move to their new messages. Returns how many it sent.
+-- The statement that sends the promotions of one queue whose table is tbl (lockgate._send_promotions'
+-- parameters: $1 every promotion, $2 the queue; nothing returned). Message ids are drawn up
+-- front (from the sequence every queue's msg_id defaults to), so the leases are written from the
+-- same rows as the messages, without matching the inserted messages back to their promotions;
+-- the uniqueness locks of jobs that hold one move to their new messages.
+CREATE OR REPLACE FUNCTION lockgate._promote_sql(tbl text)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT format(
+        'WITH src AS MATERIALIZED (
+             SELECT nextval(''lockgate.job_id_seq'') AS msg_id, u.*
+               FROM (SELECT * FROM unnest($1) WITH ORDINALITY AS u(queue, vt, args, headers, key, duration_ms, o)
+                      WHERE u.queue = $2 ORDER BY u.o) u),
+              sent AS (INSERT INTO %1$s (msg_id, vt, message, headers)
+                       SELECT src.msg_id, src.vt, src.args, src.headers FROM src),
+              moved AS (UPDATE lockgate.unique_locks u SET msg_id = src.msg_id, acquired_at = now()
+                          FROM src
+                         WHERE src.headers ? ''ukey'' AND u.queue = $2
+                           AND u.job_id = (src.headers->>''job_id'')::bigint)
+         INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
+         SELECT $2, src.msg_id, src.key, src.duration_ms,
+                GREATEST(src.vt, clock_timestamp())
+                + lockgate._lease_interval(src.duration_ms, (SELECT lockgate._lease_floor_ms()))
+           FROM src WHERE src.key IS NOT NULL', tbl)
+$$;
+
+-- A queue's promotion step, generated with its table's name written in, as its enqueue and
+-- completion steps are: lockgate._promote_into_<queue>(promotions, queue) runs
+-- lockgate._promote_sql's statement, planned once per session, where _send_promotions would
+-- plan it at every call (most of a promotion's cost when a completion promotes a few jobs).
+-- Its plan is always the generic one, with sequential scans and hash and merge joins off: the
+-- uniqueness locks are joined by their index however few there were when the plan was made.
+-- Written through lockgate._write_step by create_queue and, for every queue, each time the
+-- functions are installed (the end of this file); never inside a completion's transaction. SECURITY DEFINER, with typed arguments in every call, for the reasons the other
+-- installers are. Locks: none when nothing changes; else the queue name's advisory lock, then
+-- catalog rows. Callers: create_queue, migrate.
+CREATE OR REPLACE FUNCTION lockgate._install_promote_steps(queue text)
+RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
+BEGIN
+    PERFORM lockgate._write_step(queue, '_promote_into_'::text,
+        'RETURNS void LANGUAGE plpgsql
+             SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+             SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off'::text,
+        '{plan_cache_mode=force_generic_plan,enable_seqscan=off,enable_hashjoin=off,enable_mergejoin=off,jit=off}'::text,
+        format(E'\n        BEGIN\n            %s;\n        END ', lockgate._promote_sql(lockgate._queue_table(queue, 'q'::text))),
+        '{}'::text[]);
+END $$;
+
+-- Sends promoted jobs: per queue, its messages, the leases of those with a key and the moves of
+-- their uniqueness locks (lockgate._promote_sql), through the queue's promotion step when
+-- lockgate._trusted_step trusts it, else planned at this call; and one notification per queue
+-- with a job visible now. Returns how many it sent.
 CREATE OR REPLACE FUNCTION lockgate._send_promotions(promotions lockgate.promotion[])
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
@@ -249,27 +299,11 @@ BEGIN
     END IF;
     FOR q IN SELECT DISTINCT u.queue, bool_or(u.vt <= clock_timestamp()) OVER (PARTITION BY u.queue) AS now_visible
                FROM unnest(promotions) u LOOP
-        -- Message ids are drawn up front (from the sequence every queue's msg_id defaults to), so
-        -- the leases are written from the same rows as the messages, without matching the
-        -- inserted messages back to their promotions.
-        EXECUTE format(
-            'WITH src AS MATERIALIZED (
-                 SELECT nextval(''lockgate.job_id_seq'') AS msg_id, u.*
-                   FROM (SELECT * FROM unnest($1) WITH ORDINALITY AS u(queue, vt, args, headers, key, duration_ms, o)
-                          WHERE u.queue = $2 ORDER BY u.o) u),
-                  sent AS (INSERT INTO %1$s (msg_id, vt, message, headers)
-                           SELECT src.msg_id, src.vt, src.args, src.headers FROM src),
-                  moved AS (UPDATE lockgate.unique_locks u SET msg_id = src.msg_id, acquired_at = now()
-                              FROM src
-                             WHERE src.headers ? ''ukey'' AND u.queue = $2
-                               AND u.job_id = (src.headers->>''job_id'')::bigint)
-             INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
-             SELECT $2, src.msg_id, src.key, src.duration_ms,
-                    GREATEST(src.vt, clock_timestamp())
-                    + lockgate._lease_interval(src.duration_ms, (SELECT lockgate._lease_floor_ms()))
-               FROM src WHERE src.key IS NOT NULL',
-            lockgate._queue_table(q.queue, 'q'))
-          USING promotions, q.queue;
+        IF lockgate._trusted_step('_promote_into_', q.queue) THEN
+            EXECUTE format('SELECT lockgate.%I($1, $2)', '_promote_into_' || q.queue) USING promotions, q.queue;
+        ELSE
+            EXECUTE lockgate._promote_sql(lockgate._queue_table(q.queue, 'q')) USING promotions, q.queue;
+        END IF;
         IF q.now_visible THEN
             PERFORM pg_notify('lockgate_' || q.queue, '');
         END IF;
@@ -305,3 +339,7 @@ BEGIN
     SELECT count(*) INTO n FROM gone;
     RETURN n;
 END $$;
+
+-- Every queue's promotion step, written again with each install of these functions (not for a
+-- queue whose table was dropped behind lockgate's back).
+SELECT lockgate._install_promote_steps(q) FROM lockgate._live_queues() q;

@@ -20,8 +20,6 @@ CREATE OR REPLACE FUNCTION lockgate._install_claim_steps(queue text)
 RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
     tbl text := lockgate._queue_table(queue, 'q'::text);
-    name text := '_claim_take_' || queue;
-    args text := 'integer, double precision, bigint, timestamp with time zone, integer, text';
     head text;
     config text;
     body text;
@@ -50,8 +48,8 @@ BEGIN
     -- index and the primary key, whatever the statistics said when it was made.
     head := 'RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
                             vt timestamptz, ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)
-             LANGUAGE plpgsql SET enable_hashjoin = off SET enable_mergejoin = off SET enable_seqscan = off';
-    config := '{enable_hashjoin=off,enable_mergejoin=off,enable_seqscan=off}';
+             LANGUAGE plpgsql SET enable_hashjoin = off SET enable_mergejoin = off SET enable_seqscan = off SET jit = off';
+    config := '{enable_hashjoin=off,enable_mergejoin=off,enable_seqscan=off,jit=off}';
     body := format($f$
         #variable_conflict use_column
         DECLARE
@@ -94,7 +92,7 @@ BEGIN
                 wanted := wanted - took;
             END LOOP;
         END $f$, tbl);
-    PERFORM lockgate._write_step(queue, name, args, head, config, body, ARRAY['_claim_probe_' || queue]::text[]);
+    PERFORM lockgate._write_step(queue, '_claim_take_'::text, head, config, body, ARRAY['_claim_probe_' || queue]::text[]);
 END $$;
 
 -- Claim: take up to qty visible messages of a queue, lowest priority value first, then the one
@@ -201,9 +199,7 @@ BEGIN
     -- not replace another role's function fails the claim, naming it, rather than run it. An
     -- overload beside the step is left to the next install (one with an extra defaulted
     -- argument makes the claim's call ambiguous until then, as before).
-    IF NOT lockgate._trusted_step('_claim_take_' || queue,
-                                  '{integer,double precision,bigint,timestamptz,integer,text}'::regtype[],
-                                  'lockgate._install_claim_steps(text)'::regprocedure, false) THEN
+    IF NOT lockgate._trusted_step('_claim_take_', queue, true) THEN
         PERFORM lockgate._install_claim_steps(queue);
     END IF;
     FOR r IN EXECUTE take USING qty, vt_seconds, owner, at, start_now, queue

@@ -52,11 +52,11 @@ DECLARE
     tbl text := lockgate._queue_table(queue, 'q'::text);
     atbl text := lockgate._queue_table(queue, 'a'::text);
 BEGIN
-    PERFORM lockgate._write_step(queue, '_complete_into_' || queue, 'bigint[], integer[], bigint[], integer[]'::text,
+    PERFORM lockgate._write_step(queue, '_complete_into_'::text,
         'RETURNS TABLE (archived bigint[], limited bigint[], kept jsonb) LANGUAGE plpgsql
              SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-             SET enable_hashjoin = off SET enable_mergejoin = off'::text,
-        '{plan_cache_mode=force_generic_plan,enable_seqscan=off,enable_hashjoin=off,enable_mergejoin=off}'::text,
+             SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off'::text,
+        '{plan_cache_mode=force_generic_plan,enable_seqscan=off,enable_hashjoin=off,enable_mergejoin=off,jit=off}'::text,
         format(E'\n        BEGIN\n            IF cardinality($3) > 0 THEN\n                %s;\n            END IF;\n'
                || E'            IF cardinality($1) > 0 THEN\n                RETURN QUERY %s;\n            END IF;\n        END ',
                lockgate._complete_sql(tbl, atbl, true), lockgate._complete_sql(tbl, atbl, false)),
@@ -93,8 +93,7 @@ DECLARE
     uniq_msgs bigint[];
     batched bigint[];
 BEGIN
-    IF lockgate._trusted_step('_complete_into_' || queue, '{bigint[],integer[],bigint[],integer[]}'::regtype[],
-                              'lockgate._install_complete_steps(text)'::regprocedure) THEN
+    IF lockgate._trusted_step('_complete_into_', queue) THEN
         EXECUTE format('SELECT * FROM lockgate.%I($1, $2, $3, $4)', '_complete_into_' || queue)
            INTO archived, limited, kept
           USING msg_ids, read_cts, started_ids, started_cts;

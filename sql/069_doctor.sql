@@ -271,30 +271,25 @@ LANGUAGE sql STABLE AS $$
      WHERE NOT EXISTS (SELECT 1 FROM stale)
 $$;
 
--- Queues whose generated steps (the claim step, sql/020_claim.sql; the enqueue steps,
--- sql/010_enqueue.sql; the completion step, sql/040_complete.sql) are not as lockgate writes them: missing (dropped by hand, or the queue's
--- table was missing at the last migrate), more than one function under a step's name (an
--- overload some role added), another owner than its installer's, or other argument types.
--- Enqueues, completions and claims run no such step (lockgate._trusted_step): an enqueue or a
--- completion plans its statements at every call instead (slower, never wrong), a claim writes
--- its step again, or fails when its
--- installer may not replace another role's function. Not seen here: a step whose EXECUTE a
--- role lacks (that role's enqueues take the slower path; grant EXECUTE on the steps). One
--- lookup by name per step; one row per step, or one ok row.
+-- Queues whose generated steps (lockgate._steps(): the claim step, sql/020_claim.sql; the
+-- enqueue steps, sql/010_enqueue.sql; the promotion step, sql/015_concurrency.sql; the
+-- completion step, sql/040_complete.sql) are not as lockgate writes them: missing (dropped by
+-- hand, or the queue's table was missing at the last migrate), more than one function under a
+-- step's name (an overload some role added), another owner than its installer's, or other
+-- argument types. Enqueues, completions, promotions and claims run no such step
+-- (lockgate._trusted_step): an enqueue, a completion or a promotion plans its statements at every
+-- call instead (slower, never wrong), a claim writes its step again, or fails when its installer
+-- may not replace another role's function. Not seen here: a step whose EXECUTE a role lacks
+-- (that role's enqueues take the slower path; grant EXECUTE on the steps). One lookup by name
+-- per step; one row per step, or one ok row.
 CREATE OR REPLACE FUNCTION lockgate._doctor_steps()
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE sql STABLE AS $$
     WITH expected AS (
-        SELECT q.queue, s.prefix || q.queue AS name, s.args, (SELECT x.proowner FROM pg_catalog.pg_proc x WHERE x.oid = s.installer) AS owner
+        SELECT q.queue, s.prefix || q.queue AS name, s.args,
+               (SELECT x.proowner FROM pg_catalog.pg_proc x WHERE x.oid = s.installer::regprocedure) AS owner
           FROM lockgate._live_queues() q(queue)
-         CROSS JOIN (VALUES ('_claim_take_', '{integer,double precision,bigint,timestamptz,integer,text}'::regtype[],
-                             'lockgate._install_claim_steps(text)'::regprocedure),
-                            ('_enqueue_into_', '{timestamptz,jsonb[],jsonb}'::regtype[],
-                             'lockgate._install_enqueue_steps(text)'::regprocedure),
-                            ('_enqueue1_into_', '{timestamptz,jsonb,jsonb}'::regtype[],
-                             'lockgate._install_enqueue_steps(text)'::regprocedure),
-                            ('_complete_into_', '{bigint[],integer[],bigint[],integer[]}'::regtype[],
-                             'lockgate._install_complete_steps(text)'::regprocedure)) s(prefix, args, installer)),
+         CROSS JOIN lockgate._steps() s),
     wrong AS (
         SELECT e.queue, e.name,
                CASE WHEN f.n = 0 THEN 'missing'
@@ -311,11 +306,11 @@ LANGUAGE sql STABLE AS $$
                               WHERE p.proname = e.name::name AND p.pronamespace = 'lockgate'::regnamespace) f)
     SELECT 'queue_steps', 'warn', format('queue %s: lockgate.%s is %s', w.queue, w.name, w.why),
            'run lockgate migrate as the role that installed lockgate (or a superuser), which writes every queue''s '
-           'steps again and drops other functions under their names; until then the queue''s enqueues and '
-           'completions plan their statements at every call, and its claims write the claim step again'
+           'steps again and drops other functions under their names; until then the queue''s enqueues, '
+           'completions and promotions plan their statements at every call, and its claims write the claim step again'
       FROM wrong w WHERE w.why IS NOT NULL
     UNION ALL
-    SELECT 'queue_steps', 'ok', format('%s queue(s), each with its claim, enqueue and completion steps as lockgate writes them',
+    SELECT 'queue_steps', 'ok', format('%s queue(s), each with its claim, enqueue, completion and promotion steps as lockgate writes them',
                                        (SELECT count(*) FROM lockgate._live_queues())), NULL
      WHERE NOT EXISTS (SELECT 1 FROM wrong w WHERE w.why IS NOT NULL)
 $$;

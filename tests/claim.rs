@@ -498,24 +498,23 @@ async fn no_lockgate_function_but_a_queues_step_starts_with_a_step_prefix() {
     let db = TestDb::migrated().await.unwrap();
     sqlx::query("SELECT lockgate.create_queue('one')").execute(&db.pool).await.unwrap();
     let strays: Vec<String> = sqlx::query_scalar(
-        "SELECT p.proname::text FROM pg_proc p
-          WHERE p.pronamespace = 'lockgate'::regnamespace
-            AND p.proname ~ '^_(claim_take|enqueue_into|enqueue1_into|complete_into)_'
-            AND NOT EXISTS (SELECT 1 FROM lockgate.queues q
-                             WHERE p.proname IN ('_claim_take_' || q.name, '_enqueue_into_' || q.name,
-                                                 '_enqueue1_into_' || q.name, '_complete_into_' || q.name))",
+        "SELECT p.proname::text FROM pg_proc p, lockgate._steps() s
+          WHERE p.pronamespace = 'lockgate'::regnamespace AND starts_with(p.proname, s.prefix)
+            AND NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE p.proname = s.prefix || q.name)",
     )
     .fetch_all(&db.pool)
     .await
     .unwrap();
     assert_eq!(strays, Vec::<String>::new(), "functions under a step prefix that are no queue's step");
-    let steps: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_proc WHERE pronamespace = 'lockgate'::regnamespace AND proname ~ '^_(claim_take|enqueue_into|enqueue1_into|complete_into)_one$'",
+    let (steps, listed): (i64, i64) = sqlx::query_as(
+        "SELECT count(p.oid), count(*) FROM lockgate._steps() s
+           LEFT JOIN pg_proc p ON p.pronamespace = 'lockgate'::regnamespace AND p.proname = s.prefix || 'one'
+                              AND p.proargtypes = array_to_string(s.args::oid[], ' ')::oidvector",
     )
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!(steps, 4, "the queue's four steps are there, so the query sees them");
+    assert_eq!((steps, listed), (5, 5), "the queue has each listed step, of its listed arguments");
 }
 
 /// Issue 14 (docs/design.md §58, from a review): a function beside a queue's claim step under its

@@ -828,3 +828,70 @@ async fn a_completion_promotes_from_the_head_of_each_key_even_without_planner_st
     assert!(read < 1_000, "promoting 100 jobs read {read} parked rows");
     assert_invariants(&db).await;
 }
+
+/// Issue 14 (docs/design.md §59): a completion sends the jobs it promotes through the queue's
+/// promotion step, planned once per session, only when lockgate wrote that step. With the step
+/// dropped and a function of another role planted under its name, a completion promotes the next
+/// parked job by planning the statement itself, and the planted function never runs; with the
+/// step written again, the next completion promotes through it.
+#[tokio::test]
+async fn a_promotion_runs_no_promotion_step_but_lockgates() {
+    let (db, client) = setup(1).await;
+    let first = enqueue(&client, 1, 1).await;
+    let second = enqueue(&client, 1, 2).await;
+    let third = enqueue(&client, 1, 3).await;
+    assert_eq!((second.status, third.status), (EnqueueStatus::Parked, EnqueueStatus::Parked));
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    let other = format!("{}_other", db.name);
+    sqlx::raw_sql(&format!(
+        "DROP FUNCTION lockgate._promote_into_default(lockgate.promotion[], text);
+         CREATE ROLE {other} NOLOGIN; GRANT USAGE, CREATE ON SCHEMA lockgate TO {other};
+         CREATE TABLE public.planted_ran (n integer); GRANT INSERT ON public.planted_ran TO PUBLIC;
+         SET LOCAL ROLE {other};
+         CREATE FUNCTION lockgate._promote_into_default(lockgate.promotion[], text) RETURNS void
+             LANGUAGE sql AS 'INSERT INTO public.planted_ran VALUES (1)';
+         RESET ROLE;"
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let claim_and_complete = async |tx: &mut sqlx::PgConnection| -> i64 {
+        let (msg_id, read_ct): (i64, i32) =
+            sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30, NULL, 1)")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+        let archived: Vec<i64> =
+            sqlx::query_scalar("SELECT c FROM lockgate.complete('default', ARRAY[$1], ARRAY[$2]) c")
+                .bind(msg_id)
+                .bind(read_ct)
+                .fetch_all(&mut *tx)
+                .await
+                .unwrap();
+        assert_eq!(archived, vec![msg_id], "the holder's completion archives it");
+        msg_id
+    };
+    let leased =
+        "SELECT count(*) FROM pgmq.q_default m JOIN lockgate.leases l ON l.queue = 'default' AND l.msg_id = m.msg_id
+                   WHERE (m.headers->>'job_id')::bigint = $1";
+    assert_eq!(claim_and_complete(&mut tx).await, first.msg_id.unwrap());
+    let sent: i64 = sqlx::query_scalar(leased).bind(second.job_id.0).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(sent, 1, "the second job is promoted, holding a lease, without the step");
+    let ran: i64 = sqlx::query_scalar("SELECT count(*) FROM public.planted_ran").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(ran, 0, "the planted function never ran");
+
+    sqlx::query("SELECT lockgate._install_promote_steps('default')").execute(&mut *tx).await.unwrap();
+    claim_and_complete(&mut tx).await;
+    let sent: i64 = sqlx::query_scalar(leased).bind(third.job_id.0).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(sent, 1, "the third job is promoted, holding a lease");
+    let through_step: Option<String> =
+        sqlx::query_scalar("SELECT current_setting('lockgate.trusted_promote_into_default', true)")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+    assert!(through_step.is_some_and(|oid| !oid.is_empty()), "the promotion went through the step written again");
+    let ran: i64 = sqlx::query_scalar("SELECT count(*) FROM public.planted_ran").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(ran, 0, "the planted function never ran");
+    tx.rollback().await.unwrap();
+}
