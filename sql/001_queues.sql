@@ -28,31 +28,38 @@ RETURNS SETOF text LANGUAGE sql STABLE AS $$
     SELECT q.name FROM lockgate.queues q WHERE to_regclass(format('pgmq.%I', 'q_' || q.name)) IS NOT NULL ORDER BY q.name
 $$;
 
--- Functions revision 27 reads each step's name and arguments from lockgate._steps(): the earlier
--- signatures of the step writer and of the trust check, which took them from their callers.
+-- From functions revision 28 each step's name and arguments come from lockgate._steps(). The
+-- earlier signature of the step writer, which took them from its callers (only the installers,
+-- replaced in the same transaction), is dropped; so is revision 25's three-argument trust check,
+-- which made revision 26's calls ambiguous. Revision 26's trust check stays, calling the new
+-- one (below).
 DROP FUNCTION IF EXISTS lockgate._write_step(text, text, text, text, text, text, text[]);
-DROP FUNCTION IF EXISTS lockgate._trusted_step(text, regtype[], regprocedure, boolean);
+DROP FUNCTION IF EXISTS lockgate._trusted_step(text, regtype[], regprocedure);
 
 -- A queue's generated steps, one row each: the prefix of its name (the queue's name follows; no
 -- other lockgate function starts with one), its argument types, and the function that writes
 -- it. The one list that lockgate._write_step, lockgate._trusted_step, `lockgate doctor`
 -- (queue_steps) and the tests read: a new step is a row here, its installer, and its caller.
+-- Type names are qualified, so that no session's search_path can read them as other types.
 CREATE OR REPLACE FUNCTION lockgate._steps()
 RETURNS TABLE (prefix text, args regtype[], installer text)
-LANGUAGE sql IMMUTABLE AS $$
-    VALUES ('_claim_take_', '{integer,double precision,bigint,timestamptz,integer,text}'::regtype[],
+LANGUAGE sql STABLE AS $$
+    VALUES ('_claim_take_', '{pg_catalog.int4,pg_catalog.float8,pg_catalog.int8,pg_catalog.timestamptz,pg_catalog.int4,pg_catalog.text}'::regtype[],
             'lockgate._install_claim_steps(text)'),
-           ('_enqueue_into_', '{timestamptz,jsonb[],jsonb}'::regtype[], 'lockgate._install_enqueue_steps(text)'),
-           ('_enqueue1_into_', '{timestamptz,jsonb,jsonb}'::regtype[], 'lockgate._install_enqueue_steps(text)'),
-           ('_complete_into_', '{bigint[],integer[],bigint[],integer[]}'::regtype[],
+           ('_enqueue_into_', '{pg_catalog.timestamptz,pg_catalog.jsonb[],pg_catalog.jsonb}'::regtype[],
+            'lockgate._install_enqueue_steps(text)'),
+           ('_enqueue1_into_', '{pg_catalog.timestamptz,pg_catalog.jsonb,pg_catalog.jsonb}'::regtype[],
+            'lockgate._install_enqueue_steps(text)'),
+           ('_complete_into_', '{pg_catalog.int8[],pg_catalog.int4[],pg_catalog.int8[],pg_catalog.int4[]}'::regtype[],
             'lockgate._install_complete_steps(text)'),
-           ('_promote_into_', '{lockgate.promotion[],text}'::regtype[], 'lockgate._install_promote_steps(text)')
+           ('_promote_into_', '{lockgate.promotion[],pg_catalog.text}'::regtype[], 'lockgate._install_promote_steps(text)')
 $$;
 
 -- Writes one of a queue's generated steps (lockgate.<prefix><queue>(<its arguments in
 -- lockgate._steps()>), a PL/pgSQL function with the queue's table named in its body, so that its
 -- statements are planned once per session: the claim step, sql/020_claim.sql; the enqueue
--- steps, sql/010_enqueue.sql; the completion step, sql/040_complete.sql). Idempotent: a step
+-- steps, sql/010_enqueue.sql; the promotion step, sql/015_concurrency.sql; the completion step,
+-- sql/040_complete.sql). Idempotent: a step
 -- that exists as it would be written (same body, settings and owner) is left alone, without a
 -- lock, so installing again costs nothing and disturbs no caller. A step to write is written
 -- under create_queue's advisory lock on the queue name: in place (CREATE OR REPLACE, keeping
@@ -70,7 +77,7 @@ $$;
 -- role adds is a better match); called directly by another role, it runs as that role.
 -- Locks: none when nothing changes; else the queue name's advisory lock, then catalog rows.
 -- Callers: lockgate._install_claim_steps, lockgate._install_enqueue_steps,
--- lockgate._install_complete_steps (SECURITY DEFINER).
+-- lockgate._install_complete_steps, lockgate._install_promote_steps (SECURITY DEFINER).
 CREATE OR REPLACE FUNCTION lockgate._write_step(queue text, prefix text, head text, config text, body text, stale text[])
 RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
@@ -184,6 +191,18 @@ BEGIN
     END IF;
     RETURN COALESCE(trusted, false);
 END $$;
+
+-- Revision 26's trust check, which its callers gave the step's whole name, argument types and
+-- installer: kept for the sessions that still run revision 26's functions while a migrate
+-- replaces them (a claim or completion that began before the migrate's commit calls it after),
+-- which would otherwise fail for a missing function. It finds the step's prefix in the list and
+-- asks the check above. A later revision drops it.
+CREATE OR REPLACE FUNCTION lockgate._trusted_step(step text, args regtype[], installer regprocedure,
+                                                   alone boolean DEFAULT true)
+RETURNS boolean LANGUAGE sql AS $$
+    SELECT COALESCE((SELECT lockgate._trusted_step(x.prefix, substr(step, length(x.prefix) + 1), NOT alone)
+                       FROM lockgate._steps() x WHERE starts_with(step, x.prefix)), false)
+$$;
 
 -- Creates a queue if it does not exist. Safe to run from many sessions at once (H21): the
 -- advisory lock serialises creators of the same name until commit. A queue whose row is already

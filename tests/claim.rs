@@ -548,3 +548,25 @@ async fn an_overload_beside_the_claim_step_makes_no_claim_wait_for_another() {
     assert_eq!(other, 1);
     holding.rollback().await.unwrap();
 }
+
+/// A review of functions revision 28: sessions still running revision 26's functions while a
+/// migrate replaces them (a claim or completion that began before its commit) call revision 26's
+/// trust check, with the step's whole name, arguments and installer. That check is kept, asking
+/// the new one, so those calls answer as before instead of failing for a missing function.
+#[tokio::test]
+async fn the_previous_revisions_trust_check_still_answers_during_an_upgrade() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('one')").execute(&db.pool).await.unwrap();
+    let (claim_step, completion_step, unknown): (bool, bool, bool) = sqlx::query_as(
+        "SELECT lockgate._trusted_step('_claim_take_one', '{integer,double precision,bigint,timestamptz,integer,text}'::regtype[],
+                                       'lockgate._install_claim_steps(text)'::regprocedure, false),
+                lockgate._trusted_step('_complete_into_one', '{bigint[],integer[],bigint[],integer[]}'::regtype[],
+                                       'lockgate._install_complete_steps(text)'::regprocedure),
+                lockgate._trusted_step('_complete_into_nowhere', '{bigint[],integer[],bigint[],integer[]}'::regtype[],
+                                       'lockgate._install_complete_steps(text)'::regprocedure)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((claim_step, completion_step, unknown), (true, true, false));
+}
