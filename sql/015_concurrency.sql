@@ -6,16 +6,20 @@
 -- Lock order: lease rows, then semaphore rows in key order, then parked rows.
 
 -- A key of a job (concurrency or uniqueness): explicit if given, else the type's name, plus the
--- values at the key paths (dotted, e.g. 'account.id').
+-- values at the key paths (dotted, e.g. 'account.id'). PL/pgSQL, which keeps its statement's
+-- plan for the session: as a SQL function with a subquery, never inlined, it was planned again
+-- in every transaction that enqueued a limited or unique job.
 CREATE OR REPLACE FUNCTION lockgate._key_of(type_name text, paths text[], args jsonb, explicit text)
-RETURNS text LANGUAGE sql IMMUTABLE AS $$
-    SELECT CASE
-        WHEN explicit IS NOT NULL THEN explicit
-        WHEN paths IS NULL OR cardinality(paths) = 0 THEN type_name
-        ELSE type_name || ':' || (SELECT jsonb_agg(COALESCE(args #> string_to_array(p, '.'), 'null') ORDER BY o)
-                                    FROM unnest(paths) WITH ORDINALITY u(p, o))::text
-    END
-$$;
+RETURNS text LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF explicit IS NOT NULL THEN
+        RETURN explicit;
+    ELSIF paths IS NULL OR cardinality(paths) = 0 THEN
+        RETURN type_name;
+    END IF;
+    RETURN type_name || ':' || (SELECT jsonb_agg(COALESCE(args #> string_to_array(u.p, '.'), 'null') ORDER BY u.o)
+                                  FROM unnest(paths) WITH ORDINALITY u(p, o))::text;
+END $$;
 
 -- The concurrency key of a job.
 CREATE OR REPLACE FUNCTION lockgate._concurrency_key(jt lockgate.job_types, args jsonb, explicit text)
@@ -26,10 +30,13 @@ $$;
 -- The floor of every lease's silence budget: twice the heartbeat interval (H10). The one row
 -- by its key, so that a caller running with sequential scans off (a queue's steps) reads it by
 -- index rather than under the planner's penalty (which brought in JIT compilation, 20 ms).
+-- PL/pgSQL, which keeps its statement's plan for the session: a SQL function with a subquery is
+-- never inlined, and was planned again in every transaction that called it (30-60 us).
 CREATE OR REPLACE FUNCTION lockgate._lease_floor_ms()
-RETURNS bigint LANGUAGE sql STABLE AS $$
-    SELECT 2 * COALESCE((SELECT s.heartbeat_interval_ms FROM lockgate.settings s WHERE s.singleton), 5000)
-$$;
+RETURNS bigint LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN 2 * COALESCE((SELECT s.heartbeat_interval_ms FROM lockgate.settings s WHERE s.singleton), 5000);
+END $$;
 
 -- A lease's silence budget: the type's duration, floored. A plain expression, so the planner
 -- inlines it; statements over many leases pass the floor as (SELECT lockgate._lease_floor_ms()),
@@ -67,12 +74,15 @@ BEGIN
 END $$;
 
 -- Binds a taken permit to its message. The lease covers the delay before the message is
--- visible (H9), then the silence budget.
+-- visible (H9), then the silence budget. PL/pgSQL, for its plan kept for the session (a SQL
+-- function's INSERT was planned again in every transaction).
 CREATE OR REPLACE FUNCTION lockgate._add_lease(key text, queue text, msg_id bigint, visible_at timestamptz, duration_ms bigint)
-RETURNS void LANGUAGE sql AS $$
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
     INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
-    VALUES (queue, msg_id, key, duration_ms, GREATEST(visible_at, clock_timestamp()) + lockgate._lease_interval(duration_ms))
-$$;
+    VALUES (_add_lease.queue, _add_lease.msg_id, _add_lease.key, _add_lease.duration_ms,
+            GREATEST(_add_lease.visible_at, clock_timestamp()) + lockgate._lease_interval(_add_lease.duration_ms));
+END $$;
 
 -- Deletes the leases of the given messages of one queue, gives their permits back, and
 -- promotes parked jobs of each key released. Returns how many jobs it promoted. Called inside

@@ -949,3 +949,47 @@ async fn a_limited_job_for_a_missing_queue_is_refused_even_when_it_would_park() 
     assert!(err.contains("queue \"missing\" does not exist"), "{err}");
     assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 0, "nothing parked");
 }
+
+/// Issue 14 (docs/design.md §59): an enqueue calls no SQL-language function that PostgreSQL runs
+/// as a function, planned again in every transaction, rather than inlining it. `_headers` was
+/// declared IMMUTABLE around the STABLE `jsonb_build_object`, which made PostgreSQL refuse to
+/// inline it: a quarter of a single enqueue's server time. Counted with `track_functions`, which
+/// sees only the functions that ran as functions, over a single, a bulk, and a limited enqueue.
+#[tokio::test]
+async fn an_enqueue_runs_no_sql_function_that_could_have_been_inlined() {
+    let db = TestDb::migrated().await.unwrap();
+    let client = Client::new(db.pool.clone());
+    client
+        .define_job_type(&JobTypeName::new("plain").unwrap(), &JobPolicy::on_queue(common::queue("default")))
+        .await
+        .unwrap();
+    let mut limited = JobPolicy::on_queue(common::queue("default"));
+    limited.concurrency = Some(lockgate::ConcurrencyPolicy {
+        limit: 5,
+        key: vec!["k".into()],
+        duration: Duration::from_secs(60),
+        on_conflict: lockgate::OnConflict::Block,
+    });
+    client.define_job_type(&JobTypeName::new("limited").unwrap(), &limited).await.unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    sqlx::query("SET LOCAL track_functions = 'all'").execute(&mut *tx).await.unwrap();
+    for statement in [
+        "SELECT * FROM lockgate.enqueue('plain', '{}')",
+        "SELECT * FROM lockgate.enqueue('plain', '{}', '{\"priority\": 3}')",
+        "SELECT * FROM lockgate.enqueue_many('plain', ARRAY['{}', '{}']::jsonb[])",
+        "SELECT * FROM lockgate.enqueue('limited', '{\"k\": 1}')",
+    ] {
+        sqlx::query(statement).execute(&mut *tx).await.unwrap();
+    }
+    let ran: Vec<String> = sqlx::query_scalar(
+        "SELECT f.funcname::text FROM pg_stat_xact_user_functions f JOIN pg_proc p ON p.oid = f.funcid
+          WHERE f.schemaname = 'lockgate' AND p.prolang = (SELECT oid FROM pg_language WHERE lanname = 'sql')
+          ORDER BY 1",
+    )
+    .fetch_all(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(ran, Vec::<String>::new(), "SQL functions that ran as functions, not inlined");
+    tx.rollback().await.unwrap();
+}
