@@ -954,7 +954,8 @@ async fn a_limited_job_for_a_missing_queue_is_refused_even_when_it_would_park() 
 /// as a function, planned again in every transaction, rather than inlining it. `_headers` was
 /// declared IMMUTABLE around the STABLE `jsonb_build_object`, which made PostgreSQL refuse to
 /// inline it: a quarter of a single enqueue's server time. Counted with `track_functions`, which
-/// sees only the functions that ran as functions, over a single, a bulk, and a limited enqueue.
+/// sees only the functions that ran as functions, over a single, a bulk, a limited and a unique
+/// enqueue.
 #[tokio::test]
 async fn an_enqueue_runs_no_sql_function_that_could_have_been_inlined() {
     let db = TestDb::migrated().await.unwrap();
@@ -971,6 +972,10 @@ async fn an_enqueue_runs_no_sql_function_that_could_have_been_inlined() {
         on_conflict: lockgate::OnConflict::Block,
     });
     client.define_job_type(&JobTypeName::new("limited").unwrap(), &limited).await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('unique', 'default', unique_mode => 'until_executed', unique_key => ARRAY['u'])")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let mut conn = db.pool.acquire().await.unwrap();
     let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
     sqlx::query("SET LOCAL track_functions = 'all'").execute(&mut *tx).await.unwrap();
@@ -979,6 +984,7 @@ async fn an_enqueue_runs_no_sql_function_that_could_have_been_inlined() {
         "SELECT * FROM lockgate.enqueue('plain', '{}', '{\"priority\": 3}')",
         "SELECT * FROM lockgate.enqueue_many('plain', ARRAY['{}', '{}']::jsonb[])",
         "SELECT * FROM lockgate.enqueue('limited', '{\"k\": 1}')",
+        "SELECT * FROM lockgate.enqueue('unique', '{\"u\": 1}')",
     ] {
         sqlx::query(statement).execute(&mut *tx).await.unwrap();
     }
