@@ -28,12 +28,13 @@ RETURNS SETOF text LANGUAGE sql STABLE AS $$
     SELECT q.name FROM lockgate.queues q WHERE to_regclass(format('pgmq.%I', 'q_' || q.name)) IS NOT NULL ORDER BY q.name
 $$;
 
--- From functions revision 28 each step's name and arguments come from lockgate._steps(). The
--- earlier signature of the step writer, which took them from its callers (only the installers,
--- replaced in the same transaction), is dropped; so is revision 25's three-argument trust check,
--- which made revision 26's calls ambiguous. Revision 26's trust check stays, calling the new
--- one (below).
+-- From functions revision 28 each step's name and arguments come from lockgate._steps(), and from
+-- revision 31 its settings are written once, as a list. The earlier signatures of the step
+-- writer (called only by the installers, replaced in the same transaction) are dropped; so is
+-- revision 25's three-argument trust check, which made revision 26's calls ambiguous. Revision
+-- 26's trust check stays, calling the new one (below).
 DROP FUNCTION IF EXISTS lockgate._write_step(text, text, text, text, text, text, text[]);
+DROP FUNCTION IF EXISTS lockgate._write_step(text, text, text, text, text, text[]);
 DROP FUNCTION IF EXISTS lockgate._trusted_step(text, regtype[], regprocedure);
 
 -- A queue's generated steps, one row each: the prefix of its name (the queue's name follows; no
@@ -56,7 +57,8 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- Writes one of a queue's generated steps (lockgate.<prefix><queue>(<its arguments in
--- lockgate._steps()>), a PL/pgSQL function with the queue's table named in its body, so that its
+-- lockgate._steps()>) RETURNS <returns>, with the settings, e.g. {enable_seqscan=off}, as its
+-- SET clauses), a PL/pgSQL function with the queue's table named in its body, so that its
 -- statements are planned once per session: the claim step, sql/020_claim.sql; the enqueue
 -- steps, sql/010_enqueue.sql; the promotion step, sql/015_concurrency.sql; the completion step,
 -- sql/040_complete.sql). Idempotent: a step
@@ -78,11 +80,16 @@ $$;
 -- Locks: none when nothing changes; else the queue name's advisory lock, then catalog rows.
 -- Callers: lockgate._install_claim_steps, lockgate._install_enqueue_steps,
 -- lockgate._install_complete_steps, lockgate._install_promote_steps (SECURITY DEFINER).
-CREATE OR REPLACE FUNCTION lockgate._write_step(queue text, prefix text, head text, config text, body text, stale text[])
+CREATE OR REPLACE FUNCTION lockgate._write_step(queue text, prefix text, returns text, settings text[], body text,
+                                                stale text[])
 RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
     name text := prefix || queue;
     args text := (SELECT array_to_string(s.args, ', ') FROM lockgate._steps() s WHERE s.prefix = _write_step.prefix);
+    head text := 'RETURNS ' || returns || ' LANGUAGE plpgsql'
+                 || COALESCE((SELECT string_agg(format(' SET %s = %s', split_part(c.s, '=', 1), split_part(c.s, '=', 2)), ''
+                                                ORDER BY c.o)
+                                FROM unnest(settings) WITH ORDINALITY c(s, o)), '');
     found record;
     other record;
 BEGIN
@@ -93,7 +100,7 @@ BEGIN
         -- The owner by its name as it is (to_regrole would read current_user as SQL syntax:
         -- lowercased, and refused with a dot or a space in it).
         SELECT p.oid,
-               p.prosrc = body AND p.proconfig::text IS NOT DISTINCT FROM config
+               p.prosrc = body AND p.proconfig IS NOT DISTINCT FROM settings
                  AND p.prolang = (SELECT l.oid FROM pg_language l WHERE l.lanname = 'plpgsql')
                  AND NOT p.prosecdef AND NOT p.proisstrict AND p.provolatile = 'v' AS same,
                p.proowner = (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user) AS ours

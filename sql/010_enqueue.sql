@@ -59,11 +59,11 @@ DECLARE
     tbl text := lockgate._queue_table(queue, 'q'::text);
 BEGIN
     PERFORM lockgate._write_step(queue, '_enqueue_into_'::text,
-        'RETURNS SETOF bigint LANGUAGE plpgsql'::text, NULL::text,
+        'SETOF bigint'::text, NULL::text[],
         format(E'\n        BEGIN\n            RETURN QUERY %s;\n        END ', lockgate._enqueue_sql(tbl, false)),
         '{}'::text[]);
     PERFORM lockgate._write_step(queue, '_enqueue1_into_'::text,
-        'RETURNS bigint LANGUAGE plpgsql'::text, NULL::text,
+        'bigint'::text, NULL::text[],
         format(E'\n        DECLARE\n            id bigint;\n        BEGIN\n            %s INTO id;\n            RETURN id;\n        END ',
                lockgate._enqueue_sql(tbl, true)),
         '{}'::text[]);

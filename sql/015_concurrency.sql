@@ -277,20 +277,19 @@ $$;
 -- completion steps are: lockgate._promote_into_<queue>(promotions, queue) runs
 -- lockgate._promote_sql's statement, planned once per session, where _send_promotions would
 -- plan it at every call (most of a promotion's cost when a completion promotes a few jobs).
--- Its plan is always the generic one, with sequential scans and hash and merge joins off: the
--- uniqueness locks are joined by their index however few there were when the plan was made.
+-- Its plan is always the generic one, with sequential scans, hash and merge joins and JIT off:
+-- the uniqueness locks are joined by their index however few there were when the plan was made.
 -- Written through lockgate._write_step by create_queue and, for every queue, each time the
--- functions are installed (the end of this file); never inside a completion's transaction. SECURITY DEFINER, with typed arguments in every call, for the reasons the other
--- installers are. Locks: none when nothing changes; else the queue name's advisory lock, then
+-- functions are installed (the end of this file); never inside a completion's transaction.
+-- SECURITY DEFINER, with typed arguments in every call, for the reasons the other installers
+-- are. Locks: none when nothing changes; else the queue name's advisory lock, then
 -- catalog rows. Callers: create_queue, migrate.
 CREATE OR REPLACE FUNCTION lockgate._install_promote_steps(queue text)
 RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 BEGIN
     PERFORM lockgate._write_step(queue, '_promote_into_'::text,
-        'RETURNS void LANGUAGE plpgsql
-             SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-             SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off'::text,
-        '{plan_cache_mode=force_generic_plan,enable_seqscan=off,enable_hashjoin=off,enable_mergejoin=off,jit=off}'::text,
+        'void'::text,
+        '{plan_cache_mode=force_generic_plan,enable_seqscan=off,enable_hashjoin=off,enable_mergejoin=off,jit=off}'::text[],
         format(E'\n        BEGIN\n            %s;\n        END ', lockgate._promote_sql(lockgate._queue_table(queue, 'q'::text))),
         '{}'::text[]);
 END $$;

@@ -20,8 +20,6 @@ CREATE OR REPLACE FUNCTION lockgate._install_claim_steps(queue text)
 RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
     tbl text := lockgate._queue_table(queue, 'q'::text);
-    head text;
-    config text;
     body text;
 BEGIN
     -- Messages of the best priority holding a visible message, visible longest first, then
@@ -46,10 +44,6 @@ BEGIN
     -- take and the join back, and every later claim of that session read the whole queue once
     -- producers filled it, until its next ANALYZE. With them off, every plan goes by the claim
     -- index and the primary key, whatever the statistics said when it was made.
-    head := 'RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
-                            vt timestamptz, ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)
-             LANGUAGE plpgsql SET enable_hashjoin = off SET enable_mergejoin = off SET enable_seqscan = off SET jit = off';
-    config := '{enable_hashjoin=off,enable_mergejoin=off,enable_seqscan=off,jit=off}';
     body := format($f$
         #variable_conflict use_column
         DECLARE
@@ -92,7 +86,11 @@ BEGIN
                 wanted := wanted - took;
             END LOOP;
         END $f$, tbl);
-    PERFORM lockgate._write_step(queue, '_claim_take_'::text, head, config, body, ARRAY['_claim_probe_' || queue]::text[]);
+    PERFORM lockgate._write_step(queue, '_claim_take_'::text,
+        'TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb, vt timestamptz,
+                ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)'::text,
+        '{enable_hashjoin=off,enable_mergejoin=off,enable_seqscan=off,jit=off}'::text[], body,
+        ARRAY['_claim_probe_' || queue]::text[]);
 END $$;
 
 -- Claim: take up to qty visible messages of a queue, lowest priority value first, then the one

@@ -53,10 +53,8 @@ DECLARE
     atbl text := lockgate._queue_table(queue, 'a'::text);
 BEGIN
     PERFORM lockgate._write_step(queue, '_complete_into_'::text,
-        'RETURNS TABLE (archived bigint[], limited bigint[], kept jsonb) LANGUAGE plpgsql
-             SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-             SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off'::text,
-        '{plan_cache_mode=force_generic_plan,enable_seqscan=off,enable_hashjoin=off,enable_mergejoin=off,jit=off}'::text,
+        'TABLE (archived bigint[], limited bigint[], kept jsonb)'::text,
+        '{plan_cache_mode=force_generic_plan,enable_seqscan=off,enable_hashjoin=off,enable_mergejoin=off,jit=off}'::text[],
         format(E'\n        BEGIN\n            IF cardinality($3) > 0 THEN\n                %s;\n            END IF;\n'
                || E'            IF cardinality($1) > 0 THEN\n                RETURN QUERY %s;\n            END IF;\n        END ',
                lockgate._complete_sql(tbl, atbl, true), lockgate._complete_sql(tbl, atbl, false)),
