@@ -376,6 +376,62 @@ async fn a_definition_or_queue_that_exists_as_given_waits_for_no_other_definer_a
     }
 }
 
+/// What processes started together store at start (§57): their job types in one transaction
+/// each, and their heartbeat interval without a write unless it raises the recorded one.
+#[tokio::test]
+async fn a_start_defines_its_types_in_one_transaction_and_records_a_heartbeat_interval_it_does_not_raise_without_waiting(
+) {
+    let db = TestDb::migrated().await.unwrap();
+    let named = |name: &str| JobTypeName::new(name).unwrap();
+    let types = [
+        (named("c_three"), JobPolicy::on_queue(common::queue("default"))),
+        (named("a_one"), JobPolicy::on_queue(common::queue("default"))),
+        (named("b_two"), JobPolicy::on_queue(common::queue("default"))),
+    ];
+    let transactions = |column: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            let sql = format!("SELECT count(DISTINCT {column}::text) FROM lockgate.job_types WHERE name IN ('a_one', 'b_two', 'c_three')");
+            sqlx::query_scalar::<_, i64>(&sql).fetch_one(&pool).await.unwrap()
+        }
+    };
+    lockgate::sql::define_job_types(&db.pool, &types).await.unwrap();
+    assert_eq!(transactions("xmin").await, 1, "the three types were inserted by one transaction");
+    // Defined again as stored: each row is locked (shared) by the definition, all by one.
+    lockgate::sql::define_job_types(&db.pool, &types).await.unwrap();
+    assert_eq!(transactions("xmax").await, 1, "the three rows were locked by one transaction");
+    assert_eq!(
+        db.count("SELECT 1 FROM lockgate.job_types WHERE name IN ('a_one', 'b_two', 'c_three') AND xmax::text = '0'")
+            .await
+            .unwrap(),
+        0
+    );
+
+    lockgate::sql::record_heartbeat_interval(&db.pool, Duration::from_secs(5)).await.unwrap();
+    let row = "SELECT xmin::text || '/' || heartbeat_interval_ms FROM lockgate.settings";
+    let recorded: String = sqlx::query_scalar(row).fetch_one(&db.pool).await.unwrap();
+    // Another process is raising the interval and has not committed yet.
+    let mut raising = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lockgate.settings FOR UPDATE").execute(&mut *raising).await.unwrap();
+    let mut other = db.pool.acquire().await.unwrap();
+    sqlx::query("SET lock_timeout = '300ms'").execute(&mut *other).await.unwrap();
+    for interval in [Duration::from_secs(5), Duration::from_secs(1)] {
+        lockgate::sql::record_heartbeat_interval(&mut other, interval)
+            .await
+            .unwrap_or_else(|e| panic!("recording {interval:?} (not above 5 s) waited for the other process: {e}"));
+    }
+    let longer = lockgate::sql::record_heartbeat_interval(&mut other, Duration::from_secs(10)).await;
+    assert!(longer.is_err(), "raising the interval takes the row's lock: it waits for the other process");
+    raising.rollback().await.unwrap();
+    let unchanged: String = sqlx::query_scalar(row).fetch_one(&db.pool).await.unwrap();
+    assert_eq!(unchanged, recorded, "recording an interval no longer than the one stored wrote nothing");
+    lockgate::sql::record_heartbeat_interval(&mut other, Duration::from_secs(10)).await.unwrap();
+    lockgate::sql::record_heartbeat_interval(&mut other, Duration::from_secs(2)).await.unwrap();
+    let raised: i64 =
+        sqlx::query_scalar("SELECT heartbeat_interval_ms FROM lockgate.settings").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(raised, 10_000, "the longest interval recorded holds");
+}
+
 /// Each column a definition sets, changed behind define_job_type's back: defining the type as it
 /// was stored writes it back, so no column is missing from the "stored as given" comparison.
 #[tokio::test]

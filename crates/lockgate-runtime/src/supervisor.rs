@@ -126,8 +126,9 @@ impl Runtime {
         let db = &self.db;
         let up = &shutdown;
         start_up("check the schema", up, || lockgate_sql::check_schema(db)).await?;
-        for (name, policy) in self.registry.job_types() {
-            start_up("define a job type", up, || lockgate_sql::define_job_type(db, name, policy)).await?;
+        let job_types = self.registry.job_types();
+        if !job_types.is_empty() {
+            start_up("define the job types", up, || lockgate_sql::define_job_types(db, job_types)).await?;
         }
         if let Some(tasks) = &self.recurring {
             let removed =

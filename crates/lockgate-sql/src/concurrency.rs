@@ -41,10 +41,16 @@ pub async fn sweep<'c>(
 }
 
 /// Records this runtime's heartbeat interval; leases are floored at twice the largest recorded.
+/// An interval no longer than the one recorded changes nothing, and the statement then neither
+/// writes nor locks the row: processes started together do not wait for each other's commits
+/// here (the upsert locked the row even when it kept the larger value, so each start waited for
+/// the one before it to flush). Nothing lowers the recorded interval, so one seen at least as
+/// long stays so.
 pub async fn record_heartbeat_interval<'c>(db: impl Into<Db<'c>>, interval: Duration) -> Result<(), DbError> {
     on(db.into(), async |conn| {
         query(
-            "INSERT INTO lockgate.settings (heartbeat_interval_ms) VALUES ($1)
+            "INSERT INTO lockgate.settings (heartbeat_interval_ms)
+             SELECT $1 WHERE NOT EXISTS (SELECT 1 FROM lockgate.settings s WHERE s.heartbeat_interval_ms >= $1)
              ON CONFLICT (singleton) DO UPDATE SET heartbeat_interval_ms = GREATEST(lockgate.settings.heartbeat_interval_ms, $1)",
         )
         .bind(i64::try_from(interval.as_millis()).unwrap_or(i64::MAX))

@@ -17,6 +17,25 @@ pub async fn define_job_type<'c>(db: impl Into<Db<'c>>, name: &JobTypeName, poli
     on(db.into(), async |conn| define_query(name, policy).execute(conn).await.map(drop).map_err(DbError::from)).await
 }
 
+/// Stores (or replaces) the policies of several job types in one transaction, in name order: a
+/// runtime's start, whose definitions then cost one commit instead of one each (a definition
+/// that finds its type stored as given still locks the row, and so commits a write). Processes
+/// defining the same types take the rows' locks in the same order, so they wait for each other
+/// but do not deadlock.
+pub async fn define_job_types(pool: &sqlx::PgPool, types: &[(JobTypeName, JobPolicy)]) -> Result<(), DbError> {
+    let mut sorted: Vec<&(JobTypeName, JobPolicy)> = types.iter().collect();
+    sorted.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+    if let [(name, policy)] = sorted[..] {
+        return define_job_type(pool, name, policy).await;
+    }
+    let mut tx = pool.begin().await?;
+    for (name, policy) in sorted {
+        define_query(name, policy).execute(&mut *tx).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
 /// Stores a job type's policy only if the type is missing (creating its queue if missing too),
 /// and says whether it did: a type already stored keeps its policy. A stored type is found with
 /// one read (which needs no more privilege than an enqueue); a missing one is looked up again

@@ -34,7 +34,7 @@ pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetried,
 pub use doctor::{database_clock, doctor, DoctorCheck, DoctorThresholds, Verdict};
 pub use enqueue::{enqueue, enqueue_and_wake, enqueue_many, enqueue_many_and_wake, wake};
 pub use error::DbError;
-pub use job_types::{define_job_type, define_job_type_if_missing, job_type_exists, load_job_types};
+pub use job_types::{define_job_type, define_job_type_if_missing, define_job_types, job_type_exists, load_job_types};
 pub use jobs::{
     cancel, cancel_jobs, cancelled_messages, discard_job, job, jobs, release_cancelled, Cancelled, CancelledCount,
     JobFilter, JobRecord, JOB_STATES,
