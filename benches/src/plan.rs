@@ -53,6 +53,9 @@ pub const QUEUES: usize = 50;
 pub const QUEUE_JOBS: u64 = 1_000;
 pub const RUNTIMES: usize = 4;
 pub const RUNTIMES_JOBS: u64 = DRAIN_JOBS;
+/// runtimes' second size: long enough (about 2.5 s a drain here) that the four processes'
+/// start-up, 30-40 ms more than one process's, weighs little against their drain.
+pub const RUNTIMES_STEADY_JOBS: u64 = 100_000;
 /// burst: the steady rate, 1.5× that for a minute, a minute to recover, 30 s to warm up.
 pub const BURST_RATE: f64 = 800.0;
 pub const BURST_FACTOR: f64 = 1.5;
@@ -164,11 +167,14 @@ pub struct QueuesArgs {
 }
 
 /// runtimes: `runtimes` runtimes at `concurrency` each on one queue, against one runtime at
-/// `runtimes` × `concurrency`.
+/// `runtimes` × `concurrency`, draining `jobs` and then `steady_jobs` jobs (a row each).
 #[derive(Debug, Clone, Args, Serialize)]
 pub struct RuntimesArgs {
     #[arg(long, default_value_t = RUNTIMES_JOBS)]
     pub jobs: u64,
+    /// The second, longer drain (0 leaves it out).
+    #[arg(long, default_value_t = RUNTIMES_STEADY_JOBS)]
+    pub steady_jobs: u64,
     #[arg(long, default_value_t = RUNTIMES)]
     pub runtimes: usize,
     /// Each runtime's concurrency.
@@ -383,7 +389,12 @@ pub fn all(scale: f64) -> Vec<Workload> {
         Workload::Depth(DepthArgs { window: n(DEPTH_WINDOW).min(depths[0]), depths, concurrency: DRAIN_CONCURRENCY }),
         Workload::Workers(WorkersArgs { jobs: n(WORKERS_JOBS), levels: WORKERS_LEVELS.to_vec() }),
         Workload::Queues(QueuesArgs { queues: QUEUES, jobs_per_queue: n(QUEUE_JOBS), concurrency: DRAIN_CONCURRENCY }),
-        Workload::Runtimes(RuntimesArgs { jobs: n(RUNTIMES_JOBS), runtimes: RUNTIMES, concurrency: DRAIN_CONCURRENCY }),
+        Workload::Runtimes(RuntimesArgs {
+            jobs: n(RUNTIMES_JOBS),
+            steady_jobs: n(RUNTIMES_STEADY_JOBS),
+            runtimes: RUNTIMES,
+            concurrency: DRAIN_CONCURRENCY,
+        }),
         Workload::Limited(LimitedArgs {
             jobs: n(LIMITED_JOBS),
             keys: n(LIMITED_KEYS).min(n(LIMITED_JOBS)),

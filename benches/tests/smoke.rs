@@ -33,7 +33,7 @@ fn tiny_plan() -> Vec<Workload> {
             rate_jobs: 100,
         }),
         Workload::Queues(QueuesArgs { queues: 3, jobs_per_queue: 30, concurrency: 4 }),
-        Workload::Runtimes(RuntimesArgs { jobs: 100, runtimes: 2, concurrency: 2 }),
+        Workload::Runtimes(RuntimesArgs { jobs: 100, steady_jobs: 200, runtimes: 2, concurrency: 2 }),
         Workload::Depth(DepthArgs { depths: vec![60, 300], window: 40, concurrency: 4 }),
         Workload::Workers(WorkersArgs { jobs: 40, levels: vec![1, 4] }),
         Workload::Limited(LimitedArgs { jobs: 120, keys: 10, hot_jobs: 60, concurrency: 4 }),
