@@ -895,3 +895,68 @@ async fn a_promotion_runs_no_promotion_step_but_lockgates() {
     assert_eq!(ran, 0, "the planted function never ran");
     tx.rollback().await.unwrap();
 }
+
+/// Issue 14 (docs/design.md §60): a completion's release and promotion statements keep one
+/// generic plan per session. Made while the keys' tables were small and freshly analysed, that
+/// plan read the semaphores and leases whole (a hash join); kept after they grew to thousands of
+/// keys, it read them whole at every completion of the session. They go by index now, whatever
+/// the statistics said when the plan was made.
+#[tokio::test]
+async fn a_completion_plan_made_on_few_keys_reads_no_key_table_whole() {
+    let (db, client) = setup(1).await;
+    let running_and_parked = async |accounts: std::ops::Range<i64>| {
+        for n in [1, 2] {
+            let args: Vec<serde_json::Value> =
+                accounts.clone().map(|account| json!({ "account": account, "n": n })).collect();
+            client.enqueue_many_raw(TYPE, &args, &EnqueueOptions::default()).await.unwrap();
+        }
+    };
+    // Four keys, analysed; then 600 more whose leases are not (a table never analysed is
+    // estimated from its size: the plan then expects a handful of leases per queue).
+    running_and_parked(0..4).await;
+    sqlx::query("ANALYZE lockgate.semaphores, lockgate.parked").execute(&db.pool).await.unwrap();
+    running_and_parked(100..700).await;
+    let claim_and_complete = async |conn: &mut sqlx::PgConnection| {
+        let (msg_id, read_ct): (i64, i32) =
+            sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30, NULL, 1)")
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+        let archived: Vec<i64> =
+            sqlx::query_scalar("SELECT c FROM lockgate.complete('default', ARRAY[$1], ARRAY[$2]) c")
+                .bind(msg_id)
+                .bind(read_ct)
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+        assert_eq!(archived, vec![msg_id]);
+    };
+    // This session plans the completion's statements now.
+    let mut conn = db.pool.acquire().await.unwrap();
+    for _ in 0..3 {
+        claim_and_complete(&mut conn).await;
+    }
+    // 3,000 more keys, each with a job holding its permit and one parked behind it.
+    running_and_parked(1_000..4_000).await;
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    // The oldest visible job is account 3's first: its completion promotes its second.
+    claim_and_complete(&mut tx).await;
+    // Sequential scans, and rows read by any scan: a plan that reads a table's rows of the
+    // queue and matches them against the ids (a bitmap scan, say) is no better than one that
+    // reads the whole table.
+    let reads: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT t, pg_stat_get_xact_numscans(r),
+                pg_stat_get_xact_tuples_returned(r) + pg_stat_get_xact_tuples_fetched(r)
+           FROM unnest(ARRAY['semaphores', 'leases', 'parked']) t, LATERAL (SELECT ('lockgate.' || t)::regclass r) c",
+    )
+    .fetch_all(&mut *tx)
+    .await
+    .unwrap();
+    assert!(
+        reads.iter().all(|(_, scans, rows)| *scans == 0 && *rows < 50),
+        "tables read whole by the completion (table, sequential scans, rows read): {reads:?}"
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(parked(&db).await, 3_600, "account 3's second job was promoted");
+    assert_invariants(&db).await;
+}
