@@ -21,12 +21,19 @@ pub async fn define_job_type<'c>(db: impl Into<Db<'c>>, name: &JobTypeName, poli
 /// runtime's start, whose definitions then cost one commit instead of one each (a definition
 /// that finds its type stored as given still locks the row, and so commits a write). Processes
 /// defining the same types take the rows' locks in the same order, so they wait for each other
-/// but do not deadlock.
+/// but do not deadlock. Their queues are created first, each in a statement of its own (a queue
+/// that exists costs a read): the transaction then holds no queue's creation lock while it
+/// waits for a row or for the table lock of a Client defining a type on first use
+/// (`define_job_type_if_missing`), which could wait for that creation lock in turn.
 pub async fn define_job_types(pool: &sqlx::PgPool, types: &[(JobTypeName, JobPolicy)]) -> Result<(), DbError> {
     let mut sorted: Vec<&(JobTypeName, JobPolicy)> = types.iter().collect();
     sorted.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
     if let [(name, policy)] = sorted[..] {
         return define_job_type(pool, name, policy).await;
+    }
+    let queues: std::collections::BTreeSet<&str> = sorted.iter().map(|(_, p)| p.queue.as_str()).collect();
+    for queue in queues {
+        crate::queues::create_queue(pool, queue).await?;
     }
     let mut tx = pool.begin().await?;
     for (name, policy) in sorted {
