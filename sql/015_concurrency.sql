@@ -92,7 +92,8 @@ END $$;
 -- generic ones, and with sequential scans, hash and merge joins and JIT off, as the queue's
 -- steps are: a plan made while the leases and semaphores were few and freshly analysed read
 -- both tables whole, and kept doing so at every completion of the session once they held
--- thousands of keys. A completion releases at most a batch of keys, each found by its index.
+-- thousands of keys (sequentially; _promote_keys, planned on few keys, still reads every
+-- semaphore through its index: docs/design.md §60).
 CREATE OR REPLACE FUNCTION lockgate._release_leases(queue text, msg_ids bigint[])
 RETURNS integer LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_hashjoin = off
@@ -110,7 +111,7 @@ BEGIN
     -- 256 jobs with 400 leases). Joined on both columns, each id is a probe of the primary key.
     WITH gone AS (
         DELETE FROM lockgate.leases l
-         USING unnest(array_fill(_release_leases.queue, ARRAY[cardinality(msg_ids)]), msg_ids) AS r(queue, msg_id)
+         USING unnest(array_fill(_release_leases.queue, ARRAY[COALESCE(cardinality(msg_ids), 0)]), msg_ids) AS r(queue, msg_id)
          WHERE l.queue = r.queue AND l.msg_id = r.msg_id
         RETURNING l.key)
     SELECT array_agg(g.key ORDER BY g.key), array_agg(g.n ORDER BY g.key) INTO keys, counts
