@@ -63,6 +63,24 @@ async fn complete(db: &TestDb, c: &Claim) -> ArchiveOutcome {
     complete_deliveries(&db.pool, &c.queue, &[(c.msg_id, c.read_ct)], deadline).await.remove(0).unwrap()
 }
 
+/// Claims the next job of `default` on `conn` (its start recorded) and completes it there, in SQL;
+/// returns its msg_id.
+async fn claim_and_complete_on(conn: &mut sqlx::PgConnection) -> i64 {
+    let (msg_id, read_ct): (i64, i32) =
+        sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30, NULL, 1)")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+    let archived: Vec<i64> = sqlx::query_scalar("SELECT c FROM lockgate.complete('default', ARRAY[$1], ARRAY[$2]) c")
+        .bind(msg_id)
+        .bind(read_ct)
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(archived, vec![msg_id], "the holder's completion archives it");
+    msg_id
+}
+
 /// The message of `job_id`, if it exists: (msg_id, visible_at - now in seconds).
 async fn message_of(db: &TestDb, job_id: i64) -> Option<(i64, f64)> {
     sqlx::query_as(
@@ -856,33 +874,17 @@ async fn a_promotion_runs_no_promotion_step_but_lockgates() {
     .execute(&mut *tx)
     .await
     .unwrap();
-    let claim_and_complete = async |tx: &mut sqlx::PgConnection| -> i64 {
-        let (msg_id, read_ct): (i64, i32) =
-            sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30, NULL, 1)")
-                .fetch_one(&mut *tx)
-                .await
-                .unwrap();
-        let archived: Vec<i64> =
-            sqlx::query_scalar("SELECT c FROM lockgate.complete('default', ARRAY[$1], ARRAY[$2]) c")
-                .bind(msg_id)
-                .bind(read_ct)
-                .fetch_all(&mut *tx)
-                .await
-                .unwrap();
-        assert_eq!(archived, vec![msg_id], "the holder's completion archives it");
-        msg_id
-    };
     let leased =
         "SELECT count(*) FROM pgmq.q_default m JOIN lockgate.leases l ON l.queue = 'default' AND l.msg_id = m.msg_id
                    WHERE (m.headers->>'job_id')::bigint = $1";
-    assert_eq!(claim_and_complete(&mut tx).await, first.msg_id.unwrap());
+    assert_eq!(claim_and_complete_on(&mut tx).await, first.msg_id.unwrap());
     let sent: i64 = sqlx::query_scalar(leased).bind(second.job_id.0).fetch_one(&mut *tx).await.unwrap();
     assert_eq!(sent, 1, "the second job is promoted, holding a lease, without the step");
     let ran: i64 = sqlx::query_scalar("SELECT count(*) FROM public.planted_ran").fetch_one(&mut *tx).await.unwrap();
     assert_eq!(ran, 0, "the planted function never ran");
 
     sqlx::query("SELECT lockgate._install_promote_steps('default')").execute(&mut *tx).await.unwrap();
-    claim_and_complete(&mut tx).await;
+    claim_and_complete_on(&mut tx).await;
     let sent: i64 = sqlx::query_scalar(leased).bind(third.job_id.0).fetch_one(&mut *tx).await.unwrap();
     assert_eq!(sent, 1, "the third job is promoted, holding a lease");
     let through_step: Option<String> =
@@ -918,25 +920,10 @@ async fn a_completion_plan_made_on_few_keys_scans_no_key_table_and_probes_the_le
     running_and_parked(0..4).await;
     sqlx::query("ANALYZE lockgate.semaphores, lockgate.parked").execute(&db.pool).await.unwrap();
     running_and_parked(100..700).await;
-    let claim_and_complete = async |conn: &mut sqlx::PgConnection| {
-        let (msg_id, read_ct): (i64, i32) =
-            sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30, NULL, 1)")
-                .fetch_one(&mut *conn)
-                .await
-                .unwrap();
-        let archived: Vec<i64> =
-            sqlx::query_scalar("SELECT c FROM lockgate.complete('default', ARRAY[$1], ARRAY[$2]) c")
-                .bind(msg_id)
-                .bind(read_ct)
-                .fetch_all(&mut *conn)
-                .await
-                .unwrap();
-        assert_eq!(archived, vec![msg_id]);
-    };
     // This session plans the completion's statements now.
     let mut conn = db.pool.acquire().await.unwrap();
     for _ in 0..3 {
-        claim_and_complete(&mut conn).await;
+        claim_and_complete_on(&mut conn).await;
     }
     // 3,000 more keys, each with a job holding its permit and one parked behind it.
     running_and_parked(1_000..4_000).await;
@@ -945,7 +932,7 @@ async fn a_completion_plan_made_on_few_keys_scans_no_key_table_and_probes_the_le
     sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *conn).await.unwrap();
     let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
     // The oldest visible job is account 3's first: its completion promotes its second.
-    claim_and_complete(&mut tx).await;
+    claim_and_complete_on(&mut tx).await;
     let scans: Vec<(String, i64)> = sqlx::query_as(
         "SELECT t, pg_stat_get_xact_numscans(('lockgate.' || t)::regclass)
            FROM unnest(ARRAY['semaphores', 'leases', 'parked']) t",
