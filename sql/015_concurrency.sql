@@ -119,44 +119,62 @@ BEGIN
     IF keys IS NULL THEN
         RETURN 0;
     END IF;
-    -- Locks are taken in key order (LockRows runs above the sort), the order every path keeps.
-    PERFORM 1 FROM lockgate.semaphores s JOIN unnest(keys) AS k(key) ON k.key = s.key
-      ORDER BY s.key FOR UPDATE OF s;
+    -- Locks are taken in key order, the order every path keeps: keys is sorted, and each is
+    -- locked by a probe of its own, in turn (a lateral subquery no plan can turn into a walk of
+    -- the table; a join with the keys, sorted for the locks, was planned on few keys as a walk
+    -- of the whole index).
+    PERFORM 1 FROM unnest(keys) AS k(key)
+     CROSS JOIN LATERAL (SELECT FROM lockgate.semaphores s WHERE s.key = k.key OFFSET 0 FOR UPDATE) s;
     RETURN lockgate._send_promotions(lockgate._promote_keys(keys, counts));
 END $$;
 
--- Gives back counts[i] permits of keys[i] (semaphore rows the caller holds locked) and promotes
--- their parked jobs; returns what to send. The common case is one statement: for every key
--- whose next parked job's type is limited and whose queue exists, its next parked jobs (best
--- priority, then oldest), as many as that type's current limit leaves room for once the permits
--- are back, less any among them of another type or bound for a queue that is gone; the
--- semaphore row is written once, with what was given back and what was taken (the CHECK on
--- value <= lim stands behind the arithmetic, G3), and not at all when the two cancel out under
--- an unchanged limit (a key handing its permit from the job that finished to the next one: the
--- row the caller holds locked is what orders every path, and updated_at, which idle-key
--- reclamation reads, matters only once the value is 0, which is always written). A key
--- that still has room afterwards (its next job's type is gone or no longer limited, its queue is
--- gone, or jobs of another type share its explicit key) goes through _promote, one job at a
--- time, which dead-letters what can never run (H16) and releases what no longer needs a permit.
+-- Gives back counts[i] permits of keys[i] (distinct keys whose semaphore rows the caller holds
+-- locked) and promotes their parked jobs; returns what to send. The common case is three
+-- statements: for every key whose next parked job's type is limited and whose queue exists, its
+-- next parked jobs (best priority, then oldest) are picked and locked, as many as that type's
+-- current limit leaves room for once the permits are back, less any among them of another type
+-- or bound for a queue that is gone; each semaphore row is written once, with what was given
+-- back and what was taken (the CHECK on value <= lim stands behind the arithmetic, G3), and not
+-- at all when the two cancel out under an unchanged limit (a key handing its permit from the job
+-- that finished to the next one: the row the caller holds locked is what orders every path, and
+-- updated_at, which idle-key reclamation reads, matters only once the value is 0, which is
+-- always written); the picked jobs are deleted and returned. A key that still has room
+-- afterwards (its next job's type is gone or no longer limited, its queue is gone, or jobs of
+-- another type share its explicit key) goes through _promote, one job at a time, which
+-- dead-letters what can never run (H16) and releases what no longer needs a permit.
+--
+-- Every table is reached only from the keys or ids given (docs/design.md §60): the semaphores,
+-- parked jobs and job types through lateral subqueries driven by the keys, which no plan can
+-- turn into a walk of the table (a join was planned, on few keys, as a walk of the whole
+-- semaphore index with a probe of the parked jobs for every row); the rows written and deleted
+-- by their keys and ids, one by one or as an index condition. Two derived sets are never joined
+-- either (with hash and merge joins off, that is a nested loop, batch x batch): they are
+-- gathered by aggregation, or matched by position.
 CREATE OR REPLACE FUNCTION lockgate._promote_keys(keys text[], counts integer[])
 RETURNS lockgate.promotion[] LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     promotions lockgate.promotion[];
+    ids bigint[];
+    durations bigint[];
+    written text[];
+    deltas integer[];
+    lims integer[];
     k text;
 BEGIN
-    WITH released AS (
+    WITH released AS MATERIALIZED (
         SELECT g.key, g.n FROM unnest(keys, counts) AS g(key, n)),
     room AS (
-        SELECT s.key, jt.name AS job_type, jt.concurrency_limit AS lim, jt.concurrency_duration_ms AS duration_ms,
-               jt.concurrency_limit - (s.value - g.n) AS n
-          FROM lockgate.semaphores s
-          JOIN released g ON g.key = s.key
-         CROSS JOIN LATERAL (SELECT x.job_type, x.queue FROM lockgate.parked x WHERE x.key = s.key
+        SELECT g.key, s.lim AS held, t.job_type, t.lim, t.duration_ms, t.lim - (s.value - g.n) AS n
+          FROM released g
+         CROSS JOIN LATERAL (SELECT x.value, x.lim FROM lockgate.semaphores x WHERE x.key = g.key OFFSET 0) s
+         CROSS JOIN LATERAL (SELECT x.job_type, x.queue FROM lockgate.parked x WHERE x.key = g.key
                               ORDER BY x.priority, x.id LIMIT 1) head
-          JOIN lockgate.job_types jt ON jt.name = head.job_type
-         WHERE jt.concurrency_limit > s.value - g.n
+         CROSS JOIN LATERAL (SELECT jt.name AS job_type, jt.concurrency_limit AS lim,
+                                    jt.concurrency_duration_ms AS duration_ms
+                               FROM lockgate.job_types jt WHERE jt.name = head.job_type OFFSET 0) t
+         WHERE t.lim > s.value - g.n
            AND head.queue IN (SELECT lockgate._live_queues())),
     -- The type and queue are checked after the LIMIT, not inside it: a filter there makes the
     -- planner expect almost no matching rows, and without statistics it then reads and sorts
@@ -170,34 +188,50 @@ BEGIN
                                 FOR UPDATE SKIP LOCKED) p
          WHERE p.job_type = r.job_type
            AND p.queue IN (SELECT lockgate._live_queues())),
-    -- Given back and taken, per key, gathered by aggregation rather than a join of the two: the
-    -- planner cannot estimate either side and may join them by nested loop, batch × batch.
+    -- Per key: given back, taken, the limit to record and the one recorded.
     change AS (
-        SELECT u.key, sum(u.n)::integer AS n, max(u.lim) AS lim
-          FROM (SELECT g.key, -g.n AS n, NULL::integer AS lim FROM released g
+        SELECT u.key, sum(u.n)::integer AS n, max(u.lim) AS lim, max(u.held) AS held
+          FROM (SELECT g.key, -g.n AS n, NULL::integer AS lim, NULL::integer AS held FROM released g
                 UNION ALL
-                SELECT picked.key, 1, picked.lim FROM picked) u
-         GROUP BY u.key),
-    written AS (
-        UPDATE lockgate.semaphores s
-           SET value = s.value + c.n, lim = COALESCE(c.lim, s.lim), updated_at = now()
-          FROM change c
-         WHERE s.key = c.key AND (c.n <> 0 OR c.lim <> s.lim)),
-    moved AS (
-        DELETE FROM lockgate.parked x USING picked WHERE x.id = picked.id
-        RETURNING x.queue, x.run_at, x.args, x.headers, x.key, picked.duration_ms, x.priority, x.id)
-    SELECT array_agg(ROW(m.queue, GREATEST(m.run_at, clock_timestamp()), m.args, m.headers, m.key,
-                         m.duration_ms)::lockgate.promotion ORDER BY m.priority, m.id)
-      INTO promotions FROM moved m;
-    promotions := COALESCE(promotions, '{}');
+                SELECT r.key, 0, NULL, r.held FROM room r
+                UNION ALL
+                SELECT picked.key, 1, picked.lim, NULL FROM picked) u
+         GROUP BY u.key)
+    SELECT (SELECT array_agg(picked.id ORDER BY picked.id) FROM picked),
+           (SELECT array_agg(picked.duration_ms ORDER BY picked.id) FROM picked),
+           array_agg(c.key ORDER BY c.key), array_agg(c.n ORDER BY c.key), array_agg(c.lim ORDER BY c.key)
+      INTO ids, durations, written, deltas, lims
+      FROM change c WHERE c.n <> 0 OR c.lim <> c.held;
+    FOR i IN 1 .. COALESCE(cardinality(written), 0) LOOP
+        UPDATE lockgate.semaphores s SET value = s.value + deltas[i], lim = COALESCE(lims[i], s.lim), updated_at = now()
+         WHERE s.key = written[i];
+    END LOOP;
+    IF ids IS NULL THEN
+        promotions := '{}';
+    ELSE
+        -- The picked jobs, locked above, are all deleted here: the i-th by id is ids[i], whose
+        -- lease lasts durations[i].
+        WITH moved AS (
+            DELETE FROM lockgate.parked x WHERE x.id = ANY (ids)
+            RETURNING x.queue, x.run_at, x.args, x.headers, x.key, x.priority, x.id),
+        numbered AS (
+            SELECT m.*, row_number() OVER (ORDER BY m.id) AS i FROM moved m)
+        SELECT array_agg(ROW(m.queue, GREATEST(m.run_at, clock_timestamp()), m.args, m.headers, m.key,
+                             durations[m.i])::lockgate.promotion ORDER BY m.priority, m.id)
+          INTO promotions FROM numbered m;
+        IF cardinality(promotions) IS DISTINCT FROM cardinality(ids) THEN
+            RAISE EXCEPTION 'lockgate: % parked jobs picked for promotion, % deleted', cardinality(ids), cardinality(promotions);
+        END IF;
+    END IF;
     FOR k IN
-        SELECT s.key FROM lockgate.semaphores s
-          JOIN unnest(keys) AS g(key) ON g.key = s.key
-         CROSS JOIN LATERAL (SELECT x.job_type FROM lockgate.parked x WHERE x.key = s.key
+        SELECT g.key FROM unnest(keys) AS g(key)
+         CROSS JOIN LATERAL (SELECT x.value FROM lockgate.semaphores x WHERE x.key = g.key OFFSET 0) s
+         CROSS JOIN LATERAL (SELECT x.job_type FROM lockgate.parked x WHERE x.key = g.key
                               ORDER BY x.priority, x.id LIMIT 1) head
-          LEFT JOIN lockgate.job_types jt ON jt.name = head.job_type
+          LEFT JOIN LATERAL (SELECT jt.concurrency_limit FROM lockgate.job_types jt
+                              WHERE jt.name = head.job_type OFFSET 0) jt ON true
          WHERE jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
-         ORDER BY s.key
+         ORDER BY g.key
     LOOP
         promotions := promotions || ARRAY(SELECT p FROM lockgate._promote(k) p);
     END LOOP;

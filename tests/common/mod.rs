@@ -205,6 +205,26 @@ pub async fn rows_read(conn: &mut sqlx::PgConnection, table: &str) -> i64 {
     .expect("table statistics of this transaction")
 }
 
+/// For each of `tables`, in the current transaction: (table, sequential scans, rows read by any
+/// scan — the table's rows and its indexes' entries and fetches, since an index scan counts its
+/// rows on the index). Flush the session's statistics (`SELECT pg_stat_force_next_flush()`, in
+/// a statement before the transaction) first: PostgreSQL 15 counts unflushed reads of earlier
+/// transactions in a transaction's own.
+pub async fn reads(conn: &mut sqlx::PgConnection, tables: &[&str]) -> Vec<(String, i64, i64)> {
+    sqlx::query_as(
+        "SELECT t, pg_stat_get_xact_numscans(r),
+                pg_stat_get_xact_tuples_returned(r) + pg_stat_get_xact_tuples_fetched(r)
+                + COALESCE((SELECT sum(pg_stat_get_xact_tuples_returned(i.indexrelid)
+                                       + pg_stat_get_xact_tuples_fetched(i.indexrelid))::bigint
+                              FROM pg_index i WHERE i.indrelid = r), 0)
+           FROM unnest($1::text[]) t, LATERAL (SELECT t::regclass AS r) c",
+    )
+    .bind(tables)
+    .fetch_all(conn)
+    .await
+    .expect("table statistics of this transaction")
+}
+
 /// How many sessions of the test's database wait for a lock (for `wait_for_count`).
 pub const WAITING_FOR_A_LOCK: &str =
     "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
