@@ -61,8 +61,13 @@ END $$;
 CREATE OR REPLACE FUNCTION lockgate._release_unique(queue text, job_ids bigint[], msg_ids bigint[],
                                                     runs_only boolean DEFAULT false)
 RETURNS void LANGUAGE sql AS $$
-    DELETE FROM lockgate.unique_locks u USING unnest(job_ids, msg_ids) AS j(id, msg_id)
-     WHERE u.queue = _release_unique.queue AND u.job_id = j.id AND u.msg_id IS NOT DISTINCT FROM j.msg_id
+    -- The queue comes from the unnest, as a column: compared with a constant, it made the
+    -- locks of the queue a scan of their own (every lock of the queue read to release one), as
+    -- it did for the leases (docs/design.md §60).
+    DELETE FROM lockgate.unique_locks u
+     USING unnest(array_fill(_release_unique.queue, ARRAY[COALESCE(cardinality(job_ids), 0)]), job_ids, msg_ids)
+           AS j(queue, id, msg_id)
+     WHERE u.queue = j.queue AND u.job_id = j.id AND u.msg_id IS NOT DISTINCT FROM j.msg_id
        AND (NOT runs_only OR u.mode = 'while_executing')
 $$;
 

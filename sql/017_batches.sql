@@ -194,8 +194,11 @@ END $$;
 CREATE OR REPLACE FUNCTION lockgate._drop_memberships(queue text, job_ids bigint[])
 RETURNS bigint[] LANGUAGE sql AS $$
     WITH gone AS (
-        DELETE FROM lockgate.batch_jobs m USING unnest(job_ids) AS j(id)
-         WHERE m.queue = _drop_memberships.queue AND m.job_id = j.id
+        -- The queue from the unnest, as in lockgate._release_unique.
+        DELETE FROM lockgate.batch_jobs m
+         USING unnest(array_fill(_drop_memberships.queue, ARRAY[COALESCE(cardinality(job_ids), 0)]), job_ids)
+               AS j(queue, id)
+         WHERE m.queue = j.queue AND m.job_id = j.id
         RETURNING m.batch_id)
     SELECT COALESCE(array_agg(gone.batch_id), '{}') FROM gone
 $$;
