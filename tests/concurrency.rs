@@ -932,11 +932,9 @@ async fn a_completion_plan_made_on_few_keys_reads_only_the_keys_it_releases() {
     // The oldest visible job is account 3's first: its completion promotes its second.
     claim_and_complete_on(&mut tx).await;
     // One lease deleted and one parked job moved, a few rows looked at.
-    let reads = common::reads(
-        &mut tx,
-        &["lockgate.semaphores", "lockgate.leases", "lockgate.parked", "lockgate.job_types"],
-    )
-    .await;
+    let reads =
+        common::reads(&mut tx, &["lockgate.semaphores", "lockgate.leases", "lockgate.parked", "lockgate.job_types"])
+            .await;
     // The job types, a handful of rows, may be read whole.
     assert!(
         reads.iter().all(|(t, scans, _)| *scans == 0 || t == "lockgate.job_types"),

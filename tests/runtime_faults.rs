@@ -1,8 +1,9 @@
 //! The runtime under the faults that broke it (issue 10): a producer transaction held open on a
 //! key while a completion of that key blocks (H28), a worker partitioned from the database while
 //! it holds a limit-1 job (H27), a process whose registry heartbeat stalls while its jobs renew
-//! (H26), a queue whose claim fails beside healthy ones (H29), and shutdown returning a job only
-//! after its handler has ended (H30).
+//! (H26), a queue whose claim fails beside healthy ones (H29), shutdown returning a job only
+//! after its handler has ended (H30), and the recorded heartbeat interval lowered behind a running
+//! process's back (H10).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -397,4 +398,31 @@ async fn h30_a_handler_that_will_not_stop_is_not_returned_and_its_visibility_lap
             .await
             .unwrap();
     assert!(invisible && returns.is_none(), "not returned while its handler runs; its visibility lapses instead");
+}
+
+/// The lease floor (twice the longest recorded heartbeat interval, H10) comes back within a
+/// process beat when `lockgate.settings` is lowered or its row deleted while a process runs (an
+/// operator's edit, a restore of an old copy): each beat records the process's interval again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lowered_or_deleted_heartbeat_interval_is_recorded_again_by_the_next_process_beat() {
+    let db = TestDb::migrated().await.unwrap();
+    let types = [("work", JobPolicy::on_queue(queue("default")))];
+    define(&db, &types).await;
+    let config = RuntimeConfig { process_heartbeat_interval: Duration::from_millis(200), ..test_config() };
+    let expected = i64::try_from(config.heartbeat_interval.as_millis()).unwrap();
+    let registry = probe_registry(probe(&db, 0, &Counter::default()), &types);
+    let running = Running::start(&db, config, registry, &["default"], 1).await;
+    let recorded = || async {
+        let ms: Option<i64> =
+            sqlx::query_scalar("SELECT heartbeat_interval_ms FROM lockgate.settings").fetch_optional(&db.pool).await?;
+        Ok((ms == Some(expected)).then_some(()))
+    };
+    wait_for("the start to record the interval", WAIT, recorded).await.unwrap();
+    for edit in ["UPDATE lockgate.settings SET heartbeat_interval_ms = 1", "DELETE FROM lockgate.settings"] {
+        sqlx::query(edit).execute(&db.pool).await.unwrap();
+        wait_for(&format!("a beat to record the interval again after {edit}"), Duration::from_secs(5), recorded)
+            .await
+            .unwrap();
+    }
+    running.stop().await;
 }

@@ -57,6 +57,8 @@ pub(crate) struct ProcessRegistry {
     rows: tokio::sync::Mutex<Vec<i64>>,
     interval: Duration,
     alive_threshold: Duration,
+    /// The job heartbeat's interval, recorded again at every beat (it floors every lease).
+    lease_heartbeat: Duration,
     metrics: Arc<Metrics>,
     /// Fired once the process runs: its first beat then records that, not the booting phase.
     running: tokio::sync::Notify,
@@ -71,6 +73,7 @@ impl ProcessRegistry {
         health: Arc<Health>,
         interval: Duration,
         alive_threshold: Duration,
+        lease_heartbeat: Duration,
         metrics: Arc<Metrics>,
     ) -> Self {
         Self {
@@ -84,6 +87,7 @@ impl ProcessRegistry {
             rows: Default::default(),
             interval,
             alive_threshold,
+            lease_heartbeat,
             metrics,
             running: tokio::sync::Notify::new(),
         }
@@ -192,6 +196,11 @@ impl ProcessRegistry {
             beats.push((*dispatcher, json!({})));
         }
         let alive = lockgate_sql::heartbeat_processes(&self.db, &beats).await?;
+        // The start recorded it, and nothing in lockgate lowers it; recorded again here, an
+        // operator's change to lockgate.settings (or a restore of an old copy of it) leaves
+        // leases floored below this process's heartbeat for one beat at most. A read when the
+        // recorded interval is at least as long.
+        lockgate_sql::record_heartbeat_interval(&self.db, self.lease_heartbeat).await?;
         if !alive.contains(&owner) {
             self.on_pruned(owner).await?;
             report.reregistered = true;

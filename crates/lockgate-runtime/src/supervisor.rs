@@ -218,6 +218,7 @@ impl Runtime {
             Arc::clone(&self.health),
             self.config.process_heartbeat_interval,
             self.config.alive_threshold,
+            self.config.heartbeat_interval,
             Arc::clone(&self.metrics),
         ));
         start_up("register the process", up, || process_registry.register()).await?;
