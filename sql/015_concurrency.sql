@@ -147,7 +147,7 @@ END $$;
 -- parked jobs and job types through lateral subqueries driven by the keys, which no plan can
 -- turn into a walk of the table (a join was planned, on few keys, as a walk of the whole
 -- semaphore index with a probe of the parked jobs for every row); the rows written and deleted
--- by their keys and ids, one by one or as an index condition. Two derived sets are never joined
+-- by their row addresses and ids (a TID scan, an index condition). Two derived sets are never joined
 -- either (with hash and merge joins off, that is a nested loop, batch x batch): they are
 -- gathered by aggregation, or matched by position.
 CREATE OR REPLACE FUNCTION lockgate._promote_keys(keys text[], counts integer[])
@@ -159,22 +159,26 @@ DECLARE
     ids bigint[];
     durations bigint[];
     written text[];
+    tids tid[];
     deltas integer[];
     lims integer[];
+    updated bigint;
     k text;
 BEGIN
     WITH released AS MATERIALIZED (
-        SELECT g.key, g.n FROM unnest(keys, counts) AS g(key, n)),
+        SELECT g.key, g.n, s.tid, s.value, s.lim
+          FROM unnest(keys, counts) AS g(key, n)
+         CROSS JOIN LATERAL (SELECT x.ctid AS tid, x.value, x.lim FROM lockgate.semaphores x
+                              WHERE x.key = g.key OFFSET 0) s),
     room AS (
-        SELECT g.key, s.lim AS held, t.job_type, t.lim, t.duration_ms, t.lim - (s.value - g.n) AS n
+        SELECT g.key, g.lim AS held, t.job_type, t.lim, t.duration_ms, t.lim - (g.value - g.n) AS n
           FROM released g
-         CROSS JOIN LATERAL (SELECT x.value, x.lim FROM lockgate.semaphores x WHERE x.key = g.key OFFSET 0) s
          CROSS JOIN LATERAL (SELECT x.job_type, x.queue FROM lockgate.parked x WHERE x.key = g.key
                               ORDER BY x.priority, x.id LIMIT 1) head
          CROSS JOIN LATERAL (SELECT jt.name AS job_type, jt.concurrency_limit AS lim,
                                     jt.concurrency_duration_ms AS duration_ms
                                FROM lockgate.job_types jt WHERE jt.name = head.job_type OFFSET 0) t
-         WHERE t.lim > s.value - g.n
+         WHERE t.lim > g.value - g.n
            AND head.queue IN (SELECT lockgate._live_queues())),
     -- The type and queue are checked after the LIMIT, not inside it: a filter there makes the
     -- planner expect almost no matching rows, and without statistics it then reads and sorts
@@ -188,24 +192,32 @@ BEGIN
                                 FOR UPDATE SKIP LOCKED) p
          WHERE p.job_type = r.job_type
            AND p.queue IN (SELECT lockgate._live_queues())),
-    -- Per key: given back, taken, the limit to record and the one recorded.
+    -- Per key: its row, given back, taken, the limit to record and the one recorded.
     change AS (
-        SELECT u.key, sum(u.n)::integer AS n, max(u.lim) AS lim, max(u.held) AS held
-          FROM (SELECT g.key, -g.n AS n, NULL::integer AS lim, NULL::integer AS held FROM released g
+        SELECT u.key, (array_agg(u.tid) FILTER (WHERE u.tid IS NOT NULL))[1] AS tid, sum(u.n)::integer AS n,
+               max(u.lim) AS lim, max(u.held) AS held
+          FROM (SELECT g.key, g.tid, -g.n AS n, NULL::integer AS lim, g.lim AS held FROM released g
                 UNION ALL
-                SELECT r.key, 0, NULL, r.held FROM room r
-                UNION ALL
-                SELECT picked.key, 1, picked.lim, NULL FROM picked) u
+                SELECT picked.key, NULL, 1, picked.lim, NULL FROM picked) u
          GROUP BY u.key)
     SELECT (SELECT array_agg(picked.id ORDER BY picked.id) FROM picked),
            (SELECT array_agg(picked.duration_ms ORDER BY picked.id) FROM picked),
-           array_agg(c.key ORDER BY c.key), array_agg(c.n ORDER BY c.key), array_agg(c.lim ORDER BY c.key)
-      INTO ids, durations, written, deltas, lims
+           array_agg(c.key), array_agg(c.tid), array_agg(c.n), array_agg(c.lim)
+      INTO ids, durations, written, tids, deltas, lims
       FROM change c WHERE c.n <> 0 OR c.lim <> c.held;
-    FOR i IN 1 .. COALESCE(cardinality(written), 0) LOOP
-        UPDATE lockgate.semaphores s SET value = s.value + deltas[i], lim = COALESCE(lims[i], s.lim), updated_at = now()
-         WHERE s.key = written[i];
-    END LOOP;
+    -- The rows that change, in one statement, each found by the row address read above (the
+    -- caller holds the rows locked, so it cannot have moved): joined on the key, the planner
+    -- may walk the whole index; on the address, only a probe of each is possible (a TID scan).
+    IF written IS NOT NULL THEN
+        UPDATE lockgate.semaphores s
+           SET value = s.value + c.n, lim = COALESCE(c.lim, s.lim), updated_at = now()
+          FROM unnest(tids, deltas, lims, written) AS c(tid, n, lim, key)
+         WHERE s.ctid = c.tid AND s.key IS NOT DISTINCT FROM c.key;
+        GET DIAGNOSTICS updated = ROW_COUNT;
+        IF updated <> cardinality(written) THEN
+            RAISE EXCEPTION 'lockgate: % semaphore rows to write, % written', cardinality(written), updated;
+        END IF;
+    END IF;
     IF ids IS NULL THEN
         promotions := '{}';
     ELSE
