@@ -58,6 +58,13 @@ BEGIN
          GROUP BY s.key, s.value HAVING s.value <> count(l.msg_id);
     RETURN QUERY
         SELECT s.key, format('value %s above limit %s', s.value, s.lim) FROM lockgate.semaphores s WHERE s.value > s.lim;
+    -- No foreign key stands behind this since migration 18: every path adding a lease holds its
+    -- key's row locked.
+    RETURN QUERY
+        SELECT l.key, format('%s leases but no semaphore row', count(*))
+          FROM lockgate.leases l
+         WHERE NOT EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = l.key)
+         GROUP BY l.key;
     RETURN QUERY
         SELECT NULL::text, format('queue %s has no PGMQ table (dropped outside lockgate)', q2.name)
           FROM lockgate.queues q2 WHERE q2.name NOT IN (SELECT lockgate._live_queues());

@@ -945,3 +945,51 @@ async fn a_completion_plan_made_on_few_keys_reads_only_the_keys_it_releases() {
     assert_eq!(parked(&db).await, 3_600, "account 3's second job was promoted");
     assert_invariants(&db).await;
 }
+
+/// Issue 14 (docs/design.md §60, migration 18): a lease inserted in a session whose first leases
+/// went in while the keys were few reads only its own key. The lease's foreign key to its
+/// semaphore row was checked by a query the server plans once per session, outside the
+/// settings of lockgate's statements: planned on four analysed keys it was a sequential scan,
+/// which read every semaphore at every lease inserted once there were thousands.
+#[tokio::test]
+async fn a_lease_inserted_after_the_keys_grew_reads_only_its_own_key() {
+    let (db, client) = setup(1).await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    let enqueue_on = async |conn: &mut sqlx::PgConnection, account: i64, n: i64| {
+        let status: String = sqlx::query_scalar(
+            "SELECT status FROM lockgate.enqueue($1, jsonb_build_object('account', $2::bigint, 'n', $3::bigint))",
+        )
+        .bind(TYPE)
+        .bind(account)
+        .bind(n)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        status
+    };
+    for account in 0..4 {
+        assert_eq!(enqueue_on(&mut conn, account, 1).await, "enqueued");
+    }
+    sqlx::query("ANALYZE lockgate.semaphores").execute(&db.pool).await.unwrap();
+    // This session adds leases on few keys, more than five times (a statement's plan turns
+    // generic after five).
+    for account in 4..12 {
+        assert_eq!(enqueue_on(&mut conn, account, 1).await, "enqueued");
+    }
+    // Account 0's next job waits behind its first.
+    assert_eq!(enqueue_on(&mut conn, 0, 2).await, "parked");
+    // 3,900 more keys, each with a job holding its permit, from other sessions.
+    let args: Vec<serde_json::Value> = (100..4_000).map(|account| json!({ "account": account, "n": 1 })).collect();
+    client.enqueue_many_raw(TYPE, &args, &EnqueueOptions::default()).await.unwrap();
+    sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *conn).await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    // A lease for a new key, at enqueue; then account 0's first job completes and promotes its
+    // second, with a lease of its own.
+    assert_eq!(enqueue_on(&mut tx, 9_999, 1).await, "enqueued");
+    claim_and_complete_on(&mut tx).await;
+    let reads = common::reads(&mut tx, &["lockgate.semaphores"]).await;
+    tx.commit().await.unwrap();
+    assert!(reads.iter().all(|(_, scans, rows)| *scans == 0 && *rows < 50), "semaphores read: {reads:?}");
+    assert_eq!(parked(&db).await, 0, "account 0's second job was promoted");
+    assert_invariants(&db).await;
+}

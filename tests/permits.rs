@@ -393,7 +393,7 @@ async fn h29_no_message_content_makes_a_claim_fail_each_is_dead_lettered_with_it
 }
 
 #[tokio::test]
-async fn g3_check_invariants_sees_a_delivery_without_its_lease_and_a_key_over_its_limit() {
+async fn g3_check_invariants_sees_a_delivery_without_its_lease_a_key_over_its_limit_and_a_lease_without_its_key() {
     // The check every concurrency test ends with must be able to fail.
     let db = limited(1, 60_000).await;
     enqueue(&db.pool, 1).await;
@@ -422,6 +422,15 @@ async fn g3_check_invariants_sees_a_delivery_without_its_lease_and_a_key_over_it
     .unwrap();
     let found = violations(&db.pool).await;
     assert!(found.iter().any(|v| v.contains("2 deliveries in flight holding leases, limit 1")), "{found:?}");
+    // A lease whose key has no semaphore row (no foreign key stands behind this since
+    // migration 18; every path adding a lease holds its key's row).
+    sqlx::query("UPDATE lockgate.leases SET key = 'lim:[9]' WHERE msg_id = $1")
+        .bind(claimed[0].0)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let found = violations(&db.pool).await;
+    assert!(found.iter().any(|v| v.contains("lim:[9]") && v.contains("1 leases but no semaphore row")), "{found:?}");
 }
 
 /// One worker of the mixed load: loops over claims, renewals, completions, retries, returns,
