@@ -459,14 +459,19 @@ BEGIN
     -- A lease still bound to the message (past its end, or of its old key) gives its permit back.
     SELECT l.key INTO held FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id;
     IF held IS NOT NULL THEN
-        IF NOT lockgate._lock_key_now(held, NULL) THEN
+        IF lockgate._lock_key_now(held, NULL) THEN
+            -- Only the rows deleted here are given back: a sweep may have expired the lease since
+            -- it was read (G2).
+            WITH gone AS (DELETE FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id RETURNING 1)
+            SELECT count(*) INTO stale FROM gone;
+            PERFORM lockgate._give_back(held, stale);
+        ELSIF EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = held) THEN
             RETURN lockgate._put_back(tbl, c);
+        ELSE
+            -- Its key has no row (only a hand edit or a bug makes such a lease, docs/design.md
+            -- §61): no row counts it, so it is deleted with nothing to give back.
+            DELETE FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id;
         END IF;
-        -- Only the rows deleted here are given back: a sweep may have expired the lease since it
-        -- was read (G2).
-        WITH gone AS (DELETE FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id RETURNING 1)
-        SELECT count(*) INTO stale FROM gone;
-        PERFORM lockgate._give_back(held, stale);
     END IF;
     IF NOT lockgate._lock_key_now(ckey, jt.concurrency_limit) THEN
         RETURN lockgate._put_back(tbl, c);

@@ -920,6 +920,27 @@ async fn g3_a_lease_whose_message_was_removed_behind_lockgates_back_is_freed_onl
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
+/// A lease whose key has no semaphore row (no foreign key stands behind the row since
+/// migration 18; only a hand edit or a bug makes one, docs/design.md §61), expired, met by a
+/// claim of its delivery before any sweep: the claim deletes it and takes a permit of its key's
+/// new row, where it put the delivery back at every claim, because it could not lock a row that
+/// does not exist.
+#[tokio::test]
+async fn h24_a_claim_drops_an_expired_lease_whose_key_has_no_row_and_takes_a_permit_of_its_own() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let first = claim(&db.pool, 1).await.remove(0);
+    sqlx::query("DELETE FROM lockgate.semaphores WHERE key = 'lim:[1]'").execute(&db.pool).await.unwrap();
+    lapse_leases(&db.pool).await;
+    lapse_visibility(&db.pool).await;
+    let again = claim(&db.pool, 1).await;
+    assert_eq!(again.iter().map(|d| d.0).collect::<Vec<_>>(), vec![first.0], "the job runs again");
+    let held: Vec<(String, i32)> =
+        sqlx::query_as("SELECT key, value FROM lockgate.semaphores").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(held, vec![("lim:[1]".to_string(), 1)], "one permit, of a new row");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
 #[tokio::test]
 async fn g5_a_queue_dropped_behind_lockgates_back_stops_no_sweep_and_is_reported() {
     let db = limited(1, 60_000).await;
