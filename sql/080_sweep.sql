@@ -5,7 +5,9 @@
 --    found through the leases' expiry index, so thousands of held keys never delay it, H15). A
 --    lease whose message no longer exists (removed outside lockgate, by pgmq.archive or
 --    pgmq.delete) is no exception: its holder may still be running until its budget ends, so it
---    too is freed only when it expires (counted as orphaned);
+--    too is freed only when it expires (counted as orphaned). A lease whose key has no semaphore
+--    row (only a hand edit or a bug makes one, docs/design.md §61) is deleted once expired, with
+--    no permit to give back: no row counts it;
 -- 2. repair: promote parked jobs of keys that can take a permit although nothing released one
 --    (every release promotes in its own transaction, so such keys are rare: a raised or removed
 --    limit, a type or queue gone, a permit given back at a claim that re-keyed its job, a parked
@@ -14,28 +16,34 @@
 --    parked jobs' key index, one probe per key, wrapping around), so every key is looked at
 --    within (keys / 256) passes. When the policies or queues change (their fingerprint in
 --    lockgate.sweep_state), passes instead take every key that can promote now, oldest-waiting
---    first, at most max_keys per pass, until one finds fewer: a raised limit frees room at the
---    next sweep.
+--    first, at most max_keys per pass, until one finds fewer (lockgate._sweep_candidates): a
+--    raised limit frees room at the next sweep.
 -- Returns counts. now_override pins the clock for tests; NULL means the database's clock.
 --
--- Never waits for a lock (H28, H31): a key's semaphore row or a lease that another transaction
--- holds (an open producer transaction, a completion, a claim renewing the lease) is skipped and
--- taken by a later pass; so one held key can never stall the sweep of every other key; a second
--- sweep running at once skips the repair (lockgate.sweep_state's row). Locks, in the order every
--- path keeps: semaphore rows in key order (SKIP LOCKED), then the expired lease rows of those
--- keys (SKIP LOCKED; a lease a claim or heartbeat just renewed is re-checked and kept), then
--- parked rows (SKIP LOCKED); then the repair's semaphore rows, in key order (SKIP LOCKED).
--- Callers: the sweep service every sweep_interval, operators.
+-- Every statement but the last reaches the key tables only through the expired leases' expiry
+-- index, the keys and the leases found there, or the cursor's next keys (docs/design.md §61): its
+-- plan, made once per session and kept, with sequential scans, hash and merge joins off, reads
+-- what it names however few keys there were when it was made. Never waits for a lock (H28, H31):
+-- a key's semaphore row or a lease that another transaction holds (an open producer transaction,
+-- a completion, a claim renewing the lease) is skipped and taken by a later pass; so one held key
+-- can never stall the sweep of every other key; a second sweep running at once skips the repair
+-- (lockgate.sweep_state's row). Locks, each skipping what another transaction holds: semaphore
+-- rows of the expired leases' keys in key order, then those keys' expired leases (a lease a claim
+-- or heartbeat just renewed is re-checked and kept), then parked rows; then the repair's semaphore
+-- rows, in key order. Callers: the sweep service every sweep_interval, operators.
 CREATE OR REPLACE FUNCTION lockgate.sweep(max_keys integer DEFAULT 1000, now_override timestamptz DEFAULT NULL,
     OUT expired integer, OUT orphaned integer, OUT promoted integer)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     at timestamptz := COALESCE(now_override, clock_timestamp());
     keys text[];
+    mine boolean[];
+    tids tid[];
+    gone_queues text[];
+    gone_ids bigint[];
     counts integer[];
-    orphan_queues text[] := '{}';
-    orphan_ids bigint[] := '{}';
-    k record;
     q record;
     promotions lockgate.promotion[] := '{}';
     st lockgate.sweep_state;
@@ -43,44 +51,58 @@ DECLARE
     window_size integer := GREATEST(LEAST(max_keys, 256), 1);
     looked text[];
     candidates text[];
+    k record;
 BEGIN
-    -- Expired leases whose message no longer exists, for the count. Found without locks.
-    FOR q IN SELECT DISTINCT l.queue FROM lockgate.leases l
-              WHERE l.expires_at < at AND l.queue IN (SELECT lockgate._live_queues()) LOOP
-        EXECUTE format(
-            'SELECT $2 || COALESCE(array_agg(l.msg_id), ''{}'') FROM lockgate.leases l
-              WHERE l.queue = $1 AND l.expires_at < $3 AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)',
-            lockgate._queue_table(q.queue, 'q'))
-          INTO orphan_ids USING q.queue, orphan_ids, at;
-        orphan_queues := orphan_queues || array_fill(q.queue, ARRAY[cardinality(orphan_ids) - cardinality(orphan_queues)]);
-    END LOOP;
-    -- 1. Keys with an expired lease whose semaphore row is free now.
-    SELECT array_agg(s.key ORDER BY s.key) INTO keys
-      FROM (SELECT x.key FROM lockgate.semaphores x
-             WHERE x.key IN (SELECT l.key FROM lockgate.leases l WHERE l.expires_at < at)
-             ORDER BY x.key
-               FOR UPDATE OF x SKIP LOCKED) s;
-    WITH doomed AS (
-        SELECT x.queue, x.msg_id,
-               (x.queue, x.msg_id) IN (SELECT o.queue, o.msg_id FROM unnest(orphan_queues, orphan_ids) AS o(queue, msg_id))
-                   AS orphan
-          FROM lockgate.leases x JOIN unnest(keys) AS sk(key) ON sk.key = x.key
-         WHERE x.expires_at < at
-         ORDER BY x.queue, x.msg_id
-           FOR UPDATE OF x SKIP LOCKED),
-    gone AS (
-        DELETE FROM lockgate.leases l USING doomed d
-         WHERE l.queue = d.queue AND l.msg_id = d.msg_id
-        RETURNING l.key, d.orphan),
+    -- 1. The keys of the expired leases, read from the expiry index alone (no order is asked of
+    -- the table, so no plan walks another index for one), sorted and made distinct in memory.
+    keys := ARRAY(SELECT DISTINCT e.key
+                    FROM unnest(ARRAY(SELECT l.key FROM lockgate.leases l WHERE l.expires_at < at)) AS e(key)
+                   ORDER BY e.key);
+    -- Each key's row locked, by a probe of its own, in key order; a key whose row another
+    -- transaction holds is left for a later pass, one with no row at all is taken (mine false).
+    SELECT array_agg(g.key ORDER BY g.o), array_agg(m.locked IS NOT NULL ORDER BY g.o) INTO keys, mine
+      FROM unnest(keys) WITH ORDINALITY AS g(key, o)
+      LEFT JOIN LATERAL (SELECT true AS locked FROM lockgate.semaphores x WHERE x.key = g.key
+                          OFFSET 0 FOR UPDATE SKIP LOCKED) m ON true
+      LEFT JOIN LATERAL (SELECT true AS present FROM lockgate.semaphores x WHERE x.key = g.key AND m.locked IS NULL
+                          OFFSET 0) p ON true
+     WHERE m.locked OR p.present IS NULL;
+    -- Their expired leases, each locked unless another transaction holds it (a lease renewed
+    -- since it was read is re-checked under its lock and kept), and how many each key with a row
+    -- gives back; then deleted by address (rows this transaction holds cannot move or be deleted
+    -- by another: a TID scan is the only plan, and every row is deleted).
+    WITH held AS MATERIALIZED (
+        SELECT g.key, g.mine, g.o, x.tid
+          FROM unnest(keys, mine) WITH ORDINALITY AS g(key, mine, o)
+         CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.leases x WHERE x.key = g.key AND x.expires_at < at
+                              OFFSET 0 FOR UPDATE SKIP LOCKED) x),
     per_key AS (
-        SELECT gone.key, count(*)::integer AS n, count(*) FILTER (WHERE NOT gone.orphan) AS e,
-               count(*) FILTER (WHERE gone.orphan) AS o
-          FROM gone GROUP BY gone.key)
-    SELECT COALESCE(sum(p.e), 0)::integer, COALESCE(sum(p.o), 0)::integer,
-           array_agg(p.key ORDER BY p.key), array_agg(p.n ORDER BY p.key)
-      INTO expired, orphaned, keys, counts FROM per_key p;
+        SELECT h.key, min(h.o) AS o, count(*)::integer AS n FROM held h WHERE h.mine GROUP BY h.key)
+    SELECT (SELECT array_agg(h.tid) FROM held h),
+           (SELECT array_agg(c.key ORDER BY c.o) FROM per_key c),
+           (SELECT array_agg(c.n ORDER BY c.o) FROM per_key c)
+      INTO tids, keys, counts;
+    WITH gone AS (
+        DELETE FROM lockgate.leases l WHERE l.ctid = ANY (tids) RETURNING l.queue, l.msg_id)
+    SELECT array_agg(gone.queue), array_agg(gone.msg_id) INTO gone_queues, gone_ids FROM gone;
+    IF cardinality(gone_ids) IS DISTINCT FROM cardinality(tids) THEN
+        RAISE EXCEPTION 'lockgate: % expired leases locked, % deleted', cardinality(tids), cardinality(gone_ids);
+    END IF;
+    -- Which of them had lost their message (for the count), one probe of the queue's table each.
+    orphaned := 0;
+    FOR q IN SELECT DISTINCT g.queue FROM unnest(gone_queues) AS g(queue)
+              WHERE g.queue IN (SELECT lockgate._live_queues()) LOOP
+        EXECUTE format(
+            'SELECT $3 + count(*)::integer FROM unnest($1, $2) AS g(queue, msg_id)
+              WHERE g.queue = $4
+                AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = g.msg_id)',
+            lockgate._queue_table(q.queue, 'q'))
+          INTO orphaned USING gone_queues, gone_ids, orphaned, q.queue;
+    END LOOP;
+    expired := COALESCE(cardinality(gone_ids), 0) - orphaned;
+    -- Given back and promoted in one step, on the semaphore rows locked above; a key with no row
+    -- has nothing to give back.
     IF keys IS NOT NULL THEN
-        -- Given back and promoted in one step, on the semaphore rows locked above.
         promotions := lockgate._promote_keys(keys, counts);
     END IF;
     -- 2. The repair, unless another sweep is running it.
@@ -90,16 +112,7 @@ BEGIN
                                                        ORDER BY t.name) FROM lockgate.job_types t), '')
                            || '|' || COALESCE((SELECT string_agg(l.q, ',') FROM lockgate._live_queues() AS l(q)), ''));
         IF st.full_scan OR st.policies IS DISTINCT FROM fingerprint THEN
-            -- Room is judged against the type's current limit (a raised limit frees room at
-            -- once); a key whose type is gone or no longer limited is taken too, to dead-letter or
-            -- release it. The oldest-waiting keys first.
-            candidates := ARRAY(
-                SELECT p.key FROM lockgate.parked p
-                  LEFT JOIN lockgate.semaphores s ON s.key = p.key
-                  LEFT JOIN lockgate.job_types jt ON jt.name = p.job_type
-                 WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
-                    OR p.queue NOT IN (SELECT lockgate._live_queues())
-                 GROUP BY p.key ORDER BY min(p.parked_at) LIMIT max_keys);
+            candidates := lockgate._sweep_candidates(max_keys);
             UPDATE lockgate.sweep_state s SET full_scan = cardinality(candidates) >= max_keys, policies = fingerprint
              WHERE s.singleton;
         ELSE
@@ -111,26 +124,54 @@ BEGIN
                     SELECT (SELECT p.key FROM lockgate.parked p WHERE p.key > w.key ORDER BY p.key LIMIT 1)
                       FROM w WHERE w.key IS NOT NULL)
                 SELECT w.key FROM w WHERE w.key IS NOT NULL LIMIT window_size);
+            -- Those that can take a permit now (or whose next job's type is gone or no longer
+            -- limited), each looked up by a probe of its own.
             candidates := ARRAY(
-                SELECT l.key FROM unnest(looked) AS l(key)
-                  LEFT JOIN lockgate.semaphores s ON s.key = l.key
-                 CROSS JOIN LATERAL (SELECT x.job_type, x.queue FROM lockgate.parked x WHERE x.key = l.key
+                SELECT l.key FROM unnest(looked) WITH ORDINALITY AS l(key, o)
+                  LEFT JOIN LATERAL (SELECT x.value FROM lockgate.semaphores x WHERE x.key = l.key OFFSET 0) s ON true
+                 CROSS JOIN LATERAL (SELECT x.job_type FROM lockgate.parked x WHERE x.key = l.key
                                       ORDER BY x.priority, x.id LIMIT 1) head
-                  LEFT JOIN lockgate.job_types jt ON jt.name = head.job_type
-                 WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit);
+                  LEFT JOIN LATERAL (SELECT t.concurrency_limit FROM lockgate.job_types t WHERE t.name = head.job_type
+                                      OFFSET 0) jt ON true
+                 WHERE s.value IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
+                 ORDER BY l.o);
             UPDATE lockgate.sweep_state s
                SET cursor_key = CASE WHEN cardinality(looked) < window_size THEN NULL ELSE looked[cardinality(looked)] END
              WHERE s.singleton;
         END IF;
-        -- Locked in key order, skipping held ones.
+        -- Locked in key order, each by a probe of its own, skipping held ones; a key with no row
+        -- is taken too (its first promotion creates the row).
         FOR k IN
-            SELECT c.key FROM unnest(candidates) AS c(key)
-             WHERE NOT EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = c.key)
-                OR EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = c.key FOR UPDATE SKIP LOCKED)
-             ORDER BY c.key
+            SELECT c.key FROM unnest(ARRAY(SELECT u.key FROM unnest(candidates) AS u(key) ORDER BY u.key))
+                              WITH ORDINALITY AS c(key, o)
+              LEFT JOIN LATERAL (SELECT true AS locked FROM lockgate.semaphores x WHERE x.key = c.key
+                                  OFFSET 0 FOR UPDATE SKIP LOCKED) m ON true
+              LEFT JOIN LATERAL (SELECT true AS present FROM lockgate.semaphores x WHERE x.key = c.key AND m.locked IS NULL
+                                  OFFSET 0) p ON true
+             WHERE m.locked OR p.present IS NULL
+             ORDER BY c.o
         LOOP
             promotions := promotions || ARRAY(SELECT p FROM lockgate._promote(k.key) p);
         END LOOP;
     END IF;
     promoted := lockgate._send_promotions(promotions);
 END $$;
+
+-- The keys whose parked jobs can be promoted now, oldest-waiting first, at most max_keys: for a
+-- sweep after the policies or queues changed (a raised limit, a type or queue gone). Room is
+-- judged against the type's current limit (a raised limit frees room at once); a key whose type
+-- is gone or no longer limited, or whose queue is gone, is taken too, to dead-letter or release
+-- it. It reads every parked job, so it runs with the planner's own choices (lockgate.sweep turns
+-- sequential scans, hash and merge joins off for its other statements); a SQL function with
+-- settings of its own, planned at each call.
+CREATE OR REPLACE FUNCTION lockgate._sweep_candidates(max_keys integer)
+RETURNS text[] LANGUAGE sql STABLE
+SET enable_seqscan = on SET enable_hashjoin = on SET enable_mergejoin = on AS $$
+    SELECT ARRAY(
+        SELECT p.key FROM lockgate.parked p
+          LEFT JOIN lockgate.semaphores s ON s.key = p.key
+          LEFT JOIN lockgate.job_types jt ON jt.name = p.job_type
+         WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
+            OR p.queue NOT IN (SELECT lockgate._live_queues())
+         GROUP BY p.key ORDER BY min(p.parked_at) LIMIT max_keys)
+$$;

@@ -946,6 +946,59 @@ async fn a_completion_plan_made_on_few_keys_reads_only_the_keys_it_releases() {
     assert_invariants(&db).await;
 }
 
+/// Issue 14 (docs/design.md §61): a sweep whose plans a session made while the keys were few
+/// reads, once they are thousands, only the expired leases, their keys and the few keys its
+/// repair looks at. Planned on four keys, one pass at 3,600 keys read 8,322 semaphore, 14,436
+/// lease and 1,033 parked rows: the queues holding leases, the expired leases' keys sorted for
+/// their locks and their leases sorted for theirs were each a walk of a whole index.
+#[tokio::test]
+async fn a_sweep_planned_on_few_keys_reads_only_the_expired_leases_and_the_keys_it_looks_at() {
+    let (db, client) = setup(1).await;
+    let running_and_parked = async |accounts: std::ops::Range<i64>| {
+        for n in [1, 2] {
+            let args: Vec<serde_json::Value> =
+                accounts.clone().map(|account| json!({ "account": account, "n": n })).collect();
+            client.enqueue_many_raw(TYPE, &args, &EnqueueOptions::default()).await.unwrap();
+        }
+    };
+    let lapse = async |account: i64| {
+        sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second' WHERE key = $1")
+            .bind(key(account))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    };
+    let sweep_on = async |conn: &mut sqlx::PgConnection| -> (i32, i32, i32) {
+        sqlx::query_as("SELECT expired, orphaned, promoted FROM lockgate.sweep(4)").fetch_one(conn).await.unwrap()
+    };
+    running_and_parked(0..4).await;
+    sqlx::query("ANALYZE lockgate.semaphores, lockgate.leases, lockgate.parked").execute(&db.pool).await.unwrap();
+    // This session plans every statement of the sweep now: passes that expire a lease and
+    // promote the job behind it, the repair's first pass over every key, then its cursor.
+    let mut conn = db.pool.acquire().await.unwrap();
+    for account in 0..3 {
+        lapse(account).await;
+        assert_eq!(sweep_on(&mut conn).await, (1, 0, 1), "account {account}'s lease expired");
+    }
+    // 3,600 more keys, each with a job holding its permit and one parked behind it.
+    running_and_parked(1_000..4_600).await;
+    lapse(3).await;
+    sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *conn).await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    assert_eq!(sweep_on(&mut tx).await, (1, 0, 1), "account 3's lease expired and its next job promoted");
+    let reads =
+        common::reads(&mut tx, &["lockgate.semaphores", "lockgate.leases", "lockgate.parked", "lockgate.job_types"])
+            .await;
+    tx.commit().await.unwrap();
+    assert!(
+        reads.iter().all(|(t, scans, _)| *scans == 0 || t == "lockgate.job_types"),
+        "sequential scans by the sweep: {reads:?}"
+    );
+    assert!(reads.iter().all(|(_, _, rows)| *rows < 50), "rows read by the sweep: {reads:?}");
+    assert_eq!(parked(&db).await, 3_600, "account 3's second job was promoted");
+    assert_invariants(&db).await;
+}
+
 /// Issue 14 (docs/design.md §60, migration 18): a lease inserted in a session whose first leases
 /// went in while the keys were few reads only its own key. The lease's foreign key to its
 /// semaphore row was checked by a query the server plans once per session, outside the

@@ -920,6 +920,25 @@ async fn g3_a_lease_whose_message_was_removed_behind_lockgates_back_is_freed_onl
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
+/// An expired lease whose key has no semaphore row (docs/design.md §61) is deleted by the sweep,
+/// with no permit given back, and the job's next delivery takes a permit of a row of its own.
+/// The sweep found expired leases through their keys' rows, so it never saw this one.
+#[tokio::test]
+async fn g5_an_expired_lease_whose_key_has_no_row_is_swept_and_its_job_runs_again() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let first = claim(&db.pool, 1).await.remove(0);
+    sqlx::query("DELETE FROM lockgate.semaphores WHERE key = 'lim:[1]'").execute(&db.pool).await.unwrap();
+    assert_eq!(sweep(&db.pool).await, (0, 0, 0), "the holder's budget is not over: nothing is freed");
+    lapse_leases(&db.pool).await;
+    assert_eq!(sweep(&db.pool).await, (1, 0, 0), "the lease is freed once expired");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.leases").await.unwrap(), 0);
+    lapse_visibility(&db.pool).await;
+    let again = claim(&db.pool, 1).await;
+    assert_eq!(again.iter().map(|d| d.0).collect::<Vec<_>>(), vec![first.0], "the job runs again");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
 /// A lease whose key has no semaphore row (no foreign key stands behind the row since
 /// migration 18; only a hand edit or a bug makes one, docs/design.md §61), expired, met by a
 /// claim of its delivery before any sweep: the claim deletes it and takes a permit of its key's
