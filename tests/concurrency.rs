@@ -765,6 +765,39 @@ async fn a_key_shared_by_two_types_promotes_each_job_under_its_own_types_limit()
     assert_invariants(&db).await;
 }
 
+/// A completion that fills its key's room with jobs of the next job's type looks again when the
+/// job behind them is of another type with a higher limit: the closing pass of `_promote_keys`
+/// promotes it (a test of that pass; design §61 measured skipping it for keys that cannot need
+/// it, and did not keep it).
+#[tokio::test]
+async fn room_left_by_a_promotion_goes_to_the_next_job_of_another_type_sharing_the_key() {
+    let (db, client) = setup(1).await;
+    let mut policy = JobPolicy::on_queue(common::queue("default"));
+    policy.concurrency = Some(ConcurrencyPolicy::new(2));
+    client.define_job_type(&JobTypeName::new("wide").unwrap(), &policy).await.unwrap();
+    let shared = EnqueueOptions { concurrency_key: Some("shared".into()), ..Default::default() };
+    let statuses = [
+        client.enqueue_raw("wide", &json!({}), &shared).await.unwrap().status,
+        client.enqueue_raw("wide", &json!({}), &shared).await.unwrap().status,
+    ];
+    assert_eq!(statuses, [EnqueueStatus::Enqueued, EnqueueStatus::Enqueued]);
+    let narrow = client.enqueue_raw(TYPE, &json!({ "account": 1 }), &shared).await.unwrap();
+    let wide = client.enqueue_raw("wide", &json!({}), &shared).await.unwrap();
+    assert_eq!((narrow.status, wide.status), (EnqueueStatus::Parked, EnqueueStatus::Parked));
+    // Both holders finish in one completion: the limit-1 job takes one permit, and the limit-2
+    // job behind it the second.
+    assert_eq!(complete_all_visible(&db).await, 2);
+    assert_eq!(parked(&db).await, 0, "both parked jobs promoted");
+    assert!(message_of(&db, narrow.job_id.0).await.is_some());
+    assert!(message_of(&db, wide.job_id.0).await.is_some());
+    let value: i32 = sqlx::query_scalar("SELECT value FROM lockgate.semaphores WHERE key = 'shared'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(value, 2);
+    assert_invariants(&db).await;
+}
+
 #[tokio::test]
 async fn a_parked_job_whose_queue_is_gone_is_dead_lettered_and_the_next_one_promoted() {
     let (db, client) = setup(1).await;
