@@ -38,8 +38,12 @@ SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_has
 SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     at timestamptz := COALESCE(now_override, clock_timestamp());
+    e_keys text[];
+    e_queues text[];
+    e_ids bigint[];
+    e_tids tid[];
     keys text[];
-    mine boolean[];
+    take boolean[];
     tids tid[];
     gone_queues text[];
     gone_ids bigint[];
@@ -53,34 +57,48 @@ DECLARE
     candidates text[];
     k record;
 BEGIN
-    -- 1. The keys of the expired leases, read from the expiry index alone (no order is asked of
-    -- the table, so no plan walks another index for one), sorted and made distinct in memory.
-    keys := ARRAY(SELECT DISTINCT e.key
-                    FROM unnest(ARRAY(SELECT l.key FROM lockgate.leases l WHERE l.expires_at < at)) AS e(key)
-                   ORDER BY e.key);
-    -- Each key's row locked, by a probe of its own, in key order; a key whose row another
-    -- transaction holds is left for a later pass, one with no row at all is taken (mine false).
-    SELECT array_agg(g.key ORDER BY g.o), array_agg(m.locked IS NOT NULL ORDER BY g.o) INTO keys, mine
-      FROM unnest(keys) WITH ORDINALITY AS g(key, o)
-      LEFT JOIN LATERAL (SELECT true AS locked FROM lockgate.semaphores x WHERE x.key = g.key
-                          OFFSET 0 FOR UPDATE SKIP LOCKED) m ON true
-      LEFT JOIN LATERAL (SELECT true AS present FROM lockgate.semaphores x WHERE x.key = g.key AND m.locked IS NULL
-                          OFFSET 0) p ON true
-     WHERE m.locked OR p.present IS NULL;
-    -- Their expired leases, each locked unless another transaction holds it (a lease renewed
-    -- since it was read is re-checked under its lock and kept), and how many each key with a row
-    -- gives back; then deleted by address (rows this transaction holds cannot move or be deleted
-    -- by another: a TID scan is the only plan, and every row is deleted).
+    -- 1. The expired leases, read from the expiry index alone (no order is asked of the table,
+    -- so no plan walks another index for one); their keys made distinct and sorted in memory.
+    SELECT array_agg(l.key), array_agg(l.queue), array_agg(l.msg_id), array_agg(l.ctid)
+      INTO e_keys, e_queues, e_ids, e_tids
+      FROM lockgate.leases l WHERE l.expires_at < at;
+    keys := ARRAY(SELECT DISTINCT e.key FROM unnest(e_keys) AS e(key) ORDER BY e.key);
+    -- Each key's row locked, by a probe of its own, in key order. take[i] says what becomes of
+    -- keys[i]'s expired leases: true, its row is locked here; false, it has no row (its leases
+    -- are deleted with nothing to give back); NULL, another transaction holds its row (left for
+    -- a later pass).
+    take := ARRAY(
+        SELECT CASE WHEN m.locked THEN true WHEN p.present IS NULL THEN false END
+          FROM unnest(keys) WITH ORDINALITY AS g(key, o)
+          LEFT JOIN LATERAL (SELECT true AS locked FROM lockgate.semaphores x WHERE x.key = g.key
+                              OFFSET 0 FOR UPDATE SKIP LOCKED) m ON true
+          LEFT JOIN LATERAL (SELECT true AS present FROM lockgate.semaphores x WHERE x.key = g.key AND m.locked IS NULL
+                              OFFSET 0) p ON true
+         ORDER BY g.o);
+    -- The expired leases of the keys taken (a key's place in keys is its dense rank), each
+    -- locked unless another transaction holds it, found again at the row address it was read at:
+    -- a TID scan, the one plan no table size changes (probed by key, or even by primary key, a
+    -- plan made on few leases read every expired lease through the expiry index for each one).
+    -- Under the lock the lease is checked again: one renewed since it was read is either no
+    -- longer at that address (an update writes a new version) or re-checked by the lock and kept,
+    -- and a row found at an address reused since is another lease, which the checks tell apart.
+    -- Then how many each key with a row gives back, and the leases deleted by the addresses now
+    -- locked: rows this transaction holds cannot move or be deleted by another, so every row is
+    -- deleted.
     WITH held AS MATERIALIZED (
-        SELECT g.key, g.mine, g.o, x.tid
-          FROM unnest(keys, mine) WITH ORDINALITY AS g(key, mine, o)
-         CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.leases x WHERE x.key = g.key AND x.expires_at < at
-                              OFFSET 0 FOR UPDATE SKIP LOCKED) x),
+        SELECT e.key, take[e.r] AS mine, x.tid
+          FROM (SELECT u.*, dense_rank() OVER (ORDER BY u.key)::integer AS r
+                  FROM unnest(e_keys, e_queues, e_ids, e_tids) AS u(key, queue, msg_id, tid)) e
+         CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.leases x
+                              WHERE x.ctid = e.tid AND x.queue = e.queue AND x.msg_id = e.msg_id AND x.key = e.key
+                                AND x.expires_at < at
+                              OFFSET 0 FOR UPDATE SKIP LOCKED) x
+         WHERE take[e.r] IS NOT NULL),
     per_key AS (
-        SELECT h.key, min(h.o) AS o, count(*)::integer AS n FROM held h WHERE h.mine GROUP BY h.key)
+        SELECT h.key, count(*)::integer AS n FROM held h WHERE h.mine GROUP BY h.key)
     SELECT (SELECT array_agg(h.tid) FROM held h),
-           (SELECT array_agg(c.key ORDER BY c.o) FROM per_key c),
-           (SELECT array_agg(c.n ORDER BY c.o) FROM per_key c)
+           (SELECT array_agg(c.key ORDER BY c.key) FROM per_key c),
+           (SELECT array_agg(c.n ORDER BY c.key) FROM per_key c)
       INTO tids, keys, counts;
     WITH gone AS (
         DELETE FROM lockgate.leases l WHERE l.ctid = ANY (tids) RETURNING l.queue, l.msg_id)
