@@ -920,6 +920,40 @@ async fn g3_a_lease_whose_message_was_removed_behind_lockgates_back_is_freed_onl
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
+/// H28: a sweep never waits for a key's row or a lease another transaction holds (an open
+/// producer transaction on the key, a heartbeat renewing the lease): it leaves them and frees
+/// them at its next pass.
+#[tokio::test]
+async fn h28_a_sweep_passes_over_a_held_key_row_and_a_held_lease_and_frees_them_at_its_next_pass() {
+    let db = limited(1, 60_000).await;
+    for k in [1, 1, 2, 2] {
+        enqueue(&db.pool, k).await;
+    }
+    assert_eq!(claim(&db.pool, 10).await.len(), 2, "one holder per key, one job parked behind each");
+    lapse_leases(&db.pool).await;
+    let mut producer = PgConnection::connect(&db.url).await.unwrap();
+    let mut on_key = producer.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lockgate.semaphores WHERE key = 'lim:[1]' FOR UPDATE")
+        .execute(&mut *on_key)
+        .await
+        .unwrap();
+    let mut renewer = PgConnection::connect(&db.url).await.unwrap();
+    let mut on_lease = renewer.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lockgate.leases WHERE key = 'lim:[2]' FOR UPDATE")
+        .execute(&mut *on_lease)
+        .await
+        .unwrap();
+    let passed = tokio::time::timeout(Duration::from_secs(10), sweep(&db.pool)).await;
+    assert_eq!(passed.expect("the sweep waited for a lock"), (0, 0, 0), "both left for the next pass");
+    on_key.rollback().await.unwrap();
+    on_lease.rollback().await.unwrap();
+    assert_eq!(sweep(&db.pool).await, (2, 0, 2), "both freed, and the jobs behind them promoted");
+    // The dead holders' deliveries come back; each parks behind the job promoted in its place.
+    lapse_visibility(&db.pool).await;
+    assert_eq!(claim(&db.pool, 10).await.len(), 2, "the promoted jobs, and no holder beside them");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
 /// An expired lease whose key has no semaphore row (docs/design.md §61) is deleted by the sweep,
 /// with no permit given back, and the job's next delivery takes a permit of a row of its own.
 /// The sweep found expired leases through their keys' rows, so it never saw this one.
