@@ -468,8 +468,9 @@ BEGIN
         ELSIF EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = held) THEN
             RETURN lockgate._put_back(tbl, c);
         ELSE
-            -- Its key has no row (only a hand edit or a bug makes such a lease, docs/design.md
-            -- §61): no row counts it, so it is deleted with nothing to give back.
+            -- Its key has no row (only a bug, or a hand edit past migration 19's guards, makes
+            -- such a lease, docs/design.md §61): no row counts it, so it is deleted with nothing
+            -- to give back.
             DELETE FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id;
         END IF;
     END IF;

@@ -6,8 +6,8 @@
 --    lease whose message no longer exists (removed outside lockgate, by pgmq.archive or
 --    pgmq.delete) is no exception: its holder may still be running until its budget ends, so it
 --    too is freed only when it expires (counted as orphaned). A lease whose key has no semaphore
---    row (only a hand edit or a bug makes one, docs/design.md §61) is deleted once expired, with
---    no permit to give back: no row counts it;
+--    row (only a bug, or a hand edit past migration 19's guards, makes one; docs/design.md §61) is
+--    deleted once expired, with no permit to give back: no row counts it;
 -- 2. repair: promote parked jobs of keys that can take a permit although nothing released one
 --    (every release promotes in its own transaction, so such keys are rare: a raised or removed
 --    limit, a type or queue gone, a permit given back at a claim that re-keyed its job, a parked
@@ -20,17 +20,22 @@
 --    raised limit frees room at the next sweep.
 -- Returns counts. now_override pins the clock for tests; NULL means the database's clock.
 --
--- Every statement but the last reaches the key tables only through the expired leases' expiry
--- index, the keys and the leases found there, or the cursor's next keys (docs/design.md §61): its
--- plan, made once per session and kept, with sequential scans, hash and merge joins off, reads
--- what it names however few keys there were when it was made. Never waits for a lock (H28, H31):
+-- Every statement but the policy-change pass (lockgate._sweep_candidates) reaches the key tables
+-- only through the expired leases' expiry index, the keys and the leases found there, or the
+-- cursor's next keys (docs/design.md §61): its plan, made once per session and kept, with
+-- sequential scans, hash and merge joins off, reads what it names however few keys there were
+-- when it was made. Never waits for a lock (H28, H31):
 -- a key's semaphore row or a lease that another transaction holds (an open producer transaction,
 -- a completion, a claim renewing the lease) is skipped and taken by a later pass; so one held key
 -- can never stall the sweep of every other key; a second sweep running at once skips the repair
 -- (lockgate.sweep_state's row). Locks, each skipping what another transaction holds: semaphore
 -- rows of the expired leases' keys in key order, then those keys' expired leases (a lease a claim
 -- or heartbeat just renewed is re-checked and kept), then parked rows; then the repair's semaphore
--- rows, in key order. Callers: the sweep service every sweep_interval, operators.
+-- rows, in key order. Completions lock leases before semaphore rows, the reverse; it cannot
+-- deadlock only because every lock here skips rather than waits. (A key with parked jobs and no
+-- semaphore row would be created by its promotion, which waits for a producer inserting the same
+-- row; only a hand edit past migration 19's guards makes one.) Callers: the sweep service every
+-- sweep_interval, operators.
 CREATE OR REPLACE FUNCTION lockgate.sweep(max_keys integer DEFAULT 1000, now_override timestamptz DEFAULT NULL,
     OUT expired integer, OUT orphaned integer, OUT promoted integer)
 LANGUAGE plpgsql
@@ -181,10 +186,10 @@ END $$;
 -- is gone or no longer limited, or whose queue is gone, is taken too, to dead-letter or release
 -- it. It reads every parked job, so it runs with the planner's own choices (lockgate.sweep turns
 -- sequential scans, hash and merge joins off for its other statements); a SQL function with
--- settings of its own, planned at each call.
+-- settings of its own (which also keep it from being inlined), planned at each call.
 CREATE OR REPLACE FUNCTION lockgate._sweep_candidates(max_keys integer)
 RETURNS text[] LANGUAGE sql STABLE
-SET enable_seqscan = on SET enable_hashjoin = on SET enable_mergejoin = on AS $$
+SET plan_cache_mode = auto SET enable_seqscan = on SET enable_hashjoin = on SET enable_mergejoin = on AS $$
     SELECT ARRAY(
         SELECT p.key FROM lockgate.parked p
           LEFT JOIN lockgate.semaphores s ON s.key = p.key

@@ -68,6 +68,16 @@ async fn violations(db: &PgPool) -> Vec<String> {
         .unwrap()
 }
 
+/// Runs `statement` with lockgate's guards of key rows switched off (migration 19), as only a
+/// session allowed to disable triggers can: the one way left to make a lease or parked job that
+/// no semaphore row counts.
+async fn without_key_guards(db: &PgPool, statement: &str) {
+    sqlx::raw_sql(&format!("SET session_replication_role = replica; {statement}; RESET session_replication_role"))
+        .execute(db)
+        .await
+        .unwrap();
+}
+
 /// Deliveries the database lets run now: claimed, not waiting, still invisible, holding a lease
 /// that lasts at least as long as their visibility.
 async fn entitled(db: &PgPool) -> i64 {
@@ -392,6 +402,56 @@ async fn h29_no_message_content_makes_a_claim_fail_each_is_dead_lettered_with_it
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
+/// Migration 19 (docs/design.md §61): a hand edit that would leave a lease or a parked job that
+/// no semaphore row counts is refused, as the leases' foreign key refused it before migration 18
+/// dropped it; idle-key reclamation and an idle row's deletion go on.
+#[tokio::test]
+async fn g3_a_key_row_still_counted_cannot_be_deleted_renamed_or_truncated_nor_a_lease_moved_off_its_key() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 2).await;
+    let holders = claim(&db.pool, 10).await;
+    assert_eq!(holders.len(), 2);
+    let refused = async |statement: &str| -> (String, String) {
+        let err = sqlx::query(statement).execute(&db.pool).await.expect_err(statement);
+        let db_err = err.as_database_error().expect("a database error");
+        (db_err.code().unwrap_or_default().to_string(), db_err.message().to_string())
+    };
+    for statement in [
+        "DELETE FROM lockgate.semaphores WHERE key = 'lim:[1]'",
+        "DELETE FROM lockgate.semaphores",
+        "UPDATE lockgate.semaphores SET key = 'lim:[7]' WHERE key = 'lim:[2]'",
+        "TRUNCATE lockgate.semaphores",
+    ] {
+        let (code, message) = refused(statement).await;
+        assert_eq!(code, "23001", "{statement}: {message}");
+        assert!(message.contains("still counted by leases or waited for by parked jobs"), "{statement}: {message}");
+    }
+    let (code, message) = refused("UPDATE lockgate.leases SET key = 'lim:[9]' WHERE key = 'lim:[2]'").await;
+    assert_eq!(code, "23503", "{message}");
+    assert!(message.contains("lim:[9]"), "{message}");
+    // Key 2's job finishes: its row, idle, may go, by reclamation or by hand; key 1 still has a
+    // job parked behind its running one.
+    let key_2: i64 = sqlx::query_scalar("SELECT msg_id FROM lockgate.leases WHERE key = 'lim:[2]'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let (of_2, of_1): (Vec<Delivery>, Vec<Delivery>) = holders.into_iter().partition(|d| d.0 == key_2);
+    complete_all(&db.pool, &of_2).await;
+    sqlx::query("DELETE FROM lockgate.semaphores WHERE key = 'lim:[2]'").execute(&db.pool).await.unwrap();
+    complete_all(&db.pool, &of_1).await;
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+    let (code, _) = refused("DELETE FROM lockgate.semaphores WHERE key = 'lim:[1]'").await;
+    assert_eq!(code, "23001", "the promoted job holds key 1 now");
+    let promoted = claim(&db.pool, 10).await;
+    complete_all(&db.pool, &promoted).await;
+    let reclaimed: i32 =
+        sqlx::query_scalar("SELECT lockgate.reclaim_idle_keys('0 seconds')").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(reclaimed, 1, "key 1's row, idle now");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
 #[tokio::test]
 async fn g3_check_invariants_sees_a_delivery_without_its_lease_a_key_over_its_limit_and_a_lease_without_its_key() {
     // The check every concurrency test ends with must be able to fail.
@@ -422,13 +482,13 @@ async fn g3_check_invariants_sees_a_delivery_without_its_lease_a_key_over_its_li
     .unwrap();
     let found = violations(&db.pool).await;
     assert!(found.iter().any(|v| v.contains("2 deliveries in flight holding leases, limit 1")), "{found:?}");
-    // A lease whose key has no semaphore row (no foreign key stands behind this since
-    // migration 18; every path adding a lease holds its key's row).
-    sqlx::query("UPDATE lockgate.leases SET key = 'lim:[9]' WHERE msg_id = $1")
-        .bind(claimed[0].0)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    // A lease whose key has no semaphore row (migration 19's guards refuse the edit; every
+    // path adding a lease holds its key's row).
+    without_key_guards(
+        &db.pool,
+        &format!("UPDATE lockgate.leases SET key = 'lim:[9]' WHERE msg_id = {}", claimed[0].0),
+    )
+    .await;
     let found = violations(&db.pool).await;
     assert!(found.iter().any(|v| v.contains("lim:[9]") && v.contains("1 leases but no semaphore row")), "{found:?}");
 }
@@ -962,7 +1022,7 @@ async fn g5_an_expired_lease_whose_key_has_no_row_is_swept_and_its_job_runs_agai
     let db = limited(1, 60_000).await;
     enqueue(&db.pool, 1).await;
     let first = claim(&db.pool, 1).await.remove(0);
-    sqlx::query("DELETE FROM lockgate.semaphores WHERE key = 'lim:[1]'").execute(&db.pool).await.unwrap();
+    without_key_guards(&db.pool, "DELETE FROM lockgate.semaphores WHERE key = 'lim:[1]'").await;
     assert_eq!(sweep(&db.pool).await, (0, 0, 0), "the holder's budget is not over: nothing is freed");
     lapse_leases(&db.pool).await;
     assert_eq!(sweep(&db.pool).await, (1, 0, 0), "the lease is freed once expired");
@@ -983,7 +1043,7 @@ async fn h24_a_claim_drops_an_expired_lease_whose_key_has_no_row_and_takes_a_per
     let db = limited(1, 60_000).await;
     enqueue(&db.pool, 1).await;
     let first = claim(&db.pool, 1).await.remove(0);
-    sqlx::query("DELETE FROM lockgate.semaphores WHERE key = 'lim:[1]'").execute(&db.pool).await.unwrap();
+    without_key_guards(&db.pool, "DELETE FROM lockgate.semaphores WHERE key = 'lim:[1]'").await;
     lapse_leases(&db.pool).await;
     lapse_visibility(&db.pool).await;
     let again = claim(&db.pool, 1).await;

@@ -86,6 +86,11 @@ const MIGRATIONS: &[Migration] = &[
         name: "leases_without_foreign_key",
         sql: Some(include_str!("../../../migrations/0018_leases_without_foreign_key.sql")),
     },
+    Migration {
+        version: 19,
+        name: "key_row_guards",
+        sql: Some(include_str!("../../../migrations/0019_key_row_guards.sql")),
+    },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -488,7 +493,7 @@ mod tests {
 
     /// The checksum of the functions at `FUNCTIONS_REVISION`. A change to `sql/` fails this test:
     /// bump `FUNCTIONS_REVISION` and set this to the new checksum, in the same change.
-    const PINNED_CHECKSUM: &str = "64739d3a33ca53f2";
+    const PINNED_CHECKSUM: &str = "3474b58971426bcb";
 
     #[test]
     fn functions_are_pinned_to_their_revision() {
