@@ -1,15 +1,17 @@
--- A semaphore row is not deleted, renamed or truncated while leases or parked jobs still name its
--- key, and a lease is not moved to a key without a row (issue 14, docs/design.md §61). Migration
--- 18 dropped the leases' foreign key to their rows (its check, planned once per session, read
--- every row at each lease inserted once a session had planned it on few keys); with it went the
--- refusal of a hand edit that leaves a lease counted by no row. Such a lease is then given back
--- to whatever row its key gets next, which counts only its own permits: one permit too many, or
--- a value below zero that fails the sweep for every key and every claim that meets the lease.
--- These triggers restore the refusal where no lockgate path pays for it: lockgate never renames
--- a key and deletes a row only when idle-key reclamation finds nothing naming it (checked again
--- here, once per statement). A lease insert is not checked (every lockgate path holds its key's
--- row when it adds one; a check per lease is what migration 18 removed). Bypassed only by
--- disabling triggers (session_replication_role = replica).
+-- A semaphore row is not deleted or truncated while leases or parked jobs still name its key
+-- (issue 14, docs/design.md §61). Migration 18 dropped the leases' foreign key to their rows (its
+-- check, planned once per session, read every row at each lease inserted once a session had
+-- planned it on few keys); with it went the refusal of a hand edit that leaves a lease counted by
+-- no row. Such a lease is then given back to whatever row its key gets next, which counts only its
+-- own permits: one permit too many, or a value below zero that fails the sweep for every key and
+-- every claim that meets the lease. These statement triggers restore the refusal where no
+-- lockgate path pays for it: lockgate deletes a row only when idle-key reclamation finds nothing
+-- naming it (checked again here, once per statement, over the deleted rows). Not checked: a key
+-- renamed or a lease moved to another key by hand (a row trigger on an update costs every update
+-- of the hot paths, even when it names a column they never set: a BEFORE trigger locks the row
+-- before looking, an AFTER trigger reads it again), nor a lease inserted by hand (every lockgate
+-- path holds its key's row when it adds one; a check per lease is what migration 18 removed).
+-- Bypassed by disabling triggers (session_replication_role = replica).
 CREATE OR REPLACE FUNCTION lockgate._refuse_uncounted_keys()
 RETURNS trigger LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off AS $$
@@ -20,18 +22,6 @@ BEGIN
         SELECT l.key INTO k FROM lockgate.leases l LIMIT 1;
         IF NOT FOUND THEN
             SELECT p.key INTO k FROM lockgate.parked p LIMIT 1;
-        END IF;
-    ELSIF TG_TABLE_NAME = 'leases' THEN
-        IF NOT EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = NEW.key) THEN
-            RAISE EXCEPTION 'lockgate: a lease cannot move to key "%", which has no semaphore row: no row would count its permit', NEW.key
-                USING ERRCODE = 'foreign_key_violation';
-        END IF;
-        RETURN NEW;
-    ELSIF TG_OP = 'UPDATE' THEN
-        k := OLD.key;
-        IF NOT EXISTS (SELECT 1 FROM lockgate.leases l WHERE l.key = k)
-           AND NOT EXISTS (SELECT 1 FROM lockgate.parked p WHERE p.key = k) THEN
-            RETURN NEW;
         END IF;
     ELSE
         SELECT g.key INTO k FROM gone g
@@ -50,12 +40,6 @@ END $$;
 DROP TRIGGER IF EXISTS semaphores_still_counted ON lockgate.semaphores;
 CREATE TRIGGER semaphores_still_counted AFTER DELETE ON lockgate.semaphores
     REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION lockgate._refuse_uncounted_keys();
-DROP TRIGGER IF EXISTS semaphores_key_kept ON lockgate.semaphores;
-CREATE TRIGGER semaphores_key_kept BEFORE UPDATE OF key ON lockgate.semaphores
-    FOR EACH ROW WHEN (OLD.key IS DISTINCT FROM NEW.key) EXECUTE FUNCTION lockgate._refuse_uncounted_keys();
 DROP TRIGGER IF EXISTS semaphores_not_truncated ON lockgate.semaphores;
 CREATE TRIGGER semaphores_not_truncated AFTER TRUNCATE ON lockgate.semaphores
     FOR EACH STATEMENT EXECUTE FUNCTION lockgate._refuse_uncounted_keys();
-DROP TRIGGER IF EXISTS leases_key_counted ON lockgate.leases;
-CREATE TRIGGER leases_key_counted BEFORE UPDATE OF key ON lockgate.leases
-    FOR EACH ROW WHEN (OLD.key IS DISTINCT FROM NEW.key) EXECUTE FUNCTION lockgate._refuse_uncounted_keys();
