@@ -85,8 +85,9 @@ BEGIN
     -- a TID scan, the one plan no table size changes (probed by key, or even by primary key, a
     -- plan made on few leases read every expired lease through the expiry index for each one).
     -- Under the lock the lease is checked again: one renewed since it was read is either no
-    -- longer at that address (an update writes a new version) or re-checked by the lock and kept,
-    -- and a row found at an address reused since is another lease, which the checks tell apart.
+    -- longer at that address (an update writes a new version) or re-checked by the lock and kept.
+    -- An address is not reused within the call (the calling statement's snapshot keeps the old
+    -- version from being vacuumed); the queue, message and key are checked all the same.
     -- Then how many each key with a row gives back, and the leases deleted by the addresses now
     -- locked: rows this transaction holds cannot move or be deleted by another, so every row is
     -- deleted.

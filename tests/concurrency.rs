@@ -547,6 +547,46 @@ async fn idle_keys_are_reclaimed_under_their_row_lock_and_nothing_else_is() {
     assert_invariants(&db).await;
 }
 
+/// Migration 19 (docs/design.md §61): the guard that refuses deleting a key's row while leases or
+/// parked jobs name it probes those keys only, in a session whose first reclamation deleted many
+/// rows. Its check, planned on that first large delete, had made each EXISTS a hash of the whole
+/// table, kept for every later reclamation of the session: one idle key deleted read every lease
+/// and every parked job.
+#[tokio::test]
+async fn reclaiming_one_idle_key_after_a_large_reclamation_reads_only_that_keys_leases_and_parked_jobs() {
+    let (db, client) = setup(1).await;
+    for n in [1, 2] {
+        let args: Vec<serde_json::Value> = (0..2_000).map(|account| json!({ "account": account, "n": n })).collect();
+        client.enqueue_many_raw(TYPE, &args, &EnqueueOptions::default()).await.unwrap();
+    }
+    let idle = async |from: i64, to: i64| {
+        sqlx::query(
+            "INSERT INTO lockgate.semaphores (key, lim, value, updated_at)
+             SELECT 'idle:' || g, 1, 0, now() - interval '1 day' FROM generate_series($1::bigint, $2::bigint) g",
+        )
+        .bind(from)
+        .bind(to)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    };
+    idle(1, 500).await;
+    sqlx::query("ANALYZE lockgate.semaphores, lockgate.leases, lockgate.parked").execute(&db.pool).await.unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let reclaim_on = async |conn: &mut sqlx::PgConnection| -> i32 {
+        sqlx::query_scalar("SELECT lockgate.reclaim_idle_keys('0 seconds')").fetch_one(conn).await.unwrap()
+    };
+    assert_eq!(reclaim_on(&mut conn).await, 500);
+    idle(501, 501).await;
+    sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *conn).await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    assert_eq!(reclaim_on(&mut tx).await, 1);
+    let reads = common::reads(&mut tx, &["lockgate.leases", "lockgate.parked"]).await;
+    tx.commit().await.unwrap();
+    assert!(reads.iter().all(|(_, scans, rows)| *scans == 0 && *rows < 50), "rows read: {reads:?}");
+    assert_invariants(&db).await;
+}
+
 #[tokio::test]
 async fn h16_a_parked_job_whose_type_no_longer_resolves_is_dead_lettered_not_promoted() {
     let (db, client) = setup(1).await;
