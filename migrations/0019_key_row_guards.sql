@@ -8,10 +8,10 @@
 -- idle-key reclamation pays for it: lockgate deletes a row only when reclamation finds nothing
 -- naming it (checked again here, once per statement, by one probe per deleted row). Not
 -- checked: a key renamed or a lease moved to another key by hand (a row trigger on an update
--- costs every update
--- of the hot paths, even when it names a column they never set: a BEFORE trigger locks the row
--- before looking, an AFTER trigger reads it again), nor a lease inserted by hand (every lockgate
--- path holds its key's row when it adds one; a check per lease is what migration 18 removed).
+-- costs every update of the hot paths, even when it names a column they never set: a BEFORE
+-- trigger locks the row before looking, an AFTER trigger reads it again), nor a lease inserted by
+-- hand (every lockgate path holds its key's row when it adds one; a check per lease is what
+-- migration 18 removed).
 -- Bypassed by disabling triggers (session_replication_role = replica).
 CREATE OR REPLACE FUNCTION lockgate._refuse_uncounted_keys()
 RETURNS trigger LANGUAGE plpgsql
