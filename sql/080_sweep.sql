@@ -68,18 +68,10 @@ BEGIN
       INTO e_keys, e_queues, e_ids, e_tids
       FROM lockgate.leases l WHERE l.expires_at < at;
     keys := ARRAY(SELECT DISTINCT e.key FROM unnest(e_keys) AS e(key) ORDER BY e.key);
-    -- Each key's row locked, by a probe of its own, in key order. take[i] says what becomes of
-    -- keys[i]'s expired leases: true, its row is locked here; false, it has no row (its leases
-    -- are deleted with nothing to give back); NULL, another transaction holds its row (left for
-    -- a later pass).
-    take := ARRAY(
-        SELECT CASE WHEN m.locked THEN true WHEN p.present IS NULL THEN false END
-          FROM unnest(keys) WITH ORDINALITY AS g(key, o)
-          LEFT JOIN LATERAL (SELECT true AS locked FROM lockgate.semaphores x WHERE x.key = g.key
-                              OFFSET 0 FOR UPDATE SKIP LOCKED) m ON true
-          LEFT JOIN LATERAL (SELECT true AS present FROM lockgate.semaphores x WHERE x.key = g.key AND m.locked IS NULL
-                              OFFSET 0) p ON true
-         ORDER BY g.o);
+    -- Each key's row locked, in key order. take[i] says what becomes of keys[i]'s expired
+    -- leases: true, its row is locked here; false, it has no row (its leases are deleted with
+    -- nothing to give back); NULL, another transaction holds its row (left for a later pass).
+    take := lockgate._take_keys(keys);
     -- The expired leases of the keys taken (a key's place in keys is its dense rank), each
     -- locked unless another transaction holds it, found again at the row address it was read at:
     -- a TID scan, the one plan no table size changes (probed by key, or even by primary key, a
@@ -163,17 +155,12 @@ BEGIN
                SET cursor_key = CASE WHEN cardinality(looked) < window_size THEN NULL ELSE looked[cardinality(looked)] END
              WHERE s.singleton;
         END IF;
-        -- Locked in key order, each by a probe of its own, skipping held ones; a key with no row
-        -- is taken too (its first promotion creates the row).
+        -- Locked in key order, skipping held ones; a key with no row is taken too (its first
+        -- promotion creates the row).
+        candidates := ARRAY(SELECT u.key FROM unnest(candidates) AS u(key) ORDER BY u.key);
         FOR k IN
-            SELECT c.key FROM unnest(ARRAY(SELECT u.key FROM unnest(candidates) AS u(key) ORDER BY u.key))
-                              WITH ORDINALITY AS c(key, o)
-              LEFT JOIN LATERAL (SELECT true AS locked FROM lockgate.semaphores x WHERE x.key = c.key
-                                  OFFSET 0 FOR UPDATE SKIP LOCKED) m ON true
-              LEFT JOIN LATERAL (SELECT true AS present FROM lockgate.semaphores x WHERE x.key = c.key AND m.locked IS NULL
-                                  OFFSET 0) p ON true
-             WHERE m.locked OR p.present IS NULL
-             ORDER BY c.o
+            SELECT c.key FROM unnest(candidates, lockgate._take_keys(candidates)) AS c(key, taken)
+             WHERE c.taken IS NOT NULL
         LOOP
             promotions := promotions || ARRAY(SELECT p FROM lockgate._promote(k.key) p);
         END LOOP;
@@ -199,3 +186,23 @@ SET plan_cache_mode = auto SET enable_seqscan = on SET enable_hashjoin = on SET 
             OR p.queue NOT IN (SELECT lockgate._live_queues())
          GROUP BY p.key ORDER BY min(p.parked_at) LIMIT max_keys)
 $$;
+
+-- Locks the semaphore rows of keys (distinct, sorted), each by a probe of its own in their order
+-- (a lateral subquery no plan can turn into a walk of the table, §61), skipping any row another
+-- transaction holds: never waits. Returns, for each key in order, true when its row is locked
+-- here, false when it has no row, NULL when another transaction holds it. Callers: lockgate.sweep
+-- (the expired leases' keys, the repair's candidates).
+CREATE OR REPLACE FUNCTION lockgate._take_keys(keys text[])
+RETURNS boolean[] LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET jit = off AS $$
+BEGIN
+    RETURN ARRAY(
+        SELECT CASE WHEN m.locked THEN true WHEN p.present IS NULL THEN false END
+          FROM unnest(keys) WITH ORDINALITY AS g(key, o)
+          LEFT JOIN LATERAL (SELECT true AS locked FROM lockgate.semaphores x WHERE x.key = g.key
+                              OFFSET 0 FOR UPDATE SKIP LOCKED) m ON true
+          LEFT JOIN LATERAL (SELECT true AS present FROM lockgate.semaphores x WHERE x.key = g.key AND m.locked IS NULL
+                              OFFSET 0) p ON true
+         ORDER BY g.o);
+END $$;

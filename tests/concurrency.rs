@@ -63,6 +63,15 @@ async fn complete(db: &TestDb, c: &Claim) -> ArchiveOutcome {
     complete_deliveries(&db.pool, &c.queue, &[(c.msg_id, c.read_ct)], deadline).await.remove(0).unwrap()
 }
 
+/// For each account: a job holding its key's permit and one parked behind it, in two batches.
+async fn running_and_parked(client: &Client, accounts: std::ops::Range<i64>) {
+    for n in [1, 2] {
+        let args: Vec<serde_json::Value> =
+            accounts.clone().map(|account| json!({ "account": account, "n": n })).collect();
+        client.enqueue_many_raw(TYPE, &args, &EnqueueOptions::default()).await.unwrap();
+    }
+}
+
 /// Claims the next job of `default` on `conn` (its start recorded) and completes it there, in SQL;
 /// returns its msg_id.
 async fn claim_and_complete_on(conn: &mut sqlx::PgConnection) -> i64 {
@@ -555,10 +564,7 @@ async fn idle_keys_are_reclaimed_under_their_row_lock_and_nothing_else_is() {
 #[tokio::test]
 async fn reclaiming_one_idle_key_after_a_large_reclamation_reads_only_that_keys_leases_and_parked_jobs() {
     let (db, client) = setup(1).await;
-    for n in [1, 2] {
-        let args: Vec<serde_json::Value> = (0..2_000).map(|account| json!({ "account": account, "n": n })).collect();
-        client.enqueue_many_raw(TYPE, &args, &EnqueueOptions::default()).await.unwrap();
-    }
+    running_and_parked(&client, 0..2_000).await;
     let idle = async |from: i64, to: i64| {
         sqlx::query(
             "INSERT INTO lockgate.semaphores (key, lim, value, updated_at)
@@ -981,25 +987,18 @@ async fn a_promotion_runs_no_promotion_step_but_lockgates() {
 #[tokio::test]
 async fn a_completion_plan_made_on_few_keys_reads_only_the_keys_it_releases() {
     let (db, client) = setup(1).await;
-    let running_and_parked = async |accounts: std::ops::Range<i64>| {
-        for n in [1, 2] {
-            let args: Vec<serde_json::Value> =
-                accounts.clone().map(|account| json!({ "account": account, "n": n })).collect();
-            client.enqueue_many_raw(TYPE, &args, &EnqueueOptions::default()).await.unwrap();
-        }
-    };
     // Four keys, analysed; then 600 more whose leases are not (a table never analysed is
     // estimated from its size: the plan then expects a handful of leases per queue).
-    running_and_parked(0..4).await;
+    running_and_parked(&client, 0..4).await;
     sqlx::query("ANALYZE lockgate.semaphores, lockgate.parked").execute(&db.pool).await.unwrap();
-    running_and_parked(100..700).await;
+    running_and_parked(&client, 100..700).await;
     // This session plans the completion's statements now.
     let mut conn = db.pool.acquire().await.unwrap();
     for _ in 0..3 {
         claim_and_complete_on(&mut conn).await;
     }
     // 3,000 more keys, each with a job holding its permit and one parked behind it.
-    running_and_parked(1_000..4_000).await;
+    running_and_parked(&client, 1_000..4_000).await;
     sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *conn).await.unwrap();
     let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
     // The oldest visible job is account 3's first: its completion promotes its second.
@@ -1029,13 +1028,6 @@ async fn a_completion_plan_made_on_few_keys_reads_only_the_keys_it_releases() {
 #[tokio::test]
 async fn a_sweep_planned_on_few_keys_reads_only_the_expired_leases_and_the_keys_it_looks_at() {
     let (db, client) = setup(1).await;
-    let running_and_parked = async |accounts: std::ops::Range<i64>| {
-        for n in [1, 2] {
-            let args: Vec<serde_json::Value> =
-                accounts.clone().map(|account| json!({ "account": account, "n": n })).collect();
-            client.enqueue_many_raw(TYPE, &args, &EnqueueOptions::default()).await.unwrap();
-        }
-    };
     let lapse = async |account: i64| {
         sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second' WHERE key = $1")
             .bind(key(account))
@@ -1046,7 +1038,7 @@ async fn a_sweep_planned_on_few_keys_reads_only_the_expired_leases_and_the_keys_
     let sweep_on = async |conn: &mut sqlx::PgConnection| -> (i32, i32, i32) {
         sqlx::query_as("SELECT expired, orphaned, promoted FROM lockgate.sweep(4)").fetch_one(conn).await.unwrap()
     };
-    running_and_parked(0..4).await;
+    running_and_parked(&client, 0..4).await;
     sqlx::query("ANALYZE lockgate.semaphores, lockgate.leases, lockgate.parked").execute(&db.pool).await.unwrap();
     // This session plans every statement of the sweep now: passes that expire a lease and
     // promote the job behind it, the repair's first pass over every key, then its cursor.
@@ -1056,7 +1048,7 @@ async fn a_sweep_planned_on_few_keys_reads_only_the_expired_leases_and_the_keys_
         assert_eq!(sweep_on(&mut conn).await, (1, 0, 1), "account {account}'s lease expired");
     }
     // 3,600 more keys, each with a job holding its permit and one parked behind it.
-    running_and_parked(1_000..4_600).await;
+    running_and_parked(&client, 1_000..4_600).await;
     // 100 holders die: accounts 3 and 1,000 to 1,098.
     for account in std::iter::once(3).chain(1_000..1_099) {
         lapse(account).await;

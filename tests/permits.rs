@@ -1032,8 +1032,8 @@ async fn g5_an_expired_lease_whose_key_has_no_row_is_swept_and_its_job_runs_agai
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
-/// A lease whose key has no semaphore row (no foreign key stands behind the row since
-/// migration 18; only a hand edit or a bug makes one, docs/design.md §61), expired, met by a
+/// A lease whose key has no semaphore row (only a bug, or a hand edit past migration 19's
+/// guards, makes one; docs/design.md §61), expired, met by a
 /// claim of its delivery before any sweep: the claim deletes it and takes a permit of its key's
 /// new row, where it put the delivery back at every claim, because it could not lock a row that
 /// does not exist.
