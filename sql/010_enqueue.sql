@@ -471,6 +471,45 @@ BEGIN
     RETURN true;
 END $$;
 
+-- The Rust Client's bulk enqueue: lockgate.enqueue_many with notify false, then, when runs_now
+-- (the caller's reading of its options) and a job was enqueued, lockgate._notify_unless_busy in
+-- the same transaction; woken says whether it notified (when not, the caller sends
+-- lockgate.wake after the commit). One row of arrays in the order of args, not a row per job:
+-- rows passed up through each function's result set and then the caller's statement
+-- (materialised to find the first enqueued job, sorted back into order) cost 0.6 of the 3.5 ms
+-- a call of 1,000 jobs took (docs/benchmarks.md, thirteenth session).
+-- msg_ids[i] is the message of args[i] (NULL when parked or a duplicate); job_ids and statuses
+-- are NULL when every job was enqueued with its msg_id as its id (an unlimited type without
+-- uniqueness or batch: nothing but the ids to return), else job_ids[i] and statuses[i] are
+-- those lockgate.enqueue_many returns. Run it outside a transaction block, as
+-- _notify_unless_busy. Callers: the Rust Client (lockgate_sql::enqueue_many_and_wake).
+CREATE OR REPLACE FUNCTION lockgate._enqueue_many_and_wake(job_type text, args jsonb[], options jsonb, runs_now boolean,
+    OUT queue text, OUT msg_ids bigint[], OUT job_ids bigint[], OUT statuses text[], OUT woken boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+    jt lockgate.job_types := lockgate.job_policy(job_type);
+    o record := lockgate._resolve_options(jt, options);
+BEGIN
+    queue := o.queue;
+    IF jt.concurrency_limit IS NOT NULL OR jt.unique_mode IS NOT NULL OR o.batch IS NOT NULL THEN
+        SELECT array_agg(e.msg_id ORDER BY e.i), array_agg(e.job_id ORDER BY e.i), array_agg(e.status ORDER BY e.i)
+          INTO msg_ids, job_ids, statuses
+          FROM lockgate.enqueue_many(job_type, args, options, false) WITH ORDINALITY AS e(queue, msg_id, job_id, status, i);
+        msg_ids := COALESCE(msg_ids, '{}');  -- no args: no jobs, and so none but enqueued ones
+        woken := runs_now AND COALESCE('enqueued' = ANY(statuses), false) AND lockgate._notify_unless_busy(queue);
+        RETURN;
+    END IF;
+    -- The path of lockgate.enqueue_many for these types, its ids gathered in insertion order
+    -- (the order of args).
+    EXECUTE format('WITH e(id) AS (%s) SELECT ARRAY(SELECT e.id FROM e)', lockgate._enqueue_step(o.queue, false))
+       INTO msg_ids
+      USING o.vt, args, lockgate._headers(jt.name, o.priority);
+    IF cardinality(msg_ids) < cardinality(args) THEN
+        PERFORM lockgate._check_all_args(args);  -- raises for the first bad one, undoing the insert
+    END IF;
+    woken := runs_now AND cardinality(msg_ids) > 0 AND lockgate._notify_unless_busy(queue);
+END $$;
+
 -- Wakes the workers idle on a queue, for jobs enqueued with notify false once their transaction
 -- has committed (so that a woken worker finds them). Run alone, its transaction writes nothing
 -- but the commit record PostgreSQL gives a notifying transaction, which the commit does not wait

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use lockgate::{Client, DbError, EnqueueError, EnqueueOptions, Job, JobPolicy, JobTypeName};
+use lockgate::{Client, DbError, EnqueueError, EnqueueOptions, EnqueueStatus, Job, JobPolicy, JobTypeName};
 use lockgate_testkit::TestDb;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -87,6 +87,69 @@ async fn enqueue_many_returns_jobs_in_input_order() {
             .unwrap();
         assert_eq!(text, i.to_string());
     }
+}
+
+/// The client's bulk enqueue takes its jobs back as one row of arrays
+/// (`lockgate._enqueue_many_and_wake`), not a row per job: each job's outcome must still come
+/// back in the order of the input, for every kind of outcome. A type limited to one per key and
+/// unique per key, enqueued as [a/1, a/2, b/1, b/3] (key/unique key): the first takes key a, the
+/// second finds a full and parks, the third duplicates the first, the fourth takes key b. A
+/// bulk enqueue of parked jobs only wakes no one; an empty one returns nothing; SQL's call of the
+/// function refuses a bad argument by its position and leaves nothing enqueued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clients_bulk_enqueue_returns_each_jobs_outcome_in_the_order_given() {
+    let db = TestDb::migrated().await.unwrap();
+    let (pool, client) = shadowed_notify(&db).await;
+    sqlx::query(
+        "SELECT lockgate.define_job_type('pair', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         unique_mode => 'until_executed', unique_key => ARRAY['u'], unique_on_conflict => 'discard')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let args =
+        [json!({"k": "a", "u": 1}), json!({"k": "a", "u": 2}), json!({"k": "b", "u": 1}), json!({"k": "b", "u": 3})];
+    let jobs = client.enqueue_many_raw("pair", &args, &EnqueueOptions::default()).await.unwrap();
+    client.wakes_sent().await;
+    let statuses: Vec<EnqueueStatus> = jobs.iter().map(|j| j.status).collect();
+    use EnqueueStatus::{Duplicate, Enqueued, Parked};
+    assert_eq!(statuses, [Enqueued, Parked, Duplicate, Enqueued]);
+    assert!(jobs.iter().all(|j| j.queue == "default"), "{jobs:?}");
+    for i in [0, 3] {
+        assert_eq!(jobs[i].msg_id, Some(jobs[i].job_id.0));
+        let message: serde_json::Value = sqlx::query_scalar("SELECT message FROM pgmq.q_default WHERE msg_id = $1")
+            .bind(jobs[i].msg_id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(message, args[i]);
+    }
+    assert_eq!((jobs[1].msg_id, jobs[2].msg_id), (None, None));
+    let parked: serde_json::Value = sqlx::query_scalar("SELECT args FROM lockgate.parked WHERE job_id = $1")
+        .bind(jobs[1].job_id.0)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(parked, args[1]);
+    assert_eq!(jobs[2].job_id, jobs[0].job_id, "a duplicate names the job holding its unique key");
+    assert_eq!(notified(&pool).await, [("lockgate_default".to_string(), true)], "one wake-up, with the commit");
+
+    let parked_only = [json!({"k": "a", "u": 4}), json!({"k": "b", "u": 5})];
+    let jobs = client.enqueue_many_raw("pair", &parked_only, &EnqueueOptions::default()).await.unwrap();
+    client.wakes_sent().await;
+    assert!(jobs.iter().all(|j| j.status == Parked && j.msg_id.is_none()), "{jobs:?}");
+    assert_eq!(notified(&pool).await, [], "nothing can run: nobody is woken");
+    assert!(client.enqueue_many::<Note>(&[]).await.unwrap().is_empty());
+    assert!(client.enqueue_many_raw("pair", &[], &EnqueueOptions::default()).await.unwrap().is_empty());
+
+    let before = queued(&db).await;
+    let err =
+        sqlx::query("SELECT * FROM lockgate._enqueue_many_and_wake('note', ARRAY['{}', '7']::jsonb[], '{}', true)")
+            .execute(&db.pool)
+            .await
+            .unwrap_err();
+    assert!(err.to_string().contains("arguments #2 must be a JSON object"), "{err}");
+    assert_eq!(queued(&db).await, before);
 }
 
 #[tokio::test]
@@ -914,6 +977,7 @@ async fn an_enqueue_runs_only_its_queues_own_steps_and_enqueues_without_them() {
     let paths = [
         ("SELECT count(*) FROM lockgate.enqueue('note', '{\"text\": \"one\"}')", 1),
         ("SELECT count(*) FROM lockgate.enqueue_many('note', ARRAY['{\"text\": \"a\"}', '{\"text\": \"b\"}']::jsonb[])", 2),
+        ("SELECT * FROM lockgate._enqueue_many_and_wake('note', ARRAY['{\"text\": \"c\"}', '{}']::jsonb[], '{}', false)", 2),
         ("SELECT count(*) FROM lockgate.enqueue('note', '{\"text\": \"later\"}', '{\"delay\": 60}')", 1),
     ];
     let mut conn = db.pool.acquire().await.unwrap();
@@ -1039,6 +1103,8 @@ async fn an_enqueue_runs_no_sql_function_that_could_have_been_inlined() {
         "SELECT * FROM lockgate.enqueue('plain', '{}')",
         "SELECT * FROM lockgate.enqueue('plain', '{}', '{\"priority\": 3}')",
         "SELECT * FROM lockgate.enqueue_many('plain', ARRAY['{}', '{}']::jsonb[])",
+        "SELECT * FROM lockgate._enqueue_many_and_wake('plain', ARRAY['{}', '{}']::jsonb[], '{}', false)",
+        "SELECT * FROM lockgate._enqueue_many_and_wake('limited', ARRAY['{\"k\": 2}']::jsonb[], '{}', false)",
         "SELECT * FROM lockgate.enqueue('limited', '{\"k\": 1}')",
         "SELECT * FROM lockgate.enqueue('unique', '{\"u\": 1}')",
     ] {

@@ -87,7 +87,7 @@ pub async fn run_bulk(ctx: &Ctx, args: &BulkArgs) -> Result<Outcome> {
         outcome
             .rows
             .push(Row::new("bulk", measure, "jobs/s", client).baseline("pgmq.send_batch", rate(1)).ratio_target(0.9));
-        let functions = [(&["lockgate.enqueue_many"][..], args.jobs), (&["pgmq.send_batch"], args.jobs)];
+        let functions = [(&["lockgate._enqueue_many_and_wake"][..], args.jobs), (&["pgmq.send_batch"], args.jobs)];
         let prefix = format!("calls of {batch}: ");
         outcome.diagnostics.extend(diagnostics(&prefix, &producers, runs, &functions, args.jobs));
     }

@@ -83,7 +83,8 @@ pub async fn enqueue_and_wake<'c>(
 }
 
 /// [`enqueue_many`] with `notify` false and the wake-up of [`enqueue_and_wake`], sent at most
-/// once, when any job was enqueued (they share one queue).
+/// once, when any job was enqueued (they share one queue): `lockgate._enqueue_many_and_wake`,
+/// which returns the jobs as one row of arrays.
 pub async fn enqueue_many_and_wake<'c>(
     db: impl Into<Db<'c>>,
     job_type: &str,
@@ -92,22 +93,48 @@ pub async fn enqueue_many_and_wake<'c>(
     runs_now: bool,
 ) -> Result<(Vec<EnqueuedJob>, bool), DbError> {
     on(db.into(), async |conn| {
-        let rows = query(
-            "WITH e AS MATERIALIZED (
-                 SELECT * FROM lockgate.enqueue_many($1, $2, $3, false) WITH ORDINALITY AS e(queue, msg_id, job_id, status, i)),
-             w AS MATERIALIZED (
-                 SELECT CASE WHEN $4 THEN lockgate._notify_unless_busy(first.queue) ELSE false END AS woken
-                   FROM (SELECT e.queue FROM e WHERE e.status = 'enqueued' LIMIT 1) first)
-             SELECT e.queue, e.msg_id, e.job_id, e.status, COALESCE((SELECT w.woken FROM w), false) FROM e ORDER BY e.i",
+        let row = query(
+            "SELECT queue, msg_ids, job_ids, statuses, woken FROM lockgate._enqueue_many_and_wake($1, $2, $3, $4)",
         )
         .bind(job_type)
         .bind(args)
         .bind(options)
         .bind(runs_now)
-        .fetch_all(conn)
+        .fetch_one(conn)
         .await?;
-        let woken = rows.first().is_some_and(|row| row.get(4));
-        Ok((rows.iter().map(to_job).collect(), woken))
+        let queue: String = row.get(0);
+        let job_ids: Option<Vec<i64>> = row.get(2);
+        let statuses: Option<Vec<String>> = row.get(3);
+        let jobs = match (job_ids, statuses) {
+            (Some(job_ids), Some(statuses)) => {
+                let msg_ids: Vec<Option<i64>> = row.try_get(1)?;
+                msg_ids
+                    .into_iter()
+                    .zip(job_ids)
+                    .zip(&statuses)
+                    .map(|((msg_id, job_id), status)| EnqueuedJob {
+                        queue: queue.clone(),
+                        msg_id,
+                        job_id: JobId(job_id),
+                        status: to_status(status),
+                    })
+                    .collect()
+            }
+            // Every job enqueued, its id its msg_id.
+            _ => {
+                let msg_ids: Vec<i64> = row.try_get(1)?;
+                msg_ids
+                    .into_iter()
+                    .map(|id| EnqueuedJob {
+                        queue: queue.clone(),
+                        msg_id: Some(id),
+                        job_id: JobId(id),
+                        status: EnqueueStatus::Enqueued,
+                    })
+                    .collect()
+            }
+        };
+        Ok((jobs, row.get(4)))
     })
     .await
 }
@@ -125,11 +152,10 @@ pub async fn wake<'c>(db: impl Into<Db<'c>>, queues: &[String]) -> Result<(), Db
 }
 
 fn to_job(row: &sqlx::postgres::PgRow) -> EnqueuedJob {
-    EnqueuedJob {
-        queue: row.get(0),
-        msg_id: row.get(1),
-        job_id: JobId(row.get(2)),
-        // The SQL function returns only these three statuses.
-        status: EnqueueStatus::parse(row.get(3)).unwrap_or(EnqueueStatus::Enqueued),
-    }
+    EnqueuedJob { queue: row.get(0), msg_id: row.get(1), job_id: JobId(row.get(2)), status: to_status(row.get(3)) }
+}
+
+fn to_status(status: &str) -> EnqueueStatus {
+    // The SQL functions return only these statuses.
+    EnqueueStatus::parse(status).unwrap_or(EnqueueStatus::Enqueued)
 }
