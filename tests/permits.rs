@@ -452,6 +452,49 @@ async fn g3_a_key_row_still_counted_cannot_be_deleted_or_truncated() {
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
+/// Migration 20 (docs/design.md §61): a key is not changed in place, a semaphore row's nor a
+/// lease's. Renamed, key 1's row would count a permit no lease gives back, and its lease would
+/// give one to whichever row key 1 got next: one permit too many, then a value below zero that
+/// fails every sweep pass. Every lockgate path that updates these rows (a claim's permit and
+/// renewal, a completion's give-back and promotion, the sweep) goes on: none names the key.
+#[tokio::test]
+async fn g3_a_key_is_not_renamed_in_a_semaphore_row_nor_moved_in_a_lease() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 2).await;
+    let holders = claim(&db.pool, 10).await;
+    assert_eq!(holders.len(), 2);
+    for (statement, names) in [
+        (
+            "UPDATE lockgate.semaphores SET key = 'lim:[3]' WHERE key = 'lim:[1]'",
+            "a semaphore row's key is not changed",
+        ),
+        ("UPDATE lockgate.semaphores SET key = key, value = value", "a semaphore row's key is not changed"),
+        ("UPDATE lockgate.leases SET key = 'lim:[2]' WHERE key = 'lim:[1]'", "a lease's key is not changed"),
+    ] {
+        let err = sqlx::query(statement).execute(&db.pool).await.expect_err(statement);
+        let db_err = err.as_database_error().expect("a database error");
+        assert_eq!(db_err.code().as_deref(), Some("23001"), "{statement}");
+        assert!(db_err.message().contains(names), "{statement}: {}", db_err.message());
+    }
+    // Updates of everything but the key go through, by hand as on lockgate's paths.
+    sqlx::query("UPDATE lockgate.semaphores SET updated_at = now() WHERE key = 'lim:[2]'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE lockgate.leases SET expires_at = expires_at + interval '1 second'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    complete_all(&db.pool, &holders).await;
+    let promoted = claim(&db.pool, 10).await;
+    assert_eq!(promoted.len(), 1, "key 1's parked job");
+    complete_all(&db.pool, &promoted).await;
+    sweep(&db.pool).await;
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
 #[tokio::test]
 async fn g3_check_invariants_sees_a_delivery_without_its_lease_a_key_over_its_limit_and_a_lease_without_its_key() {
     // The check every concurrency test ends with must be able to fail.
@@ -471,7 +514,7 @@ async fn g3_check_invariants_sees_a_delivery_without_its_lease_a_key_over_its_li
         .execute(&db.pool)
         .await
         .unwrap();
-    sqlx::query("UPDATE lockgate.leases SET key = 'lim:[1]'").execute(&db.pool).await.unwrap();
+    without_key_guards(&db.pool, "UPDATE lockgate.leases SET key = 'lim:[1]'").await;
     sqlx::query(
         "INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
          SELECT 'default', msg_id, 'lim:[1]', 60000, vt + interval '1 minute' FROM pgmq.q_default
@@ -483,11 +526,11 @@ async fn g3_check_invariants_sees_a_delivery_without_its_lease_a_key_over_its_li
     let found = violations(&db.pool).await;
     assert!(found.iter().any(|v| v.contains("2 deliveries in flight holding leases, limit 1")), "{found:?}");
     // A lease whose key has no semaphore row (every path adding a lease holds its key's row).
-    sqlx::query("UPDATE lockgate.leases SET key = 'lim:[9]' WHERE msg_id = $1")
-        .bind(claimed[0].0)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    without_key_guards(
+        &db.pool,
+        &format!("UPDATE lockgate.leases SET key = 'lim:[9]' WHERE msg_id = {}", claimed[0].0),
+    )
+    .await;
     let found = violations(&db.pool).await;
     assert!(found.iter().any(|v| v.contains("lim:[9]") && v.contains("1 leases but no semaphore row")), "{found:?}");
 }

@@ -91,6 +91,11 @@ const MIGRATIONS: &[Migration] = &[
         name: "key_row_guards",
         sql: Some(include_str!("../../../migrations/0019_key_row_guards.sql")),
     },
+    Migration {
+        version: 20,
+        name: "key_changes_refused",
+        sql: Some(include_str!("../../../migrations/0020_key_changes_refused.sql")),
+    },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
