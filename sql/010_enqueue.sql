@@ -491,12 +491,17 @@ DECLARE
     o record := lockgate._resolve_options(jt, options);
 BEGIN
     queue := o.queue;
+    -- Set by an IF, not an AND: the notification is a side effect, and SQL promises no order of
+    -- evaluation for AND.
+    woken := false;
     IF jt.concurrency_limit IS NOT NULL OR jt.unique_mode IS NOT NULL OR o.batch IS NOT NULL THEN
         SELECT array_agg(e.msg_id ORDER BY e.i), array_agg(e.job_id ORDER BY e.i), array_agg(e.status ORDER BY e.i)
           INTO msg_ids, job_ids, statuses
           FROM lockgate.enqueue_many(job_type, args, options, false) WITH ORDINALITY AS e(queue, msg_id, job_id, status, i);
-        msg_ids := COALESCE(msg_ids, '{}');  -- no args: no jobs, and so none but enqueued ones
-        woken := runs_now AND COALESCE('enqueued' = ANY(statuses), false) AND lockgate._notify_unless_busy(queue);
+        msg_ids := COALESCE(msg_ids, '{}');  -- no args: no ids (and, vacuously, every job enqueued)
+        IF runs_now AND 'enqueued' = ANY(statuses) THEN
+            woken := lockgate._notify_unless_busy(queue);
+        END IF;
         RETURN;
     END IF;
     -- The path of lockgate.enqueue_many for these types, its ids gathered in insertion order
@@ -507,7 +512,9 @@ BEGIN
     IF cardinality(msg_ids) < cardinality(args) THEN
         PERFORM lockgate._check_all_args(args);  -- raises for the first bad one, undoing the insert
     END IF;
-    woken := runs_now AND cardinality(msg_ids) > 0 AND lockgate._notify_unless_busy(queue);
+    IF runs_now AND cardinality(msg_ids) > 0 THEN
+        woken := lockgate._notify_unless_busy(queue);
+    END IF;
 END $$;
 
 -- Wakes the workers idle on a queue, for jobs enqueued with notify false once their transaction
