@@ -379,42 +379,62 @@ BEGIN
     RETURN NEXT;
 END $$;
 
+-- The jobs of args, of a type that is limited or unique or joining a batch, each through
+-- lockgate._enqueue_one with the type and options already resolved (jt and the rest, as
+-- lockgate._resolve_options returns them); rows come back in the order of args. Each job is taken
+-- in key order — the unique key, then the concurrency key — so concurrent calls lock unique
+-- lock rows and semaphore rows in one order (a call with both kinds of key may still meet
+-- another in a deadlock, which PostgreSQL breaks by failing one call, undone as a whole). The
+-- arguments are checked first, all of them. Callers: lockgate.enqueue_many and
+-- lockgate._enqueue_many_and_wake, which resolve the type and options once, so that the queue
+-- they report is the one the jobs went to.
+CREATE OR REPLACE FUNCTION lockgate._enqueue_each(
+    jt lockgate.job_types, args jsonb[], queue text, priority smallint, vt timestamptz, immediate boolean, ckey text,
+    ukey text, batch bigint)
+RETURNS TABLE (msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+BEGIN
+    PERFORM lockgate._check_all_args(args);
+    IF batch IS NOT NULL THEN
+        PERFORM lockgate._join_batch(batch);
+    END IF;
+    FOR r IN
+        SELECT e.msg_id, e.job_id, e.status
+          FROM (SELECT a.v, a.i FROM unnest(args) WITH ORDINALITY a(v, i)
+                 ORDER BY CASE WHEN jt.unique_mode = 'until_executed' THEN lockgate._key_of(jt.name, jt.unique_key, a.v, _enqueue_each.ukey) END,
+                          CASE WHEN jt.concurrency_limit IS NOT NULL THEN lockgate._concurrency_key(jt, a.v, _enqueue_each.ckey) END,
+                          a.i) AS ordered,
+               LATERAL lockgate._enqueue_one(jt, ordered.v, _enqueue_each.queue, _enqueue_each.priority, _enqueue_each.vt,
+                                             _enqueue_each.immediate, _enqueue_each.ckey, _enqueue_each.ukey,
+                                             _enqueue_each.batch) e
+         ORDER BY ordered.i
+    LOOP
+        msg_id := r.msg_id;
+        job_id := r.job_id;
+        status := r.status;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+
 -- Many jobs of one type sharing one options object, in one call; rows come back in the order
 -- of args. Unlimited types without uniqueness or batch take one set-based INSERT (the queue's
 -- enqueue step, lockgate._enqueue_step), which checks the arguments as it goes and raises for
 -- the first bad one afterwards (the raise undoes the insert); its rows come back in insertion
--- order, the order of args. Other types take each job
--- in key order — the unique key, then the concurrency key — so concurrent calls lock unique
--- lock rows and semaphore rows in one order (a call with both kinds of key may still meet
--- another in a deadlock, which PostgreSQL breaks by failing one call, undone as a whole).
+-- order, the order of args. Other types take each job through lockgate._enqueue_each.
 CREATE OR REPLACE FUNCTION lockgate.enqueue_many(job_type text, args jsonb[], options jsonb, notify boolean)
 RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
     jt lockgate.job_types := lockgate.job_policy(job_type);
     o record := lockgate._resolve_options(jt, options);
     inserted bigint;
-    r record;
 BEGIN
     IF jt.concurrency_limit IS NOT NULL OR jt.unique_mode IS NOT NULL OR o.batch IS NOT NULL THEN
-        PERFORM lockgate._check_all_args(args);
-        IF o.batch IS NOT NULL THEN
-            PERFORM lockgate._join_batch(o.batch);
-        END IF;
-        FOR r IN
-            SELECT e.msg_id, e.job_id, e.status
-              FROM (SELECT a.v, a.i FROM unnest(args) WITH ORDINALITY a(v, i)
-                     ORDER BY CASE WHEN jt.unique_mode = 'until_executed' THEN lockgate._key_of(jt.name, jt.unique_key, a.v, o.ukey) END,
-                              CASE WHEN jt.concurrency_limit IS NOT NULL THEN lockgate._concurrency_key(jt, a.v, o.ckey) END,
-                              a.i) AS ordered,
-                   LATERAL lockgate._enqueue_one(jt, ordered.v, o.queue, o.priority, o.vt, o.immediate AND notify, o.ckey, o.ukey, o.batch) e
-             ORDER BY ordered.i
-        LOOP
-            queue := o.queue;
-            msg_id := r.msg_id;
-            job_id := r.job_id;
-            status := r.status;
-            RETURN NEXT;
-        END LOOP;
+        RETURN QUERY
+        SELECT o.queue, e.msg_id, e.job_id, e.status
+          FROM lockgate._enqueue_each(jt, args, o.queue, o.priority, o.vt, o.immediate AND notify, o.ckey, o.ukey, o.batch)
+               WITH ORDINALITY AS e(msg_id, job_id, status, i)
+         ORDER BY e.i;
         RETURN;
     END IF;
     -- Every job of the call has the same headers (its id is its msg_id): nothing is built per row.
@@ -471,18 +491,19 @@ BEGIN
     RETURN true;
 END $$;
 
--- The Rust Client's bulk enqueue: lockgate.enqueue_many with notify false, then, when runs_now
--- (the caller's reading of its options) and a job was enqueued, lockgate._notify_unless_busy in
--- the same transaction; woken says whether it notified (when not, the caller sends
+-- The Rust Client's bulk enqueue: what lockgate.enqueue_many does with notify false, then, when
+-- runs_now (the caller's reading of its options) and a job was enqueued, lockgate._notify_unless_busy
+-- in the same transaction; woken says whether it notified (when not, the caller sends
 -- lockgate.wake after the commit). One row of arrays in the order of args, not a row per job:
 -- rows passed up through each function's result set and then the caller's statement
 -- (materialised to find the first enqueued job, sorted back into order) cost 0.6 of the 3.5 ms
--- a call of 1,000 jobs took (docs/benchmarks.md, thirteenth session).
--- msg_ids[i] is the message of args[i] (NULL when parked or a duplicate); job_ids and statuses
--- are NULL when every job was enqueued with its msg_id as its id (an unlimited type without
--- uniqueness or batch: nothing but the ids to return), else job_ids[i] and statuses[i] are
--- those lockgate.enqueue_many returns. Run it outside a transaction block, as
--- _notify_unless_busy. Callers: the Rust Client (lockgate_sql::enqueue_many_and_wake).
+-- a call of 1,000 jobs took (docs/benchmarks.md, thirteenth session). queue is where the jobs
+-- went (the type and options are resolved once); msg_ids[i] is the message of args[i] (NULL when
+-- parked or a duplicate). For an unlimited type without uniqueness or batch, job_ids and
+-- statuses are NULL: every job was enqueued, its msg_id its id, and only the ids need to cross
+-- the wire. For other types, job_ids[i] and statuses[i] are what lockgate.enqueue_many returns,
+-- whatever the outcomes. Run it outside a transaction block, as _notify_unless_busy. Callers:
+-- the Rust Client (lockgate_sql::enqueue_many_and_wake).
 CREATE OR REPLACE FUNCTION lockgate._enqueue_many_and_wake(job_type text, args jsonb[], options jsonb, runs_now boolean,
     OUT queue text, OUT msg_ids bigint[], OUT job_ids bigint[], OUT statuses text[], OUT woken boolean)
 LANGUAGE plpgsql AS $$
@@ -497,7 +518,8 @@ BEGIN
     IF jt.concurrency_limit IS NOT NULL OR jt.unique_mode IS NOT NULL OR o.batch IS NOT NULL THEN
         SELECT array_agg(e.msg_id ORDER BY e.i), array_agg(e.job_id ORDER BY e.i), array_agg(e.status ORDER BY e.i)
           INTO msg_ids, job_ids, statuses
-          FROM lockgate.enqueue_many(job_type, args, options, false) WITH ORDINALITY AS e(queue, msg_id, job_id, status, i);
+          FROM lockgate._enqueue_each(jt, args, o.queue, o.priority, o.vt, false, o.ckey, o.ukey, o.batch)
+               WITH ORDINALITY AS e(msg_id, job_id, status, i);
         msg_ids := COALESCE(msg_ids, '{}');  -- no args: no ids (and, vacuously, every job enqueued)
         IF runs_now AND 'enqueued' = ANY(statuses) THEN
             woken := lockgate._notify_unless_busy(queue);

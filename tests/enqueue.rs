@@ -95,7 +95,8 @@ async fn enqueue_many_returns_jobs_in_input_order() {
 /// unique per key, enqueued as [a/1, a/2, b/1, b/3] (key/unique key): the first takes key a, the
 /// second finds a full and parks, the third duplicates the first, the fourth takes key b. A
 /// bulk enqueue of parked jobs only wakes no one; an empty one returns nothing; SQL's call of the
-/// function refuses a bad argument by its position and leaves nothing enqueued.
+/// function refuses a bad argument by its position and leaves nothing enqueued; without the
+/// function (a database migrated by an older build), the client says to run migrate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_clients_bulk_enqueue_returns_each_jobs_outcome_in_the_order_given() {
     let db = TestDb::migrated().await.unwrap();
@@ -150,6 +151,69 @@ async fn the_clients_bulk_enqueue_returns_each_jobs_outcome_in_the_order_given()
             .unwrap_err();
     assert!(err.to_string().contains("arguments #2 must be a JSON object"), "{err}");
     assert_eq!(queued(&db).await, before);
+
+    // A database migrated by a build without the function: the error says what to do.
+    sqlx::query("DROP FUNCTION lockgate._enqueue_many_and_wake").execute(&db.pool).await.unwrap();
+    let err = client.enqueue_many(&[Note { text: "x".into() }]).await.unwrap_err();
+    assert!(matches!(err, EnqueueError::Database(DbError::FunctionsOutdated)), "{err:?}");
+    assert!(err.to_string().contains("run `lockgate migrate`"), "{err}");
+    assert_eq!(queued(&db).await, before);
+}
+
+/// The client's bulk enqueue resolves the job type and its options once: the queue it reports,
+/// and the one its wake-up goes to, is the queue its jobs went to. Another connection moves a
+/// unique type between two queues in a loop while the client enqueues one job at a time. With
+/// the type looked up twice (a first version called `enqueue_many`, which looked it up again in
+/// a newer snapshot), about one call in forty reported the other queue, and its wake-up went
+/// there: the workers of the real queue waited for their next poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_enqueue_reports_the_queue_its_jobs_went_to_while_its_type_moves_between_queues() {
+    let (db, client) = setup().await;
+    let define = |queue: &str| {
+        format!(
+            "SELECT lockgate.define_job_type('moving', '{queue}', unique_mode => 'while_executing', unique_key => ARRAY['u'])"
+        )
+    };
+    sqlx::raw_sql(&format!("SELECT lockgate.create_queue('qa'); SELECT lockgate.create_queue('qb'); {}", define("qa")))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mover = {
+        let (pool, stop) = (db.pool.clone(), stop.clone());
+        let (to_a, to_b) = (define("qa"), define("qb"));
+        tokio::spawn(async move {
+            let mut moves = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for statement in [&to_b, &to_a] {
+                    sqlx::query(statement).execute(&pool).await.unwrap();
+                    moves += 1;
+                }
+            }
+            moves
+        })
+    };
+    let mut seen = std::collections::HashSet::new();
+    for i in 0..400 {
+        let jobs = client.enqueue_many_raw("moving", &[json!({"u": i})], &EnqueueOptions::default()).await.unwrap();
+        assert_eq!(jobs.len(), 1);
+        let job = &jobs[0];
+        assert_eq!(job.status, EnqueueStatus::Enqueued);
+        let found: Option<String> = sqlx::query_scalar(
+            "SELECT q FROM (VALUES ('qa'), ('qb')) v(q)
+              WHERE EXISTS (SELECT 1 FROM pgmq.q_qa WHERE msg_id = $1 AND v.q = 'qa')
+                 OR EXISTS (SELECT 1 FROM pgmq.q_qb WHERE msg_id = $1 AND v.q = 'qb')",
+        )
+        .bind(job.msg_id)
+        .fetch_optional(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(found.as_deref(), Some(job.queue.as_str()), "call {i}: reported {job:?}");
+        seen.insert(job.queue.clone());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let moves = mover.await.unwrap();
+    assert!(moves > 0 && seen.len() == 2, "the type moved {moves} times; jobs went to {seen:?}");
 }
 
 #[tokio::test]

@@ -102,12 +102,15 @@ pub async fn enqueue_many_and_wake<'c>(
         .bind(runs_now)
         .fetch_one(conn)
         .await?;
-        let queue: String = row.get(0);
-        let job_ids: Option<Vec<i64>> = row.get(2);
-        let statuses: Option<Vec<String>> = row.get(3);
-        let jobs = match (job_ids, statuses) {
+        let queue: String = row.try_get(0)?;
+        let job_ids: Option<Vec<i64>> = row.try_get(2)?;
+        let statuses: Option<Vec<String>> = row.try_get(3)?;
+        let jobs: Vec<EnqueuedJob> = match (job_ids, statuses) {
             (Some(job_ids), Some(statuses)) => {
                 let msg_ids: Vec<Option<i64>> = row.try_get(1)?;
+                if msg_ids.len() != job_ids.len() || msg_ids.len() != statuses.len() {
+                    return Err(DbError::FunctionsOutdated);
+                }
                 msg_ids
                     .into_iter()
                     .zip(job_ids)
@@ -120,8 +123,8 @@ pub async fn enqueue_many_and_wake<'c>(
                     })
                     .collect()
             }
-            // Every job enqueued, its id its msg_id.
-            _ => {
+            // An unlimited type without uniqueness or batch: every job enqueued, its id its msg_id.
+            (None, None) => {
                 let msg_ids: Vec<i64> = row.try_get(1)?;
                 msg_ids
                     .into_iter()
@@ -133,8 +136,13 @@ pub async fn enqueue_many_and_wake<'c>(
                     })
                     .collect()
             }
+            _ => return Err(DbError::FunctionsOutdated),
         };
-        Ok((jobs, row.get(4)))
+        // One job per argument, or the function is not the one this build speaks to.
+        if jobs.len() != args.len() {
+            return Err(DbError::FunctionsOutdated);
+        }
+        Ok((jobs, row.try_get(4)?))
     })
     .await
 }

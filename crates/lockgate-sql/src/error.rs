@@ -81,6 +81,9 @@ impl From<sqlx::Error> for DbError {
                 .map(|key| Self::LimitReached { key: key.to_string(), message }),
             Some("LG005") => duplicate(text, message),
             Some("LG006") => Some(Self::UnknownRecurringTask(message)),
+            // A lockgate function this build calls and the database lacks (or has with other
+            // arguments): migrated by an older build. The schema itself exists (else 3F000).
+            Some("42883") if text.starts_with("function lockgate.") => Some(Self::FunctionsOutdated),
             _ => None,
         };
         parsed.unwrap_or(Self::Sqlx(err))
