@@ -8,9 +8,10 @@
 -- for an UPDATE that names key in its SET list, which no lockgate path does: the hot paths' updates
 -- (value, lim, updated_at; a lease's expiry) pay one look at the statement's target columns, and
 -- no row is locked or read for them, as it would be for a row trigger.
--- Bypassed, as every trigger, by session_replication_role = replica; a lease inserted by hand under
--- a key whose row did not count it stays unguarded (a check per lease insert is the cost migration
--- 18 removed).
+-- Bypassed, as every trigger, by session_replication_role = replica. A lease deleted or inserted
+-- by hand stays unguarded, a lease moved by a delete and an insert in one statement included (a
+-- check per lease insert or delete is the cost migration 18 removed). The triggers name the key
+-- column: a later migration that changes its type drops and creates them again around it.
 CREATE OR REPLACE FUNCTION lockgate._refuse_key_change()
 RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

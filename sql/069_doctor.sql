@@ -315,6 +315,38 @@ LANGUAGE sql STABLE AS $$
      WHERE NOT EXISTS (SELECT 1 FROM wrong w WHERE w.why IS NOT NULL)
 $$;
 
+-- Migrations 19 and 20's guards of the key tables (docs/design.md §61): present and enabled. A
+-- trigger disabled (ALTER TABLE ... DISABLE TRIGGER, or a replica-only setting) or dropped by hand
+-- lets the hand edits they refuse through: a key row deleted or renamed while leases count by it,
+-- a lease moved to another key. One row per trigger not as migrate left it, or one ok row.
+CREATE OR REPLACE FUNCTION lockgate._doctor_key_guards()
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    WITH expected(tbl, name, migration) AS (
+        VALUES ('semaphores', 'semaphores_still_counted', '0019_key_row_guards.sql'),
+               ('semaphores', 'semaphores_not_truncated', '0019_key_row_guards.sql'),
+               ('semaphores', 'semaphores_key_not_renamed', '0020_key_changes_refused.sql'),
+               ('leases', 'leases_key_not_moved', '0020_key_changes_refused.sql')),
+    wrong AS (
+        SELECT e.tbl, e.name, e.migration, t.tgenabled
+          FROM expected e
+          LEFT JOIN pg_catalog.pg_trigger t
+            ON t.tgrelid = to_regclass('lockgate.' || e.tbl) AND t.tgname = e.name::name
+         WHERE t.tgenabled IS DISTINCT FROM 'O' AND t.tgenabled IS DISTINCT FROM 'A')
+    SELECT 'key_guards', 'warn',
+           format('trigger %s on lockgate.%s is %s', w.name, w.tbl,
+                  CASE WHEN w.tgenabled IS NULL THEN 'missing' ELSE 'disabled' END),
+           CASE WHEN w.tgenabled IS NULL
+                THEN format('create it again as migrations/%s does; until then lockgate does not refuse the hand edit it guards '
+                            '(SELECT * FROM lockgate.check_invariants() names a key whose permits no longer match its leases)', w.migration)
+                ELSE format('ALTER TABLE lockgate.%s ENABLE TRIGGER %s; until then lockgate does not refuse the hand edit it guards',
+                            w.tbl, w.name) END
+      FROM wrong w
+    UNION ALL
+    SELECT 'key_guards', 'ok', 'the key tables'' guards (migrations 19 and 20) are in place and enabled', NULL
+     WHERE NOT EXISTS (SELECT 1 FROM wrong)
+$$;
+
 -- Whether this role can see other roles' sessions (a superuser, or a member of
 -- pg_read_all_stats): without it the sessions check is blind to them. One warn row, or none.
 CREATE OR REPLACE FUNCTION lockgate._doctor_visibility()
@@ -354,5 +386,6 @@ BEGIN
         UNION ALL SELECT * FROM lockgate._doctor_leases()
         UNION ALL SELECT * FROM lockgate._doctor_parked()
         UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds))
-        UNION ALL SELECT * FROM lockgate._doctor_steps();
+        UNION ALL SELECT * FROM lockgate._doctor_steps()
+        UNION ALL SELECT * FROM lockgate._doctor_key_guards();
 END $$;

@@ -141,3 +141,76 @@ async fn a_functions_only_release_rolls_and_a_development_build_is_refused() {
         "migrated: this build's"
     );
 }
+
+/// A migration's DDL on a table lockgate's paths write (migration 20's triggers on the semaphores
+/// and the leases) waits for every transaction that has written it, and every later statement on
+/// the table queues behind that wait: one open producer transaction stalled every enqueue, claim
+/// and completion of a limited job for as long as it stayed open, and the two tables locked in
+/// the opposite order of a completion's could deadlock with it (the review of migration 20). Now
+/// migrate waits at most 500 ms for a lock, then undoes the attempt and tries again: the other
+/// sessions go on between its attempts, and it finishes once the transaction ends. Without the
+/// timeout, no enqueue gets through while the producer's transaction is open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_waits_for_an_open_transaction_without_stalling_the_paths_behind_it() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('solo', concurrency_limit => 1, concurrency_key => ARRAY['k']);
+         -- As the previous build left the database: before migration 20.
+         DROP TRIGGER semaphores_key_not_renamed ON lockgate.semaphores;
+         DROP TRIGGER leases_key_not_moved ON lockgate.leases;
+         DROP FUNCTION lockgate._refuse_key_change();
+         DELETE FROM lockgate.schema_migrations WHERE version = 20;
+         UPDATE lockgate.schema_state SET migration = 19;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // A producer's transaction that enqueued a limited job, left open.
+    let mut producer = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('solo', '{\"k\": 0}')").execute(&mut *producer).await.unwrap();
+    let finished = std::sync::atomic::AtomicBool::new(false);
+    let migrating = async {
+        let report = lockgate::migrate(&db.pool).await;
+        finished.store(true, std::sync::atomic::Ordering::SeqCst);
+        report
+    };
+    // Once migrate waits for a lock on the tables, other producers go on, each enqueue a permit
+    // of a key of its own; then the open transaction ends.
+    let others = async {
+        let waiting = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted
+                                       AND relation IN ('lockgate.semaphores'::regclass, 'lockgate.leases'::regclass))";
+        let until = std::time::Instant::now() + WAIT;
+        while !sqlx::query_scalar::<_, bool>(waiting).fetch_one(&db.pool).await.unwrap() {
+            assert!(std::time::Instant::now() < until, "migrate never waited for the producer's locks");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+        let mut enqueued = 0;
+        while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+            let enqueue = sqlx::query("SELECT * FROM lockgate.enqueue('solo', jsonb_build_object('k', $1::integer))")
+                .bind(enqueued + 1)
+                .execute(&db.pool);
+            match tokio::time::timeout(left, enqueue).await {
+                Ok(done) => {
+                    done.unwrap();
+                    enqueued += 1;
+                }
+                Err(_) => break,
+            }
+        }
+        assert!(!finished.load(std::sync::atomic::Ordering::SeqCst), "migrate waits for the producer's transaction");
+        assert!(enqueued >= 3, "{enqueued} enqueues in 3 s while migrate waited");
+        producer.commit().await.unwrap();
+    };
+    let (report, ()) =
+        tokio::time::timeout(WAIT, async { tokio::join!(migrating, others) }).await.expect("migrate finishes");
+    let report = report.unwrap();
+    assert_eq!(report.applied, ["key_changes_refused"]);
+    let triggers: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_trigger WHERE tgname IN ('semaphores_key_not_renamed', 'leases_key_not_moved')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(triggers, 2);
+}

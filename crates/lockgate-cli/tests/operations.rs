@@ -100,13 +100,41 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "parked_with_room",
         "stale_processes",
         "queue_steps",
+        "key_guards",
     ] {
         assert_eq!(named(&checks, name).len(), 1, "one {name} check: {checks:#?}");
     }
-    for name in ["schema", "clock", "sessions", "orphaned_leases", "parked_with_room", "stale_processes", "queue_steps"]
-    {
+    for name in [
+        "schema",
+        "clock",
+        "sessions",
+        "orphaned_leases",
+        "parked_with_room",
+        "stale_processes",
+        "queue_steps",
+        "key_guards",
+    ] {
         assert_eq!(named(&checks, name)[0]["verdict"], "ok", "{checks:#?}");
     }
+    // The key tables' guards, one disabled and one dropped by hand, are named.
+    sqlx::raw_sql(
+        "ALTER TABLE lockgate.leases DISABLE TRIGGER leases_key_not_moved;
+         DROP TRIGGER semaphores_key_not_renamed ON lockgate.semaphores;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (_, checks) = doctor(&db, &[]);
+    let guards = named(&checks, "key_guards");
+    let mut found: Vec<(&str, &str)> =
+        guards.iter().map(|c| (c["detail"].as_str().unwrap(), c["advice"].as_str().unwrap())).collect();
+    found.sort();
+    assert_eq!(found.len(), 2, "{guards:#?}");
+    assert_eq!(found[0].0, "trigger leases_key_not_moved on lockgate.leases is disabled");
+    assert!(found[0].1.starts_with("ALTER TABLE lockgate.leases ENABLE TRIGGER leases_key_not_moved;"), "{found:?}");
+    assert_eq!(found[1].0, "trigger semaphores_key_not_renamed on lockgate.semaphores is missing");
+    assert!(found[1].1.starts_with("create it again as migrations/0020_key_changes_refused.sql does"), "{found:?}");
+    assert!(guards.iter().all(|c| c["verdict"] == "warn"), "{guards:#?}");
 
     let bare = TestDb::empty().await.unwrap();
     let o = output(&bare, &["doctor"]);

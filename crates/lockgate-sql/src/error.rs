@@ -34,6 +34,10 @@ pub enum DbError {
     SchemaOutdated { found: i32, expected: i32 },
     #[error("lockgate's SQL functions in this database differ from this build's: run `lockgate migrate`")]
     FunctionsOutdated,
+    /// A lockgate function this build calls is not in the database (SQLSTATE 42883, the server's
+    /// message kept): a database an older build migrated.
+    #[error("{0}: this database's lockgate functions are older than this build's: run `lockgate migrate`")]
+    MissingFunction(String),
     #[error(
         "this database has lockgate schema version {found} (compatibility version {found_compat}), which this build \
          (schema {expected}, compatibility version {expected_compat}) cannot run against: upgrade lockgate"
@@ -52,6 +56,14 @@ pub enum DbError {
          database URL, or one through a session-mode pooler"
     )]
     MigrateThroughPooler,
+    /// Migrate waited for a lock on lockgate's tables, `attempts` times, and another transaction
+    /// held it each time.
+    #[error(
+        "lockgate migrate gave up after {attempts} attempts to lock lockgate's tables, each time held by another \
+         transaction (an open transaction that enqueued, claimed or completed jobs?): run it again once that ends \
+         (pg_stat_activity's xact_start shows long ones)"
+    )]
+    MigrateBlocked { attempts: u32 },
 }
 
 impl From<sqlx::Error> for DbError {
@@ -83,7 +95,7 @@ impl From<sqlx::Error> for DbError {
             Some("LG006") => Some(Self::UnknownRecurringTask(message)),
             // A lockgate function this build calls and the database lacks (or has with other
             // arguments): migrated by an older build. The schema itself exists (else 3F000).
-            Some("42883") if text.starts_with("function lockgate.") => Some(Self::FunctionsOutdated),
+            Some("42883") if text.starts_with("function lockgate.") => Some(Self::MissingFunction(message)),
             _ => None,
         };
         parsed.unwrap_or(Self::Sqlx(err))

@@ -146,7 +146,7 @@ pub const SCHEMA_COMPAT: i32 = 1;
 /// (so an older process runs on it within its compatibility version, and an older `migrate` leaves
 /// it alone instead of putting its older functions back). `functions_are_pinned_to_their_revision`
 /// fails when `sql/` changes without a bump.
-pub const FUNCTIONS_REVISION: i32 = 38;
+pub const FUNCTIONS_REVISION: i32 = 39;
 
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;
@@ -326,20 +326,47 @@ async fn migrate_locked(locked: &PgPool) -> Result<MigrateReport, DbError> {
     tx.commit().await?;
     let pgmq = install_pgmq(locked, found).await?;
 
+    let note = pgmq.to_string();
+    let mut attempt = 1;
+    let applied = loop {
+        match apply(locked, &note).await {
+            Err(err) if waited_for_a_lock(&err) && attempt < MIGRATE_ATTEMPTS => {
+                tokio::time::sleep(std::time::Duration::from_millis(100 * u64::from(attempt.min(10)))).await;
+                attempt += 1;
+            }
+            Err(err) if waited_for_a_lock(&err) => return Err(DbError::MigrateBlocked { attempts: attempt }),
+            other => break other?,
+        }
+    };
+    Ok(MigrateReport { applied, pgmq, newer: None })
+}
+
+/// Attempts of [`apply`] before migrate gives up on a lock other transactions keep holding.
+const MIGRATE_ATTEMPTS: u32 = 30;
+
+/// The migrations not yet applied, then every function, in one transaction; returns the names
+/// of the migrations applied. A migration's DDL on a table lockgate's paths write (a trigger on
+/// the semaphores, say) waits for every transaction that has written it, and every later
+/// statement on the table queues behind that wait: one open producer transaction would stall
+/// every claim and completion until it ended, and two such locks, taken in the opposite order of
+/// a completion's, can deadlock with it. So no lock is waited for longer than `lock_timeout`
+/// here: the attempt is undone (holding nothing) and run again by [`migrate`], a little later.
+async fn apply(locked: &PgPool, pgmq_note: &str) -> Result<Vec<String>, sqlx::Error> {
     let mut tx = locked.begin().await?;
     // At once on this session, which holds the lock. Should the pool have replaced a connection
     // that broke since, this one waits for its turn like any other migrate (and reads what is
     // applied only now).
     query("SELECT pg_advisory_xact_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *tx).await?;
+    query("SET LOCAL lock_timeout = '500ms'").execute(&mut *tx).await?;
     let applied: Vec<i32> = query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(&mut *tx).await?;
-    let mut report = MigrateReport { applied: Vec::new(), pgmq, newer: None };
+    let mut names = Vec::new();
     for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
         let note = match m.sql {
             Some(sql) => {
                 sqlx::raw_sql(sql).execute(&mut *tx).await?;
                 None
             }
-            None => Some(report.pgmq.to_string()),
+            None => Some(pgmq_note),
         };
         query("INSERT INTO lockgate.schema_migrations (version, name, note) VALUES ($1, $2, $3)")
             .bind(m.version)
@@ -347,7 +374,7 @@ async fn migrate_locked(locked: &PgPool) -> Result<MigrateReport, DbError> {
             .bind(note)
             .execute(&mut *tx)
             .await?;
-        report.applied.push(m.name.to_string());
+        names.push(m.name.to_string());
     }
     for functions in FUNCTIONS {
         sqlx::raw_sql(functions).execute(&mut *tx).await?;
@@ -365,7 +392,13 @@ async fn migrate_locked(locked: &PgPool) -> Result<MigrateReport, DbError> {
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
-    Ok(report)
+    Ok(names)
+}
+
+/// A lock waited for past `lock_timeout` (55P03), or a deadlock PostgreSQL broke by failing this
+/// transaction (40P01).
+fn waited_for_a_lock(err: &sqlx::Error) -> bool {
+    err.as_database_error().and_then(|e| e.code()).is_some_and(|code| code == "55P03" || code == "40P01")
 }
 
 /// What is there of PGMQ. The extension is never run over by the SQL installer (its objects
@@ -498,7 +531,7 @@ mod tests {
 
     /// The checksum of the functions at `FUNCTIONS_REVISION`. A change to `sql/` fails this test:
     /// bump `FUNCTIONS_REVISION` and set this to the new checksum, in the same change.
-    const PINNED_CHECKSUM: &str = "7abc2c8f1f28487c";
+    const PINNED_CHECKSUM: &str = "e8ee0a8bbf4f6ffd";
 
     #[test]
     fn functions_are_pinned_to_their_revision() {
