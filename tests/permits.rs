@@ -402,28 +402,37 @@ async fn h29_no_message_content_makes_a_claim_fail_each_is_dead_lettered_with_it
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
-/// Migration 19 (docs/design.md §61): deleting or truncating a key's row while a lease or a
-/// parked job names the key is refused, as the leases' foreign key refused it before migration
-/// 18 dropped it; idle-key reclamation and an idle row's deletion go on.
-#[tokio::test]
-async fn g3_a_key_row_still_counted_cannot_be_deleted_or_truncated() {
+/// A limit of 1 per key: key 1 held by a running job with a second parked behind it, key 2 held
+/// by a running job; the two running deliveries.
+async fn two_keys_held() -> (TestDb, Vec<Delivery>) {
     let db = limited(1, 60_000).await;
     enqueue(&db.pool, 1).await;
     enqueue(&db.pool, 1).await;
     enqueue(&db.pool, 2).await;
     let holders = claim(&db.pool, 10).await;
     assert_eq!(holders.len(), 2);
-    let refused = async |statement: &str| -> (String, String) {
-        let err = sqlx::query(statement).execute(&db.pool).await.expect_err(statement);
-        let db_err = err.as_database_error().expect("a database error");
-        (db_err.code().unwrap_or_default().to_string(), db_err.message().to_string())
-    };
+    (db, holders)
+}
+
+/// The SQLSTATE and message of `statement`, which the database must refuse.
+async fn refused(db: &PgPool, statement: &str) -> (String, String) {
+    let err = sqlx::query(statement).execute(db).await.expect_err(statement);
+    let db_err = err.as_database_error().expect("a database error");
+    (db_err.code().unwrap_or_default().to_string(), db_err.message().to_string())
+}
+
+/// Migration 19 (docs/design.md §61): deleting or truncating a key's row while a lease or a
+/// parked job names the key is refused, as the leases' foreign key refused it before migration
+/// 18 dropped it; idle-key reclamation and an idle row's deletion go on.
+#[tokio::test]
+async fn g3_a_key_row_still_counted_cannot_be_deleted_or_truncated() {
+    let (db, holders) = two_keys_held().await;
     for statement in [
         "DELETE FROM lockgate.semaphores WHERE key = 'lim:[1]'",
         "DELETE FROM lockgate.semaphores",
         "TRUNCATE lockgate.semaphores",
     ] {
-        let (code, message) = refused(statement).await;
+        let (code, message) = refused(&db.pool, statement).await;
         assert_eq!(code, "23001", "{statement}: {message}");
         assert!(message.contains("still counted by leases or waited for by parked jobs"), "{statement}: {message}");
     }
@@ -442,7 +451,7 @@ async fn g3_a_key_row_still_counted_cannot_be_deleted_or_truncated() {
     sqlx::query("DELETE FROM lockgate.semaphores WHERE key = 'lim:[2]'").execute(&db.pool).await.unwrap();
     complete_all(&db.pool, &of_1).await;
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
-    let (code, _) = refused("DELETE FROM lockgate.semaphores WHERE key = 'lim:[1]'").await;
+    let (code, _) = refused(&db.pool, "DELETE FROM lockgate.semaphores WHERE key = 'lim:[1]'").await;
     assert_eq!(code, "23001", "the promoted job holds key 1 now");
     let promoted = claim(&db.pool, 10).await;
     complete_all(&db.pool, &promoted).await;
@@ -459,12 +468,7 @@ async fn g3_a_key_row_still_counted_cannot_be_deleted_or_truncated() {
 /// renewal, a completion's give-back and promotion, the sweep) goes on: none names the key.
 #[tokio::test]
 async fn g3_a_key_is_not_renamed_in_a_semaphore_row_nor_moved_in_a_lease() {
-    let db = limited(1, 60_000).await;
-    enqueue(&db.pool, 1).await;
-    enqueue(&db.pool, 1).await;
-    enqueue(&db.pool, 2).await;
-    let holders = claim(&db.pool, 10).await;
-    assert_eq!(holders.len(), 2);
+    let (db, holders) = two_keys_held().await;
     for (statement, names) in [
         (
             "UPDATE lockgate.semaphores SET key = 'lim:[3]' WHERE key = 'lim:[1]'",
@@ -473,10 +477,9 @@ async fn g3_a_key_is_not_renamed_in_a_semaphore_row_nor_moved_in_a_lease() {
         ("UPDATE lockgate.semaphores SET key = key, value = value", "a semaphore row's key is not changed"),
         ("UPDATE lockgate.leases SET key = 'lim:[2]' WHERE key = 'lim:[1]'", "a lease's key is not changed"),
     ] {
-        let err = sqlx::query(statement).execute(&db.pool).await.expect_err(statement);
-        let db_err = err.as_database_error().expect("a database error");
-        assert_eq!(db_err.code().as_deref(), Some("23001"), "{statement}");
-        assert!(db_err.message().contains(names), "{statement}: {}", db_err.message());
+        let (code, message) = refused(&db.pool, statement).await;
+        assert_eq!(code, "23001", "{statement}: {message}");
+        assert!(message.contains(names), "{statement}: {message}");
     }
     // Updates of everything but the key go through, by hand as on lockgate's paths.
     sqlx::query("UPDATE lockgate.semaphores SET updated_at = now() WHERE key = 'lim:[2]'")
