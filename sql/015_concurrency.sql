@@ -313,7 +313,10 @@ END $$;
 -- parameters: $1 every promotion, $2 the queue; nothing returned). Message ids are drawn up
 -- front (from the sequence every queue's msg_id defaults to), so the leases are written from the
 -- same rows as the messages, without matching the inserted messages back to their promotions;
--- the uniqueness locks of jobs that hold one move to their new messages.
+-- the uniqueness locks of jobs that hold one move to their new messages. Each lock is found by
+-- a probe driven by its job (a lateral subquery no plan can turn into a walk of the table), locked
+-- there, and updated by its row address: joined on the queue, a plan made while the locks had
+-- been analysed empty read every lock of the queue at each promotion (docs/design.md §64).
 CREATE OR REPLACE FUNCTION lockgate._promote_sql(tbl text)
 RETURNS text LANGUAGE sql IMMUTABLE AS $$
     SELECT format(
@@ -323,10 +326,14 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
                       WHERE u.queue = $2 ORDER BY u.o) u),
               sent AS (INSERT INTO %1$s (msg_id, vt, message, headers)
                        SELECT src.msg_id, src.vt, src.args, src.headers FROM src),
-              moved AS (UPDATE lockgate.unique_locks u SET msg_id = src.msg_id, acquired_at = now()
-                          FROM src
-                         WHERE src.headers ? ''ukey'' AND u.queue = $2
-                           AND u.job_id = (src.headers->>''job_id'')::bigint)
+              moved AS (UPDATE lockgate.unique_locks u SET msg_id = h.msg_id, acquired_at = now()
+                          FROM (SELECT src.msg_id, x.tid FROM src
+                                 CROSS JOIN LATERAL (SELECT l.ctid AS tid FROM lockgate.unique_locks l
+                                                      WHERE l.queue = src.queue
+                                                        AND l.job_id = (src.headers->>''job_id'')::bigint
+                                                     OFFSET 0 FOR UPDATE) x
+                                 WHERE src.headers ? ''ukey'') h
+                         WHERE u.ctid = h.tid)
          INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
          SELECT $2, src.msg_id, src.key, src.duration_ms,
                 GREATEST(src.vt, clock_timestamp())

@@ -590,3 +590,47 @@ async fn finishing_a_unique_batch_job_reads_its_own_lock_and_membership_not_the_
         .unwrap();
     assert_eq!(counted, (4, 4), "each finished job counted once in its batch");
 }
+
+/// A promotion moves the uniqueness locks of the jobs it promotes, and reads no other: the
+/// promotion step found them by the queue as a constant, and a session that planned it while the
+/// locks had been analysed empty (as autovacuum leaves them after a drain) read every lock of the
+/// queue, and compared each with every promoted job, at every completion that promoted one.
+#[tokio::test]
+async fn a_promotion_reads_only_the_locks_of_the_jobs_it_promotes() {
+    let db =
+        db_with(&["'lim', concurrency_limit => 1", "'u', unique_mode => 'until_executed', unique_key => array['id']"])
+            .await;
+    for id in 1..=4 {
+        enqueue(&db.pool, "lim", id).await.unwrap();
+    }
+    sqlx::query("ANALYZE lockgate.unique_locks").execute(&db.pool).await.unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let finish = async |conn: &mut PgConnection| {
+        let d: Delivery = sqlx::query_as(
+            "SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30) WHERE headers->>'type' = 'lim'",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *conn).await.unwrap();
+        let mut tx = conn.begin().await.unwrap();
+        assert!(common::complete_default(&mut *tx, d).await, "the holder finishes its job");
+        let reads = common::reads(&mut tx, &["lockgate.unique_locks"]).await;
+        tx.commit().await.unwrap();
+        reads[0].2
+    };
+    // The session plans its promotion step here, on no locks at all.
+    assert_eq!(finish(&mut conn).await, 0, "nothing to read yet");
+    let args: Vec<serde_json::Value> = (0..6_000).map(|id| serde_json::json!({ "id": id })).collect();
+    sqlx::query("SELECT * FROM lockgate.enqueue_many('u', $1, jsonb_build_object('priority', 9))")
+        .bind(&args)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        let read = finish(&mut conn).await;
+        assert!(read < 20, "lock rows read by a completion promoting a job that holds none: {read}");
+    }
+    let promoted: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.leases").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(promoted, 1, "the last parked job runs under the permit");
+}
