@@ -234,7 +234,7 @@ CREATE OR REPLACE FUNCTION lockgate._enqueue_one(
     jt lockgate.job_types, args jsonb, queue text, priority smallint, vt timestamptz, immediate boolean, explicit_key text,
     explicit_ukey text, batch bigint,
     OUT msg_id bigint, OUT job_id bigint, OUT status text
-) LANGUAGE plpgsql AS $$
+) LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     headers jsonb := lockgate._headers(jt.name, priority);
     key text;

@@ -102,17 +102,20 @@ DECLARE
     keys text[];
     counts integer[];
 BEGIN
-    -- Joins with unnest rather than "= ANY (array)": a parameter array is searched linearly for
-    -- every row a plan filters, and without statistics the planner may filter a whole table.
-    -- The queue comes from the unnest too, as a column rather than a constant: compared with the
-    -- constant, the leases of the queue were a scan of their own (the primary key's first
-    -- column), and a plan made on few leases read them all and matched every id against every
-    -- lease (a bitmap scan, materialised, joined by filter: 100,000 comparisons a completion of
-    -- 256 jobs with 400 leases). Joined on both columns, each id is a probe of the primary key.
+    -- Each lease found by a probe of the primary key driven by its id (a lateral subquery no plan
+    -- can turn into a walk of the table), locked there, and deleted by its row address (a TID
+    -- scan). Joined with the ids, a plan made on a few analysed leases walked the whole primary
+    -- key and matched each lease against every id (20,000 leases read to complete one job), and
+    -- with the ids as an array searched by the index, a plan made on never-analysed leases read
+    -- every lease of the queue (docs/design.md §65). A lease a sweep deleted meanwhile is not
+    -- found, and not counted.
     WITH gone AS (
         DELETE FROM lockgate.leases l
-         USING unnest(array_fill(_release_leases.queue, ARRAY[COALESCE(cardinality(msg_ids), 0)]), msg_ids) AS r(queue, msg_id)
-         WHERE l.queue = r.queue AND l.msg_id = r.msg_id
+         USING (SELECT x.tid FROM unnest(msg_ids) AS r(msg_id)
+                 CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.leases x
+                                      WHERE x.queue = _release_leases.queue AND x.msg_id = r.msg_id
+                                     OFFSET 0 FOR UPDATE) x) h
+         WHERE l.ctid = h.tid
         RETURNING l.key)
     SELECT array_agg(g.key ORDER BY g.key), array_agg(g.n ORDER BY g.key) INTO keys, counts
       FROM (SELECT gone.key, count(*)::integer AS n FROM gone GROUP BY gone.key) g;

@@ -60,15 +60,20 @@ END $$;
 -- ended these jobs or their runs.
 CREATE OR REPLACE FUNCTION lockgate._release_unique(queue text, job_ids bigint[], msg_ids bigint[],
                                                     runs_only boolean DEFAULT false)
-RETURNS void LANGUAGE sql AS $$
-    -- The queue comes from the unnest, as a column: compared with a constant, it made the
-    -- locks of the queue a scan of their own (every lock of the queue read to release one), as
-    -- it did for the leases (docs/design.md §60).
+RETURNS void LANGUAGE sql SET enable_seqscan = off SET jit = off AS $$
+    -- Each lock found by a probe of the owner index driven by its job (a lateral subquery no plan
+    -- can turn into a walk of the table), locked there, and deleted by its row address (a TID
+    -- scan): joined with the jobs, on the queue as a constant or as a column, a plan made on few
+    -- or no locks read every lock of the queue, or every lock, to release one (docs/design.md
+    -- §60, §65).
     DELETE FROM lockgate.unique_locks u
-     USING unnest(array_fill(_release_unique.queue, ARRAY[COALESCE(cardinality(job_ids), 0)]), job_ids, msg_ids)
-           AS j(queue, id, msg_id)
-     WHERE u.queue = j.queue AND u.job_id = j.id AND u.msg_id IS NOT DISTINCT FROM j.msg_id
-       AND (NOT runs_only OR u.mode = 'while_executing')
+     USING (SELECT x.tid FROM unnest(job_ids, msg_ids) AS j(id, msg_id)
+             CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.unique_locks x
+                                  WHERE x.queue = _release_unique.queue AND x.job_id = j.id
+                                    AND x.msg_id IS NOT DISTINCT FROM j.msg_id
+                                    AND (NOT runs_only OR x.mode = 'while_executing')
+                                 OFFSET 0 FOR UPDATE) x) h
+     WHERE u.ctid = h.tid
 $$;
 
 -- Moves the until_executed locks of jobs to their new messages (promotion; NULL when parked
@@ -76,13 +81,24 @@ $$;
 -- finds it younger than its age floor and keeps it. Gives back while_executing locks of jobs
 -- parked again: they are not running.
 CREATE OR REPLACE FUNCTION lockgate._move_unique(queue text, job_ids bigint[], msg_ids bigint[])
-RETURNS void LANGUAGE plpgsql AS $$
+RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 BEGIN
-    UPDATE lockgate.unique_locks u SET msg_id = j.msg_id, acquired_at = now()
-      FROM unnest(job_ids, msg_ids) AS j(id, msg_id)
-     WHERE u.queue = _move_unique.queue AND u.job_id = j.id AND u.mode = 'until_executed';
-    DELETE FROM lockgate.unique_locks u USING unnest(job_ids, msg_ids) AS j(id, msg_id)
-     WHERE u.queue = _move_unique.queue AND u.job_id = j.id AND u.mode = 'while_executing' AND j.msg_id IS NULL;
+    -- Each lock found by a probe of the owner index driven by its job, locked there, and written
+    -- by its row address, as the promotion step moves them: joined with the jobs on the queue, a
+    -- plan made on few locks read every lock of the queue (docs/design.md §64, §65).
+    UPDATE lockgate.unique_locks u SET msg_id = h.msg_id, acquired_at = now()
+      FROM (SELECT j.msg_id, x.tid FROM unnest(job_ids, msg_ids) AS j(id, msg_id)
+             CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.unique_locks x
+                                  WHERE x.queue = _move_unique.queue AND x.job_id = j.id AND x.mode = 'until_executed'
+                                 OFFSET 0 FOR UPDATE) x) h
+     WHERE u.ctid = h.tid;
+    DELETE FROM lockgate.unique_locks u
+     USING (SELECT x.tid FROM unnest(job_ids, msg_ids) AS j(id, msg_id)
+             CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.unique_locks x
+                                  WHERE x.queue = _move_unique.queue AND x.job_id = j.id AND x.mode = 'while_executing'
+                                 OFFSET 0 FOR UPDATE) x
+             WHERE j.msg_id IS NULL) h
+     WHERE u.ctid = h.tid;
 END $$;
 
 -- At claim, before a while_executing job runs: takes its unique key (the claim holds its message

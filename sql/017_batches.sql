@@ -68,7 +68,7 @@ END $$;
 -- it does not exist or is not open (nothing of the enqueue is kept). Taken before the enqueue
 -- locks anything else: a close in progress makes it wait, then raise.
 CREATE OR REPLACE FUNCTION lockgate._join_batch(batch bigint)
-RETURNS void LANGUAGE plpgsql AS $$
+RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     st text;
 BEGIN
@@ -87,7 +87,7 @@ END $$;
 -- Locks: the batch row FOR NO KEY UPDATE (it waits for a counting completion, never for an
 -- enqueue). Callers: Client::close_batch, the CLI, SQL producers.
 CREATE OR REPLACE FUNCTION lockgate.close_batch(batch_id bigint)
-RETURNS text LANGUAGE plpgsql AS $$
+RETURNS text LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     st text;
 BEGIN
@@ -124,7 +124,7 @@ $$;
 -- first read and the lock is seen there. A transaction waiting for the row makes SKIP LOCKED
 -- find nothing too: that transaction counts, closes or sweeps the batch next, and checks again.
 CREATE OR REPLACE FUNCTION lockgate._finish_if_done(batch_id bigint)
-RETURNS boolean LANGUAGE plpgsql AS $$
+RETURNS boolean LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 BEGIN
     -- The reads after the locks must see what committed before them: a repeatable read or
     -- serializable transaction reads its first statement's snapshot, and would miss a producer
@@ -154,22 +154,26 @@ END $$;
 -- closed batches with nothing left are finished here. Called inside the transaction whose
 -- fenced statement ended these jobs. Ids that name no batch (removed by hand) are ignored.
 CREATE OR REPLACE FUNCTION lockgate._count_batches(batch_ids bigint[], as_failed boolean)
-RETURNS void LANGUAGE plpgsql AS $$
+RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     closed bigint;
+    ids bigint[];
+    counts integer[];
 BEGIN
-    PERFORM 1 FROM lockgate.batches y
-     WHERE y.id IN (SELECT DISTINCT x.id FROM unnest(batch_ids) AS x(id))
-     ORDER BY y.id FOR NO KEY UPDATE;
+    SELECT array_agg(x.id ORDER BY x.id), array_agg(x.n ORDER BY x.id) INTO ids, counts
+      FROM (SELECT u.id, count(*)::integer AS n FROM unnest(batch_ids) AS u(id) GROUP BY u.id) x;
+    -- Each row locked by a probe of its own, in id order; then updated by its primary key, the ids
+    -- an array the index searches, with no join: a plan made on few batches read them all, twice,
+    -- for every job counted (docs/design.md §65).
+    PERFORM 1 FROM unnest(ids) AS k(id)
+     CROSS JOIN LATERAL (SELECT FROM lockgate.batches y WHERE y.id = k.id OFFSET 0 FOR NO KEY UPDATE) y;
     FOR closed IN
-        WITH n AS (SELECT x.id, count(*) AS n FROM unnest(batch_ids) AS x(id) GROUP BY x.id),
-        counted AS (
+        WITH counted AS (
             UPDATE lockgate.batches b
-               SET succeeded = b.succeeded + CASE WHEN as_failed THEN 0 ELSE n.n END,
-                   failed = b.failed + CASE WHEN as_failed THEN n.n ELSE 0 END,
+               SET succeeded = b.succeeded + CASE WHEN as_failed THEN 0 ELSE counts[array_position(ids, b.id)] END,
+                   failed = b.failed + CASE WHEN as_failed THEN counts[array_position(ids, b.id)] ELSE 0 END,
                    updated_at = now()
-              FROM n
-             WHERE b.id = n.id
+             WHERE b.id = ANY (ids)
             RETURNING b.id, b.state)
         SELECT c.id FROM counted c WHERE c.state = 'closed' ORDER BY c.id
     LOOP
@@ -192,13 +196,16 @@ END $$;
 -- Deletes the memberships of the given jobs of queue; returns their batches' ids, one element
 -- per membership deleted (empty when none).
 CREATE OR REPLACE FUNCTION lockgate._drop_memberships(queue text, job_ids bigint[])
-RETURNS bigint[] LANGUAGE sql AS $$
+RETURNS bigint[] LANGUAGE sql SET enable_seqscan = off SET jit = off AS $$
     WITH gone AS (
-        -- The queue from the unnest, as in lockgate._release_unique.
+        -- Each membership found by a probe of the primary key driven by its job, locked there,
+        -- and deleted by its row address, as lockgate._release_unique does (docs/design.md §65).
         DELETE FROM lockgate.batch_jobs m
-         USING unnest(array_fill(_drop_memberships.queue, ARRAY[COALESCE(cardinality(job_ids), 0)]), job_ids)
-               AS j(queue, id)
-         WHERE m.queue = j.queue AND m.job_id = j.id
+         USING (SELECT x.tid FROM unnest(job_ids) AS j(id)
+                 CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.batch_jobs x
+                                      WHERE x.queue = _drop_memberships.queue AND x.job_id = j.id
+                                     OFFSET 0 FOR UPDATE) x) h
+         WHERE m.ctid = h.tid
         RETURNING m.batch_id)
     SELECT COALESCE(array_agg(gone.batch_id), '{}') FROM gone
 $$;
@@ -211,7 +218,7 @@ $$;
 -- to finished in this transaction, and callbacks are enqueued only while callbacks_pending is
 -- set, clearing it in the same transaction.
 CREATE OR REPLACE FUNCTION lockgate._finish_batch(batch_id bigint)
-RETURNS void LANGUAGE plpgsql AS $$
+RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     b lockgate.batches;
 BEGIN

@@ -142,7 +142,7 @@ CREATE OR REPLACE FUNCTION lockgate.claim(queue text, qty integer, vt_seconds do
                                           start_now integer DEFAULT NULL)
 RETURNS TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb,
                budget_seconds double precision, claimed_ahead boolean)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     -- The queue's table, named once the claim has found the queue's row (as _queue_table would).
     tbl text;
@@ -423,7 +423,7 @@ $$;
 -- cannot deadlock); the lease bound to the message. The message row is already locked by the
 -- claim. Callers: lockgate.claim.
 CREATE OR REPLACE FUNCTION lockgate._reacquire(queue text, c lockgate._claimed)
-RETURNS timestamptz LANGUAGE plpgsql AS $$
+RETURNS timestamptz LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     jt lockgate.job_types;
     ckey text;
@@ -515,7 +515,7 @@ END $$;
 -- milliseconds, so a row another transaction is inserting (an open producer transaction's
 -- first enqueue of the key) makes it false instead of a wait. lim NULL: the key's row exists.
 CREATE OR REPLACE FUNCTION lockgate._lock_key_now(key text, lim integer)
-RETURNS boolean LANGUAGE plpgsql AS $$
+RETURNS boolean LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     saved text := current_setting('lock_timeout');
 BEGIN

@@ -10,7 +10,7 @@
 -- failed attempt.
 CREATE OR REPLACE FUNCTION lockgate.retry(
     queue text, msg_id bigint, read_ct integer, delay_seconds double precision, error text, attempt integer
-) RETURNS boolean LANGUAGE plpgsql AS $$
+) RETURNS boolean LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     retry_at timestamptz := clock_timestamp() + make_interval(secs => delay_seconds);
     found_id bigint;

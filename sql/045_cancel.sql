@@ -28,7 +28,7 @@
 -- its batch rows), or as lockgate.discard_parked for a parked job.
 -- Callers: lockgate job cancel, lockgate jobs cancel (via cancel_jobs), Client::cancel.
 CREATE OR REPLACE FUNCTION lockgate.cancel(job_id bigint)
-RETURNS TABLE (id bigint, state text, queue text, cancelled boolean) LANGUAGE plpgsql STRICT AS $$
+RETURNS TABLE (id bigint, state text, queue text, cancelled boolean) LANGUAGE plpgsql STRICT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     j lockgate.job_info;
     p lockgate.parked;
