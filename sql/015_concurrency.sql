@@ -101,21 +101,22 @@ SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
     keys text[];
     counts integer[];
+    tids tid[];
 BEGIN
     -- Each lease found by a probe of the primary key driven by its id (a lateral subquery no plan
-    -- can turn into a walk of the table), locked there, and deleted by its row address (a TID
+    -- can turn into a walk of the table) and locked there; then, in a statement of its own, whose
+    -- snapshot sees the latest version of every row locked, deleted by its row address (a TID
     -- scan). Joined with the ids, a plan made on a few analysed leases walked the whole primary
     -- key and matched each lease against every id (20,000 leases read to complete one job), and
     -- with the ids as an array searched by the index, a plan made on never-analysed leases read
     -- every lease of the queue (docs/design.md §65). A lease a sweep deleted meanwhile is not
-    -- found, and not counted.
+    -- found, and not counted; one renewed meanwhile is locked at its new version and deleted.
+    tids := ARRAY(SELECT x.tid FROM unnest(msg_ids) AS r(msg_id)
+                   CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.leases x
+                                        WHERE x.queue = _release_leases.queue AND x.msg_id = r.msg_id
+                                       OFFSET 0 FOR UPDATE) x);
     WITH gone AS (
-        DELETE FROM lockgate.leases l
-         USING (SELECT x.tid FROM unnest(msg_ids) AS r(msg_id)
-                 CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.leases x
-                                      WHERE x.queue = _release_leases.queue AND x.msg_id = r.msg_id
-                                     OFFSET 0 FOR UPDATE) x) h
-         WHERE l.ctid = h.tid
+        DELETE FROM lockgate.leases l WHERE l.ctid = ANY (tids)
         RETURNING l.key)
     SELECT array_agg(g.key ORDER BY g.key), array_agg(g.n ORDER BY g.key) INTO keys, counts
       FROM (SELECT gone.key, count(*)::integer AS n FROM gone GROUP BY gone.key) g;

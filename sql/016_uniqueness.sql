@@ -18,7 +18,7 @@
 -- meets a duplicate holds nothing that delays its holder's completion. Waits only for a
 -- transaction inserting or deleting the same key.
 CREATE OR REPLACE FUNCTION lockgate._take_unique(key text, mode text, job_type text, queue text, job_id bigint, msg_id bigint)
-RETURNS bigint LANGUAGE plpgsql AS $$
+RETURNS bigint LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     taken boolean;
     holder record;
@@ -60,21 +60,25 @@ END $$;
 -- ended these jobs or their runs.
 CREATE OR REPLACE FUNCTION lockgate._release_unique(queue text, job_ids bigint[], msg_ids bigint[],
                                                     runs_only boolean DEFAULT false)
-RETURNS void LANGUAGE sql SET enable_seqscan = off SET jit = off AS $$
+RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
+DECLARE
+    tids tid[];
+BEGIN
     -- Each lock found by a probe of the owner index driven by its job (a lateral subquery no plan
-    -- can turn into a walk of the table), locked there, and deleted by its row address (a TID
-    -- scan): joined with the jobs, on the queue as a constant or as a column, a plan made on few
-    -- or no locks read every lock of the queue, or every lock, to release one (docs/design.md
-    -- §60, §65).
-    DELETE FROM lockgate.unique_locks u
-     USING (SELECT x.tid FROM unnest(job_ids, msg_ids) AS j(id, msg_id)
-             CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.unique_locks x
-                                  WHERE x.queue = _release_unique.queue AND x.job_id = j.id
-                                    AND x.msg_id IS NOT DISTINCT FROM j.msg_id
-                                    AND (NOT runs_only OR x.mode = 'while_executing')
-                                 OFFSET 0 FOR UPDATE) x) h
-     WHERE u.ctid = h.tid
-$$;
+    -- can turn into a walk of the table) and locked there, then deleted by its row address in a
+    -- statement of its own (as lockgate._release_leases deletes leases): joined with the jobs, on
+    -- the queue as a constant or as a column, a plan made on few or no locks read every lock of
+    -- the queue, or every lock, to release one (docs/design.md §60, §65).
+    tids := ARRAY(SELECT x.tid FROM unnest(job_ids, msg_ids) AS j(id, msg_id)
+                   CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.unique_locks x
+                                        WHERE x.queue = _release_unique.queue AND x.job_id = j.id
+                                          AND x.msg_id IS NOT DISTINCT FROM j.msg_id
+                                          AND (NOT runs_only OR x.mode = 'while_executing')
+                                       OFFSET 0 FOR UPDATE) x);
+    IF cardinality(tids) > 0 THEN
+        DELETE FROM lockgate.unique_locks u WHERE u.ctid = ANY (tids);
+    END IF;
+END $$;
 
 -- Moves the until_executed locks of jobs to their new messages (promotion; NULL when parked
 -- again at claim), refreshing acquired_at so a reaper that judged the lock by its old message
@@ -82,23 +86,27 @@ $$;
 -- parked again: they are not running.
 CREATE OR REPLACE FUNCTION lockgate._move_unique(queue text, job_ids bigint[], msg_ids bigint[])
 RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
+DECLARE
+    tids tid[];
+    moved bigint[];
 BEGIN
-    -- Each lock found by a probe of the owner index driven by its job, locked there, and written
-    -- by its row address, as the promotion step moves them: joined with the jobs on the queue, a
-    -- plan made on few locks read every lock of the queue (docs/design.md §64, §65).
-    UPDATE lockgate.unique_locks u SET msg_id = h.msg_id, acquired_at = now()
-      FROM (SELECT j.msg_id, x.tid FROM unnest(job_ids, msg_ids) AS j(id, msg_id)
-             CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.unique_locks x
-                                  WHERE x.queue = _move_unique.queue AND x.job_id = j.id AND x.mode = 'until_executed'
-                                 OFFSET 0 FOR UPDATE) x) h
-     WHERE u.ctid = h.tid;
-    DELETE FROM lockgate.unique_locks u
-     USING (SELECT x.tid FROM unnest(job_ids, msg_ids) AS j(id, msg_id)
-             CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.unique_locks x
-                                  WHERE x.queue = _move_unique.queue AND x.job_id = j.id AND x.mode = 'while_executing'
-                                 OFFSET 0 FOR UPDATE) x
-             WHERE j.msg_id IS NULL) h
-     WHERE u.ctid = h.tid;
+    -- Each lock found by a probe of the owner index driven by its job and locked there, then
+    -- written by its row address in a statement of its own (as lockgate._release_leases deletes
+    -- leases): joined with the jobs on the queue, a plan made on few locks read every lock of the
+    -- queue (docs/design.md §65). moved[i] is the new message of the job whose lock is tids[i].
+    SELECT array_agg(x.tid), array_agg(j.msg_id) INTO tids, moved
+      FROM unnest(job_ids, msg_ids) AS j(id, msg_id)
+     CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.unique_locks x
+                          WHERE x.queue = _move_unique.queue AND x.job_id = j.id
+                            AND (x.mode = 'until_executed' OR j.msg_id IS NULL)
+                         OFFSET 0 FOR UPDATE) x;
+    IF tids IS NULL THEN
+        RETURN;
+    END IF;
+    UPDATE lockgate.unique_locks u SET msg_id = c.msg_id, acquired_at = now()
+      FROM unnest(tids, moved) AS c(tid, msg_id)
+     WHERE u.ctid = c.tid AND u.mode = 'until_executed';
+    DELETE FROM lockgate.unique_locks u WHERE u.ctid = ANY (tids) AND u.mode = 'while_executing';
 END $$;
 
 -- At claim, before a while_executing job runs: takes its unique key (the claim holds its message

@@ -196,19 +196,24 @@ END $$;
 -- Deletes the memberships of the given jobs of queue; returns their batches' ids, one element
 -- per membership deleted (empty when none).
 CREATE OR REPLACE FUNCTION lockgate._drop_memberships(queue text, job_ids bigint[])
-RETURNS bigint[] LANGUAGE sql SET enable_seqscan = off SET jit = off AS $$
-    WITH gone AS (
-        -- Each membership found by a probe of the primary key driven by its job, locked there,
-        -- and deleted by its row address, as lockgate._release_unique does (docs/design.md §65).
-        DELETE FROM lockgate.batch_jobs m
-         USING (SELECT x.tid FROM unnest(job_ids) AS j(id)
-                 CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.batch_jobs x
-                                      WHERE x.queue = _drop_memberships.queue AND x.job_id = j.id
-                                     OFFSET 0 FOR UPDATE) x) h
-         WHERE m.ctid = h.tid
-        RETURNING m.batch_id)
-    SELECT COALESCE(array_agg(gone.batch_id), '{}') FROM gone
-$$;
+RETURNS bigint[] LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
+DECLARE
+    tids tid[];
+    batch_ids bigint[];
+BEGIN
+    -- Each membership found by a probe of the primary key driven by its job and locked there,
+    -- then deleted by its row address, as lockgate._release_unique does (docs/design.md §65).
+    tids := ARRAY(SELECT x.tid FROM unnest(job_ids) AS j(id)
+                   CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.batch_jobs x
+                                        WHERE x.queue = _drop_memberships.queue AND x.job_id = j.id
+                                       OFFSET 0 FOR UPDATE) x);
+    IF cardinality(tids) = 0 THEN
+        RETURN '{}';
+    END IF;
+    WITH gone AS (DELETE FROM lockgate.batch_jobs m WHERE m.ctid = ANY (tids) RETURNING m.batch_id)
+    SELECT array_agg(gone.batch_id) INTO batch_ids FROM gone;
+    RETURN COALESCE(batch_ids, '{}');
+END $$;
 
 -- Finishes a closed batch whose jobs are all counted (the caller holds its row lock): marks it
 -- finished with its total fixed and its callbacks pending, and enqueues them at once when none of their types takes

@@ -10,7 +10,7 @@
 -- Locks: the dead_letters rows (SKIP LOCKED: two operators never retry the same row twice),
 -- unique lock rows. Callers: lockgate dlq retry|purge, the dashboard, SQL operators.
 CREATE OR REPLACE FUNCTION lockgate.dlq_retry(only_queue text DEFAULT NULL, job_ids bigint[] DEFAULT NULL)
-RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
+RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     dl lockgate.dead_letters;
     new_msg_id bigint;

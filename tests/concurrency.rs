@@ -1120,3 +1120,33 @@ async fn a_lease_inserted_after_the_keys_grew_reads_only_its_own_key() {
     assert_eq!(parked(&db).await, 0, "account 0's second job was promoted");
     assert_invariants(&db).await;
 }
+
+/// A completion releases its lease even when another transaction renews that lease while the
+/// completion waits for it: the lease is locked at its latest version, then deleted in a statement
+/// whose snapshot sees that version. Deleted by its row address in the statement that locked it,
+/// the lease was passed over (the statement's snapshot predates the renewal): the job archived,
+/// its permit kept until the lease ran out, and the key's next job parked behind it all that time
+/// (docs/design.md §65). No lockgate path renews a lease without the message's lock, which the
+/// completion holds; the renewal here is by hand, as a future path's would be.
+#[tokio::test]
+async fn g2_a_lease_renewed_while_its_completion_waits_for_it_is_still_released() {
+    let (db, client) = setup(1).await;
+    enqueue(&client, 1, 1).await;
+    enqueue(&client, 1, 2).await;
+    let holder = claim_one(&db).await;
+    let mut renewal = db.pool.begin().await.unwrap();
+    sqlx::query("UPDATE lockgate.leases SET expires_at = expires_at + interval '1 second' WHERE msg_id = $1")
+        .bind(holder.msg_id)
+        .execute(&mut *renewal)
+        .await
+        .unwrap();
+    let completion = complete_behind_a_lock(&db, &holder).await;
+    renewal.commit().await.unwrap();
+    let done = completion.await.unwrap();
+    assert!(matches!(done[..], [Ok(ArchiveOutcome::Archived)]), "the holder's completion: {done:?}");
+    let leases: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.leases").fetch_all(&db.pool).await.unwrap();
+    assert!(!leases.contains(&holder.msg_id), "the finished job's lease is released: {leases:?}");
+    assert_eq!(parked(&db).await, 0, "the key's next job was promoted");
+    assert_eq!(value(&db, 1).await, 1, "its permit is the promoted job's");
+    assert_invariants(&db).await;
+}

@@ -270,3 +270,57 @@ async fn step(conn: &mut PgConnection, over: &mut Option<&mut Vec<(String, Reads
         }
     }
 }
+
+/// A helper's plan is made under the settings of whichever path calls it first in a session. The
+/// uniqueness check (`_take_unique`) is called by enqueues and claims, which hold their own
+/// settings, and by `dlq_retry`, which did not: planned there on a few analysed locks, it read the
+/// grown locks whole at every later duplicate enqueue of the session (the second review of §65).
+#[tokio::test]
+async fn a_helper_planned_first_by_an_operator_path_reads_only_its_own_rows_for_the_hot_paths() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query(
+        "SELECT lockgate.define_job_type('uq', unique_mode => 'until_executed', unique_key => array['u'],
+                                         unique_on_conflict => 'discard')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    grow_unique(&db.pool, 3).await;
+    analyse(&db.pool).await;
+    // A dead job whose key another job holds now: each retry of it is a duplicate.
+    let mut conn = db.pool.acquire().await.unwrap();
+    let dead = enqueue(&mut conn, "uq", json!({ "u": "held" })).await;
+    let d = claim(&mut conn, 30.0).await;
+    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', 1)")
+        .bind(d.0)
+        .bind(d.1)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    enqueue(&mut conn, "uq", json!({ "u": "held" })).await;
+    for _ in 0..8 {
+        let status: String = sqlx::query_scalar("SELECT status FROM lockgate.dlq_retry(NULL, ARRAY[$1::bigint])")
+            .bind(dead)
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        assert_eq!(status, "duplicate");
+    }
+    grow_unique(&db.pool, GROWN).await;
+    let mut over = Vec::new();
+    for round in 0..2 {
+        let duplicate = format!("SELECT * FROM lockgate.enqueue('uq', '{{\"u\": \"{GROWN}.{}\"}}')", GROWN - 1 - round);
+        step(&mut conn, &mut Some(&mut over), "a duplicate enqueue", &duplicate).await;
+    }
+    assert!(over.is_empty(), "paths that read more than their own rows once the locks grew: {over:#?}");
+}
+
+/// n uniqueness locks, held by jobs not visible for an hour (from another session).
+async fn grow_unique(pool: &PgPool, n: usize) {
+    let args: Vec<Value> = (0..n).map(|i| json!({ "u": format!("{n}.{i}") })).collect();
+    sqlx::query("SELECT count(*) FROM lockgate.enqueue_many('uq', $1, '{\"delay\": 3600}')")
+        .bind(&args)
+        .execute(pool)
+        .await
+        .unwrap();
+}
