@@ -186,9 +186,15 @@ async fn every_path(conn: &mut PgConnection, round: usize, mut over: Option<&mut
         .unwrap();
     // A claim of a job whose lease lapsed: it gives the old lease back and takes a permit again.
     enqueue(conn, "lim", json!({ "k": format!("g{r}") })).await;
-    claim(conn, 0.001).await;
+    let lapsed = claim(conn, 30.0).await;
     sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second' WHERE key = $1")
         .bind(format!("lim:[\"g{r}\"]"))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    // Its visibility lapsed too (its worker gone): the next claim takes it again.
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second' WHERE msg_id = $1")
+        .bind(lapsed.0)
         .execute(&mut *conn)
         .await
         .unwrap();
@@ -204,7 +210,8 @@ async fn every_path(conn: &mut PgConnection, round: usize, mut over: Option<&mut
         .fetch_one(&mut *conn)
         .await
         .unwrap();
-    common::complete_default(&mut *conn, held).await;
+    assert_eq!(held.1, 2, "the lapsed job was claimed again");
+    assert!(common::complete_default(&mut *conn, held).await);
     // A unique job that parks behind its key's permit, and one its limit discards.
     for (job_type, what) in [("ulim", "a unique job parking"), ("dulim", "a unique job discarded by its limit")] {
         enqueue(conn, job_type, json!({ "k": format!("h{r}"), "u": format!("h{r}a") })).await;
