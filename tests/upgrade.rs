@@ -214,3 +214,42 @@ async fn migrate_waits_for_an_open_transaction_without_stalling_the_paths_behind
     .unwrap();
     assert_eq!(triggers, 2);
 }
+
+/// A lock held past every attempt: migrate gives up with `MigrateBlocked`, naming its attempts,
+/// and leaves the database as it found it; once the transaction ends, migrate applies the
+/// migration. Runs for about 40 s, the 30 attempts' waits.
+#[tokio::test]
+async fn migrate_gives_up_on_a_lock_held_past_its_attempts_and_changes_nothing() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('solo', concurrency_limit => 1, concurrency_key => ARRAY['k']);
+         -- As the previous build left the database: before migration 20.
+         DROP TRIGGER semaphores_key_not_renamed ON lockgate.semaphores;
+         DROP TRIGGER leases_key_not_moved ON lockgate.leases;
+         DROP FUNCTION lockgate._refuse_key_change();
+         DELETE FROM lockgate.schema_migrations WHERE version = 20;
+         UPDATE lockgate.schema_state SET migration = 19;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut producer = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('solo', '{\"k\": 0}')").execute(&mut *producer).await.unwrap();
+    let blocked = tokio::time::timeout(std::time::Duration::from_secs(120), lockgate::migrate(&db.pool))
+        .await
+        .expect("migrate gives up within its attempts");
+    assert!(matches!(blocked, Err(DbError::MigrateBlocked { attempts: 30 })), "{blocked:?}");
+    let message = blocked.unwrap_err().to_string();
+    assert!(message.contains("30 attempts") && message.contains("pg_stat_activity"), "{message}");
+    let state: (i32, i64) = sqlx::query_as(
+        "SELECT (SELECT migration FROM lockgate.schema_state),
+                (SELECT count(*) FROM pg_trigger WHERE tgname IN ('semaphores_key_not_renamed', 'leases_key_not_moved'))",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(state, (19, 0), "nothing of the migration is left behind");
+    producer.commit().await.unwrap();
+    let report = lockgate::migrate(&db.pool).await.unwrap();
+    assert_eq!(report.applied, ["key_changes_refused"]);
+}
