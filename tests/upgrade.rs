@@ -153,21 +153,7 @@ async fn a_functions_only_release_rolls_and_a_development_build_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_waits_for_an_open_transaction_without_stalling_the_paths_behind_it() {
     let db = TestDb::migrated().await.unwrap();
-    sqlx::raw_sql(
-        "SELECT lockgate.define_job_type('solo', concurrency_limit => 1, concurrency_key => ARRAY['k']);
-         -- As the previous build left the database: before migration 20.
-         DROP TRIGGER semaphores_key_not_renamed ON lockgate.semaphores;
-         DROP TRIGGER leases_key_not_moved ON lockgate.leases;
-         DROP FUNCTION lockgate._refuse_key_change();
-         DELETE FROM lockgate.schema_migrations WHERE version = 20;
-         UPDATE lockgate.schema_state SET migration = 19;",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    // A producer's transaction that enqueued a limited job, left open.
-    let mut producer = db.pool.begin().await.unwrap();
-    sqlx::query("SELECT * FROM lockgate.enqueue('solo', '{\"k\": 0}')").execute(&mut *producer).await.unwrap();
+    let producer = at_migration_19_with_a_producer_open(&db).await;
     let finished = std::sync::atomic::AtomicBool::new(false);
     let migrating = async {
         let report = lockgate::migrate(&db.pool).await;
@@ -221,20 +207,7 @@ async fn migrate_waits_for_an_open_transaction_without_stalling_the_paths_behind
 #[tokio::test]
 async fn migrate_gives_up_on_a_lock_held_past_its_attempts_and_changes_nothing() {
     let db = TestDb::migrated().await.unwrap();
-    sqlx::raw_sql(
-        "SELECT lockgate.define_job_type('solo', concurrency_limit => 1, concurrency_key => ARRAY['k']);
-         -- As the previous build left the database: before migration 20.
-         DROP TRIGGER semaphores_key_not_renamed ON lockgate.semaphores;
-         DROP TRIGGER leases_key_not_moved ON lockgate.leases;
-         DROP FUNCTION lockgate._refuse_key_change();
-         DELETE FROM lockgate.schema_migrations WHERE version = 20;
-         UPDATE lockgate.schema_state SET migration = 19;",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    let mut producer = db.pool.begin().await.unwrap();
-    sqlx::query("SELECT * FROM lockgate.enqueue('solo', '{\"k\": 0}')").execute(&mut *producer).await.unwrap();
+    let producer = at_migration_19_with_a_producer_open(&db).await;
     let blocked = tokio::time::timeout(std::time::Duration::from_secs(120), lockgate::migrate(&db.pool))
         .await
         .expect("migrate gives up within its attempts");
@@ -252,4 +225,25 @@ async fn migrate_gives_up_on_a_lock_held_past_its_attempts_and_changes_nothing()
     producer.commit().await.unwrap();
     let report = lockgate::migrate(&db.pool).await.unwrap();
     assert_eq!(report.applied, ["key_changes_refused"]);
+}
+
+/// The database as the previous build left it (before migration 20, whose triggers lock the key
+/// tables), with a producer's transaction that enqueued a limited job left open: it holds the
+/// locks migration 20 waits for until the caller ends it.
+async fn at_migration_19_with_a_producer_open(db: &TestDb) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('solo', concurrency_limit => 1, concurrency_key => ARRAY['k']);
+         -- As the previous build left the database: before migration 20.
+         DROP TRIGGER semaphores_key_not_renamed ON lockgate.semaphores;
+         DROP TRIGGER leases_key_not_moved ON lockgate.leases;
+         DROP FUNCTION lockgate._refuse_key_change();
+         DELETE FROM lockgate.schema_migrations WHERE version = 20;
+         UPDATE lockgate.schema_state SET migration = 19;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut producer = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('solo', '{\"k\": 0}')").execute(&mut *producer).await.unwrap();
+    producer
 }
