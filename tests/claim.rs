@@ -312,7 +312,7 @@ async fn queue_steps_belong_to_the_installer_whoever_creates_the_queue() {
          SET LOCAL ROLE {other};
          CREATE FUNCTION lockgate._claim_take_planted(integer, double precision, bigint, timestamptz, integer, text)
              RETURNS SETOF integer LANGUAGE sql AS 'SELECT NULL::integer WHERE false';
-         CREATE FUNCTION lockgate._enqueue1_into_planted(timestamptz, jsonb, jsonb)
+         CREATE FUNCTION lockgate._enqueue1_into_planted(timestamptz, jsonb, jsonb, smallint)
              RETURNS bigint LANGUAGE sql AS 'SELECT -1::bigint';
          SET LOCAL ROLE {app};
          SELECT lockgate.define_job_type('app_job', queue => 'planted');
