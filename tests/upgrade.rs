@@ -247,3 +247,51 @@ async fn at_migration_19_with_a_producer_open(db: &TestDb) -> sqlx::Transaction<
     sqlx::query("SELECT * FROM lockgate.enqueue('solo', '{\"k\": 0}')").execute(&mut *producer).await.unwrap();
     producer
 }
+
+/// Migration 21 moves a job's priority from the claim index's expression on the headers to a
+/// column of its queue's table. The jobs a database holds when it runs keep their priorities, in
+/// the claim's order, and a job sent with raw PGMQ at a priority no claim probes (which waited for
+/// a periodic probe before) is claimed and dead-lettered with its reason.
+#[tokio::test]
+async fn migration_21_keeps_each_queued_jobs_priority_in_the_claims_order() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('ranked', queue => 'ranked');
+         -- As the previous build left the database: before migration 21.
+         ALTER TABLE pgmq.q_ranked DROP COLUMN lg_priority;
+         CREATE INDEX q_ranked_lg_claim ON pgmq.q_ranked ((COALESCE((headers->>'priority')::smallint, 0)), vt, msg_id);
+         DELETE FROM lockgate.schema_migrations WHERE version = 21;
+         UPDATE lockgate.schema_state SET migration = 20;
+         -- Jobs of priorities 9 down to 0, written as the previous build's enqueue wrote them, and
+         -- one sent with raw PGMQ at priority 12.
+         SELECT pgmq.send('ranked', jsonb_build_object('p', p),
+                          CASE WHEN p = 0 THEN '{\"type\": \"ranked\"}'::jsonb
+                               ELSE jsonb_build_object('type', 'ranked', 'priority', p) END)
+           FROM generate_series(9, 0, -1) p;
+         SELECT pgmq.send('ranked', '{}'::jsonb, '{\"type\": \"ranked\", \"priority\": 12}'::jsonb);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let report = lockgate::migrate(&db.pool).await.unwrap();
+    assert_eq!(report.applied, ["priority_column"]);
+    let index: String = sqlx::query_scalar("SELECT indexdef FROM pg_indexes WHERE indexname = 'q_ranked_lg_claim'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(index.ends_with("(lg_priority, vt, msg_id)"), "{index}");
+    let order: Vec<i32> = sqlx::query_scalar("SELECT (message->>'p')::integer FROM lockgate.claim('ranked', 20, 30)")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(order, (0..=9).collect::<Vec<_>>(), "claimed best priority first");
+    let dead: Vec<String> =
+        sqlx::query_scalar("SELECT error FROM lockgate.dead_letters WHERE queue = 'ranked' AND reason = 'undecodable'")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(dead, ["priority 12 in the headers is not an integer from 0 to 9"]);
+    let problems: Vec<(Option<String>, String)> =
+        sqlx::query_as("SELECT key, problem FROM lockgate.check_invariants()").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(problems, vec![]);
+}
