@@ -47,9 +47,9 @@ RETURNS TABLE (prefix text, args regtype[], installer text)
 LANGUAGE sql STABLE AS $$
     VALUES ('_claim_take_', '{pg_catalog.int4,pg_catalog.float8,pg_catalog.int8,pg_catalog.timestamptz,pg_catalog.int4,pg_catalog.text}'::regtype[],
             'lockgate._install_claim_steps(text)'),
-           ('_enqueue_into_', '{pg_catalog.timestamptz,pg_catalog.jsonb[],pg_catalog.jsonb,pg_catalog.int2}'::regtype[],
+           ('_enqueue_into_', '{pg_catalog.timestamptz,pg_catalog.jsonb[],pg_catalog.jsonb}'::regtype[],
             'lockgate._install_enqueue_steps(text)'),
-           ('_enqueue1_into_', '{pg_catalog.timestamptz,pg_catalog.jsonb,pg_catalog.jsonb,pg_catalog.int2}'::regtype[],
+           ('_enqueue1_into_', '{pg_catalog.timestamptz,pg_catalog.jsonb,pg_catalog.jsonb}'::regtype[],
             'lockgate._install_enqueue_steps(text)'),
            ('_complete_into_', '{pg_catalog.int8[],pg_catalog.int4[],pg_catalog.int8[],pg_catalog.int4[]}'::regtype[],
             'lockgate._install_complete_steps(text)'),
@@ -239,16 +239,12 @@ BEGIN
         RETURN;
     END IF;
     PERFORM pgmq.create(queue);
-    -- A job's priority, set by lockgate's writers (0 for a message sent with raw PGMQ), within
-    -- the priorities a claim probes (migrations/0021_priority_column.sql). Claims take the lowest
-    -- priority value first, then the message visible longest, then the oldest: the index serves
-    -- them, one priority at a time (sql/020_claim.sql). It replaces PGMQ's vt index, which
-    -- nothing lockgate runs reads (one index to maintain, not two).
-    EXECUTE format('ALTER TABLE pgmq.%I ADD COLUMN IF NOT EXISTS lg_priority smallint NOT NULL DEFAULT 0
-                        CONSTRAINT %I CHECK (lg_priority BETWEEN 0 AND 9)',
-                   'q_' || queue, 'q_' || queue || '_lg_priority');
-    EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON pgmq.%I (lg_priority, vt, msg_id)',
-                   'q_' || queue || '_lg_claim', 'q_' || queue);
+    -- Claims take the lowest priority value first, then the message visible longest, then the
+    -- oldest: this index serves them, one priority at a time (sql/020_claim.sql). It replaces
+    -- PGMQ's vt index, which nothing lockgate runs reads (one index to maintain, not two).
+    EXECUTE format(
+        'CREATE INDEX IF NOT EXISTS %I ON pgmq.%I ((COALESCE((headers->>''priority'')::smallint, 0)), vt, msg_id)',
+        'q_' || queue || '_lg_claim', 'q_' || queue);
     EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || queue || '_vt_idx');
     -- Jobs sent again as a new message carry their id in the headers: found by it (lockgate.job).
     EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON pgmq.%I ((headers->>''job_id'')) WHERE headers ? ''job_id''',

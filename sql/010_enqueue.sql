@@ -22,27 +22,26 @@
 -- its own that has no flush to wait for. The Rust Client does (docs/design.md section 50).
 -- Callers: the Rust Client, the CLI, SQL producers, triggers.
 
--- The INSERT of an enqueue into the queue table tbl, with ($1 vt, $2 args, $3 headers,
--- $4 priority, the column the claim index is built on: migrations/0021_priority_column.sql),
+-- The INSERT of an enqueue into the queue table tbl, with ($1 vt, $2 args, $3 headers),
 -- returning the msg_ids in the order of args: one job (args jsonb) when one, else many (args
 -- jsonb[]; only those that are JSON objects of at most 1 MiB, the caller raising for the first
 -- other one). The body of the queue's enqueue steps, and the statement an enqueue plans itself
 -- when it cannot trust them.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_sql(tbl text, one boolean)
 RETURNS text LANGUAGE sql IMMUTABLE AS $$
-    SELECT CASE WHEN one THEN format('INSERT INTO %s (vt, message, headers, lg_priority) VALUES ($1, $2, $3, $4) RETURNING msg_id', tbl)
-                ELSE format('INSERT INTO %s (vt, message, headers, lg_priority)
-            SELECT $1, a.v, $3, $4
+    SELECT CASE WHEN one THEN format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id', tbl)
+                ELSE format('INSERT INTO %s (vt, message, headers)
+            SELECT $1, a.v, $3
               FROM unnest($2) a(v)
              WHERE jsonb_typeof(a.v) = ''object'' AND pg_column_size(a.v) <= 1048576
             RETURNING msg_id', tbl) END
 $$;
 
 -- A queue's enqueue steps, generated with its table's name written in, as the claim step is
--- (sql/020_claim.sql). lockgate._enqueue_into_<queue>(vt, args, headers, priority) inserts one
--- message per element of args that is a JSON object of at most 1 MiB, in the order of args, all
--- visible at vt with the same headers and priority, and returns their msg_ids in that order;
--- lockgate._enqueue1_into_<queue>(vt, args, headers, priority) inserts the one message of a single
+-- (sql/020_claim.sql). lockgate._enqueue_into_<queue>(vt, args, headers) inserts one message
+-- per element of args that is a JSON object of at most 1 MiB, in the order of args, all visible
+-- at vt with the same headers, and returns their msg_ids in that order;
+-- lockgate._enqueue1_into_<queue>(vt, args, headers) inserts the one message of a single
 -- enqueue (arguments already checked) and returns its msg_id, without an array or a set to pass
 -- it through. An INSERT on a table named at run time is planned at every call, and planning it
 -- cost about as much as inserting fifty jobs; in a function of its own, PL/pgSQL plans it once
@@ -84,8 +83,8 @@ DECLARE
     step text := prefix || queue;
 BEGIN
     IF lockgate._trusted_step(prefix, queue) THEN
-        RETURN CASE WHEN one THEN format('SELECT lockgate.%I($1, $2, $3, $4)', step)
-                    ELSE format('SELECT s.id FROM lockgate.%I($1, $2, $3, $4) s(id)', step) END;
+        RETURN CASE WHEN one THEN format('SELECT lockgate.%I($1, $2, $3)', step)
+                    ELSE format('SELECT s.id FROM lockgate.%I($1, $2, $3) s(id)', step) END;
     END IF;
     RETURN lockgate._enqueue_sql(lockgate._queue_table(queue, 'q'), one);
 END $$;
@@ -216,9 +215,8 @@ BEGIN
     END IF;
 END $$;
 
--- The headers of a freshly enqueued job: its type, and its priority unless it is 0 (read as 0
--- when missing; the claim orders by the queue table's lg_priority, which every writer sets to
--- the same value, and the headers' copy is what workers and listings read). No job id: a job's id is the msg_id of its first message, and
+-- The headers of a freshly enqueued job: its type, and its priority unless it is 0 (the claim
+-- reads a missing priority as 0). No job id: a job's id is the msg_id of its first message, and
 -- only a job sent again as a new message (promoted, retried from the dead letters) carries its
 -- id in the headers' job_id. STABLE, as jsonb_build_object is: declared IMMUTABLE, PostgreSQL
 -- would not inline it into its callers' expressions, and ran it as a SQL function planned again
@@ -227,15 +225,6 @@ CREATE OR REPLACE FUNCTION lockgate._headers(job_type text, priority smallint)
 RETURNS jsonb LANGUAGE sql STABLE AS $$
     SELECT CASE WHEN priority = 0 THEN jsonb_build_object('type', job_type)
                 ELSE jsonb_build_object('type', job_type, 'priority', priority) END
-$$;
-
--- The priority column's value for a job sent again with the headers it had (promoted, retried
--- from the dead letters): the headers' priority where it is one of 0..9, else 0 (the claim then
--- dead-letters headers whose priority is anything else, H29, instead of the insert failing).
--- Never raises. STABLE and in SQL so that it is inlined into its callers' statements.
-CREATE OR REPLACE FUNCTION lockgate._priority_of(headers jsonb)
-RETURNS smallint LANGUAGE sql STABLE AS $$
-    SELECT CASE WHEN headers->>'priority' ~ '^[0-9]$' THEN (headers->>'priority')::smallint ELSE 0::smallint END
 $$;
 
 -- One job, its options already resolved: take its uniqueness lock (until_executed types), then
@@ -327,12 +316,12 @@ BEGIN
     IF job_id IS NULL THEN
         EXECUTE lockgate._enqueue_step(queue, true)
            INTO msg_id
-          USING vt, args, headers, priority;
+          USING vt, args, headers;
     ELSE
-        EXECUTE format('INSERT INTO %s (msg_id, vt, message, headers, lg_priority) VALUES ($5, $1, $2, $3, $4) RETURNING msg_id',
+        EXECUTE format('INSERT INTO %s (msg_id, vt, message, headers) VALUES ($4, $1, $2, $3) RETURNING msg_id',
                        lockgate._queue_table(queue, 'q'))
            INTO msg_id
-          USING vt, args, headers, priority, job_id;
+          USING vt, args, headers, job_id;
     END IF;
     job_id := msg_id;
     IF key IS NOT NULL THEN
@@ -369,7 +358,7 @@ BEGIN
         queue := jt.queue;
         EXECUTE lockgate._enqueue_step(jt.queue, true)
            INTO msg_id
-          USING clock_timestamp(), args, lockgate._headers(jt.name, jt.priority), jt.priority;
+          USING clock_timestamp(), args, lockgate._headers(jt.name, jt.priority);
         job_id := msg_id;
         IF notify THEN
             PERFORM pg_notify('lockgate_' || jt.queue, '');
@@ -449,9 +438,9 @@ BEGIN
         RETURN;
     END IF;
     -- Every job of the call has the same headers (its id is its msg_id): nothing is built per row.
-    RETURN QUERY EXECUTE format('WITH e(id) AS (%s) SELECT $5::text, e.id, e.id, ''enqueued''::text FROM e',
+    RETURN QUERY EXECUTE format('WITH e(id) AS (%s) SELECT $4::text, e.id, e.id, ''enqueued''::text FROM e',
                                 lockgate._enqueue_step(o.queue, false))
-      USING o.vt, args, lockgate._headers(jt.name, o.priority), o.priority, o.queue;
+      USING o.vt, args, lockgate._headers(jt.name, o.priority), o.queue;
     GET DIAGNOSTICS inserted = ROW_COUNT;
     IF inserted < cardinality(args) THEN
         PERFORM lockgate._check_all_args(args);  -- raises for the first bad one, undoing the insert
@@ -541,7 +530,7 @@ BEGIN
     -- (the order of args).
     EXECUTE format('WITH e(id) AS (%s) SELECT ARRAY(SELECT e.id FROM e)', lockgate._enqueue_step(o.queue, false))
        INTO msg_ids
-      USING o.vt, args, lockgate._headers(jt.name, o.priority), o.priority;
+      USING o.vt, args, lockgate._headers(jt.name, o.priority);
     IF cardinality(msg_ids) < cardinality(args) THEN
         PERFORM lockgate._check_all_args(args);  -- raises for the first bad one, undoing the insert
     END IF;

@@ -328,8 +328,8 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
              SELECT nextval(''lockgate.job_id_seq'') AS msg_id, u.*
                FROM (SELECT * FROM unnest($1) WITH ORDINALITY AS u(queue, vt, args, headers, key, duration_ms, o)
                       WHERE u.queue = $2 ORDER BY u.o) u),
-              sent AS (INSERT INTO %1$s (msg_id, vt, message, headers, lg_priority)
-                       SELECT src.msg_id, src.vt, src.args, src.headers, lockgate._priority_of(src.headers) FROM src),
+              sent AS (INSERT INTO %1$s (msg_id, vt, message, headers)
+                       SELECT src.msg_id, src.vt, src.args, src.headers FROM src),
               moved AS (UPDATE lockgate.unique_locks u SET msg_id = h.msg_id, acquired_at = now()
                           FROM (SELECT src.msg_id, x.tid FROM src
                                  CROSS JOIN LATERAL (SELECT l.ctid AS tid FROM lockgate.unique_locks l

@@ -54,8 +54,8 @@ BEGIN
             WHILE wanted > 0 LOOP
                 best := (SELECT g.p FROM generate_series(best + 1, 9) g(p)
                           CROSS JOIN LATERAL (SELECT 1 FROM %1$s m
-                                               WHERE m.lg_priority = g.p AND m.vt <= $4
-                                               ORDER BY m.lg_priority, m.vt
+                                               WHERE COALESCE((m.headers->>'priority')::smallint, 0) = g.p AND m.vt <= $4
+                                               ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt
                                                LIMIT 1) visible
                           LIMIT 1);
                 EXIT WHEN best IS NULL;
@@ -64,8 +64,8 @@ BEGIN
                      SELECT m.msg_id, m.vt AS was, jsonb_typeof(m.headers) = 'object' AND m.headers ? 'ckey' AS limited,
                             m.read_ct > 0 AND m.last_read_at IS NULL AS unconfirmed
                        FROM %1$s m
-                      WHERE m.lg_priority = best AND m.vt <= $4
-                      ORDER BY m.lg_priority, m.vt, m.msg_id
+                      WHERE COALESCE((m.headers->>'priority')::smallint, 0) = best AND m.vt <= $4
+                      ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt, m.msg_id
                       LIMIT wanted
                         FOR UPDATE SKIP LOCKED),
                  ranked AS (SELECT next.*, row_number() OVER (ORDER BY next.was, next.msg_id) AS rn FROM next)
@@ -330,6 +330,31 @@ BEGIN
     -- so the next claim does not take them again at once.
     IF qty - left_to_claim > returned THEN
         PERFORM pg_notify('lockgate_' || queue, '');
+    END IF;
+    -- Messages at a priority outside 0..9 (sent with raw PGMQ) are never claimed by the probes
+    -- above: dead-letter them rather than leave them waiting forever (H29). Looked for only when
+    -- nothing else was there to claim, at most once every 5 s per session (an idle worker claims
+    -- in a loop), from both ends of the claim index.
+    IF left_to_claim = qty
+       AND COALESCE(current_setting('lockgate.priority_probe_at', true), '') < to_char(at - interval '5 seconds', 'YYYYMMDDHH24MISS') THEN
+        PERFORM set_config('lockgate.priority_probe_at', to_char(at, 'YYYYMMDDHH24MISS'), false);
+        FOR r IN EXECUTE format(
+            'WITH below AS (
+                 SELECT m.msg_id FROM %1$s m
+                  WHERE COALESCE((m.headers->>''priority'')::smallint, 0) < 0 AND m.vt <= $1
+                  ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0) LIMIT $2),
+             above AS (
+                 SELECT m.msg_id FROM %1$s m
+                  WHERE COALESCE((m.headers->>''priority'')::smallint, 0) > 9 AND m.vt <= $1
+                  ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0) DESC LIMIT $2)
+             SELECT m.msg_id, m.read_ct, m.headers->''priority'' AS p FROM %1$s m
+              WHERE m.msg_id IN (SELECT msg_id FROM below UNION ALL SELECT msg_id FROM above)
+                FOR UPDATE SKIP LOCKED', tbl)
+          USING at, qty
+        LOOP
+            PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable',
+                format('priority %s in the headers is not an integer from 0 to 9', r.p), r.read_ct);
+        END LOOP;
     END IF;
 END $$;
 

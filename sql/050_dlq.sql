@@ -46,8 +46,7 @@ BEGIN
                 CONTINUE;
             END IF;
         END IF;
-        EXECUTE format('INSERT INTO %s (msg_id, vt, message, headers, lg_priority)
-                        VALUES ($3, clock_timestamp(), $1, $2, lockgate._priority_of($2))',
+        EXECUTE format('INSERT INTO %s (msg_id, vt, message, headers) VALUES ($3, clock_timestamp(), $1, $2)',
                        lockgate._queue_table(dl.queue, 'q'))
           USING dl.args,
                 CASE WHEN jsonb_typeof(dl.headers) <> 'object' THEN dl.headers

@@ -46,8 +46,7 @@ END $$;
 -- the message's holder may still be running). Over deliveries (G3, H24): every
 -- limited job in flight (claimed, not waiting, still invisible) holds a lease of its own key that
 -- lasts at least as long as its visibility (so its holder's budget ends before its permit), and
--- no key has more such deliveries than its limit. Over messages: each one's priority column
--- agrees with its headers' priority. Every concurrency test ends with it.
+-- no key has more such deliveries than its limit. Every concurrency test ends with it.
 CREATE OR REPLACE FUNCTION lockgate.check_invariants()
 RETURNS TABLE (key text, problem text) LANGUAGE plpgsql STABLE AS $$
 DECLARE
@@ -95,16 +94,6 @@ BEGIN
                FROM in_flight f JOIN lockgate.semaphores s ON s.key = f.key
               WHERE f.lease_key = f.key AND f.expires_at >= f.vt
               GROUP BY f.key, s.lim HAVING count(*) > s.lim',
-            lockgate._queue_table(q.name, 'q'))
-          USING q.name;
-        -- The claim orders by the priority column, which every lockgate writer sets from the
-        -- priority it writes in the headers (migrations/0021_priority_column.sql): a message
-        -- whose two disagree was written around lockgate (raw PGMQ, by hand) or by a path that
-        -- forgot the column, and runs at the column's priority.
-        RETURN QUERY EXECUTE format(
-            'SELECT NULL::text, format(''message %%s/%%s is claimed at priority %%s but its headers say %%s'',
-                                       $1, m.msg_id, m.lg_priority, m.headers->''priority'')
-               FROM %s m WHERE m.lg_priority <> lockgate._priority_of(m.headers)',
             lockgate._queue_table(q.name, 'q'))
           USING q.name;
     END LOOP;

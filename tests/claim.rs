@@ -312,7 +312,7 @@ async fn queue_steps_belong_to_the_installer_whoever_creates_the_queue() {
          SET LOCAL ROLE {other};
          CREATE FUNCTION lockgate._claim_take_planted(integer, double precision, bigint, timestamptz, integer, text)
              RETURNS SETOF integer LANGUAGE sql AS 'SELECT NULL::integer WHERE false';
-         CREATE FUNCTION lockgate._enqueue1_into_planted(timestamptz, jsonb, jsonb, smallint)
+         CREATE FUNCTION lockgate._enqueue1_into_planted(timestamptz, jsonb, jsonb)
              RETURNS bigint LANGUAGE sql AS 'SELECT -1::bigint';
          SET LOCAL ROLE {app};
          SELECT lockgate.define_job_type('app_job', queue => 'planted');
@@ -569,99 +569,4 @@ async fn the_previous_revisions_trust_check_still_answers_during_an_upgrade() {
     .await
     .unwrap();
     assert_eq!((claim_step, completion_step, unknown), (true, true, false));
-}
-
-/// The jobs whose priority column is not the priority their arguments say they were written at,
-/// in the three queues of `every_path_that_writes_a_message_sets_its_priority_column`.
-async fn priorities_not_as_written(db: &TestDb) -> Vec<(String, i64, i16, i32)> {
-    sqlx::query_as(
-        "SELECT q, msg_id, lg_priority, want FROM (
-             SELECT 'writers' AS q, msg_id, lg_priority, (message->>'want')::integer AS want FROM pgmq.q_writers
-             UNION ALL SELECT 'solo', msg_id, lg_priority, (message->>'want')::integer FROM pgmq.q_solo
-             UNION ALL SELECT 'doomed', msg_id, lg_priority, (message->>'want')::integer FROM pgmq.q_doomed) m
-          WHERE lg_priority <> want",
-    )
-    .fetch_all(&db.pool)
-    .await
-    .unwrap()
-}
-
-/// A claim orders by the queue table's priority column (migrations/0021_priority_column.sql), so
-/// every path that writes a message must set it: a plain enqueue at its type's priority, one with
-/// options, both bulk forms, a unique job and a batch job (sent with an id drawn first), a parked
-/// job promoted by a completion, a dead letter retried. Each job's arguments carry the priority it
-/// was written at. The second round runs the same paths with the queues' enqueue and promotion
-/// steps dropped, through the statements the callers plan when no step can be trusted.
-#[tokio::test]
-async fn every_path_that_writes_a_message_sets_its_priority_column() {
-    let db = TestDb::migrated().await.unwrap();
-    sqlx::raw_sql(
-        "SELECT lockgate.define_job_type('plain', queue => 'writers', priority => 4);
-         SELECT lockgate.define_job_type('once', queue => 'writers', unique_mode => 'until_executed', unique_key => ARRAY['u']);
-         SELECT lockgate.define_job_type('solo', queue => 'solo', concurrency_limit => 1, concurrency_key => ARRAY['k']);
-         SELECT lockgate.define_job_type('doomed', queue => 'doomed', priority => 9);",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    for round in 1..=2 {
-        if round == 2 {
-            sqlx::raw_sql(
-                "DO $$
-                 DECLARE
-                     f regprocedure;
-                 BEGIN
-                     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
-                               WHERE p.pronamespace = 'lockgate'::regnamespace AND p.proname ~ '^_(enqueue1?|promote)_into_'
-                     LOOP
-                         EXECUTE format('DROP FUNCTION %s', f);
-                     END LOOP;
-                 END $$;",
-            )
-            .execute(&db.pool)
-            .await
-            .unwrap();
-        }
-        sqlx::raw_sql(&format!(
-            "SELECT * FROM lockgate.enqueue('plain', '{{\"want\": 4}}');
-             SELECT * FROM lockgate.enqueue('plain', '{{\"want\": 2}}', '{{\"priority\": 2}}');
-             SELECT * FROM lockgate.enqueue_many('plain', ARRAY['{{\"want\": 6}}', '{{\"want\": 6}}']::jsonb[], '{{\"priority\": 6}}');
-             SELECT * FROM lockgate._enqueue_many_and_wake('plain', ARRAY['{{\"want\": 7}}']::jsonb[], '{{\"priority\": 7}}', false);
-             SELECT * FROM lockgate.enqueue('once', '{{\"want\": 3, \"u\": {round}}}', '{{\"priority\": 3}}');
-             SELECT * FROM lockgate.enqueue('plain', '{{\"want\": 5}}', jsonb_build_object('batch', lockgate.create_batch(), 'priority', 5));
-             SELECT * FROM lockgate.enqueue('solo', '{{\"want\": 1, \"k\": {round}}}', '{{\"priority\": 1}}');
-             SELECT * FROM lockgate.enqueue('solo', '{{\"want\": 8, \"k\": {round}}}', '{{\"priority\": 8}}');
-             WITH c AS MATERIALIZED (SELECT msg_id, read_ct FROM lockgate.claim('solo', 10, 30) WHERE message->>'want' = '1')
-             SELECT count(*) FROM lockgate.complete('solo', (SELECT array_agg(msg_id) FROM c), (SELECT array_agg(read_ct) FROM c));
-             SELECT * FROM lockgate.enqueue('doomed', '{{\"want\": 9}}');
-             SELECT lockgate.dead_letter('doomed', c.msg_id, c.read_ct, 'attempts_exhausted', 'boom', 1) FROM lockgate.claim('doomed', 10, 30) c;
-             SELECT * FROM lockgate.dlq_retry('doomed');"
-        ))
-        .execute(&db.pool)
-        .await
-        .unwrap();
-        let written: Vec<(String, i32)> = sqlx::query_as(
-            "SELECT 'writers', (message->>'want')::integer FROM pgmq.q_writers
-             UNION ALL SELECT 'solo', (message->>'want')::integer FROM pgmq.q_solo WHERE read_ct = 0
-             UNION ALL SELECT 'doomed', (message->>'want')::integer FROM pgmq.q_doomed ORDER BY 1, 2",
-        )
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
-        // The earlier round's dead letter is claimed, dead-lettered and retried again with this
-        // round's; its promoted job was claimed and completed.
-        let mut expected = [("doomed", 9), ("writers", 2), ("writers", 3), ("writers", 4), ("writers", 5)]
-            .into_iter()
-            .chain([("writers", 6), ("writers", 6), ("writers", 7)])
-            .flat_map(|job| std::iter::repeat_n(job, round))
-            .chain([("solo", 8)])
-            .map(|(q, p)| (q.to_string(), p))
-            .collect::<Vec<_>>();
-        expected.sort();
-        assert_eq!(written, expected, "round {round}: every path wrote its job");
-        assert_eq!(priorities_not_as_written(&db).await, vec![], "round {round}");
-        let problems: Vec<(Option<String>, String)> =
-            sqlx::query_as("SELECT key, problem FROM lockgate.check_invariants()").fetch_all(&db.pool).await.unwrap();
-        assert_eq!(problems, vec![], "round {round}");
-    }
 }

@@ -1035,8 +1035,8 @@ async fn doctor_steps(conn: &mut sqlx::PgConnection) -> Vec<(String, String)> {
 async fn an_enqueue_runs_only_its_queues_own_steps_and_enqueues_without_them() {
     let (db, _client) = setup().await;
     let steps = vec![
-        "_enqueue1_into_default(timestamp with time zone, jsonb, jsonb, smallint)".to_string(),
-        "_enqueue_into_default(timestamp with time zone, jsonb[], jsonb, smallint)".to_string(),
+        "_enqueue1_into_default(timestamp with time zone, jsonb, jsonb)".to_string(),
+        "_enqueue_into_default(timestamp with time zone, jsonb[], jsonb)".to_string(),
     ];
     assert_eq!(enqueue_steps(&db, "default").await, steps, "written with the queue");
     let paths = [
@@ -1061,8 +1061,8 @@ async fn an_enqueue_runs_only_its_queues_own_steps_and_enqueues_without_them() {
     enqueue_each(&mut tx, &mut expected, "as written").await;
     // Missing.
     sqlx::raw_sql(
-        "DROP FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb, smallint);
-         DROP FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb, smallint);",
+        "DROP FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb);
+         DROP FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb);",
     )
     .execute(&mut *tx)
     .await
@@ -1080,9 +1080,9 @@ async fn an_enqueue_runs_only_its_queues_own_steps_and_enqueues_without_them() {
     sqlx::raw_sql(&format!(
         "CREATE ROLE {other} NOLOGIN; GRANT USAGE, CREATE ON SCHEMA lockgate TO {other};
          SET LOCAL ROLE {other};
-         CREATE FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb, smallint)
+         CREATE FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb)
              RETURNS bigint LANGUAGE sql AS 'SELECT -1::bigint';
-         CREATE FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb, smallint)
+         CREATE FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb)
              RETURNS SETOF bigint LANGUAGE sql AS 'SELECT -1::bigint';
          RESET ROLE;"
     ))
@@ -1096,12 +1096,12 @@ async fn an_enqueue_runs_only_its_queues_own_steps_and_enqueues_without_them() {
         "{doctor:?}"
     );
     sqlx::raw_sql(
-        "DROP FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb, smallint);
-         DROP FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb, smallint);
+        "DROP FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb);
+         DROP FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb);
          SELECT lockgate._install_enqueue_steps('default');
-         CREATE FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb, smallint, integer DEFAULT 0)
+         CREATE FUNCTION lockgate._enqueue1_into_default(timestamptz, jsonb, jsonb, integer DEFAULT 0)
              RETURNS bigint LANGUAGE sql AS 'SELECT -1::bigint';
-         CREATE FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb, smallint, integer DEFAULT 0)
+         CREATE FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb, integer DEFAULT 0)
              RETURNS SETOF bigint LANGUAGE sql AS 'SELECT -1::bigint';",
     )
     .execute(&mut *tx)

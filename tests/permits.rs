@@ -374,15 +374,6 @@ async fn h29_no_message_content_makes_a_claim_fail_each_is_dead_lettered_with_it
         (r#"{"k":1}"#, r#""ckey""#, "headers are not a JSON object"),
         (r#"{"k":1}"#, r#"{"type":7}"#, "job type"),
         (r#"{"k":1}"#, r#"{"type":"lim","returns":"x"}"#, "returns"),
-        // Priorities outside 0..9: the queue table's priority column is 0 for a raw PGMQ message,
-        // so each is claimed and dead-lettered; none makes the send or the claim fail (with the
-        // claim index on the headers' priority, the first three failed the send itself).
-        (r#"{"k":1}"#, r#"{"type":"lim","priority":"high"}"#, "priority"),
-        (r#"{"k":1}"#, r#"{"type":"lim","priority":1.5}"#, "priority"),
-        (r#"{"k":1}"#, r#"{"type":"lim","priority":99999}"#, "priority"),
-        (r#"{"k":1}"#, r#"{"type":"lim","priority":12}"#, "priority"),
-        (r#"{"k":1}"#, r#"{"type":"lim","priority":-1}"#, "priority"),
-        (r#"{"k":1}"#, r#"{"type":"lim","priority":{"p":1}}"#, "priority"),
         (r#"[1]"#, r#"{"type":"lim"}"#, "arguments"),
         (r#"null"#, r#"{"type":"lim"}"#, "arguments"),
     ];
