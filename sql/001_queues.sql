@@ -20,6 +20,21 @@ BEGIN
     RETURN format('pgmq.%I', kind || '_' || queue);
 END $$;
 
+-- The first column of a queue's claim index, as SQL text over the headers expression given
+-- (`headers`, `m.headers`): a message's priority 0..9, a missing or null one read as 0, and -1
+-- for anything else its headers may hold (a raw PGMQ message's "high", 1.5, 12, -1, true...).
+-- It never raises, whatever the headers are, so no message content can fail the insert or
+-- update that maintains the index (H29); and a claim probes -1 first, so such a message is
+-- taken, and dead-lettered for its priority (lockgate._malformed), by the next claim of its
+-- queue however busy that queue is. Every statement that reads the index writes this same
+-- expression, and migration 21 built the index of every existing queue from it.
+CREATE OR REPLACE FUNCTION lockgate._rank_sql(headers text)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT format('(CASE COALESCE(%s->>''priority'', ''0'') WHEN ''0'' THEN 0 WHEN ''1'' THEN 1 WHEN ''2'' THEN 2 '
+                  'WHEN ''3'' THEN 3 WHEN ''4'' THEN 4 WHEN ''5'' THEN 5 WHEN ''6'' THEN 6 WHEN ''7'' THEN 7 '
+                  'WHEN ''8'' THEN 8 WHEN ''9'' THEN 9 ELSE -1 END)', headers)
+$$;
+
 -- The queues whose PGMQ table exists: loops over every queue (sweep, prune, invariants, status)
 -- skip a queue whose table was dropped behind lockgate's back (pgmq.drop_queue) instead of
 -- failing for every other queue. check_invariants reports such queues.
@@ -242,9 +257,8 @@ BEGIN
     -- Claims take the lowest priority value first, then the message visible longest, then the
     -- oldest: this index serves them, one priority at a time (sql/020_claim.sql). It replaces
     -- PGMQ's vt index, which nothing lockgate runs reads (one index to maintain, not two).
-    EXECUTE format(
-        'CREATE INDEX IF NOT EXISTS %I ON pgmq.%I ((COALESCE((headers->>''priority'')::smallint, 0)), vt, msg_id)',
-        'q_' || queue || '_lg_claim', 'q_' || queue);
+    EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON pgmq.%I (%s, vt, msg_id)',
+                   'q_' || queue || '_lg_claim', 'q_' || queue, lockgate._rank_sql('headers'));
     EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || queue || '_vt_idx');
     -- Jobs sent again as a new message carry their id in the headers: found by it (lockgate.job).
     EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON pgmq.%I ((headers->>''job_id'')) WHERE headers ? ''job_id''',

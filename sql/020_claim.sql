@@ -29,6 +29,9 @@ BEGIN
     -- ahead. limited: the message carries a concurrency key; unconfirmed: its last delivery was
     -- claimed ahead and never started; lease_end: its lease's end as the statement's snapshot
     -- read it.
+    -- The priorities are the claim index's ranks (lockgate._rank_sql): -1 first, where a message
+    -- whose priority header is not 0..9 waits to be dead-lettered by the claim (H29; none of
+    -- lockgate's own messages is ever there, so the probe finds it empty), then 0 to 9.
     -- The priority probe is a LATERAL subquery with its own LIMIT: the planner cannot turn it
     -- into a semi-join over the whole table, as it may an EXISTS when most messages are
     -- visible. Ordered as the claim index is, so it is always that index's probe: unordered,
@@ -47,15 +50,15 @@ BEGIN
     body := format($f$
         #variable_conflict use_column
         DECLARE
-            best integer := -1;
+            best integer := -2;
             wanted integer := $1;
             took integer;
         BEGIN
             WHILE wanted > 0 LOOP
                 best := (SELECT g.p FROM generate_series(best + 1, 9) g(p)
                           CROSS JOIN LATERAL (SELECT 1 FROM %1$s m
-                                               WHERE COALESCE((m.headers->>'priority')::smallint, 0) = g.p AND m.vt <= $4
-                                               ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt
+                                               WHERE %2$s = g.p AND m.vt <= $4
+                                               ORDER BY %2$s, m.vt
                                                LIMIT 1) visible
                           LIMIT 1);
                 EXIT WHEN best IS NULL;
@@ -64,8 +67,8 @@ BEGIN
                      SELECT m.msg_id, m.vt AS was, jsonb_typeof(m.headers) = 'object' AND m.headers ? 'ckey' AS limited,
                             m.read_ct > 0 AND m.last_read_at IS NULL AS unconfirmed
                        FROM %1$s m
-                      WHERE COALESCE((m.headers->>'priority')::smallint, 0) = best AND m.vt <= $4
-                      ORDER BY COALESCE((m.headers->>'priority')::smallint, 0), m.vt, m.msg_id
+                      WHERE %2$s = best AND m.vt <= $4
+                      ORDER BY %2$s, m.vt, m.msg_id
                       LIMIT wanted
                         FOR UPDATE SKIP LOCKED),
                  ranked AS (SELECT next.*, row_number() OVER (ORDER BY next.was, next.msg_id) AS rn FROM next)
@@ -85,7 +88,7 @@ BEGIN
                 GET DIAGNOSTICS took = ROW_COUNT;
                 wanted := wanted - took;
             END LOOP;
-        END $f$, tbl);
+        END $f$, tbl, lockgate._rank_sql('m.headers'));
     PERFORM lockgate._write_step(queue, '_claim_take_'::text,
         'TABLE (msg_id bigint, read_ct integer, enqueued_at timestamptz, message jsonb, headers jsonb, vt timestamptz,
                 ahead boolean, limited boolean, unconfirmed boolean, lease_end timestamptz)'::text,
@@ -107,7 +110,9 @@ END $$;
 -- A claimed limited job whose lease lapsed (or was expired by a sweep) takes a permit again
 -- through the guarded acquire, or is parked, and is then not returned. A message no worker could
 -- run (headers or arguments that are not lockgate's, H29) is dead-lettered here with its reason:
--- no message content can make a claim fail.
+-- no message content can make a claim fail. One whose priority header is not 0..9 sits at the
+-- claim index's rank -1, ahead of every job, so the next claim of its queue takes it, however
+-- busy the queue.
 --
 -- One priority at a time, through the claim index (priority, vt, msg_id): within a priority the
 -- visible messages come first, so a claim never scans the delayed or in-flight ones after them.
@@ -330,31 +335,6 @@ BEGIN
     -- so the next claim does not take them again at once.
     IF qty - left_to_claim > returned THEN
         PERFORM pg_notify('lockgate_' || queue, '');
-    END IF;
-    -- Messages at a priority outside 0..9 (sent with raw PGMQ) are never claimed by the probes
-    -- above: dead-letter them rather than leave them waiting forever (H29). Looked for only when
-    -- nothing else was there to claim, at most once every 5 s per session (an idle worker claims
-    -- in a loop), from both ends of the claim index.
-    IF left_to_claim = qty
-       AND COALESCE(current_setting('lockgate.priority_probe_at', true), '') < to_char(at - interval '5 seconds', 'YYYYMMDDHH24MISS') THEN
-        PERFORM set_config('lockgate.priority_probe_at', to_char(at, 'YYYYMMDDHH24MISS'), false);
-        FOR r IN EXECUTE format(
-            'WITH below AS (
-                 SELECT m.msg_id FROM %1$s m
-                  WHERE COALESCE((m.headers->>''priority'')::smallint, 0) < 0 AND m.vt <= $1
-                  ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0) LIMIT $2),
-             above AS (
-                 SELECT m.msg_id FROM %1$s m
-                  WHERE COALESCE((m.headers->>''priority'')::smallint, 0) > 9 AND m.vt <= $1
-                  ORDER BY COALESCE((m.headers->>''priority'')::smallint, 0) DESC LIMIT $2)
-             SELECT m.msg_id, m.read_ct, m.headers->''priority'' AS p FROM %1$s m
-              WHERE m.msg_id IN (SELECT msg_id FROM below UNION ALL SELECT msg_id FROM above)
-                FOR UPDATE SKIP LOCKED', tbl)
-          USING at, qty
-        LOOP
-            PERFORM lockgate.dead_letter(queue, r.msg_id, r.read_ct, 'undecodable',
-                format('priority %s in the headers is not an integer from 0 to 9', r.p), r.read_ct);
-        END LOOP;
     END IF;
 END $$;
 

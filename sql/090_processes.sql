@@ -55,9 +55,9 @@ BEGIN
             -- flight, delayed, waiting to retry) are read, however long the visible backlog.
             EXECUTE format(
                 'SELECT count(*) FROM %s m
-                  WHERE COALESCE((m.headers->>''priority'')::smallint, 0) = ANY (''{0,1,2,3,4,5,6,7,8,9}''::smallint[])
+                  WHERE %s = ANY (''{-1,0,1,2,3,4,5,6,7,8,9}''::integer[])
                     AND m.vt > $2 AND m.headers->>''owner'' = $1::text AND NOT m.headers ? ''retry_at''',
-                lockgate._queue_table(q.name, 'q'))
+                lockgate._queue_table(q.name, 'q'), lockgate._rank_sql('m.headers'))
                INTO n USING dead.id, clock_timestamp();
             in_flight := in_flight + n;
         END LOOP;

@@ -234,6 +234,82 @@ async fn a_claim_plan_made_on_a_small_queue_scans_no_table() {
     tx.rollback().await.unwrap();
 }
 
+/// The priority headers a raw PGMQ producer may write that are not 0..9, and the headers that
+/// are not an object at all. None may fail its send, and none may wait behind the jobs (H29).
+const ODD_PRIORITIES: [&str; 9] = ["\"high\"", "1.5", "99999", "12", "-1", "true", "{}", "[]", "\"\""];
+
+async fn send_raw(db: &TestDb, queue: &str, headers: serde_json::Value) -> i64 {
+    sqlx::query_scalar("SELECT pgmq.send($1, '{}'::jsonb, $2)")
+        .bind(queue)
+        .bind(headers)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or_else(|e| panic!("raw send with headers failed: {e}"))
+}
+
+async fn dead_reasons(db: &TestDb) -> Vec<(i64, String)> {
+    sqlx::query_as("SELECT msg_id, error FROM lockgate.dead_letters WHERE reason = 'undecodable' ORDER BY msg_id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// H29, docs/design.md §67: a raw PGMQ message whose priority header the claim index cannot
+/// rank is sent like any other, and the next claim of its queue dead-letters it, naming the
+/// priority, although a backlog of jobs is waiting: it is not left until the queue is idle. The
+/// index once cast the header, which failed the send of "high", 1.5 or 99999, and put 12 or -1
+/// outside the priorities a claim probes, where only a claim that found nothing else looked.
+#[tokio::test]
+async fn h29_a_raw_message_with_an_odd_priority_is_sent_and_dead_lettered_by_the_next_claim_of_a_busy_queue() {
+    let (db, client) = setup().await;
+    enqueue(&client, 20, &EnqueueOptions::default()).await;
+    let mut odd = Vec::new();
+    for p in ODD_PRIORITIES {
+        let priority: serde_json::Value = serde_json::from_str(p).unwrap();
+        odd.push(send_raw(&db, "claims", json!({"type": "noop", "priority": priority})).await);
+    }
+    // Headers that are not an object hold no priority: ranked 0, dead-lettered for their shape.
+    let shapes = [send_raw(&db, "claims", json!([1, 2])).await, send_raw(&db, "claims", json!("x")).await];
+    let queue = common::queue("claims");
+
+    let got = claim(&db.pool, &queue, ODD_PRIORITIES.len() as i32, Duration::from_secs(30)).await.unwrap();
+    assert!(got.is_empty(), "the claim took the odd messages first, and returned none of them: {got:?}");
+    let dead = dead_reasons(&db).await;
+    assert_eq!(dead.iter().map(|d| d.0).collect::<Vec<_>>(), odd, "every odd priority, at the first claim");
+    for (msg_id, error) in &dead {
+        assert!(error.contains("is not an integer from 0 to 9"), "message {msg_id}: {error}");
+    }
+
+    // The jobs come next, in their order; the odd shapes among them are dead-lettered for it.
+    let got = claim(&db.pool, &queue, 30, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(got.len(), 20, "every job runs");
+    let dead = dead_reasons(&db).await;
+    assert_eq!(dead.len(), ODD_PRIORITIES.len() + shapes.len());
+    for msg_id in shapes {
+        let error = &dead.iter().find(|d| d.0 == msg_id).unwrap().1;
+        assert!(error.contains("headers are not a JSON object"), "message {msg_id}: {error}");
+    }
+}
+
+/// H29: lockgate adopts a PGMQ queue whatever priority headers its messages carry (building the
+/// claim index over them once failed on "high"), and its first claim dead-letters those.
+#[tokio::test]
+async fn h29_a_pgmq_queue_holding_odd_priorities_is_adopted_and_its_first_claim_dead_letters_them() {
+    let (db, _client) = setup().await;
+    sqlx::query("SELECT pgmq.create('adopted')").execute(&db.pool).await.unwrap();
+    let mut odd = Vec::new();
+    for p in ODD_PRIORITIES {
+        let priority: serde_json::Value = serde_json::from_str(p).unwrap();
+        odd.push(send_raw(&db, "adopted", json!({"type": "noop", "priority": priority})).await);
+    }
+    let fine = send_raw(&db, "adopted", json!({"type": "noop", "priority": 4})).await;
+    sqlx::query("SELECT lockgate.create_queue('adopted')").execute(&db.pool).await.unwrap();
+
+    let got = claim(&db.pool, &common::queue("adopted"), 20, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(got.iter().map(|c| c.msg_id).collect::<Vec<_>>(), [fine], "only the job at priority 4 runs");
+    assert_eq!(dead_reasons(&db).await.iter().map(|d| d.0).collect::<Vec<_>>(), odd);
+}
+
 /// A claim on no queue at all (NULL, from SQL) is refused as an unknown queue (LG001), as any
 /// unknown name is, before anything else is looked at. A review found it failing instead inside
 /// format() with "null values cannot be formatted as an SQL identifier", which names nothing.

@@ -247,3 +247,54 @@ async fn at_migration_19_with_a_producer_open(db: &TestDb) -> sqlx::Transaction<
     sqlx::query("SELECT * FROM lockgate.enqueue('solo', '{\"k\": 0}')").execute(&mut *producer).await.unwrap();
     producer
 }
+
+/// Migration 21 (docs/design.md §67): every queue's claim index, built on the cast of the
+/// priority header, is built again on the rank that never raises, the very index a queue created
+/// now gets; the jobs waiting keep their order; and a queue whose table was dropped behind
+/// lockgate's back does not stop the migration.
+#[tokio::test]
+async fn migration_21_gives_every_queue_the_claim_index_a_new_queue_gets() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('ranked', queue => 'ranked');
+         SELECT lockgate.enqueue('ranked', jsonb_build_object('p', p), jsonb_build_object('priority', p))
+           FROM unnest(ARRAY[3, 0, 7, 0, 3]) p;
+         SELECT lockgate.create_queue('gone');
+         SELECT pgmq.drop_queue('gone');
+         -- As the previous build left the database: before migration 21.
+         DROP INDEX pgmq.q_ranked_lg_claim;
+         CREATE INDEX q_ranked_lg_claim ON pgmq.q_ranked ((COALESCE((headers->>'priority')::smallint, 0)), vt, msg_id);
+         DELETE FROM lockgate.schema_migrations WHERE version = 21;
+         UPDATE lockgate.schema_state SET migration = 20;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let report = lockgate::migrate(&db.pool).await.unwrap();
+    assert_eq!(report.applied, ["claim_rank"]);
+
+    sqlx::query("SELECT lockgate.create_queue('fresh')").execute(&db.pool).await.unwrap();
+    let (migrated, fresh): (String, String) = sqlx::query_as(
+        "SELECT pg_get_indexdef('pgmq.q_ranked_lg_claim'::regclass),
+                replace(pg_get_indexdef('pgmq.q_fresh_lg_claim'::regclass), 'q_fresh', 'q_ranked')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(migrated, fresh);
+    assert!(migrated.contains("ELSE '-1'::integer"), "{migrated}");
+    let indexes: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_indexes WHERE tablename = 'q_ranked'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(indexes, 3, "the primary key, the job-id index and one claim index");
+
+    let order: Vec<i64> = sqlx::query_scalar("SELECT (message->>'p')::bigint FROM lockgate.claim('ranked', 10, 30) c")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let mut sorted = order.clone();
+    sorted.sort_unstable();
+    assert_eq!(order, sorted, "claimed best priority first");
+    assert_eq!(order.len(), 5);
+}
