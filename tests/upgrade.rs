@@ -282,7 +282,7 @@ async fn migration_21_gives_every_queue_the_claim_index_a_new_queue_gets() {
     .await
     .unwrap();
     assert_eq!(migrated, fresh);
-    assert!(migrated.contains("ELSE '-1'::integer"), "{migrated}");
+    assert!(migrated.contains("array_position"), "{migrated}");
     let indexes: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_indexes WHERE tablename = 'q_ranked'")
         .fetch_one(&db.pool)
         .await
