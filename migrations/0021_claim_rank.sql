@@ -21,8 +21,9 @@ BEGIN
     FOR q IN SELECT name FROM lockgate.queues WHERE to_regclass(format('pgmq.%I', 'q_' || name)) IS NOT NULL LOOP
         EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || q.name || '_lg_rank');
         EXECUTE format(
-            'CREATE INDEX %I ON pgmq.%I ((COALESCE(array_position(''{0,1,2,3,4,5,6,7,8,9}''::text[], '
-            'COALESCE(headers->>''priority'', ''0'')) - 1, -1)), vt, msg_id)',
+            'CREATE INDEX %I ON pgmq.%I ((CASE WHEN headers->>''priority'' IS NULL THEN 0 '
+            'ELSE COALESCE(array_position(''{0,1,2,3,4,5,6,7,8,9}''::text[], headers->>''priority'') - 1, -1) END), '
+            'vt, msg_id)',
             'q_' || q.name || '_lg_rank', 'q_' || q.name);
         EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || q.name || '_lg_claim');
         EXECUTE format('ALTER INDEX pgmq.%I RENAME TO %I', 'q_' || q.name || '_lg_rank', 'q_' || q.name || '_lg_claim');
