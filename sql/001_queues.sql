@@ -84,7 +84,8 @@ $$;
 -- that exists as it would be written (same body, settings and owner) is left alone, without a
 -- lock, so installing again costs nothing and disturbs no caller. A step to write is written
 -- under create_queue's advisory lock on the queue name: in place (CREATE OR REPLACE, keeping
--- whatever depends on it) when it is the installer's own; dropped and created anew when it
+-- whatever depends on it) when it is the installer's own (dropped first when its result type
+-- changed); dropped and created anew when it
 -- belongs to anyone else (planted under the step's name: never kept; the drop fails rather than
 -- cascade, and fails for an installer that may not drop it). Then every other function under
 -- the step's name (an overload with an extra defaulted argument would make the callers' call
@@ -143,7 +144,16 @@ BEGIN
                           HINT = 'drop it as its owner or a superuser, then run lockgate migrate; lockgate runs no step it did not write';
             END;
         END IF;
-        EXECUTE format('CREATE OR REPLACE FUNCTION lockgate.%I(%s) %s AS %L', name, args, head, body);
+        BEGIN
+            EXECUTE format('CREATE OR REPLACE FUNCTION lockgate.%I(%s) %s AS %L', name, args, head, body);
+        EXCEPTION WHEN invalid_function_definition THEN
+            -- The installer's own step of an earlier revision with another result type (the
+            -- bulk enqueue step's set of ids became an array in revision 44), which no CREATE OR
+            -- REPLACE may change: dropped and created anew. A drop that something depends on
+            -- fails the install, naming it.
+            EXECUTE format('DROP FUNCTION lockgate.%I(%s)', name, args);
+            EXECUTE format('CREATE FUNCTION lockgate.%I(%s) %s AS %L', name, args, head, body);
+        END;
     END LOOP;
     IF EXISTS (SELECT 1 FROM pg_proc p
                 WHERE p.pronamespace = 'lockgate'::regnamespace

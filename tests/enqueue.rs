@@ -1186,3 +1186,43 @@ async fn an_enqueue_runs_no_sql_function_that_could_have_been_inlined() {
     assert_eq!(ran, Vec::<String>::new(), "SQL functions that ran as functions, not inlined");
     tx.rollback().await.unwrap();
 }
+
+/// Functions revision 44 (docs/design.md §68): the bulk enqueue step returns its ids as one array,
+/// where revision 43's returned a set. Migrate replaces the earlier step, whose result type no
+/// CREATE OR REPLACE may change, and bulk enqueues go through the new one, in order.
+#[tokio::test]
+async fn migrate_replaces_a_bulk_enqueue_step_of_the_previous_revision() {
+    let (db, client) = setup().await;
+    sqlx::raw_sql(
+        "DROP FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb);
+         CREATE FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb) RETURNS SETOF bigint
+         LANGUAGE plpgsql AS $$
+         BEGIN
+             RETURN QUERY INSERT INTO pgmq.q_default (vt, message, headers) SELECT $1, a.v, $3 FROM unnest($2) a(v)
+                          RETURNING msg_id;
+         END $$;
+         UPDATE lockgate.schema_state SET functions_revision = functions_revision - 1;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    lockgate::migrate(&db.pool).await.expect("migrate writes the step again");
+    let result: String = sqlx::query_scalar(
+        "SELECT pg_get_function_result('lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb)'::regprocedure)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(result, "bigint[]");
+    let notes: Vec<Note> = (0..50).map(|i| Note { text: i.to_string() }).collect();
+    let jobs = client.enqueue_many(&notes).await.unwrap();
+    let texts: Vec<String> = sqlx::query_scalar(
+        "SELECT m.message->>'text' FROM unnest($1::bigint[]) WITH ORDINALITY j(id, i)
+           JOIN pgmq.q_default m ON m.msg_id = j.id ORDER BY j.i",
+    )
+    .bind(jobs.iter().map(|j| j.msg_id.expect("enqueued")).collect::<Vec<i64>>())
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(texts, (0..50).map(|i| i.to_string()).collect::<Vec<_>>());
+}
