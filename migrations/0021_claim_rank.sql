@@ -8,16 +8,22 @@
 -- producer running the functions of before this migration, waiting on the table while it runs,
 -- inserts a message the new index ranks right (docs/design.md §66, §67).
 --
--- For each queue whose table exists, the new index is built beside the old one, which is then
--- dropped, and takes its name. Building it holds the table against writes (claims, completions,
--- enqueues) for as long as the build takes: half a second per million messages on a
--- 2-core machine. An index of that name left by hand is dropped first. The expression is written out here as _rank_sql writes it (a migration
--- keeps the text it ran); tests/upgrade.rs checks that a migrated queue's index and a new
--- queue's are the same.
+-- Every queue table whose index is rebuilt is locked first (ACCESS EXCLUSIVE, which the old
+-- index's drop needs), so that a lock another session holds ends migrate's attempt before any
+-- index is built (migrate waits 500 ms for a lock, then tries again: design §63). Then for each
+-- queue the new index is built beside the old one, which is dropped, and takes its name; an
+-- index of the new one's name left by hand is dropped first. The queues stay locked, against
+-- reads as well as writes, until migrate commits: about half a second per million messages on a
+-- 2-core machine. The expression is written out here as _rank_sql wrote it when this migration
+-- was made; with each install of the functions, lockgate._install_claim_indexes builds again any
+-- claim index that differs from the one create_queue builds then (design §67).
 DO $$
 DECLARE
     q record;
 BEGIN
+    FOR q IN SELECT name FROM lockgate.queues WHERE to_regclass(format('pgmq.%I', 'q_' || name)) IS NOT NULL ORDER BY name LOOP
+        EXECUTE format('LOCK TABLE pgmq.%I IN ACCESS EXCLUSIVE MODE', 'q_' || q.name);
+    END LOOP;
     FOR q IN SELECT name FROM lockgate.queues WHERE to_regclass(format('pgmq.%I', 'q_' || name)) IS NOT NULL LOOP
         EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || q.name || '_lg_rank');
         EXECUTE format(

@@ -39,6 +39,51 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
                   headers)
 $$;
 
+-- Every queue's claim index, checked against the one lockgate.create_queue builds now, and built
+-- again where it differs or is missing. A claim statement matches an index only when both write
+-- the same rank (lockgate._rank_sql); where they differ, every claim reads the whole queue. The
+-- expected definition is read from an index built on an empty scratch table of the same columns,
+-- as PostgreSQL shows it (its text depends on PostgreSQL's version, not on how the expression was
+-- written), and compared with each queue's from its access method on. Nothing is locked when
+-- every index is right. Else every table to rebuild is locked first (ACCESS EXCLUSIVE, which the
+-- old index's drop needs), so that a lock another session holds ends migrate's attempt before
+-- any index is built (migrate waits 500 ms for a lock, then tries again: design §63); then each
+-- new index is built beside the old one, which is dropped, and takes its name. Run with each
+-- install of these functions (the end of sql/020_claim.sql), so a database that ran an earlier
+-- text of migration 21, or whose index was dropped or rebuilt by hand, is put right by the next
+-- migrate. Callers: the install.
+CREATE OR REPLACE FUNCTION lockgate._install_claim_indexes()
+RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
+DECLARE
+    expected text;
+    stale text[];
+    q text;
+BEGIN
+    DROP TABLE IF EXISTS pg_temp.lockgate_rank_probe;
+    CREATE TEMP TABLE lockgate_rank_probe (headers jsonb, vt timestamptz, msg_id bigint) ON COMMIT DROP;
+    EXECUTE format('CREATE INDEX lockgate_rank_probe_idx ON pg_temp.lockgate_rank_probe ((%s), vt, msg_id)',
+                   lockgate._rank_sql('headers'));
+    expected := regexp_replace(pg_get_indexdef('pg_temp.lockgate_rank_probe_idx'::regclass), '^.*? USING ', '');
+    DROP TABLE pg_temp.lockgate_rank_probe;
+    SELECT array_agg(l.q ORDER BY l.q) INTO stale
+      FROM lockgate._live_queues() l(q)
+     WHERE regexp_replace(pg_get_indexdef(to_regclass(format('pgmq.%I', 'q_' || l.q || '_lg_claim'))), '^.*? USING ', '')
+           IS DISTINCT FROM expected;
+    IF stale IS NULL THEN
+        RETURN;
+    END IF;
+    FOREACH q IN ARRAY stale LOOP
+        EXECUTE format('LOCK TABLE pgmq.%I IN ACCESS EXCLUSIVE MODE', 'q_' || q);
+    END LOOP;
+    FOREACH q IN ARRAY stale LOOP
+        EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || q || '_lg_rank');
+        EXECUTE format('CREATE INDEX %I ON pgmq.%I ((%s), vt, msg_id)',
+                       'q_' || q || '_lg_rank', 'q_' || q, lockgate._rank_sql('headers'));
+        EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || q || '_lg_claim');
+        EXECUTE format('ALTER INDEX pgmq.%I RENAME TO %I', 'q_' || q || '_lg_rank', 'q_' || q || '_lg_claim');
+    END LOOP;
+END $$;
+
 -- The queues whose PGMQ table exists: loops over every queue (sweep, prune, invariants, status)
 -- skip a queue whose table was dropped behind lockgate's back (pgmq.drop_queue) instead of
 -- failing for every other queue. check_invariants reports such queues.
@@ -85,7 +130,7 @@ $$;
 -- lock, so installing again costs nothing and disturbs no caller. A step to write is written
 -- under create_queue's advisory lock on the queue name: in place (CREATE OR REPLACE, keeping
 -- whatever depends on it) when it is the installer's own (dropped first when its result type
--- changed); dropped and created anew when it
+-- is another); dropped and created anew when it
 -- belongs to anyone else (planted under the step's name: never kept; the drop fails rather than
 -- cascade, and fails for an installer that may not drop it). Then every other function under
 -- the step's name (an overload with an extra defaulted argument would make the callers' call
@@ -147,10 +192,10 @@ BEGIN
         BEGIN
             EXECUTE format('CREATE OR REPLACE FUNCTION lockgate.%I(%s) %s AS %L', name, args, head, body);
         EXCEPTION WHEN invalid_function_definition THEN
-            -- The installer's own step of an earlier revision with another result type (the
-            -- bulk enqueue step's set of ids became an array in revision 44), which no CREATE OR
-            -- REPLACE may change: dropped and created anew. A drop that something depends on
-            -- fails the install, naming it.
+            -- The installer's own step of another revision with another result type (revision
+            -- 44's bulk enqueue step returned its ids as an array, the others a set; design §68),
+            -- which no CREATE OR REPLACE may change: dropped and created anew. A drop that
+            -- something depends on fails the install, naming it.
             EXECUTE format('DROP FUNCTION lockgate.%I(%s)', name, args);
             EXECUTE format('CREATE FUNCTION lockgate.%I(%s) %s AS %L', name, args, head, body);
         END;

@@ -25,27 +25,22 @@
 -- The INSERT of an enqueue into the queue table tbl, with ($1 vt, $2 args, $3 headers),
 -- returning the msg_ids in the order of args: one job (args jsonb) when one, else many (args
 -- jsonb[]; only those that are JSON objects of at most 1 MiB, the caller raising for the first
--- other one), as one array in insertion order (the order of args): gathered where they are
--- made, not passed up as a set and gathered by the caller, which cost 0.12 ms of a call of
--- 1,000 (docs/design.md §68). The body of the queue's enqueue steps, and the statement an enqueue plans itself
+-- other one). The body of the queue's enqueue steps, and the statement an enqueue plans itself
 -- when it cannot trust them.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_sql(tbl text, one boolean)
 RETURNS text LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE WHEN one THEN format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id', tbl)
-                ELSE format('WITH e AS (
-            INSERT INTO %s (vt, message, headers)
+                ELSE format('INSERT INTO %s (vt, message, headers)
             SELECT $1, a.v, $3
               FROM unnest($2) a(v)
              WHERE jsonb_typeof(a.v) = ''object'' AND pg_column_size(a.v) <= 1048576
-            RETURNING msg_id)
-            SELECT COALESCE(array_agg(e.msg_id), ''{}'') FROM e', tbl) END
+            RETURNING msg_id', tbl) END
 $$;
 
 -- A queue's enqueue steps, generated with its table's name written in, as the claim step is
 -- (sql/020_claim.sql). lockgate._enqueue_into_<queue>(vt, args, headers) inserts one message
 -- per element of args that is a JSON object of at most 1 MiB, in the order of args, all visible
--- at vt with the same headers, and returns their msg_ids as an array in that order (a set before
--- functions revision 44: lockgate._write_step replaces a step whose result type changed);
+-- at vt with the same headers, and returns their msg_ids in that order;
 -- lockgate._enqueue1_into_<queue>(vt, args, headers) inserts the one message of a single
 -- enqueue (arguments already checked) and returns its msg_id, without an array or a set to pass
 -- it through. An INSERT on a table named at run time is planned at every call, and planning it
@@ -64,9 +59,8 @@ DECLARE
     tbl text := lockgate._queue_table(queue, 'q'::text);
 BEGIN
     PERFORM lockgate._write_step(queue, '_enqueue_into_'::text,
-        'bigint[]'::text, NULL::text[],
-        format(E'\n        DECLARE\n            ids bigint[];\n        BEGIN\n            %s INTO ids;\n            RETURN ids;\n        END ',
-               lockgate._enqueue_sql(tbl, false)),
+        'SETOF bigint'::text, NULL::text[],
+        format(E'\n        BEGIN\n            RETURN QUERY %s;\n        END ', lockgate._enqueue_sql(tbl, false)),
         '{}'::text[]);
     PERFORM lockgate._write_step(queue, '_enqueue1_into_'::text,
         'bigint'::text, NULL::text[],
@@ -89,7 +83,8 @@ DECLARE
     step text := prefix || queue;
 BEGIN
     IF lockgate._trusted_step(prefix, queue) THEN
-        RETURN format('SELECT lockgate.%I($1, $2, $3)', step);
+        RETURN CASE WHEN one THEN format('SELECT lockgate.%I($1, $2, $3)', step)
+                    ELSE format('SELECT s.id FROM lockgate.%I($1, $2, $3) s(id)', step) END;
     END IF;
     RETURN lockgate._enqueue_sql(lockgate._queue_table(queue, 'q'), one);
 END $$;
@@ -432,7 +427,6 @@ RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE p
 DECLARE
     jt lockgate.job_types := lockgate.job_policy(job_type);
     o record := lockgate._resolve_options(jt, options);
-    ids bigint[];
     inserted bigint;
 BEGIN
     IF jt.concurrency_limit IS NOT NULL OR jt.unique_mode IS NOT NULL OR o.batch IS NOT NULL THEN
@@ -444,11 +438,10 @@ BEGIN
         RETURN;
     END IF;
     -- Every job of the call has the same headers (its id is its msg_id): nothing is built per row.
-    EXECUTE lockgate._enqueue_step(o.queue, false)
-       INTO ids
-      USING o.vt, args, lockgate._headers(jt.name, o.priority);
-    RETURN QUERY SELECT o.queue, e.id, e.id, 'enqueued'::text FROM unnest(ids) e(id);
-    inserted := cardinality(ids);
+    RETURN QUERY EXECUTE format('WITH e(id) AS (%s) SELECT $4::text, e.id, e.id, ''enqueued''::text FROM e',
+                                lockgate._enqueue_step(o.queue, false))
+      USING o.vt, args, lockgate._headers(jt.name, o.priority), o.queue;
+    GET DIAGNOSTICS inserted = ROW_COUNT;
     IF inserted < cardinality(args) THEN
         PERFORM lockgate._check_all_args(args);  -- raises for the first bad one, undoing the insert
     END IF;
@@ -535,7 +528,7 @@ BEGIN
     END IF;
     -- The path of lockgate.enqueue_many for these types, its ids gathered in insertion order
     -- (the order of args).
-    EXECUTE lockgate._enqueue_step(o.queue, false)
+    EXECUTE format('WITH e(id) AS (%s) SELECT ARRAY(SELECT e.id FROM e)', lockgate._enqueue_step(o.queue, false))
        INTO msg_ids
       USING o.vt, args, lockgate._headers(jt.name, o.priority);
     IF cardinality(msg_ids) < cardinality(args) THEN

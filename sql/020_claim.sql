@@ -560,6 +560,8 @@ BEGIN
     END LOOP;
 END $$;
 
--- Every queue's claim step, written again with each install of these functions (a queue
--- whose table was dropped behind lockgate's back has none: it cannot be claimed from).
+-- Every queue's claim index as create_queue builds it now (lockgate._install_claim_indexes), and
+-- its claim step, written again with each install of these functions (a queue whose table was
+-- dropped behind lockgate's back has neither: it cannot be claimed from).
+SELECT lockgate._install_claim_indexes();
 SELECT lockgate._install_claim_steps(q) FROM lockgate._live_queues() q;

@@ -1187,19 +1187,23 @@ async fn an_enqueue_runs_no_sql_function_that_could_have_been_inlined() {
     tx.rollback().await.unwrap();
 }
 
-/// Functions revision 44 (docs/design.md §68): the bulk enqueue step returns its ids as one array,
-/// where revision 43's returned a set. Migrate replaces the earlier step, whose result type no
-/// CREATE OR REPLACE may change, and bulk enqueues go through the new one, in order.
+/// Functions revision 44 (docs/design.md §68) had the bulk enqueue step return its ids as one
+/// array; every other revision's returns a set. Migrate replaces a step of that revision, whose
+/// result type no CREATE OR REPLACE may change, and bulk enqueues go through the new one, in order.
 #[tokio::test]
-async fn migrate_replaces_a_bulk_enqueue_step_of_the_previous_revision() {
+async fn migrate_replaces_a_bulk_enqueue_step_of_another_result_type() {
     let (db, client) = setup().await;
     sqlx::raw_sql(
         "DROP FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb);
-         CREATE FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb) RETURNS SETOF bigint
+         CREATE FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb) RETURNS bigint[]
          LANGUAGE plpgsql AS $$
+         DECLARE
+             ids bigint[];
          BEGIN
-             RETURN QUERY INSERT INTO pgmq.q_default (vt, message, headers) SELECT $1, a.v, $3 FROM unnest($2) a(v)
-                          RETURNING msg_id;
+             WITH e AS (INSERT INTO pgmq.q_default (vt, message, headers) SELECT $1, a.v, $3 FROM unnest($2) a(v)
+                        RETURNING msg_id)
+             SELECT COALESCE(array_agg(e.msg_id), '{}') INTO ids FROM e;
+             RETURN ids;
          END $$;
          UPDATE lockgate.schema_state SET functions_revision = functions_revision - 1;",
     )
@@ -1213,7 +1217,7 @@ async fn migrate_replaces_a_bulk_enqueue_step_of_the_previous_revision() {
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!(result, "bigint[]");
+    assert_eq!(result, "SETOF bigint");
     let notes: Vec<Note> = (0..50).map(|i| Note { text: i.to_string() }).collect();
     let jobs = client.enqueue_many(&notes).await.unwrap();
     let texts: Vec<String> = sqlx::query_scalar(

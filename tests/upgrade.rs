@@ -298,3 +298,41 @@ async fn migration_21_gives_every_queue_the_claim_index_a_new_queue_gets() {
     assert_eq!(order, sorted, "claimed best priority first");
     assert_eq!(order.len(), 5);
 }
+
+/// Design §67: a claim statement uses the claim index only when both write the same rank, and
+/// where they differ every claim reads the whole queue. Each install of the functions builds
+/// again any queue's claim index that differs from the one a new queue gets (here: the CASE form
+/// an earlier text of migration 21 built, and an index dropped by hand), and leaves the others.
+#[tokio::test]
+async fn every_install_rebuilds_a_claim_index_that_differs_from_a_new_queues() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.create_queue(q) FROM unnest(ARRAY['cased', 'dropped', 'right']) q;
+         DROP INDEX pgmq.q_cased_lg_claim;
+         CREATE INDEX q_cased_lg_claim ON pgmq.q_cased ((CASE COALESCE(headers->>'priority', '0') WHEN '0' THEN 0
+             WHEN '1' THEN 1 WHEN '2' THEN 2 WHEN '3' THEN 3 WHEN '4' THEN 4 WHEN '5' THEN 5 WHEN '6' THEN 6
+             WHEN '7' THEN 7 WHEN '8' THEN 8 WHEN '9' THEN 9 ELSE -1 END), vt, msg_id);
+         DROP INDEX pgmq.q_dropped_lg_claim;
+         UPDATE lockgate.schema_state SET functions_revision = functions_revision - 1;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let oid = "SELECT 'pgmq.q_right_lg_claim'::regclass::oid::bigint";
+    let right_before: i64 = sqlx::query_scalar(oid).fetch_one(&db.pool).await.unwrap();
+    lockgate::migrate(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('fresh')").execute(&db.pool).await.unwrap();
+    for queue in ["cased", "dropped", "right"] {
+        let (index, fresh): (Option<String>, String) = sqlx::query_as(
+            "SELECT pg_get_indexdef(to_regclass(format('pgmq.%I', 'q_' || $1 || '_lg_claim'))),
+                    replace(pg_get_indexdef('pgmq.q_fresh_lg_claim'::regclass), 'q_fresh', 'q_' || $1)",
+        )
+        .bind(queue)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(index.as_deref(), Some(fresh.as_str()), "queue {queue}");
+    }
+    let right_after: i64 = sqlx::query_scalar(oid).fetch_one(&db.pool).await.unwrap();
+    assert_eq!(right_after, right_before, "an index that was right is left as it was");
+}
