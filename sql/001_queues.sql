@@ -40,18 +40,20 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
 $$;
 
 -- Every queue's claim index, checked against the one lockgate.create_queue builds now, and built
--- again where it differs or is missing. A claim statement matches an index only when both write
--- the same rank (lockgate._rank_sql); where they differ, every claim reads the whole queue. The
--- expected definition is read from an index built on an empty scratch table of the same columns,
--- as PostgreSQL shows it (its text depends on PostgreSQL's version, not on how the expression was
--- written), and compared with each queue's from its access method on. Nothing is locked when
--- every index is right. Else every table to rebuild is locked first (ACCESS EXCLUSIVE, which the
--- old index's drop needs), so that a lock another session holds ends migrate's attempt before
--- any index is built (migrate waits 500 ms for a lock, then tries again: design §63); then each
--- new index is built beside the old one, which is dropped, and takes its name. Run with each
--- install of these functions (the end of sql/020_claim.sql), so a database that ran an earlier
--- text of migration 21, or whose index was dropped or rebuilt by hand, is put right by the next
--- migrate. Callers: the install.
+-- again where it differs, is missing, or is not valid (a build that failed halfway leaves an
+-- index that looks right and serves nothing). A claim statement matches an index only when both
+-- write the same rank (lockgate._rank_sql); where they differ, every claim reads the whole
+-- queue. The expected definition is read from an index built on lockgate.claim_index_probe, an
+-- empty table of the same columns (migrations/0022_claim_index_probe.sql), as PostgreSQL shows it
+-- (its text depends on PostgreSQL's version, not on how the expression was written), and
+-- compared with each queue's from its access method on. Nothing is locked when every index is
+-- right. Else every table to rebuild is locked first, in name order (ACCESS EXCLUSIVE, which the
+-- old index's drop needs), so that a lock another session holds ends migrate's attempt before any
+-- index is built (migrate waits 500 ms for a lock, then tries again: design §63); then each new
+-- index is built beside the old one, which is dropped, and takes its name. Run with each install
+-- of these functions (the end of sql/020_claim.sql), so a database that ran an earlier text of
+-- migration 21, or whose index was dropped or rebuilt by hand, is put right by the next migrate.
+-- Callers: the install.
 CREATE OR REPLACE FUNCTION lockgate._install_claim_indexes()
 RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
@@ -59,16 +61,16 @@ DECLARE
     stale text[];
     q text;
 BEGIN
-    DROP TABLE IF EXISTS pg_temp.lockgate_rank_probe;
-    CREATE TEMP TABLE lockgate_rank_probe (headers jsonb, vt timestamptz, msg_id bigint) ON COMMIT DROP;
-    EXECUTE format('CREATE INDEX lockgate_rank_probe_idx ON pg_temp.lockgate_rank_probe ((%s), vt, msg_id)',
+    DROP INDEX IF EXISTS lockgate.claim_index_probe_rank;
+    EXECUTE format('CREATE INDEX claim_index_probe_rank ON lockgate.claim_index_probe ((%s), vt, msg_id)',
                    lockgate._rank_sql('headers'));
-    expected := regexp_replace(pg_get_indexdef('pg_temp.lockgate_rank_probe_idx'::regclass), '^.*? USING ', '');
-    DROP TABLE pg_temp.lockgate_rank_probe;
+    expected := regexp_replace(pg_get_indexdef('lockgate.claim_index_probe_rank'::regclass), '^.*? USING ', '');
     SELECT array_agg(l.q ORDER BY l.q) INTO stale
       FROM lockgate._live_queues() l(q)
-     WHERE regexp_replace(pg_get_indexdef(to_regclass(format('pgmq.%I', 'q_' || l.q || '_lg_claim'))), '^.*? USING ', '')
-           IS DISTINCT FROM expected;
+      LEFT JOIN pg_index i ON i.indexrelid = to_regclass(format('pgmq.%I', 'q_' || l.q || '_lg_claim'))
+                          AND i.indrelid = to_regclass(format('pgmq.%I', 'q_' || l.q))
+     WHERE i.indexrelid IS NULL OR NOT i.indisvalid OR NOT i.indisready OR i.indisunique
+        OR regexp_replace(pg_get_indexdef(i.indexrelid), '^.*? USING ', '') IS DISTINCT FROM expected;
     IF stale IS NULL THEN
         RETURN;
     END IF;
@@ -157,6 +159,7 @@ DECLARE
                                 FROM unnest(settings) WITH ORDINALITY c(s, o)), '');
     found record;
     other record;
+    dependents text;
 BEGIN
     IF args IS NULL THEN
         RAISE EXCEPTION 'lockgate: "%" is not the prefix of a queue step (lockgate._steps())', prefix;
@@ -196,7 +199,15 @@ BEGIN
             -- 44's bulk enqueue step returned its ids as an array, the others a set; design §68),
             -- which no CREATE OR REPLACE may change: dropped and created anew. A drop that
             -- something depends on fails the install, naming it.
-            EXECUTE format('DROP FUNCTION lockgate.%I(%s)', name, args);
+            BEGIN
+                EXECUTE format('DROP FUNCTION lockgate.%I(%s)', name, args);
+            EXCEPTION WHEN dependent_objects_still_exist THEN
+                GET STACKED DIAGNOSTICS dependents = PG_EXCEPTION_DETAIL;
+                RAISE EXCEPTION 'lockgate: lockgate.%(%) must be replaced, its result type having changed, and other objects depend on it',
+                                name, args
+                    USING ERRCODE = 'dependent_objects_still_exist', DETAIL = dependents,
+                          HINT = 'drop what depends on it, run lockgate migrate, then create it again';
+            END;
             EXECUTE format('CREATE FUNCTION lockgate.%I(%s) %s AS %L', name, args, head, body);
         END;
     END LOOP;

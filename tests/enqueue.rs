@@ -1230,3 +1230,32 @@ async fn migrate_replaces_a_bulk_enqueue_step_of_another_result_type() {
     .unwrap();
     assert_eq!(texts, (0..50).map(|i| i.to_string()).collect::<Vec<_>>());
 }
+
+/// A step of another result type that something depends on cannot be replaced: migrate fails,
+/// says why and names the dependent in the detail, and changes nothing; once the dependent is
+/// gone, it replaces the step.
+#[tokio::test]
+async fn migrate_names_what_depends_on_a_step_it_must_replace() {
+    let (db, _client) = setup().await;
+    sqlx::raw_sql(
+        "DROP FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb);
+         CREATE FUNCTION lockgate._enqueue_into_default(timestamptz, jsonb[], jsonb) RETURNS bigint[]
+         LANGUAGE sql AS 'SELECT ARRAY[]::bigint[]';
+         CREATE FUNCTION public.my_enqueue(a jsonb[]) RETURNS bigint[] LANGUAGE sql
+         BEGIN ATOMIC SELECT lockgate._enqueue_into_default(now(), a, '{}'); END;
+         UPDATE lockgate.schema_state SET functions_revision = functions_revision - 1;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let err = lockgate::migrate(&db.pool).await.expect_err("a dependent blocks the replacement");
+    let db_err = match &err {
+        DbError::Sqlx(sqlx::Error::Database(e)) => e.downcast_ref::<sqlx::postgres::PgDatabaseError>(),
+        other => panic!("unexpected error {other:?}"),
+    };
+    assert!(db_err.message().contains("must be replaced"), "{}", db_err.message());
+    assert!(db_err.detail().unwrap_or_default().contains("my_enqueue"), "{:?}", db_err.detail());
+    assert!(!db_err.hint().unwrap_or_default().contains("CASCADE"), "{:?}", db_err.hint());
+    sqlx::query("DROP FUNCTION public.my_enqueue(jsonb[])").execute(&db.pool).await.unwrap();
+    lockgate::migrate(&db.pool).await.expect("nothing depends on it now");
+}

@@ -302,12 +302,15 @@ async fn migration_21_gives_every_queue_the_claim_index_a_new_queue_gets() {
 /// Design §67: a claim statement uses the claim index only when both write the same rank, and
 /// where they differ every claim reads the whole queue. Each install of the functions builds
 /// again any queue's claim index that differs from the one a new queue gets (here: the CASE form
-/// an earlier text of migration 21 built, and an index dropped by hand), and leaves the others.
+/// an earlier text of migration 21 built, an index dropped by hand, and one whose build failed
+/// halfway: right in text, not valid), and leaves the others.
 #[tokio::test]
 async fn every_install_rebuilds_a_claim_index_that_differs_from_a_new_queues() {
     let db = TestDb::migrated().await.unwrap();
     sqlx::raw_sql(
-        "SELECT lockgate.create_queue(q) FROM unnest(ARRAY['cased', 'dropped', 'right']) q;
+        "SELECT lockgate.create_queue(q) FROM unnest(ARRAY['cased', 'dropped', 'invalid', 'right']) q;
+         -- As a CREATE INDEX CONCURRENTLY cancelled halfway leaves it (the test runs as a superuser).
+         UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'pgmq.q_invalid_lg_claim'::regclass;
          DROP INDEX pgmq.q_cased_lg_claim;
          CREATE INDEX q_cased_lg_claim ON pgmq.q_cased ((CASE COALESCE(headers->>'priority', '0') WHEN '0' THEN 0
              WHEN '1' THEN 1 WHEN '2' THEN 2 WHEN '3' THEN 3 WHEN '4' THEN 4 WHEN '5' THEN 5 WHEN '6' THEN 6
@@ -322,7 +325,7 @@ async fn every_install_rebuilds_a_claim_index_that_differs_from_a_new_queues() {
     let right_before: i64 = sqlx::query_scalar(oid).fetch_one(&db.pool).await.unwrap();
     lockgate::migrate(&db.pool).await.unwrap();
     sqlx::query("SELECT lockgate.create_queue('fresh')").execute(&db.pool).await.unwrap();
-    for queue in ["cased", "dropped", "right"] {
+    for queue in ["cased", "dropped", "invalid", "right"] {
         let (index, fresh): (Option<String>, String) = sqlx::query_as(
             "SELECT pg_get_indexdef(to_regclass(format('pgmq.%I', 'q_' || $1 || '_lg_claim'))),
                     replace(pg_get_indexdef('pgmq.q_fresh_lg_claim'::regclass), 'q_fresh', 'q_' || $1)",
@@ -333,6 +336,13 @@ async fn every_install_rebuilds_a_claim_index_that_differs_from_a_new_queues() {
         .unwrap();
         assert_eq!(index.as_deref(), Some(fresh.as_str()), "queue {queue}");
     }
+    let invalid: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_index WHERE NOT indisvalid AND indrelid = ANY (ARRAY['pgmq.q_invalid'::regclass])",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(invalid, 0, "the index that was not valid was built again");
     let right_after: i64 = sqlx::query_scalar(oid).fetch_one(&db.pool).await.unwrap();
     assert_eq!(right_after, right_before, "an index that was right is left as it was");
 }
