@@ -818,7 +818,7 @@ async fn soak(size: Size, seed: u64) {
             let busy: HashSet<usize> = active.iter().filter_map(Active::proc_idx).collect();
             let holding = active.iter().any(|a| matches!(a, Active::Hold { .. }));
             let free: Vec<usize> = (0..3).filter(|i| !busy.contains(i)).collect();
-            let mut kinds: Vec<&'static str> = vec!["backend-kill"];
+            let mut kinds: Vec<&'static str> = vec!["backend-kill", "poison"];
             if !free.is_empty() {
                 kinds.extend(["kill-9", "sigstop", "sigstop-tree", "term-restart", "false-prune"]);
             }
@@ -936,6 +936,31 @@ async fn soak(size: Size, seed: u64) {
                             Err(e) => format!("FAILED: {e:#}"),
                         },
                         problem: None,
+                    });
+                }
+                "poison" => {
+                    // H29: a raw PGMQ message whose priority header no claim may run, amid the
+                    // jobs. It must be sent, and dead-lettered by a claim (design §67), whatever
+                    // else fails meanwhile; it is not a job of the batch.
+                    let priority = ["\"high\"", "1.5", "99999", "12", "-1", "true", "{}"][rng.usize(0..7)];
+                    let sent = sqlx::query_scalar::<_, i64>(
+                        "SELECT pgmq.send('soak', '{}'::jsonb,
+                                          jsonb_build_object('type', 'lim1', 'soak_poison', true, 'priority', $1::jsonb))",
+                    )
+                    .bind(priority)
+                    .fetch_one(&db.pool)
+                    .await;
+                    faults.push(Fault {
+                        kind,
+                        target: "soak".into(),
+                        pid: None,
+                        began: Utc::now(),
+                        ended: Some(Utc::now()),
+                        detail: match &sent {
+                            Ok(msg_id) => format!("msg {msg_id}, priority {priority}"),
+                            Err(e) => format!("FAILED: {e:#}"),
+                        },
+                        problem: sent.err().map(|e| format!("H29: a raw send with priority {priority} failed: {e}")),
                     });
                 }
                 "held-txn" => {
@@ -1349,7 +1374,31 @@ async fn analyse(
             .fetch_one(pool)
             .await
             .unwrap();
-    let dead_soak = scalar("SELECT count(*) FROM lockgate.dead_letters WHERE queue = 'soak'".into()).await;
+    let dead_soak = scalar(
+        "SELECT count(*) FROM lockgate.dead_letters WHERE queue = 'soak' AND NOT headers ? 'soak_poison'".into(),
+    )
+    .await;
+    // H29: every raw message sent with an odd priority was dead-lettered for it, by a claim; none
+    // ran, none is left.
+    let sent = faults.iter().filter(|f| f.kind == "poison" && f.problem.is_none()).count() as i64;
+    let poison_dead = scalar(
+        "SELECT count(*) FROM lockgate.dead_letters WHERE headers ? 'soak_poison' AND reason = 'undecodable'
+            AND error LIKE 'priority % in the headers is not an integer from 0 to 9'"
+            .into(),
+    )
+    .await;
+    let poison_elsewhere = scalar(
+        "SELECT (SELECT count(*) FROM pgmq.a_soak WHERE headers ? 'soak_poison')
+              + (SELECT count(*) FROM pgmq.q_soak WHERE headers ? 'soak_poison')"
+            .into(),
+    )
+    .await;
+    if poison_dead != sent || poison_elsewhere > 0 {
+        r.problems.push(format!(
+            "H29: {sent} raw messages with odd priorities sent; {poison_dead} dead-lettered for their priority, \
+             {poison_elsewhere} archived or still queued"
+        ));
+    }
     r.cancelled = scalar("SELECT count(*) FROM pgmq.a_soak WHERE headers ? 'cancelled_at'".into()).await;
     // A cancelled job is archived, and counted as failed in its batch.
     let expected_batch = ("finished", r.expected, r.archived - r.cancelled, dead_soak + r.cancelled);
@@ -1823,6 +1872,7 @@ impl Report {
         row("partitions (proxied p0)", count(&["partition"]).to_string());
         row("backend kills", count(&["backend-kill"]).to_string());
         row("held producer transactions", count(&["held-txn"]).to_string());
+        row("raw messages, odd priority", count(&["poison"]).to_string());
         row("false prunes (registry stalled)", count(&["false-prune"]).to_string());
         row("postgres restarts", count(&["postgres-restart"]).to_string());
         row("exited on their own", format!("{} (+{} while starting)", count(&["exited"]), count(&["exited-starting"])));
