@@ -39,14 +39,47 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
                   headers)
 $$;
 
--- Every queue's claim index, checked against the one lockgate.create_queue builds now, and built
--- again where it differs, is missing, or is not valid (a build that failed halfway leaves an
--- index that looks right and serves nothing). A claim statement matches an index only when both
--- write the same rank (lockgate._rank_sql); where they differ, every claim reads the whole
--- queue. The expected definition is read from an index built on lockgate.claim_index_probe, an
--- empty table of the same columns (migrations/0022_claim_index_probe.sql), as PostgreSQL shows it
--- (its text depends on PostgreSQL's version, not on how the expression was written), and
--- compared with each queue's from its access method on. Nothing is locked when every index is
+-- The queues whose PGMQ table exists: loops over every queue (sweep, prune, invariants, status)
+-- skip a queue whose table was dropped behind lockgate's back (pgmq.drop_queue) instead of
+-- failing for every other queue. check_invariants reports such queues.
+CREATE OR REPLACE FUNCTION lockgate._live_queues()
+RETURNS SETOF text LANGUAGE sql STABLE AS $$
+    SELECT q.name FROM lockgate.queues q WHERE to_regclass(format('pgmq.%I', 'q_' || q.name)) IS NOT NULL ORDER BY q.name
+$$;
+
+-- The queues whose claim index is not the one lockgate.create_queue builds now, each with what is
+-- wrong: missing, not valid (a build that failed halfway leaves an index that looks right and
+-- serves nothing), unique, or of another definition. A claim statement matches an index only when
+-- both write the same rank (lockgate._rank_sql); where they differ, every claim reads the whole
+-- queue. The expected definition is read from the index lockgate.claim_index_probe_rank, built by
+-- each install on lockgate.claim_index_probe, an empty table of the same columns
+-- (migrations/0022_claim_index_probe.sql), as PostgreSQL shows it (its text depends on
+-- PostgreSQL's version, not on how the expression was written), and compared with each queue's
+-- from its access method on. When that index is missing, every queue is returned. Locks: none.
+-- Callers: lockgate._install_claim_indexes, doctor (claim_indexes).
+CREATE OR REPLACE FUNCTION lockgate._stale_claim_indexes()
+RETURNS TABLE (queue text, why text)
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    WITH expected AS (
+        SELECT regexp_replace(pg_get_indexdef(to_regclass('lockgate.claim_index_probe_rank')), '^.*? USING ', '') AS def)
+    SELECT l.q,
+           CASE WHEN i.indexrelid IS NULL THEN 'missing'
+                WHEN NOT i.indisvalid OR NOT i.indisready THEN 'not valid'
+                WHEN i.indisunique THEN 'unique'
+                ELSE format('of another definition (%s)',
+                            regexp_replace(regexp_replace(pg_get_indexdef(i.indexrelid), '^.*? USING ', ''), '\s+', ' ', 'g'))
+           END
+      FROM lockgate._live_queues() l(q)
+     CROSS JOIN expected e
+      LEFT JOIN pg_index i ON i.indexrelid = to_regclass(format('pgmq.%I', 'q_' || l.q || '_lg_claim'))
+                          AND i.indrelid = to_regclass(format('pgmq.%I', 'q_' || l.q))
+     WHERE i.indexrelid IS NULL OR NOT i.indisvalid OR NOT i.indisready OR i.indisunique
+        OR regexp_replace(pg_get_indexdef(i.indexrelid), '^.*? USING ', '') IS DISTINCT FROM e.def
+     ORDER BY l.q
+$$;
+
+-- Every queue's claim index, built again where lockgate._stale_claim_indexes finds it wrong, after
+-- the reference index it compares with is built anew. Nothing is locked when every index is
 -- right. Else every table to rebuild is locked first, in name order (ACCESS EXCLUSIVE, which the
 -- old index's drop needs), so that a lock another session holds ends migrate's attempt before any
 -- index is built (migrate waits 500 ms for a lock, then tries again: design §63); then each new
@@ -57,20 +90,13 @@ $$;
 CREATE OR REPLACE FUNCTION lockgate._install_claim_indexes()
 RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
-    expected text;
     stale text[];
     q text;
 BEGIN
     DROP INDEX IF EXISTS lockgate.claim_index_probe_rank;
     EXECUTE format('CREATE INDEX claim_index_probe_rank ON lockgate.claim_index_probe ((%s), vt, msg_id)',
                    lockgate._rank_sql('headers'));
-    expected := regexp_replace(pg_get_indexdef('lockgate.claim_index_probe_rank'::regclass), '^.*? USING ', '');
-    SELECT array_agg(l.q ORDER BY l.q) INTO stale
-      FROM lockgate._live_queues() l(q)
-      LEFT JOIN pg_index i ON i.indexrelid = to_regclass(format('pgmq.%I', 'q_' || l.q || '_lg_claim'))
-                          AND i.indrelid = to_regclass(format('pgmq.%I', 'q_' || l.q))
-     WHERE i.indexrelid IS NULL OR NOT i.indisvalid OR NOT i.indisready OR i.indisunique
-        OR regexp_replace(pg_get_indexdef(i.indexrelid), '^.*? USING ', '') IS DISTINCT FROM expected;
+    SELECT array_agg(s.queue ORDER BY s.queue) INTO stale FROM lockgate._stale_claim_indexes() s;
     IF stale IS NULL THEN
         RETURN;
     END IF;
@@ -85,14 +111,6 @@ BEGIN
         EXECUTE format('ALTER INDEX pgmq.%I RENAME TO %I', 'q_' || q || '_lg_rank', 'q_' || q || '_lg_claim');
     END LOOP;
 END $$;
-
--- The queues whose PGMQ table exists: loops over every queue (sweep, prune, invariants, status)
--- skip a queue whose table was dropped behind lockgate's back (pgmq.drop_queue) instead of
--- failing for every other queue. check_invariants reports such queues.
-CREATE OR REPLACE FUNCTION lockgate._live_queues()
-RETURNS SETOF text LANGUAGE sql STABLE AS $$
-    SELECT q.name FROM lockgate.queues q WHERE to_regclass(format('pgmq.%I', 'q_' || q.name)) IS NOT NULL ORDER BY q.name
-$$;
 
 -- From functions revision 28 each step's name and arguments come from lockgate._steps(), and from
 -- revision 31 its settings are written once, as a list. The earlier signatures of the step

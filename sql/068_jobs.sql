@@ -62,7 +62,9 @@ RETURNS integer LANGUAGE sql IMMUTABLE AS $$
 $$;
 
 -- The fields of a job read from its message (or parked row, or dead letter), defensively: a
--- message that is not lockgate's still shows, with NULLs where its headers say nothing usable.
+-- message that is not lockgate's still shows, with NULLs where its headers say nothing usable,
+-- and the priority as its claim ranks it (lockgate._rank_sql): 0 when there is none, -1 when it
+-- is not one of 0..9 (such a message is dead-lettered by the next claim of its queue, H29).
 -- attempts: every recorded attempt (failed or cancelled), then the one the row itself tells of:
 -- a succeeded job's last (its start and archive time), a running job's current once started.
 CREATE OR REPLACE FUNCTION lockgate._job_fields(message jsonb, headers jsonb, read_ct integer, stored_at timestamptz,
@@ -75,7 +77,7 @@ DECLARE
 BEGIN
     job_type := h->>'type';
     args := message;
-    priority := CASE WHEN h->>'priority' ~ '^[0-9]$' THEN (h->>'priority')::integer ELSE 0 END;
+    priority := CASE WHEN h->>'priority' IS NULL THEN 0 WHEN h->>'priority' ~ '^[0-9]$' THEN (h->>'priority')::integer ELSE -1 END;
     attempt := lockgate._attempt_of(h, read_ct);
     enqueued_at := lockgate._first_enqueued_at(h, stored_at);
     concurrency_key := h->>'ckey';

@@ -315,6 +315,32 @@ LANGUAGE sql STABLE AS $$
      WHERE NOT EXISTS (SELECT 1 FROM wrong w WHERE w.why IS NOT NULL)
 $$;
 
+-- Each queue's claim index, against the one lockgate.create_queue builds now
+-- (lockgate._stale_claim_indexes): every install of the functions builds again one that is
+-- missing, not valid or of another definition, but one dropped, rebuilt by hand or left invalid
+-- by a failed build between installs makes every claim of its queue read the whole queue. One
+-- row per such queue, or one row when the reference index is missing, or one ok row.
+CREATE OR REPLACE FUNCTION lockgate._doctor_claim_indexes()
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    SELECT 'claim_indexes', 'warn',
+           'lockgate.claim_index_probe_rank, the index each queue''s claim index is compared with, is missing',
+           'run lockgate migrate, which builds it again and every claim index that differs from it'
+     WHERE to_regclass('lockgate.claim_index_probe_rank') IS NULL
+    UNION ALL
+    SELECT 'claim_indexes', 'warn',
+           format('queue %s: its claim index pgmq.%I is %s', s.queue, 'q_' || s.queue || '_lg_claim', s.why),
+           'every claim of this queue reads the whole queue until its index is right; run lockgate migrate, '
+           'which builds it again, locking the queue''s table while it builds'
+      FROM lockgate._stale_claim_indexes() s
+     WHERE to_regclass('lockgate.claim_index_probe_rank') IS NOT NULL
+    UNION ALL
+    SELECT 'claim_indexes', 'ok', format('%s queue(s), each with the claim index lockgate builds',
+                                         (SELECT count(*) FROM lockgate._live_queues())), NULL
+     WHERE to_regclass('lockgate.claim_index_probe_rank') IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM lockgate._stale_claim_indexes())
+$$;
+
 -- Migrations 19 and 20's guards of the key tables (docs/design.md §61): present and enabled. A
 -- trigger disabled (ALTER TABLE ... DISABLE TRIGGER, or a replica-only setting) or dropped by hand
 -- lets the hand edits they refuse through: a key row deleted or renamed while leases count by it,
@@ -387,5 +413,6 @@ BEGIN
         UNION ALL SELECT * FROM lockgate._doctor_parked()
         UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds))
         UNION ALL SELECT * FROM lockgate._doctor_steps()
+        UNION ALL SELECT * FROM lockgate._doctor_claim_indexes()
         UNION ALL SELECT * FROM lockgate._doctor_key_guards();
 END $$;

@@ -293,6 +293,7 @@ async fn h29_a_raw_message_with_an_odd_priority_is_sent_and_dead_lettered_by_the
 
 /// H29: lockgate adopts a PGMQ queue whatever priority headers its messages carry (building the
 /// claim index over them once failed on "high"), and its first claim dead-letters those.
+/// lockgate.job() shows their priority as -1, queued and dead, where it once showed 0.
 #[tokio::test]
 async fn h29_a_pgmq_queue_holding_odd_priorities_is_adopted_and_its_first_claim_dead_letters_them() {
     let (db, _client) = setup().await;
@@ -303,11 +304,28 @@ async fn h29_a_pgmq_queue_holding_odd_priorities_is_adopted_and_its_first_claim_
         odd.push(send_raw(&db, "adopted", json!({"type": "noop", "priority": priority})).await);
     }
     let fine = send_raw(&db, "adopted", json!({"type": "noop", "priority": 4})).await;
+    let none = send_raw(&db, "adopted", json!({"type": "noop", "priority": null})).await;
     sqlx::query("SELECT lockgate.create_queue('adopted')").execute(&db.pool).await.unwrap();
+    // lockgate.job() shows each priority as the claim ranks it: -1 for every odd one.
+    let shown = async |state: &str| {
+        for (id, expected) in odd.iter().map(|id| (*id, -1)).chain([(fine, 4), (none, 0)]) {
+            let (got, priority): (String, i32) = sqlx::query_as("SELECT state, priority FROM lockgate.job($1)")
+                .bind(id)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+            assert_eq!(priority, expected, "message {id}, {got}");
+            if expected == -1 {
+                assert_eq!(got, state, "message {id}");
+            }
+        }
+    };
+    shown("queued").await;
 
     let got = claim(&db.pool, &common::queue("adopted"), 20, Duration::from_secs(30)).await.unwrap();
-    assert_eq!(got.iter().map(|c| c.msg_id).collect::<Vec<_>>(), [fine], "only the job at priority 4 runs");
+    assert_eq!(got.iter().map(|c| c.msg_id).collect::<Vec<_>>(), [none, fine], "only the jobs at 0 and 4 run");
     assert_eq!(dead_reasons(&db).await.iter().map(|d| d.0).collect::<Vec<_>>(), odd);
+    shown("dead").await;
 }
 
 /// A claim on no queue at all (NULL, from SQL) is refused as an unknown queue (LG001), as any

@@ -303,7 +303,9 @@ async fn migration_21_gives_every_queue_the_claim_index_a_new_queue_gets() {
 /// where they differ every claim reads the whole queue. Each install of the functions builds
 /// again any queue's claim index that differs from the one a new queue gets (here: the CASE form
 /// an earlier text of migration 21 built, an index dropped by hand, and one whose build failed
-/// halfway: right in text, not valid), and leaves the others.
+/// halfway: right in text, not valid), and leaves the others. Between installs, `lockgate doctor`
+/// names each wrong index and what is wrong with it (claim_indexes), and the reference index it
+/// compares with when that is missing.
 #[tokio::test]
 async fn every_install_rebuilds_a_claim_index_that_differs_from_a_new_queues() {
     let db = TestDb::migrated().await.unwrap();
@@ -323,6 +325,13 @@ async fn every_install_rebuilds_a_claim_index_that_differs_from_a_new_queues() {
     .unwrap();
     let oid = "SELECT 'pgmq.q_right_lg_claim'::regclass::oid::bigint";
     let right_before: i64 = sqlx::query_scalar(oid).fetch_one(&db.pool).await.unwrap();
+    let doctor = "SELECT verdict, detail FROM lockgate.doctor() WHERE check_name = 'claim_indexes' ORDER BY detail";
+    let found: Vec<(String, String)> = sqlx::query_as(doctor).fetch_all(&db.pool).await.unwrap();
+    let verdicts: Vec<&str> = found.iter().map(|(verdict, _)| verdict.as_str()).collect();
+    assert_eq!(verdicts, ["warn"; 3], "doctor names the three wrong indexes between installs: {found:?}");
+    assert!(found[0].1.starts_with("queue cased: its claim index pgmq.q_cased_lg_claim is of another definition (btree (( CASE COALESCE((headers ->> 'priority'::text), '0'::text) WHEN '0'::text THEN 0 WHEN"), "{found:?}");
+    assert_eq!(found[1].1, "queue dropped: its claim index pgmq.q_dropped_lg_claim is missing");
+    assert_eq!(found[2].1, "queue invalid: its claim index pgmq.q_invalid_lg_claim is not valid");
     lockgate::migrate(&db.pool).await.unwrap();
     sqlx::query("SELECT lockgate.create_queue('fresh')").execute(&db.pool).await.unwrap();
     for queue in ["cased", "dropped", "invalid", "right"] {
@@ -345,4 +354,15 @@ async fn every_install_rebuilds_a_claim_index_that_differs_from_a_new_queues() {
     assert_eq!(invalid, 0, "the index that was not valid was built again");
     let right_after: i64 = sqlx::query_scalar(oid).fetch_one(&db.pool).await.unwrap();
     assert_eq!(right_after, right_before, "an index that was right is left as it was");
+    let found: Vec<(String, String)> = sqlx::query_as(doctor).fetch_all(&db.pool).await.unwrap();
+    assert_eq!(found, [("ok".into(), "5 queue(s), each with the claim index lockgate builds".into())]);
+    sqlx::query("DROP INDEX lockgate.claim_index_probe_rank").execute(&db.pool).await.unwrap();
+    let found: Vec<(String, String)> = sqlx::query_as(doctor).fetch_all(&db.pool).await.unwrap();
+    assert_eq!(
+        found,
+        [(
+            "warn".into(),
+            "lockgate.claim_index_probe_rank, the index each queue's claim index is compared with, is missing".into()
+        )]
+    );
 }

@@ -100,6 +100,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "parked_with_room",
         "stale_processes",
         "queue_steps",
+        "claim_indexes",
         "key_guards",
     ] {
         assert_eq!(named(&checks, name).len(), 1, "one {name} check: {checks:#?}");
@@ -112,6 +113,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "parked_with_room",
         "stale_processes",
         "queue_steps",
+        "claim_indexes",
         "key_guards",
     ] {
         assert_eq!(named(&checks, name)[0]["verdict"], "ok", "{checks:#?}");
