@@ -3,8 +3,8 @@
 //! proptest generates schedules — enqueues (committed and rolled back), claims from two workers,
 //! a claim racing an uncommitted sweep, heartbeats, completions, retries, releases and dead
 //! letters with current and stale tokens, sweeps, prunes, clocks running past visibility and
-//! lease, redefined limits, cancels — and runs each against one real database through the public
-//! SQL API over five connections. A reference model (tests/model/reference.rs) follows the jobs
+//! lease, redefined limits, cancels, dead letters retried (`dlq_retry`) — and runs each against
+//! one real database through the public SQL API over five connections. A reference model (tests/model/reference.rs) follows the jobs
 //! and what each delivery's holder believes, and after every step the database is compared with
 //! it:
 //!
@@ -277,6 +277,7 @@ impl Run<'_> {
                 Ok(format!("d{} {}: visibility and lease expired{}", d.id, d.token(), fenced_note(&fenced)))
             }
             Op::Cancel { pick } => self.cancel(*pick).await,
+            Op::DlqRetry { pick } => self.dlq_retry(*pick).await,
             Op::Redefine { ty, limit } => {
                 let old = self.model.limits.get(ty).copied().unwrap_or(0);
                 if *limit < old {
@@ -636,6 +637,44 @@ impl Run<'_> {
             }
             Some((state, _, false)) => bail!("(d) live job {job} was not cancelled: lockgate.cancel found it {state}"),
             None => bail!("(d) live job {job} was not found by lockgate.cancel"),
+        }
+    }
+
+    /// `lockgate.dlq_retry` of one dead-lettered job: it must be sent again as one new message
+    /// carrying its id, unless it is unique and another live job holds its key, when it must stay
+    /// dead and the answer must name that holder (d, i). A job of the batch leaves it, counted as
+    /// failed (j).
+    async fn dlq_retry(&mut self, pick: usize) -> Result<String> {
+        let dead: Vec<i64> =
+            self.model.jobs.iter().filter(|(_, fate)| **fate == Fate::DeadLettered).map(|(job, _)| *job).collect();
+        let Some(job) = pick_from(&dead, pick).copied() else {
+            return Ok("no dead-lettered job: nothing to do".into());
+        };
+        let rows: Vec<(Option<i64>, Option<i64>, String)> =
+            sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.dlq_retry(job_ids => ARRAY[$1]::bigint[])")
+                .bind(job)
+                .fetch_all(&mut self.c.dispatcher)
+                .await?;
+        let holder = self.model.unique.get(&job).and_then(|key| self.model.live_holder(key));
+        match (rows.as_slice(), holder) {
+            ([(Some(msg_id), Some(id), status)], None) if *id == job && status == "enqueued" => {
+                self.model.jobs.insert(job, Fate::Live);
+                if self.model.batch_jobs.contains(&job) {
+                    self.model.retried_out.insert(job);
+                }
+                Ok(format!("job {job} sent again as message {msg_id}"))
+            }
+            ([(None, Some(id), status)], Some(holder)) if *id == holder && status == "duplicate" => {
+                *self.stats.entry("dlq_retry of a duplicate").or_default() += 1;
+                Ok(format!("job {job} stays dead: job {holder} holds its unique key"))
+            }
+            (other, holder) => bail!(
+                "(d) dlq_retry of dead-lettered job {job} answered {other:?}; expected {}",
+                match holder {
+                    Some(h) => format!("a duplicate of live job {h}"),
+                    None => "it enqueued".into(),
+                }
+            ),
         }
     }
 

@@ -154,6 +154,11 @@ pub enum Op {
     /// (type, k, commit), while an enqueue of that job into the batch is open on the producer
     /// connection, which then commits or rolls back.
     Close { during: Option<(Ty, u8, bool)> },
+    /// `lockgate.dlq_retry` of the `pick`-th dead-lettered job (in id order): sent again as a new
+    /// message of its queue with no lease (its next claim takes a permit or parks it), a unique
+    /// job taking its key again unless another live job holds it (then it stays dead, a
+    /// duplicate). It leaves the batch, which counted it as failed.
+    DlqRetry { pick: usize },
 }
 
 /// One generated case: the initial limits of `lim` and `limb`, and the schedule.
@@ -189,6 +194,7 @@ impl Op {
             Op::Cancel { .. } => "cancel",
             Op::Close { during: None } => "close batch",
             Op::Close { during: Some(_) } => "close batch during an enqueue",
+            Op::DlqRetry { .. } => "dlq_retry",
         }
     }
 }
@@ -223,6 +229,7 @@ impl fmt::Display for Op {
                 ty.name(),
                 if *commit { "commit it" } else { "roll it back" }
             ),
+            Op::DlqRetry { pick } => write!(f, "dlq_retry of dead-lettered job #{pick}"),
         }
     }
 }
@@ -240,7 +247,7 @@ fn finish() -> impl Strategy<Value = Finish> {
         4 => Just(Finish::Complete),
         2 => any::<bool>().prop_map(|backoff| Finish::Retry { backoff }),
         2 => Just(Finish::Release),
-        1 => Just(Finish::DeadLetter),
+        2 => Just(Finish::DeadLetter),
     ]
 }
 
@@ -275,6 +282,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (ty(), 1..=3u32).prop_map(|(ty, limit)| Op::Redefine { ty, limit }),
         2 => (0..8usize).prop_map(|pick| Op::Cancel { pick }),
         1 => proptest::option::of((ty(), 0..2u8, any::<bool>())).prop_map(|during| Op::Close { during }),
+        2 => (0..4usize).prop_map(|pick| Op::DlqRetry { pick }),
     ]
 }
 

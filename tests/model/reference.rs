@@ -132,6 +132,9 @@ pub struct Model {
     pub unique: BTreeMap<i64, String>,
     /// The case's batch: the committed jobs enqueued into it (while it was open).
     pub batch_jobs: BTreeSet<i64>,
+    /// Jobs of the batch retried from the dead letters: counted as failed for good, whatever
+    /// becomes of them after.
+    pub retried_out: BTreeSet<i64>,
     pub batch: BatchModel,
     /// The while_executing locks, by key.
     pub wlocks: BTreeMap<String, WLock>,
@@ -140,7 +143,7 @@ pub struct Model {
 impl Model {
     /// Every job enqueued into the batch has a fate: none is live.
     pub fn batch_counted(&self) -> bool {
-        self.batch_jobs.iter().all(|j| self.jobs.get(j) != Some(&Fate::Live))
+        self.batch_jobs.iter().all(|j| self.retried_out.contains(j) || self.jobs.get(j) != Some(&Fate::Live))
     }
 
     /// The state the case's batch must be in.
@@ -481,11 +484,16 @@ impl Model {
         // it finishes exactly when it is closed and every one of them has a fate (the batch
         // sweep finishing one that no completion could), and its callback is enqueued once then.
         if checks.on('j') && self.bookkeeping {
-            let count = |fate: Fate| self.batch_jobs.iter().filter(|j| self.jobs.get(*j) == Some(&fate)).count() as i64;
+            let count = |fate: Fate| {
+                self.batch_jobs
+                    .iter()
+                    .filter(|j| !self.retried_out.contains(*j) && self.jobs.get(*j) == Some(&fate))
+                    .count() as i64
+            };
             let expected = (
                 self.batch_jobs.len() as i64,
                 count(Fate::Archived),
-                count(Fate::DeadLettered) + count(Fate::Cancelled),
+                count(Fate::DeadLettered) + count(Fate::Cancelled) + self.retried_out.len() as i64,
             );
             if st.batch != Some(expected) {
                 out.push(format!("(j) batch (total, succeeded, failed) is {:?}, expected {expected:?}", st.batch));
