@@ -43,6 +43,12 @@
 //!   once held_until has passed until a claim takes the key over; a claim delivers a job only with
 //!   its key free in that sense.
 //!
+//! After the schedule, the case drains (`Run::drain`): running holders complete, claims take
+//! what is visible, and when they find nothing, clocks run past every visibility and waiting
+//! lease and a sweep runs, each step checked as above, until no job is live; a job still live
+//! after that (parked where nothing promotes it, or a message no claim takes) fails the case:
+//! G1's "no job is lost" includes "none is stuck for good".
+//!
 //! A cancel (`lockgate.cancel`) does not stop a running handler: its worker learns of it from its
 //! next heartbeat (`Extend` finds the delivery lost, and `cancelled_messages` says why), or when
 //! its finish is refused, or never (a clock runs its budget out). Until then the holder of the
@@ -81,6 +87,10 @@ use sqlx::{Connection, PgConnection};
 use model::db::{self, Api, Claimed, Conns, State};
 use model::ops::{self, Case, Finish, Op, Queue, StaleAction, Ty};
 use model::reference::{Checks, Delivery, Fate, Holder, Model};
+
+/// The most rounds of claims, completions and lapsed clocks a case's drain takes (and the most
+/// lapses of one kind in a round) before a job still live fails it.
+const DRAIN_ROUNDS: usize = 40;
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -279,8 +289,10 @@ impl Run<'_> {
             Op::Cancel { pick } => self.cancel(*pick).await,
             Op::DlqRetry { pick } => self.dlq_retry(*pick).await,
             Op::Redefine { ty, limit } => {
-                let old = self.model.limits.get(ty).copied().unwrap_or(0);
-                if *limit < old {
+                let old = self.model.limits.get(ty).copied();
+                // A limit set again after it was removed finds the jobs that kept their permits
+                // through the unlimited time running, as a lowered one does.
+                if old.is_none_or(|old| *limit < old) {
                     // Jobs holding a permit now may finish under the old limit (see Model::carried).
                     let holders: Vec<(String, i64)> = sqlx::query_as(&format!(
                         "SELECT l.key, COALESCE((m.headers->>'job_id')::bigint, m.msg_id)
@@ -303,9 +315,13 @@ impl Run<'_> {
                         self.model.carried.entry(key).or_default().insert(job);
                     }
                 }
-                db::define(&mut self.c.observer, self.api, *ty, Some(*limit)).await?;
-                self.model.limits.insert(*ty, *limit);
-                Ok(format!("{} limit {old} -> {limit}", ty.name()))
+                let new = (*limit > 0).then_some(*limit);
+                db::define(&mut self.c.observer, self.api, *ty, new).await?;
+                match new {
+                    Some(limit) => self.model.limits.insert(*ty, limit),
+                    None => self.model.limits.remove(ty),
+                };
+                Ok(format!("{} limit {old:?} -> {new:?}", ty.name()))
             }
         }
     }
@@ -1000,6 +1016,58 @@ impl Run<'_> {
         Ok(format!("pruned {pruned:?}; worker {worker} is now process {}", self.model.owners[worker]))
     }
 
+    /// After the schedule, the other half of G1: every job still live can still finish. The
+    /// running holders complete their jobs; when no claim finds anything, clocks run past every
+    /// visibility (a backoff, a put-back, a cancelled handler's budget) and every waiting lease,
+    /// and a sweep runs; the workers claim and complete until no job is live. Every step is
+    /// checked as the schedule's are. A job left parked where no completion or sweep promotes
+    /// it, or a message no claim takes, fails the case, naming where it is.
+    async fn drain(&mut self) -> Result<()> {
+        let mut n = 0;
+        for _ in 0..DRAIN_ROUNDS {
+            if self.model.jobs.values().all(|fate| *fate != Fate::Live) {
+                return Ok(());
+            }
+            let mut ops: Vec<Op> =
+                self.model.running().iter().map(|_| Op::Finish { pick: 0, how: Finish::Complete }).collect();
+            ops.extend(Queue::ALL.map(|queue| Op::Claim { worker: 0, queue, qty: 3 }));
+            let mut claimed = false;
+            for op in &ops {
+                let said = self.drain_step(&mut n, op).await?;
+                claimed |= matches!(op, Op::Claim { .. }) && !said.ends_with("nothing");
+            }
+            if claimed {
+                continue;
+            }
+            for op in [Op::LapseVisibility { pick: 0 }, Op::LapseLease { pick: 0 }] {
+                for _ in 0..DRAIN_ROUNDS {
+                    if self.drain_step(&mut n, &op).await?.contains("nothing to do") {
+                        break;
+                    }
+                }
+            }
+            self.drain_step(&mut n, &Op::Sweep).await?;
+        }
+        let live: Vec<i64> =
+            self.model.jobs.iter().filter(|(_, fate)| **fate == Fate::Live).map(|(job, _)| *job).collect();
+        let state = State::read(&mut self.c.observer, self.api).await?;
+        bail!(
+            "(d) jobs {live:?} are still live after {DRAIN_ROUNDS} rounds of claims, completions, lapsed clocks and sweeps; \
+             queued {:?}, parked {:?}",
+            state.messages.iter().map(|m| (m.queue.name(), m.msg_id, m.job_id)).collect::<Vec<_>>(),
+            state.parked
+        )
+    }
+
+    /// One step of the drain, logged and checked as the schedule's steps are.
+    async fn drain_step(&mut self, n: &mut usize, op: &Op) -> Result<String> {
+        *n += 1;
+        let said = self.step(op).await.map_err(|e| anyhow!("drain step {n} ({op}): {e:#}"))?;
+        self.log(format!("   d{n}. {op}  ->  {said}"));
+        self.check().await.map_err(|e| anyhow!("after drain step {n} ({op}):\n  {e:#}"))?;
+        Ok(said)
+    }
+
     /// Every check against the database, after a step.
     async fn check(&mut self) -> Result<()> {
         let state = State::read(&mut self.c.observer, self.api).await?;
@@ -1117,7 +1185,7 @@ impl Harness {
                 }
                 run.check().await.map_err(|e| anyhow!("after step {} ({op}):\n  {e:#}", n + 1))?;
             }
-            Ok(())
+            run.drain().await
         }
         .await;
         let lines = run.trace.take().unwrap_or_default();

@@ -144,7 +144,9 @@ pub enum Op {
     /// Clock: the holder of the `pick`-th running delivery goes silent past its budget:
     /// visibility and lease both run out.
     Silence { pick: usize },
-    /// `lockgate.define_job_type` again with another limit (for `free`: its first).
+    /// `lockgate.define_job_type` again with another limit (for `free`: its first); 0 removes
+    /// the limit (the type's parked jobs are promoted unlimited, its running jobs keep their
+    /// permits until they finish).
     Redefine { ty: Ty, limit: u32 },
     /// `lockgate.cancel` of the `pick`-th live job (in id order), whatever state it is in. A
     /// running job's holder is not told: it runs on until a heartbeat, a refused finish or its
@@ -190,6 +192,7 @@ impl Op {
             Op::LapseLease { .. } => "lease runs out",
             Op::LapseVisibility { .. } => "visibility passes",
             Op::Silence { .. } => "holder silent",
+            Op::Redefine { limit: 0, .. } => "remove limit",
             Op::Redefine { .. } => "redefine limit",
             Op::Cancel { .. } => "cancel",
             Op::Close { during: None } => "close batch",
@@ -220,6 +223,7 @@ impl fmt::Display for Op {
             Op::LapseLease { pick } => write!(f, "clock: lease of waiting or cancelled message #{pick} runs out"),
             Op::LapseVisibility { pick } => write!(f, "clock: visibility of invisible message #{pick} passes"),
             Op::Silence { pick } => write!(f, "clock: holder of running delivery #{pick} silent past its budget"),
+            Op::Redefine { ty, limit: 0 } => write!(f, "redefine {} without a limit", ty.name()),
             Op::Redefine { ty, limit } => write!(f, "redefine {} with limit {limit}", ty.name()),
             Op::Cancel { pick } => write!(f, "cancel live job #{pick}"),
             Op::Close { during: None } => write!(f, "close the batch"),
@@ -280,6 +284,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..4usize).prop_map(|pick| Op::LapseVisibility { pick }),
         2 => (0..8usize).prop_map(|pick| Op::Silence { pick }),
         1 => (ty(), 1..=3u32).prop_map(|(ty, limit)| Op::Redefine { ty, limit }),
+        1 => ty().prop_map(|ty| Op::Redefine { ty, limit: 0 }),
         2 => (0..8usize).prop_map(|pick| Op::Cancel { pick }),
         1 => proptest::option::of((ty(), 0..2u8, any::<bool>())).prop_map(|during| Op::Close { during }),
         2 => (0..4usize).prop_map(|pick| Op::DlqRetry { pick }),
