@@ -3,7 +3,8 @@
 //! proptest generates schedules — enqueues (committed and rolled back), claims from two workers,
 //! a claim racing an uncommitted sweep, heartbeats, completions, retries, releases and dead
 //! letters with current and stale tokens, sweeps, prunes, clocks running past visibility and
-//! lease, redefined limits, cancels, dead letters retried (`dlq_retry`) — and runs each against
+//! lease, redefined and removed limits, cancels, dead letters retried (`dlq_retry`), dead and
+//! parked jobs discarded, idle keys reclaimed and unique locks reaped — and runs each against
 //! one real database through the public SQL API over five connections. A reference model (tests/model/reference.rs) follows the jobs
 //! and what each delivery's holder believes, and after every step the database is compared with
 //! it:
@@ -288,6 +289,23 @@ impl Run<'_> {
             }
             Op::Cancel { pick } => self.cancel(*pick).await,
             Op::DlqRetry { pick } => self.dlq_retry(*pick).await,
+            Op::Discard { pick } => self.discard(*pick).await,
+            Op::Reap => {
+                let keys: i32 = sqlx::query_scalar("SELECT lockgate.reclaim_idle_keys('0 seconds')")
+                    .fetch_one(&mut self.c.dispatcher)
+                    .await
+                    .context("lockgate.reclaim_idle_keys")?;
+                let mut said = format!("{keys} idle key(s) reclaimed");
+                if self.api.bookkeeping {
+                    let locks: i32 = sqlx::query_scalar("SELECT lockgate.reap_unique_locks('0 seconds')")
+                        .fetch_one(&mut self.c.dispatcher)
+                        .await
+                        .context("lockgate.reap_unique_locks")?;
+                    self.model.reaped();
+                    said.push_str(&format!(", {locks} unique lock(s) reaped"));
+                }
+                Ok(said)
+            }
             Op::Redefine { ty, limit } => {
                 let old = self.model.limits.get(ty).copied();
                 // A limit set again after it was removed finds the jobs that kept their permits
@@ -692,6 +710,36 @@ impl Run<'_> {
                 }
             ),
         }
+    }
+
+    /// `lockgate.discard_job` of one dead-lettered or parked job: the database must find it in
+    /// that state and delete it (d); a parked one is counted as failed in its batch (j) and its
+    /// unique key goes (i).
+    async fn discard(&mut self, pick: usize) -> Result<String> {
+        let parked: Vec<i64> =
+            sqlx::query_scalar("SELECT job_id FROM lockgate.parked").fetch_all(&mut self.c.observer).await?;
+        let mut targets: Vec<(i64, &str)> = self
+            .model
+            .jobs
+            .iter()
+            .filter(|(_, fate)| **fate == Fate::DeadLettered)
+            .map(|(job, _)| (*job, "dead"))
+            .chain(parked.iter().map(|job| (*job, "parked")))
+            .collect();
+        targets.sort();
+        let Some((job, expected)) = pick_from(&targets, pick).copied() else {
+            return Ok("no dead-lettered or parked job: nothing to do".into());
+        };
+        let (state, discarded): (Option<String>, bool) =
+            sqlx::query_as("SELECT state, discarded FROM lockgate.discard_job($1)")
+                .bind(job)
+                .fetch_one(&mut self.c.dispatcher)
+                .await?;
+        if state.as_deref() != Some(expected) || !discarded {
+            bail!("(d) discard_job of {expected} job {job} answered ({state:?}, {discarded})");
+        }
+        self.model.jobs.insert(job, Fate::Discarded);
+        Ok(format!("job {job} discarded (it was {expected})"))
     }
 
     /// Clock: the budget of the deliveries of (queue, msg_id) has passed, and with it the

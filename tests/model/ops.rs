@@ -161,6 +161,13 @@ pub enum Op {
     /// job taking its key again unless another live job holds it (then it stays dead, a
     /// duplicate). It leaves the batch, which counted it as failed.
     DlqRetry { pick: usize },
+    /// `lockgate.discard_job` of the `pick`-th dead-lettered or parked job (in id order): deleted
+    /// for good, a parked one counted as failed in its batch and its unique key released.
+    Discard { pick: usize },
+    /// The bookkeeping sweep's reapers with no age floor: `lockgate.reclaim_idle_keys` deletes
+    /// every key row with no permit held and nothing parked, `lockgate.reap_unique_locks` every
+    /// lock whose job is gone and every kept lock whose held_until has passed.
+    Reap,
 }
 
 /// One generated case: the initial limits of `lim` and `limb`, and the schedule.
@@ -198,6 +205,8 @@ impl Op {
             Op::Close { during: None } => "close batch",
             Op::Close { during: Some(_) } => "close batch during an enqueue",
             Op::DlqRetry { .. } => "dlq_retry",
+            Op::Discard { .. } => "discard",
+            Op::Reap => "reap keys and locks",
         }
     }
 }
@@ -234,6 +243,8 @@ impl fmt::Display for Op {
                 if *commit { "commit it" } else { "roll it back" }
             ),
             Op::DlqRetry { pick } => write!(f, "dlq_retry of dead-lettered job #{pick}"),
+            Op::Discard { pick } => write!(f, "discard dead-lettered or parked job #{pick}"),
+            Op::Reap => write!(f, "reclaim idle keys and reap unique locks, no age floor"),
         }
     }
 }
@@ -288,6 +299,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..8usize).prop_map(|pick| Op::Cancel { pick }),
         1 => proptest::option::of((ty(), 0..2u8, any::<bool>())).prop_map(|during| Op::Close { during }),
         2 => (0..4usize).prop_map(|pick| Op::DlqRetry { pick }),
+        1 => (0..4usize).prop_map(|pick| Op::Discard { pick }),
+        1 => Just(Op::Reap),
     ]
 }
 

@@ -17,6 +17,8 @@ pub enum Fate {
     DeadLettered,
     /// Archived by `lockgate.cancel`; counted as failed in its batch.
     Cancelled,
+    /// Deleted for good by `lockgate.discard_job` (dead or parked); counted as failed in its batch.
+    Discarded,
 }
 
 /// What the holder of a delivery believes.
@@ -230,6 +232,11 @@ impl Model {
         self.wlocks.retain(|_, l| !jobs.contains(&l.job) || l.kept.is_some());
     }
 
+    /// The reaper ran: every lock kept for a cancelled handler whose held_until has passed goes.
+    pub fn reaped(&mut self) {
+        self.wlocks.retain(|_, l| l.kept.is_none() || !l.lapsed);
+    }
+
     /// Delivery i's worker called release_cancelled: the lock kept for it goes. Returns whether
     /// one was there to release.
     pub fn released(&mut self, i: usize) -> bool {
@@ -417,8 +424,13 @@ impl Model {
                     Fate::Live => p.starts_with("queue") || p == "parked",
                     Fate::Archived | Fate::Cancelled => p.starts_with("archive"),
                     Fate::DeadLettered => p == "dead letters",
+                    Fate::Discarded => false,
                 };
-                if places.len() != 1 || !expected(&places[0]) {
+                if *fate == Fate::Discarded {
+                    if !places.is_empty() {
+                        out.push(format!("(d) job {job} was discarded, but is in {places:?}"));
+                    }
+                } else if places.len() != 1 || !expected(&places[0]) {
                     out.push(format!("(d) job {job} should be {fate:?} exactly once, but is in {places:?}"));
                 }
             }
@@ -493,7 +505,10 @@ impl Model {
             let expected = (
                 self.batch_jobs.len() as i64,
                 count(Fate::Archived),
-                count(Fate::DeadLettered) + count(Fate::Cancelled) + self.retried_out.len() as i64,
+                count(Fate::DeadLettered)
+                    + count(Fate::Cancelled)
+                    + count(Fate::Discarded)
+                    + self.retried_out.len() as i64,
             );
             if st.batch != Some(expected) {
                 out.push(format!("(j) batch (total, succeeded, failed) is {:?}, expected {expected:?}", st.batch));
