@@ -55,48 +55,75 @@ $$;
 -- each install on lockgate.claim_index_probe, an empty table of the same columns
 -- (migrations/0022_claim_index_probe.sql), as PostgreSQL shows it (its text depends on
 -- PostgreSQL's version, not on how the expression was written), and compared with each queue's
--- from its access method on. When that index is missing, every queue is returned. Locks: none.
--- Callers: lockgate._install_claim_indexes, doctor (claim_indexes).
-CREATE OR REPLACE FUNCTION lockgate._stale_claim_indexes()
-RETURNS TABLE (queue text, why text)
+-- from its access method on. When that index is missing, every queue is returned. taken_by names
+-- the relation that holds the index's name when it is not an index of the queue's table (a
+-- queue named <queue>_lg_claim, made before lockgate.create_queue refused such names: its table
+-- is pgmq.q_<queue>_lg_claim): no index can be built under that name, and the install leaves
+-- such a queue to the doctor, which names both. Locks: none. Callers:
+-- lockgate._install_claim_indexes, doctor (claim_indexes).
+DROP FUNCTION IF EXISTS lockgate._stale_claim_indexes();
+CREATE FUNCTION lockgate._stale_claim_indexes()
+RETURNS TABLE (queue text, why text, taken_by text)
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     WITH expected AS (
-        SELECT regexp_replace(pg_get_indexdef(to_regclass('lockgate.claim_index_probe_rank')), '^.*? USING ', '') AS def)
-    SELECT l.q,
+        SELECT regexp_replace(pg_get_indexdef(to_regclass('lockgate.claim_index_probe_rank')), '^.*? USING ', '') AS def),
+    named AS (
+        SELECT l.q, c.oid AS rel, c.relkind, to_regclass(format('pgmq.%I', 'q_' || l.q)) AS tbl
+          FROM lockgate._live_queues() l(q)
+          LEFT JOIN pg_class c ON c.oid = to_regclass(format('pgmq.%I', 'q_' || l.q || '_lg_claim')))
+    SELECT n.q,
            CASE WHEN i.indexrelid IS NULL THEN 'missing'
                 WHEN NOT i.indisvalid OR NOT i.indisready THEN 'not valid'
                 WHEN i.indisunique THEN 'unique'
                 ELSE format('of another definition (%s)',
                             regexp_replace(regexp_replace(pg_get_indexdef(i.indexrelid), '^.*? USING ', ''), '\s+', ' ', 'g'))
+           END,
+           CASE WHEN n.rel IS NOT NULL AND i.indexrelid IS NULL
+                THEN format('%s pgmq.%I',
+                            CASE n.relkind WHEN 'r' THEN 'the table' WHEN 'i' THEN 'an index of another table'
+                                           WHEN 'S' THEN 'the sequence' WHEN 'v' THEN 'the view' ELSE 'the relation' END,
+                            'q_' || n.q || '_lg_claim')
            END
-      FROM lockgate._live_queues() l(q)
+      FROM named n
      CROSS JOIN expected e
-      LEFT JOIN pg_index i ON i.indexrelid = to_regclass(format('pgmq.%I', 'q_' || l.q || '_lg_claim'))
-                          AND i.indrelid = to_regclass(format('pgmq.%I', 'q_' || l.q))
+      LEFT JOIN pg_index i ON i.indexrelid = n.rel AND i.indrelid = n.tbl
      WHERE i.indexrelid IS NULL OR NOT i.indisvalid OR NOT i.indisready OR i.indisunique
         OR regexp_replace(pg_get_indexdef(i.indexrelid), '^.*? USING ', '') IS DISTINCT FROM e.def
-     ORDER BY l.q
+     ORDER BY n.q
 $$;
 
 -- Every queue's claim index, built again where lockgate._stale_claim_indexes finds it wrong, after
--- the reference index it compares with is built anew. Nothing is locked when every index is
--- right. Else every table to rebuild is locked first, in name order (ACCESS EXCLUSIVE, which the
--- old index's drop needs), so that a lock another session holds ends migrate's attempt before any
+-- the reference index it compares with is brought up to date. The reference index is built anew
+-- beside the one in place and kept only when its definition differs (an upgrade of the rank or of
+-- PostgreSQL), so that an install that changes nothing leaves it alone: a doctor reading it while
+-- a migrate runs never meets it dropped. Nothing else is locked when every claim index is right.
+-- Else every table to rebuild is locked first, in name order (ACCESS EXCLUSIVE, which the old
+-- index's drop needs), so that a lock another session holds ends migrate's attempt before any
 -- index is built (migrate waits 500 ms for a lock, then tries again: design §63); then each new
--- index is built beside the old one, which is dropped, and takes its name. Run with each install
--- of these functions (the end of sql/020_claim.sql), so a database that ran an earlier text of
--- migration 21, or whose index was dropped or rebuilt by hand, is put right by the next migrate.
--- Callers: the install.
+-- index is built beside the old one under a name no PGMQ relation can have (PGMQ's start with
+-- q_, a_ or archived_at_idx_), the old one is dropped, and the new one takes its name. A queue
+-- whose index name another relation holds is skipped (taken_by): the doctor names it. Run with
+-- each install of these functions (the end of sql/020_claim.sql), so a database that ran an
+-- earlier text of migration 21, or whose index was dropped or rebuilt by hand, is put right by
+-- the next migrate. Callers: the install.
 CREATE OR REPLACE FUNCTION lockgate._install_claim_indexes()
 RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET client_min_messages = warning AS $$
 DECLARE
     stale text[];
     q text;
 BEGIN
-    DROP INDEX IF EXISTS lockgate.claim_index_probe_rank;
-    EXECUTE format('CREATE INDEX claim_index_probe_rank ON lockgate.claim_index_probe ((%s), vt, msg_id)',
+    DROP INDEX IF EXISTS lockgate.claim_index_probe_next;
+    EXECUTE format('CREATE INDEX claim_index_probe_next ON lockgate.claim_index_probe ((%s), vt, msg_id)',
                    lockgate._rank_sql('headers'));
-    SELECT array_agg(s.queue ORDER BY s.queue) INTO stale FROM lockgate._stale_claim_indexes() s;
+    IF regexp_replace(pg_get_indexdef('lockgate.claim_index_probe_next'::regclass), '^.*? USING ', '')
+       IS NOT DISTINCT FROM
+       regexp_replace(pg_get_indexdef(to_regclass('lockgate.claim_index_probe_rank')), '^.*? USING ', '') THEN
+        DROP INDEX lockgate.claim_index_probe_next;
+    ELSE
+        DROP INDEX IF EXISTS lockgate.claim_index_probe_rank;
+        ALTER INDEX lockgate.claim_index_probe_next RENAME TO claim_index_probe_rank;
+    END IF;
+    SELECT array_agg(s.queue ORDER BY s.queue) INTO stale FROM lockgate._stale_claim_indexes() s WHERE s.taken_by IS NULL;
     IF stale IS NULL THEN
         RETURN;
     END IF;
@@ -104,11 +131,10 @@ BEGIN
         EXECUTE format('LOCK TABLE pgmq.%I IN ACCESS EXCLUSIVE MODE', 'q_' || q);
     END LOOP;
     FOREACH q IN ARRAY stale LOOP
-        EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || q || '_lg_rank');
         EXECUTE format('CREATE INDEX %I ON pgmq.%I ((%s), vt, msg_id)',
-                       'q_' || q || '_lg_rank', 'q_' || q, lockgate._rank_sql('headers'));
+                       'lg_rebuild_' || q, 'q_' || q, lockgate._rank_sql('headers'));
         EXECUTE format('DROP INDEX IF EXISTS pgmq.%I', 'q_' || q || '_lg_claim');
-        EXECUTE format('ALTER INDEX pgmq.%I RENAME TO %I', 'q_' || q || '_lg_rank', 'q_' || q || '_lg_claim');
+        EXECUTE format('ALTER INDEX pgmq.%I RENAME TO %I', 'lg_rebuild_' || q, 'q_' || q || '_lg_claim');
     END LOOP;
 END $$;
 
@@ -321,12 +347,21 @@ $$;
 -- starting together do not queue behind each other's commits. A table dropped since, behind
 -- lockgate's back (pgmq.drop_queue), is not made again here, with or without the lock:
 -- check_invariants reports such a queue.
+-- A new queue's name may not end in a suffix that PGMQ or lockgate appends to another queue's
+-- name for that queue's own relations (_pkey, _vt_idx, _msg_id_seq, _lg_claim, _lg_job: queue x
+-- has the index pgmq.q_x_lg_claim, which a queue x_lg_claim's table would take), and each index
+-- it builds must come out as an index of its table: a name another relation holds already (a
+-- queue made before these names were refused, or by pgmq.create) is an error naming it, not an
+-- index silently skipped. A queue that exists is left alone whatever its name. The search path
+-- is fixed, so that the rank written into the claim index is PostgreSQL's own functions whatever
+-- the caller's search_path holds.
 -- Locks: advisory xact lock on the queue name, when the queue is not visible yet. Callers:
 -- migrate, define_job_type, Client, CLI.
 CREATE OR REPLACE FUNCTION lockgate.create_queue(queue text)
-RETURNS void LANGUAGE plpgsql AS $$
+RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     top bigint;
+    idx record;
 BEGIN
     IF queue IS NULL OR queue !~ '^[a-z][a-z0-9_]{0,46}$' THEN
         RAISE EXCEPTION 'lockgate: invalid queue name "%"', queue
@@ -335,6 +370,12 @@ BEGIN
     END IF;
     IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) THEN
         RETURN;
+    END IF;
+    IF queue ~ '_(pkey|vt_idx|msg_id_seq|lg_claim|lg_job)$' THEN
+        RAISE EXCEPTION 'lockgate: invalid queue name "%"', queue
+            USING ERRCODE = 'LG003',
+                  DETAIL = 'a new queue''s name may not end in _pkey, _vt_idx, _msg_id_seq, _lg_claim or _lg_job: '
+                           'PGMQ and lockgate give those names to the tables and indexes of the queue named without it';
     END IF;
     PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
     -- Looked for again: a creator that held the lock may have committed it meanwhile.
@@ -353,6 +394,19 @@ BEGIN
                    'q_' || queue || '_lg_job', 'q_' || queue);
     EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON pgmq.%I ((headers->>''job_id'')) WHERE headers ? ''job_id''',
                    'a_' || queue || '_lg_job', 'a_' || queue);
+    FOR idx IN SELECT x.name, x.tbl FROM (VALUES ('q_' || queue || '_lg_claim', 'q_' || queue),
+                                                ('q_' || queue || '_lg_job', 'q_' || queue),
+                                                ('a_' || queue || '_lg_job', 'a_' || queue)) x(name, tbl)
+                WHERE NOT EXISTS (SELECT 1 FROM pg_index i
+                                   WHERE i.indexrelid = to_regclass(format('pgmq.%I', x.name))
+                                     AND i.indrelid = to_regclass(format('pgmq.%I', x.tbl))) LOOP
+        RAISE EXCEPTION 'lockgate: queue "%" cannot be created: the name of its index pgmq.% is taken', queue, idx.name
+            USING ERRCODE = 'LG003',
+                  DETAIL = format('pgmq.%I is %s, not an index of pgmq.%I (the table of a PGMQ queue named %s?)', idx.name,
+                                  (SELECT CASE c.relkind WHEN 'r' THEN 'a table' WHEN 'i' THEN 'an index' ELSE 'a relation' END
+                                     FROM pg_class c WHERE c.oid = to_regclass(format('pgmq.%I', idx.name))),
+                                  idx.tbl, substr(idx.name, 3));
+    END LOOP;
     -- msg_ids come from lockgate.job_id_seq, shared by every queue: a job's id is the msg_id of
     -- its first message (migrations/0007_job_ids.sql). A PGMQ queue created before lockgate
     -- adopted it may hold messages already: the sequence moves above their ids.

@@ -112,7 +112,8 @@ END $$;
 -- run (headers or arguments that are not lockgate's, H29) is dead-lettered here with its reason:
 -- no message content can make a claim fail. One whose priority header is not 0..9 sits at the
 -- claim index's rank -1, ahead of every job, so the next claim of its queue takes it, however
--- busy the queue.
+-- busy the queue; a JSON string of one digit ("5") reads as that digit's rank (the index reads
+-- the header as text), and is dead-lettered when that priority's turn comes.
 --
 -- One priority at a time, through the claim index (priority, vt, msg_id): within a priority the
 -- visible messages come first, so a claim never scans the delayed or in-flight ones after them.

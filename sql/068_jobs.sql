@@ -64,7 +64,8 @@ $$;
 -- The fields of a job read from its message (or parked row, or dead letter), defensively: a
 -- message that is not lockgate's still shows, with NULLs where its headers say nothing usable,
 -- and the priority as its claim ranks it (lockgate._rank_sql): 0 when there is none, -1 when it
--- is not one of 0..9 (such a message is dead-lettered by the next claim of its queue, H29).
+-- is not one of 0..9 (such a message is dead-lettered by the next claim of its queue, H29), the
+-- digit for a JSON string of one digit ("5": dead-lettered when that priority's turn comes).
 -- attempts: every recorded attempt (failed or cancelled), then the one the row itself tells of:
 -- a succeeded job's last (its start and archive time), a running job's current once started.
 CREATE OR REPLACE FUNCTION lockgate._job_fields(message jsonb, headers jsonb, read_ct integer, stored_at timestamptz,

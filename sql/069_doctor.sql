@@ -316,29 +316,40 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- Each queue's claim index, against the one lockgate.create_queue builds now
--- (lockgate._stale_claim_indexes): every install of the functions builds again one that is
--- missing, not valid or of another definition, but one dropped, rebuilt by hand or left invalid
--- by a failed build between installs makes every claim of its queue read the whole queue. One
--- row per such queue, or one row when the reference index is missing, or one ok row.
+-- (lockgate._stale_claim_indexes, read once): every install of the functions builds again one
+-- that is missing, not valid or of another definition, but one dropped, rebuilt by hand or left
+-- invalid by a failed build between installs makes every claim of its queue read the whole queue.
+-- One row per such queue, or one row when the reference index is missing, or one ok row. A queue
+-- whose index name another relation holds (a queue named <queue>_lg_claim, made before such names
+-- were refused) gets no index from any install: its row says which, and what to do.
 CREATE OR REPLACE FUNCTION lockgate._doctor_claim_indexes()
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE sql STABLE AS $$
+    WITH probe AS (
+        SELECT to_regclass('lockgate.claim_index_probe_rank') IS NOT NULL AS present),
+    stale AS MATERIALIZED (
+        SELECT s.* FROM lockgate._stale_claim_indexes() s WHERE (SELECT present FROM probe))
     SELECT 'claim_indexes', 'warn',
            'lockgate.claim_index_probe_rank, the index each queue''s claim index is compared with, is missing',
            'run lockgate migrate, which builds it again and every claim index that differs from it'
-     WHERE to_regclass('lockgate.claim_index_probe_rank') IS NULL
+     WHERE NOT (SELECT present FROM probe)
     UNION ALL
     SELECT 'claim_indexes', 'warn',
-           format('queue %s: its claim index pgmq.%I is %s', s.queue, 'q_' || s.queue || '_lg_claim', s.why),
-           'every claim of this queue reads the whole queue until its index is right; run lockgate migrate, '
-           'which builds it again, locking the queue''s table while it builds'
-      FROM lockgate._stale_claim_indexes() s
-     WHERE to_regclass('lockgate.claim_index_probe_rank') IS NOT NULL
+           CASE WHEN s.taken_by IS NULL
+                THEN format('queue %s: its claim index pgmq.%I is %s', s.queue, 'q_' || s.queue || '_lg_claim', s.why)
+                ELSE format('queue %s has no claim index: its name is taken by %s', s.queue, s.taken_by) END,
+           CASE WHEN s.taken_by IS NULL
+                THEN 'every claim of this queue reads the whole queue until its index is right; run lockgate migrate, '
+                     'which builds it again, locking the queue''s table while it builds'
+                ELSE format('every claim of queue %s reads the whole queue, and no migrate builds an index under a name '
+                            'another relation holds: move the work of queue %s, or of the queue whose table holds the '
+                            'name, to a queue of another name, drain the old one and drop it (pgmq.drop_queue)',
+                            s.queue, s.queue) END
+      FROM stale s
     UNION ALL
     SELECT 'claim_indexes', 'ok', format('%s queue(s), each with the claim index lockgate builds',
                                          (SELECT count(*) FROM lockgate._live_queues())), NULL
-     WHERE to_regclass('lockgate.claim_index_probe_rank') IS NOT NULL
-       AND NOT EXISTS (SELECT 1 FROM lockgate._stale_claim_indexes())
+     WHERE (SELECT present FROM probe) AND NOT EXISTS (SELECT 1 FROM stale)
 $$;
 
 -- Migrations 19 and 20's guards of the key tables (docs/design.md §61): present and enabled. A
@@ -411,8 +422,17 @@ BEGIN
         UNION ALL SELECT * FROM lockgate._doctor_tables()
         UNION ALL SELECT * FROM lockgate._doctor_leases()
         UNION ALL SELECT * FROM lockgate._doctor_parked()
-        UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds))
-        UNION ALL SELECT * FROM lockgate._doctor_steps()
-        UNION ALL SELECT * FROM lockgate._doctor_claim_indexes()
-        UNION ALL SELECT * FROM lockgate._doctor_key_guards();
+        UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds));
+    -- These two read the queues' relations in schema pgmq, which a role without USAGE on it may
+    -- not even name: each says it was not checked, and the others still answer.
+    IF has_schema_privilege('pgmq', 'USAGE') THEN
+        RETURN QUERY SELECT * FROM lockgate._doctor_steps() UNION ALL SELECT * FROM lockgate._doctor_claim_indexes();
+    ELSE
+        RETURN QUERY
+            SELECT c, 'warn',
+                   format('not checked: role %s has no USAGE on schema pgmq, where the queues'' tables are', current_user),
+                   format('run lockgate doctor as the role lockgate runs as, or GRANT USAGE ON SCHEMA pgmq TO %I', current_user)
+              FROM unnest(ARRAY['queue_steps', 'claim_indexes']) c;
+    END IF;
+    RETURN QUERY SELECT * FROM lockgate._doctor_key_guards();
 END $$;

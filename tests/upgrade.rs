@@ -325,6 +325,8 @@ async fn every_install_rebuilds_a_claim_index_that_differs_from_a_new_queues() {
     .unwrap();
     let oid = "SELECT 'pgmq.q_right_lg_claim'::regclass::oid::bigint";
     let right_before: i64 = sqlx::query_scalar(oid).fetch_one(&db.pool).await.unwrap();
+    let probe = "SELECT 'lockgate.claim_index_probe_rank'::regclass::oid::bigint";
+    let probe_before: i64 = sqlx::query_scalar(probe).fetch_one(&db.pool).await.unwrap();
     let doctor = "SELECT verdict, detail FROM lockgate.doctor() WHERE check_name = 'claim_indexes' ORDER BY detail";
     let found: Vec<(String, String)> = sqlx::query_as(doctor).fetch_all(&db.pool).await.unwrap();
     let verdicts: Vec<&str> = found.iter().map(|(verdict, _)| verdict.as_str()).collect();
@@ -354,6 +356,11 @@ async fn every_install_rebuilds_a_claim_index_that_differs_from_a_new_queues() {
     assert_eq!(invalid, 0, "the index that was not valid was built again");
     let right_after: i64 = sqlx::query_scalar(oid).fetch_one(&db.pool).await.unwrap();
     assert_eq!(right_after, right_before, "an index that was right is left as it was");
+    let probe_after: i64 = sqlx::query_scalar(probe).fetch_one(&db.pool).await.unwrap();
+    assert_eq!(
+        probe_after, probe_before,
+        "the reference index, unchanged, is not built again (a doctor may be reading it)"
+    );
     let found: Vec<(String, String)> = sqlx::query_as(doctor).fetch_all(&db.pool).await.unwrap();
     assert_eq!(found, [("ok".into(), "5 queue(s), each with the claim index lockgate builds".into())]);
     sqlx::query("DROP INDEX lockgate.claim_index_probe_rank").execute(&db.pool).await.unwrap();
@@ -365,4 +372,126 @@ async fn every_install_rebuilds_a_claim_index_that_differs_from_a_new_queues() {
             "lockgate.claim_index_probe_rank, the index each queue's claim index is compared with, is missing".into()
         )]
     );
+}
+
+/// Design §69: queue x's relations take names made from x's (pgmq.q_x_lg_claim, q_x_lg_job,
+/// q_x_pkey, ...), so a queue named x_lg_claim would hold, as its table, the name of x's claim
+/// index. A new queue may not end in such a suffix, and a queue whose index name another relation
+/// holds already (a PGMQ queue made by pgmq.create) is refused with both named, instead of being
+/// made without its index. A database holding such a pair from before (made by an earlier
+/// create_queue, which skipped the index with a NOTICE) still migrates: the install leaves the
+/// queue whose name is taken to the doctor, which names it, and rebuilds the others.
+#[tokio::test]
+async fn a_queue_name_that_would_take_another_queues_index_name_is_refused_and_an_old_pair_still_migrates() {
+    let db = TestDb::migrated().await.unwrap();
+    for name in ["x_lg_claim", "x_lg_job", "x_pkey", "x_vt_idx", "x_msg_id_seq"] {
+        let err = lockgate::sql::create_queue(&db.pool, name).await.unwrap_err();
+        assert!(
+            matches!(&err, DbError::InvalidArgument(m) if m.contains(&format!("invalid queue name \"{name}\""))
+                && m.contains("may not end in _pkey, _vt_idx, _msg_id_seq, _lg_claim or _lg_job")),
+            "{name}: {err}"
+        );
+    }
+    sqlx::query("SELECT pgmq.create('held_lg_claim')").execute(&db.pool).await.unwrap();
+    let err = lockgate::sql::create_queue(&db.pool, "held").await.unwrap_err();
+    assert!(
+        matches!(&err, DbError::InvalidArgument(m)
+            if m.contains("queue \"held\" cannot be created: the name of its index pgmq.q_held_lg_claim is taken")
+                && m.contains("pgmq.q_held_lg_claim is a table, not an index of pgmq.q_held")),
+        "{err}"
+    );
+    let made: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.queues WHERE name = 'held'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(made, 0, "nothing of the refused queue is left");
+
+    // As an earlier create_queue left them: queue x made after x_lg_claim, without its claim
+    // index; queue y_lg_rank, whose table holds the name earlier installs rebuilt y's index under.
+    sqlx::raw_sql(
+        "SELECT pgmq.create('x_lg_claim'); INSERT INTO lockgate.queues (name) VALUES ('x_lg_claim');
+         SELECT pgmq.create('x'); INSERT INTO lockgate.queues (name) VALUES ('x');
+         SELECT lockgate.create_queue('y');
+         SELECT pgmq.create('y_lg_rank'); INSERT INTO lockgate.queues (name) VALUES ('y_lg_rank');
+         DROP INDEX pgmq.q_y_lg_claim;
+         UPDATE lockgate.schema_state SET functions_revision = functions_revision - 1;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    lockgate::migrate(&db.pool).await.unwrap();
+    let y_index: Option<String> = sqlx::query_scalar(
+        "SELECT indrelid::regclass::text FROM pg_index WHERE indexrelid = 'pgmq.q_y_lg_claim'::regclass",
+    )
+    .fetch_optional(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(y_index.as_deref(), Some("pgmq.q_y"), "y's claim index is built again");
+    let doctor = "SELECT verdict, detail FROM lockgate.doctor() WHERE check_name = 'claim_indexes' ORDER BY detail";
+    let found: Vec<(String, String)> = sqlx::query_as(doctor).fetch_all(&db.pool).await.unwrap();
+    assert_eq!(
+        found,
+        [("warn".into(), "queue x has no claim index: its name is taken by the table pgmq.q_x_lg_claim".into())]
+    );
+    let again = lockgate::sql::create_queue(&db.pool, "x_lg_claim").await;
+    assert!(again.is_ok(), "a queue that exists is left alone whatever its name: {again:?}");
+}
+
+/// A queue's claim index writes its rank with `array_position`, resolved when the index is built.
+/// create_queue fixes its search path, so a session whose search path puts a function of that
+/// name before PostgreSQL's own (here `public.array_position(text[], text)`, which the rank's
+/// call matches exactly) still gets the index every claim matches, not one calling that function.
+#[tokio::test]
+async fn a_queue_made_under_a_search_path_that_shadows_the_ranks_function_gets_lockgates_claim_index() {
+    let db = TestDb::migrated().await.unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.array_position(a text[], e text) RETURNS integer LANGUAGE sql IMMUTABLE
+             AS 'SELECT 1';
+         SET search_path = public, pg_catalog;
+         SELECT lockgate.create_queue('shadowed');",
+    )
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let index: String = sqlx::query_scalar("SELECT pg_get_indexdef('pgmq.q_shadowed_lg_claim'::regclass)")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert!(!index.contains("public."), "{index}");
+    let found: Vec<(String, String)> =
+        sqlx::query_as("SELECT verdict, detail FROM lockgate.doctor() WHERE check_name = 'claim_indexes'")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(found, [("ok".into(), "1 queue(s), each with the claim index lockgate builds".into())]);
+}
+
+/// A role that may read lockgate's tables but not name PGMQ's (no USAGE on schema pgmq) still
+/// gets every check the doctor can answer for it; the two that read the queues' relations say
+/// they were not checked, and why, instead of failing the whole doctor. One transaction, rolled
+/// back: the role never outlives the test.
+#[tokio::test]
+async fn the_doctor_answers_a_role_without_usage_on_pgmq_and_says_what_it_did_not_check() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('watched')").execute(&db.pool).await.unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    let watcher = format!("{}_watch", db.name);
+    sqlx::raw_sql(&format!(
+        "CREATE ROLE {watcher} NOLOGIN;
+         GRANT USAGE ON SCHEMA lockgate TO {watcher}; GRANT SELECT ON ALL TABLES IN SCHEMA lockgate TO {watcher};
+         SET LOCAL ROLE {watcher};"
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let rows: Vec<(String, String, String)> =
+        sqlx::query_as("SELECT check_name, verdict, detail FROM lockgate.doctor()").fetch_all(&mut *tx).await.unwrap();
+    let not_checked = format!("not checked: role {watcher} has no USAGE on schema pgmq, where the queues' tables are");
+    for check in ["queue_steps", "claim_indexes"] {
+        let found: Vec<_> = rows.iter().filter(|(name, _, _)| name == check).collect();
+        assert_eq!(found, [&(check.to_string(), "warn".to_string(), not_checked.clone())], "{rows:?}");
+    }
+    assert!(rows.iter().any(|(name, verdict, _)| name == "key_guards" && verdict == "ok"), "{rows:?}");
 }
