@@ -274,18 +274,18 @@ END $$;
 -- nothing, or rolled back), and enqueues the callbacks of finished batches whose callbacks were
 -- not enqueued when they finished (types that take locks, or an enqueue that failed). Never
 -- waits long: a callback's key held by another transaction makes the enqueue give up after
--- 100 ms, and the batch stays pending for the next pass. Returns how many batches it finished
--- or completed the callbacks of.
+-- 100 ms (lock_timeout, set for this call only: the caller's transaction keeps its own), and
+-- the batch stays pending for the next pass. Returns how many batches it finished or completed
+-- the callbacks of.
 -- Locks: batch rows (SKIP LOCKED), then what the callbacks' enqueues lock.
 -- Callers: the bookkeeping sweep service, operators.
 CREATE OR REPLACE FUNCTION lockgate.batch_sweep(max_rows integer DEFAULT 100)
-RETURNS integer LANGUAGE plpgsql AS $$
+RETURNS integer LANGUAGE plpgsql SET lock_timeout = '100ms' AS $$
 DECLARE
     b lockgate.batches;
     done bigint;
     repaired integer := 0;
 BEGIN
-    PERFORM set_config('lock_timeout', '100ms', true);
     -- FOR UPDATE SKIP LOCKED: a batch an enqueue still shares is passed over here, not taken
     -- into the LIMIT (a producer adding to many batches would otherwise fill it).
     FOR done IN SELECT x.id FROM lockgate.batches x

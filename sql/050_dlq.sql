@@ -6,22 +6,43 @@
 -- now, the dead letter stays where it is: status 'duplicate', job_id naming the holder; one whose
 -- queue (or its PGMQ table) no longer exists stays too: status 'queue_missing'. A job
 -- that was counted as failed in a batch runs outside it (the batch's count is final).
--- dlq_purge deletes them for good (an operator's explicit discard).
--- Locks: the dead_letters rows (SKIP LOCKED: two operators never retry the same row twice),
--- unique lock rows. Callers: lockgate dlq retry|purge, the dashboard, SQL operators.
-CREATE OR REPLACE FUNCTION lockgate.dlq_retry(only_queue text DEFAULT NULL, job_ids bigint[] DEFAULT NULL)
+-- A dead letter another transaction holds (a retry or purge under way) is passed over, never
+-- waited for: two operators never retry the same row twice. With report_busy it is returned as
+-- 'busy' (msg_id NULL), and so is one whose unique key a transaction not yet committed is
+-- taking or giving up (a producer's enqueue of the same key), which is waited for at most 1 s
+-- instead of for as long as that transaction stays open: either stays dead, for the caller to
+-- try again. Without it (the two-argument form, as before revision 49) busy rows are left out
+-- of the result, and a key is waited for. dlq_purge deletes them for good (an operator's
+-- explicit discard).
+-- Locks: the dead_letters rows (SKIP LOCKED, one at a time), unique lock rows. Callers: lockgate
+-- dlq retry|purge, lockgate job retry, the dashboard, SQL operators.
+CREATE OR REPLACE FUNCTION lockgate.dlq_retry(only_queue text, job_ids bigint[], report_busy boolean)
 RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
+    seen record;
     dl lockgate.dead_letters;
     new_msg_id bigint;
     holder bigint;
+    saved text := current_setting('lock_timeout');
 BEGIN
-    FOR dl IN
-        SELECT * FROM lockgate.dead_letters x
+    FOR seen IN
+        SELECT x.id, x.queue, x.job_id FROM lockgate.dead_letters x
          WHERE (dlq_retry.only_queue IS NULL OR x.queue = dlq_retry.only_queue)
            AND (dlq_retry.job_ids IS NULL OR x.job_id = ANY (dlq_retry.job_ids))
-         ORDER BY x.id FOR UPDATE SKIP LOCKED
+         ORDER BY x.id
     LOOP
+        SELECT * INTO dl FROM lockgate.dead_letters x WHERE x.id = seen.id FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            -- Held by another transaction, or gone since (retried or purged by one that committed).
+            IF report_busy AND EXISTS (SELECT 1 FROM lockgate.dead_letters x WHERE x.id = seen.id) THEN
+                queue := seen.queue;
+                msg_id := NULL;
+                job_id := seen.job_id;
+                status := 'busy';
+                RETURN NEXT;
+            END IF;
+            CONTINUE;
+        END IF;
         queue := dl.queue;
         IF dl.queue NOT IN (SELECT lockgate._live_queues()) THEN
             -- Its queue (or the queue's PGMQ table) is gone: it stays, and the others go on.
@@ -36,8 +57,24 @@ BEGIN
         -- malformed message is dead-lettered again by its next claim, with its reason).
         IF jsonb_typeof(dl.headers) = 'object' AND jsonb_typeof(dl.headers->'ukey') = 'string'
            AND length(dl.headers->>'ukey') BETWEEN 1 AND 512 AND dl.job_type IS NOT NULL THEN
-            holder := lockgate._take_unique(dl.headers->>'ukey', 'until_executed', dl.job_type, dl.queue,
-                                            COALESCE(dl.job_id, new_msg_id), new_msg_id);
+            IF report_busy THEN
+                BEGIN
+                    PERFORM set_config('lock_timeout', '1s', true);
+                    holder := lockgate._take_unique(dl.headers->>'ukey', 'until_executed', dl.job_type, dl.queue,
+                                                    COALESCE(dl.job_id, new_msg_id), new_msg_id);
+                    PERFORM set_config('lock_timeout', saved, true);
+                EXCEPTION WHEN lock_not_available THEN
+                    PERFORM set_config('lock_timeout', saved, true);
+                    msg_id := NULL;
+                    job_id := dl.job_id;
+                    status := 'busy';
+                    RETURN NEXT;
+                    CONTINUE;
+                END;
+            ELSE
+                holder := lockgate._take_unique(dl.headers->>'ukey', 'until_executed', dl.job_type, dl.queue,
+                                                COALESCE(dl.job_id, new_msg_id), new_msg_id);
+            END IF;
             IF holder IS NOT NULL THEN
                 msg_id := NULL;
                 job_id := holder;
@@ -64,6 +101,13 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 END $$;
+
+-- The form of revisions before 49 (and of SQL users who do not ask for busy rows), kept under its
+-- signature so that its grants and the calls of older processes stay as they were.
+CREATE OR REPLACE FUNCTION lockgate.dlq_retry(only_queue text DEFAULT NULL, job_ids bigint[] DEFAULT NULL)
+RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE sql AS $$
+    SELECT * FROM lockgate.dlq_retry(only_queue, job_ids, false)
+$$;
 
 CREATE OR REPLACE FUNCTION lockgate.dlq_purge(only_queue text DEFAULT NULL, job_ids bigint[] DEFAULT NULL)
 RETURNS bigint LANGUAGE sql AS $$

@@ -171,10 +171,19 @@ $$;
 -- (the task is disabled, removed, or the tick is from before it was active).
 -- Ticks older than 7 days before the new one are deleted: the tick rows are history; the
 -- guard against a repeat is the task's last_tick_at.
+-- schedule_cron and schedule_timezone: the schedule the caller computed the tick from, as it
+-- read the task (the scheduler passes them). A definition that changed the schedule and
+-- committed while this call waited for the task's row set active_since before its commit, so
+-- a tick of the old schedule can come after it; the schedule compared under the row lock makes
+-- it 'inactive' all the same. NULL (the two-argument form): not compared.
+-- A key the tick's job needs that a producer holds (a limited type's semaphore row) makes the
+-- tick give up after 500 ms (lock_timeout, set for this call only) and try again on the next
+-- pass, instead of holding up the rest.
 -- Locks: the task's row, the tick row, then what lockgate.enqueue locks.
 CREATE OR REPLACE FUNCTION lockgate.enqueue_recurring_tick(
-    task text, tick_at timestamptz, OUT status text, OUT job_id bigint, OUT error text
-) LANGUAGE plpgsql AS $$
+    task text, tick_at timestamptz, schedule_cron text, schedule_timezone text,
+    OUT status text, OUT job_id bigint, OUT error text
+) LANGUAGE plpgsql SET lock_timeout = '500ms' AS $$
 DECLARE
     t lockgate.recurring_tasks;
     e record;
@@ -182,11 +191,10 @@ BEGIN
     IF tick_at IS NULL OR tick_at > clock_timestamp() THEN
         RAISE EXCEPTION 'lockgate: recurring task "%": tick % is in the future', task, tick_at USING ERRCODE = 'LG003';
     END IF;
-    -- A key the tick's job needs that a producer holds (a limited type's semaphore row) makes
-    -- this tick give up quickly and try again on the next pass, instead of holding up the rest.
-    PERFORM set_config('lock_timeout', '500ms', true);
     SELECT * INTO t FROM lockgate.recurring_tasks r WHERE r.name = enqueue_recurring_tick.task FOR NO KEY UPDATE;
-    IF NOT FOUND OR NOT t.enabled OR tick_at <= t.active_since THEN
+    IF NOT FOUND OR NOT t.enabled OR tick_at <= t.active_since
+       OR (schedule_cron IS NOT NULL AND t.cron IS DISTINCT FROM schedule_cron)
+       OR (schedule_timezone IS NOT NULL AND t.timezone IS DISTINCT FROM schedule_timezone) THEN
         status := 'inactive';
         RETURN;
     END IF;
@@ -227,3 +235,11 @@ BEGIN
     DELETE FROM lockgate.recurring_ticks k
      WHERE k.task = enqueue_recurring_tick.task AND k.tick_at < enqueue_recurring_tick.tick_at - interval '7 days';
 END $$;
+
+-- The form of revisions before 49, which compares no schedule: kept under its signature so that
+-- its grants and the calls of older processes stay as they were.
+CREATE OR REPLACE FUNCTION lockgate.enqueue_recurring_tick(
+    task text, tick_at timestamptz, OUT status text, OUT job_id bigint, OUT error text
+) LANGUAGE sql AS $$
+    SELECT * FROM lockgate.enqueue_recurring_tick(task, tick_at, NULL, NULL)
+$$;

@@ -70,10 +70,10 @@ async fn h23_two_schedulers_racing_on_one_tick_enqueue_it_once() {
     // The first scheduler enqueues the tick and holds its transaction open; the second races on
     // the same tick from another connection while the first has not committed.
     let mut first = db.pool.begin().await.unwrap();
-    let outcome = enqueue_recurring_tick(&mut *first, "nightly", tick).await.unwrap();
+    let outcome = enqueue_recurring_tick(&mut *first, "nightly", tick, None).await.unwrap();
     assert_eq!(outcome.status, "enqueued");
     let second_pool = db.new_pool(1).await.unwrap();
-    let second = tokio::spawn(async move { enqueue_recurring_tick(&second_pool, "nightly", tick).await });
+    let second = tokio::spawn(async move { enqueue_recurring_tick(&second_pool, "nightly", tick, None).await });
     wait_for("the second scheduler to wait for the first, or to finish", WAIT, || async {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity
@@ -96,6 +96,53 @@ async fn h23_two_schedulers_racing_on_one_tick_enqueue_it_once() {
         .await
         .unwrap();
     assert_eq!(last, (tick, outcome.job_id.unwrap()));
+}
+
+/// A schedule changed while a scheduler's tick of the old one waits for the task's row: the
+/// definition set active_since when it ran, before its commit, so the tick (due after that, by
+/// the old schedule the scheduler read) passes the active_since check; the scheduler passes the
+/// schedule it computed the tick from, and the database, comparing it under the row lock, finds
+/// it replaced and enqueues nothing (inactive).
+#[tokio::test]
+async fn a_tick_of_a_schedule_replaced_while_it_waited_for_the_task_is_not_enqueued() {
+    let (db, client) = setup().await;
+    client.define_recurring(&RecurringTask::new("changing", "* * * * * *", "report")).await.unwrap();
+    defined_ago(&db, "changing", "1 minute").await;
+    let mut change = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT lockgate.define_recurring('changing', '0 3 * * *', 'report')")
+        .execute(&mut *change)
+        .await
+        .unwrap();
+    let changed_at: DateTime<Utc> =
+        sqlx::query_scalar("SELECT active_since FROM lockgate.recurring_tasks WHERE name = 'changing'")
+            .fetch_one(&mut *change)
+            .await
+            .unwrap();
+    // The old schedule's next tick (every second) must come after the change's active_since.
+    wait_for("the database clock to pass the next whole second after the change", WAIT, || async {
+        let now = db_now(&db).await;
+        Ok((now.timestamp() > changed_at.timestamp()).then_some(now))
+    })
+    .await
+    .unwrap();
+    let now = db_now(&db).await;
+    let mut scheduler = Scheduler::new(db.new_pool(2).await.unwrap());
+    let pass = tokio::spawn(async move { scheduler.run_once(now).await });
+    wait_for("the scheduler's tick to wait for the task's row, or to finish", WAIT, || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%enqueue_recurring_tick%'",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        Ok((waiting > 0 || pass.is_finished()).then_some(()))
+    })
+    .await
+    .unwrap();
+    change.commit().await.unwrap();
+    let report = pass.await.unwrap().unwrap();
+    assert_eq!(report.enqueued, 0, "a tick of the replaced schedule was enqueued: {report:?}");
+    assert_eq!(jobs(&db).await, 0);
 }
 
 #[tokio::test]
@@ -395,4 +442,22 @@ async fn a_configuration_never_takes_over_a_task_defined_through_sql() {
             .await
             .unwrap();
     assert_eq!(sources, [("from_config".into(), "config".into()), ("shared_name".into(), "sql".into())]);
+}
+
+/// The two maintenance functions that bound their lock waits (a tick at 500 ms, the batch
+/// sweep at 100 ms) do so for their own call only: an operator running them inside a larger
+/// transaction keeps that transaction's own lock_timeout for what comes after.
+#[tokio::test]
+async fn the_tick_and_the_batch_sweep_leave_the_callers_lock_timeout_as_it_was() {
+    let (db, client) = setup().await;
+    client.define_recurring(&every_minute("kept")).await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '7s'").execute(&mut *tx).await.unwrap();
+    for call in
+        ["SELECT lockgate.batch_sweep()", "SELECT * FROM lockgate.enqueue_recurring_tick('kept', now(), NULL, NULL)"]
+    {
+        sqlx::query(call).execute(&mut *tx).await.unwrap();
+        let after: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut *tx).await.unwrap();
+        assert_eq!(after, "7s", "after {call}");
+    }
 }

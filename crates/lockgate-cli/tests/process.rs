@@ -411,3 +411,78 @@ async fn jobs_found_cancelled_retried_and_discarded_from_the_cli() {
         assert!(!out.status.success() && text(&out).contains(expected), "{args:?}: {}", text(&out));
     }
 }
+
+/// A dead letter that another transaction holds is not retried behind its back, and not passed
+/// over in silence either: `lockgate job retry` and `lockgate dlq retry` name it and exit
+/// non-zero. The two holders: an operation on the dead letter itself (a purge under way), and a
+/// producer's enqueue, not yet committed, of the unique key the dead job must take again (waited
+/// for 1 s, not for as long as the producer's transaction stays open). Once they end, the retry
+/// goes through.
+#[tokio::test]
+async fn a_retry_of_a_dead_letter_another_transaction_holds_says_so_and_fails() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('mail', unique_mode => 'until_executed', unique_key => array['to'])")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let dead: i64 = sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue('mail', '{\"to\": \"ada\"}')")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let (m, ct): (i64, i32) = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', 1)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    let mut purging = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lockgate.dead_letters FOR UPDATE").execute(&mut *purging).await.unwrap();
+    let one = output(&db, &["job", "retry", &dead.to_string()]);
+    assert!(
+        !one.status.success()
+            && text(&one).contains(&format!("job {dead} stays dead for now: another transaction holds it")),
+        "{}",
+        text(&one)
+    );
+    let all = output(&db, &["dlq", "retry", "--all"]);
+    assert!(
+        !all.status.success()
+            && text(&all).contains("1 dead letter(s) were not retried: another transaction held them"),
+        "{}",
+        text(&all)
+    );
+    purging.rollback().await.unwrap();
+
+    let mut producing = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('mail', '{\"to\": \"ada\"}')").execute(&mut *producing).await.unwrap();
+    // Killed if it waits for the producer: the test then fails instead of waiting with it.
+    let child = lockgate(&db, &["job", "retry", &dead.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let waiting = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap());
+    let keyed = match tokio::time::timeout(WAIT, waiting).await {
+        Ok(done) => done.unwrap(),
+        Err(_) => {
+            std::process::Command::new("kill").args(["-s", "KILL", &pid.to_string()]).status().unwrap();
+            panic!("lockgate job retry waited {WAIT:?} for the producer's open transaction");
+        }
+    };
+    assert!(
+        !keyed.status.success() && text(&keyed).contains(&format!("job {dead} stays dead for now")),
+        "{}",
+        text(&keyed)
+    );
+    producing.rollback().await.unwrap();
+
+    let retried = output(&db, &["job", "retry", &dead.to_string()]);
+    assert!(retried.status.success() && text(&retried).contains("sent back to queue default"), "{}", text(&retried));
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
+}

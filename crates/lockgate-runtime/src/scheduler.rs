@@ -104,7 +104,7 @@ impl Scheduler {
             report.next_tick_at = report.next_tick_at.into_iter().chain(next).min();
             if let Some(tick) = due {
                 // One task's failing tick never stops the others' (H29's rule for queues).
-                if let Err(error) = self.enqueue_tick(&task.name, tick, &mut report).await {
+                if let Err(error) = self.enqueue_tick(task, tick, &mut report).await {
                     report.errors += 1;
                     tracing::warn!(task = %task.name, %tick, %error, "recurring tick failed; the next pass tries again");
                 }
@@ -113,8 +113,17 @@ impl Scheduler {
         Ok(report)
     }
 
-    async fn enqueue_tick(&self, task: &str, tick: DateTime<Utc>, report: &mut SchedulerReport) -> Result<(), DbError> {
-        let outcome = lockgate_sql::enqueue_recurring_tick(&self.db, task, tick).await?;
+    /// Enqueues `tick` of `task`, computed from the schedule `task` holds: a schedule changed
+    /// since it was read makes the database refuse the tick (inactive).
+    async fn enqueue_tick(
+        &self,
+        task: &RecurringRow,
+        tick: DateTime<Utc>,
+        report: &mut SchedulerReport,
+    ) -> Result<(), DbError> {
+        let schedule = Some((task.cron.as_str(), task.timezone.as_str()));
+        let outcome = lockgate_sql::enqueue_recurring_tick(&self.db, &task.name, tick, schedule).await?;
+        let task = task.name.as_str();
         match outcome.status.as_str() {
             "taken" | "inactive" => report.taken += 1,
             "failed" => {

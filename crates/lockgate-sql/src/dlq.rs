@@ -84,6 +84,10 @@ pub enum DlqRetryOutcome {
     Duplicate { holder: JobId },
     /// Kept: its queue, or the queue's PGMQ table, no longer exists.
     QueueMissing,
+    /// Kept: another transaction holds the dead letter (a retry or purge under way), or is taking
+    /// or giving up its unique key (a producer's enqueue not yet committed, waited for 1 s).
+    /// Nothing was done with it; try again.
+    Busy,
 }
 
 /// One dead letter `dlq_retry` matched: its queue, its job id (none for a message that was not
@@ -96,10 +100,10 @@ pub struct DlqRetried {
 }
 
 /// Sends matching dead letters back to their queues, keeping those whose unique key another job
-/// holds or whose queue is gone; one row per dead letter matched.
+/// holds, whose queue is gone, or that another transaction holds; one row per dead letter matched.
 pub async fn dlq_retry<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter) -> Result<Vec<DlqRetried>, DbError> {
     on(db.into(), async |conn| {
-        let rows = query("SELECT queue, msg_id, job_id, status FROM lockgate.dlq_retry($1, $2)")
+        let rows = query("SELECT queue, msg_id, job_id, status FROM lockgate.dlq_retry($1, $2, true)")
             .bind(filter.queue.as_deref())
             .bind(filter.job_ids.as_deref())
             .fetch_all(conn)
@@ -110,6 +114,7 @@ pub async fn dlq_retry<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter) -> Result<
                 let job_id = r.get::<Option<i64>, _>(2).map(JobId);
                 let outcome = match (r.get::<&str, _>(3), r.get::<Option<i64>, _>(1), job_id) {
                     ("duplicate", _, Some(holder)) => DlqRetryOutcome::Duplicate { holder },
+                    ("busy", _, _) => DlqRetryOutcome::Busy,
                     (_, Some(msg_id), _) => DlqRetryOutcome::Retried { msg_id },
                     _ => DlqRetryOutcome::QueueMissing,
                 };

@@ -155,16 +155,21 @@ pub async fn list_recurring<'c>(db: impl Into<Db<'c>>) -> Result<Vec<RecurringRo
 }
 
 /// Enqueues the job of `task`'s tick at `tick_at`, unless that tick (or a later one) was
-/// enqueued already; in one transaction with the tick's row (H23).
+/// enqueued already; in one transaction with the tick's row (H23). `schedule`, the task's
+/// `(cron, timezone)` the tick was computed from, makes it `inactive` when the task's schedule
+/// has changed since it was read (None: not compared).
 pub async fn enqueue_recurring_tick<'c>(
     db: impl Into<Db<'c>>,
     task: &str,
     tick_at: DateTime<Utc>,
+    schedule: Option<(&str, &str)>,
 ) -> Result<TickOutcome, DbError> {
     on(db.into(), async |conn| {
-        let row = query("SELECT status, job_id, error FROM lockgate.enqueue_recurring_tick($1, $2)")
+        let row = query("SELECT status, job_id, error FROM lockgate.enqueue_recurring_tick($1, $2, $3, $4)")
             .bind(task)
             .bind(tick_at)
+            .bind(schedule.map(|(cron, _)| cron))
+            .bind(schedule.map(|(_, timezone)| timezone))
             .fetch_one(conn)
             .await?;
         Ok(TickOutcome { status: row.get(0), job_id: row.get(1), error: row.get(2) })

@@ -82,6 +82,7 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
             }
             let retried = rows.iter().filter(|r| matches!(r.outcome, DlqRetryOutcome::Retried { .. })).count();
             println!("retried {retried} dead letter(s)");
+            let mut busy = 0;
             for r in &rows {
                 let job =
                     r.job_id.map_or("of a message that was not lockgate's".to_string(), |j| format!("of job {j}"));
@@ -93,7 +94,14 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
                     DlqRetryOutcome::QueueMissing => {
                         println!("kept the dead letter {job}: its queue {} no longer exists", r.queue)
                     }
+                    DlqRetryOutcome::Busy => {
+                        busy += 1;
+                        println!("kept the dead letter {job} of queue {}: {BUSY}", r.queue)
+                    }
                 }
+            }
+            if busy > 0 {
+                bail!("{busy} dead letter(s) were not retried: another transaction held them; run the command again");
             }
         }
         Command::Purge { .. } => {
@@ -103,6 +111,10 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
     }
     Ok(())
 }
+
+/// Why a dead letter was passed over (`DlqRetryOutcome::Busy`); shared with `lockgate job retry`.
+pub(crate) const BUSY: &str = "another transaction holds it (a retry or purge under way, or a producer's \
+                               enqueue of its unique key not yet committed)";
 
 /// Refuses a selection naming what does not exist, so a typo is not mistaken for "nothing to do":
 /// a queue that is not lockgate's and has no dead letters (a dropped queue's dead letters can

@@ -95,7 +95,11 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
                 bail!("job {id} is {}: only a dead job can be retried", job.state);
             }
             let filter = DlqFilter { queue: None, job_ids: Some(vec![id]) };
-            for retried in dlq_retry(&pool, &filter).await? {
+            let rows = dlq_retry(&pool, &filter).await?;
+            if rows.is_empty() {
+                bail!("job {id} was not retried: it left the dead letters meanwhile (retried, purged or discarded by another operation)");
+            }
+            for retried in rows {
                 match retried.outcome {
                     DlqRetryOutcome::Retried { msg_id } => {
                         println!("job {id} sent back to queue {} (message {msg_id})", retried.queue)
@@ -106,6 +110,7 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
                     DlqRetryOutcome::QueueMissing => {
                         bail!("job {id} stays dead: queue {} no longer exists", retried.queue)
                     }
+                    DlqRetryOutcome::Busy => bail!("job {id} stays dead for now: {}; try again", super::dlq::BUSY),
                 }
             }
             Ok(())
