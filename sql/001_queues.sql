@@ -61,8 +61,16 @@ $$;
 -- is pgmq.q_<queue>_lg_claim): no index can be built under that name, and the install leaves
 -- such a queue to the doctor, which names both. Locks: none. Callers:
 -- lockgate._install_claim_indexes, doctor (claim_indexes).
-DROP FUNCTION IF EXISTS lockgate._stale_claim_indexes();
-CREATE FUNCTION lockgate._stale_claim_indexes()
+-- Revision 47's form returned no taken_by; a result type cannot be replaced, so that one is
+-- dropped. Only that one: a function dropped and made again has a new oid, and a doctor running
+-- it while an install commits would fail ("cache lookup failed for function").
+DO $$
+BEGIN
+    IF pg_get_function_result(to_regprocedure('lockgate._stale_claim_indexes()')) = 'TABLE(queue text, why text)' THEN
+        DROP FUNCTION lockgate._stale_claim_indexes();
+    END IF;
+END $$;
+CREATE OR REPLACE FUNCTION lockgate._stale_claim_indexes()
 RETURNS TABLE (queue text, why text, taken_by text)
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     WITH expected AS (

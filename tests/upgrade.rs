@@ -495,3 +495,49 @@ async fn the_doctor_answers_a_role_without_usage_on_pgmq_and_says_what_it_did_no
     }
     assert!(rows.iter().any(|(name, verdict, _)| name == "key_guards" && verdict == "ok"), "{rows:?}");
 }
+
+/// An install that changes nothing (a migrate of the same revision, forced here) drops and makes
+/// again no function of lockgate's and no index of its or PGMQ's schema: each would have a new
+/// oid, and a session running the old one while the install commits (a doctor, a claim, an
+/// enqueue) would fail with "cache lookup failed". (Revision 48 dropped and made again
+/// `_stale_claim_indexes` at every install: a doctor looped beside forced installs failed in 7
+/// of 69 runs.) Revision 47's form of that function, of another result type, is replaced.
+#[tokio::test]
+async fn an_install_that_changes_nothing_makes_no_function_or_index_again() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('kept')").execute(&db.pool).await.unwrap();
+    let objects = "SELECT p.oid::regprocedure::text, p.oid::bigint FROM pg_proc p
+                    WHERE p.pronamespace = 'lockgate'::regnamespace
+                   UNION ALL
+                   SELECT c.oid::regclass::text, c.oid::bigint FROM pg_class c
+                    WHERE c.relkind = 'i' AND c.relnamespace IN ('lockgate'::regnamespace, 'pgmq'::regnamespace)
+                   ORDER BY 1";
+    let before: Vec<(String, i64)> = sqlx::query_as(objects).fetch_all(&db.pool).await.unwrap();
+    assert!(before.len() > 100, "{before:?}");
+    sqlx::query("UPDATE lockgate.schema_state SET functions_revision = functions_revision - 1")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    lockgate::migrate(&db.pool).await.unwrap();
+    let after: Vec<(String, i64)> = sqlx::query_as(objects).fetch_all(&db.pool).await.unwrap();
+    let changed: Vec<&(String, i64)> = after.iter().filter(|o| !before.contains(o)).collect();
+    assert!(changed.is_empty() && after.len() == before.len(), "made again: {changed:?}");
+
+    // Revision 47's _stale_claim_indexes returned no taken_by: that one is replaced.
+    sqlx::raw_sql(
+        "DROP FUNCTION lockgate._stale_claim_indexes();
+         CREATE FUNCTION lockgate._stale_claim_indexes() RETURNS TABLE (queue text, why text)
+             LANGUAGE sql STABLE AS 'SELECT NULL::text, NULL::text WHERE false';
+         UPDATE lockgate.schema_state SET functions_revision = functions_revision - 1;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    lockgate::migrate(&db.pool).await.unwrap();
+    let result: String =
+        sqlx::query_scalar("SELECT pg_get_function_result('lockgate._stale_claim_indexes()'::regprocedure)")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(result, "TABLE(queue text, why text, taken_by text)");
+}
