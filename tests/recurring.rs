@@ -55,6 +55,22 @@ async fn jobs(db: &TestDb) -> i64 {
     db.count("SELECT 1 FROM pgmq.q_default").await.unwrap()
 }
 
+/// Waits until a session of the test's database is waiting for a lock inside
+/// `enqueue_recurring_tick`, or until `call` (the task making that call) has ended.
+async fn until_a_tick_waits_for_a_lock_or_ends<T>(db: &TestDb, call: &tokio::task::JoinHandle<T>) {
+    wait_for("a tick to wait for a lock, or to end", WAIT, || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%enqueue_recurring_tick%'",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        Ok((waiting > 0 || call.is_finished()).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
 fn every_minute(name: &str) -> RecurringTask {
     RecurringTask { args: json!({"kind": name}), ..RecurringTask::new(name, "* * * * *", "report") }
 }
@@ -74,17 +90,7 @@ async fn h23_two_schedulers_racing_on_one_tick_enqueue_it_once() {
     assert_eq!(outcome.status, "enqueued");
     let second_pool = db.new_pool(1).await.unwrap();
     let second = tokio::spawn(async move { enqueue_recurring_tick(&second_pool, "nightly", tick, None).await });
-    wait_for("the second scheduler to wait for the first, or to finish", WAIT, || async {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%enqueue_recurring_tick%'",
-        )
-        .fetch_one(&db.pool)
-        .await?;
-        Ok((waiting > 0 || second.is_finished()).then_some(()))
-    })
-    .await
-    .unwrap();
+    until_a_tick_waits_for_a_lock_or_ends(&db, &second).await;
     first.commit().await.unwrap();
     let raced = second.await.unwrap().unwrap();
 
@@ -128,17 +134,7 @@ async fn a_tick_of_a_schedule_replaced_while_it_waited_for_the_task_is_not_enque
     let now = db_now(&db).await;
     let mut scheduler = Scheduler::new(db.new_pool(2).await.unwrap());
     let pass = tokio::spawn(async move { scheduler.run_once(now).await });
-    wait_for("the scheduler's tick to wait for the task's row, or to finish", WAIT, || async {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%enqueue_recurring_tick%'",
-        )
-        .fetch_one(&db.pool)
-        .await?;
-        Ok((waiting > 0 || pass.is_finished()).then_some(()))
-    })
-    .await
-    .unwrap();
+    until_a_tick_waits_for_a_lock_or_ends(&db, &pass).await;
     change.commit().await.unwrap();
     let report = pass.await.unwrap().unwrap();
     assert_eq!(report.enqueued, 0, "a tick of the replaced schedule was enqueued: {report:?}");

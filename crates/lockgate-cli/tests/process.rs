@@ -343,6 +343,20 @@ async fn job_show_from_the_cli() {
     assert!(!missing.status.success() && text(&missing).contains("no job 999999"), "{}", text(&missing));
 }
 
+/// Claims the next job of queue default and dead-letters it, as its last failed attempt would.
+async fn dead_letter_next(db: &TestDb) {
+    let (m, ct): (i64, i32) = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', 1)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn jobs_found_cancelled_retried_and_discarded_from_the_cli() {
     let db = TestDb::migrated().await.unwrap();
@@ -377,22 +391,10 @@ async fn jobs_found_cancelled_retried_and_discarded_from_the_cli() {
     // A dead job is retried from the job view, then discarded once dead again.
     let dead: i64 =
         sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue('mail', '{}')").fetch_one(&db.pool).await.unwrap();
-    let kill = || async {
-        let (m, ct): (i64, i32) = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-        sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', 1)")
-            .bind(m)
-            .bind(ct)
-            .execute(&db.pool)
-            .await
-            .unwrap();
-    };
-    kill().await;
+    dead_letter_next(&db).await;
     let retried = output(&db, &["job", "retry", &dead.to_string()]);
     assert!(retried.status.success() && text(&retried).contains("sent back to queue default"), "{}", text(&retried));
-    kill().await;
+    dead_letter_next(&db).await;
     let discarded = output(&db, &["job", "discard", &dead.to_string()]);
     assert!(discarded.status.success() && text(&discarded).contains("discarded (it was dead)"), "{}", text(&discarded));
     let gone = output(&db, &["job", "show", &dead.to_string()]);
@@ -429,16 +431,7 @@ async fn a_retry_of_a_dead_letter_another_transaction_holds_says_so_and_fails() 
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    let (m, ct): (i64, i32) = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', 1)")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    dead_letter_next(&db).await;
 
     let mut purging = db.pool.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM lockgate.dead_letters FOR UPDATE").execute(&mut *purging).await.unwrap();
