@@ -677,7 +677,9 @@ impl Run<'_> {
     /// `lockgate.dlq_retry` of one dead-lettered job: it must be sent again as one new message
     /// carrying its id, unless it is unique and another live job holds its key, when it must stay
     /// dead and the answer must name that holder (d, i). A job of the batch leaves it, counted as
-    /// failed (j).
+    /// failed (j). Called with report_busy, as the CLI calls it (the form whose unique-key take
+    /// runs in a block of its own): nothing else holds a dead letter or a key between steps, so
+    /// an answer of busy fails the case too.
     async fn dlq_retry(&mut self, pick: usize) -> Result<String> {
         let dead: Vec<i64> =
             self.model.jobs.iter().filter(|(_, fate)| **fate == Fate::DeadLettered).map(|(job, _)| *job).collect();
@@ -685,7 +687,7 @@ impl Run<'_> {
             return Ok("no dead-lettered job: nothing to do".into());
         };
         let rows: Vec<(Option<i64>, Option<i64>, String)> =
-            sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.dlq_retry(job_ids => ARRAY[$1]::bigint[])")
+            sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.dlq_retry(NULL, ARRAY[$1]::bigint[], true)")
                 .bind(job)
                 .fetch_all(&mut self.c.dispatcher)
                 .await?;
