@@ -39,12 +39,29 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
                   headers)
 $$;
 
--- The queues whose PGMQ table exists: loops over every queue (sweep, prune, invariants, status)
--- skip a queue whose table was dropped behind lockgate's back (pgmq.drop_queue) instead of
--- failing for every other queue. check_invariants reports such queues.
+-- Whether queue's table was made again outside lockgate after lockgate made or adopted it
+-- (pgmq.drop_queue, then pgmq.create): its msg_id is PGMQ's identity column again, numbering
+-- from 1, not lockgate.job_id_seq, so its ids would repeat other jobs' ids, and the fencing tokens
+-- (msg_id, read_ct) of deliveries of the dropped table would match its new messages. False for a
+-- queue whose table is missing. Locks: none. Callers: _live_queues, create_queue, the install,
+-- check_invariants.
+CREATE OR REPLACE FUNCTION lockgate._made_again(queue text)
+RETURNS boolean LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a
+                    WHERE a.attrelid = to_regclass(format('pgmq.%I', 'q_' || queue))
+                      AND a.attname = 'msg_id' AND a.attidentity <> '')
+$$;
+
+-- The queues whose PGMQ table exists as lockgate made or adopted it: loops over every queue
+-- (sweep, prune, invariants, status) skip a queue whose table was dropped behind lockgate's back
+-- (pgmq.drop_queue) instead of failing for every other queue, and a queue whose table was made
+-- again behind its back (pgmq.create) until lockgate adopts it again (create_queue, which every
+-- migrate runs for such a queue). check_invariants reports both.
 CREATE OR REPLACE FUNCTION lockgate._live_queues()
 RETURNS SETOF text LANGUAGE sql STABLE AS $$
-    SELECT q.name FROM lockgate.queues q WHERE to_regclass(format('pgmq.%I', 'q_' || q.name)) IS NOT NULL ORDER BY q.name
+    SELECT q.name FROM lockgate.queues q
+     WHERE to_regclass(format('pgmq.%I', 'q_' || q.name)) IS NOT NULL AND NOT lockgate._made_again(q.name)
+     ORDER BY q.name
 $$;
 
 -- The queues whose claim index is not the one lockgate.create_queue builds now, each with what is
@@ -354,7 +371,11 @@ $$;
 -- else), so the common call, for a queue that exists, returns before the lock: processes
 -- starting together do not queue behind each other's commits. A table dropped since, behind
 -- lockgate's back (pgmq.drop_queue), is not made again here, with or without the lock:
--- check_invariants reports such a queue.
+-- check_invariants reports such a queue. A table made again behind lockgate's back (pgmq.create)
+-- is adopted again, as a PGMQ queue lockgate never knew is: its ids from lockgate.job_id_seq,
+-- above every id of its tables, its indexes built and its steps written for the new table.
+-- Leases, parked jobs and locks of the dropped table's jobs stay as they were: a lease ends and
+-- is freed by the sweep, since its message is gone; a parked job is promoted into the new table.
 -- A new queue's name may not end in a suffix that PGMQ or lockgate appends to another queue's
 -- name for that queue's own relations (_pkey, _vt_idx, _msg_id_seq, _lg_claim, _lg_job: queue x
 -- has the index pgmq.q_x_lg_claim, which a queue x_lg_claim's table would take), and each index
@@ -377,9 +398,10 @@ BEGIN
                   DETAIL = 'a queue name is a lowercase letter followed by lowercase letters, digits or _, at most 47 characters';
     END IF;
     IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) THEN
-        RETURN;
-    END IF;
-    IF queue ~ '_(pkey|vt_idx|msg_id_seq|lg_claim|lg_job)$' THEN
+        IF NOT lockgate._made_again(queue) THEN
+            RETURN;
+        END IF;
+    ELSIF queue ~ '_(pkey|vt_idx|msg_id_seq|lg_claim|lg_job)$' THEN
         RAISE EXCEPTION 'lockgate: invalid queue name "%"', queue
             USING ERRCODE = 'LG003',
                   DETAIL = 'a new queue''s name may not end in _pkey, _vt_idx, _msg_id_seq, _lg_claim or _lg_job: '
@@ -387,7 +409,7 @@ BEGIN
     END IF;
     PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
     -- Looked for again: a creator that held the lock may have committed it meanwhile.
-    IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) THEN
+    IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) AND NOT lockgate._made_again(queue) THEN
         RETURN;
     END IF;
     PERFORM pgmq.create(queue);
@@ -430,6 +452,24 @@ BEGIN
     PERFORM lockgate._install_enqueue_steps(queue);
     PERFORM lockgate._install_complete_steps(queue);
     PERFORM lockgate._install_promote_steps(queue);
+END $$;
+
+-- Every queue whose table was made again behind lockgate's back is adopted again by each install
+-- (create_queue, above): a migrate puts it right, as it does a claim index. Nothing is made again
+-- for the others. One that cannot be adopted (another relation holds one of its index names, its
+-- table belongs to another role) is a warning, not a failed migrate: check_invariants goes on
+-- naming it.
+DO $$
+DECLARE
+    q text;
+BEGIN
+    FOR q IN SELECT x.name FROM lockgate.queues x WHERE lockgate._made_again(x.name) ORDER BY x.name LOOP
+        BEGIN
+            PERFORM lockgate.create_queue(q);
+        EXCEPTION WHEN OTHERS THEN
+            RAISE WARNING 'lockgate: queue "%", whose table was made again outside lockgate, is not adopted: %', q, SQLERRM;
+        END;
+    END LOOP;
 END $$;
 
 -- Pauses a queue: every claim skips it from the next statement on (running jobs finish, their

@@ -23,15 +23,20 @@
 -- Callers: the Rust Client, the CLI, SQL producers, triggers.
 
 -- The INSERT of an enqueue into the queue table tbl, with ($1 vt, $2 args, $3 headers),
+-- its msg_ids drawn from lockgate.job_id_seq by name, not left to the column's default (which is
+-- that sequence): a table made again behind lockgate's back (pgmq.create, whose msg_id is an
+-- identity column numbering from 1) refuses them, where a default would give jobs the ids of
+-- other jobs until lockgate adopts the table again (create_queue; check_invariants names it),
 -- returning the msg_ids in the order of args: one job (args jsonb) when one, else many (args
 -- jsonb[]; only those that are JSON objects of at most 1 MiB, the caller raising for the first
 -- other one). The body of the queue's enqueue steps, and the statement an enqueue plans itself
 -- when it cannot trust them.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_sql(tbl text, one boolean)
 RETURNS text LANGUAGE sql IMMUTABLE AS $$
-    SELECT CASE WHEN one THEN format('INSERT INTO %s (vt, message, headers) VALUES ($1, $2, $3) RETURNING msg_id', tbl)
-                ELSE format('INSERT INTO %s (vt, message, headers)
-            SELECT $1, a.v, $3
+    SELECT CASE WHEN one THEN format('INSERT INTO %s (msg_id, vt, message, headers)
+            VALUES (nextval(''lockgate.job_id_seq''), $1, $2, $3) RETURNING msg_id', tbl)
+                ELSE format('INSERT INTO %s (msg_id, vt, message, headers)
+            SELECT nextval(''lockgate.job_id_seq''), $1, a.v, $3
               FROM unnest($2) a(v)
              WHERE jsonb_typeof(a.v) = ''object'' AND pg_column_size(a.v) <= 1048576
             RETURNING msg_id', tbl) END

@@ -278,7 +278,9 @@ END $$;
 -- through the guarded acquire: deletes each from the parked jobs and returns what to send
 -- (lockgate._send_promotions sends them, one statement per queue, in the same transaction). A
 -- promoted job becomes a new message, visible at its scheduled time (a promoted scheduled job
--- keeps its remaining delay, H9), holding a lease. A job whose type no longer resolves is never
+-- keeps its remaining delay, H9), holding a lease. A job of a queue whose table is gone is
+-- dead-lettered; one whose table was made again behind lockgate's back stops the key's promotions
+-- until lockgate adopts the table. A job whose type no longer resolves is never
 -- promoted under a guessed limit: it is dead-lettered (H16). A type whose limit was removed runs
 -- unlimited: its message carries no key, so the heartbeat does not look for a lease.
 CREATE OR REPLACE FUNCTION lockgate._promote(key text)
@@ -299,6 +301,9 @@ BEGIN
             END IF;
         END IF;
         IF p.queue NOT IN (SELECT lockgate._live_queues()) THEN
+            -- A table made again behind lockgate's back waits, parked, for lockgate to adopt it
+            -- (the next migrate, or create_queue): its own ids would repeat other jobs'.
+            EXIT WHEN lockgate._made_again(p.queue);
             PERFORM lockgate._dead_letter_parked(p, format('queue "%s" no longer exists', p.queue));
             CONTINUE;
         END IF;

@@ -66,7 +66,11 @@ BEGIN
          WHERE NOT EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = l.key)
          GROUP BY l.key;
     RETURN QUERY
-        SELECT NULL::text, format('queue %s has no PGMQ table (dropped outside lockgate)', q2.name)
+        SELECT NULL::text,
+               CASE WHEN lockgate._made_again(q2.name)
+                    THEN format('queue %s has a PGMQ table made again outside lockgate (pgmq.create), numbering its '
+                                'messages from 1: run lockgate migrate to adopt it', q2.name)
+                    ELSE format('queue %s has no PGMQ table (dropped outside lockgate)', q2.name) END
           FROM lockgate.queues q2 WHERE q2.name NOT IN (SELECT lockgate._live_queues());
     FOR q IN SELECT lockgate._live_queues() AS name LOOP
         RETURN QUERY EXECUTE format(

@@ -408,11 +408,15 @@ async fn a_queue_name_that_would_take_another_queues_index_name_is_refused_and_a
 
     // As an earlier create_queue left them: queue x made after x_lg_claim, without its claim
     // index; queue y_lg_rank, whose table holds the name earlier installs rebuilt y's index under.
+    // Each with its ids from lockgate's sequence, as create_queue made them.
     sqlx::raw_sql(
         "SELECT pgmq.create('x_lg_claim'); INSERT INTO lockgate.queues (name) VALUES ('x_lg_claim');
          SELECT pgmq.create('x'); INSERT INTO lockgate.queues (name) VALUES ('x');
          SELECT lockgate.create_queue('y');
          SELECT pgmq.create('y_lg_rank'); INSERT INTO lockgate.queues (name) VALUES ('y_lg_rank');
+         ALTER TABLE pgmq.q_x_lg_claim ALTER COLUMN msg_id DROP IDENTITY;
+         ALTER TABLE pgmq.q_x ALTER COLUMN msg_id DROP IDENTITY;
+         ALTER TABLE pgmq.q_y_lg_rank ALTER COLUMN msg_id DROP IDENTITY;
          DROP INDEX pgmq.q_y_lg_claim;
          UPDATE lockgate.schema_state SET functions_revision = functions_revision - 1;",
     )
@@ -540,4 +544,105 @@ async fn an_install_that_changes_nothing_makes_no_function_or_index_again() {
             .await
             .unwrap();
     assert_eq!(result, "TABLE(queue text, why text, taken_by text)");
+}
+
+/// A queue's table dropped and made again behind lockgate's back (`pgmq.drop_queue`, then
+/// `pgmq.create`) numbers its messages from 1 again: its jobs would take the ids of other jobs,
+/// and a delivery of the dropped table, whose worker still runs, would complete a new message
+/// that took its id. Until lockgate adopts the table, no lockgate enqueue goes into it,
+/// check_invariants names it, and a sweep leaves its parked jobs parked and goes on with the
+/// other queues; a migrate adopts it, and the parked job then runs under an id of lockgate's.
+/// A queue whose table is only dropped does not stop archive retention for the others.
+#[tokio::test]
+async fn a_queue_table_made_again_outside_lockgate_takes_no_job_ids_until_a_migrate_adopts_it() {
+    let db = TestDb::migrated().await.unwrap();
+    let one = |sql: &'static str| {
+        let pool = db.pool.clone();
+        async move { sqlx::query_scalar::<_, i64>(sql).fetch_one(&pool).await.unwrap() }
+    };
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('lim', queue => 'qa', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         concurrency_duration_ms => 1000);
+         SELECT lockgate.define_job_type('lim2', queue => 'qc', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         concurrency_duration_ms => 1000);
+         SELECT lockgate.create_queue('qd');
+         SELECT lockgate.enqueue('lim', '{\"k\": \"x\"}'); SELECT lockgate.enqueue('lim', '{\"k\": \"x\"}');
+         SELECT lockgate.enqueue('lim2', '{\"k\": \"w\"}'); SELECT lockgate.enqueue('lim2', '{\"k\": \"w\"}');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // The workers of qa's and qc's first jobs stop answering; qa's keeps its delivery's token.
+    let (stale_id, stale_ct): (i64, i32) =
+        sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('qa', 1, 300)").fetch_one(&db.pool).await.unwrap();
+    one("SELECT count(*) FROM lockgate.claim('qc', 1, 300)").await;
+    sqlx::raw_sql("SELECT pgmq.drop_queue('qa'); SELECT pgmq.create('qa'); SELECT pgmq.drop_queue('qd');")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    let problems: Vec<String> =
+        sqlx::query_scalar("SELECT problem FROM lockgate.check_invariants() WHERE key IS NULL ORDER BY 1")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        problems,
+        [
+            "queue qa has a PGMQ table made again outside lockgate (pgmq.create), numbering its messages from 1: run lockgate migrate to adopt it",
+            "queue qd has no PGMQ table (dropped outside lockgate)",
+        ]
+    );
+    let refused = sqlx::query("SELECT * FROM lockgate.enqueue('lim', '{\"k\": \"y\"}')").execute(&db.pool).await;
+    assert!(
+        matches!(&refused, Err(e) if e.to_string().contains("cannot insert a non-DEFAULT value into column \"msg_id\"")),
+        "an enqueue into the table made again is refused: {refused:?}"
+    );
+    assert_eq!(one("SELECT count(*) FROM pgmq.q_qa").await, 0);
+
+    // Both leases end; the sweep frees them, promotes qc's parked job and leaves qa's parked.
+    sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(&db.pool).await.unwrap();
+    let (expired, promoted): (i32, i32) =
+        sqlx::query_as("SELECT expired, promoted FROM lockgate.sweep()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!((expired, promoted), (2, 1));
+    assert_eq!(one("SELECT count(*) FROM pgmq.q_qc").await, 2, "qc's parked job is sent");
+    assert_eq!(one("SELECT count(*) FROM lockgate.parked WHERE queue = 'qa'").await, 1, "qa's waits, parked");
+    assert_eq!(one("SELECT count(*) FROM lockgate.dead_letters").await, 0);
+    assert_eq!(one("SELECT lockgate.prune_archive('qd', 0, 100)").await, 0, "nothing to prune where no table is");
+
+    // A migrate adopts the table; the parked job runs under an id above every earlier one, and
+    // the stale delivery's completion finds nothing of its own.
+    sqlx::query("UPDATE lockgate.schema_state SET functions_revision = functions_revision - 1")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    lockgate::migrate(&db.pool).await.unwrap();
+    let problems: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lockgate.check_invariants() WHERE problem LIKE 'queue qa%'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(problems, 0);
+    let (_, promoted): (i32, i32) =
+        sqlx::query_as("SELECT expired, promoted FROM lockgate.sweep()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(promoted, 1);
+    let sent: i64 = sqlx::query_scalar("SELECT msg_id FROM pgmq.q_qa").fetch_one(&db.pool).await.unwrap();
+    assert!(sent > 4, "the promoted job's message id {sent} is lockgate's, above every earlier id");
+    let completed: Vec<i64> = sqlx::query_scalar("SELECT * FROM lockgate.complete('qa', $1, $2)")
+        .bind(vec![stale_id])
+        .bind(vec![stale_ct])
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert!(completed.is_empty());
+    let enqueued: i64 = sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue('lim', '{\"k\": \"z\"}')")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(enqueued > sent);
+    let claim_index: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_indexes WHERE indexname = 'q_qa_lg_claim'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(claim_index, 1);
 }
