@@ -466,7 +466,10 @@ BEGIN
     FOR q IN SELECT x.name FROM lockgate.queues x WHERE lockgate._made_again(x.name) ORDER BY x.name LOOP
         BEGIN
             PERFORM lockgate.create_queue(q);
-        EXCEPTION WHEN OTHERS THEN
+        EXCEPTION WHEN lock_not_available THEN
+            -- A claim holding the table past the migrate's lock timeout: the migrate retries.
+            RAISE;
+        WHEN OTHERS THEN
             RAISE WARNING 'lockgate: queue "%", whose table was made again outside lockgate, is not adopted: %', q, SQLERRM;
         END;
     END LOOP;
