@@ -300,3 +300,18 @@ async fn dlq_list_shows_the_arguments_and_every_attempts_error() {
     assert!(attempts[0].contains("attempt 1") && attempts[1].contains("attempt 2"), "{human}");
     assert!(attempts.iter().all(|l| l.contains("bad input")), "{human}");
 }
+
+/// `lockgate demo` empties the queue `demo` with PGMQ's own calls: on a database where an
+/// application's jobs use a queue of that name, it refuses, naming their type, and leaves them.
+#[tokio::test]
+async fn demo_refuses_a_demo_queue_that_holds_an_applications_jobs() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql("SELECT lockgate.define_job_type('app', queue => 'demo'); SELECT lockgate.enqueue('app', '{}');")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let o = output(&db, &["demo", "--jobs", "1"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("queue 'demo' holds or serves job types that are not the demo's (app)"), "{}", text(&o));
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_demo").await.unwrap(), 1, "the application's job is left");
+}

@@ -78,6 +78,7 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     let registry = registry()?;
     let client = Client::new(pool.clone());
     lockgate::sql::create_queue(&pool, QUEUE).await?;
+    refuse_foreign_jobs(&pool).await?;
     sqlx::query("SELECT pgmq.purge_queue($1)").bind(QUEUE).execute(&pool).await?;
     sqlx::query("DELETE FROM pgmq.a_demo").execute(&pool).await?;
     lockgate::sql::dlq_purge(&pool, &lockgate::sql::DlqFilter { queue: Some(QUEUE.into()), job_ids: None }).await?;
@@ -93,6 +94,31 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     shutdown.cancel();
     task.await??;
     summarize(&pool, started.elapsed()).await
+}
+
+/// The demo empties its queue, its archive and its dead letters with PGMQ's own calls, which
+/// know nothing of lockgate's permits, locks and batches: it refuses a queue that holds, or
+/// serves, anything but its own job types (an application's queue named `demo`).
+async fn refuse_foreign_jobs(pool: &sqlx::PgPool) -> Result<()> {
+    let foreign: Vec<String> = sqlx::query_scalar(
+        "SELECT COALESCE(t, '(no type)') FROM (SELECT name AS t FROM lockgate.job_types WHERE queue = 'demo'
+                        UNION SELECT job_type FROM lockgate.parked WHERE queue = 'demo'
+                        UNION SELECT job_type FROM lockgate.dead_letters WHERE queue = 'demo'
+                        UNION SELECT COALESCE(headers->>'type', '(no type)') FROM pgmq.q_demo
+                        UNION SELECT COALESCE(headers->>'type', '(no type)') FROM pgmq.a_demo) x
+          WHERE t IS NULL OR t NOT LIKE 'demo.%' ORDER BY 1 LIMIT 5",
+    )
+    .fetch_all(pool)
+    .await?;
+    if !foreign.is_empty() {
+        anyhow::bail!(
+            "queue '{QUEUE}' holds or serves job types that are not the demo's ({}): the demo empties that queue, \
+             its archive and its dead letters, so it refuses to run here; run it against another database \
+             (--database-url)",
+            foreign.join(", ")
+        );
+    }
+    Ok(())
 }
 
 async fn enqueue_all(client: &Client, registry: &Registry, jobs: usize) -> Result<()> {
