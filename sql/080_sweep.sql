@@ -172,8 +172,8 @@ END $$;
 -- sweep after the policies or queues changed (a raised limit, a type or queue gone). Room is
 -- judged against the type's current limit (a raised limit frees room at once); a key whose type
 -- is gone or no longer limited, or whose queue is gone, is taken too, to dead-letter or release
--- it (not one whose table was made again behind lockgate's back: it waits for lockgate to adopt
--- the table). It reads every parked job, so it runs with the planner's own choices (lockgate.sweep turns
+-- it (one whose table was made again behind lockgate's back is taken as well, and _promote leaves
+-- its jobs parked until lockgate adopts the table). It reads every parked job, so it runs with the planner's own choices (lockgate.sweep turns
 -- sequential scans, hash and merge joins off for its other statements); a SQL function with
 -- settings of its own (which also keep it from being inlined), planned at each call.
 CREATE OR REPLACE FUNCTION lockgate._sweep_candidates(max_keys integer)
@@ -184,7 +184,7 @@ SET plan_cache_mode = auto SET enable_seqscan = on SET enable_hashjoin = on SET 
           LEFT JOIN lockgate.semaphores s ON s.key = p.key
           LEFT JOIN lockgate.job_types jt ON jt.name = p.job_type
          WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
-            OR (p.queue NOT IN (SELECT lockgate._live_queues()) AND NOT lockgate._made_again(p.queue))
+            OR p.queue NOT IN (SELECT lockgate._live_queues())
          GROUP BY p.key ORDER BY min(p.parked_at) LIMIT max_keys)
 $$;
 
