@@ -288,6 +288,9 @@ BEGIN
             -- Kept as given when the type's key paths change (a claim re-derives the others).
             headers := headers || jsonb_build_object('ckey_explicit', true);
         END IF;
+        -- Permits of the key's jobs that finished while another transaction held its row go
+        -- back first, to the key's parked jobs (one index probe when there are none).
+        PERFORM lockgate._give_back_finished(key);
         IF NOT lockgate._acquire(key, jt.concurrency_limit) THEN
             IF jt.concurrency_on_conflict = 'raise' THEN
                 RAISE EXCEPTION 'lockgate: concurrency limit % reached for key "%"', jt.concurrency_limit, key

@@ -84,52 +84,127 @@ BEGIN
             GREATEST(_add_lease.visible_at, clock_timestamp()) + lockgate._lease_interval(_add_lease.duration_ms));
 END $$;
 
--- Deletes the leases of the given messages of one queue, gives their permits back, and
--- promotes parked jobs of each key released. Returns how many jobs it promoted. Called inside
--- the transaction of the completion or dead-letter that released them, after the fenced
--- statement that decided they were this caller's to release. Set-based: the same few statements
--- whatever the batch. Its plans, and _promote_keys', are made once per session, always the
--- generic ones, and with sequential scans, hash and merge joins and JIT off, as the queue's
--- steps are: a plan made while the leases and semaphores were few and freshly analysed read
--- both tables whole, and kept doing so at every completion of the session once they held
--- thousands of keys (sequentially; _promote_keys, planned on few keys, still reads every
--- semaphore through its index: docs/design.md §60).
+-- Ends the leases of the given messages of one queue, whose jobs have just ended (completed,
+-- dead-lettered, cancelled) in the caller's transaction, after the fenced statement that decided
+-- they were the caller's to end: gives their permits back and promotes parked jobs of each key
+-- released. Returns how many jobs it promoted. Never waits for a key's semaphore row that another
+-- transaction holds (H28): each key's row is taken only if it is free (lockgate._take_keys), and a
+-- held one is tried again every millisecond for up to 5 ms (a racing completion or sweep holds a
+-- row only until its commit). A key still held after that (an open producer transaction that
+-- enqueued a job of the key holds its row until it commits) keeps its leases, marked finished
+-- (finished_at; expires_at brought forward to now): the permit stays held, never given back
+-- early (G3), and the next transaction to hold the key's row gives it back before anything
+-- else — this function for the keys it takes, an enqueue of the key
+-- (lockgate._give_back_finished), the sweep. Waiting instead held the finished job's message row
+-- and lease past the lease's end, and the job ran again when its worker gave the completion up
+-- (docs/design.md §72). Retrying holds the rows already taken, but never waits in the lock
+-- manager, so the order it holds them in cannot close a cycle.
+--
+-- Set-based: the same few statements whatever the batch. Its plans, and _promote_keys', are made
+-- once per session, always the generic ones, and with sequential scans, hash and merge joins and
+-- JIT off, as the queue's steps are: a plan made while the leases and semaphores were few and
+-- freshly analysed read both tables whole, and kept doing so at every completion of the session
+-- once they held thousands of keys (sequentially; _promote_keys, planned on few keys, still reads
+-- every semaphore through its index: docs/design.md §60).
 CREATE OR REPLACE FUNCTION lockgate._release_leases(queue text, msg_ids bigint[])
 RETURNS integer LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET jit = off AS $$
 DECLARE
+    lease_tids tid[];
+    lease_keys text[];
     keys text[];
+    take boolean[];
+    again boolean[];
+    held text[];
+    kept tid[];
+    tries integer := 0;
     counts integer[];
-    tids tid[];
 BEGIN
     -- Each lease found by a probe of the primary key driven by its id (a lateral subquery no plan
-    -- can turn into a walk of the table) and locked there; then, in a statement of its own, whose
-    -- snapshot sees the latest version of every row locked, deleted by its row address (a TID
-    -- scan). Joined with the ids, a plan made on a few analysed leases walked the whole primary
-    -- key and matched each lease against every id (20,000 leases read to complete one job), and
-    -- with the ids as an array searched by the index, a plan made on never-analysed leases read
-    -- every lease of the queue (docs/design.md §65). A lease a sweep deleted meanwhile is not
-    -- found, and not counted; one renewed meanwhile is locked at its new version and deleted.
-    tids := ARRAY(SELECT x.tid FROM unnest(msg_ids) AS r(msg_id)
-                   CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.leases x
-                                        WHERE x.queue = _release_leases.queue AND x.msg_id = r.msg_id
-                                       OFFSET 0 FOR UPDATE) x);
+    -- can turn into a walk of the table) and locked there, with its key; later deleted by its row
+    -- address (a TID scan). Joined with the ids, a plan made on a few analysed leases walked the
+    -- whole primary key and matched each lease against every id (20,000 leases read to complete
+    -- one job), and with the ids as an array searched by the index, a plan made on never-analysed
+    -- leases read every lease of the queue (docs/design.md §65). A lease a sweep deleted meanwhile
+    -- is not found, and not counted; one renewed meanwhile is locked at its new version.
+    SELECT array_agg(x.tid), array_agg(x.key) INTO lease_tids, lease_keys
+      FROM unnest(msg_ids) AS r(msg_id)
+     CROSS JOIN LATERAL (SELECT x.ctid AS tid, x.key FROM lockgate.leases x
+                          WHERE x.queue = _release_leases.queue AND x.msg_id = r.msg_id
+                         OFFSET 0 FOR UPDATE) x;
+    IF lease_tids IS NULL THEN
+        RETURN 0;
+    END IF;
+    keys := ARRAY(SELECT DISTINCT k.key FROM unnest(lease_keys) AS k(key) ORDER BY k.key);
+    -- true: locked here; false: the key has no row (its leases go, with nothing to give back);
+    -- NULL: another transaction holds it.
+    take := lockgate._take_keys(keys);
+    WHILE array_position(take, NULL) IS NOT NULL AND tries < 5 LOOP
+        tries := tries + 1;
+        PERFORM pg_sleep(0.001);
+        held := ARRAY(SELECT k.key FROM unnest(keys, take) AS k(key, t) WHERE k.t IS NULL ORDER BY k.key);
+        again := lockgate._take_keys(held);
+        take := ARRAY(SELECT COALESCE(k.t, a.t)
+                        FROM unnest(keys, take) WITH ORDINALITY AS k(key, t, o)
+                        LEFT JOIN unnest(held, again) AS a(key, t) ON a.key = k.key
+                       ORDER BY k.o);
+    END LOOP;
+    IF array_position(take, NULL) IS NOT NULL THEN
+        held := ARRAY(SELECT k.key FROM unnest(keys, take) AS k(key, t) WHERE k.t IS NULL);
+        SELECT array_agg(l.tid) FILTER (WHERE l.key = ANY (held)),
+               array_agg(l.tid) FILTER (WHERE NOT l.key = ANY (held))
+          INTO kept, lease_tids
+          FROM unnest(lease_tids, lease_keys) AS l(tid, key);
+        UPDATE lockgate.leases l SET finished_at = clock_timestamp(), expires_at = LEAST(l.expires_at, clock_timestamp())
+         WHERE l.ctid = ANY (kept);
+    END IF;
+    -- Deleted: these leases, and the finished leases other jobs of the keys taken here left
+    -- behind (one probe of the finished leases' index per key; skipping one a sweep is deleting).
     WITH gone AS (
-        DELETE FROM lockgate.leases l WHERE l.ctid = ANY (tids)
+        DELETE FROM lockgate.leases l
+         WHERE l.ctid = ANY (lease_tids)
+            OR l.ctid = ANY (ARRAY(
+                   SELECT f.tid FROM unnest(keys, take) AS k(key, t)
+                    CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.leases x
+                                         WHERE x.key = k.key AND x.finished_at IS NOT NULL
+                                        OFFSET 0 FOR UPDATE SKIP LOCKED) f
+                    WHERE k.t))
         RETURNING l.key)
     SELECT array_agg(g.key ORDER BY g.key), array_agg(g.n ORDER BY g.key) INTO keys, counts
       FROM (SELECT gone.key, count(*)::integer AS n FROM gone GROUP BY gone.key) g;
     IF keys IS NULL THEN
         RETURN 0;
     END IF;
-    -- Locks are taken in key order, the order every path keeps: keys is sorted, and each is
-    -- locked by a probe of its own, in turn (a lateral subquery no plan can turn into a walk of
-    -- the table; a join with the keys, sorted for the locks, was planned on few keys as a walk
-    -- of the whole index).
-    PERFORM 1 FROM unnest(keys) AS k(key)
-     CROSS JOIN LATERAL (SELECT FROM lockgate.semaphores s WHERE s.key = k.key OFFSET 0 FOR UPDATE) s;
     RETURN lockgate._send_promotions(lockgate._promote_keys(keys, counts));
+END $$;
+
+-- Before an enqueue takes a permit of key or parks behind it: the permits of the key's jobs
+-- that finished while another transaction held its row (lockgate._release_leases) go back, and
+-- the key's parked jobs are promoted into them, ahead of the job being enqueued, as a completion
+-- would have done. One probe of the finished leases' index when there are none, as almost
+-- always; else the key's row is locked (waiting, as the enqueue's own acquire would) and the
+-- finished leases deleted, skipping one a sweep is deleting. Callers: lockgate._enqueue_one.
+CREATE OR REPLACE FUNCTION lockgate._give_back_finished(key text)
+RETURNS void LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off AS $$
+DECLARE
+    n integer;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM lockgate.leases l WHERE l.key = _give_back_finished.key AND l.finished_at IS NOT NULL) THEN
+        RETURN;
+    END IF;
+    PERFORM 1 FROM lockgate.semaphores s WHERE s.key = _give_back_finished.key FOR UPDATE;
+    WITH gone AS (
+        DELETE FROM lockgate.leases l
+         WHERE l.ctid = ANY (ARRAY(SELECT x.ctid FROM lockgate.leases x
+                                    WHERE x.key = _give_back_finished.key AND x.finished_at IS NOT NULL
+                                      FOR UPDATE SKIP LOCKED))
+        RETURNING 1)
+    SELECT count(*) INTO n FROM gone;
+    IF n > 0 THEN
+        PERFORM lockgate._send_promotions(lockgate._promote_keys(ARRAY[key], ARRAY[n]));
+    END IF;
 END $$;
 
 -- Gives back counts[i] permits of keys[i] (distinct keys whose semaphore rows the caller holds

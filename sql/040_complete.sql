@@ -74,10 +74,12 @@ END $$;
 -- is recorded (last_read_at, NULL until then), fenced on (msg_id, read_ct), so their run counts
 -- as an attempt even if their worker dies. Riding on the completions' statement, a start costs
 -- no commit of its own while jobs finish, and a HOT update (last_read_at is in no index).
+-- Never waits for a key's semaphore row another transaction holds (lockgate._release_leases): a
+-- permit whose row an open producer transaction holds goes back at the sweep after it commits.
 -- Locks: the started message rows in msg_id order (as a release locks its rows), the deleted
--- message rows, their lease rows, then semaphore rows in key order, then unique lock rows, then
--- batch membership rows, batch rows in id order. Callers: the completer, batching many
--- deliveries of one queue.
+-- message rows, their lease rows, then semaphore rows in key order (each only if free), then
+-- unique lock rows, then batch membership rows, batch rows in id order. Callers: the completer,
+-- batching many deliveries of one queue.
 CREATE OR REPLACE FUNCTION lockgate.complete(queue text, msg_ids bigint[], read_cts integer[],
                                              started_ids bigint[] DEFAULT NULL, started_cts integer[] DEFAULT NULL)
 RETURNS SETOF bigint LANGUAGE plpgsql AS $$

@@ -5,8 +5,10 @@
 -- lockgate's, and it must never fail on them (a message that cannot be dead-lettered would be
 -- retried forever). Its permit is given back and the next parked job of its key promoted, its
 -- uniqueness lock released and its batch counted as failed, in the same transaction, only when
--- this delivery removed the message. Returns whether it did.
--- Locks: the deleted row, its lease, the key's semaphore row, its unique lock, its batch row.
+-- this delivery removed the message; the permit waits for the sweep instead when another
+-- transaction holds the key's row (lockgate._release_leases). Returns whether it did.
+-- Locks: the deleted row, its lease, the key's semaphore row (only if free), its unique lock, its
+-- batch row.
 -- Callers: the worker (last attempt failed, undecodable, unknown type).
 CREATE OR REPLACE FUNCTION lockgate.dead_letter(
     queue text, msg_id bigint, read_ct integer, reason text, error text, attempts integer

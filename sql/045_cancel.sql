@@ -164,8 +164,9 @@ END $$;
 -- that was running when the job was cancelled (the archived message's msg_id and read_ct, with
 -- cancelled_in running): any other delivery, or a second call, releases nothing. Returns whether
 -- it released anything.
--- Locks: the lease row, then the key's semaphore row (it may wait for a producer holding it),
--- then the unique lock row, as a completion. Callers: the worker, after a cancelled handler ended.
+-- Locks: the lease row, then the key's semaphore row (only if free: one a producer holds leaves
+-- the permit on a lease marked finished, lockgate._release_leases), then the unique lock row, as
+-- a completion. Callers: the worker, after a cancelled handler ended.
 CREATE OR REPLACE FUNCTION lockgate.release_cancelled(queue text, msg_id bigint, read_ct integer)
 RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE

@@ -43,7 +43,8 @@ END $$;
 -- The concurrency invariants, as rows of violations (none when all hold). Over permits: for
 -- every key, value = number of live leases <= limit; no expired lease points at a message that
 -- no longer exists (run it after a sweep, which frees such leases once they expire; before then
--- the message's holder may still be running). Over deliveries (G3, H24): every
+-- the message's holder may still be running), except the lease of a job that finished while
+-- another transaction held its key's row (finished_at), which the sweep frees once it can. Over deliveries (G3, H24): every
 -- limited job in flight (claimed, not waiting, still invisible) holds a lease of its own key that
 -- lasts at least as long as its visibility (so its holder's budget ends before its permit), and
 -- no key has more such deliveries than its limit. Every concurrency test ends with it.
@@ -75,7 +76,7 @@ BEGIN
     FOR q IN SELECT lockgate._live_queues() AS name LOOP
         RETURN QUERY EXECUTE format(
             'SELECT l.key, format(''expired lease on missing message %%s/%%s'', l.queue, l.msg_id)
-               FROM lockgate.leases l WHERE l.queue = $1 AND l.expires_at < now()
+               FROM lockgate.leases l WHERE l.queue = $1 AND l.expires_at < now() AND l.finished_at IS NULL
                 AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)',
             lockgate._queue_table(q.name, 'q'))
           USING q.name;

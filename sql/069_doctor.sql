@@ -10,7 +10,7 @@
 --   $1 long_running_seconds: an active transaction older than this holding locks on lockgate's
 --      or PGMQ's tables is reported (warn);
 --   $2 idle_in_transaction_seconds: a transaction idle for longer than this holding such locks
---      is reported (fail: it stalls renewals and completions of the rows it holds, H28);
+--      is reported (fail: it holds back the permits and parked jobs of the keys it holds, H28);
 --   $3 alive_threshold_seconds: a process whose heartbeat is older than this is stale (the
 --      runtime's alive_threshold, 60 s by default).
 
@@ -56,8 +56,8 @@ LANGUAGE sql STABLE AS $$
                       'SELECT pg_cancel_backend(%s), or pg_terminate_backend(%s)', h.pid, h.pid)
            ELSE
                format('an open transaction keeps its row locks (a key''s semaphore row, an uncommitted enqueue) '
-                      'until it ends, stalling heartbeat renewals and completions behind them: end it in its '
-                      'application, or SELECT pg_terminate_backend(%s); set idle_in_transaction_session_timeout '
+                      'until it ends, holding back the permits of that key''s finished jobs and the jobs parked '
+                      'behind them: end it in its application, or SELECT pg_terminate_backend(%s); set idle_in_transaction_session_timeout '
                       'so an abandoned transaction ends on its own', h.pid)
            END
       FROM holders h
@@ -82,7 +82,7 @@ LANGUAGE sql STABLE AS $$
                   current_user, current_database()),
            CASE WHEN s.setting = '0' THEN
                format('an abandoned transaction holding a lockgate row (a producer that enqueued and never '
-                      'committed) stalls renewals and completions of that row forever; set '
+                      'committed) holds that key''s permits and parked jobs forever; set '
                       'ALTER DATABASE %I SET idle_in_transaction_session_timeout = ''5min'' (or ALTER ROLE), '
                       'longer than any transaction your producers keep open', current_database())
            END
@@ -161,7 +161,9 @@ $$;
 
 -- Leases whose message no longer exists in its queue (removed outside lockgate: pgmq.delete,
 -- pgmq.archive, pgmq.purge_queue), or whose queue is gone; not the live lease of a job cancelled
--- while it ran, which its worker gives back once the handler stopped (sql/045_cancel.sql). Their permits are counted as held
+-- while it ran, which its worker gives back once the handler stopped (sql/045_cancel.sql), nor
+-- the lease of a job that finished while another transaction held its key's row, which the
+-- sweep frees once the row is free (finished_at, sql/015_concurrency.sql). Their permits are counted as held
 -- until the sweep frees them, which it does once they expire (their holder may still run until
 -- then, sql/080_sweep.sql). One row for all of them.
 CREATE OR REPLACE FUNCTION lockgate._doctor_leases()
@@ -174,13 +176,15 @@ DECLARE
     found_n bigint := 0;
     found_expired bigint := 0;
     places text[] := '{}';
+    oldest timestamptz;
 BEGIN
     check_name := 'orphaned_leases';
     FOR q IN SELECT DISTINCT l.queue FROM lockgate.leases l ORDER BY 1 LOOP
         IF q.queue IN (SELECT lockgate._live_queues()) THEN
             EXECUTE format(
                 'SELECT count(*), count(*) FILTER (WHERE l.expires_at < now()) FROM lockgate.leases l
-                  WHERE l.queue = $1 AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)
+                  WHERE l.queue = $1 AND l.finished_at IS NULL
+                    AND NOT EXISTS (SELECT 1 FROM %s m WHERE m.msg_id = l.msg_id)
                     -- A cancelled running job keeps its lease until its handler stopped: expected.
                     AND NOT (l.expires_at >= now()
                              AND EXISTS (SELECT 1 FROM %s x WHERE x.msg_id = l.msg_id
@@ -209,6 +213,27 @@ BEGIN
                   'if expired ones stay, no sweep is running: start lockgate run, or SELECT * FROM '
                   'lockgate.sweep(). Remove messages through lockgate (dlq purge, parked discard), not '
                   'with pgmq.delete or pgmq.archive';
+    END IF;
+    RETURN NEXT;
+    -- The permits of jobs that finished while another transaction held their key's row: the next
+    -- completion or enqueue of the key, or the sweep, gives each back once the row is free
+    -- (sql/015_concurrency.sql, lockgate._release_leases); one older than a minute means none of
+    -- them has held the row since.
+    check_name := 'finished_leases';
+    SELECT count(*), min(l.finished_at) INTO n, oldest FROM lockgate.leases l
+     WHERE l.finished_at < now() - interval '1 minute';
+    IF n = 0 THEN
+        verdict := 'ok';
+        detail := 'no finished job has held its permit for over a minute';
+        advice := NULL;
+    ELSE
+        verdict := 'warn';
+        detail := format('%s permit(s) of finished jobs not given back, the oldest finished %s ago: each counts as '
+                         'held, and its key''s parked jobs wait', n, date_trunc('second', now() - oldest));
+        advice := 'a finished job''s permit goes back once its key''s row is free: at the next sweep (sweep_interval, 5 s '
+                  'by default) or the next completion or enqueue of the key. If they stay, no sweep is running (start '
+                  'lockgate run, or SELECT * FROM lockgate.sweep()) or a transaction holds the key''s row (see the '
+                  'sessions check)';
     END IF;
     RETURN NEXT;
 END $$;

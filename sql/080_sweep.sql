@@ -5,7 +5,9 @@
 --    found through the leases' expiry index, so thousands of held keys never delay it, H15). A
 --    lease whose message no longer exists (removed outside lockgate, by pgmq.archive or
 --    pgmq.delete) is no exception: its holder may still be running until its budget ends, so it
---    too is freed only when it expires (counted as orphaned). A lease whose key has no semaphore
+--    too is freed only when it expires (counted as orphaned). A lease whose job finished while
+--    another transaction held its key's row (lockgate._release_leases) is expired at once, and
+--    freed here as soon as the row is free (counted in neither). A lease whose key has no semaphore
 --    row (only a bug, or a hand edit past migration 19's guards, makes one; docs/design.md §61) is
 --    deleted once expired, with no permit to give back: no row counts it;
 -- 2. repair: promote parked jobs of keys that can take a permit although nothing released one
@@ -52,6 +54,8 @@ DECLARE
     tids tid[];
     gone_queues text[];
     gone_ids bigint[];
+    n_gone integer;
+    n_finished integer;
     counts integer[];
     q record;
     promotions lockgate.promotion[] := '{}';
@@ -99,12 +103,17 @@ BEGIN
            (SELECT array_agg(c.n ORDER BY c.key) FROM per_key c)
       INTO tids, keys, counts;
     WITH gone AS (
-        DELETE FROM lockgate.leases l WHERE l.ctid = ANY (tids) RETURNING l.queue, l.msg_id)
-    SELECT array_agg(gone.queue), array_agg(gone.msg_id) INTO gone_queues, gone_ids FROM gone;
-    IF cardinality(gone_ids) IS DISTINCT FROM cardinality(tids) THEN
-        RAISE EXCEPTION 'lockgate: % expired leases locked, % deleted', cardinality(tids), cardinality(gone_ids);
+        DELETE FROM lockgate.leases l WHERE l.ctid = ANY (tids) RETURNING l.queue, l.msg_id, l.finished_at)
+    SELECT array_agg(gone.queue) FILTER (WHERE gone.finished_at IS NULL),
+           array_agg(gone.msg_id) FILTER (WHERE gone.finished_at IS NULL),
+           count(*)::integer, count(*) FILTER (WHERE gone.finished_at IS NOT NULL)::integer
+      INTO gone_queues, gone_ids, n_gone, n_finished FROM gone;
+    IF n_gone IS DISTINCT FROM COALESCE(cardinality(tids), 0) THEN
+        RAISE EXCEPTION 'lockgate: % expired leases locked, % deleted', cardinality(tids), n_gone;
     END IF;
-    -- Which of them had lost their message (for the count), one probe of the queue's table each.
+    -- Leases of finished jobs (their completion found the key's row held, sql/015_concurrency.sql
+    -- lockgate._release_leases) are neither expired nor orphaned: their permits just go back. Which
+    -- of the others had lost their message (for the count), one probe of the queue's table each.
     orphaned := 0;
     FOR q IN SELECT DISTINCT g.queue FROM unnest(gone_queues) AS g(queue)
               WHERE g.queue IN (SELECT lockgate._live_queues()) LOOP
@@ -115,7 +124,7 @@ BEGIN
             lockgate._queue_table(q.queue, 'q'))
           INTO orphaned USING gone_queues, gone_ids, orphaned, q.queue;
     END LOOP;
-    expired := COALESCE(cardinality(gone_ids), 0) - orphaned;
+    expired := n_gone - n_finished - orphaned;
     -- Given back and promoted in one step, on the semaphore rows locked above; a key with no row
     -- has nothing to give back.
     IF keys IS NOT NULL THEN

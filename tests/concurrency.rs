@@ -122,6 +122,30 @@ async fn complete_behind_a_lock(db: &TestDb, c: &Claim) -> tokio::task::JoinHand
     completion
 }
 
+/// Completes `c` on a session that may not wait a second for any lock.
+async fn complete_without_waiting(db: &TestDb, c: &Claim) -> ArchiveOutcome {
+    let mut conn = db.pool.acquire().await.unwrap();
+    sqlx::query("SET lock_timeout = '1s'").execute(&mut *conn).await.unwrap();
+    let archived: Vec<i64> = sqlx::query_scalar("SELECT c FROM lockgate.complete($1, ARRAY[$2], ARRAY[$3]) c")
+        .bind(c.queue.as_str())
+        .bind(c.msg_id)
+        .bind(c.read_ct)
+        .fetch_all(&mut *conn)
+        .await
+        .expect("the completion waited for a lock");
+    sqlx::query("RESET lock_timeout").execute(&mut *conn).await.unwrap();
+    if archived == vec![c.msg_id] {
+        ArchiveOutcome::Archived
+    } else {
+        ArchiveOutcome::AlreadyArchived
+    }
+}
+
+/// Leases whose job finished while another transaction held their key's row.
+async fn finished_leases(db: &TestDb) -> i64 {
+    db.count("SELECT 1 FROM lockgate.leases WHERE finished_at IS NOT NULL").await.unwrap()
+}
+
 async fn assert_invariants(db: &TestDb) {
     sweep(&db.pool, 1000, None).await.unwrap();
     let violations = check_invariants(&db.pool).await.unwrap();
@@ -207,7 +231,7 @@ async fn h04_a_parked_job_older_than_duration_is_still_there_and_still_promotabl
 }
 
 #[tokio::test]
-async fn h06_park_racing_a_completion_is_promoted_by_it() {
+async fn h06_park_racing_a_completion_is_promoted_once_the_sweep_has_its_permit_back() {
     let (db, client) = setup(1).await;
     enqueue(&client, 1, 1).await;
     let holder = claim_one(&db).await;
@@ -220,12 +244,16 @@ async fn h06_park_racing_a_completion_is_promoted_by_it() {
             .await
             .unwrap();
     assert_eq!(row.2, "parked");
-    // The completion runs meanwhile and must wait on that lock.
-    let completion = complete_behind_a_lock(&db, &holder).await;
+    // The completion runs meanwhile: it does not wait for that lock (a wait past the job's lease
+    // ran the finished job again, H28), and leaves the permit, on a lease marked finished, to the
+    // sweep.
+    assert_eq!(complete_without_waiting(&db, &holder).await, ArchiveOutcome::Archived);
+    assert_eq!(finished_leases(&db).await, 1);
     parking.commit().await.unwrap();
-    assert_eq!(completion.await.unwrap(), vec![Ok(ArchiveOutcome::Archived)]);
-    assert!(message_of(&db, row.1).await.is_some(), "promoted by the completion itself, no sweep ran");
-    assert_eq!(parked(&db).await, 0);
+    assert!(message_of(&db, row.1).await.is_none(), "the park committed after the completion");
+    assert_eq!(sweep(&db.pool, 1000, None).await.unwrap().promoted, 1, "the sweep promotes it");
+    assert!(message_of(&db, row.1).await.is_some());
+    assert_eq!((parked(&db).await, finished_leases(&db).await, value(&db, 1).await), (0, 0, 1));
     assert_invariants(&db).await;
 }
 
@@ -885,11 +913,14 @@ async fn two_completions_racing_on_one_key_each_promote_against_the_others_commi
         .execute(&mut *first)
         .await
         .unwrap();
-    let second = complete_behind_a_lock(&db, &holders[1]).await;
+    // The second one finds the row held past its retries: it archives its job without waiting,
+    // and leaves the permit, on a lease marked finished, to the sweep.
+    assert_eq!(complete_without_waiting(&db, &holders[1]).await, ArchiveOutcome::Archived);
     first.commit().await.unwrap();
-    // The second one judges room on the first one's committed take: one more promotion, no more.
-    assert_eq!(second.await.unwrap(), vec![Ok(ArchiveOutcome::Archived)]);
-    assert_eq!((value(&db, 1).await, parked(&db).await), (2, 0));
+    assert_eq!((value(&db, 1).await, parked(&db).await, finished_leases(&db).await), (2, 1, 1));
+    // The sweep judges room on the first one's committed take: one more promotion, no more.
+    assert_eq!(sweep(&db.pool, 1000, None).await.unwrap().promoted, 1);
+    assert_eq!((value(&db, 1).await, parked(&db).await, finished_leases(&db).await), (2, 0, 0));
     assert_invariants(&db).await;
 }
 

@@ -202,6 +202,12 @@ impl Run<'_> {
                 };
                 self.finish(i, *how).await
             }
+            Op::FinishBehindProducer { pick, how, commit } => {
+                let Some(i) = pick_from(&self.model.running(), *pick).copied() else {
+                    return Ok("no running delivery: nothing to do".into());
+                };
+                self.finish_behind_producer(i, *how, *commit).await
+            }
             Op::Thaw { pick, how } => {
                 let Some(i) = pick_from(&self.model.fenced(), *pick).copied() else {
                     return Ok("no delivery out of budget: nothing to do".into());
@@ -952,6 +958,45 @@ impl Run<'_> {
 
     /// Delivery i's holder finishes it. A running holder whose delivery is current must be
     /// heard (h); any call that takes effect must have held the current token (f).
+    /// A producer enqueues a job of delivery `i`'s type and key (`k` read back from its
+    /// concurrency key, `lim:[1]`) in a transaction it keeps open, holding the key's row; the
+    /// holder finishes the delivery, which must land without waiting for that row (H28); then the
+    /// producer commits or rolls back.
+    async fn finish_behind_producer(&mut self, i: usize, how: Finish, commit: bool) -> Result<String> {
+        let d = self.model.deliveries[i].clone();
+        let Some(ty) = d.ty else {
+            return Ok(format!("{} has no known type: nothing to do", d.describe()));
+        };
+        let k: u8 =
+            d.key.as_deref().and_then(|key| key.rsplit_once(":[")?.1.strip_suffix(']')?.parse().ok()).unwrap_or(0);
+        let in_batch = !self.model.batch.closed;
+        sqlx::query("BEGIN").execute(&mut self.c.producer).await?;
+        let rows: Vec<(Option<i64>, i64, String)> =
+            sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
+                .bind(ty.name())
+                .bind(json!({ "k": k }))
+                .bind(db::enqueue_options(self.api, in_batch))
+                .fetch_all(&mut self.c.producer)
+                .await?;
+        // A committed enqueue is recorded as of when it ran, before the finish: what it saw then
+        // (a duplicate of the running job, say) is what it answered.
+        let said = if commit { self.enqueued(ty, &[k], &rows, in_batch)? } else { "rolled back".into() };
+        let finished = tokio::time::timeout(Duration::from_secs(10), self.finish(i, how))
+            .await
+            .map_err(|_| anyhow!("{how:?} of {} waited for the producer's open transaction", d.describe()))??;
+        if commit {
+            sqlx::query("COMMIT").execute(&mut self.c.producer).await?;
+        } else {
+            sqlx::query("ROLLBACK").execute(&mut self.c.producer).await?;
+            for (_, job_id, status) in &rows {
+                if status != "duplicate" {
+                    self.model.rolled_back.insert(*job_id);
+                }
+            }
+        }
+        Ok(format!("{finished}; the producer's enqueue of {} {{k:{k}}}: {said}", ty.name()))
+    }
+
     async fn finish(&mut self, i: usize, how: Finish) -> Result<String> {
         let healthy = self.model.deliveries[i].holder == Holder::Running && self.current(i).await?;
         let message_current = self.message_current(i).await?;

@@ -237,6 +237,171 @@ async fn h25_a_heartbeat_never_waits_for_a_row_lock_and_reports_the_delivery_bus
 }
 
 #[tokio::test]
+async fn h28_a_completion_and_a_dead_letter_never_wait_for_a_producers_key_row_and_the_sweep_gives_their_permits_back()
+{
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 2).await;
+    assert_eq!(claim(&db.pool, 2).await.len(), 2);
+    // A producer parks a job of each key in a transaction it keeps open: it holds both keys' rows.
+    let mut producer = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut producer).await.unwrap();
+    for k in [1, 2] {
+        let status: String =
+            sqlx::query_scalar("SELECT status FROM lockgate.enqueue('lim', jsonb_build_object('k', $1::bigint))")
+                .bind(k)
+                .fetch_one(&mut producer)
+                .await
+                .unwrap();
+        assert_eq!(status, "parked");
+    }
+    // The first job completes and the second is dead-lettered, on a session that may not wait a
+    // second for any lock: both land, and leave their leases, marked finished, to the sweep.
+    let mut worker = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("SET lock_timeout = '1s'").execute(&mut worker).await.unwrap();
+    // The deliveries, in key order.
+    let keyed: Vec<(i64, i32, String)> = sqlx::query_as(
+        "SELECT l.msg_id, m.read_ct, l.key FROM lockgate.leases l JOIN pgmq.q_default m ON m.msg_id = l.msg_id
+          ORDER BY l.key",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let archived: Vec<i64> = sqlx::query_scalar("SELECT lockgate.complete('default', $1, $2)")
+        .bind(vec![keyed[0].0])
+        .bind(vec![keyed[0].1])
+        .fetch_all(&mut worker)
+        .await
+        .expect("the completion waited for the producer's key row");
+    assert_eq!(archived, vec![keyed[0].0]);
+    let dead: bool =
+        sqlx::query_scalar("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'boom', 1)")
+            .bind(keyed[1].0)
+            .bind(keyed[1].1)
+            .fetch_one(&mut worker)
+            .await
+            .expect("the dead letter waited for the producer's key row");
+    assert!(dead);
+    let finished: Vec<String> = sqlx::query_scalar(
+        "SELECT key FROM lockgate.leases WHERE finished_at IS NOT NULL AND expires_at <= now() ORDER BY key",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(finished, vec![keyed[0].2.clone(), keyed[1].2.clone()]);
+    // Not a violation, nor an orphaned lease: the sweep frees them once it can.
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+    let verdict: String =
+        sqlx::query_scalar("SELECT verdict FROM lockgate._doctor_leases() WHERE check_name = 'orphaned_leases'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(verdict, "ok");
+    // The sweep skips the keys the producer holds, then frees both permits and promotes both
+    // parked jobs once it has committed, counting none as expired or orphaned.
+    assert_eq!(sweep(&db.pool).await, (0, 0, 0));
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    assert_eq!(sweep(&db.pool).await, (0, 0, 2));
+    let live: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.leases WHERE finished_at IS NULL")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(live, 2, "each key's permit went to its promoted job");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+/// Completes delivery `d` on a session that may not wait a second for any lock.
+async fn complete_without_waiting(db: &TestDb, d: Delivery) {
+    let mut worker = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("SET lock_timeout = '1s'").execute(&mut worker).await.unwrap();
+    let archived: Vec<i64> = sqlx::query_scalar("SELECT lockgate.complete('default', $1, $2)")
+        .bind(vec![d.0])
+        .bind(vec![d.1])
+        .fetch_all(&mut worker)
+        .await
+        .expect("the completion waited for a lock");
+    assert_eq!(archived, vec![d.0]);
+}
+
+async fn finished_leases(db: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM lockgate.leases WHERE finished_at IS NOT NULL")
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+/// Parks a job of key `k` in a transaction left open on a connection of its own, which it returns.
+async fn park_and_hold(db: &TestDb, k: i64) -> PgConnection {
+    let mut producer = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut producer).await.unwrap();
+    let status: String =
+        sqlx::query_scalar("SELECT status FROM lockgate.enqueue('lim', jsonb_build_object('k', $1::bigint))")
+            .bind(k)
+            .fetch_one(&mut producer)
+            .await
+            .unwrap();
+    assert_eq!(status, "parked");
+    producer
+}
+
+/// Review of §72 (helper-68, finding 1): with a permit left to the sweep alone, producers holding
+/// a key's row for a few tens of milliseconds at a time left most of its permits idle between
+/// sweeps. The next transaction to hold the row gives them back: an enqueue of the key, to the
+/// key's parked jobs first.
+#[tokio::test]
+async fn h28_a_finished_jobs_permit_goes_back_at_the_next_enqueue_of_its_key_to_the_oldest_parked_job() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let d = claim(&db.pool, 1).await.remove(0);
+    let mut producer = park_and_hold(&db, 1).await;
+    complete_without_waiting(&db, d).await;
+    assert_eq!(finished_leases(&db.pool).await, 1);
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    // No sweep: the next enqueue of the key gives the permit back, promotes the parked job into
+    // it, and parks behind it.
+    let (_, _, status) = enqueue(&db.pool, 1).await;
+    assert_eq!(status, "parked");
+    assert_eq!(finished_leases(&db.pool).await, 0);
+    let promoted: Vec<Delivery> = claim(&db.pool, 5).await;
+    assert_eq!(promoted.len(), 1, "the job parked first runs");
+    let parked: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.parked").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(parked, 1, "the one enqueued last waits");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+/// The same, through the key's next completion: it gives back its own permit and the finished
+/// one, and promotes into both.
+#[tokio::test]
+async fn h28_a_finished_jobs_permit_goes_back_at_the_next_completion_of_its_key() {
+    let db = limited(2, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    enqueue(&db.pool, 1).await;
+    let ds = claim(&db.pool, 2).await;
+    assert_eq!(ds.len(), 2);
+    let mut producer = park_and_hold(&db, 1).await;
+    complete_without_waiting(&db, ds[0]).await;
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    enqueue(&db.pool, 1).await;
+    assert_eq!(finished_leases(&db.pool).await, 0, "the enqueue gave the permit back, to the parked job");
+    // Hold the row again, finish the second job behind it, and let a third completion find it.
+    let promoted = claim(&db.pool, 5).await;
+    assert_eq!(promoted.len(), 1);
+    let mut producer = park_and_hold(&db, 1).await;
+    complete_without_waiting(&db, ds[1]).await;
+    assert_eq!(finished_leases(&db.pool).await, 1);
+    sqlx::query("ROLLBACK").execute(&mut producer).await.unwrap();
+    complete_without_waiting(&db, promoted[0]).await;
+    assert_eq!(finished_leases(&db.pool).await, 0, "the completion gave the finished permit back too");
+    let (value, parked): (i32, i64) =
+        sqlx::query_as("SELECT (SELECT value FROM lockgate.semaphores), (SELECT count(*) FROM lockgate.parked)")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((value, parked), (1, 0), "both permits back, one taken by the last parked job");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+#[tokio::test]
 async fn g7_a_heartbeat_that_raced_a_shutdown_return_does_not_hide_the_job_again() {
     let db = limited(1, 60_000).await;
     enqueue(&db.pool, 1).await;

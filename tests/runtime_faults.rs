@@ -122,7 +122,7 @@ async fn started(db: &TestDb, job_id: i64) -> i64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn h28_a_producer_transaction_held_open_on_a_key_never_delays_other_renewals() {
+async fn h28_a_producer_transaction_held_open_on_a_key_never_delays_a_completion_or_other_renewals() {
     let db = TestDb::migrated().await.unwrap();
     install_permit_monitor(&db).await;
     let types =
@@ -131,7 +131,7 @@ async fn h28_a_producer_transaction_held_open_on_a_key_never_delays_other_renewa
     let long =
         client.enqueue_raw("long", &json!({"key": "l", "ms": 60_000}), &EnqueueOptions::default()).await.unwrap();
     let held = client.enqueue_raw("lim", &json!({"key": 1, "hold": true}), &EnqueueOptions::default()).await.unwrap();
-    let (starts, config) = (Counter::default(), test_config());
+    let (starts, config) = (Counter::default(), fast_config());
     let probe = probe(&db, 0, &starts);
     let (hold, cancels) = (Arc::clone(&probe.hold), Arc::clone(&probe.cancels));
     let running = Running::start(&db, config.clone(), probe_registry(probe, &types), &["default"], 4).await;
@@ -141,25 +141,24 @@ async fn h28_a_producer_transaction_held_open_on_a_key_never_delays_other_renewa
     .await
     .unwrap();
     // A producer enqueues on key 1 in a transaction it keeps open: it holds the key's semaphore
-    // row. Then key 1's running job finishes, and its completion waits for that row.
+    // row. Then key 1's running job finishes: its completion lands at once, the producer's
+    // transaction still open, and leaves its permit to the sweep.
     let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
     let mut tx = producer.begin().await.unwrap();
     sqlx::query("SELECT lockgate.enqueue('lim', '{\"key\": 1, \"ms\": 10}')").execute(&mut *tx).await.unwrap();
+    let opened = chrono::Utc::now();
     hold.notify_one();
-    let blocked_at: chrono::DateTime<chrono::Utc> =
-        wait_for("a completion blocked behind the producer's lock", WAIT, || async {
-            Ok(sqlx::query_scalar(
-                "SELECT now() FROM pg_stat_activity
-                  WHERE datname = current_database() AND wait_event_type = 'Lock' LIMIT 1",
-            )
-            .fetch_optional(&db.pool)
-            .await?)
-        })
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    let finished: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.leases WHERE finished_at IS NOT NULL")
+        .fetch_one(&db.pool)
         .await
         .unwrap();
-    // While the transaction stays open, the long job keeps being renewed, well past the point
-    // where its visibility would have lapsed had renewals waited behind the completion.
-    let past_lapse = blocked_at + config.visibility_timeout * 2;
+    assert_eq!(finished, 1, "the completion left the lease whose key row the producer holds, marked finished");
+    let waiting: i64 = sqlx::query_scalar(common::WAITING_FOR_A_LOCK).fetch_one(&db.pool).await.unwrap();
+    assert_eq!(waiting, 0, "nothing waits for the producer");
+    // While the transaction stays open, the long job keeps being renewed, past the point where
+    // its visibility would have lapsed had renewals waited.
+    let past_lapse = opened + config.visibility_timeout * 2;
     wait_for("the long job renewed past two visibility timeouts", WAIT, || async {
         let vt: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT vt FROM pgmq.q_default WHERE msg_id = $1")
             .bind(long.msg_id)
@@ -170,13 +169,66 @@ async fn h28_a_producer_transaction_held_open_on_a_key_never_delays_other_renewa
     .await
     .unwrap();
     tx.commit().await.unwrap();
-    // Both limited jobs end (the held one's completion landed once the row was free).
+    // The producer's job runs and ends; the sweep gives the finished lease's permit back.
     wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 2, WAIT).await.unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.leases", 0, WAIT).await.unwrap();
     running.stop().await;
     assert_eq!(started(&db, long.job_id.0).await, 1, "the long job was started exactly once");
-    assert_eq!(started(&db, held.job_id.0).await, 1, "the blocked completion landed: its job ran once");
+    assert_eq!(started(&db, held.job_id.0).await, 1, "the completed job ran once");
     let reasons: Vec<_> = cancels.lock().unwrap().iter().map(|c| c.reason).collect();
     assert_eq!(reasons, vec![Some(CancelReason::Shutdown)], "only shutdown ever cancelled the long job");
+    common::assert_invariants_after_sweep(&db).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h28_a_job_that_finishes_while_a_producer_holds_its_key_past_its_lease_runs_once() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    // Limit 1 and a lease of 2 s: a completion waiting for the key's row would outlast it.
+    let types = [("serial", limited("default", 1, Duration::from_secs(2)))];
+    let client = define(&db, &types).await;
+    let first =
+        client.enqueue_raw("serial", &json!({"key": 1, "hold": true}), &EnqueueOptions::default()).await.unwrap();
+    let (starts, config) = (Counter::default(), fast_config());
+    let probe = probe(&db, 0, &starts);
+    let hold = Arc::clone(&probe.hold);
+    let running = Running::start(&db, config.clone(), probe_registry(probe, &types), &["default"], 2).await;
+    wait_for("the first job to start", WAIT, || async { Ok((started(&db, first.job_id.0).await == 1).then_some(())) })
+        .await
+        .unwrap();
+    // The producer parks a second job of the key and keeps its transaction open, holding the
+    // key's row, while the first job finishes and well past the first job's lease.
+    let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let mut tx = producer.begin().await.unwrap();
+    let (second, status): (i64, String) =
+        sqlx::query_as("SELECT job_id, status FROM lockgate.enqueue('serial', '{\"key\": 1, \"ms\": 10}')")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+    assert_eq!(status, "parked");
+    let lease_end: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT expires_at FROM lockgate.leases WHERE msg_id = $1")
+            .bind(first.msg_id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    hold.notify_one();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    let open_until = lease_end + config.visibility_timeout * 2;
+    wait_for("the producer's transaction open past the first job's lease", WAIT, || async {
+        Ok((chrono::Utc::now() > open_until).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(started(&db, first.job_id.0).await, 1, "the finished job did not run again");
+    assert_eq!(started(&db, second).await, 0, "the parked job waits for the permit");
+    tx.commit().await.unwrap();
+    // The sweep frees the finished job's permit and promotes the parked job, which runs.
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 2, WAIT).await.unwrap();
+    running.stop().await;
+    assert_eq!(started(&db, first.job_id.0).await, 1, "the finished job ran once");
+    assert_eq!(started(&db, second).await, 1, "the parked job ran once");
+    assert!(max_overlap(&db.pool, -1).await.iter().all(|(_, n)| *n <= 1), "key 1 never ran two jobs at once");
     common::assert_invariants_after_sweep(&db).await;
 }
 

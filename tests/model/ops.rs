@@ -122,6 +122,11 @@ pub enum Op {
     /// The holder of the `pick`-th running delivery finishes it; refused, it calls
     /// `release_cancelled`, as the runtime does.
     Finish { pick: usize, how: Finish },
+    /// While a producer's transaction is open on the `pick`-th running delivery's key (it
+    /// enqueued a job of the delivery's type and key: it holds the key's row), the holder
+    /// finishes the delivery, which must not wait for that row; then the producer commits or
+    /// rolls back.
+    FinishBehindProducer { pick: usize, how: Finish, commit: bool },
     /// The holder of the `pick`-th delivery that ran out of budget or was told it lost — frozen
     /// and thawed, say — finishes it anyway: whatever the database answers, every check must
     /// still hold.
@@ -192,6 +197,7 @@ impl Op {
             Op::Finish { how: Finish::Retry { .. }, .. } => "retry",
             Op::Finish { how: Finish::Release, .. } => "release",
             Op::Finish { how: Finish::DeadLetter, .. } => "dead_letter",
+            Op::FinishBehindProducer { .. } => "finish while a producer holds the key",
             Op::Thaw { .. } => "finish after the budget ran out",
             Op::Stale { .. } => "stale token",
             Op::Sweep => "sweep",
@@ -225,6 +231,11 @@ impl fmt::Display for Op {
             }
             Op::Extend { mask } => write!(f, "extend running deliveries of mask {mask:#010b}"),
             Op::Finish { pick, how } => write!(f, "{how:?} running delivery #{pick}"),
+            Op::FinishBehindProducer { pick, how, commit } => write!(
+                f,
+                "{how:?} running delivery #{pick} while a producer's enqueue on its key is open, then {}",
+                if *commit { "commit it" } else { "roll it back" }
+            ),
             Op::Thaw { pick, how } => write!(f, "{how:?} by the out-of-budget holder of delivery #{pick}"),
             Op::Stale { pick, action } => write!(f, "stale {action:?} with stale token #{pick}"),
             Op::Sweep => write!(f, "sweep"),
@@ -287,6 +298,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..2usize, queue(), 1..4u8).prop_map(|(worker, queue, qty)| Op::ClaimRacingSweep { worker, queue, qty }),
         2 => any::<u8>().prop_map(|mask| Op::Extend { mask }),
         5 => (0..8usize, finish()).prop_map(|(pick, how)| Op::Finish { pick, how }),
+        2 => (0..8usize, finish(), any::<bool>())
+            .prop_map(|(pick, how, commit)| Op::FinishBehindProducer { pick, how, commit }),
         1 => (0..8usize, finish()).prop_map(|(pick, how)| Op::Thaw { pick, how }),
         3 => (0..8usize, stale_action()).prop_map(|(pick, action)| Op::Stale { pick, action }),
         4 => Just(Op::Sweep),

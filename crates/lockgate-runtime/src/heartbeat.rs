@@ -167,8 +167,8 @@ impl Heartbeat {
     }
 
     /// Gives back the permits of cancelled deliveries that no handler had started, each in a task
-    /// of its own on the runtime's pool: the release may wait for its key's row lock, and this
-    /// tick must not.
+    /// of its own on the runtime's pool: each is a statement of its own (a few milliseconds more
+    /// when its key's row is held, sql/015_concurrency.sql), and this tick must not wait for them.
     fn release_cancelled(&self, queue: &QueueName, idle: &[(i64, i32)]) {
         for &(msg_id, read_ct) in idle {
             let (db, delivery) = (self.db.clone(), Delivery { queue: queue.clone(), msg_id, read_ct });

@@ -276,7 +276,8 @@ async fn complete_queue(conn: &Mutex<HeldConnection>, in_flight: &InFlight, queu
             Ok(outcome) => {
                 tracing::info!(%queue, msg_id, job_id = job_id.0, job_type, attempt, %outcome, "completion changed nothing");
                 // Its job may have been cancelled while the handler ran: the permit it kept goes
-                // back, in a task of its own (it may wait for its key; completions must not).
+                // back, in a task of its own (a statement of its own, which this batch's
+                // other outcomes need not wait for).
                 let db = conn.lock().await.pool().clone();
                 tokio::spawn(async move { give_back_if_cancelled(&db, &delivery).await });
             }
