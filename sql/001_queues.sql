@@ -391,6 +391,7 @@ RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     top bigint;
     idx record;
+    again boolean := false;
 BEGIN
     IF queue IS NULL OR queue !~ '^[a-z][a-z0-9_]{0,46}$' THEN
         RAISE EXCEPTION 'lockgate: invalid queue name "%"', queue
@@ -399,6 +400,15 @@ BEGIN
     END IF;
     IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) THEN
         IF NOT lockgate._made_again(queue) THEN
+            RETURN;
+        END IF;
+        again := true;
+        -- Adopting alters the table, which only its owner may: any other caller (a worker's
+        -- start, define_job_type) leaves it, with a warning, to a migrate by the owner, and goes
+        -- on with its other queues; the queue stays out of claims and sweeps until then.
+        IF NOT pg_has_role((SELECT c.relowner FROM pg_class c WHERE c.oid = to_regclass(format('pgmq.%I', 'q_' || queue))),
+                           'USAGE') THEN
+            RAISE WARNING 'lockgate: queue "%" has a table made again outside lockgate (pgmq.create), which only its owner may adopt: run lockgate migrate as that role', queue;
             RETURN;
         END IF;
     ELSIF queue ~ '_(pkey|vt_idx|msg_id_seq|lg_claim|lg_job)$' THEN
@@ -446,6 +456,14 @@ BEGIN
                    'q_' || queue, 'a_' || queue) INTO top;
     IF top > (SELECT last_value FROM lockgate.job_id_seq) THEN
         PERFORM setval('lockgate.job_id_seq', top);
+    END IF;
+    -- A table made again holds only what was sent into it since with pgmq.send (no lockgate
+    -- enqueue, promotion or claim reaches it before adoption), numbered by PGMQ from 1: ids that
+    -- other jobs have, and that deliveries and leases of the dropped table still name. Each
+    -- message takes a new id from the sequence, above every id there is; a job whose id was its
+    -- msg_id (no job_id header) gets the new one.
+    IF again THEN
+        EXECUTE format('UPDATE pgmq.%I SET msg_id = nextval(''lockgate.job_id_seq'')', 'q_' || queue);
     END IF;
     INSERT INTO lockgate.queues (name) VALUES (queue) ON CONFLICT DO NOTHING;
     PERFORM lockgate._install_claim_steps(queue);

@@ -140,7 +140,8 @@ END $$;
 -- worker died before starting it — counts that delivery as a return, not an attempt; at most 3
 -- times per job (header unstarted), so a job that kills its worker the instant it starts, before
 -- its start is recorded, still runs out of attempts.
--- A paused queue (lockgate.pause_queue) returns nothing. A claim that took messages it does not
+-- A paused queue (lockgate.pause_queue) returns nothing, nor one whose table was made again
+-- outside lockgate until lockgate adopts it (lockgate._made_again). A claim that took messages it does not
 -- return (dead-lettered, parked, put back) notifies the queue's channel, so a worker that reads a
 -- short claim as an empty queue claims again (docs/design.md section 51).
 -- Callers: the worker's fetch loop. qty = batch size, vt_seconds = visibility timeout.
@@ -193,8 +194,11 @@ BEGIN
         RAISE EXCEPTION 'lockgate: invalid visibility timeout % seconds: a positive, finite number', vt_seconds
             USING ERRCODE = 'LG003';
     END IF;
-    -- A paused queue gives nothing (lockgate.pause_queue).
-    IF paused IS NOT NULL THEN
+    -- A paused queue gives nothing (lockgate.pause_queue), nor one whose table was made again
+    -- outside lockgate (pgmq.drop_queue, pgmq.create) until lockgate adopts it: what it holds
+    -- was sent with PGMQ's own ids, which may be the msg_ids of the dropped table's deliveries,
+    -- still held by their workers as fencing tokens and by leases (docs/design.md §71).
+    IF paused IS NOT NULL OR lockgate._made_again(queue) THEN
         RETURN;
     END IF;
     -- A step that is not lockgate's (dropped by hand, or the queue's table was missing at the

@@ -565,6 +565,7 @@ async fn a_queue_table_made_again_outside_lockgate_takes_no_job_ids_until_a_migr
                                          concurrency_duration_ms => 1000);
          SELECT lockgate.define_job_type('lim2', queue => 'qc', concurrency_limit => 1, concurrency_key => ARRAY['k'],
                                          concurrency_duration_ms => 1000);
+         SELECT lockgate.define_job_type('free', queue => 'qa');
          SELECT lockgate.create_queue('qd');
          SELECT lockgate.enqueue('lim', '{\"k\": \"x\"}'); SELECT lockgate.enqueue('lim', '{\"k\": \"x\"}');
          SELECT lockgate.enqueue('lim2', '{\"k\": \"w\"}'); SELECT lockgate.enqueue('lim2', '{\"k\": \"w\"}');",
@@ -580,6 +581,13 @@ async fn a_queue_table_made_again_outside_lockgate_takes_no_job_ids_until_a_migr
         .execute(&db.pool)
         .await
         .unwrap();
+    // A message sent into the new table with PGMQ's own call takes PGMQ's id: the stale token's.
+    let raw: i64 = sqlx::query_scalar("SELECT * FROM pgmq.send('qa', '{}'::jsonb, '{\"type\": \"free\"}'::jsonb)")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(raw, stale_id);
+    assert_eq!(one("SELECT count(*) FROM lockgate.claim('qa', 5, 300)").await, 0, "no claim before adoption");
 
     let problems: Vec<String> =
         sqlx::query_scalar("SELECT problem FROM lockgate.check_invariants() WHERE key IS NULL ORDER BY 1")
@@ -598,7 +606,7 @@ async fn a_queue_table_made_again_outside_lockgate_takes_no_job_ids_until_a_migr
         matches!(&refused, Err(e) if e.to_string().contains("cannot insert a non-DEFAULT value into column \"msg_id\"")),
         "an enqueue into the table made again is refused: {refused:?}"
     );
-    assert_eq!(one("SELECT count(*) FROM pgmq.q_qa").await, 0);
+    assert_eq!(one("SELECT count(*) FROM pgmq.q_qa").await, 1, "only the message sent with pgmq.send");
 
     // Both leases end; the sweep frees them, promotes qc's parked job and leaves qa's parked.
     sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(&db.pool).await.unwrap();
@@ -626,8 +634,21 @@ async fn a_queue_table_made_again_outside_lockgate_takes_no_job_ids_until_a_migr
     let (_, promoted): (i32, i32) =
         sqlx::query_as("SELECT expired, promoted FROM lockgate.sweep()").fetch_one(&db.pool).await.unwrap();
     assert_eq!(promoted, 1);
-    let sent: i64 = sqlx::query_scalar("SELECT msg_id FROM pgmq.q_qa").fetch_one(&db.pool).await.unwrap();
+    let sent: i64 =
+        sqlx::query_scalar("SELECT msg_id FROM pgmq.q_qa WHERE headers ? 'job_id'").fetch_one(&db.pool).await.unwrap();
     assert!(sent > 4, "the promoted job's message id {sent} is lockgate's, above every earlier id");
+    // The message sent with pgmq.send took a new id too; claimed now, its delivery's token is
+    // not the stale one, which completes nothing.
+    let claimed: Vec<(i64, i32)> =
+        sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('qa', 5, 300) ORDER BY msg_id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(claimed.len(), 2, "{claimed:?}");
+    assert!(
+        claimed.iter().all(|(id, _)| *id > 4),
+        "every message of the adopted table has an id of lockgate's: {claimed:?}"
+    );
     let completed: Vec<i64> = sqlx::query_scalar("SELECT * FROM lockgate.complete('qa', $1, $2)")
         .bind(vec![stale_id])
         .bind(vec![stale_ct])
@@ -645,4 +666,39 @@ async fn a_queue_table_made_again_outside_lockgate_takes_no_job_ids_until_a_migr
         .await
         .unwrap();
     assert_eq!(claim_index, 1);
+}
+
+/// Adopting a table made again alters it, which only its owner may: a worker's role that does not
+/// own it starts, and defines its types, as before (review of §71, F3), leaving the table to a
+/// migrate by its owner; the queue stays out of claims until then.
+#[tokio::test]
+async fn a_role_that_does_not_own_a_table_made_again_leaves_it_to_the_owners_migrate() {
+    let db = TestDb::migrated().await.unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    let app = format!("{}_app", db.name);
+    sqlx::raw_sql(&format!(
+        "SELECT lockgate.create_queue('qa');
+         SELECT pgmq.drop_queue('qa'); SELECT pgmq.create('qa');
+         CREATE ROLE {app} NOLOGIN;
+         GRANT USAGE ON SCHEMA lockgate TO {app}; GRANT USAGE, CREATE ON SCHEMA pgmq TO {app};
+         GRANT ALL ON ALL TABLES IN SCHEMA lockgate, pgmq TO {app};
+         GRANT ALL ON ALL SEQUENCES IN SCHEMA lockgate, pgmq TO {app};
+         SET LOCAL ROLE {app};
+         SELECT lockgate.create_queue('qa');
+         SELECT lockgate.define_job_type('t', queue => 'qa');"
+    ))
+    .execute(&mut *tx)
+    .await
+    .expect("a role that does not own the table creates its queue and defines its type");
+    let (made_again, claimed): (bool, i64) =
+        sqlx::query_as("SELECT lockgate._made_again('qa'), (SELECT count(*) FROM lockgate.claim('qa', 5, 30))")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+    assert_eq!((made_again, claimed), (true, 0), "left for the owner, and out of claims");
+    sqlx::raw_sql("RESET ROLE; SELECT lockgate.create_queue('qa');").execute(&mut *tx).await.unwrap();
+    let made_again: bool = sqlx::query_scalar("SELECT lockgate._made_again('qa')").fetch_one(&mut *tx).await.unwrap();
+    assert!(!made_again, "the owner adopts it");
+    tx.rollback().await.unwrap();
 }
