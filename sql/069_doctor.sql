@@ -422,6 +422,30 @@ LANGUAGE sql STABLE AS $$
        AND NOT pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')
 $$;
 
+-- Queues whose PGMQ table is gone (dropped outside lockgate, pgmq.drop_queue) or was made again
+-- outside lockgate (pgmq.create after it): claims, sweeps, status and retention pass them by, so
+-- their jobs neither run nor fail, and only this and check_invariants say so. One row.
+CREATE OR REPLACE FUNCTION lockgate._doctor_queue_tables()
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    WITH bad AS (
+        SELECT q.name, lockgate._made_again(q.name) AS again
+          FROM lockgate.queues q WHERE q.name NOT IN (SELECT lockgate._live_queues()))
+    SELECT 'queue_tables', 'fail',
+           string_agg(format('queue %s: %s', b.name,
+                             CASE WHEN b.again THEN 'its table was made again outside lockgate (pgmq.create): no claim '
+                                                    'takes its messages until lockgate adopts it'
+                                  ELSE 'its table was dropped outside lockgate (pgmq.drop_queue)' END), '; '
+                      ORDER BY b.name),
+           'a table made again: run lockgate migrate as the role that owns it, which adopts it (its messages take '
+           'lockgate''s ids). A table dropped: create the queue again (lockgate.create_queue) if its parked jobs and '
+           'dead letters should run, or drop what refers to it'
+      FROM bad b HAVING count(*) > 0
+    UNION ALL
+    SELECT 'queue_tables', 'ok', format('%s queue(s), each with its PGMQ table as lockgate made or adopted it', count(*)), NULL
+      FROM lockgate.queues q HAVING NOT EXISTS (SELECT 1 FROM lockgate.queues x WHERE x.name NOT IN (SELECT lockgate._live_queues()))
+$$;
+
 -- The entry point (its contract is at the top of this file). Thresholds must be finite and
 -- not negative (LG003).
 CREATE OR REPLACE FUNCTION lockgate.doctor(
@@ -448,16 +472,17 @@ BEGIN
         UNION ALL SELECT * FROM lockgate._doctor_leases()
         UNION ALL SELECT * FROM lockgate._doctor_parked()
         UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds));
-    -- These two read the queues' relations in schema pgmq, which a role without USAGE on it may
+    -- These three read the queues' relations in schema pgmq, which a role without USAGE on it may
     -- not even name: each says it was not checked, and the others still answer.
     IF has_schema_privilege('pgmq', 'USAGE') THEN
-        RETURN QUERY SELECT * FROM lockgate._doctor_steps() UNION ALL SELECT * FROM lockgate._doctor_claim_indexes();
+        RETURN QUERY SELECT * FROM lockgate._doctor_queue_tables() UNION ALL SELECT * FROM lockgate._doctor_steps()
+                     UNION ALL SELECT * FROM lockgate._doctor_claim_indexes();
     ELSE
         RETURN QUERY
             SELECT c, 'warn',
                    format('not checked: role %s has no USAGE on schema pgmq, where the queues'' tables are', current_user),
                    format('run lockgate doctor as the role lockgate runs as, or GRANT USAGE ON SCHEMA pgmq TO %I', current_user)
-              FROM unnest(ARRAY['queue_steps', 'claim_indexes']) c;
+              FROM unnest(ARRAY['queue_tables', 'queue_steps', 'claim_indexes']) c;
     END IF;
     RETURN QUERY SELECT * FROM lockgate._doctor_key_guards();
 END $$;

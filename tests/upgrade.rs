@@ -493,7 +493,7 @@ async fn the_doctor_answers_a_role_without_usage_on_pgmq_and_says_what_it_did_no
     let rows: Vec<(String, String, String)> =
         sqlx::query_as("SELECT check_name, verdict, detail FROM lockgate.doctor()").fetch_all(&mut *tx).await.unwrap();
     let not_checked = format!("not checked: role {watcher} has no USAGE on schema pgmq, where the queues' tables are");
-    for check in ["queue_steps", "claim_indexes"] {
+    for check in ["queue_tables", "queue_steps", "claim_indexes"] {
         let found: Vec<_> = rows.iter().filter(|(name, _, _)| name == check).collect();
         assert_eq!(found, [&(check.to_string(), "warn".to_string(), not_checked.clone())], "{rows:?}");
     }
@@ -600,6 +600,17 @@ async fn a_queue_table_made_again_outside_lockgate_takes_no_job_ids_until_a_migr
             "queue qa has a PGMQ table made again outside lockgate (pgmq.create), numbering its messages from 1: run lockgate migrate to adopt it",
             "queue qd has no PGMQ table (dropped outside lockgate)",
         ]
+    );
+    let (verdict, detail): (String, String) =
+        sqlx::query_as("SELECT verdict, detail FROM lockgate.doctor() WHERE check_name = 'queue_tables'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(verdict, "fail");
+    assert!(
+        detail.starts_with("queue qa: its table was made again outside lockgate (pgmq.create)")
+            && detail.contains("; queue qd: its table was dropped outside lockgate"),
+        "{detail}"
     );
     let refused = sqlx::query("SELECT * FROM lockgate.enqueue('lim', '{\"k\": \"y\"}')").execute(&db.pool).await;
     assert!(
