@@ -245,6 +245,7 @@ DECLARE
     key text;
     ukey text;
     holder bigint;
+    acquired boolean;
 BEGIN
     IF batch IS NOT NULL THEN
         headers := headers || jsonb_build_object('batch', batch);
@@ -289,9 +290,16 @@ BEGIN
             headers := headers || jsonb_build_object('ckey_explicit', true);
         END IF;
         -- Permits of the key's jobs that finished while another transaction held its row go
-        -- back first, to the key's parked jobs (one index probe when there are none).
+        -- back first, to the key's parked jobs (one index probe when there are none). Looked for
+        -- again when the key is full: a job of the key may have finished while this enqueue
+        -- waited for the row, and only now that it holds the row is that lease sure to be seen.
         PERFORM lockgate._give_back_finished(key);
-        IF NOT lockgate._acquire(key, jt.concurrency_limit) THEN
+        acquired := lockgate._acquire(key, jt.concurrency_limit);
+        IF NOT acquired THEN
+            PERFORM lockgate._give_back_finished(key);
+            acquired := lockgate._acquire(key, jt.concurrency_limit);
+        END IF;
+        IF NOT acquired THEN
             IF jt.concurrency_on_conflict = 'raise' THEN
                 RAISE EXCEPTION 'lockgate: concurrency limit % reached for key "%"', jt.concurrency_limit, key
                     USING ERRCODE = 'LG004';

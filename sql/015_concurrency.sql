@@ -187,9 +187,13 @@ END $$;
 -- the key's parked jobs are promoted into them, ahead of the job being enqueued, as a completion
 -- would have done. One probe of the finished leases' index when there are none, as almost
 -- always; else the key's row is locked (waiting, as the enqueue's own acquire would) and the
--- finished leases deleted, skipping one a sweep is deleting. Callers: lockgate._enqueue_one.
+-- finished leases deleted, skipping one a sweep is deleting. SECURITY DEFINER, with a fixed
+-- search path: a producer role may enqueue without the rights a completion needs (deleting
+-- leases and parked jobs, writing other queues' messages), and what this does for it is what
+-- the sweep would do (review of §72). Callers: lockgate._enqueue_one.
 CREATE OR REPLACE FUNCTION lockgate._give_back_finished(key text)
-RETURNS void LANGUAGE plpgsql
+RETURNS void LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     n integer;

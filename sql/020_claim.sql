@@ -213,6 +213,13 @@ BEGIN
     FOR r IN EXECUTE take USING qty, vt_seconds, owner, at, start_now, queue
     LOOP
         left_to_claim := left_to_claim - 1;
+        -- Looked at again once the take holds the table: the look above ran before the take
+        -- waited for it, and a transaction that dropped and made the table again may have
+        -- committed in between (review of §71). Nothing taken from it is kept.
+        IF left_to_claim = qty - 1 AND lockgate._made_again(queue) THEN
+            RAISE EXCEPTION 'lockgate: queue "%" has a table made again outside lockgate (pgmq.create): run lockgate migrate to adopt it', queue
+                USING ERRCODE = '55000';
+        END IF;
         -- Checked here, row by row, not in the take step: written when that statement was
         -- planned at every call, where planning the inlined check cost more than the claim's
         -- own work; whether the check now costs less inside the step is not measured.
@@ -249,7 +256,9 @@ BEGIN
         -- statement's snapshot, the end may be older than the row: a release or retry of the
         -- last delivery can commit between the snapshot and the message's lock; but no step
         -- ever moves a lease's end earlier (each renews it to GREATEST(old, new)), so the end
-        -- read is a lower bound of the end that holds.
+        -- read is a lower bound of the end that holds. (A lease marked finished is brought
+        -- forward to now, sql/015_concurrency.sql, but only in the transaction that removed its
+        -- message: no claim finds that message again.)
         IF r.limited AND r.lease_end IS NULL THEN
             unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
             CONTINUE;

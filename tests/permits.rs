@@ -401,6 +401,82 @@ async fn h28_a_finished_jobs_permit_goes_back_at_the_next_completion_of_its_key(
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
+/// Review of §72 (helper-69, finding 2): an enqueue that waited for the key's row looked for
+/// finished permits before the wait, and a job of the key that finished meanwhile left its permit
+/// where the enqueue did not look again: both parked jobs waited for the sweep while nothing ran.
+#[tokio::test]
+async fn h28_an_enqueue_that_waited_for_the_key_gives_back_a_permit_finished_meanwhile() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let d = claim(&db.pool, 1).await.remove(0);
+    let mut producer = park_and_hold(&db, 1).await;
+    let url = db.url.clone();
+    let waiting = tokio::spawn(async move {
+        let mut conn = PgConnection::connect(&url).await.unwrap();
+        sqlx::query_scalar::<_, String>("SELECT status FROM lockgate.enqueue('lim', '{\"k\": 1}')")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+    });
+    wait_for("the second enqueue to wait for the key's row", Duration::from_secs(15), || async {
+        Ok((sqlx::query_scalar::<_, i64>(common::WAITING_FOR_A_LOCK).fetch_one(&db.pool).await? > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    complete_without_waiting(&db, d).await;
+    assert_eq!(finished_leases(&db.pool).await, 1);
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    assert_eq!(waiting.await.unwrap(), "parked", "the key is full again: the first parked job took the permit");
+    assert_eq!(finished_leases(&db.pool).await, 0);
+    assert_eq!(claim(&db.pool, 5).await.len(), 1, "the job parked first runs, without a sweep");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+/// Review of §72 (helper-69, finding 3): giving finished permits back deletes leases and parked
+/// jobs and writes queues, which a role that may only enqueue may not do; it runs as lockgate's
+/// installer, as the sweep that would otherwise do it.
+#[tokio::test]
+async fn h28_a_producer_role_that_may_only_enqueue_gives_back_a_finished_permit() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let d = claim(&db.pool, 1).await.remove(0);
+    let mut producer = park_and_hold(&db, 1).await;
+    complete_without_waiting(&db, d).await;
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    let role = format!("{}_producer", db.name);
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    sqlx::raw_sql(&format!(
+        "CREATE ROLE {role} NOLOGIN;
+         GRANT USAGE ON SCHEMA lockgate, pgmq TO {role};
+         GRANT SELECT ON ALL TABLES IN SCHEMA lockgate TO {role};
+         GRANT INSERT, UPDATE ON lockgate.semaphores TO {role};
+         GRANT INSERT ON lockgate.leases, lockgate.parked TO {role};
+         GRANT UPDATE ON lockgate.unique_locks TO {role};
+         GRANT SELECT, INSERT ON pgmq.q_default TO {role};
+         GRANT USAGE ON ALL SEQUENCES IN SCHEMA lockgate TO {role};
+         SET LOCAL ROLE {role};"
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let status: String = sqlx::query_scalar("SELECT status FROM lockgate.enqueue('lim', '{\"k\": 1}')")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("the producer role enqueues where a permit finished");
+    assert_eq!(status, "parked");
+    sqlx::query("RESET ROLE").execute(&mut *tx).await.unwrap();
+    let (finished, sent): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM lockgate.leases WHERE finished_at IS NOT NULL),
+                (SELECT count(*) FROM pgmq.q_default)",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!((finished, sent), (0, 1), "the permit went back, to the job parked first");
+    tx.rollback().await.unwrap();
+}
+
 #[tokio::test]
 async fn g7_a_heartbeat_that_raced_a_shutdown_return_does_not_hide_the_job_again() {
     let db = limited(1, 60_000).await;

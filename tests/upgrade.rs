@@ -679,6 +679,56 @@ async fn a_queue_table_made_again_outside_lockgate_takes_no_job_ids_until_a_migr
     assert_eq!(claim_index, 1);
 }
 
+/// Review of §71 (helper-69, finding 1): a claim looked at the table before its take waited for
+/// it, so a claim that waited behind the transaction that dropped the table and made it again took
+/// that new table's messages, whose PGMQ ids were tokens of the dropped table's deliveries. It
+/// looks again once the take holds the table, and keeps nothing.
+#[tokio::test]
+async fn a_claim_waiting_behind_a_table_made_again_takes_nothing_from_it() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('free', queue => 'qa');
+         SELECT lockgate.enqueue('free', '{}');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut dropper = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(
+        "BEGIN; SELECT pgmq.drop_queue('qa'); SELECT pgmq.create('qa');
+         SELECT pgmq.send('qa', '{}'::jsonb, '{\"type\": \"free\"}'::jsonb);",
+    )
+    .execute(&mut dropper)
+    .await
+    .unwrap();
+    let url = db.url.clone();
+    let claim = tokio::spawn(async move {
+        let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&url).await.unwrap();
+        sqlx::query_as::<_, (i64, i32)>("SELECT msg_id, read_ct FROM lockgate.claim('qa', 5, 300)")
+            .fetch_all(&mut conn)
+            .await
+    });
+    lockgate_testkit::wait_for("the claim to wait for the table", std::time::Duration::from_secs(15), || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        Ok((waiting > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    sqlx::query("COMMIT").execute(&mut dropper).await.unwrap();
+    let claimed = claim.await.unwrap();
+    assert!(
+        matches!(&claimed, Err(e) if e.to_string().contains("has a table made again outside lockgate")),
+        "the claim takes nothing from the new table: {claimed:?}"
+    );
+    let read: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgmq.q_qa WHERE read_ct > 0").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(read, 0, "no message of the new table was read");
+}
+
 /// Adopting a table made again alters it, which only its owner may: a worker's role that does not
 /// own it starts, and defines its types, as before (review of §71, F3), leaving the table to a
 /// migrate by its owner; the queue stays out of claims until then.
