@@ -20,6 +20,10 @@
 -- a producer (H31). Only finishing needs the share gone: it takes the row FOR UPDATE SKIP
 -- LOCKED, and while an enqueue holds the share it leaves the batch closed; that enqueue's jobs
 -- finish it, or, when it added none, the batch sweep does.
+-- A count (a completion's, a dead letter's, a cancel's) never waits for the batch row another
+-- transaction holds: after 5 ms of retries it writes the job's outcome on its membership, and the
+-- next holder of the row moves it onto the row (lockgate._count_batch_jobs, _fold_outcomes;
+-- docs/design.md §73). Readers add such outcomes to the row's counts (lockgate._waiting_outcomes).
 -- Callbacks are enqueued in the finishing transaction when their types take no lock (no limit,
 -- no uniqueness: the enqueue only inserts a message); otherwise by the batch sweep, at most a
 -- sweep interval later, so a completion never waits for or deadlocks on a callback's keys.
@@ -132,6 +136,8 @@ BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN false;
     END IF;
+    -- Jobs whose count waited on their memberships are counted now (the caller holds the row).
+    PERFORM lockgate._fold_outcomes(ARRAY[batch_id]);
     IF EXISTS (SELECT 1 FROM lockgate.batch_jobs m WHERE m.batch_id = _finish_if_done.batch_id) THEN
         RETURN false;
     END IF;
@@ -167,6 +173,7 @@ BEGIN
     -- for every job counted (docs/design.md §65).
     PERFORM 1 FROM unnest(ids) AS k(id)
      CROSS JOIN LATERAL (SELECT FROM lockgate.batches y WHERE y.id = k.id OFFSET 0 FOR NO KEY UPDATE) y;
+    PERFORM lockgate._fold_outcomes(ids);
     FOR closed IN
         WITH counted AS (
             UPDATE lockgate.batches b
@@ -183,14 +190,102 @@ END $$;
 
 -- Counts the given jobs of queue that are members of a batch (deleting their memberships), as
 -- failed or succeeded; a job that is no member (never added, or counted already) counts nothing.
+-- Never waits for a batch's row that another transaction holds (a producer that closed the batch
+-- in a transaction still open; a wait that outlasted the job's lease made the finished job run
+-- again): each row is taken only if free (lockgate._take_batches), a held one tried again every
+-- millisecond for up to 5 ms, and the jobs of a batch still held keep their memberships with
+-- their outcome written on them, for the next holder of the row to count
+-- (lockgate._fold_outcomes; docs/design.md §73).
 CREATE OR REPLACE FUNCTION lockgate._count_batch_jobs(queue text, job_ids bigint[], as_failed boolean)
-RETURNS void LANGUAGE plpgsql AS $$
+RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
-    batch_ids bigint[] := lockgate._drop_memberships(queue, job_ids);
+    tids tid[];
+    bids bigint[];
+    ids bigint[];
+    take boolean[];
+    again boolean[];
+    held bigint[];
+    kept tid[];
+    tries integer := 0;
+    counted bigint[];
 BEGIN
-    IF cardinality(batch_ids) > 0 THEN
-        PERFORM lockgate._count_batches(batch_ids, as_failed);
+    -- Each membership found by a probe of the primary key driven by its job and locked there, as
+    -- lockgate._release_unique does (docs/design.md §65); one already counted is no member.
+    SELECT array_agg(x.tid), array_agg(x.batch_id) INTO tids, bids
+      FROM unnest(job_ids) AS j(id)
+     CROSS JOIN LATERAL (SELECT x.ctid AS tid, x.batch_id FROM lockgate.batch_jobs x
+                          WHERE x.queue = _count_batch_jobs.queue AND x.job_id = j.id AND x.outcome IS NULL
+                         OFFSET 0 FOR UPDATE) x;
+    IF tids IS NULL THEN
+        RETURN;
     END IF;
+    ids := ARRAY(SELECT DISTINCT b.id FROM unnest(bids) AS b(id) ORDER BY b.id);
+    take := lockgate._take_batches(ids);
+    WHILE array_position(take, NULL) IS NOT NULL AND tries < 5 LOOP
+        tries := tries + 1;
+        PERFORM pg_sleep(0.001);
+        held := ARRAY(SELECT k.id FROM unnest(ids, take) AS k(id, t) WHERE k.t IS NULL ORDER BY k.id);
+        again := lockgate._take_batches(held);
+        take := ARRAY(SELECT COALESCE(k.t, a.t)
+                        FROM unnest(ids, take) WITH ORDINALITY AS k(id, t, o)
+                        LEFT JOIN unnest(held, again) AS a(id, t) ON a.id = k.id
+                       ORDER BY k.o);
+    END LOOP;
+    IF array_position(take, NULL) IS NOT NULL THEN
+        held := ARRAY(SELECT k.id FROM unnest(ids, take) AS k(id, t) WHERE k.t IS NULL);
+        SELECT array_agg(m.tid) FILTER (WHERE m.batch_id = ANY (held)),
+               array_agg(m.tid) FILTER (WHERE NOT m.batch_id = ANY (held))
+          INTO kept, tids
+          FROM unnest(tids, bids) AS m(tid, batch_id);
+        UPDATE lockgate.batch_jobs m SET outcome = CASE WHEN as_failed THEN 'failed' ELSE 'succeeded' END
+         WHERE m.ctid = ANY (kept);
+    END IF;
+    WITH gone AS (DELETE FROM lockgate.batch_jobs m WHERE m.ctid = ANY (tids) RETURNING m.batch_id)
+    SELECT array_agg(gone.batch_id) INTO counted FROM gone;
+    IF cardinality(counted) > 0 THEN
+        PERFORM lockgate._count_batches(counted, as_failed);
+    END IF;
+END $$;
+
+-- Locks the rows of batches (distinct, sorted), each by a probe of its own in their order,
+-- FOR NO KEY UPDATE as counting does, skipping any row another transaction holds: never waits.
+-- Returns, for each id in order, true when its row is locked here, false when it has no row,
+-- NULL when another transaction holds it. Callers: lockgate._count_batch_jobs.
+CREATE OR REPLACE FUNCTION lockgate._take_batches(ids bigint[])
+RETURNS boolean[] LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
+BEGIN
+    RETURN ARRAY(
+        SELECT CASE WHEN m.locked THEN true WHEN p.present IS NULL THEN false END
+          FROM unnest(ids) WITH ORDINALITY AS g(id, o)
+          LEFT JOIN LATERAL (SELECT true AS locked FROM lockgate.batches x WHERE x.id = g.id
+                              OFFSET 0 FOR NO KEY UPDATE SKIP LOCKED) m ON true
+          LEFT JOIN LATERAL (SELECT true AS present FROM lockgate.batches x WHERE x.id = g.id AND m.locked IS NULL
+                              OFFSET 0) p ON true
+         ORDER BY g.o);
+END $$;
+
+-- Counts the jobs of the given batches whose outcome waited on their memberships
+-- (lockgate._count_batch_jobs), deleting those memberships; the caller holds the batches' rows.
+-- One probe of an index that is empty but for the moment such a membership exists; a membership
+-- whose completion has not committed yet is skipped, for a later holder.
+CREATE OR REPLACE FUNCTION lockgate._fold_outcomes(ids bigint[])
+RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM lockgate.batch_jobs m WHERE m.outcome IS NOT NULL) THEN
+        RETURN;
+    END IF;
+    WITH gone AS (
+        DELETE FROM lockgate.batch_jobs m
+         WHERE m.ctid = ANY (ARRAY(SELECT x.ctid FROM lockgate.batch_jobs x
+                                    WHERE x.batch_id = ANY (ids) AND x.outcome IS NOT NULL
+                                      FOR UPDATE SKIP LOCKED))
+        RETURNING m.batch_id, m.outcome),
+    c AS (
+        SELECT g.batch_id, count(*) FILTER (WHERE g.outcome = 'succeeded') AS s,
+               count(*) FILTER (WHERE g.outcome = 'failed') AS f
+          FROM gone g GROUP BY g.batch_id)
+    UPDATE lockgate.batches b SET succeeded = b.succeeded + c.s, failed = b.failed + c.f, updated_at = now()
+      FROM c WHERE b.id = c.batch_id;
 END $$;
 
 -- Deletes the memberships of the given jobs of queue; returns their batches' ids, one element
@@ -289,7 +384,8 @@ BEGIN
     -- FOR UPDATE SKIP LOCKED: a batch an enqueue still shares is passed over here, not taken
     -- into the LIMIT (a producer adding to many batches would otherwise fill it).
     FOR done IN SELECT x.id FROM lockgate.batches x
-                 WHERE x.state = 'closed' AND NOT EXISTS (SELECT 1 FROM lockgate.batch_jobs m WHERE m.batch_id = x.id)
+                 WHERE x.state = 'closed'
+                   AND NOT EXISTS (SELECT 1 FROM lockgate.batch_jobs m WHERE m.batch_id = x.id AND m.outcome IS NULL)
                  ORDER BY x.id LIMIT max_rows FOR UPDATE SKIP LOCKED LOOP
         IF lockgate._finish_if_done(done) THEN
             repaired := repaired + 1;
@@ -330,7 +426,7 @@ BEGIN
         EXECUTE format(
             'WITH doomed AS (
                  SELECT m.queue, m.job_id FROM lockgate.batch_jobs m JOIN lockgate.batches b ON b.id = m.batch_id
-                  WHERE m.queue = $1 AND b.state = ''closed'' AND b.updated_at < now() - $2
+                  WHERE m.queue = $1 AND m.outcome IS NULL AND b.state = ''closed'' AND b.updated_at < now() - $2
                     AND NOT EXISTS (SELECT 1 FROM %1$s x WHERE x.msg_id = m.job_id)
                     AND NOT EXISTS (SELECT 1 FROM %1$s x WHERE x.headers->>''job_id'' = m.job_id::text)
                     AND NOT EXISTS (SELECT 1 FROM lockgate.parked p WHERE p.job_id = m.job_id)
@@ -350,6 +446,14 @@ BEGIN
     RETURN reaped;
 END $$;
 
+-- The jobs of a batch counted on their memberships, not yet on its row (lockgate._count_batch_jobs):
+-- (succeeded, failed). Readers add them to the row's counts.
+CREATE OR REPLACE FUNCTION lockgate._waiting_outcomes(batch_id bigint, OUT s bigint, OUT f bigint)
+LANGUAGE sql STABLE AS $$
+    SELECT count(*) FILTER (WHERE m.outcome = 'succeeded'), count(*) FILTER (WHERE m.outcome = 'failed')
+      FROM lockgate.batch_jobs m WHERE m.batch_id = _waiting_outcomes.batch_id AND m.outcome IS NOT NULL
+$$;
+
 -- One batch's progress; no row for an unknown id.
 -- Locks: none. Callers: lockgate batch show, Client::batch, SQL users.
 CREATE OR REPLACE FUNCTION lockgate.batch(batch_id bigint)
@@ -357,16 +461,19 @@ RETURNS TABLE (id bigint, state text, total bigint, succeeded bigint, failed big
                on_finish text, on_success text, on_failure text, properties jsonb, callbacks_pending boolean,
                callback_error text, created_at timestamptz, closed_at timestamptz, finished_at timestamptz)
 LANGUAGE sql STABLE AS $$
-    SELECT b.id, b.state, t.total, b.succeeded, b.failed, t.total - b.succeeded - b.failed,
+    SELECT b.id, b.state, t.total, b.succeeded + o.s, b.failed + o.f, t.total - b.succeeded - o.s - b.failed - o.f,
            b.on_finish, b.on_success, b.on_failure, b.properties, b.callbacks_pending, b.callback_error,
            b.created_at, b.closed_at, b.finished_at
       FROM lockgate.batches b CROSS JOIN LATERAL (SELECT lockgate._batch_total(b) AS total) t
+     CROSS JOIN LATERAL lockgate._waiting_outcomes(b.id) o
      WHERE b.id = batch_id
 $$;
 
 -- Batches not yet finished (or with callbacks pending), oldest first, for lockgate status.
 CREATE OR REPLACE FUNCTION lockgate.unfinished_batches(max_rows integer DEFAULT 20)
 RETURNS SETOF lockgate.batches LANGUAGE sql STABLE AS $$
-    SELECT (jsonb_populate_record(b, jsonb_build_object('total', lockgate._batch_total(b)))).*
-      FROM lockgate.batches b WHERE b.state <> 'finished' OR b.callbacks_pending ORDER BY b.id LIMIT max_rows
+    SELECT (jsonb_populate_record(b, jsonb_build_object('total', lockgate._batch_total(b),
+                                                       'succeeded', b.succeeded + o.s, 'failed', b.failed + o.f))).*
+      FROM lockgate.batches b CROSS JOIN LATERAL lockgate._waiting_outcomes(b.id) o
+     WHERE b.state <> 'finished' OR b.callbacks_pending ORDER BY b.id LIMIT max_rows
 $$;

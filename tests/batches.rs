@@ -88,25 +88,25 @@ async fn h22_the_last_two_completions_racing_on_two_connections_enqueue_the_call
         assert_eq!(close(&db.pool, batch).await.unwrap(), "closed");
         let claimed = claim_work(&db.pool).await;
         assert_eq!(claimed.len(), 2);
-        // The first completion is in, not committed; the second runs on another connection and
-        // must wait for it, then see the count complete.
+        // The first completion is in, not committed, holding the batch's row; the second, on
+        // another connection, does not wait for it: its count waits on its membership (design
+        // §73). Neither finishes the batch; the batch sweep does, once.
         let mut first = PgConnection::connect(&db.url).await.unwrap();
         let mut tx = first.begin().await.unwrap();
         assert!(common::complete_default(&mut *tx, claimed[0]).await);
-        let url = db.url.clone();
+        let mut conn = PgConnection::connect(&db.url).await.unwrap();
+        sqlx::query("SET lock_timeout = '1s'").execute(&mut conn).await.unwrap();
         let second = claimed[1];
-        let racer = tokio::spawn(async move {
-            let mut conn = PgConnection::connect(&url).await.unwrap();
-            if last_fails {
-                common::dead_letter_default(&mut conn, second).await
-            } else {
-                common::complete_default(&mut conn, second).await
-            }
+        assert!(if last_fails {
+            common::dead_letter_default(&mut conn, second).await
+        } else {
+            common::complete_default(&mut conn, second).await
         });
-        common::until_one_waits_for_a_lock(&db.pool).await;
-        assert!(callbacks(&db.pool).await.is_empty(), "nothing is finished before the last count commits");
+        assert!(callbacks(&db.pool).await.is_empty(), "nothing is finished before the first count commits");
         tx.commit().await.unwrap();
-        assert!(racer.await.unwrap());
+        assert!(callbacks(&db.pool).await.is_empty(), "the first count saw the second's membership");
+        let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+        assert_eq!(swept, 1);
         let expected = if last_fails { vec!["bad", "done"] } else { vec!["done", "ok"] };
         let fired: Vec<String> = callbacks(&db.pool).await.into_iter().map(|c| c.0).collect();
         assert_eq!(fired, expected, "each callback exactly once");
@@ -129,23 +129,26 @@ async fn h22_closing_a_batch_while_its_last_job_completes_finishes_it_once() {
         let mut first = PgConnection::connect(&db.url).await.unwrap();
         let mut tx = first.begin().await.unwrap();
         let url = db.url.clone();
-        let racer = if close_first {
+        if close_first {
+            // The completion does not wait for the close's row lock (its count waits on its
+            // membership, design §73); the batch sweep finishes the batch once the close commits.
             sqlx::query("SELECT lockgate.close_batch($1)").bind(batch).execute(&mut *tx).await.unwrap();
-            let d = claimed[0];
-            tokio::spawn(async move {
-                let mut conn = PgConnection::connect(&url).await.unwrap();
-                common::complete_default(&mut conn, d).await;
-            })
+            let mut conn = PgConnection::connect(&url).await.unwrap();
+            sqlx::query("SET lock_timeout = '1s'").execute(&mut conn).await.unwrap();
+            assert!(common::complete_default(&mut conn, claimed[0]).await);
+            tx.commit().await.unwrap();
+            let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+            assert_eq!(swept, 1);
         } else {
             assert!(common::complete_default(&mut *tx, claimed[0]).await);
-            tokio::spawn(async move {
+            let racer = tokio::spawn(async move {
                 let mut conn = PgConnection::connect(&url).await.unwrap();
                 sqlx::query("SELECT lockgate.close_batch($1)").bind(batch).execute(&mut conn).await.unwrap();
-            })
-        };
-        common::until_one_waits_for_a_lock(&db.pool).await;
-        tx.commit().await.unwrap();
-        racer.await.unwrap();
+            });
+            common::until_one_waits_for_a_lock(&db.pool).await;
+            tx.commit().await.unwrap();
+            racer.await.unwrap();
+        }
         let fired: Vec<String> = callbacks(&db.pool).await.into_iter().map(|c| c.0).collect();
         assert_eq!(fired, vec!["done", "ok"], "close_first {close_first}");
         assert_eq!(progress(&db.pool, batch).await.0, "finished");
@@ -529,7 +532,8 @@ async fn h31_counting_a_batch_while_an_enqueue_into_it_waits_for_a_key_is_no_dea
                 .unwrap()
         };
         let mut held = hold_batch_row(&db.url, batch).await;
-        // X's end: it locks key b's semaphore row, then waits for the batch row.
+        // X's end: it gives key b back, and its count, finding the batch row held, waits on X's
+        // membership instead of for the row (design §73): it lands at once.
         let ender = if cancel {
             let url = db.url.clone();
             tokio::spawn(async move {
@@ -539,14 +543,20 @@ async fn h31_counting_a_batch_while_an_enqueue_into_it_waits_for_a_key_is_no_dea
         } else {
             common::complete_apart(&db.url, vec![x])
         };
-        wait_for_count(&db.pool, WAITING, 1, Duration::from_secs(10)).await.unwrap();
-        // The enqueue adds a's member (sharing the batch row), then waits for key b's row, which
-        // X's end holds.
-        let producer = tokio::spawn(enqueue_many(db.url.clone(), vec![json!({"k": "a"}), json!({"k": "b"})]));
-        wait_for_count(&db.pool, WAITING, 2, Duration::from_secs(10)).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), ender)
+            .await
+            .expect("X's end waits for nothing")
+            .unwrap()
+            .expect("the cancel or completion lands");
+        // The enqueue adds a's member (sharing the batch row) and takes key b, which X gave back.
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            enqueue_many(db.url.clone(), vec![json!({"k": "a"}), json!({"k": "b"})]),
+        )
+        .await
+        .expect("the enqueue waits for nothing")
+        .expect("the enqueue lands");
         sqlx::query("COMMIT").execute(&mut held).await.unwrap();
-        ender.await.unwrap().expect("the cancel or completion lands, no deadlock");
-        producer.await.unwrap().expect("the enqueue lands, no deadlock");
         assert_eq!(common::deadlocks(&db.pool).await, 0, "cancel {cancel}");
         let (state, total, succeeded, failed, pending) = progress(&db.pool, batch).await;
         assert_eq!(
@@ -643,17 +653,23 @@ async fn h31_completions_of_one_batch_queued_behind_each_other_beside_a_producer
     let mut first = PgConnection::connect(&db.url).await.unwrap();
     let mut tx = first.begin().await.unwrap();
     assert!(common::complete_default(&mut *tx, claimed[0]).await);
-    let mut waiters = Vec::new();
-    for (n, d) in claimed[1..].iter().copied().enumerate() {
-        waiters.push(common::complete_apart(&db.url, vec![d]));
-        wait_for_count(&db.pool, WAITING, n as i64 + 1, Duration::from_secs(10)).await.unwrap();
+    // The other two do not wait for the row the first holds: their counts wait on their
+    // memberships (design §73), and are shown as counted at once.
+    for d in claimed[1..].iter().copied() {
+        tokio::time::timeout(Duration::from_secs(10), common::complete_apart(&db.url, vec![d]))
+            .await
+            .expect("the completion waits for nothing")
+            .unwrap()
+            .expect("each completion lands");
     }
     tx.commit().await.unwrap();
-    for w in waiters {
-        w.await.unwrap().expect("each completion lands, no deadlock");
-    }
     producing.commit().await.unwrap();
     assert_eq!(progress(&db.pool, batch).await, ("open".to_string(), 4, 3, 0, 1));
+    // The next holder of the row moves those counts onto it.
+    close(&db.pool, batch).await.unwrap();
+    let waiting: i64 = db.count("SELECT 1 FROM lockgate.batch_jobs WHERE outcome IS NOT NULL").await.unwrap();
+    assert_eq!(waiting, 0);
+    assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 4, 3, 0, 1));
 }
 
 /// H31, from a review: a close that waits for a completion holding the batch row, while a
@@ -686,22 +702,21 @@ async fn h31_a_close_beside_producers_and_completions_never_deadlocks() {
         close(&mut conn, batch).await
     });
     wait_for_count(&db.pool, WAITING, 1, Duration::from_secs(10)).await.unwrap();
-    let completer = common::complete_apart(&db.url, vec![y]);
-    wait_for_count(&db.pool, WAITING, 2, Duration::from_secs(10)).await.unwrap();
+    // The completion of the limited job does not wait for the batch's row the holder holds (its
+    // count waits on its membership, design §73), and gives its key back.
+    common::complete_apart(&db.url, vec![y]).await.unwrap().expect("the completion lands at once");
     // The producer's next enqueue of the key, while the close still waits: it joins the batch
-    // (still open) and waits for the key the completion holds. Sent once the close committed,
-    // it would find the batch closed; so it is waiting before the holder lets the close go.
-    let next = tokio::spawn(async move {
+    // (still open) and takes the key the completion gave back.
+    let (committed, status) = tokio::time::timeout(Duration::from_secs(10), async {
         let status = enqueue_lim(&mut producing, "zz", batch).await;
         (sqlx::query("COMMIT").execute(&mut producing).await, status)
-    });
-    wait_for_count(&db.pool, WAITING, 3, Duration::from_secs(10)).await.unwrap();
-    holding.commit().await.unwrap();
-    assert_eq!(closer.await.unwrap().unwrap(), "closed");
-    completer.await.unwrap().expect("the completion lands, no deadlock");
-    let (committed, status) = next.await.unwrap();
+    })
+    .await
+    .expect("the producer waits for nothing");
     committed.unwrap();
     assert_eq!(status.unwrap(), "enqueued", "the producer had joined before the close");
+    holding.commit().await.unwrap();
+    assert_eq!(closer.await.unwrap().unwrap(), "closed");
     assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 4, 2, 0, 2));
 
     // A close in a producer transaction that holds a key, beside a second producer.
@@ -784,16 +799,19 @@ async fn h31_the_reaper_and_a_completion_of_several_batches_lock_them_in_one_ord
     }
     let claimed = claim_work(&db.pool).await;
     let mut holding = hold_batch_row(&db.url, lo).await;
-    let completer = common::complete_apart(&db.url, claimed);
-    wait_for_count(&db.pool, WAITING, 1, Duration::from_secs(10)).await.unwrap();
+    // The completion counts hi and leaves lo's count on its job's membership (design §73).
+    tokio::time::timeout(Duration::from_secs(10), common::complete_apart(&db.url, claimed))
+        .await
+        .expect("the completion waits for nothing")
+        .unwrap()
+        .expect("the completion lands");
     let url = db.url.clone();
     let reaper = tokio::spawn(async move {
         let mut conn = PgConnection::connect(&url).await?;
         sqlx::query_scalar::<_, i32>("SELECT lockgate.reap_batches('0 seconds')").fetch_one(&mut conn).await
     });
-    wait_for_count(&db.pool, WAITING, 2, Duration::from_secs(10)).await.unwrap();
+    wait_for_count(&db.pool, WAITING, 1, Duration::from_secs(10)).await.unwrap();
     sqlx::query("COMMIT").execute(&mut holding).await.unwrap();
-    completer.await.unwrap().expect("the completion lands, no deadlock");
     assert_eq!(reaper.await.unwrap().expect("the reaper lands, no deadlock"), 2);
     for b in [lo, hi] {
         assert_eq!(progress(&db.pool, b).await, ("finished".to_string(), 2, 1, 1, 0));
