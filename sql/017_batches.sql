@@ -20,8 +20,8 @@
 -- a producer (H31). Only finishing needs the share gone: it takes the row FOR UPDATE SKIP
 -- LOCKED, and while an enqueue holds the share it leaves the batch closed; that enqueue's jobs
 -- finish it, or, when it added none, the batch sweep does.
--- A count (a completion's, a dead letter's, a cancel's) never waits for the batch row another
--- transaction holds: after 5 ms of retries it writes the job's outcome on its membership, and the
+-- A count (a completion's, a dead letter's, a cancel's) waits at most 300 ms for the batch row
+-- another transaction holds: then it writes the job's outcome on its membership, and the
 -- next holder of the row moves it onto the row (lockgate._count_batch_jobs, _fold_outcomes;
 -- docs/design.md §73). Readers add such outcomes to the row's counts (lockgate._waiting_outcomes).
 -- Callbacks are enqueued in the finishing transaction when their types take no lock (no limit,
@@ -192,8 +192,8 @@ END $$;
 -- failed or succeeded; a job that is no member (never added, or counted already) counts nothing.
 -- Never waits for a batch's row that another transaction holds (a producer that closed the batch
 -- in a transaction still open; a wait that outlasted the job's lease made the finished job run
--- again): each row is taken only if free (lockgate._take_batches), a held one tried again every
--- millisecond for up to 5 ms, and the jobs of a batch still held keep their memberships with
+-- again): each row is taken if free (lockgate._take_batches), a held one waited for up to 300 ms,
+-- and the jobs of a batch still held keep their memberships with
 -- their outcome written on them, for the next holder of the row to count
 -- (lockgate._fold_outcomes; docs/design.md §73).
 CREATE OR REPLACE FUNCTION lockgate._count_batch_jobs(queue text, job_ids bigint[], as_failed boolean)
@@ -203,10 +203,9 @@ DECLARE
     bids bigint[];
     ids bigint[];
     take boolean[];
-    again boolean[];
     held bigint[];
     kept tid[];
-    tries integer := 0;
+    saved text := current_setting('lock_timeout');
     counted bigint[];
 BEGIN
     -- Each membership found by a probe of the primary key driven by its job and locked there, as
@@ -221,16 +220,24 @@ BEGIN
     END IF;
     ids := ARRAY(SELECT DISTINCT b.id FROM unnest(bids) AS b(id) ORDER BY b.id);
     take := lockgate._take_batches(ids);
-    WHILE array_position(take, NULL) IS NOT NULL AND tries < 5 LOOP
-        tries := tries + 1;
-        PERFORM pg_sleep(0.001);
+    IF array_position(take, NULL) IS NOT NULL THEN
+        -- Held: most often by another count of the batch, which holds the row until its commit,
+        -- a few milliseconds. Waited for in id order for up to 300 ms (below PostgreSQL's default
+        -- deadlock_timeout, so a cycle through a producer ends here, as a timeout), in a
+        -- subtransaction that gives back what it took if the wait ends: then the count waits on
+        -- the memberships. Waiting only a few milliseconds, the last two counts of a batch raced
+        -- past each other and left its finish to the batch sweep (review of §73).
         held := ARRAY(SELECT k.id FROM unnest(ids, take) AS k(id, t) WHERE k.t IS NULL ORDER BY k.id);
-        again := lockgate._take_batches(held);
-        take := ARRAY(SELECT COALESCE(k.t, a.t)
-                        FROM unnest(ids, take) WITH ORDINALITY AS k(id, t, o)
-                        LEFT JOIN unnest(held, again) AS a(id, t) ON a.id = k.id
-                       ORDER BY k.o);
-    END LOOP;
+        BEGIN
+            PERFORM set_config('lock_timeout', '300ms', true);
+            PERFORM 1 FROM unnest(held) AS k(id)
+             CROSS JOIN LATERAL (SELECT FROM lockgate.batches y WHERE y.id = k.id OFFSET 0 FOR NO KEY UPDATE) y;
+            PERFORM set_config('lock_timeout', saved, true);
+            take := ARRAY(SELECT COALESCE(k.t, true) FROM unnest(ids, take) WITH ORDINALITY AS k(id, t, o) ORDER BY k.o);
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            PERFORM set_config('lock_timeout', saved, true);
+        END;
+    END IF;
     IF array_position(take, NULL) IS NOT NULL THEN
         held := ARRAY(SELECT k.id FROM unnest(ids, take) AS k(id, t) WHERE k.t IS NULL);
         SELECT array_agg(m.tid) FILTER (WHERE m.batch_id = ANY (held)),

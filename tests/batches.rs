@@ -155,6 +155,39 @@ async fn h22_closing_a_batch_while_its_last_job_completes_finishes_it_once() {
     }
 }
 
+/// Review of §73 (helper-70, F1): with counts that waited only a few milliseconds for the batch's
+/// row, the last completions of a closed batch, racing in autocommit, often all left their counts
+/// on their memberships, and the batch was left closed, with nothing pending and no callbacks,
+/// for the batch sweep. A count waits for another count's commit: the last one finishes the batch.
+#[tokio::test]
+async fn the_last_completions_of_a_batch_racing_in_autocommit_finish_it_without_the_sweep() {
+    let db = setup().await;
+    for _ in 0..4 {
+        sqlx::query("DELETE FROM pgmq.q_default").execute(&db.pool).await.unwrap();
+        let batch = create_batch(&db.pool).await;
+        add_jobs(&db.pool, batch, 16).await;
+        close(&db.pool, batch).await.unwrap();
+        let claimed = claim_work(&db.pool).await;
+        assert_eq!(claimed.len(), 16);
+        let racers: Vec<_> = claimed
+            .into_iter()
+            .map(|d| {
+                let url = db.url.clone();
+                tokio::spawn(async move {
+                    let mut conn = PgConnection::connect(&url).await.unwrap();
+                    common::complete_default(&mut conn, d).await
+                })
+            })
+            .collect();
+        for r in racers {
+            assert!(r.await.unwrap());
+        }
+        assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 16, 16, 0, 0));
+        let fired: Vec<String> = callbacks(&db.pool).await.into_iter().map(|c| c.0).collect();
+        assert_eq!(fired, vec!["done", "ok"], "each callback once, enqueued by the last count");
+    }
+}
+
 #[tokio::test]
 async fn a_duplicate_or_stale_delivery_and_a_retry_count_once() {
     let db = setup().await;
