@@ -190,12 +190,11 @@ END $$;
 
 -- Counts the given jobs of queue that are members of a batch (deleting their memberships), as
 -- failed or succeeded; a job that is no member (never added, or counted already) counts nothing.
--- Never waits for a batch's row that another transaction holds (a producer that closed the batch
--- in a transaction still open; a wait that outlasted the job's lease made the finished job run
--- again): each row is taken if free (lockgate._take_batches), a held one waited for up to 300 ms,
--- and the jobs of a batch still held keep their memberships with
--- their outcome written on them, for the next holder of the row to count
--- (lockgate._fold_outcomes; docs/design.md §73).
+-- Waits at most 300 ms for a batch's row that another transaction holds (a producer that closed
+-- the batch in a transaction still open; a wait that outlasted the job's lease made the finished
+-- job run again): each row is taken if free (lockgate._take_batches), a held one waited for, and
+-- the jobs of a batch still held after that keep their memberships with their outcome written on
+-- them, for the next holder of the row to count (lockgate._fold_outcomes; docs/design.md §73).
 CREATE OR REPLACE FUNCTION lockgate._count_batch_jobs(queue text, job_ids bigint[], as_failed boolean)
 RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE

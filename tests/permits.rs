@@ -297,6 +297,17 @@ async fn h28_a_completion_and_a_dead_letter_never_wait_for_a_producers_key_row_a
             .await
             .unwrap();
     assert_eq!(verdict, "ok");
+    // One finished over a minute ago, never given back, is a warning.
+    let finished_check = "SELECT verdict FROM lockgate._doctor_leases() WHERE check_name = 'finished_leases'";
+    let verdict: String = sqlx::query_scalar(finished_check).fetch_one(&db.pool).await.unwrap();
+    assert_eq!(verdict, "ok");
+    sqlx::query("UPDATE lockgate.leases SET finished_at = now() - interval '2 minutes' WHERE key = $1")
+        .bind(&keyed[0].2)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let verdict: String = sqlx::query_scalar(finished_check).fetch_one(&db.pool).await.unwrap();
+    assert_eq!(verdict, "warn");
     // The sweep skips the keys the producer holds, then frees both permits and promotes both
     // parked jobs once it has committed, counting none as expired or orphaned.
     assert_eq!(sweep(&db.pool).await, (0, 0, 0));
