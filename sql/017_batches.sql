@@ -233,7 +233,7 @@ BEGIN
              CROSS JOIN LATERAL (SELECT FROM lockgate.batches y WHERE y.id = k.id OFFSET 0 FOR NO KEY UPDATE) y;
             PERFORM set_config('lock_timeout', saved, true);
             take := ARRAY(SELECT COALESCE(k.t, true) FROM unnest(ids, take) WITH ORDINALITY AS k(id, t, o) ORDER BY k.o);
-        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+        EXCEPTION WHEN lock_not_available OR deadlock_detected OR serialization_failure THEN
             PERFORM set_config('lock_timeout', saved, true);
         END;
     END IF;
