@@ -232,45 +232,81 @@ RETURNS jsonb LANGUAGE sql STABLE AS $$
                 ELSE jsonb_build_object('type', job_type, 'priority', priority) END
 $$;
 
+-- The unique key of a job of type jt with arguments args (explicit_ukey when given), checked
+-- for length. Callers: lockgate._enqueue_one, lockgate._enqueue_each.
+CREATE OR REPLACE FUNCTION lockgate._unique_key(jt lockgate.job_types, args jsonb, explicit_ukey text)
+RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    ukey text := lockgate._key_of(jt.name, jt.unique_key, args, explicit_ukey);
+BEGIN
+    IF length(ukey) > 512 THEN
+        RAISE EXCEPTION 'lockgate: the unique key derived from the arguments is % characters, more than the 512 allowed', length(ukey)
+            USING ERRCODE = 'LG003', DETAIL = format('key paths %s of job type "%s"', jt.unique_key, jt.name);
+    END IF;
+    RETURN ukey;
+END $$;
+
+-- Takes unique key ukey (type jt, until_executed) for a new job of queue: returns the new job's
+-- id, and the holder's id when another job holds the key. Waits for a transaction that took the
+-- key and has not committed. Callers: lockgate._enqueue_one, lockgate._enqueue_each.
+CREATE OR REPLACE FUNCTION lockgate._take_until_executed(jt lockgate.job_types, ukey text, queue text,
+    OUT job_id bigint, OUT holder bigint)
+LANGUAGE plpgsql AS $$
+BEGIN
+    job_id := nextval('lockgate.job_id_seq');
+    holder := lockgate._take_unique(ukey, 'until_executed', jt.name, queue, job_id, job_id);
+END $$;
+
+-- A job of type jt found unique key ukey held by job holder: raises LG005 when the type rejects
+-- duplicates, else returns holder, the id a duplicate reports. Callers: lockgate._enqueue_one,
+-- lockgate._enqueue_each.
+CREATE OR REPLACE FUNCTION lockgate._duplicate_of(jt lockgate.job_types, ukey text, holder bigint)
+RETURNS bigint LANGUAGE plpgsql AS $$
+BEGIN
+    IF jt.unique_on_conflict = 'reject' THEN
+        RAISE EXCEPTION 'lockgate: unique key "%" of job type "%" is held by job %', ukey, jt.name, holder
+            USING ERRCODE = 'LG005',
+                  DETAIL = 'the key is free again once that job succeeds, is dead-lettered or is discarded';
+    END IF;
+    RETURN holder;
+END $$;
+
 -- One job, its options already resolved: take its uniqueness lock (until_executed types), then
 -- acquire-or-park (limited types), then send. A job with uniqueness draws its id first, so the
--- lock names its owner before the message exists; the message is sent with that id.
+-- lock names its owner before the message exists; the message is sent with that id. taken: the
+-- id of the job when the caller has taken its uniqueness lock already (lockgate._enqueue_each),
+-- else NULL.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_one(
     jt lockgate.job_types, args jsonb, queue text, priority smallint, vt timestamptz, immediate boolean, explicit_key text,
-    explicit_ukey text, batch bigint,
+    explicit_ukey text, batch bigint, taken bigint,
     OUT msg_id bigint, OUT job_id bigint, OUT status text
 ) LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     headers jsonb := lockgate._headers(jt.name, priority);
     key text;
     ukey text;
-    holder bigint;
+    t record;
     acquired boolean;
 BEGIN
     IF batch IS NOT NULL THEN
         headers := headers || jsonb_build_object('batch', batch);
     END IF;
     IF jt.unique_mode IS NOT NULL THEN
-        ukey := lockgate._key_of(jt.name, jt.unique_key, args, explicit_ukey);
-        IF length(ukey) > 512 THEN
-            RAISE EXCEPTION 'lockgate: the unique key derived from the arguments is % characters, more than the 512 allowed', length(ukey)
-                USING ERRCODE = 'LG003', DETAIL = format('key paths %s of job type "%s"', jt.unique_key, jt.name);
-        END IF;
+        ukey := lockgate._unique_key(jt, args, explicit_ukey);
         IF jt.unique_mode = 'while_executing' THEN
             -- Taken by the claim that starts a run (lockgate._start_unique).
             headers := headers || jsonb_build_object('wkey', ukey);
         ELSE
-            job_id := nextval('lockgate.job_id_seq');
-            holder := lockgate._take_unique(ukey, 'until_executed', jt.name, queue, job_id, job_id);
-            IF holder IS NOT NULL THEN
-                IF jt.unique_on_conflict = 'reject' THEN
-                    RAISE EXCEPTION 'lockgate: unique key "%" of job type "%" is held by job %', ukey, jt.name, holder
-                        USING ERRCODE = 'LG005',
-                              DETAIL = 'the key is free again once that job succeeds, is dead-lettered or is discarded';
+            IF taken IS NOT NULL THEN
+                job_id := taken;
+            ELSE
+                t := lockgate._take_until_executed(jt, ukey, queue);
+                job_id := t.job_id;
+                IF t.holder IS NOT NULL THEN
+                    job_id := lockgate._duplicate_of(jt, ukey, t.holder);
+                    status := 'duplicate';
+                    RETURN;
                 END IF;
-                job_id := holder;
-                status := 'duplicate';
-                RETURN;
             END IF;
             headers := headers || jsonb_build_object('ukey', ukey);
         END IF;
@@ -387,7 +423,7 @@ BEGIN
     IF o.batch IS NOT NULL THEN
         PERFORM lockgate._join_batch(o.batch);
     END IF;
-    r := lockgate._enqueue_one(jt, args, o.queue, o.priority, o.vt, o.immediate AND notify, o.ckey, o.ukey, o.batch);
+    r := lockgate._enqueue_one(jt, args, o.queue, o.priority, o.vt, o.immediate AND notify, o.ckey, o.ukey, o.batch, NULL);
     queue := o.queue;
     msg_id := r.msg_id;
     job_id := r.job_id;
@@ -397,23 +433,76 @@ END $$;
 
 -- The jobs of args, of a type that is limited or unique or joining a batch, each through
 -- lockgate._enqueue_one with the type and options already resolved (jt and the rest, as
--- lockgate._resolve_options returns them); rows come back in the order of args. Each job is taken
--- in key order — the unique key, then the concurrency key — so concurrent calls lock unique
--- lock rows and semaphore rows in one order (a call with both kinds of key may still meet
--- another in a deadlock, which PostgreSQL breaks by failing one call, undone as a whole). The
--- arguments are checked first, all of them. Callers: lockgate.enqueue_many and
--- lockgate._enqueue_many_and_wake, which resolve the type and options once, so that the queue
--- they report is the one the jobs went to.
+-- lockgate._resolve_options returns them); rows come back in the order of args. Keys are taken
+-- in the order every enqueue takes them, so that concurrent calls cannot close a cycle: unique
+-- keys first, then concurrency keys, each kind in key order. A type with both takes all its
+-- unique keys first (lockgate._take_until_executed), then enqueues the jobs that are no
+-- duplicates in concurrency-key order: taking a job's two keys before the next job's, a call
+-- could wait for a unique key while holding a key's row another call waited for, and PostgreSQL
+-- failed one of them as a deadlock (review F7). Of two jobs of the call with the same unique key,
+-- the one with the lower concurrency key, then the earlier, takes it, as before. The arguments are
+-- checked first, all of them. Callers: lockgate.enqueue_many and lockgate._enqueue_many_and_wake,
+-- which resolve the type and options once, so that the queue they report is the one the jobs
+-- went to.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_each(
     jt lockgate.job_types, args jsonb[], queue text, priority smallint, vt timestamptz, immediate boolean, ckey text,
     ukey text, batch bigint)
 RETURNS TABLE (msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql AS $$
 DECLARE
     r record;
+    t record;
+    one record;
+    n integer := cardinality(args);
+    ids bigint[];
+    holders bigint[];
+    msg_ids bigint[];
+    job_ids bigint[];
+    statuses text[];
+    discarded bigint[] := '{}';
 BEGIN
     PERFORM lockgate._check_all_args(args);
     IF batch IS NOT NULL THEN
         PERFORM lockgate._join_batch(batch);
+    END IF;
+    IF jt.unique_mode = 'until_executed' AND jt.concurrency_limit IS NOT NULL AND n > 1 THEN
+        ids := array_fill(NULL::bigint, ARRAY[n]);
+        holders := ids;
+        msg_ids := ids;
+        job_ids := ids;
+        statuses := array_fill(NULL::text, ARRAY[n]);
+        FOR r IN
+            SELECT a.v, a.i FROM unnest(args) WITH ORDINALITY a(v, i)
+             ORDER BY lockgate._key_of(jt.name, jt.unique_key, a.v, _enqueue_each.ukey),
+                      lockgate._concurrency_key(jt, a.v, _enqueue_each.ckey), a.i
+        LOOP
+            t := lockgate._take_until_executed(jt, lockgate._unique_key(jt, r.v, _enqueue_each.ukey), _enqueue_each.queue);
+            ids[r.i] := t.job_id;
+            holders[r.i] := t.holder;
+        END LOOP;
+        FOR r IN
+            SELECT a.v, a.i FROM unnest(args) WITH ORDINALITY a(v, i)
+             ORDER BY lockgate._concurrency_key(jt, a.v, _enqueue_each.ckey), a.i
+        LOOP
+            IF holders[r.i] IS NOT NULL AND NOT holders[r.i] = ANY (discarded) THEN
+                job_ids[r.i] := lockgate._duplicate_of(jt, lockgate._unique_key(jt, r.v, _enqueue_each.ukey), holders[r.i]);
+                statuses[r.i] := 'duplicate';
+            ELSE
+                -- A job whose unique key an earlier job of this call took, then gave back when its
+                -- concurrency policy discarded it, takes the key itself: no other transaction can
+                -- hold a key this one deleted, so this never waits.
+                one := lockgate._enqueue_one(jt, r.v, _enqueue_each.queue, _enqueue_each.priority, _enqueue_each.vt,
+                                           _enqueue_each.immediate, _enqueue_each.ckey, _enqueue_each.ukey,
+                                           _enqueue_each.batch, CASE WHEN holders[r.i] IS NULL THEN ids[r.i] END);
+                msg_ids[r.i] := one.msg_id;
+                job_ids[r.i] := one.job_id;
+                statuses[r.i] := one.status;
+                IF one.status = 'discarded' THEN
+                    discarded := discarded || one.job_id;
+                END IF;
+            END IF;
+        END LOOP;
+        RETURN QUERY SELECT * FROM unnest(msg_ids, job_ids, statuses);
+        RETURN;
     END IF;
     FOR r IN
         SELECT e.msg_id, e.job_id, e.status
@@ -423,7 +512,7 @@ BEGIN
                           a.i) AS ordered,
                LATERAL lockgate._enqueue_one(jt, ordered.v, _enqueue_each.queue, _enqueue_each.priority, _enqueue_each.vt,
                                              _enqueue_each.immediate, _enqueue_each.ckey, _enqueue_each.ukey,
-                                             _enqueue_each.batch) e
+                                             _enqueue_each.batch, NULL) e
          ORDER BY ordered.i
     LOOP
         msg_id := r.msg_id;

@@ -634,3 +634,84 @@ async fn a_promotion_reads_only_the_locks_of_the_jobs_it_promotes() {
     let promoted: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.leases").fetch_one(&db.pool).await.unwrap();
     assert_eq!(promoted, 1, "the last parked job runs under the permit");
 }
+
+/// A type both unique and limited, enqueued many at a time on two connections (review F7): each
+/// call took a job's unique key and then its concurrency key before the next job's, so one call
+/// could wait for a unique key while holding a key's row the other call waited for, while the
+/// other held a key's row the first wanted next: PostgreSQL failed one of them as a deadlock. Every
+/// call now takes all its unique keys, in order, before any concurrency key, the order a single
+/// enqueue takes them in. The schedule is forced: a producer holds unique key 3 uncommitted; call
+/// A (unique 1 with key 2, unique 3 with key 1) waits for it; call B (unique 2 with key 1, unique
+/// 4 with key 2) runs meanwhile; then the producer rolls back.
+#[tokio::test]
+async fn a_unique_and_limited_type_enqueued_many_at_a_time_on_two_connections_never_deadlocks() {
+    let db =
+        db_with(&["'uk', unique_mode => 'until_executed', unique_key => array['u'], unique_on_conflict => 'discard',
+                        concurrency_limit => 1, concurrency_key => array['c']"])
+        .await;
+    let mut producer = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut producer).await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.enqueue('uk', '{\"u\": 3, \"c\": 9}')").execute(&mut producer).await.unwrap();
+    let call = |args: serde_json::Value| {
+        let url = db.url.clone();
+        tokio::spawn(async move {
+            let mut conn = PgConnection::connect(&url).await.unwrap();
+            let args: Vec<serde_json::Value> = serde_json::from_value(args).unwrap();
+            sqlx::query_scalar::<_, String>("SELECT status FROM lockgate.enqueue_many('uk', $1)")
+                .bind(&args)
+                .fetch_all(&mut conn)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    };
+    let waiting = |n: i64| {
+        let pool = db.pool.clone();
+        async move {
+            lockgate_testkit::wait_for_count(&pool, common::WAITING_FOR_A_LOCK, n, common::WAIT).await.unwrap();
+        }
+    };
+    let a = call(serde_json::json!([{"u": 1, "c": 2}, {"u": 3, "c": 1}]));
+    waiting(1).await;
+    let b = call(serde_json::json!([{"u": 2, "c": 1}, {"u": 4, "c": 2}]));
+    // B either lands at once or waits behind A: both are fine so far.
+    wait_for("call B to land or wait", common::WAIT, || async {
+        let waiters: i64 = sqlx::query_scalar(common::WAITING_FOR_A_LOCK).fetch_one(&db.pool).await?;
+        Ok((b.is_finished() || waiters == 2).then_some(()))
+    })
+    .await
+    .unwrap();
+    sqlx::query("ROLLBACK").execute(&mut producer).await.unwrap();
+    let (a, b) = (a.await.unwrap(), b.await.unwrap());
+    assert!(a.is_ok() && b.is_ok(), "a call failed: A {a:?}, B {b:?}");
+    assert_eq!(common::deadlocks(&db.pool).await, 0);
+    let statuses: Vec<String> = a.unwrap().into_iter().chain(b.unwrap()).collect();
+    assert_eq!(statuses.iter().filter(|s| *s == "enqueued").count(), 2, "{statuses:?}");
+    assert_eq!(statuses.iter().filter(|s| *s == "parked").count(), 2, "{statuses:?}");
+}
+
+/// Taking a call's unique keys first keeps what a call of a unique and limited type answers: of
+/// two jobs with one unique key, the first is discarded by its concurrency key's limit and gives
+/// the unique key back, and the second takes it and runs, as two single enqueues would.
+#[tokio::test]
+async fn a_job_whose_unique_key_an_earlier_job_of_the_call_gave_back_takes_it() {
+    let db =
+        db_with(&["'ud', unique_mode => 'until_executed', unique_key => array['u'], unique_on_conflict => 'discard',
+                        concurrency_limit => 1, concurrency_key => array['c'], concurrency_on_conflict => 'discard'"])
+        .await;
+    sqlx::query("SELECT * FROM lockgate.enqueue('ud', '{\"u\": 0, \"c\": 1}')").execute(&db.pool).await.unwrap();
+    let args = vec![serde_json::json!({"u": 5, "c": 1}), serde_json::json!({"u": 5, "c": 2})];
+    let rows: Vec<(Option<i64>, i64, String)> =
+        sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue_many('ud', $1)")
+            .bind(&args)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let statuses: Vec<&str> = rows.iter().map(|r| r.2.as_str()).collect();
+    assert_eq!(statuses, ["discarded", "enqueued"]);
+    let held: Vec<(String, i64)> = sqlx::query_as("SELECT key, job_id FROM lockgate.unique_locks WHERE key LIKE '%5%'")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(held.len(), 1);
+    assert_eq!(held[0].1, rows[1].1, "the enqueued job holds the unique key");
+}
