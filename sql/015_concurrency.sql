@@ -88,17 +88,17 @@ END $$;
 -- dead-lettered, cancelled) in the caller's transaction, after the fenced statement that decided
 -- they were the caller's to end: gives their permits back and promotes parked jobs of each key
 -- released. Returns how many jobs it promoted. Never waits for a key's semaphore row that another
--- transaction holds for long (H28): each key's row is taken if it is free (lockgate._take_keys),
--- and a held one waited for up to 300 ms (a racing completion or sweep holds a row only until its
--- commit, a producer most often a few milliseconds). A key still held after that (an open
--- producer transaction that enqueued a job of the key holds its row until it commits) keeps its
--- leases, marked finished (finished_at; expires_at brought forward to now): the permit stays
--- held, never given back early (G3), and the next transaction to hold the key's row gives it
--- back before anything else — this function for the keys it takes, an enqueue of the key
--- (lockgate._give_back_finished), the sweep. Waiting without a bound held the finished job's
--- message row and lease past the lease's end, and the job ran again when its worker gave the
--- completion up (docs/design.md §72). The bounded wait holds the rows already taken; a cycle
--- through them ends at its bound, before PostgreSQL's deadlock detector would pick a victim.
+-- transaction holds (H28): each key's row is taken only if it is free (lockgate._take_keys), and a
+-- held one is tried again every millisecond for up to 5 ms (a racing completion or sweep holds a
+-- row only until its commit). A key still held after that (an open producer transaction that
+-- enqueued a job of the key holds its row until it commits) keeps its leases, marked finished
+-- (finished_at; expires_at brought forward to now): the permit stays held, never given back
+-- early (G3), and the next transaction to hold the key's row gives it back before anything
+-- else — this function for the keys it takes, an enqueue of the key
+-- (lockgate._give_back_finished), the sweep. Waiting instead held the finished job's message row
+-- and lease past the lease's end, and the job ran again when its worker gave the completion up
+-- (docs/design.md §72). Retrying holds the rows already taken, but never waits in the lock
+-- manager, so the order it holds them in cannot close a cycle.
 --
 -- Set-based: the same few statements whatever the batch. Its plans, and _promote_keys', are made
 -- once per session, always the generic ones, and with sequential scans, hash and merge joins and
@@ -115,9 +115,10 @@ DECLARE
     lease_keys text[];
     keys text[];
     take boolean[];
+    again boolean[];
     held text[];
     kept tid[];
-    saved text := current_setting('lock_timeout');
+    tries integer := 0;
     counts integer[];
 BEGIN
     -- Each lease found by a probe of the primary key driven by its id (a lateral subquery no plan
@@ -139,26 +140,16 @@ BEGIN
     -- true: locked here; false: the key has no row (its leases go, with nothing to give back);
     -- NULL: another transaction holds it.
     take := lockgate._take_keys(keys);
-    IF array_position(take, NULL) IS NOT NULL THEN
-        -- Held: by a racing completion or sweep until its commit, a few milliseconds, or by a
-        -- producer that enqueued a job of the key until it commits. Waited for in key order for
-        -- up to 300 ms (below PostgreSQL's default deadlock_timeout, so a cycle through a
-        -- producer ends here, as a timeout), in a subtransaction that gives back what it took
-        -- if the wait ends. Giving up after 5 ms left most permits behind short producer
-        -- transactions to the key's next enqueue, and cost a held key a quarter of its jobs.
-        BEGIN
-            PERFORM set_config('lock_timeout', '300ms', true);
-            take := ARRAY(SELECT COALESCE(k.t, y.locked IS NOT NULL)
-                            FROM unnest(keys, take) WITH ORDINALITY AS k(key, t, o)
-                            LEFT JOIN LATERAL (SELECT true AS locked FROM lockgate.semaphores x
-                                                WHERE k.t IS NULL AND x.key = k.key
-                                               OFFSET 0 FOR UPDATE) y ON true
-                           ORDER BY k.o);
-            PERFORM set_config('lock_timeout', saved, true);
-        EXCEPTION WHEN lock_not_available OR deadlock_detected OR serialization_failure THEN
-            PERFORM set_config('lock_timeout', saved, true);
-        END;
-    END IF;
+    WHILE array_position(take, NULL) IS NOT NULL AND tries < 5 LOOP
+        tries := tries + 1;
+        PERFORM pg_sleep(0.001);
+        held := ARRAY(SELECT k.key FROM unnest(keys, take) AS k(key, t) WHERE k.t IS NULL ORDER BY k.key);
+        again := lockgate._take_keys(held);
+        take := ARRAY(SELECT COALESCE(k.t, a.t)
+                        FROM unnest(keys, take) WITH ORDINALITY AS k(key, t, o)
+                        LEFT JOIN unnest(held, again) AS a(key, t) ON a.key = k.key
+                       ORDER BY k.o);
+    END LOOP;
     IF array_position(take, NULL) IS NOT NULL THEN
         held := ARRAY(SELECT k.key FROM unnest(keys, take) AS k(key, t) WHERE k.t IS NULL);
         SELECT array_agg(l.tid) FILTER (WHERE l.key = ANY (held)),

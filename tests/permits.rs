@@ -412,50 +412,6 @@ async fn h28_a_finished_jobs_permit_goes_back_at_the_next_completion_of_its_key(
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
-/// The bound on a completion's wait (design §72): a producer that holds the key's row for a
-/// moment, as most do, delays the completion until it commits; the completion then gives the
-/// permit back itself and promotes the job the producer parked, leaving no finished lease for a
-/// later holder. Giving up after 5 ms instead left most permits behind short producer
-/// transactions idle until the key's next enqueue. The producer commits as soon as the completion
-/// is seen waiting; a machine too busy to do that within the completion's 300 ms gets another try.
-#[tokio::test]
-async fn h28_a_completion_behind_a_short_producer_transaction_gives_the_permit_back_itself() {
-    let db = limited(1, 60_000).await;
-    let mut given_back = false;
-    for k in 1..=3 {
-        enqueue(&db.pool, k).await;
-        let d = claim(&db.pool, 1).await.remove(0);
-        let mut producer = park_and_hold(&db, k).await;
-        let url = db.url.clone();
-        let completion = tokio::spawn(async move {
-            let mut worker = PgConnection::connect(&url).await.unwrap();
-            sqlx::query_scalar::<_, i64>("SELECT lockgate.complete('default', $1, $2)")
-                .bind(vec![d.0])
-                .bind(vec![d.1])
-                .fetch_all(&mut worker)
-                .await
-                .unwrap()
-        });
-        let deadline = Instant::now() + common::WAIT;
-        while sqlx::query_scalar::<_, i64>(common::WAITING_FOR_A_LOCK).fetch_one(&db.pool).await.unwrap() == 0 {
-            assert!(Instant::now() < deadline, "the completion never waited for the producer's key row");
-        }
-        sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
-        assert_eq!(completion.await.unwrap(), vec![d.0]);
-        if finished_leases(&db.pool).await == 0 {
-            let promoted = claim(&db.pool, 5).await;
-            assert_eq!(promoted.len(), 1, "the completion promoted the parked job into its permit, without a sweep");
-            given_back = true;
-            break;
-        }
-        // Too slow this time: the sweep gives the permit back; the parked job takes it.
-        assert_eq!(sweep(&db.pool).await, (0, 0, 1));
-        claim(&db.pool, 5).await;
-    }
-    assert!(given_back, "three completions each gave up before the producer committed");
-    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
-}
-
 /// Review of §72 (helper-69, finding 2): an enqueue that waited for the key's row looked for
 /// finished permits before the wait, and a job of the key that finished meanwhile left its permit
 /// where the enqueue did not look again: both parked jobs waited for the sweep while nothing ran.
