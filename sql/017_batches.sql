@@ -190,7 +190,8 @@ END $$;
 
 -- Counts the given jobs of queue that are members of a batch (deleting their memberships), as
 -- failed or succeeded; a job that is no member (never added, or counted already) counts nothing.
--- Waits at most 300 ms for a batch's row that another transaction holds (a producer that closed
+-- Waits at most 300 ms (less within a caller's shorter lock_timeout, or half its
+-- statement_timeout) for a batch's row that another transaction holds (a producer that closed
 -- the batch in a transaction still open; a wait that outlasted the job's lease made the finished
 -- job run again): each row is taken if free (lockgate._take_batches), a held one waited for, and
 -- the jobs of a batch still held after that keep their memberships with their outcome written on
@@ -205,6 +206,10 @@ DECLARE
     held bigint[];
     kept tid[];
     saved text := current_setting('lock_timeout');
+    -- The wait's bound: 300 ms, less when the caller allows less (its own lock_timeout, or half
+    -- its statement_timeout: a wait that outlasted the statement failed the completion).
+    bound interval := LEAST(interval '300 ms', NULLIF(saved::interval, interval '0'),
+                            NULLIF(current_setting('statement_timeout')::interval, interval '0') / 2);
     counted bigint[];
 BEGIN
     -- Each membership found by a probe of the primary key driven by its job and locked there, as
@@ -219,7 +224,7 @@ BEGIN
     END IF;
     ids := ARRAY(SELECT DISTINCT b.id FROM unnest(bids) AS b(id) ORDER BY b.id);
     take := lockgate._take_batches(ids);
-    IF array_position(take, NULL) IS NOT NULL THEN
+    IF array_position(take, NULL) IS NOT NULL AND bound >= interval '1 ms' THEN
         -- Held: most often by another count of the batch, which holds the row until its commit,
         -- a few milliseconds. Waited for in id order for up to 300 ms (below PostgreSQL's default
         -- deadlock_timeout, so a cycle through a producer ends here, as a timeout), in a
@@ -228,7 +233,7 @@ BEGIN
         -- past each other and left its finish to the batch sweep (review of §73).
         held := ARRAY(SELECT k.id FROM unnest(ids, take) AS k(id, t) WHERE k.t IS NULL ORDER BY k.id);
         BEGIN
-            PERFORM set_config('lock_timeout', '300ms', true);
+            PERFORM set_config('lock_timeout', (extract(epoch FROM bound) * 1000)::bigint || 'ms', true);
             PERFORM 1 FROM unnest(held) AS k(id)
              CROSS JOIN LATERAL (SELECT FROM lockgate.batches y WHERE y.id = k.id OFFSET 0 FOR NO KEY UPDATE) y;
             PERFORM set_config('lock_timeout', saved, true);

@@ -119,6 +119,34 @@ async fn h22_the_last_two_completions_racing_on_two_connections_enqueue_the_call
     }
 }
 
+/// A review of a wait like the batch's (helper-71, finding 4): a count waited its 300 ms for a
+/// held batch row whatever the caller's budgets, so a completion under a `statement_timeout`
+/// below that (the runtime sets a quarter of the visibility timeout) failed, where it should land
+/// with its outcome on the membership. The wait now stays within half the statement timeout and
+/// within the caller's `lock_timeout`.
+#[tokio::test]
+async fn a_completion_under_a_short_statement_timeout_never_times_out_on_a_held_batch_row() {
+    for setting in [&["statement_timeout = '200ms'"][..], &["statement_timeout = '200ms'", "lock_timeout = '1min'"]] {
+        let db = setup().await;
+        let batch = create_batch(&db.pool).await;
+        add_jobs(&db.pool, batch, 2).await;
+        assert_eq!(close(&db.pool, batch).await.unwrap(), "closed");
+        let claimed = claim_work(&db.pool).await;
+        let mut first = PgConnection::connect(&db.url).await.unwrap();
+        let mut tx = first.begin().await.unwrap();
+        assert!(common::complete_default(&mut *tx, claimed[0]).await);
+        let mut conn = PgConnection::connect(&db.url).await.unwrap();
+        for set in setting {
+            sqlx::query(&format!("SET {set}")).execute(&mut conn).await.unwrap();
+        }
+        assert!(common::complete_default(&mut conn, claimed[1]).await, "{setting:?}");
+        tx.commit().await.unwrap();
+        let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+        assert_eq!(swept, 1, "{setting:?}");
+        assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 2, 2, 0, 0), "{setting:?}");
+    }
+}
+
 #[tokio::test]
 async fn h22_closing_a_batch_while_its_last_job_completes_finishes_it_once() {
     for close_first in [true, false] {
