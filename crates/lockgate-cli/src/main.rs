@@ -86,6 +86,10 @@ enum Command {
     /// Migrate, define demo job types, enqueue a few hundred jobs, run them with live progress
     /// and print what ran, retried and was dead-lettered.
     Demo(commands::demo::Args),
+    /// The leader of a command job's process group (started by the command executor, never by
+    /// hand): kills the group when lockgate dies or stops renewing the job's lease.
+    #[command(name = "command-watchdog", hide = true)]
+    Watchdog,
 }
 
 #[tokio::main]
@@ -146,6 +150,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Jobs(args) => commands::jobs::run(&target, args).await,
         Command::Recurring(command) => commands::recurring::run(&target, command).await,
         Command::Demo(args) => commands::demo::run(&target, args).await,
+        Command::Watchdog => executors::command::watchdog(),
     }
 }
 

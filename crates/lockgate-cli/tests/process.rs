@@ -479,3 +479,62 @@ async fn a_retry_of_a_dead_letter_another_transaction_holds_says_so_and_fails() 
     assert!(retried.status.success() && text(&retried).contains("sent back to queue default"), "{}", text(&retried));
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
 }
+
+/// A command job's script for the tests of a lockgate that dies or freezes mid-job: each start
+/// first records whether the previous start's program is still alive (not a zombie) in
+/// `overlap`, then its own pid and start; the first start then sleeps a minute.
+const OVERLAP_CHECKED_FIRST_RUN: &str = "cat >/dev/null; p=$(cat $DIR/child 2>/dev/null); \
+    if [ -n \"$p\" ]; then s=$(cut -d' ' -f3 /proc/$p/stat 2>/dev/null); \
+    if [ -n \"$s\" ] && [ \"$s\" != Z ]; then echo \"$p $s\" >> $DIR/overlap; fi; fi; \
+    echo $$ > $DIR/child; echo start >> $DIR/starts; \
+    if [ ! -f $DIR/first ]; then touch $DIR/first; exec sleep 60; fi";
+
+/// What ran beside the job's next start, by the script above.
+fn overlaps(setup: &Setup) -> String {
+    std::fs::read_to_string(setup.dir.join("overlap")).unwrap_or_default()
+}
+
+/// Design §75: `kill -9` of lockgate runs none of its code, and its command programs used to
+/// outlive it, running beside the job's next delivery once the lease lapsed (for a limited key,
+/// two jobs at once). The group's watchdog sees the pipe from lockgate close and kills the group
+/// at once.
+#[tokio::test]
+async fn kill_9_of_lockgate_kills_its_command_programs_at_once() {
+    let setup = Setup::new(OVERLAP_CHECKED_FIRST_RUN, "concurrency = { limit = 1 }");
+    let db = migrated_with_one_job(&setup).await;
+    let mut first = setup.run(&db);
+    setup.wait_starts(1).await;
+    let pid = std::fs::read_to_string(setup.dir.join("child")).unwrap().trim().to_string();
+    first.kill().unwrap();
+    first.wait().unwrap();
+    // Long before the 2 s lease could lapse.
+    lockgate_testkit::wait_for("the job's program to be killed", std::time::Duration::from_secs(1), || async {
+        Ok(process_gone(&pid).then_some(()))
+    })
+    .await
+    .unwrap();
+    let mut second = setup.run(&db);
+    setup.wait_starts(2).await;
+    assert_eq!(overlaps(&setup), "", "the first program ran beside the job's second start");
+    signal(&second, "TERM");
+    assert!(wait_exit(&mut second).await.success());
+}
+
+/// Design §75: a lockgate frozen mid-job (SIGSTOP, a stalled VM) renews nothing and fences
+/// nothing, and its command program used to run on past the lease, beside the job's next
+/// delivery. The group's watchdog, told each renewal, kills the group before the lease ends.
+#[tokio::test]
+async fn a_frozen_lockgates_command_program_is_killed_before_its_job_runs_again() {
+    let setup = Setup::new(OVERLAP_CHECKED_FIRST_RUN, "concurrency = { limit = 1 }");
+    let db = migrated_with_one_job(&setup).await;
+    let mut first = setup.run(&db);
+    setup.wait_starts(1).await;
+    signal(&first, "STOP");
+    let mut second = setup.run(&db);
+    setup.wait_starts(2).await;
+    assert_eq!(overlaps(&setup), "", "the frozen process's program ran beside the job's second start");
+    first.kill().unwrap();
+    first.wait().unwrap();
+    signal(&second, "TERM");
+    assert!(wait_exit(&mut second).await.success());
+}

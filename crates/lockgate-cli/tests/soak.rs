@@ -5,7 +5,9 @@
 //! transaction open on a hot key and, in the long variant, restarts PostgreSQL. Afterwards:
 //! nothing lost (G1), nothing archived twice (G2), invariants hold and every semaphore is back
 //! at 0, and no key ever ran more jobs at once than its limit (G3) — excusing only runs of a
-//! process that was SIGSTOPped while they ran (and only until shortly after it was thawed).
+//! process tree that was SIGSTOPped whole while they ran (and only until shortly after it was
+//! thawed). A lockgate process stopped alone excuses nothing: its programs' watchdogs kill them
+//! before their leases end (design §75).
 //!
 //! Bookkeeping (issue 11) rides along: every job goes into one batch, closed once the last is
 //! enqueued, whose counts must match the jobs' fates and whose callbacks must each run once
@@ -1589,7 +1591,9 @@ impl<'a> Oracle<'a> {
             by_kid.entry(x.kid).or_default().push(i);
         }
         let mut stops: HashMap<i32, Vec<_>> = HashMap::new();
-        for f in faults.iter().filter(|f| f.kind.starts_with("sigstop")) {
+        // Only a stop of the whole tree excuses a run: a stopped lockgate's command programs are
+        // killed by their group's watchdog before their leases end (design §75).
+        for f in faults.iter().filter(|f| f.kind == "sigstop-tree") {
             if let Some(pid) = f.pid {
                 stops.entry(pid as i32).or_default().push((f.began, f.ended));
             }
@@ -1606,8 +1610,9 @@ impl<'a> Oracle<'a> {
             .map_or(Holder::Unrecorded(bpid), Holder::Run)
     }
 
-    /// Whether run `x` counts as a run of a frozen process at instant `t`: its process was
-    /// SIGSTOPped while it ran, at or before `t`, and `t` is within THAW_GRACE of the thaw.
+    /// Whether run `x` counts as a run of a frozen process at instant `t`: its process's whole
+    /// tree was SIGSTOPped while it ran, at or before `t`, and `t` is within THAW_GRACE of the
+    /// thaw.
     fn frozen(&self, x: &Run, t: DateTime<Utc>) -> bool {
         let grace = chrono::Duration::from_std(THAW_GRACE).unwrap();
         self.stops

@@ -6,9 +6,11 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use lockgate_core::{JobId, JobPolicy, JobTypeName, ValidationError};
 use serde_json::Value;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::job::{Handler, Job};
@@ -52,6 +54,9 @@ pub struct JobContext {
     pub max_attempts: u32,
     pub(crate) cancel: CancellationToken,
     pub(crate) reason: Arc<Mutex<Option<CancelReason>>>,
+    /// Until when the delivery's lease is known to hold (`InFlight`): set when the handler
+    /// starts, moved on by each renewal.
+    pub(crate) lease: Arc<watch::Sender<Instant>>,
 }
 
 impl JobContext {
@@ -67,6 +72,15 @@ impl JobContext {
 
     pub fn cancel_reason(&self) -> Option<CancelReason> {
         *self.reason.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Until when this attempt's lease is known to hold, on this process's monotonic clock; each
+    /// heartbeat renewal moves it on. Past it, another worker may run the job. The runtime
+    /// cancels the handler before then (H27), but only while this process runs: a handler that
+    /// hands its work to something outside the process (a child process, a remote service) can
+    /// pass this on, so that the work stops in time even if the process is frozen or killed.
+    pub fn lease_ends(&self) -> watch::Receiver<Instant> {
+        self.lease.subscribe()
     }
 
     pub(crate) fn fire(&self, reason: CancelReason) {

@@ -150,6 +150,7 @@ impl InFlight {
         match entries.get_mut(&key) {
             Some(e) if e.read_ct == d.read_ct && e.state == State::Waiting && now + FENCE_MARGIN < e.lease_until => {
                 e.state = State::Running;
+                ctx.lease.send_replace(e.lease_until);
                 e.ctx = Some(ctx);
                 Start::Run
             }
@@ -248,6 +249,9 @@ impl InFlight {
             if let Some(budget) = budgets.get(msg_id) {
                 // Never shortened: a renewal that answered after a later one must not undo it.
                 e.lease_until = e.lease_until.max(sent_at + *budget);
+                if let Some(ctx) = &e.ctx {
+                    ctx.lease.send_replace(e.lease_until);
+                }
                 report.renewed += 1;
             } else if busy.contains(msg_id) {
                 report.busy += 1;
@@ -350,6 +354,7 @@ mod tests {
             max_attempts: 1,
             cancel: Default::default(),
             reason: Default::default(),
+            lease: std::sync::Arc::new(tokio::sync::watch::channel(Instant::now()).0),
         }
     }
 
@@ -360,11 +365,15 @@ mod tests {
         let (d, c) = (delivery(1), ctx(1));
         set.insert_waiting(&d, now + Duration::from_secs(2));
         assert_eq!(set.start(&d, c.clone(), now), Start::Run);
+        // The handler sees the lease's end (what the command executor's watchdog is told).
+        let lease = c.lease_ends();
+        assert_eq!(*lease.borrow(), now + Duration::from_secs(2));
         assert!(set.fence(now).is_empty());
         // Renewed: the end moves out, and an older renewal answering late cannot pull it back.
         let renewal = Renewal { renewed: vec![(1, Duration::from_secs(2))], ..Renewal::default() };
         set.renewed(&d.queue, &[(1, 1)], &renewal, now + Duration::from_secs(1));
         set.renewed(&d.queue, &[(1, 1)], &renewal, now);
+        assert_eq!(*lease.borrow(), now + Duration::from_secs(3));
         assert!(set.fence(now + Duration::from_secs(2)).is_empty());
         // Busy: neither renewed nor lost.
         let busy = Renewal { busy: vec![1], ..Renewal::default() };

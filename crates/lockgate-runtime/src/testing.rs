@@ -29,6 +29,7 @@
 //! ```
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use lockgate_core::JobId;
 use lockgate_sql::{DbError, JobFilter, JobRecord};
@@ -50,6 +51,7 @@ pub fn context<J: Job>() -> JobContext {
         max_attempts: policy.max_attempts,
         cancel: CancellationToken::new(),
         reason: Arc::new(Mutex::new(None)),
+        lease: Arc::new(tokio::sync::watch::channel(Instant::now() + Duration::from_secs(3600)).0),
     }
 }
 

@@ -1,16 +1,23 @@
 //! The command executor: runs a program with the job's arguments as JSON on stdin. Exit status
 //! 0 succeeds; otherwise the attempt fails with the end of stderr as its error.
 //!
-//! The program runs in a process group of its own (its pid is the group's id), so the program
-//! and every process it starts can be stopped together (H27, H30). When the attempt is cancelled
-//! (shutdown, lease lost, self-fencing), the handler sends SIGKILL to the whole group, reaps the
-//! program, and returns only once no process of the group is left alive: the runtime returns a
-//! job, or lets another worker take its permit, only after that. When the program exits on its
-//! own, whatever it left running in its group is killed the same way, so nothing of a finished
-//! job runs beside its key's next job. If the handler is dropped instead (its type's timeout, or
-//! the runtime aborting a handler past its grace), the group is killed from the drop. On an
-//! immediate exit (QUIT, a second TERM), which runs no destructors, `kill_children` kills every
-//! group still running. A process that leaves its group on purpose (`setsid`) is out of reach.
+//! The program runs in a process group of its own, so the program and every process it starts
+//! can be stopped together (H27, H30). When the attempt is cancelled (shutdown, lease lost,
+//! self-fencing), the handler sends SIGKILL to the whole group, reaps the program, and returns
+//! only once no process of the group is left alive: the runtime returns a job, or lets another
+//! worker take its permit, only after that. When the program exits on its own, whatever it left
+//! running in its group is killed the same way, so nothing of a finished job runs beside its
+//! key's next job. If the handler is dropped instead (its type's timeout, or the runtime aborting
+//! a handler past its grace), the group is killed from the drop. On an immediate exit (QUIT, a
+//! second TERM), which runs no destructors, `kill_children` kills every group still running. A
+//! process that leaves its group on purpose (`setsid`) is out of reach.
+//!
+//! What no code of lockgate's can do once lockgate is killed (`kill -9`) or frozen (SIGSTOP, a
+//! stalled VM) is done by the group's leader: a watchdog (`lockgate command-watchdog`, started
+//! before the program and in the same group) that lockgate tells, over a pipe, until when the
+//! job's lease holds. It kills the group when the pipe closes (lockgate died) or shortly before
+//! the lease ends without a renewal (lockgate stopped renewing it), so the program never runs
+//! beside the job's next delivery (design §75).
 //!
 //! Groups are killed with `kill -KILL -- -<pgid>` (kill(1), POSIX) rather than a libc call: the
 //! workspace forbids unsafe code, and this saves a dependency for a call made once per job.
@@ -21,13 +28,14 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::Stdio;
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lockgate::{JobContext, JobError, RawHandler};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::{Child, Command};
+use tokio::process::{Child, ChildStdin, Command};
 
 /// Errors keep the last 2 KiB of stderr: enough to diagnose, bounded for the attempt history.
 const STDERR_TAIL: usize = 2048;
@@ -38,6 +46,11 @@ const STDERR_DRAIN: Duration = Duration::from_millis(100);
 
 /// How often a killed group is checked for survivors.
 const REAP_POLL: Duration = Duration::from_millis(5);
+
+/// How long before the lease ends the watchdog kills the group when lockgate has not renewed it:
+/// time for kill(1) to start and the kernel to deliver, on a busy host. While lockgate runs, its
+/// own fence (`FENCE_MARGIN`, 300 ms) cancels the job earlier.
+const WATCHDOG_MARGIN: Duration = Duration::from_millis(100);
 
 /// Process group ids of running commands: inserted at spawn, removed once the group is gone.
 static GROUPS: Mutex<Option<HashSet<u32>>> = Mutex::new(None);
@@ -169,7 +182,32 @@ impl CommandExecutor {
 
     async fn run(&self, ctx: JobContext, args: Value) -> Result<(), JobError> {
         let (program, rest) = self.argv.split_first().ok_or_else(|| JobError::new("empty command"))?;
-        let mut child = Command::new(program)
+        // The group's leader: the running binary, through /proc so that an upgrade that replaced
+        // the file on disk still starts this version.
+        let exe = Path::new("/proc/self/exe");
+        let exe = if exe.exists() { exe.to_path_buf() } else { std::env::current_exe().unwrap_or_default() };
+        let mut watchdog = Command::new(&exe)
+            .arg("command-watchdog")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| {
+                JobError::new(format!("could not start lockgate's command watchdog ({}): {e}", exe.display()))
+            })?;
+        let pgid = watchdog.id().ok_or_else(|| JobError::new("lockgate's command watchdog exited at once"))?;
+        let mut group = Group::new(pgid);
+        let mut lease = ctx.lease_ends();
+        let mut tell = watchdog.stdin.take();
+        let until = *lease.borrow_and_update();
+        let told = tell_lease(&mut tell, until).await;
+        if let Err(e) = told {
+            group.kill_and_reap(&mut watchdog).await;
+            return Err(JobError::new(format!("could not reach lockgate's command watchdog: {e}")));
+        }
+        let spawned = Command::new(program)
             .args(rest)
             .env("LOCKGATE_JOB_ID", ctx.job_id.to_string())
             .env("LOCKGATE_JOB_TYPE", &ctx.job_type)
@@ -177,12 +215,16 @@ impl CommandExecutor {
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
-            .process_group(0)
+            .process_group(pgid as i32)
             .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| JobError::new(format!("could not start {program}: {e}")))?;
-        let pgid = child.id().ok_or_else(|| JobError::new(format!("{program} exited before it could be tracked")))?;
-        let mut group = Group::new(pgid);
+            .spawn();
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                group.kill_and_reap(&mut watchdog).await;
+                return Err(JobError::new(format!("could not start {program}: {e}")));
+            }
+        };
         // stderr is read from the start (a full pipe would block the program) and kept apart,
         // since a process the program left behind may hold it open until the group is killed.
         let stderr = child.stderr.take().map(|mut pipe| {
@@ -200,11 +242,25 @@ impl CommandExecutor {
                 let _ = stdin.write_all(input.as_bytes()).await;
             }
         };
-        let status = tokio::select! {
-            (_, status) = async { tokio::join!(feed, child.wait()) } => Some(status),
-            () = ctx.cancelled() => None,
+        let status = {
+            let ran = async { tokio::join!(feed, child.wait()).1 };
+            tokio::pin!(ran);
+            let mut renewing = true;
+            loop {
+                tokio::select! {
+                    status = &mut ran => break Some(status),
+                    () = ctx.cancelled() => break None,
+                    changed = lease.changed(), if renewing => {
+                        // Each renewal goes to the watchdog; once the lease can no longer move
+                        // (the delivery is settled) or the watchdog is gone, nothing more is sent.
+                        let until = *lease.borrow_and_update();
+                        renewing = changed.is_ok() && tell_lease(&mut tell, until).await.is_ok();
+                    }
+                }
+            }
         };
         group.kill_and_reap(&mut child).await;
+        let _ = watchdog.wait().await;
         let Some(status) = status else {
             return Err(JobError::new(format!("{program} was cancelled ({:?})", ctx.cancel_reason())));
         };
@@ -223,6 +279,51 @@ impl CommandExecutor {
         let tail = stderr[from..].trim();
         Err(JobError::new(if tail.is_empty() { format!("{program} exited with {status}") } else { tail.to_string() }))
     }
+}
+
+/// Tells the watchdog until when the lease holds, as the milliseconds left before it must kill
+/// the group (one line each).
+async fn tell_lease(pipe: &mut Option<ChildStdin>, until: Instant) -> std::io::Result<()> {
+    let left = until.saturating_duration_since(Instant::now()).saturating_sub(WATCHDOG_MARGIN);
+    match pipe {
+        Some(pipe) => pipe.write_all(format!("{}\n", left.as_millis()).as_bytes()).await,
+        None => Err(std::io::Error::other("no pipe to the watchdog")),
+    }
+}
+
+/// `lockgate command-watchdog`, the leader of a command's process group: reads from stdin, one
+/// per line, how many milliseconds the group may run from now (each line replaces the last), and
+/// kills the whole group, itself included, when that time is up or stdin closes — lockgate
+/// writes the lines and holds the pipe's other end, which the kernel closes when lockgate dies.
+/// Until its first line it waits for one. Plain threads and a channel: it must start in a few
+/// milliseconds and hold nothing.
+pub fn watchdog() -> ! {
+    let (lines, budgets) = mpsc::channel::<u64>();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lines() {
+            let Some(ms) = line.ok().and_then(|l| l.trim().parse().ok()) else { break };
+            if lines.send(ms).is_err() {
+                break;
+            }
+        }
+    });
+    let mut deadline: Option<Instant> = None;
+    loop {
+        let next = match deadline {
+            Some(at) => budgets.recv_timeout(at.saturating_duration_since(Instant::now())),
+            None => budgets.recv().map_err(|_| RecvTimeoutError::Disconnected),
+        };
+        match next {
+            Ok(ms) => deadline = Some(Instant::now() + Duration::from_millis(ms)),
+            Err(_) => break,
+        }
+    }
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", "--", &format!("-{}", std::process::id())])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    std::process::exit(0)
 }
 
 impl RawHandler for CommandExecutor {

@@ -88,6 +88,7 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         max_attempts: policy.max_attempts,
         cancel: CancellationToken::new(),
         reason: Default::default(),
+        lease: Arc::new(tokio::sync::watch::channel(claimed_at).0),
     };
     let metrics = shared.metrics.job(claim.queue.as_str(), &headers.job_type);
     match shared.in_flight.start(&delivery, ctx.clone(), Instant::now()) {
