@@ -95,7 +95,8 @@ END $$;
 -- (finished_at; expires_at brought forward to now): the permit stays held, never given back
 -- early (G3), and the next transaction to hold the key's row gives it back before anything
 -- else — this function for the keys it takes, an enqueue of the key
--- (lockgate._give_back_finished), the sweep. Waiting instead held the finished job's message row
+-- (lockgate._give_back_finished), the sweep — or, once this transaction has committed, a runtime
+-- told so on the channel lockgate.finished. Waiting instead held the finished job's message row
 -- and lease past the lease's end, and the job ran again when its worker gave the completion up
 -- (docs/design.md §72). Retrying holds the rows already taken, but never waits in the lock
 -- manager, so the order it holds them in cannot close a cycle.
@@ -158,6 +159,10 @@ BEGIN
           FROM unnest(lease_tids, lease_keys) AS l(tid, key);
         UPDATE lockgate.leases l SET finished_at = clock_timestamp(), expires_at = LEAST(l.expires_at, clock_timestamp())
          WHERE l.ctid = ANY (kept);
+        -- Once this commits, each runtime listening gives the permits back from a statement of
+        -- its own, which waits for the key's row holding nothing else (lockgate_sql::
+        -- give_back_finished): without it, a permit waited for the key's next enqueue or sweep.
+        PERFORM pg_notify('lockgate.finished', k.key) FROM unnest(held) AS k(key);
     END IF;
     -- Deleted: these leases, and the finished leases other jobs of the keys taken here left
     -- behind, looked for only when there is one at all (one probe of the finished leases' index,
@@ -190,7 +195,8 @@ END $$;
 -- finished leases deleted, skipping one a sweep is deleting. SECURITY DEFINER, with a fixed
 -- search path: a producer role may enqueue without the rights a completion needs (deleting
 -- leases and parked jobs, writing other queues' messages), and what this does for it is what
--- the sweep would do (review of §72). Callers: lockgate._enqueue_one.
+-- the sweep would do (review of §72). Callers: lockgate._enqueue_one, and the runtime told of a
+-- finished permit (lockgate_sql::give_back_finished, in a transaction of its own).
 CREATE OR REPLACE FUNCTION lockgate._give_back_finished(key text)
 RETURNS void LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp

@@ -154,8 +154,16 @@ async fn h28_a_producer_transaction_held_open_on_a_key_never_delays_a_completion
         .await
         .unwrap();
     assert_eq!(finished, 1, "the completion left the lease whose key row the producer holds, marked finished");
-    let waiting: i64 = sqlx::query_scalar(common::WAITING_FOR_A_LOCK).fetch_one(&db.pool).await.unwrap();
-    assert_eq!(waiting, 0, "nothing waits for the producer");
+    // Only the runtime's give-back of that permit may wait for the producer, in a statement that
+    // holds nothing else (design §72).
+    let waiting: i64 = sqlx::query_scalar(&format!(
+        "{} AND query NOT LIKE '%lockgate._give_back_finished%'",
+        common::WAITING_FOR_A_LOCK
+    ))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(waiting, 0, "nothing else waits for the producer");
     // While the transaction stays open, the long job keeps being renewed, past the point where
     // its visibility would have lapsed had renewals waited.
     let past_lapse = opened + config.visibility_timeout * 2;
@@ -224,6 +232,51 @@ async fn h28_a_job_that_finishes_while_a_producer_holds_its_key_past_its_lease_r
     assert_eq!(started(&db, second).await, 0, "the parked job waits for the permit");
     tx.commit().await.unwrap();
     // The sweep frees the finished job's permit and promotes the parked job, which runs.
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 2, WAIT).await.unwrap();
+    running.stop().await;
+    assert_eq!(started(&db, first.job_id.0).await, 1, "the finished job ran once");
+    assert_eq!(started(&db, second).await, 1, "the parked job ran once");
+    assert!(max_overlap(&db.pool, -1).await.iter().all(|(_, n)| *n <= 1), "key 1 never ran two jobs at once");
+    common::assert_invariants_after_sweep(&db).await;
+}
+
+/// Design §72: a permit that a completion left on its lease, marked finished, because a producer
+/// held the key's row goes back as soon as the producer commits. The runtime hears the key on
+/// `lockgate.finished` and gives it back from a statement of its own. No sweep runs here (its
+/// interval is an hour) and no other enqueue of the key comes; before, the parked job waited for
+/// one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h28_a_permit_left_finished_goes_back_once_the_producer_commits_without_a_sweep() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types = [("serial", limited("default", 1, Duration::from_secs(30)))];
+    let client = define(&db, &types).await;
+    let first =
+        client.enqueue_raw("serial", &json!({"key": 1, "hold": true}), &EnqueueOptions::default()).await.unwrap();
+    let starts = Counter::default();
+    let config = RuntimeConfig { sweep_interval: Duration::from_secs(3600), ..test_config() };
+    let probe = probe(&db, 0, &starts);
+    let hold = Arc::clone(&probe.hold);
+    let running = Running::start(&db, config, probe_registry(probe, &types), &["default"], 2).await;
+    wait_for("the first job to start", WAIT, || async { Ok((started(&db, first.job_id.0).await == 1).then_some(())) })
+        .await
+        .unwrap();
+    let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let mut tx = producer.begin().await.unwrap();
+    let (second, status): (i64, String) =
+        sqlx::query_as("SELECT job_id, status FROM lockgate.enqueue('serial', '{\"key\": 1, \"ms\": 10}')")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+    assert_eq!(status, "parked");
+    hold.notify_one();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    let finished: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.leases WHERE finished_at IS NOT NULL")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(finished, 1, "the completion left its permit on the lease, marked finished");
+    tx.commit().await.unwrap();
     wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 2, WAIT).await.unwrap();
     running.stop().await;
     assert_eq!(started(&db, first.job_id.0).await, 1, "the finished job ran once");

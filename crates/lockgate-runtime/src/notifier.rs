@@ -1,7 +1,9 @@
 //! The notifier: one LISTEN connection per process that wakes a pool's fetch loop as soon as a
 //! job is enqueued on one of its queues (`lockgate.enqueue` notifies `lockgate_<queue>`). It is
 //! an accelerator only: the fetch loop polls every `poll_interval` on its own, so a lost
-//! connection costs latency, never jobs (H20). While it is down it reconnects with backoff.
+//! connection costs latency, never jobs (H20). While it is down it reconnects with backoff. It
+//! also hears the keys whose finished permits wait for a producer's commit (`lockgate.finished`)
+//! and hands them to `FinishedPermits`, an accelerator in the same way: the sweep covers them.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,6 +16,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
+use crate::maintenance::FinishedPermits;
 
 const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(5);
 
@@ -23,6 +26,8 @@ pub(crate) struct Notifier {
     health: Arc<Health>,
     /// Channel name → the wake-ups of the pools that serve that queue.
     channels: HashMap<String, Vec<Arc<Wake>>>,
+    /// Told the keys named on `lockgate.finished`.
+    finished: Arc<FinishedPermits>,
 }
 
 /// A pool's wake-up: what the notifier signals when one of the pool's queues got a job. The
@@ -51,8 +56,8 @@ impl Wake {
 }
 
 impl Notifier {
-    pub fn new(db: PgPool, health: Arc<Health>) -> Self {
-        Self { db, health, channels: HashMap::new() }
+    pub fn new(db: PgPool, health: Arc<Health>, finished: Arc<FinishedPermits>) -> Self {
+        Self { db, health, channels: HashMap::new(), finished }
     }
 
     pub fn subscribe(&mut self, queue: &str, wake: Arc<Wake>) {
@@ -85,7 +90,8 @@ impl Notifier {
     /// Listens until shutdown (Ok) or a connection error (Err).
     async fn listen(&self, shutdown: &CancellationToken) -> Result<(), sqlx::Error> {
         let mut listener = PgListener::connect_with(&self.db).await?;
-        let channels: Vec<&str> = self.channels.keys().map(String::as_str).collect();
+        let channels: Vec<&str> =
+            self.channels.keys().map(String::as_str).chain(std::iter::once(lockgate_sql::FINISHED_CHANNEL)).collect();
         listener.listen_all(channels).await?;
         if self.health.listen_down() {
             tracing::info!("LISTEN connection restored");
@@ -99,6 +105,7 @@ impl Notifier {
                 n = listener.try_recv() => n?,
             };
             match notification {
+                Some(n) if n.channel() == lockgate_sql::FINISHED_CHANNEL => self.finished.finished(n.payload()),
                 Some(n) => {
                     if let Some(wakes) = self.channels.get(n.channel()) {
                         wakes.iter().for_each(|w| w.wake());

@@ -39,7 +39,7 @@ use crate::budgets::Budget;
 use crate::health::{self, Health};
 use crate::heartbeat::Heartbeat;
 use crate::in_flight::InFlight;
-use crate::maintenance::{ArchiveRetention, BookkeepingSweep, ConcurrencySweep};
+use crate::maintenance::{ArchiveRetention, BookkeepingSweep, ConcurrencySweep, FinishedPermits};
 use crate::metrics::{Metrics, MetricsRefresh};
 use crate::notifier::{Notifier, Wake};
 use crate::policies::PolicyCache;
@@ -186,7 +186,11 @@ impl Runtime {
             }
             None => Some(db.clone()),
         };
-        let mut notifier = Notifier::new(listen.clone().unwrap_or_else(|| db.clone()), Arc::clone(&self.health));
+        let mut notifier = Notifier::new(
+            listen.clone().unwrap_or_else(|| db.clone()),
+            Arc::clone(&self.health),
+            Arc::new(FinishedPermits::new(db.clone())),
+        );
         let mut sets = Vec::new();
         let mut reports = Vec::new();
         let mut pool_parts = Vec::new();

@@ -8,6 +8,7 @@ use serde_json::Value;
 use sqlx::Row;
 
 use crate::pooler::{on, query, query_as, query_scalar, Db};
+use crate::PgPool;
 
 use crate::DbError;
 
@@ -38,6 +39,32 @@ pub async fn sweep<'c>(
         Ok(SweepReport { expired: row.get(0), orphaned: row.get(1), promoted: row.get(2) })
     })
     .await
+}
+
+/// The channel on which `lockgate._release_leases` names, once its transaction commits, each key
+/// whose finished job's permit it left on the lease, marked finished, because another transaction
+/// held the key's row (design §72).
+pub const FINISHED_CHANNEL: &str = "lockgate.finished";
+
+/// Gives back the permits of `key`'s jobs that finished while another transaction held its row,
+/// promoting the key's parked jobs into them, in a transaction of its own that waits at most
+/// `wait` for the key's row and holds nothing else meanwhile (so it closes no cycle). Returns
+/// false when the row was still held after `wait`: the next holder of the row or the sweep gives
+/// them back.
+pub async fn give_back_finished(db: &PgPool, key: &str, wait: Duration) -> Result<bool, DbError> {
+    let mut tx = db.begin().await?;
+    query("SELECT set_config('lock_timeout', $1, true)")
+        .bind(format!("{}ms", wait.as_millis().max(1)))
+        .execute(&mut *tx)
+        .await?;
+    match query("SELECT lockgate._give_back_finished($1)").bind(key).execute(&mut *tx).await {
+        Ok(_) => {
+            tx.commit().await?;
+            Ok(true)
+        }
+        Err(e) if e.as_database_error().and_then(|d| d.code()).is_some_and(|c| c == "55P03") => Ok(false),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Records this runtime's heartbeat interval; leases are floored at twice the largest recorded.

@@ -24,8 +24,8 @@ mod status;
 
 pub use batches::{batch_info, batch_sweep, close_batch, create_batch, unfinished_batches, BatchCallbacks, BatchInfo};
 pub use concurrency::{
-    check_invariants, discard_parked, key_stats, parked_jobs, record_heartbeat_interval, sweep, KeyStats, ParkedJob,
-    SweepReport,
+    check_invariants, discard_parked, give_back_finished, key_stats, parked_jobs, record_heartbeat_interval, sweep,
+    KeyStats, ParkedJob, SweepReport, FINISHED_CHANNEL,
 };
 pub use deliveries::{
     claim, claim_as, claim_queues, complete, dead_letter, extend, release, retry, DeadLetterReason, Renewal,

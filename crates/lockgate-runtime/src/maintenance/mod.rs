@@ -5,7 +5,9 @@
 mod archive_retention;
 mod bookkeeping_sweep;
 mod concurrency_sweep;
+mod finished_permits;
 
 pub use archive_retention::ArchiveRetention;
 pub use bookkeeping_sweep::{BookkeepingReport, BookkeepingSweep, REAP_AGE_FLOOR};
 pub use concurrency_sweep::ConcurrencySweep;
+pub(crate) use finished_permits::FinishedPermits;

@@ -1,0 +1,73 @@
+//! Finished permits: a job of a limited key that finished while another transaction held the
+//! key's row (a producer that enqueued a job of the key and has not committed) leaves its permit
+//! on its lease, marked finished, rather than wait inside its completion (design §72). Once that
+//! completion commits, `lockgate._release_leases` names the key on `lockgate.finished`; the
+//! notifier hands it here, and a statement of its own gives the permit back to the key's parked
+//! jobs as soon as the producer commits. It waits for the key's row holding nothing else, so it
+//! can close no cycle, and at most `WAIT`: a row held longer is left to the key's next holder or
+//! the concurrency sweep, which give such permits back too. An accelerator only, like the
+//! notifier that feeds it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lockgate_sql::PgPool;
+use tokio::sync::Semaphore;
+
+/// How long one give-back waits for the key's row: producer transactions are most often a few
+/// milliseconds long.
+const WAIT: Duration = Duration::from_secs(1);
+
+/// Give-backs at once: each holds a connection of the runtime's pool while it waits.
+const AT_ONCE: usize = 1;
+
+pub(crate) struct FinishedPermits {
+    db: PgPool,
+    slots: Semaphore,
+    /// Keys with a give-back under way, and whether another notification came meanwhile (it may
+    /// name a permit the one under way looked for too early: it runs once more).
+    pending: Mutex<HashMap<String, bool>>,
+}
+
+impl FinishedPermits {
+    pub fn new(db: PgPool) -> Self {
+        Self { db, slots: Semaphore::new(AT_ONCE), pending: Mutex::new(HashMap::new()) }
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<String, bool>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A notification naming `key`: gives its finished permits back, in a task.
+    pub fn finished(self: &Arc<Self>, key: &str) {
+        {
+            let mut pending = self.pending();
+            if let Some(again) = pending.get_mut(key) {
+                *again = true;
+                return;
+            }
+            pending.insert(key.to_string(), false);
+        }
+        let this = Arc::clone(self);
+        let key = key.to_string();
+        tokio::spawn(async move {
+            loop {
+                if let Ok(_slot) = this.slots.acquire().await {
+                    match lockgate_sql::give_back_finished(&this.db, &key, WAIT).await {
+                        Ok(true) => {}
+                        Ok(false) => tracing::debug!(key, "finished permit left to the sweep: its key's row is held"),
+                        Err(error) => tracing::warn!(%error, key, "giving back a finished permit failed"),
+                    }
+                }
+                let mut pending = this.pending();
+                if pending.get(&key) == Some(&true) {
+                    pending.insert(key.clone(), false);
+                    continue;
+                }
+                pending.remove(&key);
+                return;
+            }
+        });
+    }
+}
