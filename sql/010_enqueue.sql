@@ -440,7 +440,11 @@ END $$;
 -- duplicates in concurrency-key order: taking a job's two keys before the next job's, a call
 -- could wait for a unique key while holding a key's row another call waited for, and PostgreSQL
 -- failed one of them as a deadlock (review F7). Of two jobs of the call with the same unique key,
--- the one with the lower concurrency key, then the earlier, takes it, as before. The arguments are
+-- the one with the lower concurrency key, then the earlier, takes it, and each concurrency key's
+-- permits go to its jobs in unique-key order, as before. A type that rejects duplicates fails
+-- with LG005 as soon as a key is held by a job of another call (before, a job that exceeded a
+-- concurrency limit of a raising type earlier in the order failed the call with LG004 first).
+-- The arguments are
 -- checked first, all of them. Callers: lockgate.enqueue_many and lockgate._enqueue_many_and_wake,
 -- which resolve the type and options once, so that the queue they report is the one the jobs
 -- went to.
@@ -459,6 +463,7 @@ DECLARE
     job_ids bigint[];
     statuses text[];
     discarded bigint[] := '{}';
+    key text;
 BEGIN
     PERFORM lockgate._check_all_args(args);
     IF batch IS NOT NULL THEN
@@ -475,13 +480,22 @@ BEGIN
              ORDER BY lockgate._key_of(jt.name, jt.unique_key, a.v, _enqueue_each.ukey),
                       lockgate._concurrency_key(jt, a.v, _enqueue_each.ckey), a.i
         LOOP
-            t := lockgate._take_until_executed(jt, lockgate._unique_key(jt, r.v, _enqueue_each.ukey), _enqueue_each.queue);
+            key := lockgate._unique_key(jt, r.v, _enqueue_each.ukey);
+            t := lockgate._take_until_executed(jt, key, _enqueue_each.queue);
+            IF t.holder IS NOT NULL AND array_position(ids, t.holder) IS NULL THEN
+                -- Held by a job of another call: a type that rejects duplicates fails here, before
+                -- it waits for anything more.
+                PERFORM lockgate._duplicate_of(jt, key, t.holder);
+            END IF;
             ids[r.i] := t.job_id;
             holders[r.i] := t.holder;
         END LOOP;
+        -- Permits in concurrency-key order, each key's jobs in the order the single path took
+        -- them (unique key, position): the same jobs get them.
         FOR r IN
             SELECT a.v, a.i FROM unnest(args) WITH ORDINALITY a(v, i)
-             ORDER BY lockgate._concurrency_key(jt, a.v, _enqueue_each.ckey), a.i
+             ORDER BY lockgate._concurrency_key(jt, a.v, _enqueue_each.ckey),
+                      lockgate._key_of(jt.name, jt.unique_key, a.v, _enqueue_each.ukey), a.i
         LOOP
             IF holders[r.i] IS NOT NULL AND NOT holders[r.i] = ANY (discarded) THEN
                 job_ids[r.i] := lockgate._duplicate_of(jt, lockgate._unique_key(jt, r.v, _enqueue_each.ukey), holders[r.i]);

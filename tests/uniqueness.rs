@@ -715,3 +715,48 @@ async fn a_job_whose_unique_key_an_earlier_job_of_the_call_gave_back_takes_it() 
     assert_eq!(held.len(), 1);
     assert_eq!(held[0].1, rows[1].1, "the enqueued job holds the unique key");
 }
+
+/// Review of §74 (helper-73): the call's permits go to each concurrency key's jobs in the order a
+/// call took them before (unique key, then position), not in the order of the arguments; and a
+/// type that rejects duplicates fails with LG005 at once when a job of another call holds a key,
+/// before it waits for anything else.
+#[tokio::test]
+async fn a_unique_and_limited_call_gives_each_keys_permits_in_unique_key_order_and_rejects_at_once() {
+    let db = db_with(&[
+        "'dd', unique_mode => 'until_executed', unique_key => array['u'], unique_on_conflict => 'discard',
+         concurrency_limit => 1, concurrency_key => array['c'], concurrency_on_conflict => 'discard'",
+        "'rr', unique_mode => 'until_executed', unique_key => array['u'], unique_on_conflict => 'reject',
+         concurrency_limit => 1, concurrency_key => array['c'], concurrency_on_conflict => 'raise'",
+    ])
+    .await;
+    let statuses = |job_type: &'static str, args: serde_json::Value| {
+        let pool = db.pool.clone();
+        async move {
+            let args: Vec<serde_json::Value> = serde_json::from_value(args).unwrap();
+            sqlx::query_scalar::<_, String>("SELECT status FROM lockgate.enqueue_many($1, $2)")
+                .bind(job_type)
+                .bind(&args)
+                .fetch_all(&pool)
+                .await
+                .map_err(|e| e.as_database_error().and_then(|d| d.code()).unwrap_or_default().to_string())
+        }
+    };
+    // Key x's one permit goes to the job with the lowest unique key, a.
+    let got = statuses("dd", serde_json::json!([{"u": "b", "c": "x"}, {"u": "a", "c": "x"}])).await;
+    assert_eq!(got, Ok(vec!["discarded".to_string(), "enqueued".to_string()]));
+    // Unique key a is held by a job of another call (committed), which also fills key y: LG005,
+    // though the job of key y comes first in the order permits are taken in.
+    sqlx::query("SELECT lockgate.enqueue('rr', '{\"u\": \"a\", \"c\": \"y\"}')").execute(&db.pool).await.unwrap();
+    let got = statuses("rr", serde_json::json!([{"u": "b", "c": "y"}, {"u": "a", "c": "z"}])).await;
+    assert_eq!(got, Err("LG005".to_string()));
+    // ... and with unique key z held by an uncommitted job, it does not wait for it.
+    let mut other = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut other).await.unwrap();
+    sqlx::query("SELECT lockgate.enqueue('rr', '{\"u\": \"z\", \"c\": \"z\"}')").execute(&mut other).await.unwrap();
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("SET lock_timeout = '2s'").execute(&mut conn).await.unwrap();
+    let args = vec![serde_json::json!({"u": "a", "c": "q"}), serde_json::json!({"u": "z", "c": "q"})];
+    let err =
+        sqlx::query("SELECT * FROM lockgate.enqueue_many('rr', $1)").bind(&args).execute(&mut conn).await.unwrap_err();
+    assert_eq!(err.as_database_error().and_then(|d| d.code()).as_deref(), Some("LG005"), "{err}");
+}
