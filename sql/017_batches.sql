@@ -190,8 +190,9 @@ END $$;
 
 -- Counts the given jobs of queue that are members of a batch (deleting their memberships), as
 -- failed or succeeded; a job that is no member (never added, or counted already) counts nothing.
--- Waits at most 300 ms (less within a caller's shorter lock_timeout, or half its
--- statement_timeout) for a batch's row that another transaction holds (a producer that closed
+-- Waits at most 300 ms in all (less within a caller's shorter lock_timeout, or half its
+-- statement_timeout from the statement's start) for the batch rows that another transaction
+-- holds (a producer that closed
 -- the batch in a transaction still open; a wait that outlasted the job's lease made the finished
 -- job run again): each row is taken if free (lockgate._take_batches), a held one waited for, and
 -- the jobs of a batch still held after that keep their memberships with their outcome written on
@@ -206,10 +207,14 @@ DECLARE
     held bigint[];
     kept tid[];
     saved text := current_setting('lock_timeout');
-    -- The wait's bound: 300 ms, less when the caller allows less (its own lock_timeout, or half
-    -- its statement_timeout: a wait that outlasted the statement failed the completion).
-    bound interval := LEAST(interval '300 ms', NULLIF(saved::interval, interval '0'),
-                            NULLIF(current_setting('statement_timeout')::interval, interval '0') / 2);
+    -- When waiting ends, for every row together: 300 ms from now, sooner when the caller allows
+    -- less (its own lock_timeout from now, or half its statement_timeout from the statement's
+    -- start: a wait that outlasted the statement failed the completion).
+    deadline timestamptz := LEAST(clock_timestamp() + interval '300 ms',
+                                  clock_timestamp() + NULLIF(saved::interval, interval '0'),
+                                  statement_timestamp()
+                                      + NULLIF(current_setting('statement_timeout')::interval, interval '0') / 2);
+    left_ms bigint;
     counted bigint[];
 BEGIN
     -- Each membership found by a probe of the primary key driven by its job and locked there, as
@@ -224,23 +229,26 @@ BEGIN
     END IF;
     ids := ARRAY(SELECT DISTINCT b.id FROM unnest(bids) AS b(id) ORDER BY b.id);
     take := lockgate._take_batches(ids);
-    IF array_position(take, NULL) IS NOT NULL AND bound >= interval '1 ms' THEN
+    IF array_position(take, NULL) IS NOT NULL THEN
         -- Held: most often by another count of the batch, which holds the row until its commit,
-        -- a few milliseconds. Waited for in id order for up to 300 ms (below PostgreSQL's default
-        -- deadlock_timeout, so a cycle through a producer ends here, as a timeout), in a
-        -- subtransaction that gives back what it took if the wait ends: then the count waits on
-        -- the memberships. Waiting only a few milliseconds, the last two counts of a batch raced
+        -- a few milliseconds. Each held row is waited for in id order until the deadline (300 ms
+        -- at most, below PostgreSQL's default deadlock_timeout), in a subtransaction of its own
+        -- that gives back nothing but that wait if it ends; the rows still held then wait on
+        -- their memberships. Waiting only a few milliseconds, the last two counts of a batch raced
         -- past each other and left its finish to the batch sweep (review of §73).
-        held := ARRAY(SELECT k.id FROM unnest(ids, take) AS k(id, t) WHERE k.t IS NULL ORDER BY k.id);
-        BEGIN
-            PERFORM set_config('lock_timeout', (extract(epoch FROM bound) * 1000)::bigint || 'ms', true);
-            PERFORM 1 FROM unnest(held) AS k(id)
-             CROSS JOIN LATERAL (SELECT FROM lockgate.batches y WHERE y.id = k.id OFFSET 0 FOR NO KEY UPDATE) y;
-            PERFORM set_config('lock_timeout', saved, true);
-            take := ARRAY(SELECT COALESCE(k.t, true) FROM unnest(ids, take) WITH ORDINALITY AS k(id, t, o) ORDER BY k.o);
-        EXCEPTION WHEN lock_not_available OR deadlock_detected OR serialization_failure THEN
-            PERFORM set_config('lock_timeout', saved, true);
-        END;
+        FOR i IN 1 .. cardinality(ids) LOOP
+            CONTINUE WHEN take[i] IS NOT NULL;
+            left_ms := floor(extract(epoch FROM deadline - clock_timestamp()) * 1000);
+            EXIT WHEN left_ms < 1;
+            BEGIN
+                PERFORM set_config('lock_timeout', left_ms || 'ms', true);
+                PERFORM FROM lockgate.batches y WHERE y.id = ids[i] FOR NO KEY UPDATE;
+                take[i] := FOUND;
+                PERFORM set_config('lock_timeout', saved, true);
+            EXCEPTION WHEN lock_not_available OR deadlock_detected OR serialization_failure THEN
+                PERFORM set_config('lock_timeout', saved, true);
+            END;
+        END LOOP;
     END IF;
     IF array_position(take, NULL) IS NOT NULL THEN
         held := ARRAY(SELECT k.id FROM unnest(ids, take) AS k(id, t) WHERE k.t IS NULL);

@@ -126,7 +126,14 @@ async fn h22_the_last_two_completions_racing_on_two_connections_enqueue_the_call
 /// within the caller's `lock_timeout`.
 #[tokio::test]
 async fn a_completion_under_a_short_statement_timeout_never_times_out_on_a_held_batch_row() {
-    for setting in [&["statement_timeout = '200ms'"][..], &["statement_timeout = '200ms'", "lock_timeout = '1min'"]] {
+    // The settings, and whether the statement spends time of its own before the completion: the
+    // wait ends half the statement timeout after the statement began (review, helper-73 F4).
+    let cases: [(&[&str], bool); 3] = [
+        (&["statement_timeout = '200ms'"], false),
+        (&["statement_timeout = '200ms'", "lock_timeout = '1min'"], false),
+        (&["statement_timeout = '400ms'"], true),
+    ];
+    for (setting, late) in cases {
         let db = setup().await;
         let batch = create_batch(&db.pool).await;
         add_jobs(&db.pool, batch, 2).await;
@@ -139,7 +146,18 @@ async fn a_completion_under_a_short_statement_timeout_never_times_out_on_a_held_
         for set in setting {
             sqlx::query(&format!("SET {set}")).execute(&mut conn).await.unwrap();
         }
-        assert!(common::complete_default(&mut conn, claimed[1]).await, "{setting:?}");
+        let statement = if late {
+            "SELECT c FROM pg_sleep(0.25), lockgate.complete('default', $1, $2) c"
+        } else {
+            "SELECT c FROM lockgate.complete('default', $1, $2) c"
+        };
+        let archived: Vec<i64> = sqlx::query_scalar(statement)
+            .bind(vec![claimed[1].0])
+            .bind(vec![claimed[1].1])
+            .fetch_all(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{setting:?}, late {late}: {e}"));
+        assert_eq!(archived, vec![claimed[1].0]);
         tx.commit().await.unwrap();
         let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
         assert_eq!(swept, 1, "{setting:?}");
