@@ -86,14 +86,19 @@ enum Command {
     /// Migrate, define demo job types, enqueue a few hundred jobs, run them with live progress
     /// and print what ran, retried and was dead-lettered.
     Demo(commands::demo::Args),
-    /// The leader of a command job's process group (started by the command executor, never by
-    /// hand): kills the group when lockgate dies or stops renewing the job's lease.
-    #[command(name = "command-watchdog", hide = true)]
-    Watchdog,
+}
+
+fn main() {
+    // The command executor's watchdog (`lockgate command-watchdog`, started by lockgate run, never
+    // by hand) runs before any of the CLI: no async runtime, no logging, no argument parsing.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "command-watchdog") {
+        executors::command::watchdog();
+    }
+    cli();
 }
 
 #[tokio::main]
-async fn main() {
+async fn cli() {
     let cli = Cli::parse();
     // The demo draws a progress bar; routine logs would tear it.
     init_logging(cli.log_format, if matches!(cli.command, Command::Demo(_)) { "error" } else { "info,sqlx=warn" });
@@ -150,7 +155,6 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Jobs(args) => commands::jobs::run(&target, args).await,
         Command::Recurring(command) => commands::recurring::run(&target, command).await,
         Command::Demo(args) => commands::demo::run(&target, args).await,
-        Command::Watchdog => executors::command::watchdog(),
     }
 }
 

@@ -496,28 +496,38 @@ fn overlaps(setup: &Setup) -> String {
 
 /// Design §75: `kill -9` of lockgate runs none of its code, and its command programs used to
 /// outlive it, running beside the job's next delivery once the lease lapsed (for a limited key,
-/// two jobs at once). The group's watchdog sees the pipe from lockgate close and kills the group
-/// at once.
+/// two jobs at once). The watchdog sees the pipe from lockgate close and kills the group at once.
+/// Also for a program that makes itself a group leader (`timeout`, unless `--foreground`), which
+/// escaped a watchdog that led the program's group, and for one that signals its own group,
+/// which killed such a watchdog (review of §75, helper-72 F1 and F2).
 #[tokio::test]
 async fn kill_9_of_lockgate_kills_its_command_programs_at_once() {
-    let setup = Setup::new(OVERLAP_CHECKED_FIRST_RUN, "concurrency = { limit = 1 }");
-    let db = migrated_with_one_job(&setup).await;
-    let mut first = setup.run(&db);
-    setup.wait_starts(1).await;
-    let pid = std::fs::read_to_string(setup.dir.join("child")).unwrap().trim().to_string();
-    first.kill().unwrap();
-    first.wait().unwrap();
-    // Long before the 2 s lease could lapse.
-    lockgate_testkit::wait_for("the job's program to be killed", std::time::Duration::from_secs(1), || async {
-        Ok(process_gone(&pid).then_some(()))
-    })
-    .await
-    .unwrap();
-    let mut second = setup.run(&db);
-    setup.wait_starts(2).await;
-    assert_eq!(overlaps(&setup), "", "the first program ran beside the job's second start");
-    signal(&second, "TERM");
-    assert!(wait_exit(&mut second).await.success());
+    for wrap in
+        ["exec sh $DIR/job.sh", "exec timeout 60 sh $DIR/job.sh", "trap '' USR1; kill -USR1 0; exec sh $DIR/job.sh"]
+    {
+        let setup = Setup::new(wrap, "concurrency = { limit = 1 }");
+        let job = OVERLAP_CHECKED_FIRST_RUN.replace("$DIR", setup.dir.to_str().unwrap());
+        std::fs::write(setup.dir.join("job.sh"), job).unwrap();
+        let db = migrated_with_one_job(&setup).await;
+        let mut first = setup.run(&db);
+        setup.wait_starts(1).await;
+        let pid = std::fs::read_to_string(setup.dir.join("child")).unwrap().trim().to_string();
+        first.kill().unwrap();
+        first.wait().unwrap();
+        // Long before the 2 s lease could lapse.
+        lockgate_testkit::wait_for(
+            &format!("the job's program to be killed ({wrap})"),
+            std::time::Duration::from_secs(1),
+            || async { Ok(process_gone(&pid).then_some(())) },
+        )
+        .await
+        .unwrap();
+        let mut second = setup.run(&db);
+        setup.wait_starts(2).await;
+        assert_eq!(overlaps(&setup), "", "the first program ran beside the job's second start ({wrap})");
+        signal(&second, "TERM");
+        assert!(wait_exit(&mut second).await.success());
+    }
 }
 
 /// Design §75: a lockgate frozen mid-job (SIGSTOP, a stalled VM) renews nothing and fences

@@ -13,16 +13,18 @@
 //! process that leaves its group on purpose (`setsid`) is out of reach.
 //!
 //! What no code of lockgate's can do once lockgate is killed (`kill -9`) or frozen (SIGSTOP, a
-//! stalled VM) is done by the group's leader: a watchdog (`lockgate command-watchdog`, started
-//! before the program and in the same group) that lockgate tells, over a pipe, until when the
-//! job's lease holds. It kills the group when the pipe closes (lockgate died) or shortly before
-//! the lease ends without a renewal (lockgate stopped renewing it), so the program never runs
-//! beside the job's next delivery (design §75).
+//! stalled VM) is done by a watchdog: one `lockgate command-watchdog` process per lockgate
+//! process, in a process group of its own, outside every program's group. lockgate tells it over
+//! a pipe, for each running group, until when the job's lease holds; it kills a group shortly
+//! before that time if no renewal came (lockgate stopped renewing), and every group it knows when
+//! the pipe closes (lockgate died), so a program never runs beside its job's next delivery
+//! (design §75). lockgate tells it a group is done once it killed the group itself, before it
+//! reaps the program, so that the pgid cannot be reused while the watchdog may still target it.
 //!
 //! Groups are killed with `kill -KILL -- -<pgid>` (kill(1), POSIX) rather than a libc call: the
 //! workspace forbids unsafe code, and this saves a dependency for a call made once per job.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -47,10 +49,68 @@ const STDERR_DRAIN: Duration = Duration::from_millis(100);
 /// How often a killed group is checked for survivors.
 const REAP_POLL: Duration = Duration::from_millis(5);
 
-/// How long before the lease ends the watchdog kills the group when lockgate has not renewed it:
-/// time for kill(1) to start and the kernel to deliver, on a busy host. While lockgate runs, its
-/// own fence (`FENCE_MARGIN`, 300 ms) cancels the job earlier.
-const WATCHDOG_MARGIN: Duration = Duration::from_millis(100);
+/// How long before the lease ends the watchdog kills a group whose lease lockgate has not renewed:
+/// time for the line to reach the watchdog (it counts from when it reads it), for kill(1) to
+/// start and for the kernel to deliver, on a busy host. Only a lockgate that stopped renewing
+/// gets there: one that runs cancels the job at `FENCE_MARGIN` (300 ms) before the end anyway.
+const WATCHDOG_MARGIN: Duration = Duration::from_millis(250);
+
+/// The watchdog of this process's command groups, started with the first command job (and again
+/// after one died).
+static WATCHDOG: tokio::sync::Mutex<Option<Watchdog>> = tokio::sync::Mutex::const_new(None);
+
+struct Watchdog {
+    /// Held so that tokio reaps it once it is dropped.
+    _process: Child,
+    pipe: ChildStdin,
+}
+
+/// The binary to start the watchdog from: the running one, through /proc so that an upgrade that
+/// replaced the file on disk still starts this version.
+pub fn watchdog_program() -> anyhow::Result<PathBuf> {
+    let exe = Path::new("/proc/self/exe");
+    if exe.exists() {
+        return Ok(exe.to_path_buf());
+    }
+    std::env::current_exe().map_err(|e| {
+        anyhow::anyhow!(
+            "command jobs need the path of the lockgate binary to start their watchdog, from /proc/self/exe: {e}"
+        )
+    })
+}
+
+/// Sends one line to the watchdog, starting it first if there is none; an error when it cannot be
+/// started or written to (it died: the next line starts a new one).
+async fn tell(line: &str) -> std::io::Result<()> {
+    let mut watchdog = WATCHDOG.lock().await;
+    if watchdog.is_none() {
+        let program = watchdog_program().map_err(std::io::Error::other)?;
+        let mut process = Command::new(&program)
+            .arg0("lockgate")
+            .arg("command-watchdog")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()?;
+        let pipe = process.stdin.take().ok_or_else(|| std::io::Error::other("the watchdog has no stdin"))?;
+        *watchdog = Some(Watchdog { _process: process, pipe });
+    }
+    let written = match watchdog.as_mut() {
+        Some(w) => w.pipe.write_all(format!("{line}\n").as_bytes()).await,
+        None => Err(std::io::Error::other("no watchdog")),
+    };
+    if written.is_err() {
+        *watchdog = None;
+    }
+    written
+}
+
+/// Tells the watchdog that group `pgid` may run until `until` (less the margin).
+async fn tell_lease(pgid: u32, until: Instant) -> std::io::Result<()> {
+    let left = until.saturating_duration_since(Instant::now()).saturating_sub(WATCHDOG_MARGIN);
+    tell(&format!("{pgid} {}", left.as_millis())).await
+}
 
 /// Process group ids of running commands: inserted at spawn, removed once the group is gone.
 static GROUPS: Mutex<Option<HashSet<u32>>> = Mutex::new(None);
@@ -94,6 +154,9 @@ impl Group {
             .stderr(Stdio::null())
             .status()
             .await;
+        // Before the program is reaped (unless it already was: it exited on its own), while its
+        // pid, the group's id, cannot be given to another process.
+        let _ = tell(&format!("{} -", self.pgid)).await;
         let _ = child.wait().await;
         while group_alive(self.pgid) {
             tokio::time::sleep(REAP_POLL).await;
@@ -112,6 +175,10 @@ impl Drop for Group {
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .status();
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let line = format!("{} -", self.pgid);
+                runtime.spawn(async move { tell(&line).await });
+            }
         }
         if let Some(set) = groups().as_mut() {
             set.remove(&self.pgid);
@@ -151,6 +218,7 @@ fn in_group_and_alive(stat: &str, pgid: u32) -> bool {
 /// through `PATH`, as the spawn resolves it) and executable.
 pub fn check(argv: &[String]) -> anyhow::Result<()> {
     let Some(program) = argv.first() else { anyhow::bail!("its command is empty") };
+    watchdog_program()?;
     let candidates: Vec<PathBuf> = if program.contains('/') {
         vec![PathBuf::from(program)]
     } else {
@@ -182,32 +250,7 @@ impl CommandExecutor {
 
     async fn run(&self, ctx: JobContext, args: Value) -> Result<(), JobError> {
         let (program, rest) = self.argv.split_first().ok_or_else(|| JobError::new("empty command"))?;
-        // The group's leader: the running binary, through /proc so that an upgrade that replaced
-        // the file on disk still starts this version.
-        let exe = Path::new("/proc/self/exe");
-        let exe = if exe.exists() { exe.to_path_buf() } else { std::env::current_exe().unwrap_or_default() };
-        let mut watchdog = Command::new(&exe)
-            .arg("command-watchdog")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| {
-                JobError::new(format!("could not start lockgate's command watchdog ({}): {e}", exe.display()))
-            })?;
-        let pgid = watchdog.id().ok_or_else(|| JobError::new("lockgate's command watchdog exited at once"))?;
-        let mut group = Group::new(pgid);
-        let mut lease = ctx.lease_ends();
-        let mut tell = watchdog.stdin.take();
-        let until = *lease.borrow_and_update();
-        let told = tell_lease(&mut tell, until).await;
-        if let Err(e) = told {
-            group.kill_and_reap(&mut watchdog).await;
-            return Err(JobError::new(format!("could not reach lockgate's command watchdog: {e}")));
-        }
-        let spawned = Command::new(program)
+        let mut child = Command::new(program)
             .args(rest)
             .env("LOCKGATE_JOB_ID", ctx.job_id.to_string())
             .env("LOCKGATE_JOB_TYPE", &ctx.job_type)
@@ -215,16 +258,21 @@ impl CommandExecutor {
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
-            .process_group(pgid as i32)
+            .process_group(0)
             .kill_on_drop(true)
-            .spawn();
-        let mut child = match spawned {
-            Ok(child) => child,
-            Err(e) => {
-                group.kill_and_reap(&mut watchdog).await;
-                return Err(JobError::new(format!("could not start {program}: {e}")));
-            }
-        };
+            .spawn()
+            .map_err(|e| JobError::new(format!("could not start {program}: {e}")))?;
+        let pgid = child.id().ok_or_else(|| JobError::new(format!("{program} exited before it could be tracked")))?;
+        let mut group = Group::new(pgid);
+        // The watchdog learns of the group at once; a program it cannot watch does not run.
+        let mut lease = ctx.lease_ends();
+        let until = *lease.borrow_and_update();
+        if let Err(e) = tell_lease(pgid, until).await {
+            group.kill_and_reap(&mut child).await;
+            return Err(JobError::new(format!(
+                "{program} was stopped: lockgate's command watchdog could not be told: {e}"
+            )));
+        }
         // stderr is read from the start (a full pipe would block the program) and kept apart,
         // since a process the program left behind may hold it open until the group is killed.
         let stderr = child.stderr.take().map(|mut pipe| {
@@ -242,28 +290,31 @@ impl CommandExecutor {
                 let _ = stdin.write_all(input.as_bytes()).await;
             }
         };
-        let status = {
+        let outcome = {
             let ran = async { tokio::join!(feed, child.wait()).1 };
             tokio::pin!(ran);
             let mut renewing = true;
             loop {
                 tokio::select! {
-                    status = &mut ran => break Some(status),
-                    () = ctx.cancelled() => break None,
+                    status = &mut ran => break Ok(status),
+                    () = ctx.cancelled() => break Err(format!("{program} was cancelled ({:?})", ctx.cancel_reason())),
                     changed = lease.changed(), if renewing => {
-                        // Each renewal goes to the watchdog; once the lease can no longer move
-                        // (the delivery is settled) or the watchdog is gone, nothing more is sent.
+                        // Each renewal goes to the watchdog, until the lease can no longer move
+                        // (the delivery is settled). A watchdog that can no longer be told stops
+                        // the program: it would run unwatched.
+                        renewing = changed.is_ok();
                         let until = *lease.borrow_and_update();
-                        renewing = changed.is_ok() && tell_lease(&mut tell, until).await.is_ok();
+                        if renewing {
+                            if let Err(e) = tell_lease(pgid, until).await {
+                                break Err(format!("{program} was stopped: lockgate's command watchdog is gone ({e})"));
+                            }
+                        }
                     }
                 }
             }
         };
         group.kill_and_reap(&mut child).await;
-        let _ = watchdog.wait().await;
-        let Some(status) = status else {
-            return Err(JobError::new(format!("{program} was cancelled ({:?})", ctx.cancel_reason())));
-        };
+        let status = outcome.map_err(JobError::new)?;
         let status = status?;
         if status.success() {
             return Ok(());
@@ -281,49 +332,70 @@ impl CommandExecutor {
     }
 }
 
-/// Tells the watchdog until when the lease holds, as the milliseconds left before it must kill
-/// the group (one line each).
-async fn tell_lease(pipe: &mut Option<ChildStdin>, until: Instant) -> std::io::Result<()> {
-    let left = until.saturating_duration_since(Instant::now()).saturating_sub(WATCHDOG_MARGIN);
-    match pipe {
-        Some(pipe) => pipe.write_all(format!("{}\n", left.as_millis()).as_bytes()).await,
-        None => Err(std::io::Error::other("no pipe to the watchdog")),
-    }
-}
-
-/// `lockgate command-watchdog`, the leader of a command's process group: reads from stdin, one
-/// per line, how many milliseconds the group may run from now (each line replaces the last), and
-/// kills the whole group, itself included, when that time is up or stdin closes — lockgate
-/// writes the lines and holds the pipe's other end, which the kernel closes when lockgate dies.
-/// Until its first line it waits for one. Plain threads and a channel: it must start in a few
-/// milliseconds and hold nothing.
+/// `lockgate command-watchdog`: watches the process groups of one lockgate process's command
+/// jobs. Reads lines from stdin: `<pgid> <ms>`, group pgid may run ms more from now (each line
+/// replaces the last for that group); `<pgid> -`, lockgate is done with the group. Kills a group
+/// with SIGKILL when its time is up, and every group it knows when stdin closes (lockgate died:
+/// the kernel closed the pipe's other end) or a line makes no sense. Started before any async
+/// runtime (see main): plain threads and a channel, so it starts fast and holds little.
 pub fn watchdog() -> ! {
-    let (lines, budgets) = mpsc::channel::<u64>();
+    let (lines, updates) = mpsc::channel::<(u32, Option<u64>)>();
     std::thread::spawn(move || {
         for line in std::io::stdin().lines() {
-            let Some(ms) = line.ok().and_then(|l| l.trim().parse().ok()) else { break };
-            if lines.send(ms).is_err() {
+            let Some(update) = line.ok().as_deref().and_then(parse_watchdog_line) else { break };
+            if lines.send(update).is_err() {
                 break;
             }
         }
     });
-    let mut deadline: Option<Instant> = None;
+    let mut deadlines: HashMap<u32, Instant> = HashMap::new();
     loop {
-        let next = match deadline {
-            Some(at) => budgets.recv_timeout(at.saturating_duration_since(Instant::now())),
-            None => budgets.recv().map_err(|_| RecvTimeoutError::Disconnected),
+        let next = deadlines.values().min().copied();
+        let update = match next {
+            Some(at) => updates.recv_timeout(at.saturating_duration_since(Instant::now())),
+            None => updates.recv().map_err(|_| RecvTimeoutError::Disconnected),
         };
-        match next {
-            Ok(ms) => deadline = Some(Instant::now() + Duration::from_millis(ms)),
-            Err(_) => break,
+        match update {
+            Ok((pgid, Some(ms))) => {
+                deadlines.insert(pgid, Instant::now() + Duration::from_millis(ms.min(u64::from(u32::MAX))));
+            }
+            Ok((pgid, None)) => {
+                deadlines.remove(&pgid);
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                let now = Instant::now();
+                let due: Vec<u32> = deadlines.iter().filter(|(_, at)| **at <= now).map(|(pgid, _)| *pgid).collect();
+                kill_groups(&due);
+                deadlines.retain(|_, at| *at > now);
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
         }
     }
+    kill_groups(&deadlines.into_keys().collect::<Vec<_>>());
+    std::process::exit(0)
+}
+
+/// A watchdog line: `<pgid> <ms>` or `<pgid> -`.
+fn parse_watchdog_line(line: &str) -> Option<(u32, Option<u64>)> {
+    let (pgid, rest) = line.trim().split_once(' ')?;
+    let pgid = pgid.parse().ok().filter(|p| *p > 1)?;
+    match rest {
+        "-" => Some((pgid, None)),
+        ms => Some((pgid, Some(ms.parse().ok()?))),
+    }
+}
+
+fn kill_groups(pgids: &[u32]) {
+    if pgids.is_empty() {
+        return;
+    }
     let _ = std::process::Command::new("kill")
-        .args(["-KILL", "--", &format!("-{}", std::process::id())])
+        .arg("-KILL")
+        .arg("--")
+        .args(pgids.iter().map(|p| format!("-{p}")))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status();
-    std::process::exit(0)
 }
 
 impl RawHandler for CommandExecutor {
@@ -335,6 +407,15 @@ impl RawHandler for CommandExecutor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn watchdog_lines_name_a_group_and_its_time_or_its_end() {
+        assert_eq!(parse_watchdog_line("4242 1500"), Some((4242, Some(1500))));
+        assert_eq!(parse_watchdog_line("4242 -\n"), Some((4242, None)));
+        for bad in ["", "4242", "4242 x", "1 100", "0 100", "-5 100", "4242 -1", "99999999999 1"] {
+            assert_eq!(parse_watchdog_line(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn stat_lines_are_read_after_the_command_name() {
