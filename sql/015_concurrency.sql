@@ -204,7 +204,11 @@ SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off 
 DECLARE
     n integer;
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM lockgate.leases l WHERE l.key = _give_back_finished.key AND l.finished_at IS NOT NULL) THEN
+    -- Only in READ COMMITTED: with a snapshot older than the wait for the row, the promotion
+    -- would not see a job the row's holder parked, and a later enqueue would take the permit
+    -- ahead of it (review of §72, helper-74). Such a caller leaves the permit to the next holder.
+    IF NOT EXISTS (SELECT 1 FROM lockgate.leases l WHERE l.key = _give_back_finished.key AND l.finished_at IS NOT NULL)
+       OR current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN;
     END IF;
     PERFORM 1 FROM lockgate.semaphores s WHERE s.key = _give_back_finished.key FOR UPDATE;

@@ -412,6 +412,49 @@ async fn h28_a_finished_jobs_permit_goes_back_at_the_next_completion_of_its_key(
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
+/// Review of §72 (helper-74): the runtime's give-back of a finished permit waits for the key's row
+/// behind the producer that holds it. On a connection whose default isolation is REPEATABLE READ
+/// its snapshot predated the producer's commit, so the promotion did not see the job the producer
+/// parked: the permit went back with the job still parked, for a later enqueue to take ahead of
+/// it. And under the pool's short statement_timeout (a quarter of the visibility timeout) the wait
+/// failed. It runs in READ COMMITTED, with a statement timeout of its own.
+#[tokio::test]
+async fn h28_the_runtimes_give_back_promotes_the_job_parked_by_the_producer_it_waited_for() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let d = claim(&db.pool, 1).await.remove(0);
+    let mut producer = park_and_hold(&db, 1).await;
+    complete_without_waiting(&db, d).await;
+    assert_eq!(finished_leases(&db.pool).await, 1);
+    let options: sqlx::postgres::PgConnectOptions = db.url.parse().unwrap();
+    let options =
+        options.options([("default_transaction_isolation", "repeatable\\ read"), ("statement_timeout", "200ms")]);
+    let runtime_pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
+    let key: String = sqlx::query_scalar("SELECT key FROM lockgate.leases").fetch_one(&db.pool).await.unwrap();
+    let give_back =
+        tokio::spawn(
+            async move { lockgate::sql::give_back_finished(&runtime_pool, &key, Duration::from_secs(5)).await },
+        );
+    wait_for("the give-back to wait for the key's row", common::WAIT, || async {
+        Ok((sqlx::query_scalar::<_, i64>(common::WAITING_FOR_A_LOCK).fetch_one(&db.pool).await? > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    // Held past the pool's statement timeout, then committed.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    assert!(give_back.await.unwrap().expect("the give-back failed"), "the give-back got the key's row");
+    assert_eq!(finished_leases(&db.pool).await, 0);
+    let (value, parked): (i32, i64) =
+        sqlx::query_as("SELECT (SELECT value FROM lockgate.semaphores), (SELECT count(*) FROM lockgate.parked)")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((value, parked), (1, 0), "the parked job took the permit");
+    assert_eq!(claim(&db.pool, 5).await.len(), 1, "and runs");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
 /// Review of §72 (helper-69, finding 2): an enqueue that waited for the key's row looked for
 /// finished permits before the wait, and a job of the key that finished meanwhile left its permit
 /// where the enqueue did not look again: both parked jobs waited for the sweep while nothing ran.

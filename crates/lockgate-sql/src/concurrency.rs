@@ -50,11 +50,15 @@ pub const FINISHED_CHANNEL: &str = "lockgate.finished";
 /// promoting the key's parked jobs into them, in a transaction of its own that waits at most
 /// `wait` for the key's row and holds nothing else meanwhile (so it closes no cycle). Returns
 /// false when the row was still held after `wait`: the next holder of the row or the sweep gives
-/// them back.
+/// them back. READ COMMITTED whatever the connection's default: with an older snapshot, the
+/// promotion would not see a job the row's holder parked, and a later enqueue would take the
+/// permit ahead of it (review of §72, helper-74). Its own statement timeout, a second past the
+/// wait: the pool's budget is a renewal's, not this one's.
 pub async fn give_back_finished(db: &PgPool, key: &str, wait: Duration) -> Result<bool, DbError> {
-    let mut tx = db.begin().await?;
-    query("SELECT set_config('lock_timeout', $1, true)")
+    let mut tx = db.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
+    query("SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)")
         .bind(format!("{}ms", wait.as_millis().max(1)))
+        .bind(format!("{}ms", wait.as_millis() + 1000))
         .execute(&mut *tx)
         .await?;
     match query("SELECT lockgate._give_back_finished($1)").bind(key).execute(&mut *tx).await {

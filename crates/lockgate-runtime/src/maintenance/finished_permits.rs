@@ -4,9 +4,11 @@
 //! completion commits, `lockgate._release_leases` names the key on `lockgate.finished`; the
 //! notifier hands it here, and a statement of its own gives the permit back to the key's parked
 //! jobs as soon as the producer commits. It waits for the key's row holding nothing else, so it
-//! can close no cycle, and at most `WAIT`: a row held longer is left to the key's next holder or
-//! the concurrency sweep, which give such permits back too. An accelerator only, like the
-//! notifier that feeds it.
+//! can close no cycle, and briefly (`TRY`): a key still held is tried again after a pause that
+//! grows, for about two seconds, without holding a slot meanwhile, so one long producer
+//! transaction over many keys does not stall the others (review of §72, helper-74). A row held
+//! longer is left to the key's next holder or the concurrency sweep, which give such permits
+//! back too. An accelerator only, like the notifier that feeds it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -15,12 +17,21 @@ use std::time::Duration;
 use lockgate_sql::PgPool;
 use tokio::sync::Semaphore;
 
-/// How long one give-back waits for the key's row: producer transactions are most often a few
+/// How long one try waits for the key's row: producer transactions are most often a few
 /// milliseconds long.
-const WAIT: Duration = Duration::from_secs(1);
+const TRY: Duration = Duration::from_millis(100);
 
-/// Give-backs at once: each holds a connection of the runtime's pool while it waits.
-const AT_ONCE: usize = 1;
+/// The pauses between tries of a key still held: about two seconds in all.
+const PAUSES: [Duration; 5] = [
+    Duration::from_millis(50),
+    Duration::from_millis(100),
+    Duration::from_millis(200),
+    Duration::from_millis(400),
+    Duration::from_millis(800),
+];
+
+/// Tries at once: each holds a connection of the runtime's pool while it waits.
+const AT_ONCE: usize = 2;
 
 pub(crate) struct FinishedPermits {
     db: PgPool,
@@ -53,11 +64,23 @@ impl FinishedPermits {
         let key = key.to_string();
         tokio::spawn(async move {
             loop {
-                if let Ok(_slot) = this.slots.acquire().await {
-                    match lockgate_sql::give_back_finished(&this.db, &key, WAIT).await {
-                        Ok(true) => {}
-                        Ok(false) => tracing::debug!(key, "finished permit left to the sweep: its key's row is held"),
-                        Err(error) => tracing::warn!(%error, key, "giving back a finished permit failed"),
+                let mut pauses = PAUSES.iter();
+                loop {
+                    let given = match this.slots.acquire().await {
+                        Ok(_slot) => lockgate_sql::give_back_finished(&this.db, &key, TRY).await,
+                        Err(_) => break,
+                    };
+                    match (given, pauses.next()) {
+                        (Ok(true), _) => break,
+                        (Ok(false), Some(pause)) => tokio::time::sleep(*pause).await,
+                        (Ok(false), None) => {
+                            tracing::debug!(key, "finished permit left to the sweep: its key's row stays held");
+                            break;
+                        }
+                        (Err(error), _) => {
+                            tracing::warn!(%error, key, "giving back a finished permit failed");
+                            break;
+                        }
                     }
                 }
                 let mut pending = this.pending();
