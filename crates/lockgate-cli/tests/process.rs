@@ -548,3 +548,65 @@ async fn a_frozen_lockgates_command_program_is_killed_before_its_job_runs_again(
     signal(&second, "TERM");
     assert!(wait_exit(&mut second).await.success());
 }
+
+/// The pid of the command watchdog that lockgate process `parent` started.
+fn watchdog_of(parent: u32) -> Option<String> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid = e.file_name().to_str()?.parse::<u32>().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid: u32 = stat.rsplit(')').next()?.split_whitespace().nth(1)?.parse().ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        (ppid == parent
+            && String::from_utf8_lossy(&cmdline).contains("command-watchdog")
+            && !process_gone(&pid.to_string()))
+        .then(|| pid.to_string())
+    })
+}
+
+/// Review of §75 (helper-75, F1): lockgate killed just as it starts programs left those it had
+/// started and not yet told the watchdog of running. Each program carries its watchdog's pid, and
+/// the watchdog of a dead lockgate kills those too. lockgate is killed the moment its first
+/// program has started.
+#[tokio::test]
+async fn kill_9_of_lockgate_as_its_programs_start_kills_every_one() {
+    let setup = Setup::new("echo $$ >> $DIR/pids; cat >/dev/null; exec sleep 30", "");
+    let db = migrated_with_one_job(&setup).await;
+    for n in 2..=4 {
+        assert!(output(&db, &["enqueue", "task", &format!("{{\"n\": {n}}}")]).status.success());
+    }
+    let mut first = setup.run(&db);
+    let pids = setup.dir.join("pids");
+    let deadline = std::time::Instant::now() + WAIT;
+    while std::fs::read_to_string(&pids).unwrap_or_default().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no program started");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let started: Vec<String> =
+        std::fs::read_to_string(&pids).unwrap().lines().map(str::to_string).filter(|p| !p.is_empty()).collect();
+    lockgate_testkit::wait_for("every started program to be killed", std::time::Duration::from_secs(1), || async {
+        Ok(started.iter().all(|pid| process_gone(pid)).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+/// Review of §75 (helper-75, F3): a watchdog that died while no command ran was found dead only by
+/// the next job's first line, which then failed the job. It is checked, and started again, first.
+#[tokio::test]
+async fn a_job_after_its_watchdog_died_runs_under_a_new_one() {
+    let setup = Setup::new("cat >/dev/null; echo start >> $DIR/starts", "max_attempts = 1");
+    let db = migrated_with_one_job(&setup).await;
+    let mut lockgate = setup.run(&db);
+    setup.wait_starts(1).await;
+    let watchdog =
+        lockgate_testkit::wait_for("the watchdog", WAIT, || async { Ok(watchdog_of(lockgate.id())) }).await.unwrap();
+    std::process::Command::new("kill").args(["-9", &watchdog]).status().unwrap();
+    assert!(output(&db, &["enqueue", "task", "{\"n\": 2}"]).status.success());
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 2, WAIT).await.unwrap();
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0, "the second job succeeded");
+    assert!(watchdog_of(lockgate.id()).is_some_and(|w| w != watchdog), "a new watchdog watches");
+    signal(&lockgate, "TERM");
+    assert!(wait_exit(&mut lockgate).await.success());
+}

@@ -50,19 +50,26 @@ const STDERR_DRAIN: Duration = Duration::from_millis(100);
 const REAP_POLL: Duration = Duration::from_millis(5);
 
 /// How long before the lease ends the watchdog kills a group whose lease lockgate has not renewed:
-/// time for the line to reach the watchdog (it counts from when it reads it), for kill(1) to
-/// start and for the kernel to deliver, on a busy host. Only a lockgate that stopped renewing
-/// gets there: one that runs cancels the job at `FENCE_MARGIN` (300 ms) before the end anyway.
-const WATCHDOG_MARGIN: Duration = Duration::from_millis(250);
+/// time for the line to reach the watchdog (it counts from when it reads it; up to 76 ms under
+/// load, measured), for kill(1) to start and for the kernel to deliver. Short of `FENCE_MARGIN`
+/// (300 ms), so that a lockgate that runs cancels the job itself first.
+const WATCHDOG_MARGIN: Duration = Duration::from_millis(150);
 
-/// The watchdog of this process's command groups, started with the first command job (and again
-/// after one died).
-static WATCHDOG: tokio::sync::Mutex<Option<Watchdog>> = tokio::sync::Mutex::const_new(None);
+/// The environment variable naming, in every program and what it starts, the watchdog watching it.
+const WATCHDOG_ENV: &str = "LOCKGATE_WATCHDOG";
 
-struct Watchdog {
-    /// Held so that tokio reaps it once it is dropped.
-    _process: Child,
-    pipe: ChildStdin,
+/// How long a line to the watchdog may take to write: a pipe the watchdog no longer reads (it is
+/// stopped) fills up, and a handler must never wait on it. Past this the watchdog is replaced.
+const WRITE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The watchdog of this process's command groups, and what it was told: started before the first
+/// program, started again (and told every group) when it died or stopped reading.
+static WATCHDOG: tokio::sync::Mutex<Watched> = tokio::sync::Mutex::const_new(Watched { process: None, groups: None });
+
+struct Watched {
+    process: Option<(Child, ChildStdin)>,
+    /// Until when each running group may run, as last told.
+    groups: Option<HashMap<u32, Instant>>,
 }
 
 /// The binary to start the watchdog from: the running one, through /proc so that an upgrade that
@@ -79,37 +86,98 @@ pub fn watchdog_program() -> anyhow::Result<PathBuf> {
     })
 }
 
-/// Sends one line to the watchdog, starting it first if there is none; an error when it cannot be
-/// started or written to (it died: the next line starts a new one).
-async fn tell(line: &str) -> std::io::Result<()> {
-    let mut watchdog = WATCHDOG.lock().await;
-    if watchdog.is_none() {
-        let program = watchdog_program().map_err(std::io::Error::other)?;
-        let mut process = Command::new(&program)
-            .arg0("lockgate")
-            .arg("command-watchdog")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()?;
-        let pipe = process.stdin.take().ok_or_else(|| std::io::Error::other("the watchdog has no stdin"))?;
-        *watchdog = Some(Watchdog { _process: process, pipe });
-    }
-    let written = match watchdog.as_mut() {
-        Some(w) => w.pipe.write_all(format!("{line}\n").as_bytes()).await,
-        None => Err(std::io::Error::other("no watchdog")),
-    };
-    if written.is_err() {
-        *watchdog = None;
-    }
-    written
+/// The line telling the watchdog that group `pgid` may run until `until` (less the margin).
+fn lease_line(pgid: u32, until: Instant) -> String {
+    let left = until.saturating_duration_since(Instant::now()).saturating_sub(WATCHDOG_MARGIN);
+    format!("{pgid} {}\n", left.as_millis())
 }
 
-/// Tells the watchdog that group `pgid` may run until `until` (less the margin).
+impl Watched {
+    /// A running watchdog: the one there is if it has not exited, else a new one told every group.
+    async fn ensure(&mut self) -> std::io::Result<(u32, &mut ChildStdin)> {
+        if let Some((process, _)) = self.process.as_mut() {
+            if process.try_wait().ok().flatten().is_some() {
+                self.process = None;
+            }
+        }
+        if self.process.is_none() {
+            let program = watchdog_program().map_err(std::io::Error::other)?;
+            let mut process = Command::new(&program)
+                .arg0("lockgate")
+                .arg("command-watchdog")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .process_group(0)
+                .spawn()?;
+            let mut pipe = process.stdin.take().ok_or_else(|| std::io::Error::other("the watchdog has no stdin"))?;
+            let lines: String = self.groups.iter().flatten().map(|(pgid, until)| lease_line(*pgid, *until)).collect();
+            if !lines.is_empty() {
+                write_line(&mut pipe, &lines).await?;
+            }
+            self.process = Some((process, pipe));
+        }
+        match self.process.as_mut() {
+            Some((process, pipe)) => Ok((process.id().unwrap_or_default(), pipe)),
+            None => Err(std::io::Error::other("no watchdog")),
+        }
+    }
+
+    /// Writes `line`, replacing a watchdog that died or stopped reading once.
+    async fn send(&mut self, line: &str) -> std::io::Result<()> {
+        let written = write_line(self.ensure().await?.1, line).await;
+        if written.is_ok() {
+            return written;
+        }
+        if let Some((mut process, _)) = self.process.take() {
+            let _ = process.start_kill();
+        }
+        write_line(self.ensure().await?.1, line).await
+    }
+}
+
+async fn write_line(pipe: &mut ChildStdin, line: &str) -> std::io::Result<()> {
+    match tokio::time::timeout(WRITE_TIMEOUT, pipe.write_all(line.as_bytes())).await {
+        Ok(written) => written,
+        Err(_) => Err(std::io::Error::other("the watchdog stopped reading")),
+    }
+}
+
+/// Starts `command` as a new process group under the watchdog: the watchdog is running, and is
+/// told the group may run until `until`, before any other program starts or the watchdog can be
+/// told anything else. A program the watchdog cannot be told of is killed and not started again.
+/// The program carries the watchdog's pid in `LOCKGATE_WATCHDOG`, so that a watchdog whose
+/// lockgate died between the start and the line still finds it.
+async fn spawn_watched(command: &mut Command, until: Instant) -> Result<(Child, Group), String> {
+    let mut watched = WATCHDOG.lock().await;
+    let (watchdog, _) =
+        watched.ensure().await.map_err(|e| format!("lockgate's command watchdog could not be started: {e}"))?;
+    let mut child =
+        command.env(WATCHDOG_ENV, watchdog.to_string()).spawn().map_err(|e| format!("could not start it: {e}"))?;
+    let pgid = child.id().ok_or("it exited before it could be tracked")?;
+    let mut group = Group::new(pgid);
+    watched.groups.get_or_insert_with(HashMap::new).insert(pgid, until);
+    if let Err(e) = watched.send(&lease_line(pgid, until)).await {
+        drop(watched);
+        group.kill_and_reap(&mut child).await;
+        return Err(format!("it was stopped: lockgate's command watchdog could not be told of it: {e}"));
+    }
+    Ok((child, group))
+}
+
+/// Tells the watchdog that group `pgid` may run until `until`.
 async fn tell_lease(pgid: u32, until: Instant) -> std::io::Result<()> {
-    let left = until.saturating_duration_since(Instant::now()).saturating_sub(WATCHDOG_MARGIN);
-    tell(&format!("{pgid} {}", left.as_millis())).await
+    let mut watched = WATCHDOG.lock().await;
+    watched.groups.get_or_insert_with(HashMap::new).insert(pgid, until);
+    watched.send(&lease_line(pgid, until)).await
+}
+
+/// Tells the watchdog that lockgate is done with group `pgid`.
+async fn forget(pgid: u32) {
+    let mut watched = WATCHDOG.lock().await;
+    if watched.groups.as_mut().and_then(|g| g.remove(&pgid)).is_some() {
+        let _ = watched.send(&format!("{pgid} -\n")).await;
+    }
 }
 
 /// Process group ids of running commands: inserted at spawn, removed once the group is gone.
@@ -156,7 +224,7 @@ impl Group {
             .await;
         // Before the program is reaped (unless it already was: it exited on its own), while its
         // pid, the group's id, cannot be given to another process.
-        let _ = tell(&format!("{} -", self.pgid)).await;
+        forget(self.pgid).await;
         let _ = child.wait().await;
         while group_alive(self.pgid) {
             tokio::time::sleep(REAP_POLL).await;
@@ -176,8 +244,7 @@ impl Drop for Group {
                 .stderr(Stdio::null())
                 .status();
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let line = format!("{} -", self.pgid);
-                runtime.spawn(async move { tell(&line).await });
+                runtime.spawn(forget(self.pgid));
             }
         }
         if let Some(set) = groups().as_mut() {
@@ -200,6 +267,11 @@ fn group_alive(pgid: u32) -> bool {
     dir.flatten().filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()).any(|pid| {
         std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| in_group_and_alive(&stat, pgid))
     })
+}
+
+/// The process group in a `/proc/<pid>/stat` line.
+fn process_group(stat: &str) -> Option<u32> {
+    stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().nth(2)?.parse().ok())
 }
 
 /// Parses `/proc/<pid>/stat`: `pid (comm) state ppid pgrp ...`; comm may hold spaces and
@@ -250,7 +322,10 @@ impl CommandExecutor {
 
     async fn run(&self, ctx: JobContext, args: Value) -> Result<(), JobError> {
         let (program, rest) = self.argv.split_first().ok_or_else(|| JobError::new("empty command"))?;
-        let mut child = Command::new(program)
+        let mut lease = ctx.lease_ends();
+        let until = *lease.borrow_and_update();
+        let mut command = Command::new(program);
+        command
             .args(rest)
             .env("LOCKGATE_JOB_ID", ctx.job_id.to_string())
             .env("LOCKGATE_JOB_TYPE", &ctx.job_type)
@@ -259,20 +334,10 @@ impl CommandExecutor {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| JobError::new(format!("could not start {program}: {e}")))?;
-        let pgid = child.id().ok_or_else(|| JobError::new(format!("{program} exited before it could be tracked")))?;
-        let mut group = Group::new(pgid);
-        // The watchdog learns of the group at once; a program it cannot watch does not run.
-        let mut lease = ctx.lease_ends();
-        let until = *lease.borrow_and_update();
-        if let Err(e) = tell_lease(pgid, until).await {
-            group.kill_and_reap(&mut child).await;
-            return Err(JobError::new(format!(
-                "{program} was stopped: lockgate's command watchdog could not be told: {e}"
-            )));
-        }
+            .kill_on_drop(true);
+        let (mut child, mut group) =
+            spawn_watched(&mut command, until).await.map_err(|e| JobError::new(format!("{program}: {e}")))?;
+        let pgid = group.pgid;
         // stderr is read from the start (a full pipe would block the program) and kept apart,
         // since a process the program left behind may hold it open until the group is killed.
         let stderr = child.stderr.take().map(|mut pipe| {
@@ -371,8 +436,27 @@ pub fn watchdog() -> ! {
             Err(RecvTimeoutError::Disconnected) => break,
         }
     }
-    kill_groups(&deadlines.into_keys().collect::<Vec<_>>());
+    // lockgate died (or wrote nonsense): every group it told of, and every process that carries
+    // this watchdog's pid, in case lockgate died between starting a program and telling of it.
+    let mut pgids: HashSet<u32> = deadlines.into_keys().collect();
+    pgids.extend(marked_groups(std::process::id()));
+    kill_groups(&pgids.into_iter().collect::<Vec<_>>());
     std::process::exit(0)
+}
+
+/// The process groups of the processes whose environment names watchdog `watchdog`, from /proc.
+fn marked_groups(watchdog: u32) -> Vec<u32> {
+    let marker = format!("{WATCHDOG_ENV}={watchdog}");
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|var| var == marker.as_bytes()))
+        })
+        .filter_map(|pid| process_group(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?))
+        .filter(|pgid| *pgid > 1)
+        .collect()
 }
 
 /// A watchdog line: `<pgid> <ms>` or `<pgid> -`.
@@ -408,6 +492,18 @@ impl RawHandler for CommandExecutor {
 mod tests {
     use super::*;
 
+    /// Review of §75 (helper-75, F2): a watchdog that stops reading (SIGSTOP) let its pipe fill,
+    /// and every handler then waited on a write forever. A write gives up after WRITE_TIMEOUT.
+    #[tokio::test]
+    async fn a_line_to_a_watchdog_that_stopped_reading_gives_up() {
+        let mut reader = Command::new("sleep").arg("60").stdin(Stdio::piped()).kill_on_drop(true).spawn().unwrap();
+        let mut pipe = reader.stdin.take().unwrap();
+        let started = Instant::now();
+        let line = "4242 1000\n".repeat(20_000);
+        assert!(write_line(&mut pipe, &line).await.is_err(), "a full pipe is not written");
+        assert!(started.elapsed() < WRITE_TIMEOUT * 4, "{:?}", started.elapsed());
+    }
+
     #[test]
     fn watchdog_lines_name_a_group_and_its_time_or_its_end() {
         assert_eq!(parse_watchdog_line("4242 1500"), Some((4242, Some(1500))));
@@ -419,6 +515,8 @@ mod tests {
 
     #[test]
     fn stat_lines_are_read_after_the_command_name() {
+        assert_eq!(process_group("42 (a) b (c) R 1 40 40 0"), Some(40));
+        assert_eq!(process_group("42 (sleep) S"), None);
         assert!(in_group_and_alive("42 (sleep) S 1 40 40 0", 40));
         assert!(!in_group_and_alive("42 (sleep) Z 1 40 40 0", 40), "a zombie has ended");
         assert!(!in_group_and_alive("42 (sleep) S 1 41 41 0", 40));
