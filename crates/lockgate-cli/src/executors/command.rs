@@ -143,22 +143,20 @@ async fn write_line(pipe: &mut ChildStdin, line: &str) -> std::io::Result<()> {
     }
 }
 
-/// Starts `command` as a new process group under the watchdog: the watchdog is running, and is
-/// told the group may run until `until`, before any other program starts or the watchdog can be
-/// told anything else. A program the watchdog cannot be told of is killed and not started again.
-/// The program carries the watchdog's pid in `LOCKGATE_WATCHDOG`, so that a watchdog whose
-/// lockgate died between the start and the line still finds it.
+/// Starts `command` as a new process group under the watchdog: the watchdog is running before the
+/// program starts, and is then told the group may run until `until`. The program carries the
+/// watchdog's pid in `LOCKGATE_WATCHDOG`, so that a watchdog whose lockgate died between the
+/// start and the line still finds it. A program the watchdog cannot be told of is killed.
 async fn spawn_watched(command: &mut Command, until: Instant) -> Result<(Child, Group), String> {
-    let mut watched = WATCHDOG.lock().await;
-    let (watchdog, _) =
-        watched.ensure().await.map_err(|e| format!("lockgate's command watchdog could not be started: {e}"))?;
+    let watchdog = {
+        let mut watched = WATCHDOG.lock().await;
+        watched.ensure().await.map_err(|e| format!("lockgate's command watchdog could not be started: {e}"))?.0
+    };
     let mut child =
         command.env(WATCHDOG_ENV, watchdog.to_string()).spawn().map_err(|e| format!("could not start it: {e}"))?;
     let pgid = child.id().ok_or("it exited before it could be tracked")?;
     let mut group = Group::new(pgid);
-    watched.groups.get_or_insert_with(HashMap::new).insert(pgid, until);
-    if let Err(e) = watched.send(&lease_line(pgid, until)).await {
-        drop(watched);
+    if let Err(e) = tell_lease(pgid, until).await {
         group.kill_and_reap(&mut child).await;
         return Err(format!("it was stopped: lockgate's command watchdog could not be told of it: {e}"));
     }
