@@ -455,6 +455,48 @@ async fn h28_the_runtimes_give_back_promotes_the_job_parked_by_the_producer_it_w
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
+/// Review of §72 (helper-74): an enqueue gives a finished permit back before it takes one
+/// (`_give_back_finished`), waiting for the key's row behind the producer that holds it. In a
+/// REPEATABLE READ transaction its snapshot predated that producer's commit, so the promotion did
+/// not see the job the producer had parked, and the enqueue took the permit ahead of it. Outside
+/// READ COMMITTED it leaves the permit to the next holder: the later job parks behind the older.
+#[tokio::test]
+async fn h28_an_enqueue_at_repeatable_read_never_takes_a_finished_permit_ahead_of_a_parked_job() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let d = claim(&db.pool, 1).await.remove(0);
+    let mut producer = park_and_hold(&db, 1).await;
+    complete_without_waiting(&db, d).await;
+    assert_eq!(finished_leases(&db.pool).await, 1);
+    let mut late = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut late).await.unwrap();
+    sqlx::query("SELECT 1").execute(&mut late).await.unwrap();
+    let enqueue_late = tokio::spawn(async move {
+        let status: String = sqlx::query_scalar("SELECT status FROM lockgate.enqueue('lim', '{\"k\": 1}')")
+            .fetch_one(&mut late)
+            .await
+            .unwrap();
+        sqlx::query("COMMIT").execute(&mut late).await.unwrap();
+        status
+    });
+    wait_for("the late enqueue to wait for the key's row", common::WAIT, || async {
+        Ok((sqlx::query_scalar::<_, i64>(common::WAITING_FOR_A_LOCK).fetch_one(&db.pool).await? > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    assert_eq!(enqueue_late.await.unwrap(), "parked", "the later job waits behind the one parked first");
+    sweep(&db.pool).await;
+    let promoted: Vec<i64> = sqlx::query_scalar("SELECT (headers->>'job_id')::bigint FROM pgmq.q_default")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let oldest: i64 = sqlx::query_scalar("SELECT min(job_id) FROM lockgate.parked").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(promoted.len(), 1);
+    assert!(promoted[0] < oldest, "the job parked first runs first");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
 /// Review of §72 (helper-69, finding 2): an enqueue that waited for the key's row looked for
 /// finished permits before the wait, and a job of the key that finished meanwhile left its permit
 /// where the enqueue did not look again: both parked jobs waited for the sweep while nothing ran.
