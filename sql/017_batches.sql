@@ -192,11 +192,11 @@ END $$;
 -- failed or succeeded; a job that is no member (never added, or counted already) counts nothing.
 -- Waits at most 300 ms in all (less within a caller's shorter lock_timeout, or half its
 -- statement_timeout from the statement's start) for the batch rows that another transaction
--- holds (a producer that closed
--- the batch in a transaction still open; a wait that outlasted the job's lease made the finished
--- job run again): each row is taken if free (lockgate._take_batches), a held one waited for, and
--- the jobs of a batch still held after that keep their memberships with their outcome written on
--- them, for the next holder of the row to count (lockgate._fold_outcomes; docs/design.md §73).
+-- holds (a producer that closed the batch in a transaction still open; a wait that outlasted the
+-- job's lease made the finished job run again): each row is taken if free
+-- (lockgate._take_batches), a held one waited for, and the jobs of a batch still held after that
+-- keep their memberships with their outcome written on them, for the next holder of the row to
+-- count (lockgate._fold_outcomes; docs/design.md §73).
 CREATE OR REPLACE FUNCTION lockgate._count_batch_jobs(queue text, job_ids bigint[], as_failed boolean)
 RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE

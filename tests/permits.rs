@@ -355,18 +355,26 @@ async fn park_and_hold(db: &TestDb, k: i64) -> PgConnection {
     producer
 }
 
+/// Key 1, limited to 1: its running job completes while a producer, on the connection returned,
+/// holds the key's row in an open transaction that parked a second job; the completion leaves its
+/// permit on its lease, marked finished.
+async fn finished_behind_a_producer() -> (TestDb, PgConnection) {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let d = claim(&db.pool, 1).await.remove(0);
+    let producer = park_and_hold(&db, 1).await;
+    complete_without_waiting(&db, d).await;
+    assert_eq!(finished_leases(&db.pool).await, 1);
+    (db, producer)
+}
+
 /// Review of §72 (helper-68, finding 1): with a permit left to the sweep alone, producers holding
 /// a key's row for a few tens of milliseconds at a time left most of its permits idle between
 /// sweeps. The next transaction to hold the row gives them back: an enqueue of the key, to the
 /// key's parked jobs first.
 #[tokio::test]
 async fn h28_a_finished_jobs_permit_goes_back_at_the_next_enqueue_of_its_key_to_the_oldest_parked_job() {
-    let db = limited(1, 60_000).await;
-    enqueue(&db.pool, 1).await;
-    let d = claim(&db.pool, 1).await.remove(0);
-    let mut producer = park_and_hold(&db, 1).await;
-    complete_without_waiting(&db, d).await;
-    assert_eq!(finished_leases(&db.pool).await, 1);
+    let (db, mut producer) = finished_behind_a_producer().await;
     sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
     // No sweep: the next enqueue of the key gives the permit back, promotes the parked job into
     // it, and parks behind it.
@@ -420,12 +428,7 @@ async fn h28_a_finished_jobs_permit_goes_back_at_the_next_completion_of_its_key(
 /// failed. It runs in READ COMMITTED, with a statement timeout of its own.
 #[tokio::test]
 async fn h28_the_runtimes_give_back_promotes_the_job_parked_by_the_producer_it_waited_for() {
-    let db = limited(1, 60_000).await;
-    enqueue(&db.pool, 1).await;
-    let d = claim(&db.pool, 1).await.remove(0);
-    let mut producer = park_and_hold(&db, 1).await;
-    complete_without_waiting(&db, d).await;
-    assert_eq!(finished_leases(&db.pool).await, 1);
+    let (db, mut producer) = finished_behind_a_producer().await;
     let options: sqlx::postgres::PgConnectOptions = db.url.parse().unwrap();
     let options =
         options.options([("default_transaction_isolation", "repeatable\\ read"), ("statement_timeout", "200ms")]);
@@ -435,11 +438,7 @@ async fn h28_the_runtimes_give_back_promotes_the_job_parked_by_the_producer_it_w
         tokio::spawn(
             async move { lockgate::sql::give_back_finished(&runtime_pool, &key, Duration::from_secs(5)).await },
         );
-    wait_for("the give-back to wait for the key's row", common::WAIT, || async {
-        Ok((sqlx::query_scalar::<_, i64>(common::WAITING_FOR_A_LOCK).fetch_one(&db.pool).await? > 0).then_some(()))
-    })
-    .await
-    .unwrap();
+    common::until_one_waits_for_a_lock(&db.pool).await;
     // Held past the pool's statement timeout, then committed.
     tokio::time::sleep(Duration::from_millis(300)).await;
     sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
@@ -462,12 +461,7 @@ async fn h28_the_runtimes_give_back_promotes_the_job_parked_by_the_producer_it_w
 /// READ COMMITTED it leaves the permit to the next holder: the later job parks behind the older.
 #[tokio::test]
 async fn h28_an_enqueue_at_repeatable_read_never_takes_a_finished_permit_ahead_of_a_parked_job() {
-    let db = limited(1, 60_000).await;
-    enqueue(&db.pool, 1).await;
-    let d = claim(&db.pool, 1).await.remove(0);
-    let mut producer = park_and_hold(&db, 1).await;
-    complete_without_waiting(&db, d).await;
-    assert_eq!(finished_leases(&db.pool).await, 1);
+    let (db, mut producer) = finished_behind_a_producer().await;
     let mut late = PgConnection::connect(&db.url).await.unwrap();
     sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut late).await.unwrap();
     sqlx::query("SELECT 1").execute(&mut late).await.unwrap();
@@ -479,11 +473,7 @@ async fn h28_an_enqueue_at_repeatable_read_never_takes_a_finished_permit_ahead_o
         sqlx::query("COMMIT").execute(&mut late).await.unwrap();
         status
     });
-    wait_for("the late enqueue to wait for the key's row", common::WAIT, || async {
-        Ok((sqlx::query_scalar::<_, i64>(common::WAITING_FOR_A_LOCK).fetch_one(&db.pool).await? > 0).then_some(()))
-    })
-    .await
-    .unwrap();
+    common::until_one_waits_for_a_lock(&db.pool).await;
     sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
     assert_eq!(enqueue_late.await.unwrap(), "parked", "the later job waits behind the one parked first");
     sweep(&db.pool).await;
