@@ -217,7 +217,7 @@ fn slow_registry(starts: Counter, reasons: Arc<Mutex<Vec<Option<CancelReason>>>>
 }
 
 #[tokio::test]
-async fn timeout_cancels_the_attempt_and_counts_as_a_failure() {
+async fn timeout_tells_the_handler_cancels_the_attempt_and_counts_as_a_failure() {
     let db = TestDb::migrated().await.unwrap();
     let client = Client::new(db.pool.clone());
     client.define::<Slow>().await.unwrap();
@@ -231,6 +231,8 @@ async fn timeout_cancels_the_attempt_and_counts_as_a_failure() {
     let error: String =
         sqlx::query_scalar("SELECT error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
     assert_eq!(error, "timed out after 300ms");
+    // Told, not dropped: a handler may stop what it started outside the process (design §76).
+    assert_eq!(*reasons.lock().unwrap(), [Some(CancelReason::Timeout)], "the handler saw its timeout");
 }
 
 #[derive(Serialize, Deserialize)]

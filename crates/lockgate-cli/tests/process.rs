@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Child, Stdio};
 
 use common::*;
-use lockgate_testkit::{wait_for_count, TestDb};
+use lockgate_testkit::{wait_for, wait_for_count, TestDb};
 
 #[tokio::test]
 async fn g1_kill_9_mid_job_runs_it_again_after_the_visibility_timeout_and_archives_it_once() {
@@ -609,4 +609,93 @@ async fn a_job_after_its_watchdog_died_runs_under_a_new_one() {
     assert!(watchdog_of(lockgate.id()).is_some_and(|w| w != watchdog), "a new watchdog watches");
     signal(&lockgate, "TERM");
     assert!(wait_exit(&mut lockgate).await.success());
+}
+
+/// A watchdog that is itself stopped (SIGSTOP) when lockgate is killed: the kernel sends the
+/// orphaned group SIGHUP then SIGCONT, and the watchdog used to die of the SIGHUP, leaving its
+/// programs running past their leases. It survives the hangup, wakes, finds the pipe closed and
+/// kills them.
+#[tokio::test]
+async fn a_stopped_watchdog_of_a_killed_lockgate_still_kills_its_programs() {
+    let setup = Setup::new("echo $$ > $DIR/child; cat >/dev/null; exec sleep 60", "");
+    let db = migrated_with_one_job(&setup).await;
+    let mut first = setup.run(&db);
+    let child = setup.dir.join("child");
+    let pid = lockgate_testkit::wait_for("the program", WAIT, || async {
+        Ok(std::fs::read_to_string(&child).ok().map(|p| p.trim().to_string()).filter(|p| !p.is_empty()))
+    })
+    .await
+    .unwrap();
+    let watchdog =
+        lockgate_testkit::wait_for("the watchdog", WAIT, || async { Ok(watchdog_of(first.id())) }).await.unwrap();
+    std::process::Command::new("kill").args(["-STOP", &watchdog]).status().unwrap();
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let killed = lockgate_testkit::wait_for("the program to be killed", std::time::Duration::from_secs(2), || async {
+        Ok(process_gone(&pid).then_some(()))
+    })
+    .await;
+    let _ = std::process::Command::new("kill").args(["-KILL", &pid, &watchdog]).status();
+    killed.unwrap();
+}
+
+/// Statements of the `sql` executor's job type in the tests below, running now.
+async fn probes_running(db: &TestDb) -> i64 {
+    db.count(
+        "SELECT 1 FROM pg_stat_activity WHERE query LIKE '%sql-probe%' AND state = 'active' \
+         AND pid <> pg_backend_pid()",
+    )
+    .await
+    .unwrap()
+}
+
+/// Design §76: an `sql` job's statement runs in a backend of its own, and dropping its query in
+/// lockgate stopped nothing there. A timed-out attempt's statement ran on beside its retries (a
+/// key limited to 1 ran three at once), a job returned at shutdown ran on after lockgate exited,
+/// and a killed lockgate's statement ran to its end. A cancelled attempt now cancels its
+/// statement on the server before it returns, and the server drops a dead client's statement.
+#[tokio::test]
+async fn an_sql_jobs_statement_never_outlives_its_attempt_on_the_server() {
+    let setup = Setup::with_job_type(
+        DEFAULT_RUNTIME,
+        "sql = \"SELECT pg_sleep(30), 'sql-probe', $1::text\"\ntimeout = \"500ms\"\nmax_attempts = 3\n\
+         backoff = { base = \"50ms\", max = \"50ms\" }\nconcurrency = { limit = 1 }",
+    );
+    let db = migrated_with_one_job(&setup).await;
+
+    // Timeouts: three attempts, one after the other, never two statements at once.
+    let mut lockgate = setup.run(&db);
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut most = 0;
+    while db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap() == 0 {
+        assert!(std::time::Instant::now() < deadline, "the job was not dead-lettered after its timeouts");
+        most = most.max(probes_running(&db).await);
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(most, 1, "a timed-out attempt's statement ran beside the next attempt");
+    let ended = std::time::Duration::from_secs(1);
+    wait_for("the last attempt's statement to end", ended, || async {
+        Ok((probes_running(&db).await == 0).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // Shutdown: the job goes back to its queue, and its statement ends with lockgate.
+    assert!(output(&db, &["enqueue", "task", "{\"n\": 2}"]).status.success());
+    wait_for("a statement", WAIT, || async { Ok((probes_running(&db).await == 1).then_some(())) }).await.unwrap();
+    signal(&lockgate, "TERM");
+    assert!(wait_exit(&mut lockgate).await.success());
+    // Ended by the time lockgate exits (cancelled, or else dropped by the server with the connection).
+    assert_eq!(probes_running(&db).await, 0, "the returned job's statement ran on after lockgate exited");
+
+    // kill -9: the server notices the closed connection and ends the statement.
+    let mut killed = setup.run(&db);
+    wait_for("a statement", WAIT, || async { Ok((probes_running(&db).await == 1).then_some(())) }).await.unwrap();
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    wait_for("the killed lockgate's statement to end", ended, || async {
+        Ok((probes_running(&db).await == 0).then_some(()))
+    })
+    .await
+    .unwrap();
 }

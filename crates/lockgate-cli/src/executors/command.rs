@@ -402,6 +402,7 @@ impl CommandExecutor {
 /// the kernel closed the pipe's other end) or a line makes no sense. Started before any async
 /// runtime (see main): plain threads and a channel, so it starts fast and holds little.
 pub fn watchdog() -> ! {
+    survive_hangup();
     let (lines, updates) = mpsc::channel::<(u32, Option<u64>)>();
     std::thread::spawn(move || {
         for line in std::io::stdin().lines() {
@@ -440,6 +441,22 @@ pub fn watchdog() -> ! {
     pgids.extend(marked_groups(std::process::id()));
     kill_groups(&pgids.into_iter().collect::<Vec<_>>());
     std::process::exit(0)
+}
+
+/// Makes SIGHUP harmless to the watchdog. A watchdog that is stopped (SIGSTOP) when its lockgate
+/// dies is in an orphaned process group, to which the kernel sends SIGHUP and then SIGCONT: the
+/// hangup, at its default action, killed it before it could read the closed pipe and kill its
+/// groups. Caught instead (tokio's handler stays installed for the life of the process, whatever
+/// becomes of the runtime that installed it), the SIGCONT wakes it to do just that.
+fn survive_hangup() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let installed = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .and_then(|runtime| runtime.block_on(async { signal(SignalKind::hangup()) }));
+    if let Err(e) = installed {
+        eprintln!("lockgate command-watchdog: SIGHUP could not be caught: {e}");
+    }
 }
 
 /// The process groups of the processes whose environment names watchdog `watchdog`, from /proc.

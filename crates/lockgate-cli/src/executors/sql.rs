@@ -5,8 +5,10 @@
 use std::future::Future;
 use std::pin::Pin;
 
+use lockgate::sql::pooler::query_scalar;
 use lockgate::{JobContext, JobError, PgPool, RawHandler};
 use serde_json::Value;
+use sqlx::postgres::PgConnection;
 use sqlx::postgres::PgTypeInfo;
 use sqlx::{Connection as _, Executor as _};
 
@@ -32,29 +34,84 @@ pub struct SqlExecutor {
     statement: String,
 }
 
+/// How often the server checks, while the statement runs, that lockgate's end of the connection
+/// is still open (`client_connection_check_interval`, PostgreSQL 14 and later).
+const CLIENT_CHECK: &str = "100ms";
+
 impl SqlExecutor {
     pub fn new(db: PgPool, statement: String) -> Self {
         Self { db, statement }
     }
 
-    async fn run(&self, args: Value) -> Result<(), JobError> {
-        // Unnamed and in a transaction of its own under transaction pooling (the pooled path of
-        // lockgate_sql::pooler); prepared once per connection otherwise.
-        let query = lockgate::sql::pooler::query(&self.statement);
-        let query = if self.statement.contains("$1") { query.bind(args) } else { query };
+    async fn run(&self, ctx: JobContext, args: Value) -> Result<(), JobError> {
+        let mut conn = self.db.acquire().await?;
+        // In a transaction of its own under transaction pooling (the pooled path of
+        // lockgate_sql::pooler), so that the statement and the backend pid it is cancelled by are
+        // the same server's; on its own connection otherwise.
         if lockgate::pooler::transaction_pooling() {
-            let mut tx = self.db.begin().await?;
-            query.execute(&mut *tx).await?;
-            tx.commit().await?;
+            let mut tx = conn.begin().await?;
+            let ran = self.watched(&mut tx, &ctx, args, true).await;
+            match ran {
+                Ok(()) => tx.commit().await?,
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    return Err(e);
+                }
+            }
         } else {
-            query.execute(&self.db).await?;
+            self.watched(&mut conn, &ctx, args, false).await?;
         }
         Ok(())
+    }
+
+    /// Runs the statement so that it never outlives the attempt on the server. Dropping a query
+    /// stops nothing there: the backend ran it to its end, beside the job's retry or next
+    /// delivery (for a key limited to 1, two at once). So a cancelled attempt (its timeout, a
+    /// lapsing lease, shutdown, an operator's cancel) cancels the statement on its backend and
+    /// returns only once it has ended; and the backend checks that lockgate is still connected,
+    /// so a killed lockgate's statement is stopped too (design §76).
+    async fn watched(
+        &self,
+        conn: &mut PgConnection,
+        ctx: &JobContext,
+        args: Value,
+        local: bool,
+    ) -> Result<(), JobError> {
+        let check = conn.server_version_num().is_some_and(|v| v >= 140_000);
+        let backend: i32 = if check {
+            query_scalar("SELECT pg_backend_pid() FROM set_config('client_connection_check_interval', $1, $2)")
+                .bind(CLIENT_CHECK)
+                .bind(local)
+                .fetch_one(&mut *conn)
+                .await?
+        } else {
+            query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *conn).await?
+        };
+        let query = lockgate::sql::pooler::query(&self.statement);
+        let query = if self.statement.contains("$1") { query.bind(args) } else { query };
+        let running = query.execute(&mut *conn);
+        tokio::pin!(running);
+        tokio::select! {
+            biased;
+            ran = &mut running => {
+                ran?;
+                return Ok(());
+            }
+            () = ctx.cancelled() => {}
+        }
+        let reason = ctx.cancel_reason().map_or_else(|| "cancelled".to_string(), |r| r.to_string());
+        let cancelled = query_scalar::<bool>("SELECT pg_cancel_backend($1)").bind(backend).fetch_one(&self.db).await;
+        if let Err(e) = cancelled {
+            tracing::warn!(backend, error = %e, "a cancelled job's SQL statement could not be cancelled on the server");
+        }
+        // Ends with the cancel's error, or with the statement's own result had it just finished.
+        let _ = running.await;
+        Err(JobError::new(format!("its statement was cancelled ({reason})")))
     }
 }
 
 impl RawHandler for SqlExecutor {
-    fn call(&self, _ctx: JobContext, args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
-        Box::pin(self.run(args))
+    fn call(&self, ctx: JobContext, args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(self.run(ctx, args))
     }
 }

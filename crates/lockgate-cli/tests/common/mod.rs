@@ -48,13 +48,18 @@ impl Setup {
     /// A config with `runtime` as its [runtime] section and one job type `task` running `script`
     /// (with `$DIR` replaced by the scratch directory) plus the `extra` job-type keys.
     pub fn with_runtime(runtime: &str, script: &str, extra: &str) -> Self {
+        Self::with_job_type(runtime, &format!("command = [\"sh\", \"-c\", {script:?}]\n{extra}"))
+    }
+
+    /// A config with `runtime` as its [runtime] section and one job type `task` made of `keys`
+    /// (with `$DIR` replaced by the scratch directory).
+    pub fn with_job_type(runtime: &str, keys: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("lockgate-test-{}-{:08x}", std::process::id(), fastrand::u32(..)));
         std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("lockgate.toml");
-        let script = script.replace("$DIR", dir.to_str().unwrap());
+        let keys = keys.replace("$DIR", dir.to_str().unwrap());
         let text = format!(
-            "[runtime]\n{runtime}\n\n[[pool]]\nqueues = [\"default\"]\nconcurrency = 2\n\n\
-             [job_types.task]\ncommand = [\"sh\", \"-c\", {script:?}]\n{extra}\n"
+            "[runtime]\n{runtime}\n\n[[pool]]\nqueues = [\"default\"]\nconcurrency = 2\n\n[job_types.task]\n{keys}\n"
         );
         std::fs::write(&config, text).unwrap();
         Self { dir, config, started: Default::default() }

@@ -209,18 +209,25 @@ async fn run_handler(
         let msg = format!("no handler for job type {:?} in this process", ctx.job_type);
         return (Err(HandlerFailure::Failed(JobError::new(msg))), true);
     };
-    let call = handler(ctx.clone(), args);
+    let mut call = handler(ctx.clone(), args);
     let timeout = policy.timeout;
+    let timed_out = |limit: Duration| HandlerFailure::Failed(JobError::new(format!("timed out after {limit:?}")));
     let timed_ctx = ctx.clone();
     // The handler runs in a task of its own, so a panic is caught as a failed attempt (instead of
     // leaving the delivery in flight forever) and cancellation can abort it.
     let mut task = AbortOnDrop(tokio::spawn(async move {
         match timeout {
-            Some(limit) => match tokio::time::timeout(limit, call).await {
+            Some(limit) => match tokio::time::timeout(limit, &mut call).await {
                 Ok(result) => result,
                 Err(_) => {
+                    // A timeout cancels like everything else that stops a handler: it is told,
+                    // and winds down (a command's group is killed, a SQL statement cancelled on
+                    // the server) within its grace, after which the select below aborts it.
+                    // Dropped at once, what it started outside the process ran on beside the
+                    // retry.
                     timed_ctx.fire(CancelReason::Timeout);
-                    Err(HandlerFailure::Failed(JobError::new(format!("timed out after {limit:?}"))))
+                    let _ = call.await;
+                    Err(timed_out(limit))
                 }
             },
             None => call.await,
@@ -237,7 +244,11 @@ async fn run_handler(
                 Err(_) => {
                     task.0.abort();
                     let ended = tokio::time::timeout(ABORT_WAIT, &mut task.0).await.is_ok();
-                    (Err(HandlerFailure::Failed(JobError::new("cancelled"))), ended)
+                    let failure = match (ctx.cancel_reason(), timeout) {
+                        (Some(CancelReason::Timeout), Some(limit)) => timed_out(limit),
+                        _ => HandlerFailure::Failed(JobError::new("cancelled")),
+                    };
+                    (Err(failure), ended)
                 }
             }
         }
