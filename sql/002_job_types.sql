@@ -52,6 +52,16 @@ BEGIN
     IF timeout_ms IS NOT NULL AND timeout_ms <= 0 THEN
         RAISE EXCEPTION 'lockgate: invalid timeout_ms %: positive, or NULL for none', timeout_ms USING ERRCODE = 'LG003';
     END IF;
+    -- Every duration at most 100 years (lockgate_core::MAX_DURATION): each is added to the clock
+    -- somewhere (a lease's end, a retry's time), and one past PostgreSQL's timestamps failed that
+    -- statement, a claim of the whole queue among them.
+    IF backoff_max_ms > 3155760000000 OR timeout_ms > 3155760000000 OR concurrency_duration_ms > 3155760000000 THEN
+        RAISE EXCEPTION 'lockgate: invalid % % ms: at most 3155760000000 (100 years)',
+            CASE WHEN backoff_max_ms > 3155760000000 THEN 'backoff_max_ms'
+                 WHEN timeout_ms > 3155760000000 THEN 'timeout_ms'
+                 ELSE 'concurrency_duration_ms' END,
+            GREATEST(backoff_max_ms, timeout_ms, concurrency_duration_ms) USING ERRCODE = 'LG003';
+    END IF;
     IF concurrency_limit IS NOT NULL AND concurrency_limit < 1 THEN
         RAISE EXCEPTION 'lockgate: invalid concurrency limit %: an integer of at least 1', concurrency_limit
             USING ERRCODE = 'LG003';

@@ -156,8 +156,12 @@ BEGIN
         RAISE EXCEPTION 'lockgate: give delay or run_at, not both' USING ERRCODE = 'LG003';
     END IF;
     IF options ? 'delay' THEN
-        IF jsonb_typeof(options->'delay') <> 'number' OR (options->>'delay')::double precision < 0 THEN
-            RAISE EXCEPTION 'lockgate: invalid delay %: a number of seconds, 0 or more', options->'delay'
+        -- Compared as numeric, which holds any JSON number (1e400 overflows a double); at most
+        -- 100 years, as every duration lockgate stores (lockgate_core::MAX_DURATION), so that the
+        -- job's time stays one PostgreSQL, and every client reading it, can hold.
+        IF jsonb_typeof(options->'delay') <> 'number'
+           OR NOT (options->'delay')::numeric BETWEEN 0 AND 3155760000 THEN
+            RAISE EXCEPTION 'lockgate: invalid delay %: a number of seconds from 0 to 3155760000 (100 years)', options->'delay'
                 USING ERRCODE = 'LG003';
         END IF;
         delay_s := (options->>'delay')::double precision;
@@ -169,7 +173,14 @@ BEGIN
             RAISE EXCEPTION 'lockgate: invalid run_at %: an ISO 8601 timestamp', options->'run_at'
                 USING ERRCODE = 'LG003';
         END IF;
-        vt := GREATEST((options->>'run_at')::timestamptz, vt);
+        -- The pattern admits what no calendar holds ("2030-13-45T99:99"): named here, not a
+        -- bare 22008. Its four-digit year keeps it within what every client can read.
+        BEGIN
+            vt := GREATEST((options->>'run_at')::timestamptz, vt);
+        EXCEPTION WHEN datetime_field_overflow OR invalid_datetime_format THEN
+            RAISE EXCEPTION 'lockgate: invalid run_at %: not a date and time (%)', options->'run_at', SQLERRM
+                USING ERRCODE = 'LG003';
+        END;
         immediate := vt <= clock_timestamp();
     END IF;
     IF options ? 'priority' THEN

@@ -40,10 +40,12 @@ END $$;
 
 -- A lease's silence budget: the type's duration, floored. A plain expression, so the planner
 -- inlines it; statements over many leases pass the floor as (SELECT lockgate._lease_floor_ms()),
--- which is read once per statement rather than once per row.
+-- which is read once per statement rather than once per row. At most 100 years: a duration
+-- stored before define_job_type bounded it must not fail the claim or enqueue that adds it to
+-- the clock.
 CREATE OR REPLACE FUNCTION lockgate._lease_interval(duration_ms bigint, floor_ms bigint)
 RETURNS interval LANGUAGE sql IMMUTABLE AS $$
-    SELECT make_interval(secs => GREATEST(duration_ms, floor_ms) / 1000.0)
+    SELECT make_interval(secs => LEAST(GREATEST(duration_ms, floor_ms), 3155760000000) / 1000.0)
 $$;
 
 CREATE OR REPLACE FUNCTION lockgate._lease_interval(duration_ms bigint)

@@ -47,6 +47,9 @@ BEGIN
     -- take and the join back, and every later claim of that session read the whole queue once
     -- producers filled it, until its next ANALYZE. With them off, every plan goes by the claim
     -- index and the primary key, whatever the statistics said when it was made.
+    -- read_ct stops one short of the integer's end and stays there: only a row written by hand
+    -- gets that far, and its delivery, past any max_attempts, is dead-lettered by the worker,
+    -- where an overflow failed the claim of the whole queue.
     body := format($f$
         #variable_conflict use_column
         DECLARE
@@ -74,7 +77,7 @@ BEGIN
                  ranked AS (SELECT next.*, row_number() OVER (ORDER BY next.was, next.msg_id) AS rn FROM next)
                  UPDATE %1$s m
                     SET vt = clock_timestamp() + make_interval(secs => $2),
-                        read_ct = m.read_ct + 1,
+                        read_ct = LEAST(m.read_ct, 2147483646) + 1,
                         last_read_at = CASE WHEN ranked.rn > $5 - ($1 - wanted) THEN NULL ELSE clock_timestamp() END,
                         headers = CASE WHEN jsonb_typeof(m.headers) <> 'object' THEN m.headers
                                        WHEN $3 IS NULL THEN m.headers - 'retry_at'

@@ -13,8 +13,8 @@
 pub use lockgate_core::{
     ArchiveOutcome, Backoff, BatchId, Claim, ConcurrencyPolicy, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobHeaders,
     JobId, JobPolicy, JobPolicyBuilder, JobTypeName, OnConflict, QueueName, RecurringTask, Schedule, UniqueMode,
-    UniqueOnConflict, UniquePolicy, ValidationError, DEFAULT_CONCURRENCY_DURATION, DEFAULT_TIMEZONE, MAX_PAYLOAD_BYTES,
-    MAX_PRIORITY,
+    UniqueOnConflict, UniquePolicy, ValidationError, DEFAULT_CONCURRENCY_DURATION, DEFAULT_TIMEZONE, MAX_DURATION,
+    MAX_PAYLOAD_BYTES, MAX_PRIORITY,
 };
 pub use lockgate_runtime::{
     testing, CancelReason, Client, EnqueueError, Handler, Job, JobContext, JobError, Metrics, PoolConfig, RawHandler,

@@ -238,6 +238,17 @@ async fn bad_sql_inputs_are_refused_with_errors_that_name_them() {
         ("SELECT lockgate.enqueue('note', '{}', '{\"colour\": 1}')", "unknown enqueue option(s): colour"),
         ("SELECT lockgate.enqueue('note', '{}', '{\"run_at\": \"soon\"}')", "invalid run_at \"soon\""),
         ("SELECT lockgate.enqueue('note', '{}', '{\"delay\": 1, \"run_at\": \"2030-01-01T00:00:00Z\"}')", "not both"),
+        // Review (helper-77, #5, #9): times no client could read, and raw 22003/22008 errors.
+        ("SELECT lockgate.enqueue('note', '{}', '{\"delay\": 1e400}')", "invalid delay"),
+        ("SELECT lockgate.enqueue('note', '{}', '{\"delay\": 8.8e12}')", "invalid delay 8800000000000"),
+        ("SELECT lockgate.enqueue('note', '{}', '{\"delay\": 3155760001}')", "(100 years)"),
+        ("SELECT lockgate.enqueue('note', '{}', '{\"run_at\": \"2030-13-45T99:99\"}')", "not a date and time"),
+        (
+            "SELECT lockgate.define_job_type('far', concurrency_limit => 1, concurrency_duration_ms => 9223372036854775807)",
+            "invalid concurrency_duration_ms 9223372036854775807 ms",
+        ),
+        ("SELECT lockgate.define_job_type('far', backoff_max_ms => 3155760000001)", "invalid backoff_max_ms"),
+        ("SELECT lockgate.define_job_type('far', timeout_ms => 3155760000001)", "invalid timeout_ms"),
         ("SELECT lockgate.enqueue_many('note', ARRAY['{}', '7']::jsonb[])", "arguments #2 must be a JSON object"),
         ("SELECT lockgate.create_queue('Bad Name')", "invalid queue name \"Bad Name\""),
         ("SELECT lockgate.create_queue(repeat('q', 48))", "invalid queue name"),
@@ -248,10 +259,37 @@ async fn bad_sql_inputs_are_refused_with_errors_that_name_them() {
     ];
     for (sql, expected) in cases {
         let err = sqlx::query(sql).execute(&db.pool).await.expect_err(sql);
+        let code = err.as_database_error().and_then(|e| e.code()).unwrap_or_default().to_string();
         let err = DbError::from(err).to_string();
         assert!(err.contains(expected), "{sql}: expected {expected:?} in {err:?}");
+        assert!(code.starts_with("LG"), "{sql}: {code} {err}");
     }
     assert_eq!(queued(&db).await, 0, "nothing was enqueued by a refused call");
+}
+
+/// Review (helper-77, #3): a concurrency duration stored before define_job_type bounded it (10
+/// million years, as the config once accepted) made every claim of its queue, and every enqueue
+/// of its type, fail with `timestamp out of range`. A lease is now at most 100 years.
+#[tokio::test]
+async fn a_duration_stored_past_the_bound_fails_no_enqueue_or_claim() {
+    let (db, _client) = setup().await;
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('far', concurrency_limit => 1);
+         UPDATE lockgate.job_types SET concurrency_duration_ms = 9223372036854775807 WHERE name = 'far';",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    for _ in 0..2 {
+        sqlx::query("SELECT lockgate.enqueue('far', '{}')").execute(&db.pool).await.unwrap();
+    }
+    sqlx::query("SELECT lockgate.enqueue('note', '{\"text\": \"x\"}')").execute(&db.pool).await.unwrap();
+    let claimed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lockgate.claim('default', 10, 30)").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(claimed, 2, "the limited job and the other type's job");
+    let expires: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT expires_at FROM lockgate.leases").fetch_one(&db.pool).await.unwrap();
+    assert!(expires < chrono::Utc::now() + chrono::Duration::days(36_526), "{expires}");
 }
 
 #[tokio::test]

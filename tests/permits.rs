@@ -1028,6 +1028,7 @@ async fn h32_a_job_parked_again_at_claim_keeps_counting_its_attempts() {
         headers: Some(promoted.2.clone()),
         budget: Duration::from_secs(30),
         claimed_ahead: false,
+        unreadable: None,
     };
     assert_eq!(claim.attempt(&headers), 2, "the run before parking counts: {}", promoted.2);
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);

@@ -431,6 +431,51 @@ async fn h29_a_queue_whose_claim_fails_never_stops_the_pools_other_queues() {
     assert_eq!(starts.get(), 5);
 }
 
+/// Review (helper-77, #1, #2, #4, #7): rows a producer or an operator can write stopped a whole
+/// pool. Arguments nested deeper than the JSON decoder goes (accepted by `lockgate.enqueue`) and
+/// an `enqueued_at` of `infinity` made the claim's decoding panic: the pool restarted at each
+/// claim, and the jobs claimed with the row never ran. A `read_ct` at the integer's end failed
+/// every claim of the queue, and a `returns` header past the deliveries made every delivery
+/// attempt 1, retried for ever. Each such row now goes its own way, and the rest run.
+#[tokio::test]
+async fn h29_no_row_written_by_hand_stops_a_pool_or_the_jobs_claimed_with_it() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types = [("good_work", JobPolicy::on_queue(queue("good")))];
+    let client = define(&db, &types).await;
+    let deep = (0..200).fold(json!({"bottom": true}), |inner, _| json!({ "a": inner }));
+    sqlx::query("SELECT lockgate.enqueue('good_work', $1)").bind(&deep).execute(&db.pool).await.unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO pgmq.q_good (enqueued_at, vt, message, headers)
+         VALUES ('infinity', now(), '{\"n\": \"infinity\"}', '{\"type\": \"good_work\"}');
+         INSERT INTO pgmq.q_good (read_ct, vt, message, headers)
+         VALUES (2147483647, now(), '{\"n\": \"read_ct\"}', '{\"type\": \"good_work\"}');
+         SELECT pgmq.send('good', '{\"n\": \"returns\"}'::jsonb, '{\"type\": \"good_work\", \"returns\": 999999999}'::jsonb);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    for n in 0..5 {
+        client.enqueue_raw("good_work", &json!({"n": n}), &EnqueueOptions::default()).await.unwrap();
+    }
+    let starts = Counter::default();
+    let running =
+        Running::start(&db, test_config(), probe_registry(probe(&db, 0, &starts), &types), &["good"], 16).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 3, WAIT).await.unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_good", 6, WAIT).await.unwrap();
+    running.stop().await;
+    assert_eq!(starts.get(), 6, "the five jobs and the one enqueued at infinity ran, once each");
+    let dead: Vec<(String, String)> =
+        sqlx::query_as("SELECT reason, error FROM lockgate.dead_letters ORDER BY COALESCE(args->>'n', 'deep')")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(dead.len(), 3, "{dead:?}");
+    assert!(dead[0].0 == "undecodable" && dead[0].1.contains("arguments cannot be read"), "{dead:?}");
+    assert!(dead[1].0 == "attempts_exhausted" && dead[1].1.contains("would be attempt 21474836"), "{dead:?}");
+    assert!(dead[2].0 == "undecodable" && dead[2].1.contains("returns 999999999"), "{dead:?}");
+}
+
 /// Runs until cancelled; then takes `wind_down` to return (awaiting, or blocking its thread), and
 /// records the wall-clock instant it ended, however it ended (returned or dropped).
 struct Stubborn {

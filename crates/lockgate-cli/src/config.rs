@@ -384,8 +384,13 @@ fn duration_or(field: &str, value: &Option<String>, default: Duration) -> Result
 }
 
 fn duration(field: &str, value: &str) -> Result<Duration> {
-    humantime::parse_duration(value)
-        .with_context(|| format!("invalid {field} {value:?}: a duration such as \"500ms\", \"30s\", \"5m\" or \"7d\""))
+    let parsed = humantime::parse_duration(value).with_context(|| {
+        format!("invalid {field} {value:?}: a duration such as \"500ms\", \"30s\", \"5m\" or \"7d\"")
+    })?;
+    if parsed > lockgate::MAX_DURATION {
+        anyhow::bail!("invalid {field} {value:?}: a duration of at most 100 years (\"36525d\")");
+    }
+    Ok(parsed)
 }
 
 #[cfg(test)]
@@ -463,6 +468,19 @@ mod tests {
             .contains("reject or discard"));
         assert!(err("[job_types.x]\nsql = \"s\"\nunique = { mode = \"until_executed\", key = [\"a..b\"] }")
             .contains("unique.key"));
+        // Review (helper-77, #3, #8, #12): durations PostgreSQL cannot add to its clock, accepted
+        // and then failing every claim of a queue, every retry, or the start with another name.
+        for config in [
+            "[runtime]\nvisibility_timeout = \"100000000y\"",
+            "[job_types.x]\nsql = \"s\"\nconcurrency = { limit = 1, duration = \"10000000y\" }",
+            "[job_types.x]\nsql = \"s\"\nbackoff = { base = \"1s\", max = \"101y\" }",
+        ] {
+            let error = err(config);
+            let key = ["runtime.visibility_timeout", "job_types.x.concurrency.duration", "job_types.x.backoff.max"]
+                .into_iter()
+                .find(|key| error.contains(key));
+            assert!(key.is_some() && error.contains("at most 100 years"), "{config}: {error}");
+        }
     }
 
     fn recurring_err(section: &str) -> String {

@@ -1,5 +1,23 @@
 //! Aligned text tables for the CLI's listings: each column as wide as its widest cell, numbers
-//! right-aligned, no trailing spaces (so the last column can be read with `ends_with`).
+//! right-aligned, no trailing spaces (so the last column can be read with `ends_with`). A cell
+//! longer than `MAX_CELL` characters is cut, ending in `…`: a table is for reading, and the
+//! listings' `--json` has every value whole.
+
+/// The most characters a cell shows. A value of any length (a job type, a key, an error written by
+/// hand) must neither stretch every line of a listing nor fail it: padding through `format!`'s
+/// width made a cell over 65,535 characters panic, and with it every `dlq list`.
+const MAX_CELL: usize = 200;
+
+/// `cell` as shown: cut to `MAX_CELL` characters.
+fn shown(cell: &str) -> std::borrow::Cow<'_, str> {
+    match cell.char_indices().nth(MAX_CELL) {
+        None => cell.into(),
+        Some(_) => {
+            let cut = cell.char_indices().nth(MAX_CELL - 1).map_or(cell.len(), |(i, _)| i);
+            format!("{}…", &cell[..cut]).into()
+        }
+    }
+}
 
 /// How a column's cells line up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,17 +46,20 @@ impl Table {
     /// The table's lines, header first.
     pub fn lines(&self) -> Vec<String> {
         let header: Vec<String> = self.columns.iter().map(|(name, _)| name.to_string()).collect();
-        let all: Vec<&Vec<String>> = std::iter::once(&header).chain(&self.rows).collect();
-        let widths: Vec<usize> = (0..self.columns.len())
-            .map(|i| all.iter().map(|r| r.get(i).map_or(0, |c| c.chars().count())).max().unwrap_or(0))
+        let all: Vec<Vec<std::borrow::Cow<'_, str>>> = std::iter::once(&header)
+            .chain(&self.rows)
+            .map(|r| (0..self.columns.len()).map(|i| shown(r.get(i).map_or("", String::as_str))).collect())
             .collect();
+        let widths: Vec<usize> =
+            (0..self.columns.len()).map(|i| all.iter().map(|r| r[i].chars().count()).max().unwrap_or(0)).collect();
         all.iter()
             .map(|r| {
                 let cells = self.columns.iter().zip(&widths).enumerate().map(|(i, ((_, align), w))| {
-                    let cell = r.get(i).map_or("", String::as_str);
+                    let cell = &r[i];
+                    let padding = " ".repeat(w - cell.chars().count());
                     match align {
-                        Align::Left => format!("{cell:<w$}"),
-                        Align::Right => format!("{cell:>w$}"),
+                        Align::Left => format!("{cell}{padding}"),
+                        Align::Right => format!("{padding}{cell}"),
                     }
                 });
                 cells.collect::<Vec<_>>().join("  ").trim_end().to_string()
@@ -70,5 +91,17 @@ mod tests {
                 "q                  12345678  paused",
             ]
         );
+    }
+
+    /// Review (helper-77, #6): a dead letter whose type was 100,000 characters long made
+    /// `format!`'s padding panic, and `dlq list` failed for every dead letter.
+    #[test]
+    fn a_cell_of_any_length_is_cut_and_never_fails_the_table() {
+        let mut t = Table::new(&[("TYPE", Align::Left), ("N", Align::Right)]);
+        t.row(vec!["x".repeat(100_000), "1".into()]);
+        t.row(vec!["é".repeat(MAX_CELL), "2".into()]);
+        let lines = t.lines();
+        assert_eq!(lines[1], format!("{}…  1", "x".repeat(MAX_CELL - 1)));
+        assert_eq!(lines[2], format!("{}  2", "é".repeat(MAX_CELL)), "a cell of exactly MAX_CELL is whole");
     }
 }

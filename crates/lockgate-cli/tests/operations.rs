@@ -319,3 +319,29 @@ async fn demo_refuses_a_demo_queue_that_holds_an_applications_jobs() {
     assert!(text(&o).contains("queue 'demo' holds or serves job types that are not the demo's (app)"), "{}", text(&o));
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_demo").await.unwrap(), 1, "the application's job is left");
 }
+
+/// Review (helper-77, #2, #5, #6): the listings panicked (exit 101) for every user on one row
+/// written by hand: a time past what chrono holds (`infinity`) in `jobs`, `job show` and
+/// `dlq list --json`, and a job type of 100,000 characters in `dlq list`'s table.
+#[tokio::test]
+async fn listings_show_rows_written_by_hand_whatever_their_times_and_lengths() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.create_queue('odd');
+         INSERT INTO pgmq.q_odd (enqueued_at, vt, message, headers)
+         VALUES ('infinity', 'infinity', '{}', '{\"type\": \"t\", \"job_id\": 4242}');
+         INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
+         VALUES ('odd', 7, 4343, repeat('x', 100000), '{}', '{}', 'undecodable', 'by hand', 1, 'infinity');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    for args in
+        [&["jobs", "--queue", "odd"][..], &["job", "show", "4242"], &["dlq", "list"], &["dlq", "list", "--json"]]
+    {
+        let out = output(&db, args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out));
+    }
+    let listed = text(&output(&db, &["dlq", "list"]));
+    assert!(listed.contains(&format!("{}…", "x".repeat(199))) && !listed.contains(&"x".repeat(201)), "{listed}");
+}

@@ -206,6 +206,10 @@ pub struct Claim {
     /// Claimed ahead of a free handler slot: its start must be recorded (`lockgate.complete`'s
     /// started arguments) for its run to count as an attempt (H32).
     pub claimed_ahead: bool,
+    /// Why the row's arguments or headers could not be read (nested deeper than the JSON
+    /// decoder goes): such a delivery is dead-lettered as undecodable with this reason, and
+    /// nothing else claimed with it is affected.
+    pub unreadable: Option<String>,
 }
 
 impl Claim {
@@ -214,7 +218,8 @@ impl Claim {
     /// earlier messages. A run lost to a crash counts as an attempt, so a job that kills its
     /// worker cannot loop forever (H32).
     pub fn attempt(&self, headers: &JobHeaders) -> u32 {
-        u32::try_from(self.read_ct - headers.returns + headers.attempts_before).unwrap_or(1).max(1)
+        let attempt = i64::from(self.read_ct) - i64::from(headers.returns) + i64::from(headers.attempts_before);
+        u32::try_from(attempt.max(1)).unwrap_or(u32::MAX)
     }
 }
 

@@ -14,7 +14,7 @@ pub use job::{BatchId, Claim, EnqueueOptions, EnqueueStatus, EnqueuedJob, JobHea
 pub use names::{JobTypeName, QueueName};
 pub use outcome::ArchiveOutcome;
 pub use policy::{
-    Backoff, ConcurrencyPolicy, JobPolicy, JobPolicyBuilder, OnConflict, UniqueMode, UniqueOnConflict, UniquePolicy,
-    DEFAULT_CONCURRENCY_DURATION, MAX_PRIORITY,
+    validate_duration, Backoff, ConcurrencyPolicy, JobPolicy, JobPolicyBuilder, OnConflict, UniqueMode,
+    UniqueOnConflict, UniquePolicy, DEFAULT_CONCURRENCY_DURATION, MAX_DURATION, MAX_PRIORITY,
 };
 pub use recurring::{RecurringTask, Schedule, DEFAULT_TIMEZONE};

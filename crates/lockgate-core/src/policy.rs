@@ -19,6 +19,19 @@ pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(3600);
 /// ±10% spreads retries of a burst of failures without making the schedule unpredictable.
 pub const DEFAULT_BACKOFF_JITTER: f64 = 0.1;
 
+/// The longest duration a policy or setting may hold: 100 years (36,525 days). Every duration
+/// is added to the database's clock somewhere (a lease's end, a retry's time, a lock timeout),
+/// and one past PostgreSQL's timestamps made that statement fail, for every job it touched.
+pub const MAX_DURATION: Duration = Duration::from_secs(36_525 * 24 * 3600);
+
+/// Refuses a duration longer than [`MAX_DURATION`], naming `field`.
+pub fn validate_duration(field: &'static str, value: Duration) -> Result<(), ValidationError> {
+    if value > MAX_DURATION {
+        return Err(ValidationError::new(field, format!("{value:?}"), "a duration of at most 100 years (36525d)"));
+    }
+    Ok(())
+}
+
 /// Exponential backoff between attempts: `base * 2^(failures-1)`, capped at `max`, then spread by
 /// `±jitter` (a fraction of the delay).
 #[derive(Debug, Clone, PartialEq)]
@@ -40,13 +53,15 @@ impl Backoff {
         let exponent = failures.saturating_sub(1).min(32);
         let raw = self.base.saturating_mul(1u32 << exponent.min(31)).min(self.max);
         let spread = 1.0 + self.jitter * (fastrand::f64() * 2.0 - 1.0);
-        raw.mul_f64(spread.max(0.0))
+        raw.mul_f64(spread.max(0.0)).min(MAX_DURATION)
     }
 
     pub fn validate(&self) -> Result<(), ValidationError> {
         if !(0.0..=1.0).contains(&self.jitter) {
             return Err(ValidationError::new("backoff.jitter", self.jitter, "a fraction between 0 and 1"));
         }
+        validate_duration("backoff.base", self.base)?;
+        validate_duration("backoff.max", self.max)?;
         if self.max < self.base {
             return Err(ValidationError::new(
                 "backoff.max",
@@ -134,6 +149,7 @@ impl ConcurrencyPolicy {
         if self.duration.is_zero() {
             return Err(ValidationError::new("concurrency.duration", "0s", "a positive duration"));
         }
+        validate_duration("concurrency.duration", self.duration)?;
         validate_key_paths("concurrency.key", &self.key)
     }
 }
@@ -277,6 +293,9 @@ impl JobPolicy {
         }
         if self.timeout.is_some_and(|t| t.is_zero()) {
             return Err(ValidationError::new("timeout", "0s", "a positive duration, or none"));
+        }
+        if let Some(timeout) = self.timeout {
+            validate_duration("timeout", timeout)?;
         }
         if let Some(concurrency) = &self.concurrency {
             concurrency.validate()?;

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use lockgate_core::{QueueName, ValidationError};
+use lockgate_core::{validate_duration, QueueName, ValidationError};
 
 use crate::in_flight::FENCE_MARGIN;
 
@@ -111,6 +111,21 @@ impl RuntimeConfig {
     /// visibility timeout also covers that margin, or every handler would be fenced between two
     /// healthy renewals.
     pub fn validate(&self) -> Result<(), ValidationError> {
+        let durations = [
+            ("visibility_timeout", self.visibility_timeout),
+            ("heartbeat_interval", self.heartbeat_interval),
+            ("shutdown_timeout", self.shutdown_timeout),
+            ("poll_interval", self.poll_interval),
+            ("archive_retention", self.archive_retention),
+            ("maintenance_interval", self.maintenance_interval),
+            ("sweep_interval", self.sweep_interval),
+            ("process_heartbeat_interval", self.process_heartbeat_interval),
+            ("alive_threshold", self.alive_threshold),
+            ("metrics_interval", self.metrics_interval),
+        ];
+        for (field, value) in durations {
+            validate_duration(field, value)?;
+        }
         if self.heartbeat_interval.is_zero() {
             return Err(ValidationError::new("heartbeat_interval", "0s", "a positive duration"));
         }

@@ -5,8 +5,10 @@
 use std::time::Duration;
 
 use lockgate_core::{Claim, QueueName};
+use sqlx::postgres::PgRow;
 use sqlx::Row;
 
+use crate::columns::readable_time;
 use crate::pooler::{on, query, query_scalar, Db};
 
 use crate::DbError;
@@ -43,6 +45,39 @@ pub async fn claim<'c>(
     claim_as(db, queue, qty, visibility, None, None).await
 }
 
+/// One claimed row, from column `at` on: msg_id, read_ct, enqueued_at, message, headers,
+/// budget_seconds, claimed_ahead. Never fails: a column that cannot be read makes the claim
+/// unreadable (it is dead-lettered), not the whole claim an error, which would leave every
+/// delivery it took to lapse unrun.
+fn claim_row(row: &PgRow, at: usize, queue: &QueueName) -> Claim {
+    let mut unreadable = None;
+    let mut json = |i: usize, what: &str| match row.try_get::<Option<serde_json::Value>, _>(at + i) {
+        Ok(value) => value,
+        Err(e) => {
+            let cause = match e {
+                sqlx::Error::ColumnDecode { source, .. } => source.to_string(),
+                other => other.to_string(),
+            };
+            unreadable.get_or_insert_with(|| format!("the message's {what} cannot be read: {cause}"));
+            None
+        }
+    };
+    let message = json(3, "arguments");
+    let headers = json(4, "headers");
+    Claim {
+        queue: queue.clone(),
+        msg_id: row.get(at),
+        read_ct: row.get(at + 1),
+        // Only a metric reads it (the wait before the first start): an unreadable one reads as now.
+        enqueued_at: row.get::<Option<chrono::DateTime<chrono::Utc>>, _>(at + 2).unwrap_or_else(chrono::Utc::now),
+        message,
+        headers,
+        budget: seconds(row.get(at + 5)),
+        claimed_ahead: row.get(at + 6),
+        unreadable,
+    }
+}
+
 /// Claims as `owner` (a registered supervisor's id, recorded on each message). With
 /// `start_now`, only that many of the claimed deliveries (in claim order) start at once; the
 /// others are claimed ahead ([`Claim::claimed_ahead`]), and each one's start must be recorded
@@ -55,31 +90,23 @@ pub async fn claim_as<'c>(
     owner: Option<i64>,
     start_now: Option<i32>,
 ) -> Result<Vec<Claim>, DbError> {
-    on(db.into(), async |conn| {
-        let rows = query(
-            "SELECT msg_id, read_ct, enqueued_at, message, headers, budget_seconds, claimed_ahead
-         FROM lockgate.claim($1, $2, $3, $4, $5)",
+    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!(
+            "SELECT msg_id, read_ct, {}, message, headers, budget_seconds, claimed_ahead
+             FROM lockgate.claim($1, $2, $3, $4, $5)",
+            readable_time("enqueued_at")
         )
-        .bind(queue.as_str())
-        .bind(qty)
-        .bind(visibility.as_secs_f64())
-        .bind(owner)
-        .bind(start_now)
-        .fetch_all(conn)
-        .await?;
-        Ok(rows
-            .into_iter()
-            .map(|row| Claim {
-                queue: queue.clone(),
-                msg_id: row.get(0),
-                read_ct: row.get(1),
-                enqueued_at: row.get(2),
-                message: row.get(3),
-                headers: row.get(4),
-                budget: seconds(row.get(5)),
-                claimed_ahead: row.get(6),
-            })
-            .collect())
+    });
+    on(db.into(), async |conn| {
+        let rows = query(&SQL)
+            .bind(queue.as_str())
+            .bind(qty)
+            .bind(visibility.as_secs_f64())
+            .bind(owner)
+            .bind(start_now)
+            .fetch_all(conn)
+            .await?;
+        Ok(rows.iter().map(|row| claim_row(row, 0, queue)).collect())
     })
     .await
 }
@@ -95,19 +122,23 @@ pub async fn claim_queues<'c>(
     owner: Option<i64>,
     start_now: Option<i32>,
 ) -> Result<Vec<Claim>, DbError> {
+    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!(
+            "SELECT queue, msg_id, read_ct, {}, message, headers, budget_seconds, claimed_ahead
+             FROM lockgate.claim_queues($1, $2, $3, $4, $5)",
+            readable_time("enqueued_at")
+        )
+    });
     on(db.into(), async |conn| {
         let names: Vec<&str> = queues.iter().map(QueueName::as_str).collect();
-        let rows = query(
-            "SELECT queue, msg_id, read_ct, enqueued_at, message, headers, budget_seconds, claimed_ahead
-         FROM lockgate.claim_queues($1, $2, $3, $4, $5)",
-        )
-        .bind(&names)
-        .bind(qty)
-        .bind(visibility.as_secs_f64())
-        .bind(owner)
-        .bind(start_now)
-        .fetch_all(conn)
-        .await?;
+        let rows = query(&SQL)
+            .bind(&names)
+            .bind(qty)
+            .bind(visibility.as_secs_f64())
+            .bind(owner)
+            .bind(start_now)
+            .fetch_all(conn)
+            .await?;
         let mut claims = Vec::with_capacity(rows.len());
         for row in rows {
             let name: String = row.get(0);
@@ -116,16 +147,7 @@ pub async fn claim_queues<'c>(
                 let problem = format!("lockgate.claim_queues returned queue {name:?}, not one asked for");
                 return Err(DbError::Sqlx(sqlx::Error::Protocol(problem)));
             };
-            claims.push(Claim {
-                queue: queue.clone(),
-                msg_id: row.get(1),
-                read_ct: row.get(2),
-                enqueued_at: row.get(3),
-                message: row.get(4),
-                headers: row.get(5),
-                budget: seconds(row.get(6)),
-                claimed_ahead: row.get(7),
-            });
+            claims.push(claim_row(&row, 1, queue));
         }
         Ok(claims)
     })

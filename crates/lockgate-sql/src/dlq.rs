@@ -1,5 +1,6 @@
 //! Dead-letter statements: list, retry (back to the queue as a new message), purge.
 
+use crate::columns::readable_time;
 use chrono::{DateTime, Utc};
 use lockgate_core::JobId;
 use serde::Serialize;
@@ -31,7 +32,8 @@ pub struct DeadLetter {
     pub reason: String,
     pub error: Option<String>,
     pub attempts: i32,
-    pub enqueued_at: DateTime<Utc>,
+    /// `None` for a time no client can read (`infinity`, written by hand).
+    pub enqueued_at: Option<DateTime<Utc>>,
     pub dead_at: DateTime<Utc>,
     /// Every failed attempt, the last one included: `{"attempt", "at", "error"}` (the headers'
     /// `errors`; empty for a message that was not lockgate's).
@@ -41,18 +43,22 @@ pub struct DeadLetter {
 /// Dead letters matching `filter`, oldest first, at most `limit`.
 pub async fn dlq_list<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter, limit: i64) -> Result<Vec<DeadLetter>, DbError> {
     on(db.into(), async |conn| {
-        let rows = query(
-            "SELECT id, queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at, dead_at,
-                COALESCE(headers->'errors', '[]')
-           FROM lockgate.dead_letters
-          WHERE ($1::text IS NULL OR queue = $1) AND ($2::bigint[] IS NULL OR job_id = ANY ($2))
-          ORDER BY id LIMIT $3",
-        )
-        .bind(filter.queue.as_deref())
-        .bind(filter.job_ids.as_deref())
-        .bind(limit)
-        .fetch_all(conn)
-        .await?;
+        static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+            format!(
+                "SELECT id, queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, {}, dead_at,
+                        COALESCE(headers->'errors', '[]')
+                   FROM lockgate.dead_letters
+                  WHERE ($1::text IS NULL OR queue = $1) AND ($2::bigint[] IS NULL OR job_id = ANY ($2))
+                  ORDER BY id LIMIT $3",
+                readable_time("enqueued_at")
+            )
+        });
+        let rows = query(&SQL)
+            .bind(filter.queue.as_deref())
+            .bind(filter.job_ids.as_deref())
+            .bind(limit)
+            .fetch_all(conn)
+            .await?;
         Ok(rows
             .iter()
             .map(|r| DeadLetter {

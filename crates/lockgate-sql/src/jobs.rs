@@ -1,6 +1,7 @@
 //! Jobs in every state: one by id (`lockgate.job`), a search (`lockgate.jobs`), and cancel
 //! (`lockgate.cancel`, `lockgate.cancel_jobs`).
 
+use crate::columns::readable_time;
 use chrono::{DateTime, Utc};
 use lockgate_core::JobId;
 use serde::Serialize;
@@ -48,8 +49,15 @@ pub struct JobRecord {
 pub const JOB_STATES: &[&str] =
     &["scheduled", "queued", "running", "retrying", "parked", "succeeded", "discarded", "cancelled", "dead"];
 
-const JOB_COLUMNS: &str = "id, state, queue, job_type, args, priority, msg_id, attempt, enqueued_at, visible_at, \
-                           finished_at, concurrency_key, attempts, reason, error, headers";
+static JOB_COLUMNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "id, state, queue, job_type, args, priority, msg_id, attempt, {}, {}, {}, concurrency_key, attempts, reason, \
+         error, headers",
+        readable_time("enqueued_at"),
+        readable_time("visible_at"),
+        readable_time("finished_at")
+    )
+});
 
 /// Which jobs a search (or a cancel by query) selects; `None` (or empty) matches anything.
 #[derive(Debug, Clone, Default)]
@@ -124,7 +132,8 @@ fn cancelled(r: &sqlx::postgres::PgRow) -> Cancelled {
 /// archive by retention).
 pub async fn job<'c>(db: impl Into<Db<'c>>, id: JobId) -> Result<Option<JobRecord>, DbError> {
     on(db.into(), async |conn| {
-        let row = query(&format!("SELECT {JOB_COLUMNS} FROM lockgate.job($1)")).bind(id.0).fetch_optional(conn).await?;
+        let sql = format!("SELECT {} FROM lockgate.job($1)", *JOB_COLUMNS);
+        let row = query(&sql).bind(id.0).fetch_optional(conn).await?;
         Ok(row.as_ref().map(job_record))
     })
     .await
@@ -141,8 +150,9 @@ pub async fn jobs<'c>(
 ) -> Result<Vec<JobRecord>, DbError> {
     on(db.into(), async |conn| {
         let sql = format!(
-            "SELECT {JOB_COLUMNS} FROM lockgate.jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
-                                                 until => $6, search => $7, max_rows => $8, before_id => $9)"
+            "SELECT {} FROM lockgate.jobs(queue => $1, job_type => $2, states => $3, key => $4, since => $5,
+                                          until => $6, search => $7, max_rows => $8, before_id => $9)",
+            *JOB_COLUMNS
         );
         let rows = bind_filter(query(&sql), filter).bind(limit).bind(before.map(|b| b.0)).fetch_all(conn).await?;
         Ok(rows.iter().map(job_record).collect())

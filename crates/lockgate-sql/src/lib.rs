@@ -6,6 +6,7 @@
 //! producers in any language share), with values bound as parameters.
 
 mod batches;
+mod columns;
 mod concurrency;
 mod deliveries;
 mod dlq;

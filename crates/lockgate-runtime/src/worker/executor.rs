@@ -44,6 +44,10 @@ pub(crate) async fn execute(
 
 async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant) {
     let delivery = Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct };
+    if let Some(reason) = claim.unreadable.take() {
+        let dead = Undeliverable { reason: DeadLetterReason::Undecodable, error: &reason, job_type: None };
+        return dead_letter_now(&shared, &claim, claimed_at, dead, claim.read_ct).await;
+    }
     let headers = match JobHeaders::decode(claim.headers.as_ref(), claim.msg_id) {
         Ok(headers) => headers,
         Err(reason) => {
@@ -51,6 +55,19 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
             return dead_letter_now(&shared, &claim, claimed_at, dead, claim.read_ct).await;
         }
     };
+    if headers.returns >= claim.read_ct {
+        // Each return follows a delivery, so this delivery (read_ct) comes after at most
+        // read_ct - 1 of them: more is a header written by hand, and would make every delivery
+        // attempt 1, retried for ever.
+        let error = format!(
+            "returns {} in the headers is more than the deliveries before this one ({})",
+            headers.returns,
+            claim.read_ct - 1
+        );
+        let dead =
+            Undeliverable { reason: DeadLetterReason::Undecodable, error: &error, job_type: Some(&headers.job_type) };
+        return dead_letter_now(&shared, &claim, claimed_at, dead, claim.read_ct).await;
+    }
     // Moved out, not copied: the statements that follow read the row, not this value.
     let Some(args) = claim.message.take().filter(|m| m.is_object()) else {
         let error = "job arguments are not a JSON object";
