@@ -346,6 +346,18 @@ BEGIN
             PERFORM lockgate._give_back_finished(key);
             acquired := lockgate._acquire(key, jt.concurrency_limit);
         END IF;
+        IF NOT acquired AND jt.concurrency_on_conflict <> 'block'
+           AND current_setting('transaction_isolation') <> 'read committed'
+           -- (headers->>'ckey' is the key: a bare "key" is also the leases' column)
+           AND EXISTS (SELECT 1 FROM lockgate.leases l WHERE l.key = headers->>'ckey' AND l.finished_at IS NOT NULL) THEN
+            -- Full only until a finished job's permit goes back, which this snapshot cannot do
+            -- (lockgate._give_back_finished): a discard or LG004 now would refuse a job while
+            -- nothing of the key may be running (review helper-76). A serialization failure is
+            -- what such a transaction is ready to retry.
+            RAISE EXCEPTION 'lockgate: key "%" holds permits of finished jobs not yet given back, which a % transaction cannot give back', key, current_setting('transaction_isolation')
+                USING ERRCODE = '40001',
+                      HINT = 'retry the transaction (lockgate run gives such permits back as soon as the key is free), or enqueue at READ COMMITTED';
+        END IF;
         IF NOT acquired THEN
             IF jt.concurrency_on_conflict = 'raise' THEN
                 RAISE EXCEPTION 'lockgate: concurrency limit % reached for key "%"', jt.concurrency_limit, key

@@ -141,8 +141,17 @@ BEGIN
     END IF;
     keys := ARRAY(SELECT DISTINCT k.key FROM unnest(lease_keys) AS k(key) ORDER BY k.key);
     -- true: locked here; false: the key has no row (its leases go, with nothing to give back);
-    -- NULL: another transaction holds it.
-    take := lockgate._take_keys(keys);
+    -- NULL: another transaction holds it. Outside READ COMMITTED every key counts as held: a
+    -- snapshot older than the key's row lock does not see a job parked behind the key since,
+    -- and the permit went back past it, to the next enqueue (review helper-76). Such a caller
+    -- leaves its permits finished, for a READ COMMITTED give-back (the runtime's, told below, the
+    -- key's next holder's, or the sweep's).
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        take := lockgate._take_keys(keys);
+    ELSE
+        take := array_fill(NULL::boolean, ARRAY[cardinality(keys)]);
+        tries := 5;
+    END IF;
     WHILE array_position(take, NULL) IS NOT NULL AND tries < 5 LOOP
         tries := tries + 1;
         PERFORM pg_sleep(0.001);

@@ -487,6 +487,72 @@ async fn h28_an_enqueue_at_repeatable_read_never_takes_a_finished_permit_ahead_o
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
+/// Review (helper-76, finding 3): a completion at REPEATABLE READ whose snapshot predates a job
+/// parked behind its key (parking locks the key's row without changing it, so locking it raises
+/// no serialization failure) gave the permit back without promoting that job, and the next enqueue
+/// took the permit ahead of it. Outside READ COMMITTED a completion now leaves its permit
+/// finished, for a READ COMMITTED give-back that sees every parked job.
+#[tokio::test]
+async fn h28_a_completion_at_repeatable_read_never_gives_a_permit_past_a_job_parked_after_its_snapshot() {
+    let db = limited(1, 60_000).await;
+    enqueue(&db.pool, 1).await;
+    let d = claim(&db.pool, 1).await.remove(0);
+    let mut worker = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut worker).await.unwrap();
+    sqlx::query("SELECT count(*) FROM lockgate.parked").execute(&mut worker).await.unwrap();
+    let (_, parked_first, status) = enqueue(&db.pool, 1).await;
+    assert_eq!(status, "parked");
+    sqlx::query("SELECT lockgate.complete('default', $1, $2)")
+        .bind(vec![d.0])
+        .bind(vec![d.1])
+        .execute(&mut worker)
+        .await
+        .unwrap();
+    sqlx::query("COMMIT").execute(&mut worker).await.unwrap();
+    let (_, _, later) = enqueue(&db.pool, 1).await;
+    assert_eq!(later, "parked", "the later job waits behind the one parked first");
+    let running: Vec<i64> = sqlx::query_scalar("SELECT (headers->>'job_id')::bigint FROM pgmq.q_default")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(running, vec![parked_first], "the job parked first was promoted into the permit");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+/// Review (helper-76, finding 4): an enqueue at REPEATABLE READ cannot give a finished job's
+/// permit back (its snapshot may miss a job parked behind the key), and so discarded its job, or
+/// raised LG004, on a key where nothing may be running. It fails with a serialization failure
+/// instead, which such a transaction retries; at READ COMMITTED the same enqueue is admitted.
+#[tokio::test]
+async fn h28_an_enqueue_at_repeatable_read_never_discards_behind_a_finished_permit() {
+    let db = limited(1, 60_000).await;
+    sqlx::query("SELECT lockgate.define_job_type('lim', concurrency_limit => 1, concurrency_key => array['k'], concurrency_on_conflict => 'discard')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    enqueue(&db.pool, 1).await;
+    let d = claim(&db.pool, 1).await.remove(0);
+    let mut holder = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    assert_eq!(enqueue_args_on(&mut holder, serde_json::json!({"k": 1})).await, "discarded");
+    complete_without_waiting(&db, d).await;
+    assert_eq!(finished_leases(&db.pool).await, 1);
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    let mut late = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut late).await.unwrap();
+    let err =
+        sqlx::query("SELECT status FROM lockgate.enqueue('lim', '{\"k\": 1}')").execute(&mut late).await.unwrap_err();
+    let code = err.as_database_error().and_then(|e| e.code()).unwrap_or_default().to_string();
+    assert_eq!(code, "40001", "{err}");
+    sqlx::query("ROLLBACK").execute(&mut late).await.unwrap();
+    assert_eq!(
+        enqueue_args(&db.pool, serde_json::json!({"k": 1})).await,
+        "enqueued",
+        "at READ COMMITTED the permit goes back first"
+    );
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
 /// Review of §72 (helper-69, finding 2): an enqueue that waited for the key's row looked for
 /// finished permits before the wait, and a job of the key that finished meanwhile left its permit
 /// where the enqueue did not look again: both parked jobs waited for the sweep while nothing ran.

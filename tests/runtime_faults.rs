@@ -476,6 +476,38 @@ async fn h29_no_row_written_by_hand_stops_a_pool_or_the_jobs_claimed_with_it() {
     assert!(dead[2].0 == "undecodable" && dead[2].1.contains("returns 999999999"), "{dead:?}");
 }
 
+/// Review (helper-76, finding 3): the runtime's statements ran at the database's default
+/// isolation, and at REPEATABLE READ a completion's snapshot may miss a job parked behind its key
+/// since; such a completion now leaves its permit finished, for a give-back. The runtime's own
+/// connections run at READ COMMITTED whatever the default, so its completions give permits back
+/// themselves: nothing is left finished, and nothing is announced on `lockgate.finished`.
+#[tokio::test]
+async fn a_runtime_on_a_repeatable_read_database_completes_at_read_committed() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    sqlx::query(&format!("ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'", db.name))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut policy = JobPolicy::on_queue(queue("default"));
+    policy.concurrency = Some(ConcurrencyPolicy::new(1));
+    let types = [("one_at_a_time", policy)];
+    let client = define(&db, &types).await;
+    for n in 0..3 {
+        client.enqueue_raw("one_at_a_time", &json!({"n": n}), &EnqueueOptions::default()).await.unwrap();
+    }
+    let mut listener = sqlx::postgres::PgListener::connect(&db.url).await.unwrap();
+    listener.listen(lockgate::sql::FINISHED_CHANNEL).await.unwrap();
+    let starts = Counter::default();
+    let running =
+        Running::start(&db, test_config(), probe_registry(probe(&db, 0, &starts), &types), &["default"], 2).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 3, WAIT).await.unwrap();
+    running.stop().await;
+    let announced = tokio::time::timeout(Duration::from_millis(300), listener.recv()).await;
+    assert!(announced.is_err(), "a completion left its permit finished: {announced:?}");
+    assert!(max_overlap(&db.pool, -1).await.iter().all(|(_, n)| *n <= 1), "one job at a time");
+}
+
 /// Runs until cancelled; then takes `wind_down` to return (awaiting, or blocking its thread), and
 /// records the wall-clock instant it ended, however it ended (returned or dropped).
 struct Stubborn {

@@ -47,7 +47,10 @@ impl Budget {
         Self { lock: at_least_1ms(statement / 2), statement }
     }
 
-    /// `options` with this budget in its startup parameters. Not under transaction pooling:
+    /// `options` with this budget in its startup parameters, and READ COMMITTED as the default
+    /// isolation: lockgate's statements are written for it, whatever the database's default. At
+    /// REPEATABLE READ a completion's snapshot, older than its lock of a key's row, missed a job
+    /// parked behind the key meanwhile (review helper-76). Not under transaction pooling:
     /// PgBouncer refuses a connection that sends `options`, and a session setting would follow
     /// the server connection to other clients; the budgets are then the role's (README,
     /// "Poolers").
@@ -58,6 +61,8 @@ impl Budget {
         options.options([
             ("lock_timeout", format!("{}ms", self.lock.as_millis())),
             ("statement_timeout", format!("{}ms", self.statement.as_millis())),
+            // A space in a startup option's value is escaped with a backslash.
+            ("default_transaction_isolation", r"read\ committed".to_string()),
         ])
     }
 }
