@@ -422,6 +422,19 @@ BEGIN
     IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) AND NOT lockgate._made_again(queue) THEN
         RETURN;
     END IF;
+    -- A table of the queue's names that is not a PGMQ queue's (another application's): pgmq.create
+    -- skips a table that exists, and its first index then failed on a column of its own, "vt"
+    -- (review helper-77, #13).
+    FOR idx IN SELECT x.tbl FROM (VALUES ('q_' || queue, ARRAY['msg_id', 'read_ct', 'enqueued_at', 'vt', 'message']),
+                                         ('a_' || queue, ARRAY['msg_id', 'read_ct', 'enqueued_at', 'archived_at', 'vt', 'message'])) x(tbl, cols)
+                WHERE to_regclass(format('pgmq.%I', x.tbl)) IS NOT NULL
+                  AND (SELECT count(*) FROM pg_attribute a
+                        WHERE a.attrelid = to_regclass(format('pgmq.%I', x.tbl)) AND a.attname = ANY (x.cols)
+                          AND a.attnum > 0 AND NOT a.attisdropped) < cardinality(x.cols) LOOP
+        RAISE EXCEPTION 'lockgate: queue "%" cannot be created: pgmq.% exists and is not a PGMQ queue''s table', queue, idx.tbl
+            USING ERRCODE = 'LG003',
+                  DETAIL = 'it lacks the columns of one (msg_id, read_ct, enqueued_at, vt, message); rename it, or give the queue another name';
+    END LOOP;
     PERFORM pgmq.create(queue);
     -- Claims take the lowest priority value first, then the message visible longest, then the
     -- oldest: this index serves them, one priority at a time (sql/020_claim.sql). It replaces

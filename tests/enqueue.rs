@@ -1297,3 +1297,20 @@ async fn migrate_names_what_depends_on_a_step_it_must_replace() {
     sqlx::query("DROP FUNCTION public.my_enqueue(jsonb[])").execute(&db.pool).await.unwrap();
     lockgate::migrate(&db.pool).await.expect("nothing depends on it now");
 }
+
+/// Review (helper-77, #13): a queue whose table name another application's table holds failed
+/// with `column "vt" does not exist` (PGMQ skips a table that exists), naming neither.
+#[tokio::test]
+async fn a_queue_whose_table_name_is_another_tables_is_refused_naming_it() {
+    let (db, _client) = setup().await;
+    sqlx::raw_sql("CREATE TABLE pgmq.q_clash (x integer); CREATE TABLE pgmq.a_clash2 (x integer);")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    for (queue, table) in [("clash", "pgmq.q_clash"), ("clash2", "pgmq.a_clash2")] {
+        let err = sqlx::query("SELECT lockgate.create_queue($1)").bind(queue).execute(&db.pool).await.unwrap_err();
+        let db_err = err.as_database_error().unwrap();
+        assert_eq!(db_err.code().as_deref(), Some("LG003"), "{db_err}");
+        assert!(db_err.message().contains(&format!("{table} exists and is not a PGMQ queue's table")), "{db_err}");
+    }
+}

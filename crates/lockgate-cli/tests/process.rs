@@ -381,8 +381,21 @@ async fn jobs_found_cancelled_retried_and_discarded_from_the_cli() {
     assert!(!again.status.success() && text(&again).contains("it is cancelled already"), "{}", text(&again));
     let unscoped = output(&db, &["job", "cancel"]);
     assert!(!unscoped.status.success() && text(&unscoped).contains("name what to cancel"), "{}", text(&unscoped));
+    // Review (helper-77, #11): a cancel stopped by its limit said nothing of what was left.
+    let first = output(&db, &["job", "cancel", "--type", "mail", "--state", "queued", "--limit", "1"]);
+    assert!(
+        first.status.success()
+            && text(&first).contains("1 of 1 cancelled")
+            && text(&first).contains("more jobs may match"),
+        "{}",
+        text(&first)
+    );
     let rest = output(&db, &["job", "cancel", "--type", "mail", "--state", "queued"]);
-    assert!(rest.status.success() && text(&rest).contains("2 of 2 cancelled"), "{}", text(&rest));
+    assert!(
+        rest.status.success() && text(&rest).contains("1 of 1 cancelled") && !text(&rest).contains("more jobs"),
+        "{}",
+        text(&rest)
+    );
     // Retry and discard apply to dead and parked jobs only, and say so.
     let retry = output(&db, &["job", "retry", &ids[1].to_string()]);
     assert!(!retry.status.success() && text(&retry).contains("only a dead job can be retried"), "{}", text(&retry));

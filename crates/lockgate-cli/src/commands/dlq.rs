@@ -16,8 +16,8 @@ pub enum Command {
     List {
         #[command(flatten)]
         select: Select,
-        /// At most this many rows.
-        #[arg(long, default_value_t = 50)]
+        /// At most this many rows (at least 1).
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i64).range(1..))]
         limit: i64,
         /// Print every field as JSON: arguments, headers and every attempt's error in full.
         #[arg(long)]

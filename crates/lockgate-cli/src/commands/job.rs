@@ -84,6 +84,10 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
                 let finished = count.matched - count.cancelled;
                 let note = if finished > 0 { format!(" ({finished} finished first)") } else { String::new() };
                 println!("{} of {} cancelled{note}", count.cancelled, count.matched);
+                if count.matched >= limit {
+                    // The limit was reached: more may match (review helper-77, #11).
+                    println!("stopped at --limit {limit}: more jobs may match; run the same command again");
+                }
             }
             Ok(())
         }

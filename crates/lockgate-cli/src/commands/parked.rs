@@ -13,8 +13,8 @@ pub enum Command {
         /// Only this concurrency key.
         #[arg(long)]
         key: Option<String>,
-        /// At most this many rows.
-        #[arg(long, default_value_t = 50)]
+        /// At most this many rows (at least 1).
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i32).range(1..))]
         limit: i32,
         /// Print JSON instead of text.
         #[arg(long)]
