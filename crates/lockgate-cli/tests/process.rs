@@ -712,3 +712,55 @@ async fn an_sql_jobs_statement_never_outlives_its_attempt_on_the_server() {
     .await
     .unwrap();
 }
+
+/// A program in a process group of its own, marked for the watchdog as run `run` of lockgate
+/// `lockgate`, as `lockgate run` starts them; its pid.
+fn marked_program(lockgate: u32, run: u64) -> std::process::Child {
+    use std::os::unix::process::CommandExt;
+    std::process::Command::new("sleep")
+        .arg("60")
+        .env("LOCKGATE_WATCHDOG", format!("{lockgate}.{run}"))
+        .process_group(0)
+        .spawn()
+        .unwrap()
+}
+
+/// Review of §75 (the fourth left open): a lockgate frozen (or killed) between starting a program
+/// and telling the watchdog its group left a program the watchdog did not know, running past the
+/// lease while lockgate stayed frozen. The watchdog is told of each run, and its time, before the
+/// program starts; at that time it kills the processes that carry the run's mark, group told or
+/// not. Run against the watchdog itself, as lockgate drives it: run 5 is announced for 300 ms and
+/// never given a group; run 6 is another lockgate's; run 7 is told and ended in time.
+#[tokio::test]
+async fn the_watchdog_ends_a_run_whose_group_it_was_never_told_at_the_runs_time() {
+    let lockgate = std::process::id();
+    let mut watchdog = std::process::Command::new(env!("CARGO_BIN_EXE_lockgate"))
+        .args(["command-watchdog", &lockgate.to_string()])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut pipe = watchdog.stdin.take().unwrap();
+    use std::io::Write;
+    writeln!(pipe, "5 300\n7 300").unwrap();
+    let mut untold = marked_program(lockgate, 5);
+    let mut other = marked_program(lockgate + 1, 5);
+    let mut ended = marked_program(lockgate, 7);
+    writeln!(pipe, "7 = {}\n7 -", ended.id()).unwrap();
+    pipe.flush().unwrap();
+    let gone = |child: &mut std::process::Child| child.try_wait().unwrap().is_some();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    while !gone(&mut untold) {
+        assert!(std::time::Instant::now() < deadline, "the run never told of its group still runs");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(!gone(&mut other), "another lockgate's program was killed");
+    assert!(!gone(&mut ended), "a run lockgate ended was killed");
+    drop(pipe);
+    watchdog.wait().unwrap();
+    assert!(!gone(&mut other), "another lockgate's program was killed at the end");
+    for child in [&mut other, &mut ended] {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}

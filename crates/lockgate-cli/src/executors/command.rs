@@ -15,11 +15,15 @@
 //! What no code of lockgate's can do once lockgate is killed (`kill -9`) or frozen (SIGSTOP, a
 //! stalled VM) is done by a watchdog: one `lockgate command-watchdog` process per lockgate
 //! process, in a process group of its own, outside every program's group. lockgate tells it over
-//! a pipe, for each running group, until when the job's lease holds; it kills a group shortly
-//! before that time if no renewal came (lockgate stopped renewing), and every group it knows when
-//! the pipe closes (lockgate died), so a program never runs beside its job's next delivery
-//! (design §75). lockgate tells it a group is done once it killed the group itself, before it
-//! reaps the program, so that the pgid cannot be reused while the watchdog may still target it.
+//! a pipe, for each run of a program, until when the job's lease holds, before the program
+//! starts and at each renewal, and then the program's process group. The watchdog kills a run
+//! shortly before that time if no renewal came (lockgate stopped renewing), and every run it
+//! knows when the pipe closes (lockgate died), so a program never runs beside its job's next
+//! delivery (design §75). A run is killed by its group and by its mark: every program carries
+//! `LOCKGATE_WATCHDOG=<lockgate's pid>.<run>` in its environment, so a run whose group the
+//! watchdog was never told (lockgate frozen or killed between the start and that line) is found
+//! too. lockgate tells it a run is done once it killed the group itself, before it reaps the
+//! program, so that the pgid cannot be reused while the watchdog may still target it.
 //!
 //! Groups are killed with `kill -KILL -- -<pgid>` (kill(1), POSIX) rather than a libc call: the
 //! workspace forbids unsafe code, and this saves a dependency for a call made once per job.
@@ -55,8 +59,12 @@ const REAP_POLL: Duration = Duration::from_millis(5);
 /// (300 ms), so that a lockgate that runs cancels the job itself first.
 const WATCHDOG_MARGIN: Duration = Duration::from_millis(150);
 
-/// The environment variable naming, in every program and what it starts, the watchdog watching it.
+/// The environment variable marking, in every program and what it starts, the run it belongs to:
+/// `<lockgate's pid>.<run>`.
 const WATCHDOG_ENV: &str = "LOCKGATE_WATCHDOG";
+
+/// Run ids, one per program started by this process.
+static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// How long a line to the watchdog may take to write: a pipe the watchdog no longer reads (it is
 /// stopped) fills up, and a handler must never wait on it. Past this the watchdog is replaced.
@@ -64,12 +72,12 @@ const WRITE_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The watchdog of this process's command groups, and what it was told: started before the first
 /// program, started again (and told every group) when it died or stopped reading.
-static WATCHDOG: tokio::sync::Mutex<Watched> = tokio::sync::Mutex::const_new(Watched { process: None, groups: None });
+static WATCHDOG: tokio::sync::Mutex<Watched> = tokio::sync::Mutex::const_new(Watched { process: None, runs: None });
 
 struct Watched {
     process: Option<(Child, ChildStdin)>,
-    /// Until when each running group may run, as last told.
-    groups: Option<HashMap<u32, Instant>>,
+    /// Until when each run may go on, as last told, and its process group once started.
+    runs: Option<HashMap<u64, (Instant, Option<u32>)>>,
 }
 
 /// The binary to start the watchdog from: the running one, through /proc so that an upgrade that
@@ -86,15 +94,22 @@ pub fn watchdog_program() -> anyhow::Result<PathBuf> {
     })
 }
 
-/// The line telling the watchdog that group `pgid` may run until `until` (less the margin).
-fn lease_line(pgid: u32, until: Instant) -> String {
+/// The line telling the watchdog that run `run` may go on until `until` (less the margin).
+fn lease_line(run: u64, until: Instant) -> String {
     let left = until.saturating_duration_since(Instant::now()).saturating_sub(WATCHDOG_MARGIN);
-    format!("{pgid} {}\n", left.as_millis())
+    format!("{run} {}\n", left.as_millis())
+}
+
+/// What the watchdog is told of a run: until when it may go on, and its group once known.
+fn run_lines(run: u64, until: Instant, pgid: Option<u32>) -> String {
+    let group = pgid.map(|pgid| format!("{run} = {pgid}\n")).unwrap_or_default();
+    lease_line(run, until) + &group
 }
 
 impl Watched {
-    /// A running watchdog: the one there is if it has not exited, else a new one told every group.
-    async fn ensure(&mut self) -> std::io::Result<(u32, &mut ChildStdin)> {
+    /// A running watchdog's pipe: the one there is if it has not exited, else a new one's, told
+    /// every run.
+    async fn ensure(&mut self) -> std::io::Result<&mut ChildStdin> {
         if let Some((process, _)) = self.process.as_mut() {
             if process.try_wait().ok().flatten().is_some() {
                 self.process = None;
@@ -105,34 +120,36 @@ impl Watched {
             let mut process = Command::new(&program)
                 .arg0("lockgate")
                 .arg("command-watchdog")
+                .arg(std::process::id().to_string())
                 .stdin(Stdio::piped())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .process_group(0)
                 .spawn()?;
             let mut pipe = process.stdin.take().ok_or_else(|| std::io::Error::other("the watchdog has no stdin"))?;
-            let lines: String = self.groups.iter().flatten().map(|(pgid, until)| lease_line(*pgid, *until)).collect();
+            let lines: String =
+                self.runs.iter().flatten().map(|(run, (until, pgid))| run_lines(*run, *until, *pgid)).collect();
             if !lines.is_empty() {
                 write_line(&mut pipe, &lines).await?;
             }
             self.process = Some((process, pipe));
         }
         match self.process.as_mut() {
-            Some((process, pipe)) => Ok((process.id().unwrap_or_default(), pipe)),
+            Some((_, pipe)) => Ok(pipe),
             None => Err(std::io::Error::other("no watchdog")),
         }
     }
 
     /// Writes `line`, replacing a watchdog that died or stopped reading once.
     async fn send(&mut self, line: &str) -> std::io::Result<()> {
-        let written = write_line(self.ensure().await?.1, line).await;
+        let written = write_line(self.ensure().await?, line).await;
         if written.is_ok() {
             return written;
         }
         if let Some((mut process, _)) = self.process.take() {
             let _ = process.start_kill();
         }
-        write_line(self.ensure().await?.1, line).await
+        write_line(self.ensure().await?, line).await
     }
 }
 
@@ -143,38 +160,61 @@ async fn write_line(pipe: &mut ChildStdin, line: &str) -> std::io::Result<()> {
     }
 }
 
-/// Starts `command` as a new process group under the watchdog: the watchdog is running before the
-/// program starts, and is then told the group may run until `until`. The program carries the
-/// watchdog's pid in `LOCKGATE_WATCHDOG`, so that a watchdog whose lockgate died between the
-/// start and the line still finds it. A program the watchdog cannot be told of is killed.
+/// Starts `command` as a new process group under the watchdog. The watchdog is told the run may
+/// go on until `until` before the program starts, and its group once it has: a lockgate frozen
+/// or killed in between leaves a run the watchdog still ends, by its mark. A program the watchdog
+/// cannot be told of is not started, or killed.
 async fn spawn_watched(command: &mut Command, until: Instant) -> Result<(Child, Group), String> {
-    let watchdog = {
+    let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    {
         let mut watched = WATCHDOG.lock().await;
-        watched.ensure().await.map_err(|e| format!("lockgate's command watchdog could not be started: {e}"))?.0
+        watched.runs.get_or_insert_with(HashMap::new).insert(run, (until, None));
+        if let Err(e) = watched.send(&lease_line(run, until)).await {
+            watched.runs.as_mut().map(|r| r.remove(&run));
+            return Err(format!("lockgate's command watchdog could not be started or told: {e}"));
+        }
+    }
+    let mark = format!("{}.{run}", std::process::id());
+    let mut child = match command.env(WATCHDOG_ENV, mark).spawn() {
+        Ok(child) => child,
+        Err(e) => {
+            forget(run).await;
+            return Err(format!("could not start it: {e}"));
+        }
     };
-    let mut child =
-        command.env(WATCHDOG_ENV, watchdog.to_string()).spawn().map_err(|e| format!("could not start it: {e}"))?;
-    let pgid = child.id().ok_or("it exited before it could be tracked")?;
-    let mut group = Group::new(pgid);
-    if let Err(e) = tell_lease(pgid, until).await {
+    let Some(pgid) = child.id() else {
+        forget(run).await;
+        return Err("it exited before it could be tracked".to_string());
+    };
+    let mut group = Group::new(pgid, run);
+    let told = {
+        let mut watched = WATCHDOG.lock().await;
+        if let Some(entry) = watched.runs.as_mut().and_then(|r| r.get_mut(&run)) {
+            entry.1 = Some(pgid);
+        }
+        watched.send(&format!("{run} = {pgid}\n")).await
+    };
+    if let Err(e) = told {
         group.kill_and_reap(&mut child).await;
         return Err(format!("it was stopped: lockgate's command watchdog could not be told of it: {e}"));
     }
     Ok((child, group))
 }
 
-/// Tells the watchdog that group `pgid` may run until `until`.
-async fn tell_lease(pgid: u32, until: Instant) -> std::io::Result<()> {
+/// Tells the watchdog that run `run` may go on until `until`.
+async fn tell_lease(run: u64, until: Instant) -> std::io::Result<()> {
     let mut watched = WATCHDOG.lock().await;
-    watched.groups.get_or_insert_with(HashMap::new).insert(pgid, until);
-    watched.send(&lease_line(pgid, until)).await
+    if let Some(entry) = watched.runs.as_mut().and_then(|r| r.get_mut(&run)) {
+        entry.0 = until;
+    }
+    watched.send(&lease_line(run, until)).await
 }
 
-/// Tells the watchdog that lockgate is done with group `pgid`.
-async fn forget(pgid: u32) {
+/// Tells the watchdog that lockgate is done with run `run`.
+async fn forget(run: u64) {
     let mut watched = WATCHDOG.lock().await;
-    if watched.groups.as_mut().and_then(|g| g.remove(&pgid)).is_some() {
-        let _ = watched.send(&format!("{pgid} -\n")).await;
+    if watched.runs.as_mut().and_then(|r| r.remove(&run)).is_some() {
+        let _ = watched.send(&format!("{run} -\n")).await;
     }
 }
 
@@ -199,16 +239,18 @@ pub fn kill_children() {
     }
 }
 
-/// One command's process group, killed when the handler is dropped before it was reaped.
+/// One command's process group, and its run, killed when the handler is dropped before it was
+/// reaped.
 struct Group {
     pgid: u32,
+    run: u64,
     gone: bool,
 }
 
 impl Group {
-    fn new(pgid: u32) -> Self {
+    fn new(pgid: u32, run: u64) -> Self {
         groups().get_or_insert_with(HashSet::new).insert(pgid);
-        Self { pgid, gone: false }
+        Self { pgid, run, gone: false }
     }
 
     /// Kills every process of the group, reaps the program, and waits until no process of the
@@ -222,7 +264,7 @@ impl Group {
             .await;
         // Before the program is reaped (unless it already was: it exited on its own), while its
         // pid, the group's id, cannot be given to another process.
-        forget(self.pgid).await;
+        forget(self.run).await;
         let _ = child.wait().await;
         while group_alive(self.pgid) {
             tokio::time::sleep(REAP_POLL).await;
@@ -242,7 +284,7 @@ impl Drop for Group {
                 .stderr(Stdio::null())
                 .status();
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                runtime.spawn(forget(self.pgid));
+                runtime.spawn(forget(self.run));
             }
         }
         if let Some(set) = groups().as_mut() {
@@ -335,7 +377,7 @@ impl CommandExecutor {
             .kill_on_drop(true);
         let (mut child, mut group) =
             spawn_watched(&mut command, until).await.map_err(|e| JobError::new(format!("{program}: {e}")))?;
-        let pgid = group.pgid;
+        let run = group.run;
         // stderr is read from the start (a full pipe would block the program) and kept apart,
         // since a process the program left behind may hold it open until the group is killed.
         let stderr = child.stderr.take().map(|mut pipe| {
@@ -368,7 +410,7 @@ impl CommandExecutor {
                         renewing = changed.is_ok();
                         let until = *lease.borrow_and_update();
                         if renewing {
-                            if let Err(e) = tell_lease(pgid, until).await {
+                            if let Err(e) = tell_lease(run, until).await {
                                 break Err(format!("{program} was stopped: lockgate's command watchdog is gone ({e})"));
                             }
                         }
@@ -395,15 +437,29 @@ impl CommandExecutor {
     }
 }
 
-/// `lockgate command-watchdog`: watches the process groups of one lockgate process's command
-/// jobs. Reads lines from stdin: `<pgid> <ms>`, group pgid may run ms more from now (each line
-/// replaces the last for that group); `<pgid> -`, lockgate is done with the group. Kills a group
-/// with SIGKILL when its time is up, and every group it knows when stdin closes (lockgate died:
-/// the kernel closed the pipe's other end) or a line makes no sense. Started before any async
-/// runtime (see main): plain threads and a channel, so it starts fast and holds little.
+/// A line from lockgate to its watchdog.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Line {
+    /// `<run> <ms>`: the run may go on `ms` more from now (each such line replaces the last).
+    Until(u64, u64),
+    /// `<run> = <pgid>`: the run's process group.
+    Group(u64, u32),
+    /// `<run> -`: lockgate is done with the run.
+    Done(u64),
+}
+
+/// `lockgate command-watchdog <lockgate's pid>`: watches the runs of one lockgate process's
+/// command jobs, told by the lines of [`Line`] on stdin. Kills a run with SIGKILL when its time is
+/// up: its group, and the group of every process its mark names. Kills every run it knows, and
+/// every process marked by its lockgate, when stdin closes (lockgate died: the kernel closed the
+/// pipe's other end) or a line makes no sense. Started before any async runtime (see main): plain
+/// threads and a channel, so it starts fast and holds little.
 pub fn watchdog() -> ! {
     survive_hangup();
-    let (lines, updates) = mpsc::channel::<(u32, Option<u64>)>();
+    // Its lockgate, named by lockgate itself: the parent may already be another process.
+    let lockgate: u32 =
+        std::env::args().nth(2).and_then(|pid| pid.parse().ok()).unwrap_or_else(std::os::unix::process::parent_id);
+    let (lines, updates) = mpsc::channel::<Line>();
     std::thread::spawn(move || {
         for line in std::io::stdin().lines() {
             let Some(update) = line.ok().as_deref().and_then(parse_watchdog_line) else { break };
@@ -412,33 +468,44 @@ pub fn watchdog() -> ! {
             }
         }
     });
-    let mut deadlines: HashMap<u32, Instant> = HashMap::new();
+    let mut runs: HashMap<u64, (Instant, Option<u32>)> = HashMap::new();
     loop {
-        let next = deadlines.values().min().copied();
+        let next = runs.values().map(|(at, _)| *at).min();
         let update = match next {
             Some(at) => updates.recv_timeout(at.saturating_duration_since(Instant::now())),
             None => updates.recv().map_err(|_| RecvTimeoutError::Disconnected),
         };
         match update {
-            Ok((pgid, Some(ms))) => {
-                deadlines.insert(pgid, Instant::now() + Duration::from_millis(ms.min(u64::from(u32::MAX))));
+            Ok(Line::Until(run, ms)) => {
+                let at = Instant::now() + Duration::from_millis(ms.min(u64::from(u32::MAX)));
+                runs.entry(run).or_insert((at, None)).0 = at;
             }
-            Ok((pgid, None)) => {
-                deadlines.remove(&pgid);
+            Ok(Line::Group(run, pgid)) => {
+                if let Some(entry) = runs.get_mut(&run) {
+                    entry.1 = Some(pgid);
+                }
+            }
+            Ok(Line::Done(run)) => {
+                runs.remove(&run);
             }
             Err(RecvTimeoutError::Timeout) => {
                 let now = Instant::now();
-                let due: Vec<u32> = deadlines.iter().filter(|(_, at)| **at <= now).map(|(pgid, _)| *pgid).collect();
-                kill_groups(&due);
-                deadlines.retain(|_, at| *at > now);
+                let due: Vec<(u64, Option<u32>)> =
+                    runs.iter().filter(|(_, (at, _))| *at <= now).map(|(run, (_, pgid))| (*run, *pgid)).collect();
+                let marks: HashSet<String> = due.iter().map(|(run, _)| format!("{lockgate}.{run}")).collect();
+                let mut pgids: Vec<u32> = due.iter().filter_map(|(_, pgid)| *pgid).collect();
+                pgids.extend(marked_groups(|mark| marks.contains(mark)));
+                kill_groups(&pgids);
+                runs.retain(|_, (at, _)| *at > now);
             }
             Err(RecvTimeoutError::Disconnected) => break,
         }
     }
-    // lockgate died (or wrote nonsense): every group it told of, and every process that carries
-    // this watchdog's pid, in case lockgate died between starting a program and telling of it.
-    let mut pgids: HashSet<u32> = deadlines.into_keys().collect();
-    pgids.extend(marked_groups(std::process::id()));
+    // lockgate died (or wrote nonsense): every run it told of, and every process it marked, in
+    // case it died between starting a program and telling of its group.
+    let prefix = format!("{lockgate}.");
+    let mut pgids: HashSet<u32> = runs.values().filter_map(|(_, pgid)| *pgid).collect();
+    pgids.extend(marked_groups(|mark| mark.starts_with(&prefix)));
     kill_groups(&pgids.into_iter().collect::<Vec<_>>());
     std::process::exit(0)
 }
@@ -446,7 +513,7 @@ pub fn watchdog() -> ! {
 /// Makes SIGHUP harmless to the watchdog. A watchdog that is stopped (SIGSTOP) when its lockgate
 /// dies is in an orphaned process group, to which the kernel sends SIGHUP and then SIGCONT: the
 /// hangup, at its default action, killed it before it could read the closed pipe and kill its
-/// groups. Caught instead (tokio's handler stays installed for the life of the process, whatever
+/// runs. Caught instead (tokio's handler stays installed for the life of the process, whatever
 /// becomes of the runtime that installed it), the SIGCONT wakes it to do just that.
 fn survive_hangup() {
     use tokio::signal::unix::{signal, SignalKind};
@@ -459,29 +526,37 @@ fn survive_hangup() {
     }
 }
 
-/// The process groups of the processes whose environment names watchdog `watchdog`, from /proc.
-fn marked_groups(watchdog: u32) -> Vec<u32> {
-    let marker = format!("{WATCHDOG_ENV}={watchdog}");
+/// The process groups of the processes whose mark (`LOCKGATE_WATCHDOG`) `wanted` accepts, from /proc.
+fn marked_groups(wanted: impl Fn(&str) -> bool) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let name = format!("{WATCHDOG_ENV}=");
     dir.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/environ"))
-                .is_ok_and(|env| env.split(|b| *b == 0).any(|var| var == marker.as_bytes()))
+            std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| {
+                env.split(|b| *b == 0).any(|var| {
+                    var.strip_prefix(name.as_bytes())
+                        .and_then(|mark| std::str::from_utf8(mark).ok())
+                        .is_some_and(&wanted)
+                })
+            })
         })
         .filter_map(|pid| process_group(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?))
         .filter(|pgid| *pgid > 1)
         .collect()
 }
 
-/// A watchdog line: `<pgid> <ms>` or `<pgid> -`.
-fn parse_watchdog_line(line: &str) -> Option<(u32, Option<u64>)> {
-    let (pgid, rest) = line.trim().split_once(' ')?;
-    let pgid = pgid.parse().ok().filter(|p| *p > 1)?;
-    match rest {
-        "-" => Some((pgid, None)),
-        ms => Some((pgid, Some(ms.parse().ok()?))),
-    }
+/// A watchdog line: `<run> <ms>`, `<run> = <pgid>` or `<run> -`.
+fn parse_watchdog_line(line: &str) -> Option<Line> {
+    let mut words = line.split_whitespace();
+    let run: u64 = words.next()?.parse().ok()?;
+    let line = match (words.next()?, words.next()) {
+        ("-", None) => Line::Done(run),
+        ("=", Some(pgid)) => Line::Group(run, pgid.parse().ok().filter(|p| *p > 1)?),
+        (ms, None) => Line::Until(run, ms.parse().ok()?),
+        _ => return None,
+    };
+    words.next().is_none().then_some(line)
 }
 
 fn kill_groups(pgids: &[u32]) {
@@ -520,10 +595,11 @@ mod tests {
     }
 
     #[test]
-    fn watchdog_lines_name_a_group_and_its_time_or_its_end() {
-        assert_eq!(parse_watchdog_line("4242 1500"), Some((4242, Some(1500))));
-        assert_eq!(parse_watchdog_line("4242 -\n"), Some((4242, None)));
-        for bad in ["", "4242", "4242 x", "1 100", "0 100", "-5 100", "4242 -1", "99999999999 1"] {
+    fn watchdog_lines_name_a_run_and_its_time_its_group_or_its_end() {
+        assert_eq!(parse_watchdog_line("7 1500"), Some(Line::Until(7, 1500)));
+        assert_eq!(parse_watchdog_line("7 = 4242\n"), Some(Line::Group(7, 4242)));
+        assert_eq!(parse_watchdog_line("7 -\n"), Some(Line::Done(7)));
+        for bad in ["", "7", "7 x", "7 = 1", "7 = 0", "7 = x", "-5 100", "7 -1", "7 100 9", "7 = 42 9", "x 100"] {
             assert_eq!(parse_watchdog_line(bad), None, "{bad:?}");
         }
     }
