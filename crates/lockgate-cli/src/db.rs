@@ -171,6 +171,14 @@ pub fn check_listen_url(url: &str) -> Result<()> {
 }
 
 fn options(url: &str) -> Result<PgConnectOptions> {
+    // The driver reads any scheme as PostgreSQL's: another database's URL is a mistake to name.
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        let scheme = url.split_once("://").map_or("none", |(scheme, _)| scheme);
+        anyhow::bail!(
+            "invalid database URL {}: its scheme is {scheme}; lockgate needs postgres:// or postgresql://",
+            redact(url)
+        );
+    }
     let url = &take_pooler_mode(url)?;
     let mut options: PgConnectOptions = url.parse().with_context(|| format!("invalid database URL {}", redact(url)))?;
     // The TLS files the URL names must exist: the driver would report only "No such file or

@@ -41,6 +41,16 @@ async fn a_wrong_port_is_reported_as_connection_refused_within_seconds() {
     assert!(text(&o).contains(&expected), "{}", text(&o));
 }
 
+/// Review (helper-77): another database's URL was read as PostgreSQL's, and failed later with
+/// whatever that server answered.
+#[tokio::test]
+async fn a_url_of_another_scheme_is_refused_naming_it() {
+    let db = TestDb::migrated().await.unwrap();
+    let o = lockgate(&db, &["status"]).env("DATABASE_URL", "mysql://root@127.0.0.1/app").output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("its scheme is mysql; lockgate needs postgres:// or postgresql://"), "{}", text(&o));
+}
+
 #[tokio::test]
 async fn a_server_that_never_answers_is_reported_after_the_connect_timeout() {
     let db = TestDb::migrated().await.unwrap();
