@@ -336,9 +336,32 @@ async fn listings_show_rows_written_by_hand_whatever_their_times_and_lengths() {
     .execute(&db.pool)
     .await
     .unwrap();
-    for args in
-        [&["jobs", "--queue", "odd"][..], &["job", "show", "4242"], &["dlq", "list"], &["dlq", "list", "--json"]]
-    {
+    // Arguments nested deeper than the client decodes (review helper-78, F2): queued, parked,
+    // and dead-lettered.
+    let deep = (0..200).fold(serde_json::json!({}), |inner, _| serde_json::json!({ "a": inner }));
+    sqlx::query("SELECT lockgate.define_job_type('deep', queue => 'odd', concurrency_limit => 1)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        sqlx::query("SELECT lockgate.enqueue('deep', $1)").bind(&deep).execute(&db.pool).await.unwrap();
+    }
+    sqlx::query(
+        "INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
+         VALUES ('odd', 8, 4444, 'deep', $1, jsonb_build_object('errors', jsonb_build_array($1)), 'undecodable', 'deep', 1, now())",
+    )
+    .bind(&deep)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    for args in [
+        &["jobs", "--queue", "odd"][..],
+        &["jobs", "--queue", "odd", "--json"],
+        &["job", "show", "4242"],
+        &["dlq", "list"],
+        &["dlq", "list", "--json"],
+        &["parked", "list"],
+    ] {
         let out = output(&db, args);
         assert!(out.status.success(), "{args:?}: {}", text(&out));
     }

@@ -656,7 +656,7 @@ async fn a_stopped_watchdog_of_a_killed_lockgate_still_kills_its_programs() {
 async fn probes_running(db: &TestDb) -> i64 {
     db.count(
         "SELECT 1 FROM pg_stat_activity WHERE query LIKE '%sql-probe%' AND state = 'active' \
-         AND pid <> pg_backend_pid()",
+         AND pid <> pg_backend_pid() AND datname = current_database()",
     )
     .await
     .unwrap()
@@ -763,4 +763,43 @@ async fn the_watchdog_ends_a_run_whose_group_it_was_never_told_at_the_runs_time(
         child.kill().unwrap();
         child.wait().unwrap();
     }
+}
+
+/// Review of §76 (helper-78, F1): a statement that catches the cancel (a plpgsql handler for
+/// `query_canceled`) ran on past its attempt, beside the retries of a key limited to 1. Past a
+/// short wait its backend is terminated.
+#[tokio::test]
+async fn an_sql_statement_that_catches_its_cancel_still_ends_with_its_attempt() {
+    let setup = Setup::with_job_type(
+        DEFAULT_RUNTIME,
+        "sql = \"SELECT stubborn_sleep($1), 'sql-probe'\"\ntimeout = \"500ms\"\nmax_attempts = 3\n\
+         backoff = { base = \"50ms\", max = \"50ms\" }\nconcurrency = { limit = 1 }",
+    );
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "CREATE FUNCTION stubborn_sleep(jsonb) RETURNS void LANGUAGE plpgsql AS $$
+         BEGIN
+             PERFORM pg_sleep(30);
+         EXCEPTION WHEN query_canceled THEN
+             PERFORM pg_sleep(30);
+         END $$;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut first = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'", 1, WAIT)
+        .await
+        .unwrap();
+    assert!(output(&db, &["enqueue", "task", "{}"]).status.success());
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut most = 0;
+    while db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap() == 0 {
+        assert!(std::time::Instant::now() < deadline, "the job was not dead-lettered after its timeouts");
+        most = most.max(probes_running(&db).await);
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(most, 1, "a timed-out attempt's statement ran beside the next attempt");
+    signal(&first, "TERM");
+    assert!(wait_exit(&mut first).await.success());
 }

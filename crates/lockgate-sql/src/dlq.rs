@@ -1,6 +1,6 @@
 //! Dead-letter statements: list, retry (back to the queue as a new message), purge.
 
-use crate::columns::readable_time;
+use crate::columns::{readable_time, shown_json};
 use chrono::{DateTime, Utc};
 use lockgate_core::JobId;
 use serde::Serialize;
@@ -67,14 +67,14 @@ pub async fn dlq_list<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter, limit: i64)
                 msg_id: r.get(2),
                 job_id: r.get::<Option<i64>, _>(3).map(JobId),
                 job_type: r.get(4),
-                args: r.get(5),
-                headers: r.get(6),
+                args: shown_json(r, 5),
+                headers: shown_json(r, 6),
                 reason: r.get(7),
                 error: r.get(8),
                 attempts: r.get(9),
                 enqueued_at: r.get(10),
                 dead_at: r.get(11),
-                errors: r.get(12),
+                errors: shown_json(r, 12).unwrap_or(Value::Array(Vec::new())),
             })
             .collect())
     })

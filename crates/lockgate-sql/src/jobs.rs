@@ -1,7 +1,7 @@
 //! Jobs in every state: one by id (`lockgate.job`), a search (`lockgate.jobs`), and cancel
 //! (`lockgate.cancel`, `lockgate.cancel_jobs`).
 
-use crate::columns::readable_time;
+use crate::columns::{readable_time, shown_json};
 use chrono::{DateTime, Utc};
 use lockgate_core::JobId;
 use serde::Serialize;
@@ -109,7 +109,7 @@ fn job_record(r: &sqlx::postgres::PgRow) -> JobRecord {
         state: r.get(1),
         queue: r.get(2),
         job_type: r.get(3),
-        args: r.get(4),
+        args: shown_json(r, 4),
         priority: r.get(5),
         msg_id: r.get(6),
         attempt: r.get(7),
@@ -117,10 +117,10 @@ fn job_record(r: &sqlx::postgres::PgRow) -> JobRecord {
         visible_at: r.get(9),
         finished_at: r.get(10),
         concurrency_key: r.get(11),
-        attempts: r.get::<Option<Value>, _>(12).unwrap_or(Value::Array(Vec::new())),
+        attempts: shown_json(r, 12).unwrap_or(Value::Array(Vec::new())),
         reason: r.get(13),
         error: r.get(14),
-        headers: r.get(15),
+        headers: shown_json(r, 15),
     }
 }
 

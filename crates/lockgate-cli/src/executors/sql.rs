@@ -38,6 +38,9 @@ pub struct SqlExecutor {
 /// is still open (`client_connection_check_interval`, PostgreSQL 14 and later).
 const CLIENT_CHECK: &str = "100ms";
 
+/// How long a cancelled statement may take to end before its backend is terminated.
+const CANCEL_WAIT: std::time::Duration = std::time::Duration::from_millis(30);
+
 impl SqlExecutor {
     pub fn new(db: PgPool, statement: String) -> Self {
         Self { db, statement }
@@ -105,7 +108,17 @@ impl SqlExecutor {
             tracing::warn!(backend, error = %e, "a cancelled job's SQL statement could not be cancelled on the server");
         }
         // Ends with the cancel's error, or with the statement's own result had it just finished.
-        let _ = running.await;
+        // A statement may catch the cancel (plpgsql's `EXCEPTION WHEN query_canceled`) and run
+        // on: past a short wait its backend is terminated, which no statement can catch (review
+        // helper-78). Both fit in the handler's grace.
+        if tokio::time::timeout(CANCEL_WAIT, &mut running).await.is_err() {
+            let terminated =
+                query_scalar::<bool>("SELECT pg_terminate_backend($1)").bind(backend).fetch_one(&self.db).await;
+            if let Err(e) = terminated {
+                tracing::warn!(backend, error = %e, "a cancelled job's SQL statement could not be ended on the server");
+            }
+            let _ = running.await;
+        }
         Err(JobError::new(format!("its statement was cancelled ({reason})")))
     }
 }
