@@ -153,7 +153,7 @@ pub async fn parked_jobs<'c>(db: impl Into<Db<'c>>, key: Option<&str>, limit: i3
                 queue: r.get(2),
                 job_type: r.get(3),
                 job_id: r.get(4),
-                args: crate::columns::shown_json(&r, 5).unwrap_or_default(),
+                args: crate::columns::shown_json(r, 5).unwrap_or_default(),
                 priority: r.get(6),
                 run_at: r.get(7),
                 parked_at: r.get(8),
