@@ -10,13 +10,15 @@ LANGUAGE plpgsql STABLE AS $$
 DECLARE
     q record;
 BEGIN
+    -- (A vt of -infinity, written by hand, is ready but has no age: now() minus it is an error
+    -- that failed every queue's line, review helper-78.)
     FOR q IN SELECT lockgate._live_queues() AS name LOOP
         queue := q.name;
         EXECUTE format(
             'SELECT count(*) FILTER (WHERE vt <= now()),
                     count(*) FILTER (WHERE vt > now() AND (read_ct = 0 OR headers ? ''retry_at'')),
                     count(*) FILTER (WHERE vt > now() AND read_ct > 0 AND NOT headers ? ''retry_at''),
-                    extract(epoch FROM now() - min(vt) FILTER (WHERE vt <= now()))::double precision
+                    extract(epoch FROM now() - min(vt) FILTER (WHERE vt <= now() AND isfinite(vt)))::double precision
                FROM %s', lockgate._queue_table(q.name, 'q'))
            INTO ready, scheduled, running, oldest_ready_seconds;
         SELECT count(*) INTO dead FROM lockgate.dead_letters d WHERE d.queue = q.name;

@@ -329,7 +329,8 @@ async fn listings_show_rows_written_by_hand_whatever_their_times_and_lengths() {
     sqlx::raw_sql(
         "SELECT lockgate.create_queue('odd');
          INSERT INTO pgmq.q_odd (enqueued_at, vt, message, headers)
-         VALUES ('infinity', 'infinity', '{}', '{\"type\": \"t\", \"job_id\": 4242}');
+         VALUES ('infinity', 'infinity', '{}', '{\"type\": \"t\", \"job_id\": 4242}'),
+                ('-infinity', '-infinity', '{}', '{\"type\": \"t\"}');
          INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
          VALUES ('odd', 7, 4343, repeat('x', 100000), '{}', '{}', 'undecodable', 'by hand', 1, 'infinity');",
     )
@@ -361,6 +362,7 @@ async fn listings_show_rows_written_by_hand_whatever_their_times_and_lengths() {
         &["dlq", "list"],
         &["dlq", "list", "--json"],
         &["parked", "list"],
+        &["status"],
     ] {
         let out = output(&db, args);
         assert!(out.status.success(), "{args:?}: {}", text(&out));
