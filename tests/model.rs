@@ -1002,6 +1002,13 @@ impl Run<'_> {
         let message_current = self.message_current(i).await?;
         let d = self.model.deliveries[i].clone();
         let conn = &mut self.c.workers[d.worker];
+        // Worker 1 completes and dead-letters at REPEATABLE READ, as an SQL caller may: its permits
+        // are left finished for a READ COMMITTED give-back (design §78), which the reference must
+        // see happen by the next enqueue of the key, or the sweep.
+        let repeatable = d.worker == 1 && matches!(how, Finish::Complete | Finish::DeadLetter);
+        if repeatable {
+            sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *conn).await?;
+        }
         let took = match how {
             Finish::Complete => db::complete(conn, d.queue, d.msg_id, d.read_ct).await?.contains(&d.msg_id),
             Finish::Retry { backoff } => {
@@ -1010,6 +1017,9 @@ impl Run<'_> {
             Finish::Release => db::release(conn, d.queue, d.msg_id, d.read_ct).await?.contains(&d.msg_id),
             Finish::DeadLetter => db::dead_letter(conn, d.queue, d.msg_id, d.read_ct).await?,
         };
+        if repeatable {
+            sqlx::query("COMMIT").execute(&mut *conn).await?;
+        }
         self.model.deliveries[i].holder = Holder::Finished(format!("{how:?}, took effect: {took}"));
         let mut released = String::new();
         if !took && self.api.cancel {
@@ -1035,6 +1045,16 @@ impl Run<'_> {
                     self.model.gone.insert((d.queue, d.msg_id));
                 }
                 Finish::Retry { .. } | Finish::Release => {}
+            }
+            // A batch count at REPEATABLE READ never finishes the batch (its snapshot may miss a
+            // producer's commit): the last job counted so leaves the finish to the batch sweep.
+            if repeatable
+                && self.model.batch.closed
+                && self.model.batch_jobs.contains(&d.job_id)
+                && self.model.batch_counted()
+            {
+                self.model.batch.left_to_sweep = true;
+                *self.stats.entry("batch left to the batch sweep").or_default() += 1;
             }
         } else if healthy && self.checks.on('h') {
             bail!("(h) {how:?} of {} was refused while it was current and leased", d.describe());

@@ -662,6 +662,18 @@ async fn probes_running(db: &TestDb) -> i64 {
     .unwrap()
 }
 
+/// The most probe statements running at once, watched until the job is dead-lettered.
+async fn most_running_until_dead_lettered(db: &TestDb) -> i64 {
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut most = 0;
+    while db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap() == 0 {
+        assert!(std::time::Instant::now() < deadline, "the job was not dead-lettered after its timeouts");
+        most = most.max(probes_running(db).await);
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    most
+}
+
 /// Design §76: an `sql` job's statement runs in a backend of its own, and dropping its query in
 /// lockgate stopped nothing there. A timed-out attempt's statement ran on beside its retries (a
 /// key limited to 1 ran three at once), a job returned at shutdown ran on after lockgate exited,
@@ -678,14 +690,11 @@ async fn an_sql_jobs_statement_never_outlives_its_attempt_on_the_server() {
 
     // Timeouts: three attempts, one after the other, never two statements at once.
     let mut lockgate = setup.run(&db);
-    let deadline = std::time::Instant::now() + WAIT;
-    let mut most = 0;
-    while db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap() == 0 {
-        assert!(std::time::Instant::now() < deadline, "the job was not dead-lettered after its timeouts");
-        most = most.max(probes_running(&db).await);
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    assert_eq!(most, 1, "a timed-out attempt's statement ran beside the next attempt");
+    assert_eq!(
+        most_running_until_dead_lettered(&db).await,
+        1,
+        "a timed-out attempt's statement ran beside the next attempt"
+    );
     let ended = std::time::Duration::from_secs(1);
     wait_for("the last attempt's statement to end", ended, || async {
         Ok((probes_running(&db).await == 0).then_some(()))
@@ -792,14 +801,11 @@ async fn an_sql_statement_that_catches_its_cancel_still_ends_with_its_attempt() 
         .await
         .unwrap();
     assert!(output(&db, &["enqueue", "task", "{}"]).status.success());
-    let deadline = std::time::Instant::now() + WAIT;
-    let mut most = 0;
-    while db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap() == 0 {
-        assert!(std::time::Instant::now() < deadline, "the job was not dead-lettered after its timeouts");
-        most = most.max(probes_running(&db).await);
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    assert_eq!(most, 1, "a timed-out attempt's statement ran beside the next attempt");
+    assert_eq!(
+        most_running_until_dead_lettered(&db).await,
+        1,
+        "a timed-out attempt's statement ran beside the next attempt"
+    );
     signal(&first, "TERM");
     assert!(wait_exit(&mut first).await.success());
 }

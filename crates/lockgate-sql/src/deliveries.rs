@@ -45,8 +45,12 @@ pub async fn claim<'c>(
     claim_as(db, queue, qty, visibility, None, None).await
 }
 
-/// One claimed row, from column `at` on: msg_id, read_ct, enqueued_at, message, headers,
-/// budget_seconds, claimed_ahead. Never fails: a column that cannot be read makes the claim
+/// The columns of a claimed row, in the order `claim_row` reads them.
+static CLAIM_COLUMNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!("msg_id, read_ct, {}, message, headers, budget_seconds, claimed_ahead", readable_time("enqueued_at"))
+});
+
+/// One claimed row, from column `at` on: `CLAIM_COLUMNS`. Never fails: a column that cannot be read makes the claim
 /// unreadable (it is dead-lettered), not the whole claim an error, which would leave every
 /// delivery it took to lapse unrun.
 fn claim_row(row: &PgRow, at: usize, queue: &QueueName) -> Claim {
@@ -90,13 +94,8 @@ pub async fn claim_as<'c>(
     owner: Option<i64>,
     start_now: Option<i32>,
 ) -> Result<Vec<Claim>, DbError> {
-    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-        format!(
-            "SELECT msg_id, read_ct, {}, message, headers, budget_seconds, claimed_ahead
-             FROM lockgate.claim($1, $2, $3, $4, $5)",
-            readable_time("enqueued_at")
-        )
-    });
+    static SQL: std::sync::LazyLock<String> =
+        std::sync::LazyLock::new(|| format!("SELECT {} FROM lockgate.claim($1, $2, $3, $4, $5)", *CLAIM_COLUMNS));
     on(db.into(), async |conn| {
         let rows = query(&SQL)
             .bind(queue.as_str())
@@ -123,11 +122,7 @@ pub async fn claim_queues<'c>(
     start_now: Option<i32>,
 ) -> Result<Vec<Claim>, DbError> {
     static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-        format!(
-            "SELECT queue, msg_id, read_ct, {}, message, headers, budget_seconds, claimed_ahead
-             FROM lockgate.claim_queues($1, $2, $3, $4, $5)",
-            readable_time("enqueued_at")
-        )
+        format!("SELECT queue, {} FROM lockgate.claim_queues($1, $2, $3, $4, $5)", *CLAIM_COLUMNS)
     });
     on(db.into(), async |conn| {
         let names: Vec<&str> = queues.iter().map(QueueName::as_str).collect();
