@@ -1051,6 +1051,8 @@ impl Run<'_> {
             if repeatable
                 && self.model.batch.closed
                 && self.model.batch_jobs.contains(&d.job_id)
+                // (a job retried out of the dead letters is no longer the batch's)
+                && !self.model.retried_out.contains(&d.job_id)
                 && self.model.batch_counted()
             {
                 self.model.batch.left_to_sweep = true;
