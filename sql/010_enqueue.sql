@@ -124,6 +124,38 @@ BEGIN
     END IF;
 END $$;
 
+-- Raises for the first element of args whose derived concurrency or unique key is longer than
+-- 512 characters, naming its position (the single-job paths, lockgate._enqueue_one and
+-- lockgate._unique_key, raise the same without it). Keys given in the options were checked with
+-- them. Caller: lockgate._enqueue_each, before it takes any key.
+CREATE OR REPLACE FUNCTION lockgate._check_derived_keys(jt lockgate.job_types, args jsonb[], explicit_ckey text,
+    explicit_ukey text)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    bad record;
+BEGIN
+    IF jt.concurrency_limit IS NOT NULL AND explicit_ckey IS NULL AND cardinality(jt.concurrency_key) > 0 THEN
+        SELECT a.i, length(lockgate._concurrency_key(jt, a.v, NULL)) AS n INTO bad
+          FROM unnest(args) WITH ORDINALITY a(v, i)
+         WHERE length(lockgate._concurrency_key(jt, a.v, NULL)) > 512
+         LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'lockgate: the concurrency key derived from job arguments #% is % characters, more than the 512 allowed', bad.i, bad.n
+                USING ERRCODE = 'LG003', DETAIL = format('key paths %s of job type "%s"', jt.concurrency_key, jt.name);
+        END IF;
+    END IF;
+    IF jt.unique_mode IS NOT NULL AND explicit_ukey IS NULL AND cardinality(jt.unique_key) > 0 THEN
+        SELECT a.i, length(lockgate._key_of(jt.name, jt.unique_key, a.v, NULL)) AS n INTO bad
+          FROM unnest(args) WITH ORDINALITY a(v, i)
+         WHERE length(lockgate._key_of(jt.name, jt.unique_key, a.v, NULL)) > 512
+         LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'lockgate: the unique key derived from job arguments #% is % characters, more than the 512 allowed', bad.i, bad.n
+                USING ERRCODE = 'LG003', DETAIL = format('key paths %s of job type "%s"', jt.unique_key, jt.name);
+        END IF;
+    END IF;
+END $$;
+
 -- Resolves the options object against the job type's policy: target queue, priority, visible-at,
 -- and an explicit concurrency key.
 CREATE OR REPLACE FUNCTION lockgate._resolve_options(
@@ -356,7 +388,7 @@ BEGIN
             -- what such a transaction is ready to retry.
             RAISE EXCEPTION 'lockgate: key "%" holds permits of finished jobs not yet given back, which a % transaction cannot give back', key, current_setting('transaction_isolation')
                 USING ERRCODE = '40001',
-                      HINT = 'retry the transaction (lockgate run gives such permits back as soon as the key is free), or enqueue at READ COMMITTED';
+                      HINT = 'retry the transaction, or enqueue at READ COMMITTED; such permits go back at the key''s next READ COMMITTED enqueue or completion, when a running lockgate run is told of the finish, or at its next sweep';
         END IF;
         IF NOT acquired THEN
             IF jt.concurrency_on_conflict = 'raise' THEN
@@ -468,7 +500,7 @@ END $$;
 -- with LG005 as soon as a key is held by a job of another call (before, a job that exceeded a
 -- concurrency limit of a raising type earlier in the order failed the call with LG004 first).
 -- The arguments are
--- checked first, all of them. Callers: lockgate.enqueue_many and lockgate._enqueue_many_and_wake,
+-- checked first, all of them, then the keys derived from them. Callers: lockgate.enqueue_many and lockgate._enqueue_many_and_wake,
 -- which resolve the type and options once, so that the queue they report is the one the jobs
 -- went to.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_each(
@@ -489,6 +521,7 @@ DECLARE
     key text;
 BEGIN
     PERFORM lockgate._check_all_args(args);
+    PERFORM lockgate._check_derived_keys(jt, args, _enqueue_each.ckey, _enqueue_each.ukey);
     IF batch IS NOT NULL THEN
         PERFORM lockgate._join_batch(batch);
     END IF;

@@ -1370,6 +1370,16 @@ async fn h29_a_key_too_long_for_the_index_is_refused_at_enqueue_and_dead_lettere
         .await
         .unwrap_err();
     assert!(refused.to_string().contains("more than the 512 allowed"), "{refused}");
+    // In a call of many, the error names the job whose key is too long, and nothing is enqueued.
+    let refused = sqlx::query(
+        "SELECT * FROM lockgate.enqueue_many('lim', ARRAY['{\"k\": 1}'::jsonb, jsonb_build_object('k', $1::text)])",
+    )
+    .bind(&long)
+    .execute(&db.pool)
+    .await
+    .unwrap_err();
+    assert!(refused.to_string().contains("derived from job arguments #2 is"), "{refused}");
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 0);
     // Sent behind lockgate's back, with an explicit key and with a key its type derives.
     sqlx::query(
         "SELECT pgmq.send('default', '{}'::jsonb, jsonb_build_object('type', 'lim', 'ckey', $1::text, 'ckey_explicit', true))",

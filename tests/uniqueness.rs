@@ -322,6 +322,19 @@ async fn bad_uniqueness_input_is_refused_with_a_clear_error() {
     assert!(err("SELECT * FROM lockgate.enqueue('u', '{\"a\": 2}', '{\"unique_key\": \"shared\"}')")
         .await
         .contains("unique key \"shared\""));
+    // A key derived too long: the single enqueue says so, a call of many names the job.
+    sqlx::query("SELECT lockgate.define_job_type('k', unique_mode => 'while_executing', unique_key => array['a'])")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert!(err("SELECT * FROM lockgate.enqueue('k', jsonb_build_object('a', repeat('x', 600)))")
+        .await
+        .contains("unique key derived from the arguments is 606 characters"));
+    assert!(err(
+        "SELECT * FROM lockgate.enqueue_many('k', ARRAY['{\"a\": 1}'::jsonb, '{}', jsonb_build_object('a', repeat('x', 600))])"
+    )
+    .await
+    .contains("unique key derived from job arguments #3 is 606 characters"));
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 1);
 }
 

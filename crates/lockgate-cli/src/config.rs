@@ -241,6 +241,7 @@ impl Config {
             )?,
             alive_threshold: duration_or("runtime.alive_threshold", &r.alive_threshold, d.alive_threshold)?,
             health_listen: health_listen(r.health_listen.as_deref())?,
+            health_listen_optional: r.health_listen.is_none(),
             max_shutdown_returns: r.max_shutdown_returns.unwrap_or(d.max_shutdown_returns),
             metrics_interval: duration_or("runtime.metrics_interval", &r.metrics_interval, d.metrics_interval)?,
             metrics_max_keys: r.metrics_max_keys.unwrap_or(d.metrics_max_keys),

@@ -257,8 +257,22 @@ async fn run_refuses_executors_that_cannot_work_naming_the_job_type() {
         let (status, out) = run_until_exit(&db, &config).await;
         assert!(!status.success(), "{out}");
         assert!(out.contains(expected), "expected {expected:?} in: {out}");
+        // `define` refuses it too: it never stores what `run` would not start.
+        let o = output(&db, &["define", "--config", &config.path]);
+        assert!(o.status.code() == Some(1) && text(&o).contains(expected), "define: {}", text(&o));
     }
     assert_eq!(db.count("SELECT 1 FROM lockgate.processes").await.unwrap(), 0, "nothing started");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.job_types").await.unwrap(), 0, "nothing defined");
+    // A table the statement names, locked by a transaction left open: the check gives up after
+    // its wait and names the lock, rather than hanging with nothing said.
+    sqlx::query("CREATE TABLE held (args jsonb)").execute(&db.pool).await.unwrap();
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE held IN ACCESS EXCLUSIVE MODE").execute(&mut *holder).await.unwrap();
+    let config = Config::new("[job_types.audit]\nsql = \"INSERT INTO held (args) VALUES ($1)\"");
+    let (status, out) = run_until_exit(&db, &config).await;
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("a table it uses stayed locked by another transaction for 5 s"), "{out}");
+    holder.rollback().await.unwrap();
     // The same statement prepares once its table exists, with $1 as jsonb. Dropped behind the
     // running process's back, its error is kept once, not "…: relation … does not exist" twice.
     sqlx::query("CREATE TABLE audit (args jsonb)").execute(&db.pool).await.unwrap();

@@ -407,6 +407,25 @@ async fn health_endpoints_report_live_and_ready() {
     stop(child).await;
 }
 
+#[tokio::test]
+async fn a_configured_health_address_that_cannot_be_bound_fails_the_start_naming_it() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let runtime = DEFAULT_RUNTIME.replace("health_listen = \"off\"", &format!("health_listen = \"127.0.0.1:{port}\""));
+    let setup = Setup::with_runtime(&runtime, "true", "");
+    let db = TestDb::migrated().await.unwrap();
+    let mut child = setup.run_with(&db, &[], Stdio::piped());
+    let status = tokio::time::timeout(WAIT, wait_exit(&mut child)).await.expect("lockgate run did not exit");
+    assert_eq!(status.code(), Some(1));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(
+        stderr.contains(&format!("cannot serve the health endpoints on health_listen 127.0.0.1:{port}")),
+        "{stderr}"
+    );
+    assert_eq!(db.count("SELECT 1 FROM lockgate.processes").await.unwrap(), 0, "nothing was registered");
+}
+
 /// Restarts the shared PostgreSQL server: run alone (`scripts/test` runs it after the suite).
 #[tokio::test]
 #[ignore = "restarts the shared PostgreSQL server; run alone with --ignored"]

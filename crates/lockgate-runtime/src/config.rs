@@ -66,6 +66,9 @@ pub struct RuntimeConfig {
     pub alive_threshold: Duration,
     /// Where `/livez` and `/readyz` are served; `None` serves nothing.
     pub health_listen: Option<std::net::SocketAddr>,
+    /// When `health_listen` cannot be bound: `false` (the default) fails the start naming the
+    /// address; `true` logs a warning and runs without the endpoints (the CLI's default address).
+    pub health_listen_optional: bool,
     /// Shutdown returns of a started run that are not counted as attempts, per job; the next
     /// ones are (0: every shutdown return of a started run is an attempt).
     pub max_shutdown_returns: u32,
@@ -96,6 +99,7 @@ impl Default for RuntimeConfig {
             process_heartbeat_interval: DEFAULT_PROCESS_HEARTBEAT_INTERVAL,
             alive_threshold: DEFAULT_ALIVE_THRESHOLD,
             health_listen: None,
+            health_listen_optional: false,
             max_shutdown_returns: DEFAULT_MAX_SHUTDOWN_RETURNS,
             metrics_interval: DEFAULT_METRICS_INTERVAL,
             metrics_max_keys: DEFAULT_METRICS_MAX_KEYS,

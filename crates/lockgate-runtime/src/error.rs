@@ -62,4 +62,7 @@ pub enum RuntimeError {
     Config(#[from] ValidationError),
     #[error(transparent)]
     Database(#[from] DbError),
+    /// `health_listen` names an address that cannot be bound (and is not optional).
+    #[error("cannot serve the health endpoints on health_listen {addr}: {source}")]
+    HealthListen { addr: std::net::SocketAddr, source: std::io::Error },
 }

@@ -6,7 +6,6 @@
 //! ready: polling still delivers every job (H20).
 
 use std::collections::{HashMap, VecDeque};
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -131,14 +130,12 @@ impl Health {
 
 /// Serves `/livez`, `/readyz` and `/metrics` on `addr` until `shutdown`. A bind failure is
 /// logged, not fatal. A scrape only encodes what the process holds: it never queries the database.
-pub(crate) async fn serve(addr: SocketAddr, health: Arc<Health>, metrics: Arc<Metrics>, shutdown: CancellationToken) {
-    let listener = match tokio::net::TcpListener::bind(addr).await {
-        Ok(listener) => listener,
-        Err(error) => {
-            tracing::warn!(%addr, %error, "health endpoints not served: cannot bind");
-            return;
-        }
-    };
+pub(crate) async fn serve(
+    listener: tokio::net::TcpListener,
+    health: Arc<Health>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+) {
     if let Ok(bound) = listener.local_addr() {
         tracing::info!(addr = %bound, "health endpoints on /livez and /readyz, metrics on /metrics");
     }

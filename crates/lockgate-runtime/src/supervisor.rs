@@ -125,6 +125,20 @@ impl Runtime {
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), RuntimeError> {
         let db = &self.db;
         let up = &shutdown;
+        // Bound first: an address the operator chose that cannot be served fails the start, before
+        // anything is written; only the CLI's default address may be skipped (another process on
+        // the host may hold it).
+        let health_listener = match self.config.health_listen {
+            None => None,
+            Some(addr) => match tokio::net::TcpListener::bind(addr).await {
+                Ok(listener) => Some(listener),
+                Err(error) if self.config.health_listen_optional => {
+                    tracing::warn!(%addr, %error, "health endpoints not served: cannot bind the default address");
+                    None
+                }
+                Err(source) => return Err(RuntimeError::HealthListen { addr, source }),
+            },
+        };
         start_up("check the schema", up, || lockgate_sql::check_schema(db)).await?;
         let job_types = self.registry.job_types();
         if !job_types.is_empty() {
@@ -164,9 +178,9 @@ impl Runtime {
         .await?;
         let services = CancellationToken::new();
         let tracker = TaskTracker::new();
-        if let Some(addr) = self.config.health_listen {
+        if let Some(listener) = health_listener {
             let (health, metrics) = (Arc::clone(&self.health), Arc::clone(&self.metrics));
-            tracker.spawn(health::serve(addr, health, metrics, services.clone()));
+            tracker.spawn(health::serve(listener, health, metrics, services.clone()));
         }
 
         // Under transaction pooling LISTEN would subscribe one server connection that the pooler

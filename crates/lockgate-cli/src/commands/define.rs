@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use lockgate::Client;
 
+use crate::commands::run;
 use crate::config::Config;
 use crate::db;
 
@@ -19,12 +20,18 @@ pub struct Args {
 
 pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     let config = Config::load(&args.config)?;
+    let runtime_config = config.runtime()?;
     let job_types = config.job_types()?;
     if job_types.is_empty() {
         anyhow::bail!("{} configures no [job_types.<name>]: nothing to define", args.config.display());
     }
+    let recurring = config.recurring()?;
+    let pools = config.pools(&job_types)?;
     let target = target.or(config.database_url.clone(), config.connect_timeout()?);
-    let client = Client::new(db::connect_checked(&target, 1).await?);
+    let db = db::connect_checked(&target, 1).await?;
+    // Nothing is stored of a configuration `lockgate run` would refuse.
+    run::checked_runtime(db.clone(), runtime_config, job_types.clone(), pools, recurring).await?;
+    let client = Client::new(db);
     for job_type in &job_types {
         let (name, queue) = (&job_type.name, &job_type.policy.queue);
         client.define_job_type(name, &job_type.policy).await.with_context(|| format!("could not define {name}"))?;

@@ -8,11 +8,11 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use lockgate::Runtime;
+use lockgate::{PoolConfig, RecurringTask, Runtime, RuntimeConfig};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Config;
+use crate::config::{Config, JobTypeConfig};
 use crate::{db, executors};
 
 #[derive(Debug, clap::Args)]
@@ -48,14 +48,29 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     let Some(db) = db::connect_checked_waiting(&target, connections, &shutdown).await? else {
         return Ok(());
     };
+    let runtime = checked_runtime(db, runtime_config, job_types, pools, recurring).await?;
+    runtime.run(shutdown).await?;
+    Ok(())
+}
+
+/// The runtime `run` starts, after every check that needs the database: each executor can run
+/// (a command on the PATH, a URL, an sql statement that prepares) and the runtime accepts the
+/// types, pools and recurring tasks. `define` makes the same checks, so that it never stores a
+/// configuration `run` would refuse.
+pub(crate) async fn checked_runtime(
+    db: sqlx::PgPool,
+    runtime_config: RuntimeConfig,
+    job_types: Vec<JobTypeConfig>,
+    pools: Vec<PoolConfig>,
+    recurring: Option<Vec<RecurringTask>>,
+) -> Result<Runtime> {
     executors::check(&job_types, &db).await?;
     let registry = executors::registry(&job_types, &db)?;
     let mut runtime = Runtime::new(db, runtime_config, registry, pools).context("invalid configuration")?;
     if let Some(tasks) = recurring {
         runtime = runtime.with_recurring(tasks).context("invalid configuration")?;
     }
-    runtime.run(shutdown).await?;
-    Ok(())
+    Ok(runtime)
 }
 
 fn watch_signals(shutdown: CancellationToken) -> Result<()> {

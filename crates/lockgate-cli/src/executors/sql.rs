@@ -19,15 +19,28 @@ pub async fn check(db: &PgPool, statement: &str) -> anyhow::Result<()> {
     // In a transaction, rolled back, with the statement closed before the end: through a
     // transaction-mode pooler the server is the transaction's, and no prepared statement may
     // outlive it (lockgate_sql::pooler).
+    // A table the statement names may be locked by another transaction (an ALTER TABLE left
+    // open): the check waits PREPARE_LOCK_WAIT for it, then fails naming the lock, not silently for ever.
     let mut tx = db.begin().await?;
+    sqlx::query(&format!("SET LOCAL lock_timeout = '{}ms'", PREPARE_LOCK_WAIT.as_millis())).execute(&mut *tx).await?;
     if let Err(err) = tx.prepare_with(statement, &parameters).await {
-        let cause = err.as_database_error().map_or_else(|| err.to_string(), |db| db.message().to_string());
+        let database = err.as_database_error();
+        if database.and_then(|db| db.code()).as_deref() == Some("55P03") {
+            anyhow::bail!(
+                "its sql statement could not be checked: a table it uses stayed locked by another transaction for {} s",
+                PREPARE_LOCK_WAIT.as_secs()
+            );
+        }
+        let cause = database.map_or_else(|| err.to_string(), |db| db.message().to_string());
         anyhow::bail!("its sql statement does not prepare: {cause}");
     }
     tx.clear_cached_statements().await?;
     tx.rollback().await?;
     Ok(())
 }
+
+/// How long the start-up check of a statement waits for a lock on a table it names.
+const PREPARE_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub struct SqlExecutor {
     db: PgPool,
