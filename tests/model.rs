@@ -42,7 +42,11 @@
 //!   delivery takes the lock back), owned by that job; a cancelled running job's kept, with a
 //!   held_until, until its worker calls `release_cancelled` (then that call must release it), and
 //!   once held_until has passed until a claim takes the key over; a claim delivers a job only with
-//!   its key free in that sense.
+//!   its key free in that sense;
+//! - (m) H6: no key has a free permit while jobs are parked behind it — a finish that gives a
+//!   permit back promotes a parked job with it, or leaves the permit on its finished lease (at
+//!   REPEATABLE READ, design §78), never back on the key past the parked job. (After a limit
+//!   changes, only from the next sweep on: a raised limit waits for it, as the README says.)
 //!
 //! After the schedule, the case drains (`Run::drain`): running holders complete, claims take
 //! what is visible, and when they find nothing, clocks run past every visibility and waiting
@@ -62,7 +66,7 @@
 //! Time is simulated by moving database times into the past, never by sleeping.
 //!
 //! Size: LOCKGATE_MODEL_CASES (default 64) cases of 1 to LOCKGATE_MODEL_STEPS (default 80)
-//! steps; LOCKGATE_MODEL_SEED replays a run; LOCKGATE_MODEL_CHECKS (default "abcdefghijkl") keeps
+//! steps; LOCKGATE_MODEL_SEED replays a run; LOCKGATE_MODEL_CHECKS (default "abcdefghijklm") keeps
 //! only some checks. See docs/testing.md.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -208,6 +212,12 @@ impl Run<'_> {
                 };
                 self.finish_behind_producer(i, *how, *commit).await
             }
+            Op::FinishOnOldSnapshot { pick, how } => {
+                let Some(i) = pick_from(&self.model.running(), *pick).copied() else {
+                    return Ok("no running delivery: nothing to do".into());
+                };
+                self.finish_on_old_snapshot(i, *how).await
+            }
             Op::Thaw { pick, how } => {
                 let Some(i) = pick_from(&self.model.fenced(), *pick).copied() else {
                     return Ok("no delivery out of budget: nothing to do".into());
@@ -217,6 +227,7 @@ impl Run<'_> {
             Op::Stale { pick, action } => self.stale(*pick, *action).await,
             Op::Sweep => {
                 let mut said = db::sweep(&mut self.c.dispatcher).await?;
+                self.model.limits_changed = false;
                 if self.api.bookkeeping {
                     let finished: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()")
                         .fetch_one(&mut self.c.dispatcher)
@@ -313,6 +324,7 @@ impl Run<'_> {
                 Ok(said)
             }
             Op::Redefine { ty, limit } => {
+                self.model.limits_changed = true;
                 let old = self.model.limits.get(ty).copied();
                 // A limit set again after it was removed finds the jobs that kept their permits
                 // through the unlimited time running, as a lowered one does.
@@ -997,25 +1009,78 @@ impl Run<'_> {
         Ok(format!("{finished}; the producer's enqueue of {} {{k:{k}}}: {said}", ty.name()))
     }
 
+    /// §78's schedule, which a finish that takes its snapshot in its own first statement never
+    /// meets: the snapshot is older than a committed enqueue that may have parked a job behind
+    /// the delivery. The finish must not give the permit past that job ((a), (c), and the drain
+    /// finding nothing stuck); a serialization failure is an answer its caller retries, and the
+    /// delivery runs on.
+    async fn finish_on_old_snapshot(&mut self, i: usize, how: Finish) -> Result<String> {
+        let d = self.model.deliveries[i].clone();
+        let Some(ty) = d.ty else {
+            return Ok(format!("{} has no known type: nothing to do", d.describe()));
+        };
+        let k: u8 =
+            d.key.as_deref().and_then(|key| key.rsplit_once(":[")?.1.strip_suffix(']')?.parse().ok()).unwrap_or(0);
+        let conn = &mut self.c.workers[d.worker];
+        sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *conn).await?;
+        sqlx::query("SELECT 1").execute(&mut *conn).await?;
+        let in_batch = !self.model.batch.closed;
+        let rows: Vec<(Option<i64>, i64, String)> =
+            sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
+                .bind(ty.name())
+                .bind(json!({ "k": k }))
+                .bind(db::enqueue_options(self.api, in_batch))
+                .fetch_all(&mut self.c.producer)
+                .await?;
+        let said = self.enqueued(ty, &[k], &rows, in_batch)?;
+        let finished = self.finish_in(i, how, Snapshot::Open).await?;
+        Ok(format!("the producer's enqueue of {} {{k:{k}}}: {said}; then {finished}", ty.name()))
+    }
+
     async fn finish(&mut self, i: usize, how: Finish) -> Result<String> {
+        // Worker 1 completes and dead-letters at REPEATABLE READ, as an SQL caller may: its permits
+        // are left finished for a READ COMMITTED give-back (design §78), which the reference must
+        // see happen by the next enqueue of the key, or the sweep.
+        let worker = self.model.deliveries[i].worker;
+        let snapshot = if worker == 1 && matches!(how, Finish::Complete | Finish::DeadLetter) {
+            Snapshot::Repeatable
+        } else {
+            Snapshot::Own
+        };
+        self.finish_in(i, how, snapshot).await
+    }
+
+    async fn finish_in(&mut self, i: usize, how: Finish, snapshot: Snapshot) -> Result<String> {
         let healthy = self.model.deliveries[i].holder == Holder::Running && self.current(i).await?;
         let message_current = self.message_current(i).await?;
         let d = self.model.deliveries[i].clone();
         let conn = &mut self.c.workers[d.worker];
-        // Worker 1 completes and dead-letters at REPEATABLE READ, as an SQL caller may: its permits
-        // are left finished for a READ COMMITTED give-back (design §78), which the reference must
-        // see happen by the next enqueue of the key, or the sweep.
-        let repeatable = d.worker == 1 && matches!(how, Finish::Complete | Finish::DeadLetter);
-        if repeatable {
+        let repeatable = snapshot != Snapshot::Own;
+        if snapshot == Snapshot::Repeatable {
             sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *conn).await?;
         }
-        let took = match how {
-            Finish::Complete => db::complete(conn, d.queue, d.msg_id, d.read_ct).await?.contains(&d.msg_id),
-            Finish::Retry { backoff } => {
-                db::retry(conn, d.queue, d.msg_id, d.read_ct, if backoff { 3600.0 } else { 0.0 }).await?
+        let ran = match how {
+            Finish::Complete => {
+                db::complete(conn, d.queue, d.msg_id, d.read_ct).await.map(|ids| ids.contains(&d.msg_id))
             }
-            Finish::Release => db::release(conn, d.queue, d.msg_id, d.read_ct).await?.contains(&d.msg_id),
-            Finish::DeadLetter => db::dead_letter(conn, d.queue, d.msg_id, d.read_ct).await?,
+            Finish::Retry { backoff } => {
+                db::retry(conn, d.queue, d.msg_id, d.read_ct, if backoff { 3600.0 } else { 0.0 }).await
+            }
+            Finish::Release => db::release(conn, d.queue, d.msg_id, d.read_ct).await.map(|ids| ids.contains(&d.msg_id)),
+            Finish::DeadLetter => db::dead_letter(conn, d.queue, d.msg_id, d.read_ct).await,
+        };
+        let took = match ran {
+            Ok(took) => took,
+            Err(error) if repeatable && db::sqlstate(&error).as_deref() == Some("40001") => {
+                sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+                *self.stats.entry("finish failed to serialize").or_default() += 1;
+                return Ok(format!(
+                    "d{} {} -> serialization failure, rolled back: runs on ({error:#})",
+                    d.id,
+                    d.token()
+                ));
+            }
+            Err(error) => return Err(error),
         };
         if repeatable {
             sqlx::query("COMMIT").execute(&mut *conn).await?;
@@ -1197,6 +1262,13 @@ impl Run<'_> {
                 violations.push(format!("(e) check_invariants() even after a sweep: {after_sweep:?}"));
             }
         }
+        if self.checks.on('m') && !self.model.limits_changed {
+            violations.extend(db::free_permits_behind_parked_jobs(&mut self.c.observer).await?.into_iter().map(
+                |(key, value, lim, parked)| {
+                    format!("(m) key {key} has a free permit ({value} of {lim} taken) and {parked} parked jobs")
+                },
+            ));
+        }
         if !violations.is_empty() {
             bail!("{}", violations.join("\n  "));
         }
@@ -1320,7 +1392,7 @@ impl Harness {
 fn g3_model_random_schedules_never_admit_more_than_the_limit_lose_nothing_and_fence_stale_tokens() {
     let cases: u32 = env_or("LOCKGATE_MODEL_CASES", 64);
     let max_steps: usize = env_or("LOCKGATE_MODEL_STEPS", 80);
-    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijkl".to_string()));
+    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijklm".to_string()));
     let seed: u64 = match std::env::var("LOCKGATE_MODEL_SEED") {
         Ok(s) => s
             .trim_start_matches("0x")
@@ -1403,7 +1475,7 @@ fn g3_model_random_schedules_never_admit_more_than_the_limit_lose_nothing_and_fe
 /// Runs fixed schedules through the same model and checks, each from a clean database; fails
 /// with the first one's trace that breaks a check.
 fn replay_known_schedules(schedules: Vec<(&str, Case)>) {
-    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijkl".to_string()));
+    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijklm".to_string()));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let db = rt.block_on(TestDb::migrated()).expect("a migrated test database");
     let mut harness = Harness { db, conns: None, api: None, stats: BTreeMap::new() };
@@ -1730,4 +1802,37 @@ fn g3_model_a_cancelled_while_executing_job_keeps_its_key_until_its_handler_stop
             ),
         ),
     ]);
+}
+
+/// §78: a finish at REPEATABLE READ whose snapshot is older than a job parked behind its
+/// delivery never gives the permit back past that job; found by the random search in three
+/// steps once it could take such a snapshot (with the isolation check removed, the key was left
+/// with its permit free and the job parked).
+#[test]
+fn h06_model_a_finish_on_an_older_snapshot_never_gives_its_permit_past_a_job_parked_since() {
+    let limb = |how| Case {
+        lim_limit: 1,
+        limb_limit: 1,
+        ops: vec![
+            Op::Enqueue { ty: Ty::LimB, k: 0 },
+            Op::Claim { worker: 0, queue: Queue::Other, qty: 1 },
+            Op::FinishOnOldSnapshot { pick: 0, how },
+        ],
+    };
+    replay_known_schedules(vec![
+        ("a dead letter on a snapshot older than the park", limb(Finish::DeadLetter)),
+        ("a completion on a snapshot older than the park", limb(Finish::Complete)),
+    ]);
+}
+
+/// The snapshot a finish decides in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Snapshot {
+    /// Its own statement's, at READ COMMITTED.
+    Own,
+    /// A REPEATABLE READ transaction's, begun just before it.
+    Repeatable,
+    /// The REPEATABLE READ transaction already open on the holder's connection, with its snapshot
+    /// taken before other steps committed.
+    Open,
 }

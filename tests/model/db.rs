@@ -443,3 +443,29 @@ pub async fn invariants_after_sweep(conn: &mut PgConnection) -> Result<Vec<(Opti
     tx.rollback().await?;
     Ok(rows)
 }
+
+/// The SQLSTATE of the database error behind `error`, if one is.
+pub fn sqlstate(error: &anyhow::Error) -> Option<String> {
+    error
+        .chain()
+        .find_map(|cause| cause.downcast_ref::<sqlx::Error>())
+        .and_then(|e| e.as_database_error())
+        .and_then(|e| e.code())
+        .map(|code| code.into_owned())
+}
+
+/// (key, value, limit, parked jobs) of every key with a permit free while jobs are parked on it.
+/// The limit is the key's type's (a key's row records the limit of its last acquire, which a
+/// lowered limit that admitted nothing has not replaced).
+pub async fn free_permits_behind_parked_jobs(conn: &mut PgConnection) -> Result<Vec<(String, i32, i32, i64)>> {
+    Ok(sqlx::query_as(
+        "SELECT s.key, s.value, l.lim, count(*)
+           FROM lockgate.semaphores s
+           JOIN lockgate.parked p ON p.key = s.key
+           LEFT JOIN lockgate.job_types t ON t.name = split_part(s.key, ':', 1)
+          CROSS JOIN LATERAL (SELECT COALESCE(t.concurrency_limit, s.lim) AS lim) l
+          WHERE s.value < l.lim GROUP BY s.key, s.value, l.lim ORDER BY s.key",
+    )
+    .fetch_all(conn)
+    .await?)
+}

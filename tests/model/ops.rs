@@ -127,6 +127,10 @@ pub enum Op {
     /// finishes the delivery, which must not wait for that row; then the producer commits or
     /// rolls back.
     FinishBehindProducer { pick: usize, how: Finish, commit: bool },
+    /// The holder of the `pick`-th running delivery takes a REPEATABLE READ snapshot; a producer
+    /// then enqueues a job of the delivery's type and key and commits (parked behind it when the
+    /// key is full); the holder finishes in the older snapshot and commits (design §78).
+    FinishOnOldSnapshot { pick: usize, how: Finish },
     /// The holder of the `pick`-th delivery that ran out of budget or was told it lost — frozen
     /// and thawed, say — finishes it anyway: whatever the database answers, every check must
     /// still hold.
@@ -198,6 +202,7 @@ impl Op {
             Op::Finish { how: Finish::Release, .. } => "release",
             Op::Finish { how: Finish::DeadLetter, .. } => "dead_letter",
             Op::FinishBehindProducer { .. } => "finish while a producer holds the key",
+            Op::FinishOnOldSnapshot { .. } => "finish on a snapshot older than an enqueue",
             Op::Thaw { .. } => "finish after the budget ran out",
             Op::Stale { .. } => "stale token",
             Op::Sweep => "sweep",
@@ -235,6 +240,10 @@ impl fmt::Display for Op {
                 f,
                 "{how:?} running delivery #{pick} while a producer's enqueue on its key is open, then {}",
                 if *commit { "commit it" } else { "roll it back" }
+            ),
+            Op::FinishOnOldSnapshot { pick, how } => write!(
+                f,
+                "{how:?} running delivery #{pick} at REPEATABLE READ, its snapshot taken before a committed enqueue on its key"
             ),
             Op::Thaw { pick, how } => write!(f, "{how:?} by the out-of-budget holder of delivery #{pick}"),
             Op::Stale { pick, action } => write!(f, "stale {action:?} with stale token #{pick}"),
@@ -300,6 +309,7 @@ fn op() -> impl Strategy<Value = Op> {
         5 => (0..8usize, finish()).prop_map(|(pick, how)| Op::Finish { pick, how }),
         2 => (0..8usize, finish(), any::<bool>())
             .prop_map(|(pick, how, commit)| Op::FinishBehindProducer { pick, how, commit }),
+        2 => (0..8usize, finish()).prop_map(|(pick, how)| Op::FinishOnOldSnapshot { pick, how }),
         1 => (0..8usize, finish()).prop_map(|(pick, how)| Op::Thaw { pick, how }),
         3 => (0..8usize, stale_action()).prop_map(|(pick, action)| Op::Stale { pick, action }),
         4 => Just(Op::Sweep),

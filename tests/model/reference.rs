@@ -140,6 +140,9 @@ pub struct Model {
     pub batch: BatchModel,
     /// The while_executing locks, by key.
     pub wlocks: BTreeMap<String, WLock>,
+    /// A limit was changed since the last sweep: a raised one lets parked jobs through only at
+    /// the next sweep, enqueue or completion of their key (README), so (m) waits for a sweep.
+    pub limits_changed: bool,
 }
 
 impl Model {
