@@ -2,7 +2,8 @@
 //! through a `FaultProxy` so it can be partitioned — run a few thousand limited jobs over tens of
 //! keys while a seeded fault injector kills (-9, with every process it started), freezes
 //! (SIGSTOP past the lease), partitions, terminates lockgate's backends, holds a producer
-//! transaction open on a hot key and, in the long variant, restarts PostgreSQL. Afterwards:
+//! transaction open on a hot key and, in the long variant, restarts PostgreSQL. Producers enqueue
+//! at READ COMMITTED, REPEATABLE READ and SERIALIZABLE in turn (design §78). Afterwards:
 //! nothing lost (G1), nothing archived twice (G2), invariants hold and every semaphore is back
 //! at 0, and no key ever ran more jobs at once than its limit (G3) — excusing only runs of a
 //! process tree that was SIGSTOPped whole while they ran (and only until shortly after it was
@@ -513,14 +514,19 @@ fn past_the_lease(rng: &mut fastrand::Rng) -> Duration {
 // The soak
 // ------------------------------------------------------------------------------------------
 
+/// The isolation levels producers enqueue at, in turn: a REPEATABLE READ or SERIALIZABLE
+/// snapshot may be older than a key's lock (design §78), and a serialization failure is retried.
+const ISOLATIONS: [&str; 3] = ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"];
+
 /// Enqueues jobs into the soak's batch, recording each job enqueued or parked (a duplicate of a
-/// live until_executed job is neither: nothing of it is stored).
-async fn enqueue(pool: &PgPool, batch: i64, jobs: &[(usize, JobSpec)]) -> anyhow::Result<usize> {
+/// live until_executed job is neither: nothing of it is stored), in a transaction at `isolation`.
+async fn enqueue(pool: &PgPool, batch: i64, jobs: &[(usize, JobSpec)], isolation: &str) -> anyhow::Result<usize> {
     let mut by_type: BTreeMap<String, Vec<(usize, &JobSpec)>> = BTreeMap::new();
     for (n, j) in jobs {
         by_type.entry(j.jtype()).or_default().push((*n, j));
     }
     let mut tx = pool.begin().await?;
+    sqlx::query(&format!("SET TRANSACTION ISOLATION LEVEL {isolation}")).execute(&mut *tx).await?;
     let mut count = 0;
     for (jtype, list) in by_type {
         let args: Vec<String> = list.iter().map(|(n, j)| j.args(*n)).collect();
@@ -546,13 +552,15 @@ async fn enqueue(pool: &PgPool, batch: i64, jobs: &[(usize, JobSpec)]) -> anyhow
 async fn produce(pool: PgPool, batch: i64, jobs: Vec<(usize, JobSpec)>, start: Instant, over: Duration) -> usize {
     let mut next = 0;
     let mut errors = 0;
+    let mut calls = 0;
     let deadline = start + over + Duration::from_secs(120);
     while next < jobs.len() && Instant::now() < deadline {
         let frac = (start.elapsed().as_secs_f64() / over.as_secs_f64()).min(1.0);
         let target = ((jobs.len() as f64 * frac) as usize).clamp(next, jobs.len());
         if target > next {
             let end = target.min(next + 200);
-            match enqueue(&pool, batch, &jobs[next..end]).await {
+            calls += 1;
+            match enqueue(&pool, batch, &jobs[next..end], ISOLATIONS[calls % ISOLATIONS.len()]).await {
                 Ok(_) => next = end,
                 Err(_) => {
                     errors += 1;
@@ -685,7 +693,7 @@ async fn soak(size: Size, seed: u64) {
     let mut next_job = 0;
     while next_job < size.upfront.min(jobs.len()) {
         let end = (next_job + 250).min(size.upfront);
-        enqueue(&db.pool, batch, &jobs[next_job..end]).await.unwrap();
+        enqueue(&db.pool, batch, &jobs[next_job..end], ISOLATIONS[0]).await.unwrap();
         next_job = end;
     }
     eprintln!("chaos soak: {} jobs enqueued up front; faults for {:?}", next_job, size.chaos);
