@@ -103,9 +103,32 @@ async fn cli() {
     // The demo draws a progress bar; routine logs would tear it.
     init_logging(cli.log_format, if matches!(cli.command, Command::Demo(_)) { "error" } else { "info,sqlx=warn" });
     if let Err(err) = dispatch(cli).await {
-        eprintln!("error: {}", causes_once(&err));
+        // lockgate's SQL errors start with "lockgate: " for psql users; here "error: " says it.
+        let text = causes_once(&err).replace(": lockgate: ", ": ");
+        eprintln!("error: {}", text.strip_prefix("lockgate: ").unwrap_or(&text));
+        if let Some(hint) = pooler_hint(&err) {
+            eprintln!("hint: {hint}");
+        }
         std::process::exit(1);
     }
+}
+
+/// What to do about an error that a transaction-mode pooler causes when the URL does not say
+/// so: sqlx's named statements then meet another client's on the server (42P05), or are bound on
+/// a server that never prepared them (26000).
+fn pooler_hint(err: &anyhow::Error) -> Option<&'static str> {
+    let code = err
+        .chain()
+        .find_map(|cause| match cause.downcast_ref::<lockgate::sql::DbError>() {
+            Some(lockgate::sql::DbError::Sqlx(e)) => Some(e),
+            _ => cause.downcast_ref::<sqlx::Error>(),
+        })
+        .and_then(|e| e.as_database_error())
+        .and_then(|e| e.code())?;
+    (matches!(code.as_ref(), "42P05" | "26000") && !lockgate::sql::pooler::transaction_pooling()).then_some(
+        "if the database URL goes through a transaction-mode pooler (PgBouncer pool_mode = transaction), \
+         add pooler=transaction to it, e.g. postgres://host:6432/app?pooler=transaction",
+    )
 }
 
 /// The error and its causes, each said once. Many errors (sqlx's among them) include their

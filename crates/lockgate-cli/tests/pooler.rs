@@ -9,6 +9,7 @@ mod common;
 use common::*;
 use lockgate_testkit::pgbouncer::{PgBouncer, PoolMode};
 use lockgate_testkit::TestDb;
+use sqlx::Connection as _;
 
 #[tokio::test]
 async fn the_cli_works_through_transaction_pooling_when_the_url_says_so() {
@@ -59,7 +60,32 @@ async fn run_with_sql_job_types_through_transaction_pooling() {
         ),
     )
     .unwrap();
-    let o = lockgate(&db, &["define", "--config", config.to_str().unwrap()]).output().unwrap();
+    // Both servers hold named statements of another client that did not say pooler=transaction
+    // (sqlx names its own sqlx_s_1, sqlx_s_2, ...): nothing lockgate prepares may collide with
+    // them — the start-up check of the sql statements did (review helper-81).
+    let mut others = Vec::new();
+    for _ in 0..2 {
+        let mut other = sqlx::PgConnection::connect(&bouncer.url(&db.name)).await.unwrap();
+        sqlx::raw_sql("BEGIN").execute(&mut other).await.unwrap();
+        others.push(other);
+    }
+    for other in &mut others {
+        for n in 1..=8 {
+            sqlx::raw_sql(&format!("PREPARE sqlx_s_{n} AS SELECT {n}")).execute(&mut *other).await.unwrap();
+        }
+        sqlx::raw_sql("COMMIT").execute(&mut *other).await.unwrap();
+    }
+    // Without pooler=transaction, the CLI's own statements meet them, and it says what to do.
+    let o = lockgate(&db, &["status"]).env("DATABASE_URL", bouncer.url(&db.name)).output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("already exists")
+            && text(&o).contains("hint: if the database URL goes through a transaction-mode pooler"),
+        "{}",
+        text(&o)
+    );
+    let o =
+        lockgate(&db, &["define", "--config", config.to_str().unwrap()]).env("DATABASE_URL", &pooled).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     for n in 0..20 {
         for kind in ["left", "right"] {

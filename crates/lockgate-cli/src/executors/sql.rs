@@ -8,22 +8,28 @@ use std::pin::Pin;
 use lockgate::sql::pooler::query_scalar;
 use lockgate::{JobContext, JobError, PgPool, RawHandler};
 use serde_json::Value;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use sqlx::postgres::PgConnection;
-use sqlx::postgres::PgTypeInfo;
-use sqlx::{Connection as _, Executor as _};
+use sqlx::Connection as _;
 
 /// Whether `statement` prepares against the database (tables and columns exist, the syntax is
 /// right), with `$1` typed as the jsonb it is bound as.
+///
+/// It is prepared with SQL's `PREPARE`, under a name of its own, sent as one unnamed statement
+/// and deallocated in the same transaction: through a transaction-mode pooler the server is the
+/// transaction's and may hold other clients' named statements (sqlx's `sqlx_s_N` among them),
+/// which a driver-level prepare collided with (review helper-81). A table the statement names may
+/// be locked by another transaction (an ALTER TABLE left open): the check waits
+/// `PREPARE_LOCK_WAIT` for it, then fails naming the lock rather than hanging the start.
 pub async fn check(db: &PgPool, statement: &str) -> anyhow::Result<()> {
-    let parameters = if statement.contains("$1") { vec![PgTypeInfo::with_name("jsonb")] } else { vec![] };
-    // In a transaction, rolled back, with the statement closed before the end: through a
-    // transaction-mode pooler the server is the transaction's, and no prepared statement may
-    // outlive it (lockgate_sql::pooler).
-    // A table the statement names may be locked by another transaction (an ALTER TABLE left
-    // open): the check waits PREPARE_LOCK_WAIT for it, then fails naming the lock, not silently for ever.
+    let parameters = if statement.contains("$1") { " (jsonb)" } else { "" };
+    let name = format!("lockgate_check_{}_{}", std::process::id(), CHECKS.fetch_add(1, Ordering::Relaxed));
     let mut tx = db.begin().await?;
-    sqlx::query(&format!("SET LOCAL lock_timeout = '{}ms'", PREPARE_LOCK_WAIT.as_millis())).execute(&mut *tx).await?;
-    if let Err(err) = tx.prepare_with(statement, &parameters).await {
+    let budget = format!("SET LOCAL lock_timeout = '{}ms'", PREPARE_LOCK_WAIT.as_millis());
+    sqlx::query(&budget).persistent(false).execute(&mut *tx).await?;
+    let prepare = format!("PREPARE {name}{parameters} AS {statement}");
+    if let Err(err) = sqlx::query(&prepare).persistent(false).execute(&mut *tx).await {
         let database = err.as_database_error();
         if database.and_then(|db| db.code()).as_deref() == Some("55P03") {
             anyhow::bail!(
@@ -34,10 +40,13 @@ pub async fn check(db: &PgPool, statement: &str) -> anyhow::Result<()> {
         let cause = database.map_or_else(|| err.to_string(), |db| db.message().to_string());
         anyhow::bail!("its sql statement does not prepare: {cause}");
     }
-    tx.clear_cached_statements().await?;
+    sqlx::query(&format!("DEALLOCATE {name}")).persistent(false).execute(&mut *tx).await?;
     tx.rollback().await?;
     Ok(())
 }
+
+/// Names of the checks' prepared statements, unique in this process.
+static CHECKS: AtomicU64 = AtomicU64::new(0);
 
 /// How long the start-up check of a statement waits for a lock on a table it names.
 const PREPARE_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
