@@ -508,6 +508,66 @@ async fn a_runtime_on_a_repeatable_read_database_completes_at_read_committed() {
     assert!(max_overlap(&db.pool, -1).await.iter().all(|(_, n)| *n <= 1), "one job at a time");
 }
 
+/// A managed database's `idle_session_timeout` ends sessions idle past it. The runtime's
+/// connections idle between uses by design (the heartbeat's between renewals, the pool's between
+/// completions): each renewal and completion met a connection the server had ended, failed for
+/// good, and every job ran again and was dead-lettered (review helper-80).
+#[tokio::test]
+async fn g5_a_database_idle_session_timeout_never_fails_a_renewal_or_a_completion() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    sqlx::query(&format!("ALTER DATABASE {} SET idle_session_timeout = '100ms'", db.name))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut policy = JobPolicy::on_queue(queue("default"));
+    policy.max_attempts = 1;
+    let types = [("patient", policy)];
+    let client = define(&db, &types).await;
+    let starts = Counter::default();
+    // Heartbeats every 300 ms, each job running 800 ms: every renewal and every completion comes
+    // after its connection idled past the timeout.
+    let running =
+        Running::start(&db, test_config(), probe_registry(probe(&db, 0, &starts), &types), &["default"], 2).await;
+    for n in 0..4 {
+        client.enqueue_raw("patient", &json!({"n": n, "ms": 800}), &EnqueueOptions::default()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 4, WAIT).await.unwrap();
+    running.stop().await;
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
+    assert_eq!(db.count("SELECT 1 FROM pgmq.a_default WHERE read_ct > 1").await.unwrap(), 0, "a job ran again");
+    assert_eq!(starts.get(), 4);
+}
+
+/// What the server ends for idling has run nothing: a completion or renewal meeting it on a
+/// pooled connection (a handler's pool, or any under transaction pooling, which sets no startup
+/// options) retries on a new connection rather than failing for good.
+#[tokio::test]
+async fn a_session_or_transaction_the_server_ended_for_idling_is_a_transient_error() {
+    let db = TestDb::migrated().await.unwrap();
+    for (setup, what) in [
+        ("SET idle_session_timeout = '50ms'", "idle session"),
+        ("BEGIN; SET LOCAL idle_in_transaction_session_timeout = '50ms'; SELECT 1", "idle transaction"),
+    ] {
+        let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut conn).await.unwrap();
+        sqlx::raw_sql(setup).execute(&mut conn).await.unwrap();
+        wait_for("the server to end the idle connection", WAIT, || async {
+            let alive: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
+                .bind(pid)
+                .fetch_one(&db.pool)
+                .await?;
+            Ok((!alive).then_some(()))
+        })
+        .await
+        .unwrap();
+        let error = sqlx::query("SELECT 1").execute(&mut conn).await.unwrap_err();
+        let error = lockgate::sql::DbError::from(error);
+        assert!(error.is_transient(), "{what}: {error} is final");
+    }
+}
+
 /// Runs until cancelled; then takes `wind_down` to return (awaiting, or blocking its thread), and
 /// records the wall-clock instant it ended, however it ended (returned or dropped).
 struct Stubborn {

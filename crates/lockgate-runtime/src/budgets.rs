@@ -50,7 +50,10 @@ impl Budget {
     /// `options` with this budget in its startup parameters, and READ COMMITTED as the default
     /// isolation: lockgate's statements are written for it, whatever the database's default. At
     /// REPEATABLE READ a completion's snapshot, older than its lock of a key's row, missed a job
-    /// parked behind the key meanwhile (review helper-76). Not under transaction pooling:
+    /// parked behind the key meanwhile (review helper-76). And no `idle_session_timeout`: the
+    /// runtime's connections idle between their uses by design (the heartbeat's between two
+    /// renewals, the LISTEN connection between notifications), and a server that ended them at
+    /// a database's timeout failed every renewal (review helper-80). Not under transaction pooling:
     /// PgBouncer refuses a connection that sends `options`, and a session setting would follow
     /// the server connection to other clients; the budgets are then the role's (README,
     /// "Poolers").
@@ -63,6 +66,7 @@ impl Budget {
             ("statement_timeout", format!("{}ms", self.statement.as_millis())),
             // A space in a startup option's value is escaped with a backslash.
             ("default_transaction_isolation", r"read\ committed".to_string()),
+            ("idle_session_timeout", "0".to_string()),
         ])
     }
 }

@@ -188,7 +188,24 @@ impl Runtime {
         let listen = match &self.config.listen_database_url {
             Some(url) => {
                 let options: PgConnectOptions = url.parse().map_err(lockgate_sql::DbError::from)?;
-                Some(PgPoolOptions::new().max_connections(1).connect_lazy_with(options.application_name("lockgate")))
+                // Idle between notifications by design: never ended for it by the server. A
+                // SET once connected, not a startup option, which a session-mode pooler may refuse.
+                Some(
+                    PgPoolOptions::new()
+                        .max_connections(1)
+                        .after_connect(|conn, _| {
+                            Box::pin(async move {
+                                sqlx::query(
+                                    "SELECT set_config('idle_session_timeout', '0', false)
+                                      WHERE current_setting('server_version_num')::integer >= 140000",
+                                )
+                                .execute(conn)
+                                .await
+                                .map(drop)
+                            })
+                        })
+                        .connect_lazy_with(options.application_name("lockgate")),
+                )
             }
             None if lockgate_sql::pooler::transaction_pooling() => {
                 tracing::info!(

@@ -145,11 +145,25 @@ impl DbError {
                 // (a producer's open transaction, say) while the delivery still had budget (H28).
                 // 26000/42P05: a prepared statement the server lacks or already has, as through a
                 // transaction-mode pooler whose URL does not say `pooler=transaction`: the
-                // statement did not run, so running it again is safe.
+                // statement did not run, so running it again is safe. 57P05/25P03: the server
+                // ended a session idle past `idle_session_timeout` or a transaction idle past
+                // `idle_in_transaction_session_timeout` (a pooled connection that waited too
+                // long): nothing of the statement ran, and a new connection runs it (review
+                // helper-80: a completion failed for good on a pool's stale connection).
                 code.starts_with("08")
                     || matches!(
                         code.as_ref(),
-                        "57P01" | "57P02" | "57P03" | "40001" | "40P01" | "55P03" | "57014" | "26000" | "42P05"
+                        "57P01"
+                            | "57P02"
+                            | "57P03"
+                            | "57P05"
+                            | "25P03"
+                            | "40001"
+                            | "40P01"
+                            | "55P03"
+                            | "57014"
+                            | "26000"
+                            | "42P05"
                     )
             }),
             _ => false,
