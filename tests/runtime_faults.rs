@@ -346,6 +346,52 @@ async fn h27_a_partitioned_worker_cancels_its_handler_before_its_lease_can_expir
     common::assert_invariants_after_sweep(&db).await;
 }
 
+/// A claim that reaches the worker with too little of its budget left to start a handler (its
+/// reply held up by a paused pooler or a stalled network) is returned unstarted: it runs again at
+/// once, as attempt 1. Before, it was forgotten until its visibility lapsed, and its one run
+/// counted as attempt 2 (review helper-80, PgBouncer PAUSE).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h32_a_claim_answered_too_late_to_start_is_returned_and_counts_no_attempt() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types = [("work", JobPolicy::on_queue(queue("default")))];
+    let client = define(&db, &types).await;
+    let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let proxied = lockgate::PgPoolOptions::new().max_connections(4).connect(&proxy.url_for(&db.url)).await.unwrap();
+    let w0 = Running::start_on(
+        proxied,
+        test_config(),
+        probe_registry(probe(&db, 0, &Counter::default()), &types),
+        &["default"],
+        1,
+    );
+    wait_for("the worker to register", WAIT, || async {
+        db.count("SELECT 1 FROM lockgate.processes").await.map(|n| (n > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    // The worker's next claim is held in the proxy longer than the 2 s budget it counts from its
+    // send; the job is there when the claim reaches the database.
+    proxy.freeze();
+    client.enqueue_raw("work", &json!({"key": 1, "ms": 10}), &EnqueueOptions::default()).await.unwrap();
+    let frozen_at = std::time::Instant::now();
+    wait_for("the budget of a claim sent before the job to pass", WAIT, || async {
+        Ok((frozen_at.elapsed() > Duration::from_millis(2500)).then_some(()))
+    })
+    .await
+    .unwrap();
+    proxy.thaw();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    w0.stop().await;
+    let (read_ct, returns): (i32, Option<i32>) =
+        sqlx::query_as("SELECT read_ct, (headers->>'returns')::integer FROM pgmq.a_default")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(read_ct - returns.unwrap_or(0), 1, "its one run is attempt 1 (read_ct {read_ct}, returns {returns:?})");
+    assert_eq!(db.count("SELECT 1 FROM runs").await.unwrap(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h26_a_process_pruned_while_its_jobs_renew_keeps_running_them() {
     let db = TestDb::migrated().await.unwrap();

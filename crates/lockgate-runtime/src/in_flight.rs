@@ -85,9 +85,13 @@ struct Entry {
 pub(crate) enum Start {
     /// It is still owned with enough budget left: its handler runs.
     Run,
-    /// Lost, or too little budget left: forgotten, its visibility lapses. Its job may have been
-    /// cancelled meanwhile, so the permit it kept goes back (`give_back_if_cancelled`).
+    /// Lost: forgotten, its visibility lapses. Its job may have been cancelled meanwhile, so the
+    /// permit it kept goes back (`give_back_if_cancelled`).
     Lost,
+    /// Still owned, with too little budget left to start a handler that could be stopped in
+    /// time (H27): forgotten here, and returned to its queue unstarted, so that the delivery
+    /// counts as no attempt (H32).
+    Late,
     /// Shutdown is returning it, or it is no longer this set's.
     Refused,
 }
@@ -154,7 +158,11 @@ impl InFlight {
                 e.ctx = Some(ctx);
                 Start::Run
             }
-            Some(e) if e.read_ct == d.read_ct && matches!(e.state, State::Lost | State::Waiting) => {
+            Some(e) if e.read_ct == d.read_ct && e.state == State::Waiting => {
+                entries.remove(&key);
+                Start::Late
+            }
+            Some(e) if e.read_ct == d.read_ct && e.state == State::Lost => {
                 entries.remove(&key);
                 Start::Lost
             }
@@ -392,8 +400,8 @@ mod tests {
         let now = Instant::now();
         let d = delivery(1);
         set.insert_waiting(&d, now + FENCE_MARGIN);
-        assert_eq!(set.start(&d, ctx(1), now), Start::Lost);
-        assert_eq!(set.len(), 0, "forgotten: its visibility lapses and it is delivered again");
+        assert_eq!(set.start(&d, ctx(1), now), Start::Late);
+        assert_eq!(set.len(), 0, "forgotten here: the executor returns it to its queue unstarted");
     }
 
     #[test]

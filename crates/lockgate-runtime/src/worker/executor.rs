@@ -111,12 +111,26 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
     match shared.in_flight.start(&delivery, ctx.clone(), Instant::now()) {
         Start::Run => {}
         Start::Lost => {
-            tracing::info!(
-                job_id = ctx.job_id.0,
-                "claimed job not started: its lease was lost, or too little budget was left to start it"
-            );
+            tracing::info!(job_id = ctx.job_id.0, "claimed job not started: its lease was lost");
             // Cancelled meanwhile (its heartbeat may not have said so): what it kept goes back.
             give_back_if_cancelled(&shared.db, &delivery).await;
+            return;
+        }
+        Start::Late => {
+            // The claim took so long (a pooler paused, a server stalled) that what is left of the
+            // lease cannot cover a handler: returned as shutdown returns, it runs again at once and
+            // this delivery is no attempt (H32). If the return fails, its visibility lapses.
+            let token = [(delivery.msg_id, delivery.read_ct)];
+            let cap = Some(shared.config.max_shutdown_returns);
+            let returned = lockgate_sql::release(&shared.db, &claim.queue, &token, cap).await;
+            tracing::info!(
+                job_id = ctx.job_id.0,
+                returned = returned.as_ref().is_ok_and(|r| r.contains(&delivery.msg_id)),
+                "claimed job not started: too little budget was left to start it"
+            );
+            if !returned.is_ok_and(|r| r.contains(&delivery.msg_id)) {
+                give_back_if_cancelled(&shared.db, &delivery).await;
+            }
             return;
         }
         Start::Refused => {
