@@ -121,9 +121,13 @@ BEGIN
         unique_mode = EXCLUDED.unique_mode, unique_key = EXCLUDED.unique_key,
         unique_on_conflict = EXCLUDED.unique_on_conflict, updated_at = now(),
         -- Jobs queued or parked under another key derivation are re-keyed at their claim (H33).
+        -- So are those of a lowered limit: a job that took its permit under the old limit and
+        -- has not started gives it back at its claim and takes one under the new limit, or parks
+        -- (review helper-79: three queued holders of a key lowered to 1 ran at once).
         concurrency_key_version = t.concurrency_key_version
             + CASE WHEN t.concurrency_key IS DISTINCT FROM EXCLUDED.concurrency_key
-                     OR (t.concurrency_limit IS NULL) <> (EXCLUDED.concurrency_limit IS NULL) THEN 1 ELSE 0 END;
+                     OR (t.concurrency_limit IS NULL) <> (EXCLUDED.concurrency_limit IS NULL)
+                     OR EXCLUDED.concurrency_limit < t.concurrency_limit THEN 1 ELSE 0 END;
 END $$;
 
 -- The policy of one job type, or LG002 naming it.

@@ -1333,6 +1333,32 @@ async fn h33_a_lowered_limit_admits_no_new_job_until_the_running_ones_are_below_
     assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
 }
 
+/// Jobs that took their permits under the old limit and have not started (queued, delayed,
+/// waiting out a backoff, or delivered again after their worker died) start under the new one:
+/// a review (helper-79) ran three queued holders of a key lowered to 1 at once.
+#[tokio::test]
+async fn h33_a_lowered_limit_holds_back_queued_jobs_that_took_their_permits_under_the_old_one() {
+    let db = limited(3, 60_000).await;
+    for _ in 0..3 {
+        assert_eq!(enqueue(&db.pool, 1).await.2, "enqueued");
+    }
+    assert_eq!(enqueue(&db.pool, 1).await.2, "parked");
+    define(&db.pool, Some(1), &["k"]).await;
+    let mut ran = 0;
+    for round in 0..6 {
+        let claimed = claim(&db.pool, 10).await;
+        assert!(claimed.len() <= 1, "round {round}: {} ran at once under a limit of 1", claimed.len());
+        assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+        ran += claimed.len();
+        complete_all(&db.pool, &claimed).await;
+        sweep(&db.pool).await;
+        lapse_visibility(&db.pool).await;
+    }
+    assert_eq!(ran, 4, "every job ran once, one at a time");
+    let left = db.count("SELECT 1 FROM pgmq.q_default UNION ALL SELECT 1 FROM lockgate.parked").await.unwrap();
+    assert_eq!(left, 0);
+}
+
 #[tokio::test]
 async fn h28_a_claim_never_waits_for_a_producer_creating_the_key_it_needs() {
     // A job queued before its type gained a limit needs a permit of a key no row exists for yet;
