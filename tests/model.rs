@@ -329,17 +329,9 @@ impl Run<'_> {
                 // A limit set again after it was removed finds the jobs that kept their permits
                 // through the unlimited time running, as a lowered one does.
                 if old.is_none_or(|old| *limit < old) {
-                    // Jobs holding a permit now may finish under the old limit (see Model::carried).
-                    let holders: Vec<(String, i64)> = sqlx::query_as(&format!(
-                        "SELECT l.key, COALESCE((m.headers->>'job_id')::bigint, m.msg_id)
-                           FROM lockgate.leases l JOIN {} m ON m.msg_id = l.msg_id
-                          WHERE l.queue = $1 AND l.key LIKE $2",
-                        ty.queue().table("q")
-                    ))
-                    .bind(ty.queue().name())
-                    .bind(format!("{}:%", ty.name()))
-                    .fetch_all(&mut self.c.observer)
-                    .await?;
+                    // Jobs running now may finish under the old limit (see Model::carried). Jobs
+                    // that hold a permit without running do not carry it over: their claim
+                    // re-admits them under the new limit (design §80).
                     let running: Vec<(String, i64)> = self
                         .model
                         .deliveries
@@ -347,7 +339,7 @@ impl Run<'_> {
                         .filter(|d| d.holder == Holder::Running && d.ty == Some(*ty))
                         .filter_map(|d| d.key.clone().map(|k| (k, d.job_id)))
                         .collect();
-                    for (key, job) in holders.into_iter().chain(running) {
+                    for (key, job) in running {
                         self.model.carried.entry(key).or_default().insert(job);
                     }
                 }
@@ -1562,8 +1554,17 @@ fn h26_model_a_prune_never_hands_a_healthy_delivery_to_another_worker() {
 fn h33_model_a_redefined_limit_admits_no_job_past_it() {
     replay_known_schedules(vec![
         (
-            "three jobs hold permits under limit 3, two run; the limit drops to 1; the third (admitted before) may \
-         still run, the fourth stays parked until the key is below the new limit",
+            "two jobs hold permits under limit 3 without running; the limit drops to 1; they start one at a time \
+             (review helper-79, design §80)",
+            Case {
+                lim_limit: 1,
+                limb_limit: 3,
+                ops: vec![Op::EnqueueMany { ty: Ty::LimB, ks: vec![1, 1] }, Op::Redefine { ty: Ty::LimB, limit: 1 }],
+            },
+        ),
+        (
+            "three jobs hold permits under limit 3, two run; the limit drops to 1; the third (admitted before, not \
+             started) and the fourth wait until the key is below the new limit",
             Case {
                 lim_limit: 2,
                 limb_limit: 3,

@@ -114,7 +114,7 @@ pub struct BatchModel {
 #[derive(Debug, Default)]
 pub struct Model {
     pub limits: BTreeMap<Ty, u32>,
-    /// Per key, the jobs that held a permit when their type's limit was lowered: they may go on
+    /// Per key, the jobs running when their type's limit was lowered: they may go on
     /// running (nothing preempts them), so the key's bound is the larger of the new limit and
     /// how many of them still run. Any other admission must fit the new limit.
     pub carried: BTreeMap<String, BTreeSet<i64>>,
