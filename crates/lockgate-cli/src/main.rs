@@ -89,6 +89,7 @@ enum Command {
 }
 
 fn main() {
+    quiet_on_closed_stdout();
     // The command executor's watchdog (`lockgate command-watchdog`, started by lockgate run, never
     // by hand) runs before any of the CLI: no async runtime, no logging, no argument parsing.
     if std::env::args_os().nth(1).is_some_and(|a| a == "command-watchdog") {
@@ -129,6 +130,25 @@ fn pooler_hint(err: &anyhow::Error) -> Option<&'static str> {
         "if the database URL goes through a transaction-mode pooler (PgBouncer pool_mode = transaction), \
          add pooler=transaction to it, e.g. postgres://host:6432/app?pooler=transaction",
     )
+}
+
+/// A listing piped into a reader that stops early (`lockgate jobs | head -1`) finds stdout closed:
+/// Rust ignores SIGPIPE and `println!` panics instead. That ends the command as the shell
+/// expects a writer to a closed pipe to end, without a panic message: exit 141 (128 + SIGPIPE).
+fn quiet_on_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        default(info);
+    }));
 }
 
 /// The error and its causes, each said once. Many errors (sqlx's among them) include their

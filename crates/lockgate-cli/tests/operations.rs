@@ -370,3 +370,29 @@ async fn listings_show_rows_written_by_hand_whatever_their_times_and_lengths() {
     let listed = text(&output(&db, &["dlq", "list"]));
     assert!(listed.contains(&format!("{}…", "x".repeat(199))) && !listed.contains(&"x".repeat(201)), "{listed}");
 }
+
+/// A listing read only in part (`lockgate jobs | head -1`) ends as a writer to a closed pipe does,
+/// exit 141, with no panic on stderr (it panicked, exit 101, when `println!` met the closed pipe).
+#[tokio::test]
+async fn a_listing_piped_into_a_reader_that_stops_early_exits_quietly() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('t')").execute(&db.pool).await.unwrap();
+    sqlx::query(
+        "SELECT count(*) FROM lockgate.enqueue_many('t', ARRAY(SELECT jsonb_build_object('n', g, 'pad', repeat('x', 100))
+                                                                FROM generate_series(1, 1000) g))",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut child = lockgate(&db, &["jobs", "--limit", "1000"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut first).unwrap();
+    assert!(first.starts_with("  ID"), "{first}");
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(141), "{}", text(&o));
+    assert!(!text(&o).contains("panicked"), "{}", text(&o));
+}

@@ -5,6 +5,7 @@ use chrono::{DateTime, Utc};
 use lockgate::{Client, JobFilter, JobId, JobRecord, JOB_STATES};
 
 use crate::db;
+use crate::table::{Align, Table};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -115,30 +116,27 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
 }
 
 fn print_table(jobs: &[JobRecord]) {
-    println!(
-        "{:>10}  {:<10} {:<16} {:<24} {:>7}  {:<19}  {:<20} ARGS",
-        "ID", "STATE", "QUEUE", "TYPE", "ATTEMPT", "ENQUEUED", "KEY"
-    );
+    let mut t = Table::new(&[
+        ("ID", Align::Right),
+        ("STATE", Align::Left),
+        ("QUEUE", Align::Left),
+        ("TYPE", Align::Left),
+        ("ATTEMPT", Align::Right),
+        ("ENQUEUED", Align::Left),
+        ("KEY", Align::Left),
+        ("ARGS", Align::Left),
+    ]);
     for job in jobs {
-        let args = job.args.as_ref().map_or("-".to_string(), |a| a.to_string());
-        println!(
-            "{:>10}  {:<10} {:<16} {:<24} {:>7}  {:<19}  {:<20} {}",
+        t.row(vec![
             job.id.to_string(),
-            job.state,
-            job.queue,
-            job.job_type.as_deref().unwrap_or("-"),
-            job.attempt,
+            job.state.to_string(),
+            job.queue.clone(),
+            job.job_type.clone().unwrap_or_else(|| "-".to_string()),
+            job.attempt.to_string(),
             job.enqueued_at.map_or("-".to_string(), |t| t.format("%Y-%m-%d %H:%M:%S").to_string()),
-            job.concurrency_key.as_deref().unwrap_or("-"),
-            shorten(&args, 60),
-        );
+            job.concurrency_key.clone().unwrap_or_else(|| "-".to_string()),
+            job.args.as_ref().map_or("-".to_string(), |a| a.to_string()),
+        ]);
     }
-}
-
-fn shorten(text: &str, max: usize) -> String {
-    if text.chars().count() <= max {
-        text.to_string()
-    } else {
-        format!("{}…", text.chars().take(max - 1).collect::<String>())
-    }
+    t.print();
 }
