@@ -552,3 +552,41 @@ async fn cancel_leaves_no_lock_behind_raises_no_alarm_and_counts_no_success() {
         .unwrap();
     assert_eq!(kept, 1, "kept with the dead letters, not lost");
 }
+
+/// A message sent without lockgate's headers is dead-lettered by the claim with no job id;
+/// `lockgate.job()` shows it under its msg_id, and every verb that takes a job id finds it by
+/// that id: retried, discarded, purged (review helper-81: "job 2: dead", then "no dead letter
+/// for job 2").
+#[tokio::test]
+async fn a_dead_letter_without_lockgates_headers_is_found_by_the_id_it_is_shown_under() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('default')").execute(&db.pool).await.unwrap();
+    let send = "SELECT pgmq.send('default', '{\"h\": 0}'::jsonb)";
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(sqlx::query_scalar::<_, i64>(send).fetch_one(&db.pool).await.unwrap());
+    }
+    assert!(claim(&db, 10).await.is_empty(), "all three are dead-lettered as undecodable");
+    for id in &ids {
+        assert_eq!(state_of(&db, *id).await, "dead");
+    }
+    let retried: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.dlq_retry(NULL, ARRAY[$1::bigint])")
+        .bind(ids[0])
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(retried.len(), 1, "retried by its id");
+    let discarded: (String, bool) = sqlx::query_as("SELECT state, discarded FROM lockgate.discard_job($1)")
+        .bind(ids[1])
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(discarded, ("dead".to_string(), true));
+    let purged: i64 = sqlx::query_scalar("SELECT lockgate.dlq_purge(NULL, ARRAY[$1::bigint])")
+        .bind(ids[2])
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(purged, 1);
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
+}
