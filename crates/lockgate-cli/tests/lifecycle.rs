@@ -426,6 +426,27 @@ async fn a_configured_health_address_that_cannot_be_bound_fails_the_start_naming
     assert_eq!(db.count("SELECT 1 FROM lockgate.processes").await.unwrap(), 0, "nothing was registered");
 }
 
+/// A process whose configured type sits on a queue none of its pools serves, or that serves a
+/// queue holding a type it has no handler for, says so when it starts (review helper-81: such a
+/// process silently failed the other type's jobs, "no handler").
+#[tokio::test]
+async fn run_warns_of_types_on_unserved_queues_and_of_served_queues_holding_foreign_types() {
+    let setup = Setup::with_runtime(DEFAULT_RUNTIME, "true", "queue = \"side\"");
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('stranger')").execute(&db.pool).await.unwrap();
+    let mut child = setup.run_with(&db, &[], Stdio::piped());
+    wait_registered(&db, &child).await;
+    signal(&child, "TERM");
+    let status = wait_exit(&mut child).await;
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "{stderr}");
+    let unserved = stderr.lines().find(|l| l.contains("no pool of this process serves the queue"));
+    assert!(unserved.is_some_and(|l| l.contains("job_type=task") && l.contains("queue=side")), "{stderr}");
+    let foreign = stderr.lines().find(|l| l.contains("has no handler for"));
+    assert!(foreign.is_some_and(|l| l.contains("job_type=stranger") && l.contains("queue=default")), "{stderr}");
+}
+
 /// Restarts the shared PostgreSQL server: run alone (`scripts/test` runs it after the suite).
 #[tokio::test]
 #[ignore = "restarts the shared PostgreSQL server; run alone with --ignored"]

@@ -30,6 +30,11 @@ impl PolicyCache {
         Ok(rows.into_iter().map(|(name, policy)| (name.as_str().to_string(), policy)).collect())
     }
 
+    /// Every stored policy, as last loaded.
+    pub async fn all(&self) -> Vec<(String, JobPolicy)> {
+        self.inner.read().await.0.iter().map(|(name, policy)| (name.clone(), policy.clone())).collect()
+    }
+
     /// The stored policy of `job_type` for a job claimed at `claimed_at`, or `None` when the
     /// database has no such type.
     pub async fn get(&self, db: &PgPool, job_type: &str, claimed_at: Instant) -> Option<JobPolicy> {

@@ -29,7 +29,7 @@ use std::sync::atomic::AtomicI64;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockgate_core::{RecurringTask, ValidationError};
+use lockgate_core::{JobPolicy, QueueName, RecurringTask, ValidationError};
 use lockgate_sql::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
@@ -157,6 +157,7 @@ impl Runtime {
             start_up("create a queue", up, || lockgate_sql::create_queue(db, queue.as_str())).await?;
         }
         let policies = Arc::new(start_up("load the job types", up, || PolicyCache::load(db)).await?);
+        self.warn_of_unserved_types(&policies.all().await);
         // The runtime's own pool: sized for its loops (not for handlers, which bring their own),
         // and without sqlx's ping before every acquire — a round trip per statement that the
         // loops do not need, since every one of them retries a statement that failed.
@@ -369,6 +370,39 @@ impl Runtime {
 }
 
 impl Runtime {
+    /// Warnings at start for what runs but is likely not what was meant (review helper-81): a job
+    /// type of this process whose queue none of its pools serves (its jobs wait for another
+    /// process), and a job type stored on a queue this process serves that it has no handler for
+    /// (the jobs of it this process claims fail their attempts, "no handler").
+    fn warn_of_unserved_types(&self, stored: &[(String, JobPolicy)]) {
+        let served: std::collections::HashSet<&str> =
+            self.pools.iter().flat_map(|p| &p.queues).map(QueueName::as_str).collect();
+        for (name, policy) in self.registry.job_types() {
+            if !served.contains(policy.queue.as_str()) {
+                tracing::warn!(
+                    job_type = %name,
+                    queue = %policy.queue,
+                    "no pool of this process serves the queue of a job type it runs: its jobs wait for another process"
+                );
+            }
+        }
+        let handled: std::collections::HashSet<&str> =
+            self.registry.job_types().iter().map(|(name, _)| name.as_str()).collect();
+        let mut foreign: Vec<&(String, JobPolicy)> = stored
+            .iter()
+            .filter(|(name, policy)| served.contains(policy.queue.as_str()) && !handled.contains(name.as_str()))
+            .collect();
+        foreign.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, policy) in foreign {
+            tracing::warn!(
+                job_type = %name,
+                queue = %policy.queue,
+                "this process serves the queue of a job type it has no handler for: jobs of it that it claims fail \
+                 their attempts (no handler); serve that queue only from processes that run the type"
+            );
+        }
+    }
+
     /// What this process runs, for the operator reading its start: the job types, then one line
     /// per pool with its queues (in claim order) and concurrency.
     fn log_started(&self) {
