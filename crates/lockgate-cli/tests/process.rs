@@ -163,6 +163,39 @@ async fn commands_refuse_a_missing_or_older_schema_naming_lockgate_migrate() {
     assert!(output(&db, &["status"]).status.success());
 }
 
+/// A search_path with a schema ahead of pg_catalog lets that schema's now() stand in for
+/// PostgreSQL's inside lockgate's functions (a review, helper-80, stopped a queue so): every
+/// command refuses it, naming the schema, and doctor says what to do.
+#[tokio::test]
+async fn a_search_path_that_shadows_pg_catalog_is_refused_naming_the_schema() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(&format!(
+        "CREATE SCHEMA evil;
+         CREATE FUNCTION evil.now() RETURNS timestamptz LANGUAGE sql AS $$ SELECT timestamptz '2000-01-01' $$;
+         ALTER DATABASE {} SET search_path = evil, pg_catalog, public",
+        db.name
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let o = output(&db, &["status"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("puts schema evil ahead of pg_catalog"), "{}", text(&o));
+    let o = output(&db, &["doctor"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("puts schema evil ahead of pg_catalog") && text(&o).contains("pg_catalog first"),
+        "{}",
+        text(&o)
+    );
+    sqlx::query(&format!("ALTER DATABASE {} SET search_path = pg_catalog, evil, public", db.name))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let o = output(&db, &["status"]);
+    assert!(o.status.success(), "pg_catalog first: {}", text(&o));
+}
+
 #[tokio::test]
 async fn bad_config_files_and_arguments_are_refused_with_the_problem_named() {
     let db = TestDb::migrated().await.unwrap();

@@ -28,6 +28,14 @@ pub enum DbError {
     UnknownRecurringTask(String),
     #[error("lockgate is not installed in this database ({0}): run `lockgate migrate`")]
     NotInstalled(String),
+    /// The session's search_path puts a schema ahead of pg_catalog, whose objects would then
+    /// stand in for PostgreSQL's built-ins in lockgate's functions.
+    #[error(
+        "search_path ({search_path}) puts schema {first} ahead of pg_catalog: lockgate's functions would call its \
+         objects in place of PostgreSQL's built-ins (now(), clock_timestamp(), ...); put pg_catalog first, e.g. \
+         ALTER DATABASE ... SET search_path = pg_catalog, {first}, public, or leave it out (it is then searched first)"
+    )]
+    CatalogShadowed { first: String, search_path: String },
     #[error(
         "this database has lockgate schema version {found}, older than this build's {expected}: run `lockgate migrate`"
     )]

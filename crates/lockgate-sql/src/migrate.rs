@@ -500,9 +500,22 @@ pub async fn check_schema(pool: &PgPool) -> Result<SchemaFit, DbError> {
 }
 
 async fn check_schema_on(conn: &mut PgConnection) -> Result<SchemaFit, DbError> {
-    let row = query("SELECT to_regclass('lockgate.schema_state') IS NOT NULL, to_regclass('pgmq.meta') IS NOT NULL")
-        .fetch_one(&mut *conn)
-        .await?;
+    // The first schema the session resolves names in, temporary ones aside: pg_catalog unless the
+    // search_path lists another before it.
+    let row = query(
+        "SELECT to_regclass('lockgate.schema_state') IS NOT NULL, to_regclass('pgmq.meta') IS NOT NULL,
+                (SELECT s FROM unnest(current_schemas(true)) s WHERE s NOT LIKE 'pg\\_temp%' LIMIT 1),
+                current_setting('search_path')",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    let first: Option<String> = row.get(2);
+    if first.as_deref().is_some_and(|first| first != "pg_catalog") {
+        // lockgate's functions call now(), clock_timestamp() and the rest unqualified: a schema
+        // ahead of pg_catalog may define its own, and leases, visibility and enqueue times would
+        // follow its clock (review helper-80).
+        return Err(DbError::CatalogShadowed { first: first.unwrap_or_default(), search_path: row.get(3) });
+    }
     if !row.get::<bool, _>(0) {
         return Err(DbError::NotInstalled("no lockgate schema found".into()));
     }

@@ -119,13 +119,16 @@ async fn schema_check(pool: &PgPool) -> Result<DoctorCheck> {
     };
     let advice = if matches!(err, DbError::SchemaIncompatible { .. }) {
         "this binary is older than the database: use the lockgate release that migrated it (or a newer one)"
+    } else if matches!(err, DbError::CatalogShadowed { .. }) {
+        "set a search_path with pg_catalog first (or without it) for the roles and databases lockgate and its \
+         producers use; the clock check below reads the shadowing schema's clock while it is there"
     } else {
         "run `lockgate migrate` with this binary (one transaction, safe to run from several processes); \
          the database's other checks run once the schema is this build's"
     };
     // Where nothing is installed, every migration is pending: the list would say nothing more.
     let pending = match err {
-        DbError::NotInstalled(_) => Vec::new(),
+        DbError::NotInstalled(_) | DbError::CatalogShadowed { .. } => Vec::new(),
         _ => lockgate::sql::pending_migrations(pool).await?,
     };
     let detail =
