@@ -540,16 +540,20 @@ END $$;
 -- another transaction, such as an open producer transaction): the delivery counts as a return,
 -- not an attempt (once: last_read_at is set, so the next claim does not count it again as a
 -- delivery claimed ahead and never started). Returns NULL, for lockgate._reacquire to return.
+-- The same time in put_back_until tells lockgate.jobs() that the delivery waits for its key, not
+-- out a failed attempt's backoff (queued, not retrying; review helper-79).
 CREATE OR REPLACE FUNCTION lockgate._put_back(tbl text, c lockgate._claimed)
 RETURNS timestamptz LANGUAGE plpgsql AS $$
+DECLARE
+    until timestamptz := clock_timestamp() + interval '1 second';
 BEGIN
     EXECUTE format(
-        'UPDATE %s m SET vt = clock_timestamp() + interval ''1 second'',
+        'UPDATE %s m SET vt = $3,
                          last_read_at = COALESCE(m.last_read_at, clock_timestamp()),
-                         headers = m.headers || jsonb_build_object(''retry_at'', clock_timestamp() + interval ''1 second'',
+                         headers = m.headers || jsonb_build_object(''retry_at'', $3, ''put_back_until'', $3,
                                                                    ''returns'', LEAST(COALESCE((m.headers->>''returns'')::integer, 0) + 1, 999999999))
           WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
-      USING c.msg_id, c.read_ct;
+      USING c.msg_id, c.read_ct, until;
     RETURN NULL;
 END $$;
 

@@ -12,12 +12,15 @@
 -- archive time, its owner), so a completion writes nothing more than it did before the history
 -- existed (docs/design.md).
 
--- The state of a message in a queue table: visible now (queued), waiting out a retry's backoff
--- (retrying), never delivered and not yet visible (scheduled), or delivered and invisible
--- (running: claimed, perhaps claimed ahead and not yet started).
+-- The state of a message in a queue table: visible now, or put back for a moment because its
+-- key was busy (queued), waiting out a retry's backoff (retrying), never delivered and not yet
+-- visible (scheduled), or delivered and invisible (running: claimed, perhaps claimed ahead and
+-- not yet started).
 CREATE OR REPLACE FUNCTION lockgate._queued_state(vt timestamptz, headers jsonb, read_ct integer)
 RETURNS text LANGUAGE sql STABLE AS $$
     SELECT CASE WHEN vt <= clock_timestamp() THEN 'queued'
+                WHEN jsonb_typeof(headers) = 'object' AND headers ? 'retry_at'
+                 AND headers->'retry_at' IS NOT DISTINCT FROM headers->'put_back_until' THEN 'queued'
                 WHEN jsonb_typeof(headers) = 'object' AND headers ? 'retry_at' THEN 'retrying'
                 WHEN read_ct = 0 THEN 'scheduled'
                 ELSE 'running' END

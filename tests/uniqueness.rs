@@ -202,8 +202,21 @@ async fn while_executing_lets_duplicates_queue_and_runs_them_one_at_a_time_or_di
         .await
         .unwrap();
     assert_eq!(returns, 1, "B waited for A's run: a return, not an attempt");
+    let states: Vec<(i64, String, i32)> =
+        sqlx::query_as("SELECT id, state, attempt FROM lockgate.jobs(job_type => 'w') ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        states,
+        vec![(a.unwrap(), "running".to_string(), 1), (b.unwrap(), "queued".to_string(), 0)],
+        "B waits for its key: queued, not retrying a failed attempt (review helper-79)"
+    );
     // A fails: its run ends and gives the key back while it waits for its retry.
     assert!(retry(&db.pool, running[0], 30.0).await);
+    let a_state: String =
+        sqlx::query_scalar("SELECT state FROM lockgate.job($1)").bind(a.unwrap()).fetch_one(&db.pool).await.unwrap();
+    assert_eq!(a_state, "retrying");
     assert!(locks(&db.pool).await.is_empty());
     make_visible(&db.pool, b.unwrap()).await;
     assert_eq!(claim(&db.pool, 5).await, vec![(b.unwrap(), 2)], "B runs while A waits for its retry");
