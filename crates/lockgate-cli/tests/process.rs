@@ -218,6 +218,10 @@ async fn bad_config_files_and_arguments_are_refused_with_the_problem_named() {
     assert!(text(&o).contains("not valid JSON"), "{}", text(&o));
     let o = output(&db, &["enqueue", "t", "{}", "--queue", "BAD"]);
     assert!(text(&o).contains("invalid queue \"BAD\""), "{}", text(&o));
+    let o = output(&db, &["enqueue", "t", "{}", "--delay", "200years"]);
+    assert!(o.status.code() == Some(2) && text(&o).contains("at most 100 years"), "{}", text(&o));
+    let o = output(&db, &["enqueue", "t", "{}", "--run-at", "2030-01-01T02:00:00"]);
+    assert!(o.status.code() == Some(2) && text(&o).contains("with its offset"), "{}", text(&o));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

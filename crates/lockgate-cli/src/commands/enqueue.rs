@@ -16,11 +16,11 @@ pub struct Args {
     /// arguments too long for a command line).
     #[arg(default_value = "{}")]
     args: String,
-    /// Run no earlier than this long from now, e.g. 30s, 5m.
-    #[arg(long, value_parser = humantime::parse_duration, conflicts_with = "run_at")]
+    /// Run no earlier than this long from now, e.g. 30s, 5m (at most 100 years).
+    #[arg(long, value_parser = delay, conflicts_with = "run_at")]
     delay: Option<std::time::Duration>,
-    /// Run no earlier than this instant (RFC 3339).
-    #[arg(long)]
+    /// Run no earlier than this instant (RFC 3339, with its offset: 2030-01-01T02:00:00Z).
+    #[arg(long, value_parser = instant)]
     run_at: Option<chrono::DateTime<chrono::Utc>>,
     /// 0 (first) to 9 (last); defaults to the job type's priority.
     #[arg(long)]
@@ -104,4 +104,20 @@ fn read_args(arg: &str) -> Result<(String, Option<String>)> {
         bail!("job arguments from {from} are more than {ARGS_READ_LIMIT} bytes; a job carries at most {MAX_PAYLOAD_BYTES}");
     }
     Ok((text, Some(from)))
+}
+
+/// `--delay`: a duration no longer than the longest lockgate stores (100 years).
+fn delay(text: &str) -> Result<std::time::Duration, String> {
+    let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if d > lockgate::MAX_DURATION {
+        return Err("at most 100 years (36525d)".to_string());
+    }
+    Ok(d)
+}
+
+/// `--run-at`: an RFC 3339 instant; one without an offset is refused, never read in some zone.
+fn instant(text: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    chrono::DateTime::parse_from_rfc3339(text).map(|t| t.with_timezone(&chrono::Utc)).map_err(|e| {
+        format!("{e}: an RFC 3339 time with its offset, such as 2030-01-01T02:00:00Z or 2030-01-01T03:00:00+01:00")
+    })
 }
