@@ -93,6 +93,23 @@ BEGIN
       FROM jsonb_array_elements(CASE WHEN jsonb_typeof(h->'errors') = 'array' THEN h->'errors' ELSE '[]' END)
            WITH ORDINALITY AS a(e, o)
      WHERE jsonb_typeof(e) = 'object';
+    -- An attempt that started and recorded no outcome (its worker was killed, or lost its lease
+    -- and stopped) is shown as lost, so that there is one entry per attempt (review helper-81).
+    -- Only a message's own deliveries can be told apart so (parked jobs and dead letters are read
+    -- with read_ct 0; a cancelled or discarded job's last delivery may never have run): every
+    -- attempt before the row's own, and the row's own when it waits again.
+    IF read_ct > 0 AND state IN ('queued', 'scheduled', 'retrying', 'running', 'succeeded') THEN
+        SELECT COALESCE(jsonb_agg(e ORDER BY CASE WHEN e->>'attempt' ~ '^[0-9]{1,9}$' THEN (e->>'attempt')::integer END
+                                  NULLS FIRST), '[]') INTO attempts
+          FROM (SELECT e FROM jsonb_array_elements(attempts) e
+                UNION ALL
+                SELECT jsonb_build_object('attempt', n, 'started_at', NULL, 'ended_at', NULL, 'process', NULL,
+                                          'outcome', 'lost',
+                                          'error', 'no outcome was recorded: its worker stopped (killed, or its lease was lost)')
+                  FROM generate_series(1, CASE WHEN state IN ('succeeded', 'running') THEN attempt - 1 ELSE attempt END) n
+                 WHERE NOT EXISTS (SELECT 1 FROM jsonb_array_elements(attempts) r
+                                    WHERE jsonb_typeof(r->'attempt') = 'number' AND (r->>'attempt')::numeric = n)) x;
+    END IF;
     IF state = 'succeeded' OR (state = 'running' AND last_read_at IS NOT NULL) THEN
         attempts := attempts || jsonb_build_array(jsonb_build_object(
             'attempt', attempt, 'started_at', last_read_at, 'ended_at', finished_at, 'process', h->'owner',

@@ -440,7 +440,7 @@ async fn a_cancelled_running_job_keeps_its_while_executing_key_until_its_handler
             vec![],
             "not started beside the cancelled handler (worker alive: {worker_alive})"
         );
-        assert_eq!(state_of(&db, second).await, "retrying", "put back, a return");
+        assert_eq!(state_of(&db, second).await, "queued", "put back for its busy key: a return");
         // From review: a lock as old as a long run is still judged by held_until alone.
         sqlx::query("UPDATE lockgate.unique_locks SET acquired_at = now() - interval '1 hour'")
             .execute(&db.pool)
@@ -494,7 +494,7 @@ async fn a_job_enqueued_after_a_cancel_is_no_duplicate_of_the_cancelled_one() {
     assert_eq!(cancel(&db.pool, cancelled).await, Some(("running".to_string(), true)));
     let replacement = enqueue(&db, "wd", "{}", "{}").await;
     assert_eq!(claim(&db, 5).await, vec![], "waits while the cancelled handler may run");
-    assert_eq!(state_of(&db, replacement).await, "retrying", "put back, not discarded");
+    assert_eq!(state_of(&db, replacement).await, "queued", "put back for its busy key, not discarded");
     assert!(release_cancelled(&db, d).await);
     sqlx::query("UPDATE pgmq.q_default SET vt = clock_timestamp()").execute(&db.pool).await.unwrap();
     let headers: Vec<serde_json::Value> =

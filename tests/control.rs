@@ -183,6 +183,33 @@ fn state(state: &str, attempt: i32, outcomes: &str) -> (String, i32, String) {
     (state.to_string(), attempt, outcomes.to_string())
 }
 
+/// An attempt whose worker died (kill -9) records no outcome; the job's history still has one
+/// entry per attempt, that one shown as lost (review helper-81: `job show` left it out).
+#[tokio::test]
+async fn an_attempt_whose_worker_died_shows_in_the_history_as_lost() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('work')").execute(&db.pool).await.unwrap();
+    let id: i64 =
+        sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue('work', '{}')").fetch_one(&db.pool).await.unwrap();
+    let claim = "SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)";
+    let first: (i64, i32) = sqlx::query_as(claim).fetch_one(&db.pool).await.unwrap();
+    // Its worker dies: nothing more is written, and its visibility lapses.
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second'").execute(&db.pool).await.unwrap();
+    assert_eq!(job_state(&db, id).await, state("queued", 1, "lost"));
+    let second: (i64, i32) = sqlx::query_as(claim).fetch_one(&db.pool).await.unwrap();
+    assert_eq!((second.0, second.1), (first.0, 2));
+    assert_eq!(job_state(&db, id).await, state("running", 2, "lost running"));
+    sqlx::query("SELECT lockgate.complete('default', ARRAY[$1::bigint], ARRAY[2])")
+        .bind(second.0)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(job_state(&db, id).await, state("succeeded", 2, "lost succeeded"));
+    let job = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().unwrap();
+    assert_eq!(job.attempts[0]["attempt"], 1);
+    assert!(job.attempts[0]["error"].as_str().unwrap().contains("its worker stopped"), "{}", job.attempts);
+}
+
 #[tokio::test]
 async fn a_job_keeps_its_id_and_history_through_retry_dead_letter_dlq_retry_and_success() {
     let db = TestDb::migrated().await.unwrap();
