@@ -239,16 +239,17 @@ BEGIN
                 'unstarted', COALESCE((r.headers->>'unstarted')::integer, 0) + 1);
             EXECUTE format('UPDATE %s m SET headers = $2 WHERE m.msg_id = $1', tbl) USING r.msg_id, r.headers;
         END IF;
-        -- A job whose type gained a limit, or whose key was derived under other key paths,
-        -- takes a permit of the key the current policy gives it (H33), giving back the one it
-        -- holds.
+        -- A job whose type gained a limit, whose key was derived under other key paths, or
+        -- whose permit was taken under a higher limit, takes a permit of the key the current
+        -- policy gives it (H33), giving back the one it holds; a key given explicitly at enqueue
+        -- stays its key, and is taken again under the current limit (design §80).
         IF NOT types_read THEN
             SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
               FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;
             types_read := true;
         END IF;
         i := array_position(keyed_types, r.headers->>'type');
-        IF i IS NOT NULL AND NOT r.headers ? 'ckey_explicit'
+        IF i IS NOT NULL
            AND (NOT r.limited OR COALESCE((r.headers->>'kv')::integer, 0) <> key_versions[i]) THEN
             unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
             CONTINUE;

@@ -1359,6 +1359,39 @@ async fn h33_a_lowered_limit_holds_back_queued_jobs_that_took_their_permits_unde
     assert_eq!(left, 0);
 }
 
+/// The same with a key given explicitly at enqueue, which no change of key paths moves: its
+/// queued holders are admitted again under the lowered limit too.
+#[tokio::test]
+async fn h33_a_lowered_limit_holds_back_queued_jobs_of_an_explicit_key() {
+    let db = limited(3, 60_000).await;
+    let enqueue_explicit = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT status FROM lockgate.enqueue('lim', '{\"k\": 1}', '{\"concurrency_key\": \"tenant-9\"}')",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    for _ in 0..3 {
+        assert_eq!(enqueue_explicit().await, "enqueued");
+    }
+    define(&db.pool, Some(1), &["k"]).await;
+    let mut ran = 0;
+    for round in 0..6 {
+        let claimed = claim(&db.pool, 10).await;
+        assert!(claimed.len() <= 1, "round {round}: {} ran at once under a limit of 1", claimed.len());
+        assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+        ran += claimed.len();
+        complete_all(&db.pool, &claimed).await;
+        sweep(&db.pool).await;
+        lapse_visibility(&db.pool).await;
+    }
+    assert_eq!(ran, 3, "every job ran once, one at a time");
+    let keys: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT headers->>'ckey' FROM pgmq.a_default").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(keys, ["tenant-9"], "the explicit key stayed the jobs' key");
+}
+
 #[tokio::test]
 async fn h28_a_claim_never_waits_for_a_producer_creating_the_key_it_needs() {
     // A job queued before its type gained a limit needs a permit of a key no row exists for yet;
