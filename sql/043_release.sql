@@ -65,3 +65,18 @@ BEGIN
       USING msg_ids, read_cts, queue, max_returns;
     PERFORM pg_notify('lockgate_' || queue, '');
 END $$;
+
+-- Returns one delivery that never started (its claim was answered too late to start a handler
+-- that could still be stopped in time, H27) as a delivery claimed ahead and never started is
+-- returned: a plain return, never a shutdown return, so it counts neither as an attempt nor
+-- towards max_returns (H32; review helper-82: such returns used the free shutdown returns up,
+-- then dead-lettered a job that had never run). Fenced on (msg_id, read_ct); true when returned.
+-- Locks: as lockgate.release. Callers: the worker, for a delivery it did not start.
+CREATE OR REPLACE FUNCTION lockgate.return_unstarted(queue text, msg_id bigint, read_ct integer)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    EXECUTE format('UPDATE %s m SET last_read_at = NULL WHERE m.msg_id = $1 AND m.read_ct = $2',
+                   lockgate._queue_table(queue, 'q'))
+      USING msg_id, read_ct;
+    RETURN EXISTS (SELECT 1 FROM lockgate.release(queue, ARRAY[msg_id], ARRAY[read_ct], NULL));
+END $$;

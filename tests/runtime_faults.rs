@@ -347,9 +347,10 @@ async fn h27_a_partitioned_worker_cancels_its_handler_before_its_lease_can_expir
 }
 
 /// A claim that reaches the worker with too little of its budget left to start a handler (its
-/// reply held up by a paused pooler or a stalled network) is returned unstarted: it runs again at
-/// once, as attempt 1. Before, it was forgotten until its visibility lapsed, and its one run
-/// counted as attempt 2 (review helper-80, PgBouncer PAUSE).
+/// reply held up by a stalled network, a paused process) is returned unstarted: it runs again at
+/// once, as attempt 1, and spends no shutdown return. Before, it was forgotten until its
+/// visibility lapsed, and its one run counted as attempt 2 (review helper-80); then returned as a
+/// shutdown return, which used the free ones up (helper-82).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h32_a_claim_answered_too_late_to_start_is_returned_and_counts_no_attempt() {
     let db = TestDb::migrated().await.unwrap();
@@ -358,38 +359,65 @@ async fn h32_a_claim_answered_too_late_to_start_is_returned_and_counts_no_attemp
     let client = define(&db, &types).await;
     let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
     let proxied = lockgate::PgPoolOptions::new().max_connections(4).connect(&proxy.url_for(&db.url)).await.unwrap();
-    let w0 = Running::start_on(
-        proxied,
-        test_config(),
-        probe_registry(probe(&db, 0, &Counter::default()), &types),
-        &["default"],
-        1,
-    );
+    // No free shutdown returns: a return of this kind must not be one.
+    let config = RuntimeConfig { max_shutdown_returns: 0, ..test_config() };
+    let w0 =
+        Running::start_on(proxied, config, probe_registry(probe(&db, 0, &Counter::default()), &types), &["default"], 1);
     wait_for("the worker to register", WAIT, || async {
         db.count("SELECT 1 FROM lockgate.processes").await.map(|n| (n > 0).then_some(()))
     })
     .await
     .unwrap();
-    // The worker's next claim is held in the proxy longer than the 2 s budget it counts from its
-    // send; the job is there when the claim reaches the database.
-    proxy.freeze();
-    client.enqueue_raw("work", &json!({"key": 1, "ms": 10}), &EnqueueOptions::default()).await.unwrap();
-    let frozen_at = std::time::Instant::now();
-    wait_for("the budget of a claim sent before the job to pass", WAIT, || async {
-        Ok((frozen_at.elapsed() > Duration::from_millis(2500)).then_some(()))
-    })
-    .await
-    .unwrap();
-    proxy.thaw();
-    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
-    w0.stop().await;
-    let (read_ct, returns): (i32, Option<i32>) =
-        sqlx::query_as("SELECT read_ct, (headers->>'returns')::integer FROM pgmq.a_default")
+    // Which of the worker's exchanges the freeze catches is up to timing: its claim's request
+    // (held past its 2 s budget: the case under test) or an earlier reply (its next claim then
+    // comes in time). Rounds until one was late, each with a job of its own.
+    let mut late = 0;
+    for round in 1..=8 {
+        proxy.freeze();
+        // A claim that passed the proxy before the freeze has ended before the job exists.
+        wait_for("the worker's statements before the freeze to end", WAIT, || async {
+            let busy: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND pid <> pg_backend_pid() AND state = 'active'",
+            )
             .fetch_one(&db.pool)
-            .await
-            .unwrap();
-    assert_eq!(read_ct - returns.unwrap_or(0), 1, "its one run is attempt 1 (read_ct {read_ct}, returns {returns:?})");
-    assert_eq!(db.count("SELECT 1 FROM runs").await.unwrap(), 1);
+            .await?;
+            Ok((busy == 0).then_some(()))
+        })
+        .await
+        .unwrap();
+        client.enqueue_raw("work", &json!({"key": round, "ms": 10}), &EnqueueOptions::default()).await.unwrap();
+        let frozen_at = std::time::Instant::now();
+        wait_for("a claim's budget to pass in the proxy", WAIT, || async {
+            Ok((frozen_at.elapsed() > Duration::from_millis(2500)).then_some(()))
+        })
+        .await
+        .unwrap();
+        proxy.thaw();
+        wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", round, WAIT).await.unwrap();
+        let (read_ct, headers): (i32, serde_json::Value) =
+            sqlx::query_as("SELECT read_ct, headers FROM pgmq.a_default WHERE message->>'key' = $1::text")
+                .bind(round.to_string())
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        let returns = headers.get("returns").and_then(serde_json::Value::as_i64).unwrap_or(0);
+        assert_eq!(
+            i64::from(read_ct) - returns,
+            1,
+            "round {round}: its one run is attempt 1 ({headers}, read_ct {read_ct})"
+        );
+        assert!(headers.get("shutdown_returns").is_none(), "round {round}: a shutdown return was spent: {headers}");
+        if returns > 0 {
+            late += 1;
+            if late == 2 {
+                break;
+            }
+        }
+    }
+    w0.stop().await;
+    assert!(late > 0, "no round held a claim's request past its budget");
+    assert_eq!(db.count("SELECT 1 FROM runs").await.unwrap(), db.count("SELECT 1 FROM pgmq.a_default").await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -267,6 +267,25 @@ pub async fn release_cancelled<'c>(
     .await
 }
 
+/// Returns a delivery its worker never started (`lockgate.return_unstarted`): visible at once,
+/// keeping its permit, counted neither as an attempt nor as a shutdown return. True when returned.
+pub async fn return_unstarted<'c>(
+    db: impl Into<Db<'c>>,
+    queue: &str,
+    msg_id: i64,
+    read_ct: i32,
+) -> Result<bool, DbError> {
+    on(db.into(), async |conn| {
+        Ok(query_scalar("SELECT lockgate.return_unstarted($1, $2, $3)")
+            .bind(queue)
+            .bind(msg_id)
+            .bind(read_ct)
+            .fetch_one(conn)
+            .await?)
+    })
+    .await
+}
+
 /// Which of the deliveries `(msg_id, read_ct)` of `queue`, no longer there, were cancelled while
 /// they held their job (archived by `lockgate.cancel` with that read_ct): the heartbeat asks about
 /// the deliveries it lost, to tell a cancel from a lapsed lease.

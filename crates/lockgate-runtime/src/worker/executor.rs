@@ -117,18 +117,19 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
             return;
         }
         Start::Late => {
-            // The claim took so long (a pooler paused, a server stalled) that what is left of the
-            // lease cannot cover a handler: returned as shutdown returns, it runs again at once and
-            // this delivery is no attempt (H32). If the return fails, its visibility lapses.
-            let token = [(delivery.msg_id, delivery.read_ct)];
-            let cap = Some(shared.config.max_shutdown_returns);
-            let returned = lockgate_sql::release(&shared.db, &claim.queue, &token, cap).await;
-            tracing::info!(
+            // The claim's answer came so late (a stalled network, a paused process) that what is
+            // left of the lease cannot cover a handler: returned unstarted, it runs again at once
+            // and this delivery is no attempt (H32). If the return fails, its visibility lapses.
+            let returned =
+                lockgate_sql::return_unstarted(&shared.db, claim.queue.as_str(), delivery.msg_id, delivery.read_ct)
+                    .await;
+            tracing::warn!(
                 job_id = ctx.job_id.0,
-                returned = returned.as_ref().is_ok_and(|r| r.contains(&delivery.msg_id)),
-                "claimed job not started: too little budget was left to start it"
+                returned = returned.as_ref().is_ok_and(|r| *r),
+                "claimed job not started: its claim was answered too late to start it within its lease \
+                 (a claim slower than visibility_timeout allows)"
             );
-            if !returned.is_ok_and(|r| r.contains(&delivery.msg_id)) {
+            if !returned.is_ok_and(|r| r) {
                 give_back_if_cancelled(&shared.db, &delivery).await;
             }
             return;
