@@ -276,6 +276,18 @@ async fn run_refuses_executors_that_cannot_work_naming_the_job_type() {
     // The same statement prepares once its table exists, with $1 as jsonb. Dropped behind the
     // running process's back, its error is kept once, not "…: relation … does not exist" twice.
     sqlx::query("CREATE TABLE audit (args jsonb)").execute(&db.pool).await.unwrap();
+    // A second parameter is never bound: refused at start, not failed at every run (review
+    // helper-82). A procedure call is taken, as the executor runs it.
+    let two = Config::new("[job_types.audit]\nsql = \"INSERT INTO audit (args) VALUES ($1 || $2)\"");
+    let (status, out) = run_until_exit(&db, &two).await;
+    assert!(!status.success() && out.contains("has 2 parameters: only $1 is bound"), "{out}");
+    sqlx::raw_sql("CREATE PROCEDURE note_it(a jsonb) LANGUAGE sql AS $$ INSERT INTO audit VALUES (a) $$")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let call = Config::new("[job_types.noted]\nsql = \"CALL note_it($1)\"");
+    let o = output(&db, &["define", "--config", &call.path]);
+    assert!(o.status.success(), "a CALL is refused: {}", text(&o));
     let config = Config::new("[job_types.audit]\nsql = \"INSERT INTO audit (args) VALUES ($1)\"\nmax_attempts = 1");
     let mut child =
         lockgate(&db, &["run", "--config", &config.path]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();

@@ -43,7 +43,13 @@ async fn the_cli_works_through_transaction_pooling_when_the_url_says_so() {
 #[tokio::test]
 async fn run_with_sql_job_types_through_transaction_pooling() {
     let db = TestDb::migrated().await.unwrap();
-    sqlx::raw_sql("CREATE TABLE hits (kind text, n integer)").execute(&db.pool).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE hits (kind text, n integer);
+         CREATE PROCEDURE hit(a jsonb) LANGUAGE sql AS $$ INSERT INTO hits SELECT 'call', (a->>'n')::int $$",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
     // Two servers shared by everything; two statements taking the same jsonb: a statement bound
     // on the wrong server would write the other kind.
     let bouncer = PgBouncer::start(PoolMode::Transaction, 2).await.unwrap();
@@ -56,7 +62,8 @@ async fn run_with_sql_job_types_through_transaction_pooling() {
         format!(
             "[runtime]\n{DEFAULT_RUNTIME}\n\n\
              [job_types.left]\nsql = \"INSERT INTO hits SELECT 'left', ($1->>'n')::int\"\n\n\
-             [job_types.right]\nsql = \"INSERT INTO hits SELECT 'right', ($1->>'n')::int\"\n"
+             [job_types.right]\nsql = \"INSERT INTO hits SELECT 'right', ($1->>'n')::int\"\n\n\
+             [job_types.call]\nsql = \"CALL hit($1)\"\n"
         ),
     )
     .unwrap();
@@ -87,6 +94,9 @@ async fn run_with_sql_job_types_through_transaction_pooling() {
     let o =
         lockgate(&db, &["define", "--config", config.to_str().unwrap()]).env("DATABASE_URL", &pooled).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
+    // A CALL, which only the protocol's prepare takes: run unchecked through the pooler, and run.
+    let o = lockgate(&db, &["enqueue", "call", "{\"n\": 0}"]).env("DATABASE_URL", &pooled).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
     for n in 0..20 {
         for kind in ["left", "right"] {
             let o = lockgate(&db, &["enqueue", kind, &format!("{{\"n\": {n}}}")])
@@ -102,7 +112,7 @@ async fn run_with_sql_job_types_through_transaction_pooling() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let done = lockgate_testkit::wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 40, WAIT).await;
+    let done = lockgate_testkit::wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 41, WAIT).await;
     signal(&child, "TERM");
     let status = wait_exit(&mut child).await;
     let o = child.wait_with_output().unwrap();
@@ -115,8 +125,8 @@ async fn run_with_sql_job_types_through_transaction_pooling() {
             .fetch_all(&db.pool)
             .await
             .unwrap();
-    assert_eq!(kinds, [("left".to_string(), 20), ("right".to_string(), 20)]);
-    assert_eq!(db.count("SELECT 1 FROM hits").await.unwrap(), 40);
+    assert_eq!(kinds, [("call".to_string(), 1), ("left".to_string(), 20), ("right".to_string(), 20)]);
+    assert_eq!(db.count("SELECT 1 FROM hits").await.unwrap(), 41);
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
     let retried: i64 =
         sqlx::query_scalar("SELECT count(*) FROM pgmq.a_default WHERE read_ct > 1").fetch_one(&db.pool).await.unwrap();

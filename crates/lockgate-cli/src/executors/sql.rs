@@ -11,38 +11,112 @@ use serde_json::Value;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use sqlx::postgres::PgConnection;
-use sqlx::Connection as _;
+use sqlx::postgres::PgTypeInfo;
+use sqlx::{Connection as _, Executor as _, Statement as _};
 
 /// Whether `statement` prepares against the database (tables and columns exist, the syntax is
-/// right), with `$1` typed as the jsonb it is bound as.
+/// right), with `$1` typed as the jsonb it is bound as and no other parameter.
 ///
-/// It is prepared with SQL's `PREPARE`, under a name of its own, sent as one unnamed statement
-/// and deallocated in the same transaction: through a transaction-mode pooler the server is the
+/// Directly, it is prepared as the executor runs it (the protocol's prepare, which takes `CALL`
+/// and other utility statements too). Through a transaction-mode pooler the server is the
 /// transaction's and may hold other clients' named statements (sqlx's `sqlx_s_N` among them),
-/// which a driver-level prepare collided with (review helper-81). A table the statement names may
-/// be locked by another transaction (an ALTER TABLE left open): the check waits
-/// `PREPARE_LOCK_WAIT` for it, then fails naming the lock rather than hanging the start.
+/// which the protocol's named prepare collided with (review helper-81): there it is prepared with
+/// SQL's `PREPARE`, under a name of its own, and deallocated in the same transaction; `PREPARE`
+/// takes only queries (SELECT, INSERT, UPDATE, DELETE, MERGE, VALUES), so another statement is
+/// run unchecked there, with a warning (review helper-82). A table the statement names may be
+/// locked by another transaction (an ALTER TABLE left open): the check waits `PREPARE_LOCK_WAIT`
+/// for it, then fails naming the lock rather than hanging the start.
 pub async fn check(db: &PgPool, statement: &str) -> anyhow::Result<()> {
-    let parameters = if statement.contains("$1") { " (jsonb)" } else { "" };
-    let name = format!("lockgate_check_{}_{}", std::process::id(), CHECKS.fetch_add(1, Ordering::Relaxed));
     let mut tx = db.begin().await?;
     let budget = format!("SET LOCAL lock_timeout = '{}ms'", PREPARE_LOCK_WAIT.as_millis());
     sqlx::query(&budget).persistent(false).execute(&mut *tx).await?;
-    let prepare = format!("PREPARE {name}{parameters} AS {statement}");
-    if let Err(err) = sqlx::query(&prepare).persistent(false).execute(&mut *tx).await {
-        let database = err.as_database_error();
-        if database.and_then(|db| db.code()).as_deref() == Some("55P03") {
-            anyhow::bail!(
-                "its sql statement could not be checked: a table it uses stayed locked by another transaction for {} s",
-                PREPARE_LOCK_WAIT.as_secs()
+    let prepared = if lockgate::pooler::transaction_pooling() {
+        prepare_by_name(&mut tx, statement).await
+    } else {
+        prepare_by_protocol(&mut tx, statement).await
+    };
+    let parameters = match prepared {
+        Ok(Some(parameters)) => parameters,
+        Ok(None) => {
+            tracing::warn!(
+                statement,
+                "this sql statement is not a query, which cannot be checked through a transaction-mode pooler: \
+                 it runs unchecked"
             );
+            0
         }
-        let cause = database.map_or_else(|| err.to_string(), |db| db.message().to_string());
-        anyhow::bail!("its sql statement does not prepare: {cause}");
-    }
-    sqlx::query(&format!("DEALLOCATE {name}")).persistent(false).execute(&mut *tx).await?;
+        Err(err) => {
+            let database = err.as_database_error();
+            if database.and_then(|db| db.code()).as_deref() == Some("55P03") {
+                anyhow::bail!(
+                    "its sql statement could not be checked: a table it uses stayed locked by another transaction \
+                     for {} s",
+                    PREPARE_LOCK_WAIT.as_secs()
+                );
+            }
+            let cause = database.map_or_else(|| err.to_string(), |db| db.message().to_string());
+            anyhow::bail!("its sql statement does not prepare: {cause}");
+        }
+    };
     tx.rollback().await?;
+    if parameters > 1 {
+        anyhow::bail!(
+            "its sql statement has {parameters} parameters: only $1 is bound, to the job's arguments (jsonb); \
+             read the others from it, e.g. ($1->>'id')::bigint"
+        );
+    }
     Ok(())
+}
+
+/// The protocol's prepare, as the executor's statements are prepared; the statement closed again.
+/// Returns how many parameters it takes.
+async fn prepare_by_protocol(conn: &mut PgConnection, statement: &str) -> Result<Option<usize>, sqlx::Error> {
+    let types = if statement.contains("$1") { vec![PgTypeInfo::with_name("jsonb")] } else { vec![] };
+    let prepared = conn.prepare_with(statement, &types).await?;
+    let parameters = match prepared.parameters() {
+        Some(sqlx::Either::Left(types)) => types.len(),
+        Some(sqlx::Either::Right(count)) => count,
+        None => 0,
+    };
+    conn.clear_cached_statements().await?;
+    Ok(Some(parameters))
+}
+
+/// SQL's `PREPARE` under a name of this process's own, deallocated before the transaction ends;
+/// `None` for a statement that is not a query, which `PREPARE` does not take. Returns how many
+/// parameters it takes.
+async fn prepare_by_name(conn: &mut PgConnection, statement: &str) -> Result<Option<usize>, sqlx::Error> {
+    const QUERIES: [&str; 8] = ["select", "insert", "update", "delete", "merge", "values", "with", "table"];
+    if !QUERIES.contains(&first_keyword(statement).as_str()) {
+        return Ok(None);
+    }
+    let name = format!("lockgate_check_{}_{}", std::process::id(), CHECKS.fetch_add(1, Ordering::Relaxed));
+    let parameters = if statement.contains("$1") { " (jsonb)" } else { "" };
+    sqlx::query(&format!("PREPARE {name}{parameters} AS {statement}")).persistent(false).execute(&mut *conn).await?;
+    let count: i32 =
+        sqlx::query_scalar("SELECT cardinality(parameter_types) FROM pg_prepared_statements WHERE name = $1")
+            .persistent(false)
+            .bind(&name)
+            .fetch_one(&mut *conn)
+            .await?;
+    sqlx::query(&format!("DEALLOCATE {name}")).persistent(false).execute(&mut *conn).await?;
+    Ok(Some(usize::try_from(count).unwrap_or(0)))
+}
+
+/// The statement's first keyword, lowercased, past white space, comments and opening parentheses.
+fn first_keyword(statement: &str) -> String {
+    let mut rest = statement;
+    loop {
+        rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == '(');
+        if let Some(line) = rest.strip_prefix("--") {
+            rest = line.split_once('\n').map_or("", |(_, after)| after);
+        } else if let Some(block) = rest.strip_prefix("/*") {
+            rest = block.split_once("*/").map_or("", |(_, after)| after);
+        } else {
+            break;
+        }
+    }
+    rest.chars().take_while(char::is_ascii_alphabetic).collect::<String>().to_ascii_lowercase()
 }
 
 /// Names of the checks' prepared statements, unique in this process.
@@ -148,5 +222,18 @@ impl SqlExecutor {
 impl RawHandler for SqlExecutor {
     fn call(&self, ctx: JobContext, args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
         Box::pin(self.run(ctx, args))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_keyword;
+
+    #[test]
+    fn the_first_keyword_is_read_past_space_comments_and_parentheses() {
+        assert_eq!(first_keyword("  INSERT INTO t VALUES ($1)"), "insert");
+        assert_eq!(first_keyword("-- note\n/* block */ (SELECT 1)"), "select");
+        assert_eq!(first_keyword("CALL p($1)"), "call");
+        assert_eq!(first_keyword("-- only a comment"), "");
     }
 }
