@@ -470,6 +470,29 @@ async fn jobs_found_cancelled_retried_and_discarded_from_the_cli() {
 /// producer's enqueue, not yet committed, of the unique key the dead job must take again (waited
 /// for 1 s, not for as long as the producer's transaction stays open). Once they end, the retry
 /// goes through.
+/// A message sent without lockgate's headers and dead-lettered by a claim goes by its msg_id in
+/// every dlq verb, as in `job show` (review helper-82: listed by `job show`, "no dead letter" for
+/// `dlq purge --job-id`).
+#[tokio::test]
+async fn dlq_verbs_find_a_dead_letter_without_lockgates_headers_by_its_msg_id() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('default')").execute(&db.pool).await.unwrap();
+    let id: i64 =
+        sqlx::query_scalar("SELECT pgmq.send('default', '{\"h\": 0}'::jsonb)").fetch_one(&db.pool).await.unwrap();
+    let claimed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lockgate.claim('default', 1, 30)").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(claimed, 0, "dead-lettered by the claim");
+    let listed = output(&db, &["dlq", "list", "--job-id", &id.to_string()]);
+    assert!(
+        listed.status.success() && text(&listed).lines().nth(1).is_some_and(|l| l.starts_with(&id.to_string())),
+        "{}",
+        text(&listed)
+    );
+    let purged = output(&db, &["dlq", "purge", "--job-id", &id.to_string()]);
+    assert!(purged.status.success() && text(&purged).contains("purged 1"), "{}", text(&purged));
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
+}
+
 #[tokio::test]
 async fn a_retry_of_a_dead_letter_another_transaction_holds_says_so_and_fails() {
     let db = TestDb::migrated().await.unwrap();

@@ -48,7 +48,8 @@ pub async fn dlq_list<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter, limit: i64)
                 "SELECT id, queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, {}, dead_at,
                         COALESCE(headers->'errors', '[]')
                    FROM lockgate.dead_letters
-                  WHERE ($1::text IS NULL OR queue = $1) AND ($2::bigint[] IS NULL OR job_id = ANY ($2))
+                  WHERE ($1::text IS NULL OR queue = $1)
+                    AND ($2::bigint[] IS NULL OR job_id = ANY ($2) OR (job_id IS NULL AND msg_id = ANY ($2)))
                   ORDER BY id LIMIT $3",
                 readable_time("enqueued_at")
             )

@@ -131,7 +131,9 @@ async fn refuse_what_does_not_exist(pool: &PgPool, filter: &DlqFilter) -> Result
         let found = dlq_list(pool, filter, i64::MAX).await?;
         let missing: Vec<String> = ids
             .iter()
-            .filter(|id| !found.iter().any(|d| d.job_id.is_some_and(|j| j.0 == **id)))
+            // A dead letter without lockgate's headers has no job id: it goes by its msg_id, as
+            // `lockgate job show` shows it.
+            .filter(|id| !found.iter().any(|d| d.job_id.map(|j| j.0).or(d.msg_id) == Some(**id)))
             .map(i64::to_string)
             .collect();
         if !missing.is_empty() {
@@ -155,7 +157,7 @@ fn print_list(rows: &[DeadLetter]) {
     ]);
     for r in rows {
         t.row(vec![
-            r.job_id.map_or("-".to_string(), |j| j.to_string()),
+            r.job_id.map(|j| j.0).or(r.msg_id).map_or("-".to_string(), |j| j.to_string()),
             r.queue.clone(),
             r.job_type.clone().unwrap_or_else(|| "-".into()),
             r.reason.clone(),
