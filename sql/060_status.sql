@@ -1,4 +1,5 @@
--- Queue statistics for lockgate status and the metrics: per queue, jobs ready now, scheduled
+-- Queue statistics for lockgate status and the metrics: per queue, jobs ready now (or put back
+-- for a second because their key was busy, as lockgate.jobs() shows them: queued), scheduled
 -- (delayed or waiting for a retry), running (claimed and not yet finished), dead-lettered, and
 -- how long the oldest ready job has waited since it became ready, and whether the queue is
 -- paused (lockgate.pause_queue).
@@ -15,8 +16,9 @@ BEGIN
     FOR q IN SELECT lockgate._live_queues() AS name LOOP
         queue := q.name;
         EXECUTE format(
-            'SELECT count(*) FILTER (WHERE vt <= now()),
-                    count(*) FILTER (WHERE vt > now() AND (read_ct = 0 OR headers ? ''retry_at'')),
+            'SELECT count(*) FILTER (WHERE vt <= now() OR (headers->''retry_at'' = headers->''put_back_until'')),
+                    count(*) FILTER (WHERE vt > now() AND (read_ct = 0 OR headers ? ''retry_at'')
+                                     AND (headers->''retry_at'' = headers->''put_back_until'') IS NOT TRUE),
                     count(*) FILTER (WHERE vt > now() AND read_ct > 0 AND NOT headers ? ''retry_at''),
                     extract(epoch FROM now() - min(vt) FILTER (WHERE vt <= now() AND isfinite(vt)))::double precision
                FROM %s', lockgate._queue_table(q.name, 'q'))

@@ -78,6 +78,8 @@ CREATE OR REPLACE FUNCTION lockgate._job_fields(message jsonb, headers jsonb, re
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
     h jsonb := CASE WHEN jsonb_typeof(headers) = 'object' THEN headers ELSE '{}' END;
+    upto integer;
+    lost_from integer;
 BEGIN
     job_type := h->>'type';
     args := message;
@@ -96,9 +98,15 @@ BEGIN
     -- An attempt that started and recorded no outcome (its worker was killed, or lost its lease
     -- and stopped) is shown as lost, so that there is one entry per attempt (review helper-81).
     -- Only a message's own deliveries can be told apart so (parked jobs and dead letters are read
-    -- with read_ct 0; a cancelled or discarded job's last delivery may never have run): every
-    -- attempt before the row's own, and the row's own when it waits again.
+    -- with read_ct 0; a cancelled or discarded job's last delivery may never have run): the
+    -- attempts after the job's earlier messages' (attempts_before) and before the row's own, and
+    -- the row's own when it waits again, unless that delivery was claimed ahead and never started
+    -- (no last_read_at: the next claim counts it as a return). At most the last 100 of them, for
+    -- counts written by hand (review helper-83: an attempts_before of 999999999 hung every listing).
     IF read_ct > 0 AND state IN ('queued', 'scheduled', 'retrying', 'running', 'succeeded') THEN
+        upto := CASE WHEN state IN ('succeeded', 'running') OR last_read_at IS NULL THEN attempt - 1 ELSE attempt END;
+        lost_from := GREATEST(1, upto - 99,
+                              1 + CASE WHEN h->>'attempts_before' ~ '^[0-9]{1,9}$' THEN (h->>'attempts_before')::integer ELSE 0 END);
         SELECT COALESCE(jsonb_agg(e ORDER BY CASE WHEN e->>'attempt' ~ '^[0-9]{1,9}$' THEN (e->>'attempt')::integer END
                                   NULLS FIRST), '[]') INTO attempts
           FROM (SELECT e FROM jsonb_array_elements(attempts) e
@@ -106,7 +114,7 @@ BEGIN
                 SELECT jsonb_build_object('attempt', n, 'started_at', NULL, 'ended_at', NULL, 'process', NULL,
                                           'outcome', 'lost',
                                           'error', 'no outcome was recorded: its worker stopped (killed, or its lease was lost)')
-                  FROM generate_series(1, CASE WHEN state IN ('succeeded', 'running') THEN attempt - 1 ELSE attempt END) n
+                  FROM generate_series(lost_from, upto) n
                  WHERE NOT EXISTS (SELECT 1 FROM jsonb_array_elements(attempts) r
                                     WHERE jsonb_typeof(r->'attempt') = 'number' AND (r->>'attempt')::numeric = n)) x;
     END IF;

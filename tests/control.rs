@@ -208,6 +208,36 @@ async fn an_attempt_whose_worker_died_shows_in_the_history_as_lost() {
     let job = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().unwrap();
     assert_eq!(job.attempts[0]["attempt"], 1);
     assert!(job.attempts[0]["error"].as_str().unwrap().contains("its worker stopped"), "{}", job.attempts);
+
+    // A delivery claimed ahead and never started is no attempt, lost or otherwise (review
+    // helper-83: shown lost until the next claim counted it as a return).
+    let ahead: i64 =
+        sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue('work', '{}')").fetch_one(&db.pool).await.unwrap();
+    let claimed: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.claim('default', 1, 30, start_now => 0)")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(claimed, 1);
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second'").execute(&db.pool).await.unwrap();
+    assert_eq!(job_state(&db, ahead).await, state("queued", 1, ""));
+
+    // A count written by hand bounds the entries shown, and never fails or stalls the listing
+    // (review helper-83: attempts_before 999999999 hung it).
+    sqlx::query(
+        "SELECT pgmq.send('default', '{}'::jsonb, '{\"type\": \"work\", \"attempts_before\": 999999999}'::jsonb)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("SELECT count(*) FROM lockgate.claim('default', 5, 30)").execute(&db.pool).await.unwrap();
+    let listed = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        lockgate::sql::jobs(&db.pool, &lockgate::JobFilter::default(), 10, None),
+    )
+    .await
+    .expect("the listing answered")
+    .unwrap();
+    assert!(listed.iter().all(|j| j.attempts.as_array().is_some_and(|a| a.len() <= 101)), "{listed:?}");
 }
 
 #[tokio::test]

@@ -212,6 +212,12 @@ async fn while_executing_lets_duplicates_queue_and_runs_them_one_at_a_time_or_di
         vec![(a.unwrap(), "running".to_string(), 1), (b.unwrap(), "queued".to_string(), 0)],
         "B waits for its key: queued, not retrying a failed attempt (review helper-79)"
     );
+    let counts: (i64, i64, i64) =
+        sqlx::query_as("SELECT ready, scheduled, running FROM lockgate.queue_stats() WHERE queue = 'default'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(counts, (1, 0, 1), "lockgate status counts it so too (review helper-83)");
     // A fails: its run ends and gives the key back while it waits for its retry.
     assert!(retry(&db.pool, running[0], 30.0).await);
     let a_state: String =

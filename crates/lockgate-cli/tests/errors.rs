@@ -278,7 +278,7 @@ async fn run_refuses_executors_that_cannot_work_naming_the_job_type() {
     sqlx::query("CREATE TABLE audit (args jsonb)").execute(&db.pool).await.unwrap();
     // A second parameter is never bound: refused at start, not failed at every run (review
     // helper-82). A procedure call is taken, as the executor runs it.
-    let two = Config::new("[job_types.audit]\nsql = \"INSERT INTO audit (args) VALUES ($1 || $2)\"");
+    let two = Config::new("[job_types.audit]\nsql = \"INSERT INTO audit (args) VALUES ($2)\"");
     let (status, out) = run_until_exit(&db, &two).await;
     assert!(!status.success() && out.contains("has 2 parameters: only $1 is bound"), "{out}");
     sqlx::raw_sql("CREATE PROCEDURE note_it(a jsonb) LANGUAGE sql AS $$ INSERT INTO audit VALUES (a) $$")

@@ -138,10 +138,22 @@ impl InFlight {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Registers a claimed delivery, waiting for a handler slot (heartbeat renews it already).
+    /// Registers a claimed delivery, waiting for a handler slot (heartbeat renews it already). An
+    /// earlier delivery of the same message that this process still runs is stale now (the
+    /// message was returned and claimed again behind its back, by a return called by hand with
+    /// its token, say): its handler is cancelled as a lost lease's is, never left running beside
+    /// the new one unfenced (review helper-83; the entry it had is replaced).
     pub fn insert_waiting(&self, d: &Delivery, lease_until: Instant) {
         let entry = Entry { read_ct: d.read_ct, state: State::Waiting, ctx: None, lease_until };
-        self.entries().insert((d.queue.clone(), d.msg_id), entry);
+        if let Some(old) = self.entries().insert((d.queue.clone(), d.msg_id), entry) {
+            if let Some(ctx) = old.ctx.filter(|_| old.read_ct != d.read_ct) {
+                tracing::warn!(
+                    job_id = ctx.job_id.0,
+                    "a running delivery's message was claimed again: its handler is cancelled"
+                );
+                ctx.fire(CancelReason::LeaseLost);
+            }
+        }
     }
 
     /// Waiting → Running, when the executor takes the delivery over with its handler's context.
@@ -392,6 +404,20 @@ mod tests {
         assert_eq!(c.cancel_reason(), Some(CancelReason::LeaseLost));
         assert_eq!(set.begin_finishing(&d), Finish::Lost);
         assert_eq!(set.len(), 0);
+    }
+
+    #[test]
+    fn a_running_delivery_whose_message_is_claimed_again_is_cancelled() {
+        let set = InFlight::default();
+        let now = Instant::now();
+        let d = delivery(1);
+        set.insert_waiting(&d, now + Duration::from_secs(30));
+        let c = ctx(1);
+        assert_eq!(set.start(&d, c.clone(), now), Start::Run);
+        let again = Delivery { read_ct: 2, ..d.clone() };
+        set.insert_waiting(&again, now + Duration::from_secs(30));
+        assert_eq!(c.cancel_reason(), Some(CancelReason::LeaseLost));
+        assert_eq!(set.begin_finishing(&d), Finish::Lost, "the old delivery's outcome is not written");
     }
 
     #[test]

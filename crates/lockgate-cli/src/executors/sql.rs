@@ -71,8 +71,9 @@ pub async fn check(db: &PgPool, statement: &str) -> anyhow::Result<()> {
 /// The protocol's prepare, as the executor's statements are prepared; the statement closed again.
 /// Returns how many parameters it takes.
 async fn prepare_by_protocol(conn: &mut PgConnection, statement: &str) -> Result<Option<usize>, sqlx::Error> {
-    let types = if statement.contains("$1") { vec![PgTypeInfo::with_name("jsonb")] } else { vec![] };
-    let prepared = conn.prepare_with(statement, &types).await?;
+    // $1 declared whether or not the text shows it (a statement naming only $2 is told what is
+    // bound, not that $1's type is unknown; review helper-83).
+    let prepared = conn.prepare_with(statement, &[PgTypeInfo::with_name("jsonb")]).await?;
     let parameters = match prepared.parameters() {
         Some(sqlx::Either::Left(types)) => types.len(),
         Some(sqlx::Either::Right(count)) => count,
@@ -91,8 +92,7 @@ async fn prepare_by_name(conn: &mut PgConnection, statement: &str) -> Result<Opt
         return Ok(None);
     }
     let name = format!("lockgate_check_{}_{}", std::process::id(), CHECKS.fetch_add(1, Ordering::Relaxed));
-    let parameters = if statement.contains("$1") { " (jsonb)" } else { "" };
-    sqlx::query(&format!("PREPARE {name}{parameters} AS {statement}")).persistent(false).execute(&mut *conn).await?;
+    sqlx::query(&format!("PREPARE {name} (jsonb) AS {statement}")).persistent(false).execute(&mut *conn).await?;
     let count: i32 =
         sqlx::query_scalar("SELECT cardinality(parameter_types) FROM pg_prepared_statements WHERE name = $1")
             .persistent(false)
@@ -103,20 +103,45 @@ async fn prepare_by_name(conn: &mut PgConnection, statement: &str) -> Result<Opt
     Ok(Some(usize::try_from(count).unwrap_or(0)))
 }
 
-/// The statement's first keyword, lowercased, past white space, comments and opening parentheses.
+/// The statement's first keyword, lowercased, past white space, comments (block comments nest, as
+/// PostgreSQL reads them) and opening parentheses.
 fn first_keyword(statement: &str) -> String {
     let mut rest = statement;
     loop {
         rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == '(');
         if let Some(line) = rest.strip_prefix("--") {
             rest = line.split_once('\n').map_or("", |(_, after)| after);
-        } else if let Some(block) = rest.strip_prefix("/*") {
-            rest = block.split_once("*/").map_or("", |(_, after)| after);
+        } else if rest.starts_with("/*") {
+            rest = past_block_comment(rest);
         } else {
             break;
         }
     }
     rest.chars().take_while(char::is_ascii_alphabetic).collect::<String>().to_ascii_lowercase()
+}
+
+/// `text` past the block comment it starts with, nested ones included ("" when it never ends).
+fn past_block_comment(text: &str) -> &str {
+    let mut depth = 0usize;
+    let mut i = 0;
+    let bytes = text.as_bytes();
+    while i + 1 < bytes.len() {
+        match (bytes[i], bytes[i + 1]) {
+            (b'/', b'*') => {
+                depth += 1;
+                i += 2;
+            }
+            (b'*', b'/') => {
+                depth -= 1;
+                i += 2;
+                if depth == 0 {
+                    return &text[i..];
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    ""
 }
 
 /// Names of the checks' prepared statements, unique in this process.
@@ -235,5 +260,7 @@ mod tests {
         assert_eq!(first_keyword("-- note\n/* block */ (SELECT 1)"), "select");
         assert_eq!(first_keyword("CALL p($1)"), "call");
         assert_eq!(first_keyword("-- only a comment"), "");
+        assert_eq!(first_keyword("/* /* */ SELECT */ CALL p()"), "call");
+        assert_eq!(first_keyword("/* never ends"), "");
     }
 }
