@@ -61,11 +61,21 @@ pub fn descendants(pid: u32) -> Vec<u32> {
 }
 
 /// Kills `pid` and every process it started with SIGKILL, as a crash of its host would: the
-/// process is stopped first so it cannot start another child while its tree is collected.
-/// Returns the descendants that were killed with it. The caller still reaps `pid`.
+/// whole tree is stopped first, so that none of it can start another child while it is
+/// collected (a shell of a command job forking its program between the collection and the kill
+/// left that program running, an orphan no crash of a host would leave). Returns the
+/// descendants that were killed with it. The caller still reaps `pid`.
 pub fn kill_tree(pid: u32) -> Vec<u32> {
     send_signal(&[pid], "STOP");
-    let tree = descendants(pid);
+    let mut tree = descendants(pid);
+    loop {
+        send_signal(&tree, "STOP");
+        let again = descendants(pid);
+        if again.iter().all(|p| tree.contains(p)) {
+            break;
+        }
+        tree = again;
+    }
     // Descendants first, so none is reparented before it is hit; each kill is independent.
     for chunk in tree.chunks(64) {
         send_signal(chunk, "KILL");
