@@ -971,17 +971,10 @@ impl Run<'_> {
         let Some(ty) = d.ty else {
             return Ok(format!("{} has no known type: nothing to do", d.describe()));
         };
-        let k: u8 =
-            d.key.as_deref().and_then(|key| key.rsplit_once(":[")?.1.strip_suffix(']')?.parse().ok()).unwrap_or(0);
+        let k = key_argument(&d);
         let in_batch = !self.model.batch.closed;
         sqlx::query("BEGIN").execute(&mut self.c.producer).await?;
-        let rows: Vec<(Option<i64>, i64, String)> =
-            sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
-                .bind(ty.name())
-                .bind(json!({ "k": k }))
-                .bind(db::enqueue_options(self.api, in_batch))
-                .fetch_all(&mut self.c.producer)
-                .await?;
+        let rows = self.producer_enqueue(ty, k, in_batch).await?;
         // A committed enqueue is recorded as of when it ran, before the finish: what it saw then
         // (a duplicate of the running job, say) is what it answered.
         let said = if commit { self.enqueued(ty, &[k], &rows, in_batch)? } else { "rolled back".into() };
@@ -1001,6 +994,17 @@ impl Run<'_> {
         Ok(format!("{finished}; the producer's enqueue of {} {{k:{k}}}: {said}", ty.name()))
     }
 
+    /// `lockgate.enqueue` of (ty, {k}) on the producer connection, in whatever transaction it has
+    /// open: (msg_id, job_id, status).
+    async fn producer_enqueue(&mut self, ty: Ty, k: u8, in_batch: bool) -> Result<Vec<(Option<i64>, i64, String)>> {
+        Ok(sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
+            .bind(ty.name())
+            .bind(json!({ "k": k }))
+            .bind(db::enqueue_options(self.api, in_batch))
+            .fetch_all(&mut self.c.producer)
+            .await?)
+    }
+
     /// §78's schedule, which a finish that takes its snapshot in its own first statement never
     /// meets: the snapshot is older than a committed enqueue that may have parked a job behind
     /// the delivery. The finish must not give the permit past that job ((a), (c), and the drain
@@ -1011,19 +1015,12 @@ impl Run<'_> {
         let Some(ty) = d.ty else {
             return Ok(format!("{} has no known type: nothing to do", d.describe()));
         };
-        let k: u8 =
-            d.key.as_deref().and_then(|key| key.rsplit_once(":[")?.1.strip_suffix(']')?.parse().ok()).unwrap_or(0);
+        let k = key_argument(&d);
         let conn = &mut self.c.workers[d.worker];
         sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *conn).await?;
         sqlx::query("SELECT 1").execute(&mut *conn).await?;
         let in_batch = !self.model.batch.closed;
-        let rows: Vec<(Option<i64>, i64, String)> =
-            sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
-                .bind(ty.name())
-                .bind(json!({ "k": k }))
-                .bind(db::enqueue_options(self.api, in_batch))
-                .fetch_all(&mut self.c.producer)
-                .await?;
+        let rows = self.producer_enqueue(ty, k, in_batch).await?;
         let said = self.enqueued(ty, &[k], &rows, in_batch)?;
         let finished = self.finish_in(i, how, Snapshot::Open).await?;
         Ok(format!("the producer's enqueue of {} {{k:{k}}}: {said}; then {finished}", ty.name()))
@@ -1824,6 +1821,11 @@ fn h06_model_a_finish_on_an_older_snapshot_never_gives_its_permit_past_a_job_par
         ("a dead letter on a snapshot older than the park", limb(Finish::DeadLetter)),
         ("a completion on a snapshot older than the park", limb(Finish::Complete)),
     ]);
+}
+
+/// The `k` argument a delivery's key was derived from (`type:[k]`; 0 when it cannot be read).
+fn key_argument(d: &Delivery) -> u8 {
+    d.key.as_deref().and_then(|key| key.rsplit_once(":[")?.1.strip_suffix(']')?.parse().ok()).unwrap_or(0)
 }
 
 /// The snapshot a finish decides in.

@@ -1344,19 +1344,26 @@ async fn h33_a_lowered_limit_holds_back_queued_jobs_that_took_their_permits_unde
     }
     assert_eq!(enqueue(&db.pool, 1).await.2, "parked");
     define(&db.pool, Some(1), &["k"]).await;
-    let mut ran = 0;
-    for round in 0..6 {
-        let claimed = claim(&db.pool, 10).await;
-        assert!(claimed.len() <= 1, "round {round}: {} ran at once under a limit of 1", claimed.len());
-        assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
-        ran += claimed.len();
-        complete_all(&db.pool, &claimed).await;
-        sweep(&db.pool).await;
-        lapse_visibility(&db.pool).await;
-    }
+    let ran = drain_one_at_a_time(&db.pool, 6).await;
     assert_eq!(ran, 4, "every job ran once, one at a time");
     let left = db.count("SELECT 1 FROM pgmq.q_default UNION ALL SELECT 1 FROM lockgate.parked").await.unwrap();
     assert_eq!(left, 0);
+}
+
+/// Claims, completes and sweeps for `rounds` rounds, checking that no claim delivers more than
+/// one job (a limit of 1) and that the invariants hold; returns how many jobs ran.
+async fn drain_one_at_a_time(db: &PgPool, rounds: usize) -> usize {
+    let mut ran = 0;
+    for round in 0..rounds {
+        let claimed = claim(db, 10).await;
+        assert!(claimed.len() <= 1, "round {round}: {} ran at once under a limit of 1", claimed.len());
+        assert!(violations(db).await.is_empty(), "{:?}", violations(db).await);
+        ran += claimed.len();
+        complete_all(db, &claimed).await;
+        sweep(db).await;
+        lapse_visibility(db).await;
+    }
+    ran
 }
 
 /// The same with a key given explicitly at enqueue, which no change of key paths moves: its
@@ -1376,16 +1383,7 @@ async fn h33_a_lowered_limit_holds_back_queued_jobs_of_an_explicit_key() {
         assert_eq!(enqueue_explicit().await, "enqueued");
     }
     define(&db.pool, Some(1), &["k"]).await;
-    let mut ran = 0;
-    for round in 0..6 {
-        let claimed = claim(&db.pool, 10).await;
-        assert!(claimed.len() <= 1, "round {round}: {} ran at once under a limit of 1", claimed.len());
-        assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
-        ran += claimed.len();
-        complete_all(&db.pool, &claimed).await;
-        sweep(&db.pool).await;
-        lapse_visibility(&db.pool).await;
-    }
+    let ran = drain_one_at_a_time(&db.pool, 6).await;
     assert_eq!(ran, 3, "every job ran once, one at a time");
     let keys: Vec<String> =
         sqlx::query_scalar("SELECT DISTINCT headers->>'ckey' FROM pgmq.a_default").fetch_all(&db.pool).await.unwrap();
