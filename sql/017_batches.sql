@@ -43,10 +43,11 @@ END $$;
 -- A new, open batch. Callbacks are job types: on_finish runs when every job is counted,
 -- on_success when none failed, on_failure when some did; each gets the arguments
 -- {"batch_id", "total", "succeeded", "failed", "properties"}.
+-- SECURITY DEFINER, as lockgate.enqueue (010_enqueue.sql, "Privileges").
 -- Locks: none. Callers: Client::create_batch, the CLI, SQL producers.
 CREATE OR REPLACE FUNCTION lockgate.create_batch(on_finish text DEFAULT NULL, on_success text DEFAULT NULL,
                                                  on_failure text DEFAULT NULL, properties jsonb DEFAULT '{}')
-RETURNS bigint LANGUAGE plpgsql AS $$
+RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     id bigint;
 BEGIN
@@ -89,9 +90,11 @@ END $$;
 -- unknown batch or one already closed. Returns its state after closing ('closed' or 'finished').
 -- An enqueue that began adding to the batch before the close committed still adds its jobs.
 -- Locks: the batch row FOR NO KEY UPDATE (it waits for a counting completion, never for an
--- enqueue). Callers: Client::close_batch, the CLI, SQL producers.
+-- enqueue). SECURITY DEFINER, as lockgate.enqueue. Callers: Client::close_batch, the CLI, SQL
+-- producers.
 CREATE OR REPLACE FUNCTION lockgate.close_batch(batch_id bigint)
-RETURNS text LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
+RETURNS text LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     st text;
 BEGIN
@@ -496,3 +499,6 @@ RETURNS SETOF lockgate.batches LANGUAGE sql STABLE AS $$
       FROM lockgate.batches b CROSS JOIN LATERAL lockgate._waiting_outcomes(b.id) o
      WHERE b.state <> 'finished' OR b.callbacks_pending ORDER BY b.id LIMIT max_rows
 $$;
+
+-- Run only by the roles granted them, as lockgate.enqueue (010_enqueue.sql).
+REVOKE EXECUTE ON FUNCTION lockgate.create_batch(text, text, text, jsonb), lockgate.close_batch(bigint) FROM PUBLIC;

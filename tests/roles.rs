@@ -1,11 +1,14 @@
 //! A producer's role (README, "A producer's role"): the README's grants, run as written, let a role
-//! that owns nothing enqueue every kind of job, and nothing less than them is documented.
+//! that owns nothing enqueue every kind of job, from SQL and from the Rust client, and give it no
+//! way to change permits, leases or messages by hand (design §83).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use lockgate::{BatchCallbacks, Client, ConcurrencyPolicy, EnqueueOptions, EnqueueStatus, Job, JobPolicy};
 use lockgate_testkit::TestDb;
-use sqlx::postgres::PgConnectOptions;
-use sqlx::{ConnectOptions, Connection};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgConnection};
 
 /// The README's grant block, for `role`.
 fn readme_grants(role: &str) -> String {
@@ -70,4 +73,191 @@ async fn the_readmes_producer_grants_let_a_role_that_owns_nothing_enqueue_every_
         sqlx::query_scalar("SELECT problem FROM lockgate.check_invariants()").fetch_all(&db.pool).await.unwrap();
     assert!(violations.is_empty(), "{violations:?}");
     sqlx::raw_sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).execute(&db.pool).await.unwrap();
+}
+
+/// A migrated database with the types every test here enqueues, and a role of the test's own
+/// (roles are the server's, not the database's; [`drop_role`] drops it) with the README's grants.
+async fn database_with_producer() -> (TestDb, String) {
+    let db = TestDb::migrated().await.unwrap();
+    let role = format!("{}_producer", db.name);
+    sqlx::raw_sql(&format!("CREATE ROLE {role} LOGIN")).execute(&db.pool).await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('plain');
+         SELECT lockgate.define_job_type('limited', concurrency_limit => 1, concurrency_key => ARRAY['k'])",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::raw_sql(&readme_grants(&role)).execute(&db.pool).await.unwrap();
+    (db, role)
+}
+
+async fn connect_as(db: &TestDb, role: &str) -> PgConnection {
+    let options: PgConnectOptions = db.url.parse().unwrap();
+    options.username(role).connect().await.unwrap()
+}
+
+async fn drop_role(db: &TestDb, role: &str) {
+    sqlx::raw_sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).execute(&db.pool).await.unwrap();
+}
+
+/// The SQLSTATE and message of a statement that must fail.
+async fn refusal(conn: &mut PgConnection, sql: &str) -> (String, String) {
+    match sqlx::raw_sql(sql).execute(conn).await {
+        Err(sqlx::Error::Database(e)) => (e.code().unwrap_or_default().into_owned(), e.message().to_owned()),
+        other => panic!("{sql}: expected a refusal, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_producers_role_can_neither_write_permits_nor_run_lockgates_inner_functions() {
+    let (db, role) = database_with_producer().await;
+    let mut producer = connect_as(&db, &role).await;
+    let status: String = sqlx::query_scalar("SELECT status FROM lockgate.enqueue('limited', '{\"k\": 1}')")
+        .fetch_one(&mut producer)
+        .await
+        .unwrap();
+    assert_eq!(status, "enqueued");
+    // The one UPDATE that would let a second job of the key start, and the other ways around
+    // the enqueue: each refused for want of a privilege (42501).
+    for attack in [
+        "UPDATE lockgate.semaphores SET value = 0",
+        "DELETE FROM lockgate.leases",
+        "INSERT INTO lockgate.semaphores (key, lim, value) VALUES ('limited:[2]', 100, 0)",
+        "DELETE FROM lockgate.parked",
+        "SELECT lockgate._acquire('limited:[1]', 100)",
+        "SELECT lockgate._release_leases('default', ARRAY[1::bigint])",
+        "SELECT pgmq.send('default', '{}')",
+        "INSERT INTO pgmq.q_default (message) VALUES ('{}')",
+    ] {
+        let (code, message) = refusal(&mut producer, attack).await;
+        assert_eq!(code, "42501", "{attack}: {message}");
+    }
+    let status: String = sqlx::query_scalar("SELECT status FROM lockgate.enqueue('limited', '{\"k\": 1}')")
+        .fetch_one(&mut producer)
+        .await
+        .unwrap();
+    assert_eq!(status, "parked", "the key's permit is still taken");
+    producer.close().await.unwrap();
+
+    // A role with the schema but without the grants enqueues nothing: running as lockgate's
+    // owner is for the roles granted it, not for every role that may read the schema.
+    let reader = format!("{}_reader", db.name);
+    sqlx::raw_sql(&format!("CREATE ROLE {reader} LOGIN; GRANT USAGE ON SCHEMA lockgate TO {reader}"))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut conn = connect_as(&db, &reader).await;
+    for attempt in [
+        "SELECT lockgate.enqueue('plain', '{}')",
+        "SELECT lockgate.enqueue('plain', '{}', '{}', false)",
+        "SELECT lockgate.enqueue_many('plain', ARRAY['{}'::jsonb])",
+        "SELECT lockgate._enqueue_many_and_wake('plain', ARRAY['{}'::jsonb], '{}', true)",
+        "SELECT lockgate.create_batch()",
+        "SELECT lockgate.close_batch(1)",
+    ] {
+        let (code, message) = refusal(&mut conn, attempt).await;
+        assert_eq!(code, "42501", "{attempt}: {message}");
+    }
+    conn.close().await.unwrap();
+    drop_role(&db, &reader).await;
+
+    let violations: Vec<String> =
+        sqlx::query_scalar("SELECT problem FROM lockgate.check_invariants()").fetch_all(&db.pool).await.unwrap();
+    assert!(violations.is_empty(), "{violations:?}");
+    drop_role(&db, &role).await;
+}
+
+#[tokio::test]
+async fn an_enqueue_runs_none_of_its_callers_functions_whatever_its_search_path() {
+    let (db, role) = database_with_producer().await;
+    // A schema the producer may write, with functions and an operator shadowing built-ins the
+    // enqueue calls: put ahead of pg_catalog, they would run as lockgate's owner. Each does what
+    // the built-in does when run as the producer (the functions that run as their caller may
+    // run them: that is the caller's own code, with its own rights), and raises otherwise.
+    sqlx::raw_sql(&format!("CREATE SCHEMA {role}_own AUTHORIZATION {role}")).execute(&db.pool).await.unwrap();
+    let mut producer = connect_as(&db, &role).await;
+    sqlx::raw_sql(&format!(
+        "CREATE FUNCTION {role}_own.guard() RETURNS void LANGUAGE plpgsql AS $$
+         BEGIN
+             IF current_user::text <> '{role}' THEN
+                 RAISE EXCEPTION 'a function of the producer''s ran as %', current_user;
+             END IF;
+         END $$;
+         CREATE FUNCTION {role}_own.jsonb_typeof(j jsonb) RETURNS text LANGUAGE plpgsql AS $$
+         BEGIN PERFORM {role}_own.guard(); RETURN pg_catalog.jsonb_typeof(j); END $$;
+         CREATE FUNCTION {role}_own.clock_timestamp() RETURNS timestamptz LANGUAGE plpgsql AS $$
+         BEGIN PERFORM {role}_own.guard(); RETURN pg_catalog.clock_timestamp(); END $$;
+         CREATE FUNCTION {role}_own.cardinality(a anyarray) RETURNS integer LANGUAGE plpgsql AS $$
+         BEGIN PERFORM {role}_own.guard(); RETURN pg_catalog.cardinality(a); END $$;
+         CREATE FUNCTION {role}_own.eq(a text, b text) RETURNS boolean LANGUAGE plpgsql AS $$
+         BEGIN PERFORM {role}_own.guard(); RETURN pg_catalog.texteq(a, b); END $$;
+         CREATE OPERATOR {role}_own.= (LEFTARG = text, RIGHTARG = text, FUNCTION = {role}_own.eq);
+         SET search_path = {role}_own, pg_catalog"
+    ))
+    .execute(&mut producer)
+    .await
+    .unwrap();
+    let statuses: Vec<String> = sqlx::query_scalar(
+        "SELECT status FROM lockgate.enqueue('plain', '{}')
+         UNION ALL SELECT status FROM lockgate.enqueue('limited', '{\"k\": 1}', '{\"delay\": 1}')
+         UNION ALL SELECT status FROM lockgate.enqueue_many('limited', ARRAY['{\"k\": 2}', '{\"k\": 2}']::jsonb[])
+         UNION ALL SELECT unnest(statuses) FROM lockgate._enqueue_many_and_wake('plain', ARRAY['{}'::jsonb], '{}', false)",
+    )
+    .fetch_all(&mut producer)
+    .await
+    .unwrap();
+    assert_eq!(statuses, ["enqueued", "enqueued", "enqueued", "parked"]);
+    producer.close().await.unwrap();
+    drop_role(&db, &role).await;
+}
+
+#[derive(Serialize, Deserialize)]
+struct Plain {}
+
+impl Job for Plain {
+    const TYPE: &'static str = "plain";
+}
+
+#[derive(Serialize, Deserialize)]
+struct Limited {
+    k: u32,
+}
+
+impl Job for Limited {
+    const TYPE: &'static str = "limited";
+
+    fn policy() -> JobPolicy {
+        JobPolicy::builder().concurrency(ConcurrencyPolicy::new(1).key(["k"])).build().unwrap()
+    }
+}
+
+#[tokio::test]
+async fn the_rust_client_enqueues_as_a_producers_role() {
+    let (db, role) = database_with_producer().await;
+    let options: PgConnectOptions = db.url.parse().unwrap();
+    let pool = PgPoolOptions::new().max_connections(2).connect_with(options.username(&role)).await.unwrap();
+    let client = Client::new(pool.clone());
+    client.check_schema().await.unwrap();
+    assert_eq!(client.enqueue(&Plain {}).await.unwrap().status, EnqueueStatus::Enqueued);
+    let jobs = client.enqueue_many(&[Limited { k: 7 }, Limited { k: 7 }, Limited { k: 8 }]).await.unwrap();
+    let statuses: Vec<_> = jobs.iter().map(|j| j.status).collect();
+    assert_eq!(statuses, [EnqueueStatus::Enqueued, EnqueueStatus::Parked, EnqueueStatus::Enqueued]);
+    assert_eq!(client.enqueue_many(&[Plain {}, Plain {}]).await.unwrap().len(), 2);
+    let batch = client.create_batch(&BatchCallbacks::default()).await.unwrap();
+    let options = EnqueueOptions { batch: Some(batch), ..Default::default() };
+    assert_eq!(client.enqueue_with(&Plain {}, &options).await.unwrap().status, EnqueueStatus::Enqueued);
+    assert_eq!(client.close_batch(batch).await.unwrap(), "closed");
+    let mut tx = pool.begin().await.unwrap();
+    assert_eq!(client.enqueue_in(&mut tx, &Limited { k: 8 }).await.unwrap().status, EnqueueStatus::Parked);
+    tx.commit().await.unwrap();
+    pool.close().await;
+
+    let counts: (i64, i64) =
+        sqlx::query_as("SELECT (SELECT count(*) FROM pgmq.q_default), (SELECT count(*) FROM lockgate.parked)")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(counts, (6, 2), "plain 1 + 2 + 1 in the batch, limited 7 and 8; 7 and 8 parked once each");
+    drop_role(&db, &role).await;
 }
