@@ -447,6 +447,26 @@ async fn run_warns_of_types_on_unserved_queues_and_of_served_queues_holding_fore
     assert!(foreign.is_some_and(|l| l.contains("job_type=stranger") && l.contains("queue=default")), "{stderr}");
 }
 
+/// Review helper-84, F3: as PID 1 (a container without an init), the processes a program leaves
+/// behind become lockgate's to reap once killed, and lockgate reaps only its own children; it
+/// says so at start. Needs a PID namespace (`unshare`, as root, as the suite runs here).
+#[tokio::test]
+async fn command_types_as_pid_1_are_warned_of_the_zombies_they_would_leave() {
+    let setup = Setup::with_runtime(DEFAULT_RUNTIME, "true", "");
+    let db = TestDb::migrated().await.unwrap();
+    let o = std::process::Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", env!("CARGO_BIN_EXE_lockgate")])
+        .args(["define", "--config", setup.config.to_str().unwrap()])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .expect("unshare runs");
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("lockgate runs as PID 1"), "{}", text(&o));
+    // Not as any other pid.
+    let o = output(&db, &["define", "--config", setup.config.to_str().unwrap()]);
+    assert!(o.status.success() && !text(&o).contains("PID 1"), "{}", text(&o));
+}
+
 /// Restarts the shared PostgreSQL server: run alone (`scripts/test` runs it after the suite).
 #[tokio::test]
 #[ignore = "restarts the shared PostgreSQL server; run alone with --ignored"]

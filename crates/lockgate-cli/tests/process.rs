@@ -306,6 +306,65 @@ async fn quit_kills_the_command_executors_children_before_exiting() {
         .unwrap();
 }
 
+/// Review helper-84, F1: process groups were killed by running `kill` found on PATH, and where
+/// none was (a container image without procps) every kill silently did nothing: a job's program
+/// and its children outlived QUIT, the watchdog, timeouts and cancels.
+#[tokio::test]
+async fn quit_kills_the_command_executors_children_without_a_kill_program_on_path() {
+    let setup = Setup::new(
+        "cat >/dev/null; echo $$ > $DIR/child; sleep 60 & echo $! > $DIR/grandchild; echo start >> $DIR/starts; wait",
+        "",
+    );
+    let db = migrated_with_one_job(&setup).await;
+    // A PATH with the programs the job runs, and no `kill`.
+    let bin = setup.dir.join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    for program in ["sh", "cat", "sleep"] {
+        let found = ["/bin", "/usr/bin"].iter().map(|d| Path::new(d).join(program)).find(|p| p.exists()).unwrap();
+        std::os::unix::fs::symlink(found, bin.join(program)).unwrap();
+    }
+    let mut child = lockgate(&db, &["run", "--config", setup.config.to_str().unwrap()])
+        .env("PATH", &bin)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    setup.wait_starts(1).await;
+    let pids: Vec<String> = ["child", "grandchild"]
+        .iter()
+        .map(|f| std::fs::read_to_string(setup.dir.join(f)).unwrap().trim().to_string())
+        .collect();
+    assert!(pids.iter().all(|p| !process_gone(p)), "the job's program and its child run");
+    signal(&child, "QUIT");
+    assert_eq!(wait_exit(&mut child).await.code(), Some(131));
+    lockgate_testkit::wait_for("the job's program and its child to be killed", WAIT, || async {
+        Ok(pids.iter().all(|p| process_gone(p)).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+/// Review helper-84, F2: the run waited for the job's input to be written whole, so a program
+/// that exited without reading input larger than a pipe holds, leaving a process that kept its
+/// stdin open, kept its job running (and its permit taken) until that process ended.
+#[tokio::test]
+async fn a_program_that_exits_without_reading_its_input_ends_its_run() {
+    let setup = Setup::new("exec 3<&0; sleep 600 <&3 & echo start >> $DIR/starts; exit 0", "");
+    let db = TestDb::migrated().await.unwrap();
+    let mut child = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.job_types WHERE name = 'task'", 1, WAIT).await.unwrap();
+    // 300 kB of arguments: more than a pipe's buffer.
+    sqlx::query("SELECT lockgate.enqueue('task', jsonb_build_object('pad', repeat('x', 300000)))")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.jobs(states => ARRAY['succeeded'])", 1, WAIT)
+        .await
+        .unwrap();
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success());
+}
+
 #[tokio::test]
 async fn a_batch_and_a_unique_type_from_the_cli() {
     let setup = Setup::new(

@@ -25,8 +25,8 @@
 //! too. lockgate tells it a run is done once it killed the group itself, before it reaps the
 //! program, so that the pgid cannot be reused while the watchdog may still target it.
 //!
-//! Groups are killed with `kill -KILL -- -<pgid>` (kill(1), POSIX) rather than a libc call: the
-//! workspace forbids unsafe code, and this saves a dependency for a call made once per job.
+//! Groups are killed with killpg(2), never through a `kill` program found on PATH: a container
+//! image without one (procps) silently killed nothing (review helper-84, F1).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -39,6 +39,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use lockgate::{JobContext, JobError, RawHandler};
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStdin, Command};
@@ -55,7 +57,7 @@ const REAP_POLL: Duration = Duration::from_millis(5);
 
 /// How long before the lease ends the watchdog kills a group whose lease lockgate has not renewed:
 /// time for the line to reach the watchdog (it counts from when it reads it; up to 76 ms under
-/// load, measured), for kill(1) to start and for the kernel to deliver. Short of `FENCE_MARGIN`
+/// load, measured), for the signal to be sent and delivered. Short of `FENCE_MARGIN`
 /// (300 ms), so that a lockgate that runs cancels the job itself first.
 const WATCHDOG_MARGIN: Duration = Duration::from_millis(150);
 
@@ -227,15 +229,15 @@ fn groups() -> std::sync::MutexGuard<'static, Option<HashSet<u32>>> {
 
 /// Kills every command's process group still running (for exits that skip destructors).
 pub fn kill_children() {
-    let targets: Vec<String> = groups().iter().flatten().map(|pgid| format!("-{pgid}")).collect();
-    if !targets.is_empty() {
-        let _ = std::process::Command::new("kill")
-            .arg("-KILL")
-            .arg("--")
-            .args(&targets)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+    let targets: Vec<u32> = groups().iter().flatten().copied().collect();
+    kill_groups(&targets);
+}
+
+/// Sends SIGKILL to process group `pgid` (never 0 or 1: those would be lockgate's own group and
+/// every process it may signal); an error (the group is gone) is nothing to do.
+fn kill_group(pgid: u32) {
+    if let Ok(pgid @ 2..) = i32::try_from(pgid) {
+        let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
     }
 }
 
@@ -256,12 +258,7 @@ impl Group {
     /// Kills every process of the group, reaps the program, and waits until no process of the
     /// group is alive (its other members are reaped by whoever inherited them).
     async fn kill_and_reap(&mut self, child: &mut Child) {
-        let _ = Command::new("kill")
-            .args(["-KILL", "--", &format!("-{}", self.pgid)])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .await;
+        kill_group(self.pgid);
         // Before the program is reaped (unless it already was: it exited on its own), while its
         // pid, the group's id, cannot be given to another process.
         forget(self.run).await;
@@ -276,13 +273,8 @@ impl Group {
 impl Drop for Group {
     fn drop(&mut self) {
         if !self.gone {
-            // Dropped mid-run: no await is possible here, so kill synchronously; the program
-            // itself is reaped by tokio (`kill_on_drop`).
-            let _ = std::process::Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", self.pgid)])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
+            // Dropped mid-run: the program itself is reaped by tokio (`kill_on_drop`).
+            kill_group(self.pgid);
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 runtime.spawn(forget(self.run));
             }
@@ -294,15 +286,10 @@ impl Drop for Group {
 }
 
 /// Whether any process of group `pgid` is alive (not a zombie), read from /proc. Where /proc is
-/// not readable, kill(1) with signal 0 answers instead (zombies count as alive there).
+/// not readable, killpg with no signal answers instead (zombies count as alive there).
 fn group_alive(pgid: u32) -> bool {
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return std::process::Command::new("kill")
-            .args(["-0", "--", &format!("-{pgid}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
+        return i32::try_from(pgid).is_ok_and(|pgid| killpg(Pid::from_raw(pgid), None).is_ok());
     };
     dir.flatten().filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()).any(|pid| {
         std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| in_group_and_alive(&stat, pgid))
@@ -396,7 +383,20 @@ impl CommandExecutor {
             }
         };
         let outcome = {
-            let ran = async { tokio::join!(feed, child.wait()).1 };
+            // The program's exit ends the run, whether or not its input was all written: a
+            // process it left behind may hold stdin open without reading it, and a write waiting
+            // on that pipe would hold the job (and its permit) until that process ended (review
+            // helper-84, F2). The rest of the input goes with the pipe.
+            let ran = async {
+                tokio::pin!(feed);
+                let mut fed = false;
+                loop {
+                    tokio::select! {
+                        () = &mut feed, if !fed => fed = true,
+                        status = child.wait() => break status,
+                    }
+                }
+            };
             tokio::pin!(ran);
             let mut renewing = true;
             loop {
@@ -560,16 +560,9 @@ fn parse_watchdog_line(line: &str) -> Option<Line> {
 }
 
 fn kill_groups(pgids: &[u32]) {
-    if pgids.is_empty() {
-        return;
+    for pgid in pgids {
+        kill_group(*pgid);
     }
-    let _ = std::process::Command::new("kill")
-        .arg("-KILL")
-        .arg("--")
-        .args(pgids.iter().map(|p| format!("-{p}")))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
 }
 
 impl RawHandler for CommandExecutor {

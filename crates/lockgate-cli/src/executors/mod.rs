@@ -40,5 +40,13 @@ pub async fn check(job_types: &[JobTypeConfig], db: &PgPool) -> Result<()> {
         };
         checked.with_context(|| format!("job type {} cannot run", job_type.name))?;
     }
+    if std::process::id() == 1 && job_types.iter().any(|t| matches!(t.executor, Executor::Command(_))) {
+        // Review helper-84, F3: what a program leaves behind is killed with its group and then
+        // reparented to PID 1, whose duty it is to reap it; lockgate reaps only its own children.
+        tracing::warn!(
+            "lockgate runs as PID 1: processes that command jobs' programs leave behind are killed but never reaped, \
+             and their zombies fill the process table; run lockgate under an init (`docker run --init`, tini, dumb-init)"
+        );
+    }
     Ok(())
 }
