@@ -20,7 +20,7 @@
 -- queue behind each other's flushes. The four-argument forms take notify: false sends nothing,
 -- for a caller that wakes the workers after its commit with lockgate.wake, in a transaction of
 -- its own that has no flush to wait for. The Rust Client does (docs/design.md section 50).
--- Privileges (docs/design.md section 83): the four-argument forms, _enqueue_many_ids,
+-- Privileges (docs/design.md section 83): the four-argument forms, _enqueue_many_and_wake,
 -- create_batch and close_batch are SECURITY DEFINER with a fixed search_path and executable only
 -- by the roles granted them (README, "A producer's role"): they write the permit, lease, unique
 -- lock, batch and queue tables as the role that ran lockgate migrate, so a producer's role needs
@@ -28,8 +28,7 @@
 -- stays the caller's: its transaction, isolation level and lock settings (only search_path is
 -- fixed, for the call). The other functions that run as lockgate's owner for any caller do only
 -- what a migrate or the sweep does (the step installers, _give_back_finished); the
--- three-argument forms and _enqueue_many_and_wake run as their caller, so each needs the grant
--- of the function it calls.
+-- three-argument forms run as their caller, so they need the grant of the form they call.
 -- Callers: the Rust Client, the CLI, SQL producers, triggers.
 
 -- The INSERT of an enqueue into the queue table tbl, with ($1 vt, $2 args, $3 headers),
@@ -678,31 +677,41 @@ BEGIN
     RETURN true;
 END $$;
 
--- The jobs of lockgate.enqueue_many with notify false, as one row of arrays in the order of args,
--- not a row per job: rows passed up through each function's result set and then the caller's
--- statement (materialised to find the first enqueued job, sorted back into order) cost 0.6 of
--- the 3.5 ms a call of 1,000 jobs took (docs/benchmarks.md, thirteenth session). queue is where
--- the jobs went (the type and options are resolved once); msg_ids[i] is the message of args[i]
--- (NULL when parked or a duplicate). For an unlimited type without uniqueness or batch, job_ids
--- and statuses are NULL: every job was enqueued, its msg_id its id, and only the ids need to
--- cross the wire. For other types, job_ids[i] and statuses[i] are what lockgate.enqueue_many
--- returns, whatever the outcomes. runs_now: the options make the jobs runnable at once.
--- SECURITY DEFINER, as lockgate.enqueue_many. Callers: lockgate._enqueue_many_and_wake.
-CREATE OR REPLACE FUNCTION lockgate._enqueue_many_ids(job_type text, args jsonb[], options jsonb,
-    OUT queue text, OUT msg_ids bigint[], OUT job_ids bigint[], OUT statuses text[], OUT runs_now boolean)
+-- The Rust Client's bulk enqueue: what lockgate.enqueue_many does with notify false, then, when
+-- runs_now (the caller's reading of its options) and a job was enqueued, lockgate._notify_unless_busy
+-- in the same transaction; woken says whether it notified (when not, the caller sends
+-- lockgate.wake after the commit). One row of arrays in the order of args, not a row per job:
+-- rows passed up through each function's result set and then the caller's statement
+-- (materialised to find the first enqueued job, sorted back into order) cost 0.6 of the 3.5 ms
+-- a call of 1,000 jobs took (docs/benchmarks.md, thirteenth session). queue is where the jobs
+-- went (the type and options are resolved once); msg_ids[i] is the message of args[i] (NULL when
+-- parked or a duplicate). For an unlimited type without uniqueness or batch, job_ids and
+-- statuses are NULL: every job was enqueued, its msg_id its id, and only the ids need to cross
+-- the wire. For other types, job_ids[i] and statuses[i] are what lockgate.enqueue_many returns,
+-- whatever the outcomes. SECURITY DEFINER, as lockgate.enqueue_many: the lock_timeout that
+-- _notify_unless_busy sets still lasts to the caller's commit (a function's SET clause restores
+-- only the settings it names). Run it outside a transaction block, as _notify_unless_busy.
+-- Callers: the Rust Client (lockgate_sql::enqueue_many_and_wake).
+CREATE OR REPLACE FUNCTION lockgate._enqueue_many_and_wake(job_type text, args jsonb[], options jsonb, runs_now boolean,
+    OUT queue text, OUT msg_ids bigint[], OUT job_ids bigint[], OUT statuses text[], OUT woken boolean)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     jt lockgate.job_types := lockgate.job_policy(job_type);
     o record := lockgate._resolve_options(jt, options);
 BEGIN
     queue := o.queue;
-    runs_now := o.immediate;
+    -- Set by an IF, not an AND: the notification is a side effect, and SQL promises no order of
+    -- evaluation for AND.
+    woken := false;
     IF jt.concurrency_limit IS NOT NULL OR jt.unique_mode IS NOT NULL OR o.batch IS NOT NULL THEN
         SELECT array_agg(e.msg_id ORDER BY e.i), array_agg(e.job_id ORDER BY e.i), array_agg(e.status ORDER BY e.i)
           INTO msg_ids, job_ids, statuses
           FROM lockgate._enqueue_each(jt, args, o.queue, o.priority, o.vt, false, o.ckey, o.ukey, o.batch)
                WITH ORDINALITY AS e(msg_id, job_id, status, i);
         msg_ids := COALESCE(msg_ids, '{}');  -- no args: no ids (and, vacuously, every job enqueued)
+        IF runs_now AND 'enqueued' = ANY(statuses) THEN
+            woken := lockgate._notify_unless_busy(queue);
+        END IF;
         RETURN;
     END IF;
     -- The path of lockgate.enqueue_many for these types, its ids gathered in insertion order
@@ -713,29 +722,7 @@ BEGIN
     IF cardinality(msg_ids) < cardinality(args) THEN
         PERFORM lockgate._check_all_args(args);  -- raises for the first bad one, undoing the insert
     END IF;
-END $$;
-
--- The Rust Client's bulk enqueue: lockgate._enqueue_many_ids, then, when runs_now (the caller's
--- reading of its options) and a job was enqueued, lockgate._notify_unless_busy in the same
--- transaction; woken says whether it notified (when not, the caller sends lockgate.wake after
--- the commit). Runs as its caller, not as the enqueue's definer: the lock_timeout that
--- _notify_unless_busy sets for the rest of the transaction would end with a function that sets
--- search_path. Run it outside a transaction block, as _notify_unless_busy. Callers: the Rust
--- Client (lockgate_sql::enqueue_many_and_wake).
-CREATE OR REPLACE FUNCTION lockgate._enqueue_many_and_wake(job_type text, args jsonb[], options jsonb, runs_now boolean,
-    OUT queue text, OUT msg_ids bigint[], OUT job_ids bigint[], OUT statuses text[], OUT woken boolean)
-LANGUAGE plpgsql AS $$
-DECLARE
-    e record := lockgate._enqueue_many_ids(job_type, args, options);
-BEGIN
-    queue := e.queue;
-    msg_ids := e.msg_ids;
-    job_ids := e.job_ids;
-    statuses := e.statuses;
-    -- Set by an IF, not an AND: the notification is a side effect, and SQL promises no order of
-    -- evaluation for AND.
-    woken := false;
-    IF runs_now AND e.runs_now AND (cardinality(msg_ids) > 0 AND statuses IS NULL OR 'enqueued' = ANY(statuses)) THEN
+    IF runs_now AND cardinality(msg_ids) > 0 THEN
         woken := lockgate._notify_unless_busy(queue);
     END IF;
 END $$;
@@ -759,4 +746,4 @@ SELECT lockgate._install_enqueue_steps(q) FROM lockgate._live_queues() q;
 -- producer's role"); PUBLIC may run every other function, which writes as its caller.
 REVOKE EXECUTE ON FUNCTION lockgate.enqueue(text, jsonb, jsonb, boolean),
                            lockgate.enqueue_many(text, jsonb[], jsonb, boolean),
-                           lockgate._enqueue_many_ids(text, jsonb[], jsonb) FROM PUBLIC;
+                           lockgate._enqueue_many_and_wake(text, jsonb[], jsonb, boolean) FROM PUBLIC;

@@ -502,3 +502,27 @@ $$;
 
 -- Run only by the roles granted them, as lockgate.enqueue (010_enqueue.sql).
 REVOKE EXECUTE ON FUNCTION lockgate.create_batch(text, text, text, jsonb), lockgate.close_batch(bigint) FROM PUBLIC;
+
+-- Upgrading from a revision before 83, whose README gave a producer's role write grants on
+-- lockgate's tables, with which it ran these functions as itself: every role holding INSERT on
+-- lockgate.parked (which those grants included, and nothing of lockgate's own needs) is granted
+-- the five functions a producer now runs, in the migrate's transaction, so that none of its
+-- enqueues fails for the upgrade. `lockgate doctor` then names its write grants (table_writers).
+-- Once only: a grant revoked later is not given again.
+DO $$
+DECLARE
+    r record;
+BEGIN
+    IF COALESCE((SELECT s.functions_revision FROM lockgate.schema_state s), 0) < 83 THEN
+        FOR r IN SELECT DISTINCT a.grantee::regrole AS grantee
+                   FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+                  WHERE c.oid = 'lockgate.parked'::regclass AND a.privilege_type = 'INSERT'
+                    AND a.grantee <> 0 AND a.grantee <> c.relowner LOOP
+            EXECUTE format('GRANT EXECUTE ON FUNCTION lockgate.enqueue(text, jsonb, jsonb, boolean), '
+                           'lockgate.enqueue_many(text, jsonb[], jsonb, boolean), '
+                           'lockgate._enqueue_many_and_wake(text, jsonb[], jsonb, boolean), '
+                           'lockgate.create_batch(text, text, text, jsonb), lockgate.close_batch(bigint) TO %s',
+                           r.grantee);
+        END LOOP;
+    END IF;
+END $$;

@@ -409,6 +409,33 @@ LANGUAGE sql STABLE AS $$
      WHERE NOT EXISTS (SELECT 1 FROM wrong)
 $$;
 
+-- Roles other than the owner that may write the tables holding permits, leases, parked jobs,
+-- unique locks and batches: a producer's role needs none of that since revision 83 (its
+-- functions run as the owner; docs/design.md §83), and a role that has it can change a permit by
+-- hand, which lockgate cannot tell from its own writes. One warn row per such role (PUBLIC
+-- included), or one ok row. Direct grants only: members of the owning role are the owner.
+CREATE OR REPLACE FUNCTION lockgate._doctor_table_writers()
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    WITH w AS (
+        SELECT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END AS grantee,
+               string_agg(DISTINCT 'lockgate.' || c.relname, ', ') AS tables
+          FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+         WHERE c.relnamespace = 'lockgate'::regnamespace
+           AND c.relname IN ('semaphores', 'leases', 'parked', 'unique_locks', 'batches', 'batch_jobs')
+           AND a.privilege_type IN ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')
+           AND a.grantee <> c.relowner
+         GROUP BY 1)
+    SELECT 'table_writers', 'warn',
+           format('%s may write %s: it can change permits, leases and parked jobs by hand', w.grantee, w.tables),
+           format('REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON %s FROM %s, unless lockgate run runs as it; a producer''s role '
+                  'needs only the grants of the README''s "A producer''s role"', w.tables, w.grantee)
+      FROM w
+    UNION ALL
+    SELECT 'table_writers', 'ok', 'only the owner may write lockgate''s permit, lease, parked-job, unique-lock and batch tables', NULL
+     WHERE NOT EXISTS (SELECT 1 FROM w)
+$$;
+
 -- Whether this role can see other roles' sessions (a superuser, or a member of
 -- pg_read_all_stats): without it the sessions check is blind to them. One warn row, or none.
 CREATE OR REPLACE FUNCTION lockgate._doctor_visibility()
@@ -484,5 +511,5 @@ BEGIN
                    format('run lockgate doctor as the role lockgate runs as, or GRANT USAGE ON SCHEMA pgmq TO %I', current_user)
               FROM unnest(ARRAY['queue_tables', 'queue_steps', 'claim_indexes']) c;
     END IF;
-    RETURN QUERY SELECT * FROM lockgate._doctor_key_guards();
+    RETURN QUERY SELECT * FROM lockgate._doctor_key_guards() UNION ALL SELECT * FROM lockgate._doctor_table_writers();
 END $$;

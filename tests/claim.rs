@@ -402,6 +402,7 @@ async fn queue_steps_belong_to_the_installer_whoever_creates_the_queue() {
          GRANT USAGE ON SCHEMA lockgate TO {app}; GRANT USAGE, CREATE ON SCHEMA pgmq TO {app};
          GRANT ALL ON ALL TABLES IN SCHEMA lockgate, pgmq TO {app};
          GRANT ALL ON ALL SEQUENCES IN SCHEMA lockgate, pgmq TO {app};
+         GRANT EXECUTE ON FUNCTION lockgate.enqueue(text, jsonb, jsonb, boolean) TO {app};
          CREATE ROLE {other} NOLOGIN; GRANT USAGE, CREATE ON SCHEMA lockgate TO {other};
          SET LOCAL ROLE {other};
          CREATE FUNCTION lockgate._claim_take_planted(integer, double precision, bigint, timestamptz, integer, text)

@@ -767,6 +767,8 @@ async fn wake_ups_follow_the_commit_and_only_for_jobs_that_can_run_now() {
 /// A pool on which `pg_notify` is shadowed (a function of the same name in `public`, put before
 /// `pg_catalog` in the search path) to record, for each notification, whether the transaction
 /// sending it had written anything, and the session that sent it; and a client on that pool.
+/// The enqueue functions that notify run with a search_path of their own (design §83), which
+/// would hide the shadow from them: on this database theirs puts `public` first too.
 async fn shadowed_notify(db: &TestDb) -> (sqlx::PgPool, Client) {
     sqlx::raw_sql(
         "CREATE TABLE public.notified (channel text, had_written boolean, backend integer DEFAULT pg_backend_pid());
@@ -775,7 +777,11 @@ async fn shadowed_notify(db: &TestDb) -> (sqlx::PgPool, Client) {
          BEGIN
              INSERT INTO public.notified VALUES (channel, written);
              PERFORM pg_catalog.pg_notify(channel, payload);
-         END $$;",
+         END $$;
+         ALTER FUNCTION lockgate.enqueue(text, jsonb, jsonb, boolean) SET search_path = public, pg_catalog, pg_temp;
+         ALTER FUNCTION lockgate.enqueue_many(text, jsonb[], jsonb, boolean) SET search_path = public, pg_catalog, pg_temp;
+         ALTER FUNCTION lockgate._enqueue_many_and_wake(text, jsonb[], jsonb, boolean)
+             SET search_path = public, pg_catalog, pg_temp;",
     )
     .execute(&db.pool)
     .await

@@ -586,7 +586,8 @@ async fn h28_an_enqueue_that_waited_for_the_key_gives_back_a_permit_finished_mea
 
 /// Review of §72 (helper-69, finding 3): giving finished permits back deletes leases and parked
 /// jobs and writes queues, which a role that may only enqueue may not do; it runs as lockgate's
-/// installer, as the sweep that would otherwise do it.
+/// installer, as the sweep that would otherwise do it (and, since §83, so does the whole enqueue:
+/// the role has the README's producer grants, none on a table).
 #[tokio::test]
 async fn h28_a_producer_role_that_may_only_enqueue_gives_back_a_finished_permit() {
     let db = limited(1, 60_000).await;
@@ -600,13 +601,8 @@ async fn h28_a_producer_role_that_may_only_enqueue_gives_back_a_finished_permit(
     let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
     sqlx::raw_sql(&format!(
         "CREATE ROLE {role} NOLOGIN;
-         GRANT USAGE ON SCHEMA lockgate, pgmq TO {role};
-         GRANT SELECT ON ALL TABLES IN SCHEMA lockgate TO {role};
-         GRANT INSERT, UPDATE ON lockgate.semaphores TO {role};
-         GRANT INSERT ON lockgate.leases, lockgate.parked TO {role};
-         GRANT UPDATE ON lockgate.unique_locks TO {role};
-         GRANT SELECT, INSERT ON pgmq.q_default TO {role};
-         GRANT USAGE ON ALL SEQUENCES IN SCHEMA lockgate TO {role};
+         GRANT USAGE ON SCHEMA lockgate TO {role};
+         GRANT EXECUTE ON FUNCTION lockgate.enqueue(text, jsonb, jsonb, boolean) TO {role};
          SET LOCAL ROLE {role};"
     ))
     .execute(&mut *tx)

@@ -261,3 +261,82 @@ async fn the_rust_client_enqueues_as_a_producers_role() {
     assert_eq!(counts, (6, 2), "plain 1 + 2 + 1 in the batch, limited 7 and 8; 7 and 8 parked once each");
     drop_role(&db, &role).await;
 }
+
+/// The grants the README gave a producer's role before functions revision 83: write grants on
+/// lockgate's and PGMQ's tables, with which it ran the enqueue functions as itself.
+const OLD_GRANTS: &str = "GRANT USAGE ON SCHEMA lockgate, pgmq TO {role};
+GRANT USAGE ON ALL SEQUENCES IN SCHEMA lockgate, pgmq TO {role};
+GRANT SELECT ON lockgate.job_types, lockgate.settings, lockgate.queues TO {role};
+GRANT SELECT, INSERT, UPDATE ON lockgate.semaphores, lockgate.leases, lockgate.unique_locks,
+                                lockgate.batches, lockgate.batch_jobs TO {role};
+GRANT SELECT, INSERT ON lockgate.parked TO {role};
+GRANT SELECT, INSERT ON ALL TABLES IN SCHEMA pgmq TO {role};";
+
+/// Review helper-85: upgrading to the revision whose functions run as the owner, a producer
+/// given the old README's grants lost its enqueues, saying only `permission denied for function
+/// enqueue`, until the owner ran the new grants. The migrate now grants it the functions, once,
+/// and `lockgate doctor` names its write grants with the REVOKE that removes them.
+#[tokio::test]
+async fn upgrading_keeps_an_old_producer_role_enqueueing_and_doctor_names_its_write_grants() {
+    let db = TestDb::migrated().await.unwrap();
+    let role = format!("{}_old", db.name);
+    sqlx::raw_sql(&format!("CREATE ROLE {role} LOGIN; {}", OLD_GRANTS.replace("{role}", &role)))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('limited', concurrency_limit => 1, concurrency_key => ARRAY['k'])")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // The database as an earlier revision left it: its functions then run again by the migrate.
+    sqlx::raw_sql("UPDATE lockgate.schema_state SET functions_revision = 81").execute(&db.pool).await.unwrap();
+    let mut producer = connect_as(&db, &role).await;
+    let (code, _) = refusal(&mut producer, "SELECT lockgate.enqueue('limited', '{\"k\": 1}')").await;
+    assert_eq!(code, "42501", "before the migrate, the role has not been granted the functions");
+    lockgate::migrate(&db.pool).await.unwrap();
+    let statuses: Vec<String> = sqlx::query_scalar(
+        "SELECT status FROM lockgate.enqueue('limited', '{\"k\": 1}')
+         UNION ALL SELECT unnest(statuses) FROM lockgate._enqueue_many_and_wake('limited', ARRAY['{\"k\": 1}'::jsonb], '{}', true)",
+    )
+    .fetch_all(&mut producer)
+    .await
+    .unwrap();
+    assert_eq!(statuses, ["enqueued", "parked"]);
+    producer.close().await.unwrap();
+
+    let writers = |db: &TestDb| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_as::<_, (String, String, Option<String>)>(
+                "SELECT verdict, detail, advice FROM lockgate.doctor() WHERE check_name = 'table_writers'",
+            )
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let found = writers(&db).await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    let (verdict, detail, advice) = &found[0];
+    assert_eq!(verdict, "warn");
+    assert!(detail.starts_with(&format!("{role} may write lockgate.")), "{detail}");
+    let revoke = advice.as_deref().unwrap().split(", unless").next().unwrap().to_owned();
+    sqlx::raw_sql(&revoke).execute(&db.pool).await.unwrap();
+    assert_eq!(writers(&db).await[0].0, "ok", "the advice's REVOKE removes every write grant it named");
+
+    // Once only: a grant the owner revokes afterwards is not given again by the next migrate.
+    sqlx::raw_sql(&format!("REVOKE EXECUTE ON FUNCTION lockgate.enqueue(text, jsonb, jsonb, boolean) FROM {role}"))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql("UPDATE lockgate.schema_state SET functions_revision = 82").execute(&db.pool).await.unwrap();
+    lockgate::migrate(&db.pool).await.unwrap();
+    let granted: bool = sqlx::query_scalar(&format!(
+        "SELECT has_function_privilege('{role}', 'lockgate.enqueue(text, jsonb, jsonb, boolean)', 'EXECUTE')"
+    ))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(!granted);
+    drop_role(&db, &role).await;
+}

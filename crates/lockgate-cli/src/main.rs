@@ -107,29 +107,44 @@ async fn cli() {
         // lockgate's SQL errors start with "lockgate: " for psql users; here "error: " says it.
         let text = causes_once(&err).replace(": lockgate: ", ": ");
         eprintln!("error: {}", text.strip_prefix("lockgate: ").unwrap_or(&text));
-        if let Some(hint) = pooler_hint(&err) {
+        if let Some(hint) = hint(&err) {
             eprintln!("hint: {hint}");
         }
         std::process::exit(1);
     }
 }
 
-/// What to do about an error that a transaction-mode pooler causes when the URL does not say
-/// so: sqlx's named statements then meet another client's on the server (42P05), or are bound on
-/// a server that never prepared them (26000).
-fn pooler_hint(err: &anyhow::Error) -> Option<&'static str> {
-    let code = err
-        .chain()
-        .find_map(|cause| match cause.downcast_ref::<lockgate::sql::DbError>() {
+/// What to do about a database error whose cause lies outside lockgate: an error that a
+/// transaction-mode pooler causes when the URL does not say so (sqlx's named statements then
+/// meet another client's on the server, 42P05, or are bound on a server that never prepared
+/// them, 26000), and a privilege the role lacks (42501).
+fn hint(err: &anyhow::Error) -> Option<&'static str> {
+    // The server's error, wherever the chain holds it: a wrapper that forwards its source
+    // (`#[error(transparent)]`) leaves the driver's error out and shows the server's directly.
+    let code = err.chain().find_map(|cause| {
+        match cause.downcast_ref::<lockgate::sql::DbError>() {
             Some(lockgate::sql::DbError::Sqlx(e)) => Some(e),
             _ => cause.downcast_ref::<sqlx::Error>(),
-        })
+        }
         .and_then(|e| e.as_database_error())
-        .and_then(|e| e.code())?;
-    (matches!(code.as_ref(), "42P05" | "26000") && !lockgate::sql::pooler::transaction_pooling()).then_some(
-        "if the database URL goes through a transaction-mode pooler (PgBouncer pool_mode = transaction), \
-         add pooler=transaction to it, e.g. postgres://host:6432/app?pooler=transaction",
-    )
+        .and_then(|e| e.code())
+        .map(|code| code.into_owned())
+        .or_else(|| {
+            cause.downcast_ref::<Box<dyn sqlx::error::DatabaseError>>().and_then(|e| e.code()).map(|c| c.into_owned())
+        })
+    })?;
+    match code.as_str() {
+        "42P05" | "26000" if !lockgate::sql::pooler::transaction_pooling() => Some(
+            "if the database URL goes through a transaction-mode pooler (PgBouncer pool_mode = transaction), \
+             add pooler=transaction to it, e.g. postgres://host:6432/app?pooler=transaction",
+        ),
+        "42501" => Some(
+            "the URL's role lacks a privilege: `lockgate migrate`, `run` and the operators' commands need the role \
+             that ran lockgate migrate (or its grants); a role that only enqueues needs the grants of the README's \
+             \"A producer's role\"",
+        ),
+        _ => None,
+    }
 }
 
 /// A listing piped into a reader that stops early (`lockgate jobs | head -1`) finds stdout closed:

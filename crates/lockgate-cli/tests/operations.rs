@@ -104,6 +104,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "queue_steps",
         "claim_indexes",
         "key_guards",
+        "table_writers",
     ] {
         assert_eq!(named(&checks, name).len(), 1, "one {name} check: {checks:#?}");
     }
@@ -119,6 +120,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "queue_steps",
         "claim_indexes",
         "key_guards",
+        "table_writers",
     ] {
         assert_eq!(named(&checks, name)[0]["verdict"], "ok", "{checks:#?}");
     }

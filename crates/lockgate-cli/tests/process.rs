@@ -365,6 +365,31 @@ async fn a_program_that_exits_without_reading_its_input_ends_its_run() {
     assert!(wait_exit(&mut child).await.success());
 }
 
+/// A role short of a privilege (review helper-85: a producer's role after the upgrade to the
+/// functions that run as the owner) is told which grants each use needs, beside PostgreSQL's
+/// `permission denied`.
+#[tokio::test]
+async fn a_role_without_the_privileges_is_told_which_grants_it_needs() {
+    let db = TestDb::migrated().await.unwrap();
+    let role = format!("{}_nobody", db.name);
+    sqlx::raw_sql(&format!(
+        "CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA lockgate TO {role}; \
+                            GRANT SELECT ON lockgate.schema_state, lockgate.job_types TO {role}"
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('task')").execute(&db.pool).await.unwrap();
+    let options: sqlx::postgres::PgConnectOptions = db.url.parse().unwrap();
+    let url = sqlx::ConnectOptions::to_url_lossy(&options.username(&role)).to_string();
+    let o = lockgate(&db, &["enqueue", "task", "{}"]).env("DATABASE_URL", &url).output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("permission denied for function enqueue"), "{}", text(&o));
+    assert!(text(&o).contains("hint: the URL's role lacks a privilege"), "{}", text(&o));
+    assert!(text(&o).contains("\"A producer's role\""), "{}", text(&o));
+    sqlx::raw_sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).execute(&db.pool).await.unwrap();
+}
+
 #[tokio::test]
 async fn a_batch_and_a_unique_type_from_the_cli() {
     let setup = Setup::new(
