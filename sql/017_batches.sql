@@ -503,21 +503,25 @@ $$;
 -- Run only by the roles granted them, as lockgate.enqueue (010_enqueue.sql).
 REVOKE EXECUTE ON FUNCTION lockgate.create_batch(text, text, text, jsonb), lockgate.close_batch(bigint) FROM PUBLIC;
 
--- Upgrading from a revision before 83, whose README gave a producer's role write grants on
--- lockgate's tables, with which it ran these functions as itself: every role holding INSERT on
--- lockgate.parked (which those grants included, and nothing of lockgate's own needs) is granted
--- the five functions a producer now runs, in the migrate's transaction, so that none of its
--- enqueues fails for the upgrade. `lockgate doctor` then names its write grants (table_writers).
--- Once only: a grant revoked later is not given again.
+-- Upgrading from a revision whose README gave a producer's role write grants on lockgate's
+-- tables, with which it ran these functions as itself (81 and earlier; 82 and 83 were this
+-- change's first versions, which granted less): every grantee that could
+-- enqueue then — holding INSERT on a queue's table (every enqueue inserts there) or on
+-- lockgate.parked (a limited job's enqueue may insert there instead), PUBLIC included — is
+-- granted the five functions a producer now runs, in the migrate's transaction, so that none of
+-- its enqueues fails for the upgrade (review helper-86: a grant to PUBLIC, or a role with only
+-- the grants an unlimited type needed, was left out). `lockgate doctor` then names its write
+-- grants (table_writers). Once only: a grant revoked later is not given again.
 DO $$
 DECLARE
     r record;
 BEGIN
-    IF COALESCE((SELECT s.functions_revision FROM lockgate.schema_state s), 0) < 83 THEN
-        FOR r IN SELECT DISTINCT a.grantee::regrole AS grantee
+    IF COALESCE((SELECT s.functions_revision FROM lockgate.schema_state s), 0) < 84 THEN
+        FOR r IN SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END AS grantee
                    FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
-                  WHERE c.oid = 'lockgate.parked'::regclass AND a.privilege_type = 'INSERT'
-                    AND a.grantee <> 0 AND a.grantee <> c.relowner LOOP
+                  WHERE (c.oid = 'lockgate.parked'::regclass
+                         OR c.oid IN (SELECT to_regclass(lockgate._queue_table(q.name, 'q')) FROM lockgate.queues q))
+                    AND a.privilege_type = 'INSERT' AND a.grantee <> c.relowner LOOP
             EXECUTE format('GRANT EXECUTE ON FUNCTION lockgate.enqueue(text, jsonb, jsonb, boolean), '
                            'lockgate.enqueue_many(text, jsonb[], jsonb, boolean), '
                            'lockgate._enqueue_many_and_wake(text, jsonb[], jsonb, boolean), '

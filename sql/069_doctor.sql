@@ -410,7 +410,7 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- Roles other than the owner that may write the tables holding permits, leases, parked jobs,
--- unique locks and batches: a producer's role needs none of that since revision 83 (its
+-- unique locks and batches: a producer's role needs none of that since revision 82 (its
 -- functions run as the owner; docs/design.md §83), and a role that has it can change a permit by
 -- hand, which lockgate cannot tell from its own writes. One warn row per such role (PUBLIC
 -- included), or one ok row. Direct grants only: members of the owning role are the owner.

@@ -304,6 +304,25 @@ async fn upgrading_keeps_an_old_producer_role_enqueueing_and_doctor_names_its_wr
     assert_eq!(statuses, ["enqueued", "parked"]);
     producer.close().await.unwrap();
 
+    // Once only: a grant the owner revokes afterwards is not given again by the next migrate,
+    // though the role still holds the old write grants.
+    sqlx::raw_sql(&format!("REVOKE EXECUTE ON FUNCTION lockgate.enqueue(text, jsonb, jsonb, boolean) FROM {role}"))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql("UPDATE lockgate.schema_state SET functions_checksum = 'another build'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    lockgate::migrate(&db.pool).await.unwrap();
+    let granted: bool = sqlx::query_scalar(&format!(
+        "SELECT has_function_privilege('{role}', 'lockgate.enqueue(text, jsonb, jsonb, boolean)', 'EXECUTE')"
+    ))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(!granted);
+
     let writers = |db: &TestDb| {
         let pool = db.pool.clone();
         async move {
@@ -324,19 +343,48 @@ async fn upgrading_keeps_an_old_producer_role_enqueueing_and_doctor_names_its_wr
     sqlx::raw_sql(&revoke).execute(&db.pool).await.unwrap();
     assert_eq!(writers(&db).await[0].0, "ok", "the advice's REVOKE removes every write grant it named");
 
-    // Once only: a grant the owner revokes afterwards is not given again by the next migrate.
-    sqlx::raw_sql(&format!("REVOKE EXECUTE ON FUNCTION lockgate.enqueue(text, jsonb, jsonb, boolean) FROM {role}"))
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    sqlx::raw_sql("UPDATE lockgate.schema_state SET functions_revision = 82").execute(&db.pool).await.unwrap();
-    lockgate::migrate(&db.pool).await.unwrap();
-    let granted: bool = sqlx::query_scalar(&format!(
-        "SELECT has_function_privilege('{role}', 'lockgate.enqueue(text, jsonb, jsonb, boolean)', 'EXECUTE')"
+    drop_role(&db, &role).await;
+}
+
+/// Review helper-86: the upgrade's grant looked only at roles holding INSERT on `lockgate.parked`,
+/// so a producer that enqueued through a grant to PUBLIC, or with only the grants an unlimited
+/// type needed (a queue table's INSERT), lost its enqueues at the migrate's commit.
+#[tokio::test]
+async fn upgrading_keeps_enqueueing_whoever_could_write_a_queue_table_public_included() {
+    let db = TestDb::migrated().await.unwrap();
+    let (least, anyone) = (format!("{}_least", db.name), format!("{}_anyone", db.name));
+    sqlx::raw_sql(&format!(
+        "SELECT lockgate.define_job_type('plain');
+         CREATE ROLE {least} LOGIN;
+         GRANT USAGE ON SCHEMA lockgate, pgmq TO {least};
+         GRANT USAGE ON ALL SEQUENCES IN SCHEMA lockgate, pgmq TO {least};
+         GRANT SELECT ON lockgate.job_types, lockgate.settings, lockgate.queues TO {least};
+         GRANT SELECT, INSERT ON ALL TABLES IN SCHEMA pgmq TO {least};
+         CREATE ROLE {anyone} LOGIN;
+         {}
+         UPDATE lockgate.schema_state SET functions_revision = 81;",
+        OLD_GRANTS.replace("{role}", "PUBLIC")
     ))
-    .fetch_one(&db.pool)
+    .execute(&db.pool)
     .await
     .unwrap();
-    assert!(!granted);
-    drop_role(&db, &role).await;
+    lockgate::migrate(&db.pool).await.unwrap();
+    for role in [&least, &anyone] {
+        let mut conn = connect_as(&db, role).await;
+        let status: String = sqlx::query_scalar("SELECT status FROM lockgate.enqueue('plain', '{}')")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{role} no longer enqueues: {e}"));
+        assert_eq!(status, "enqueued");
+        conn.close().await.unwrap();
+    }
+    let writers: Vec<String> = sqlx::query_scalar(
+        "SELECT detail FROM lockgate.doctor() WHERE check_name = 'table_writers' AND verdict = 'warn'",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(writers.iter().any(|d| d.starts_with("PUBLIC may write lockgate.")), "{writers:?}");
+    drop_role(&db, &least).await;
+    drop_role(&db, &anyone).await;
 }
