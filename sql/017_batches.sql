@@ -504,19 +504,20 @@ $$;
 REVOKE EXECUTE ON FUNCTION lockgate.create_batch(text, text, text, jsonb), lockgate.close_batch(bigint) FROM PUBLIC;
 
 -- Upgrading from a revision whose README gave a producer's role write grants on lockgate's
--- tables, with which it ran these functions as itself (81 and earlier; 82 and 83 were this
+-- tables, with which it ran these functions as itself (81 and earlier; 82 to 84 were this
 -- change's first versions, which granted less): every grantee that could
 -- enqueue then — holding INSERT on a queue's table (every enqueue inserts there) or on
 -- lockgate.parked (a limited job's enqueue may insert there instead), PUBLIC included — is
 -- granted the five functions a producer now runs, in the migrate's transaction, so that none of
 -- its enqueues fails for the upgrade (review helper-86: a grant to PUBLIC, or a role with only
--- the grants an unlimited type needed, was left out). `lockgate doctor` then names its write
+-- the grants an unlimited type needed, was left out), with the reads of the README's grants
+-- (the Rust client's and the CLI's schema check reads schema_state). `lockgate doctor` then names its write
 -- grants (table_writers). Once only: a grant revoked later is not given again.
 DO $$
 DECLARE
     r record;
 BEGIN
-    IF COALESCE((SELECT s.functions_revision FROM lockgate.schema_state s), 0) < 84 THEN
+    IF COALESCE((SELECT s.functions_revision FROM lockgate.schema_state s), 0) < 85 THEN
         FOR r IN SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END AS grantee
                    FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
                   WHERE (c.oid = 'lockgate.parked'::regclass
@@ -525,7 +526,8 @@ BEGIN
             EXECUTE format('GRANT EXECUTE ON FUNCTION lockgate.enqueue(text, jsonb, jsonb, boolean), '
                            'lockgate.enqueue_many(text, jsonb[], jsonb, boolean), '
                            'lockgate._enqueue_many_and_wake(text, jsonb[], jsonb, boolean), '
-                           'lockgate.create_batch(text, text, text, jsonb), lockgate.close_batch(bigint) TO %s',
+                           'lockgate.create_batch(text, text, text, jsonb), lockgate.close_batch(bigint) TO %1$s; '
+                           'GRANT SELECT ON lockgate.job_types, lockgate.schema_state TO %1$s',
                            r.grantee);
         END LOOP;
     END IF;

@@ -413,23 +413,36 @@ $$;
 -- unique locks and batches: a producer's role needs none of that since revision 82 (its
 -- functions run as the owner; docs/design.md §83), and a role that has it can change a permit by
 -- hand, which lockgate cannot tell from its own writes. One warn row per such role (PUBLIC
--- included), or one ok row. Direct grants only: members of the owning role are the owner.
+-- included), or one ok row; grants on the tables and on their columns (GRANT UPDATE (value) is
+-- enough to free a permit; review helper-86) alike. Direct grants only: members of the owning
+-- role are the owner. The REVOKE given cascades to the grants the role passed on.
 CREATE OR REPLACE FUNCTION lockgate._doctor_table_writers()
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE sql STABLE AS $$
-    WITH w AS (
-        SELECT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END AS grantee,
-               string_agg(DISTINCT 'lockgate.' || c.relname, ', ') AS tables
+    WITH writes AS (
+        SELECT c.relname, a.grantee
           FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
          WHERE c.relnamespace = 'lockgate'::regnamespace
            AND c.relname IN ('semaphores', 'leases', 'parked', 'unique_locks', 'batches', 'batch_jobs')
-           AND a.privilege_type IN ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')
-           AND a.grantee <> c.relowner
+           AND a.privilege_type IN ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE') AND a.grantee <> c.relowner
+        UNION ALL
+        SELECT c.relname, a.grantee
+          FROM pg_catalog.pg_class c
+          JOIN pg_catalog.pg_attribute t ON t.attrelid = c.oid AND t.attacl IS NOT NULL
+          CROSS JOIN LATERAL pg_catalog.aclexplode(t.attacl) a
+         WHERE c.relnamespace = 'lockgate'::regnamespace
+           AND c.relname IN ('semaphores', 'leases', 'parked', 'unique_locks', 'batches', 'batch_jobs')
+           AND a.privilege_type IN ('INSERT', 'UPDATE') AND a.grantee <> c.relowner),
+    w AS (
+        SELECT CASE WHEN x.grantee = 0 THEN 'PUBLIC' ELSE x.grantee::regrole::text END AS grantee,
+               string_agg(DISTINCT 'lockgate.' || x.relname, ', ') AS tables
+          FROM writes x
          GROUP BY 1)
     SELECT 'table_writers', 'warn',
            format('%s may write %s: it can change permits, leases and parked jobs by hand', w.grantee, w.tables),
-           format('REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON %s FROM %s, unless lockgate run runs as it; a producer''s role '
-                  'needs only the grants of the README''s "A producer''s role"', w.tables, w.grantee)
+           format('REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON %s FROM %s CASCADE, unless lockgate run runs as it (a column '
+                  'grant goes with the table''s REVOKE); a producer''s role needs only the grants of the README''s "A '
+                  'producer''s role"', w.tables, w.grantee)
       FROM w
     UNION ALL
     SELECT 'table_writers', 'ok', 'only the owner may write lockgate''s permit, lease, parked-job, unique-lock and batch tables', NULL

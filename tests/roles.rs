@@ -303,6 +303,11 @@ async fn upgrading_keeps_an_old_producer_role_enqueueing_and_doctor_names_its_wr
     .unwrap();
     assert_eq!(statuses, ["enqueued", "parked"]);
     producer.close().await.unwrap();
+    // With the reads of the README's grants too: the Rust client's schema check.
+    let options: PgConnectOptions = db.url.parse().unwrap();
+    let pool = PgPoolOptions::new().max_connections(1).connect_with(options.username(&role)).await.unwrap();
+    Client::new(pool.clone()).check_schema().await.unwrap();
+    pool.close().await;
 
     // Once only: a grant the owner revokes afterwards is not given again by the next migrate,
     // though the role still holds the old write grants.
@@ -342,6 +347,17 @@ async fn upgrading_keeps_an_old_producer_role_enqueueing_and_doctor_names_its_wr
     let revoke = advice.as_deref().unwrap().split(", unless").next().unwrap().to_owned();
     sqlx::raw_sql(&revoke).execute(&db.pool).await.unwrap();
     assert_eq!(writers(&db).await[0].0, "ok", "the advice's REVOKE removes every write grant it named");
+    // A column's grant is enough to free a permit by hand, and is named too (review helper-86).
+    sqlx::raw_sql(&format!("GRANT UPDATE (value) ON lockgate.semaphores TO {role}")).execute(&db.pool).await.unwrap();
+    let found = writers(&db).await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(
+        found[0].1,
+        format!("{role} may write lockgate.semaphores: it can change permits, leases and parked jobs by hand")
+    );
+    let revoke = found[0].2.as_deref().unwrap().split(", unless").next().unwrap().to_owned();
+    sqlx::raw_sql(&revoke).execute(&db.pool).await.unwrap();
+    assert_eq!(writers(&db).await[0].0, "ok");
 
     drop_role(&db, &role).await;
 }
