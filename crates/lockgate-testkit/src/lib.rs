@@ -87,6 +87,9 @@ impl Drop for TestDb {
         // Drop is synchronous; the cleanup runs on a runtime of its own so it works whether or
         // not the test's runtime is still alive. FORCE ends the test's own connections (their
         // I/O belongs to the test's runtime, which is blocked here, so they cannot be closed).
+        // Roles are the server's, not the database's: those a test made under its database's
+        // name (`<name>_producer`) go too, once the database that held their grants is gone, so
+        // a test that failed half-way leaves none behind.
         let _ = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
                 return;
@@ -97,6 +100,17 @@ impl Drop for TestDb {
                         let _ = sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
                             .execute(&mut admin)
                             .await;
+                        let roles: Vec<String> =
+                            sqlx::query_scalar("SELECT rolname::text FROM pg_roles WHERE starts_with(rolname, $1)")
+                                .bind(format!("{name}_"))
+                                .fetch_all(&mut admin)
+                                .await
+                                .unwrap_or_default();
+                        for role in roles {
+                            let _ = sqlx::raw_sql(&format!("DROP ROLE IF EXISTS \"{}\"", role.replace('"', "\"\"")))
+                                .execute(&mut admin)
+                                .await;
+                        }
                     }
                 }
             });
