@@ -22,7 +22,8 @@ fn readme_grants(role: &str) -> String {
 #[tokio::test]
 async fn the_readmes_producer_grants_let_a_role_that_owns_nothing_enqueue_every_kind_of_job() {
     let db = TestDb::migrated().await.unwrap();
-    // Roles are the server's, not the database's: one of this test's own, dropped at the end.
+    // Roles are the server's, not the database's: one of this test's own, named under its
+    // database, which drops it with itself.
     let role = format!("{}_producer", db.name);
     sqlx::raw_sql(&format!("CREATE ROLE {role} LOGIN")).execute(&db.pool).await.unwrap();
     sqlx::raw_sql(
@@ -72,11 +73,11 @@ async fn the_readmes_producer_grants_let_a_role_that_owns_nothing_enqueue_every_
     let violations: Vec<String> =
         sqlx::query_scalar("SELECT problem FROM lockgate.check_invariants()").fetch_all(&db.pool).await.unwrap();
     assert!(violations.is_empty(), "{violations:?}");
-    sqlx::raw_sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).execute(&db.pool).await.unwrap();
 }
 
 /// A migrated database with the types every test here enqueues, and a role of the test's own
-/// (roles are the server's, not the database's; [`drop_role`] drops it) with the README's grants.
+/// (the test database drops it with itself: its name starts with the database's) with the
+/// README's grants.
 async fn database_with_producer() -> (TestDb, String) {
     let db = TestDb::migrated().await.unwrap();
     let role = format!("{}_producer", db.name);
@@ -97,15 +98,19 @@ async fn connect_as(db: &TestDb, role: &str) -> PgConnection {
     options.username(role).connect().await.unwrap()
 }
 
-async fn drop_role(db: &TestDb, role: &str) {
-    sqlx::raw_sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).execute(&db.pool).await.unwrap();
-}
-
 /// The SQLSTATE and message of a statement that must fail.
 async fn refusal(conn: &mut PgConnection, sql: &str) -> (String, String) {
     match sqlx::raw_sql(sql).execute(conn).await {
         Err(sqlx::Error::Database(e)) => (e.code().unwrap_or_default().into_owned(), e.message().to_owned()),
         other => panic!("{sql}: expected a refusal, got {other:?}"),
+    }
+}
+
+/// Each of `statements` refused for want of a privilege (42501).
+async fn assert_refused_for_privilege(conn: &mut PgConnection, statements: &[&str]) {
+    for sql in statements {
+        let (code, message) = refusal(conn, sql).await;
+        assert_eq!(code, "42501", "{sql}: {message}");
     }
 }
 
@@ -120,19 +125,20 @@ async fn a_producers_role_can_neither_write_permits_nor_run_lockgates_inner_func
     assert_eq!(status, "enqueued");
     // The one UPDATE that would let a second job of the key start, and the other ways around
     // the enqueue: each refused for want of a privilege (42501).
-    for attack in [
-        "UPDATE lockgate.semaphores SET value = 0",
-        "DELETE FROM lockgate.leases",
-        "INSERT INTO lockgate.semaphores (key, lim, value) VALUES ('limited:[2]', 100, 0)",
-        "DELETE FROM lockgate.parked",
-        "SELECT lockgate._acquire('limited:[1]', 100)",
-        "SELECT lockgate._release_leases('default', ARRAY[1::bigint])",
-        "SELECT pgmq.send('default', '{}')",
-        "INSERT INTO pgmq.q_default (message) VALUES ('{}')",
-    ] {
-        let (code, message) = refusal(&mut producer, attack).await;
-        assert_eq!(code, "42501", "{attack}: {message}");
-    }
+    assert_refused_for_privilege(
+        &mut producer,
+        &[
+            "UPDATE lockgate.semaphores SET value = 0",
+            "DELETE FROM lockgate.leases",
+            "INSERT INTO lockgate.semaphores (key, lim, value) VALUES ('limited:[2]', 100, 0)",
+            "DELETE FROM lockgate.parked",
+            "SELECT lockgate._acquire('limited:[1]', 100)",
+            "SELECT lockgate._release_leases('default', ARRAY[1::bigint])",
+            "SELECT pgmq.send('default', '{}')",
+            "INSERT INTO pgmq.q_default (message) VALUES ('{}')",
+        ],
+    )
+    .await;
     let status: String = sqlx::query_scalar("SELECT status FROM lockgate.enqueue('limited', '{\"k\": 1}')")
         .fetch_one(&mut producer)
         .await
@@ -148,24 +154,23 @@ async fn a_producers_role_can_neither_write_permits_nor_run_lockgates_inner_func
         .await
         .unwrap();
     let mut conn = connect_as(&db, &reader).await;
-    for attempt in [
-        "SELECT lockgate.enqueue('plain', '{}')",
-        "SELECT lockgate.enqueue('plain', '{}', '{}', false)",
-        "SELECT lockgate.enqueue_many('plain', ARRAY['{}'::jsonb])",
-        "SELECT lockgate._enqueue_many_and_wake('plain', ARRAY['{}'::jsonb], '{}', true)",
-        "SELECT lockgate.create_batch()",
-        "SELECT lockgate.close_batch(1)",
-    ] {
-        let (code, message) = refusal(&mut conn, attempt).await;
-        assert_eq!(code, "42501", "{attempt}: {message}");
-    }
+    assert_refused_for_privilege(
+        &mut conn,
+        &[
+            "SELECT lockgate.enqueue('plain', '{}')",
+            "SELECT lockgate.enqueue('plain', '{}', '{}', false)",
+            "SELECT lockgate.enqueue_many('plain', ARRAY['{}'::jsonb])",
+            "SELECT lockgate._enqueue_many_and_wake('plain', ARRAY['{}'::jsonb], '{}', true)",
+            "SELECT lockgate.create_batch()",
+            "SELECT lockgate.close_batch(1)",
+        ],
+    )
+    .await;
     conn.close().await.unwrap();
-    drop_role(&db, &reader).await;
 
     let violations: Vec<String> =
         sqlx::query_scalar("SELECT problem FROM lockgate.check_invariants()").fetch_all(&db.pool).await.unwrap();
     assert!(violations.is_empty(), "{violations:?}");
-    drop_role(&db, &role).await;
 }
 
 #[tokio::test]
@@ -209,7 +214,6 @@ async fn an_enqueue_runs_none_of_its_callers_functions_whatever_its_search_path(
     .unwrap();
     assert_eq!(statuses, ["enqueued", "enqueued", "enqueued", "parked"]);
     producer.close().await.unwrap();
-    drop_role(&db, &role).await;
 }
 
 #[derive(Serialize, Deserialize)]
@@ -259,7 +263,6 @@ async fn the_rust_client_enqueues_as_a_producers_role() {
             .await
             .unwrap();
     assert_eq!(counts, (6, 2), "plain 1 + 2 + 1 in the batch, limited 7 and 8; 7 and 8 parked once each");
-    drop_role(&db, &role).await;
 }
 
 /// The grants the README gave a producer's role before functions revision 83: write grants on
@@ -358,8 +361,6 @@ async fn upgrading_keeps_an_old_producer_role_enqueueing_and_doctor_names_its_wr
     let revoke = found[0].2.as_deref().unwrap().split(", unless").next().unwrap().to_owned();
     sqlx::raw_sql(&revoke).execute(&db.pool).await.unwrap();
     assert_eq!(writers(&db).await[0].0, "ok");
-
-    drop_role(&db, &role).await;
 }
 
 /// Review helper-86: the upgrade's grant looked only at roles holding INSERT on `lockgate.parked`,
@@ -401,6 +402,4 @@ async fn upgrading_keeps_enqueueing_whoever_could_write_a_queue_table_public_inc
     .await
     .unwrap();
     assert!(writers.iter().any(|d| d.starts_with("PUBLIC may write lockgate.")), "{writers:?}");
-    drop_role(&db, &least).await;
-    drop_role(&db, &anyone).await;
 }

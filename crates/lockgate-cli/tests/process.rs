@@ -387,7 +387,6 @@ async fn a_role_without_the_privileges_is_told_which_grants_it_needs() {
     assert!(text(&o).contains("permission denied for function enqueue"), "{}", text(&o));
     assert!(text(&o).contains("hint: the URL's role lacks a privilege"), "{}", text(&o));
     assert!(text(&o).contains("\"A producer's role\""), "{}", text(&o));
-    sqlx::raw_sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).execute(&db.pool).await.unwrap();
 }
 
 #[tokio::test]
