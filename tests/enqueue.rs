@@ -886,6 +886,21 @@ async fn the_enqueue_that_notifies_waits_for_the_notify_lock_whatever_its_lock_t
     let timeout: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut *tx).await.unwrap();
     assert_eq!((woken, timeout.as_str()), (true, "0"));
     tx.rollback().await.unwrap();
+    // Called from the client's bulk enqueue, which runs as lockgate's owner with a search_path
+    // of its own (design §83): the setting still lasts to the commit (a function's SET clause
+    // restores only the settings it names).
+    sqlx::query("SELECT lockgate.define_job_type('plain')").execute(&db.pool).await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '1ms'").execute(&mut *tx).await.unwrap();
+    let woken: bool = sqlx::query_scalar(
+        "SELECT woken FROM lockgate._enqueue_many_and_wake('plain', ARRAY['{}'::jsonb], '{}', true)",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    let timeout: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!((woken, timeout.as_str()), (true, "0"));
+    tx.rollback().await.unwrap();
     // Busy: nothing sent, and the session's setting left alone.
     let busy = busy_notifier(&db.pool).await;
     let mut tx = db.pool.begin().await.unwrap();
