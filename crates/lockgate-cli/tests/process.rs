@@ -784,6 +784,10 @@ async fn a_stopped_watchdog_of_a_killed_lockgate_still_kills_its_programs() {
     .unwrap();
     let watchdog =
         lockgate_testkit::wait_for("the watchdog", WAIT, || async { Ok(watchdog_of(first.id())) }).await.unwrap();
+    // Its program has started, so the watchdog is ready: it catches SIGHUP. A program started
+    // while its new watchdog was still starting left a moment in which this stop, and the
+    // hangup, killed it (the flaky failure of CI at stop 43).
+    assert!(catches_hangup(&watchdog), "the program started before its watchdog caught SIGHUP");
     std::process::Command::new("kill").args(["-STOP", &watchdog]).status().unwrap();
     first.kill().unwrap();
     first.wait().unwrap();
@@ -793,6 +797,17 @@ async fn a_stopped_watchdog_of_a_killed_lockgate_still_kills_its_programs() {
     .await;
     let _ = std::process::Command::new("kill").args(["-KILL", &pid, &watchdog]).status();
     killed.unwrap();
+}
+
+/// Whether process `pid` has a handler for SIGHUP (`SigCgt` of /proc/<pid>/status).
+fn catches_hangup(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            let mask = status.lines().find_map(|l| l.strip_prefix("SigCgt:"))?.trim().to_string();
+            u64::from_str_radix(&mask, 16).ok()
+        })
+        .is_some_and(|mask| mask & 1 != 0)
 }
 
 /// Statements of the `sql` executor's job type in the tests below, running now.

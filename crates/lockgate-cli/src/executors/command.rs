@@ -72,6 +72,10 @@ static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1)
 /// stopped) fills up, and a handler must never wait on it. Past this the watchdog is replaced.
 const WRITE_TIMEOUT: Duration = Duration::from_millis(500);
 
+/// How long a new watchdog may take to say it is ready (it has made SIGHUP harmless) before it is
+/// given up on: no program starts under a watchdog that is not.
+const READY_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The watchdog of this process's command groups, and what it was told: started before the first
 /// program, started again (and told every group) when it died or stopped reading.
 static WATCHDOG: tokio::sync::Mutex<Watched> = tokio::sync::Mutex::const_new(Watched { process: None, runs: None });
@@ -124,10 +128,14 @@ impl Watched {
                 .arg("command-watchdog")
                 .arg(std::process::id().to_string())
                 .stdin(Stdio::piped())
-                .stdout(Stdio::null())
+                .stdout(Stdio::piped())
                 .stderr(Stdio::null())
                 .process_group(0)
                 .spawn()?;
+            if let Err(e) = ready(&mut process).await {
+                let _ = process.start_kill();
+                return Err(e);
+            }
             let mut pipe = process.stdin.take().ok_or_else(|| std::io::Error::other("the watchdog has no stdin"))?;
             let lines: String =
                 self.runs.iter().flatten().map(|(run, (until, pgid))| run_lines(*run, *until, *pgid)).collect();
@@ -152,6 +160,18 @@ impl Watched {
             let _ = process.start_kill();
         }
         write_line(self.ensure().await?, line).await
+    }
+}
+
+/// Waits for a new watchdog's one byte saying it is ready. Until then a SIGSTOP and the death of
+/// lockgate would kill it with SIGHUP, its programs left running (see [`survive_hangup`]).
+async fn ready(process: &mut Child) -> std::io::Result<()> {
+    let mut out = process.stdout.take().ok_or_else(|| std::io::Error::other("the watchdog has no stdout"))?;
+    let mut byte = [0u8; 1];
+    match tokio::time::timeout(READY_TIMEOUT, out.read_exact(&mut byte)).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(std::io::Error::other(format!("the watchdog exited as it started ({e})"))),
+        Err(_) => Err(std::io::Error::other(format!("the watchdog was not ready within {READY_TIMEOUT:?}"))),
     }
 }
 
@@ -456,6 +476,14 @@ enum Line {
 /// threads and a channel, so it starts fast and holds little.
 pub fn watchdog() -> ! {
     survive_hangup();
+    // Ready: lockgate starts no program before this byte.
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout();
+        if out.write_all(b"+").and_then(|()| out.flush()).is_err() {
+            std::process::exit(1);
+        }
+    }
     // Its lockgate, named by lockgate itself: the parent may already be another process.
     let lockgate: u32 =
         std::env::args().nth(2).and_then(|pid| pid.parse().ok()).unwrap_or_else(std::os::unix::process::parent_id);
