@@ -431,6 +431,9 @@ DECLARE
     tbl text := lockgate._queue_table(queue, 'q');
     lease_end timestamptz;
     visible_at timestamptz;
+    -- The attempts of the job's earlier messages, and with this message's before this delivery.
+    before integer;
+    made integer;
 BEGIN
     SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = c.headers->>'type';
     IF NOT FOUND THEN
@@ -493,14 +496,15 @@ BEGIN
     END IF;
     EXECUTE format('DELETE FROM %s m WHERE m.msg_id = $1 AND m.read_ct = $2', tbl) USING c.msg_id, c.read_ct;
     -- Promoted later as a new message (read_ct 0), the job keeps its id in the headers, and the
-    -- attempts its earlier deliveries made in attempts_before (this one never ran, H32).
+    -- attempts its earlier deliveries made in attempts_before (this one never ran, H32), with
+    -- those that recorded no outcome written into its history as lost.
+    before := COALESCE((c.headers->>'attempts_before')::integer, 0);
+    made := before + GREATEST(c.read_ct - 1 - COALESCE((c.headers->>'returns')::integer, 0), 0);
     INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
     VALUES (ckey, queue, jt.name, job, c.message,
-            c.headers - 'returns' - 'retry_at' - 'owner'
+            lockgate._record_lost(c.headers, before, made) - 'returns' - 'retry_at' - 'owner'
                 || jsonb_build_object('job_id', job, 'enqueued_at', COALESCE(c.headers->'enqueued_at', to_jsonb(c.enqueued_at)),
-                                      'attempts_before',
-                       COALESCE((c.headers->>'attempts_before')::integer, 0)
-                       + GREATEST(c.read_ct - 1 - COALESCE((c.headers->>'returns')::integer, 0), 0)),
+                                      'attempts_before', made),
             COALESCE((c.headers->>'priority')::smallint, 0), clock_timestamp());
     IF c.headers ? 'ukey' OR c.headers ? 'wkey' THEN
         PERFORM lockgate._move_unique(queue, ARRAY[job], ARRAY[NULL::bigint]);

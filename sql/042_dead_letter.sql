@@ -1,5 +1,6 @@
 -- Dead-letter: move a delivery's message to lockgate.dead_letters with its reason, its last
--- error appended to the attempt history, and its attempt count. Fenced on (msg_id, read_ct).
+-- error appended to the attempt history (after the attempts that recorded nothing, as lost, when
+-- its attempts are exhausted), and its attempt count. Fenced on (msg_id, read_ct).
 -- The job id is the headers' job_id, or for a job on its first message its msg_id.
 -- Header fields are read defensively: this is also the path for messages that are not
 -- lockgate's, and it must never fail on them (a message that cannot be dead-lettered would be
@@ -28,13 +29,19 @@ BEGIN
                 CASE WHEN jsonb_typeof(g.headers) = ''object'' THEN g.headers->>''type'' END,
                 g.message,
                 CASE WHEN jsonb_typeof(g.headers) = ''object''
-                     THEN g.headers - ''retry_at'' || jsonb_build_object(''errors'', COALESCE(g.headers->''errors'', ''[]'')
+                     THEN r.headers - ''retry_at'' || jsonb_build_object(''errors'', COALESCE(r.headers->''errors'', ''[]'')
                           || jsonb_build_array(jsonb_build_object(
                                  ''attempt'', $6, ''started_at'', g.last_read_at, ''at'', clock_timestamp(),
                                  ''process'', g.headers->''owner'', ''error'', left($5, 4000))))
                      ELSE g.headers END,
                 $4, left($5, 4000), $6, g.enqueued_at
            FROM gone g
+          -- The attempts before the last that recorded nothing (their worker was killed) are
+          -- written down as lost: in the dead letter, read_ct no longer tells of them.
+          CROSS JOIN LATERAL (SELECT lockgate._record_lost(g.headers,
+                                  CASE WHEN g.headers->>''attempts_before'' ~ ''^[0-9]{1,9}$''
+                                       THEN (g.headers->>''attempts_before'')::integer ELSE 0 END,
+                                  CASE WHEN $4 = ''attempts_exhausted'' THEN $6 - 1 ELSE 0 END) AS headers) r
          RETURNING msg_id, headers',
         lockgate._queue_table(queue, 'q'))
        INTO found_id, found_headers

@@ -16,6 +16,14 @@
 -- explicit discard).
 -- Locks: the dead_letters rows (SKIP LOCKED, one at a time), unique lock rows. Callers: lockgate
 -- dlq retry|purge, lockgate job retry, the dashboard, SQL operators.
+-- The headers' mark of where a new life of the job's attempt history starts: after every entry
+-- of its errors so far (none when they are not a list).
+CREATE OR REPLACE FUNCTION lockgate._history_mark(headers jsonb)
+RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
+    SELECT jsonb_build_object('history_from', CASE WHEN jsonb_typeof(headers->'errors') = 'array'
+                                                   THEN jsonb_array_length(headers->'errors') ELSE 0 END)
+$$;
+
 CREATE OR REPLACE FUNCTION lockgate.dlq_retry(only_queue text, job_ids bigint[], report_busy boolean)
 RETURNS TABLE (queue text, msg_id bigint, job_id bigint, status text) LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
@@ -90,9 +98,13 @@ BEGIN
                        lockgate._queue_table(dl.queue, 'q'))
           USING dl.args,
                 CASE WHEN jsonb_typeof(dl.headers) <> 'object' THEN dl.headers
+                     -- A new message with a fresh set of attempts, numbered from 1 again: its
+                     -- history so far is an earlier life's (history_from marks where it ends).
                      WHEN dl.job_id IS NULL THEN dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted' - 'shutdown_returns' - 'batch'
-                     -- A new message with a fresh set of attempts: the job keeps its id in the headers.
+                          || lockgate._history_mark(dl.headers)
+                     -- The job keeps its id in the headers.
                      ELSE dl.headers - 'returns' - 'retry_at' - 'attempts_before' - 'unstarted' - 'shutdown_returns' - 'batch'
+                          || lockgate._history_mark(dl.headers)
                           || jsonb_build_object('job_id', dl.job_id,
                                                 'enqueued_at', COALESCE(dl.headers->'enqueued_at', to_jsonb(dl.enqueued_at))) END,
                 new_msg_id;

@@ -64,6 +64,47 @@ RETURNS integer LANGUAGE sql IMMUTABLE AS $$
                THEN (headers->>'attempts_before')::integer ELSE 0 END, 0)
 $$;
 
+-- Where this life of a job's attempt history starts: the number of entries of the headers'
+-- errors written before its last dead-letter retry (history_from, which dlq_retry sets; attempt
+-- numbers start again after it), or 0.
+CREATE OR REPLACE FUNCTION lockgate._history_from(headers jsonb)
+RETURNS integer LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN jsonb_typeof(headers) = 'object' AND headers->>'history_from' ~ '^[0-9]{1,9}$'
+                THEN (headers->>'history_from')::integer ELSE 0 END
+$$;
+
+-- headers with the attempt history written down for a message that leaves its queue table
+-- (parked again at claim, dead-lettered), where read_ct no longer tells of its attempts: an
+-- entry 'lost' for each attempt numbered after `after` and up to `upto` that this life recorded
+-- nothing for (its worker was killed, or lost its lease and stopped), at most the last 100, and
+-- this life's entries in attempt order (review helper-84, F4). Malformed headers or histories are
+-- returned as they are.
+CREATE OR REPLACE FUNCTION lockgate._record_lost(headers jsonb, after integer, upto integer)
+RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE
+        WHEN jsonb_typeof(headers) <> 'object' OR jsonb_typeof(COALESCE(headers->'errors', '[]')) <> 'array'
+          OR upto <= after THEN headers
+        ELSE headers || jsonb_build_object('errors',
+            COALESCE((SELECT jsonb_agg(e ORDER BY o) FROM jsonb_array_elements(headers->'errors') WITH ORDINALITY a(e, o)
+                       WHERE o <= lockgate._history_from(headers)), '[]')
+            || COALESCE((SELECT jsonb_agg(e ORDER BY n NULLS FIRST, o)
+                   FROM (SELECT e, o, CASE WHEN jsonb_typeof(e->'attempt') = 'number' AND e->>'attempt' ~ '^[0-9]{1,9}$'
+                                           THEN (e->>'attempt')::integer END AS n
+                           FROM jsonb_array_elements(headers->'errors') WITH ORDINALITY a(e, o)
+                          WHERE o > lockgate._history_from(headers)
+                         UNION ALL
+                         SELECT jsonb_build_object('attempt', g, 'started_at', NULL, 'at', NULL, 'process', NULL,
+                                                   'outcome', 'lost',
+                                                   'error', 'no outcome was recorded: its worker stopped (killed, or its lease was lost)'),
+                                NULL, g
+                           FROM generate_series(GREATEST(after + 1, upto - 99), upto) g
+                          WHERE NOT EXISTS (SELECT 1 FROM jsonb_array_elements(headers->'errors') WITH ORDINALITY r(e, o)
+                                             WHERE r.o > lockgate._history_from(headers)
+                                               AND jsonb_typeof(r.e->'attempt') = 'number'
+                                               AND (r.e->>'attempt')::numeric = g)) x), '[]'))
+        END
+$$;
+
 -- The fields of a job read from its message (or parked row, or dead letter), defensively: a
 -- message that is not lockgate's still shows, with NULLs where its headers say nothing usable,
 -- and the priority as its claim ranks it (lockgate._rank_sql): 0 when there is none, -1 when it
@@ -80,6 +121,8 @@ DECLARE
     h jsonb := CASE WHEN jsonb_typeof(headers) = 'object' THEN headers ELSE '{}' END;
     upto integer;
     lost_from integer;
+    -- The entries of the job's lives before its last dead-letter retry, shown first as they are.
+    earlier jsonb;
 BEGIN
     job_type := h->>'type';
     args := message;
@@ -87,13 +130,14 @@ BEGIN
     attempt := lockgate._attempt_of(h, read_ct);
     enqueued_at := lockgate._first_enqueued_at(h, stored_at);
     concurrency_key := h->>'ckey';
-    SELECT COALESCE(jsonb_agg(jsonb_build_object(
-               'attempt', e->'attempt', 'started_at', e->'started_at', 'ended_at', COALESCE(e->'ended_at', e->'at'),
-               'process', e->'process', 'outcome', COALESCE(e->'outcome', '"failed"'), 'error', e->'error')
-             ORDER BY o), '[]')
-      INTO attempts
+    SELECT COALESCE(jsonb_agg(x.entry ORDER BY o) FILTER (WHERE o <= lockgate._history_from(h)), '[]'),
+           COALESCE(jsonb_agg(x.entry ORDER BY o) FILTER (WHERE o > lockgate._history_from(h)), '[]')
+      INTO earlier, attempts
       FROM jsonb_array_elements(CASE WHEN jsonb_typeof(h->'errors') = 'array' THEN h->'errors' ELSE '[]' END)
            WITH ORDINALITY AS a(e, o)
+     CROSS JOIN LATERAL (SELECT jsonb_build_object(
+               'attempt', e->'attempt', 'started_at', e->'started_at', 'ended_at', COALESCE(e->'ended_at', e->'at'),
+               'process', e->'process', 'outcome', COALESCE(e->'outcome', '"failed"'), 'error', e->'error') AS entry) x
      WHERE jsonb_typeof(e) = 'object';
     -- An attempt that started and recorded no outcome (its worker was killed, or lost its lease
     -- and stopped) is shown as lost, so that there is one entry per attempt (review helper-81).
@@ -103,6 +147,8 @@ BEGIN
     -- the row's own when it waits again, unless that delivery was claimed ahead and never started
     -- (no last_read_at: the next claim counts it as a return). At most the last 100 of them, for
     -- counts written by hand (review helper-83: an attempts_before of 999999999 hung every listing).
+    -- Only this life's entries (after history_from) count: a dead-letter retry starts the numbers
+    -- again, and an earlier life's attempt 1 is not this one's.
     IF read_ct > 0 AND state IN ('queued', 'scheduled', 'retrying', 'running', 'succeeded') THEN
         upto := CASE WHEN state IN ('succeeded', 'running') OR last_read_at IS NULL THEN attempt - 1 ELSE attempt END;
         lost_from := GREATEST(1, upto - 99,
@@ -118,6 +164,7 @@ BEGIN
                  WHERE NOT EXISTS (SELECT 1 FROM jsonb_array_elements(attempts) r
                                     WHERE jsonb_typeof(r->'attempt') = 'number' AND (r->>'attempt')::numeric = n)) x;
     END IF;
+    attempts := earlier || attempts;
     IF state = 'succeeded' OR (state = 'running' AND last_read_at IS NOT NULL) THEN
         attempts := attempts || jsonb_build_array(jsonb_build_object(
             'attempt', attempt, 'started_at', last_read_at, 'ended_at', finished_at, 'process', h->'owner',

@@ -240,6 +240,105 @@ async fn an_attempt_whose_worker_died_shows_in_the_history_as_lost() {
     assert!(listed.iter().all(|j| j.attempts.as_array().is_some_and(|a| a.len() <= 101)), "{listed:?}");
 }
 
+/// The attempt numbers of a job's history, in the order shown.
+async fn attempt_numbers(db: &TestDb, id: i64) -> Vec<i64> {
+    let job = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().expect("the job exists");
+    job.attempts.as_array().into_iter().flatten().map(|a| a["attempt"].as_i64().unwrap_or(-1)).collect()
+}
+
+/// A lost attempt (its worker killed) is told by its message's read_ct. It stays in the history
+/// when the job leaves its queue table: dead-lettered with its attempts exhausted, parked again
+/// at claim behind its key (review helper-84, F4). After a dead-letter retry the attempts are
+/// numbered from 1 again: the new life's lost attempt 1 is not taken for the old life's, on its
+/// message or once parked, and each life's entries keep their order (review helper-87).
+#[tokio::test]
+async fn lost_attempts_stay_in_the_history_through_dead_letter_dlq_retry_and_parking() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query(
+        "SELECT lockgate.define_job_type('lim', concurrency_limit => 1, concurrency_key => array['k'], max_attempts => 3)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let enqueue = |db: &TestDb| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT job_id FROM lockgate.enqueue('lim', '{\"k\": \"a\"}')")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let claim = |db: &TestDb| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, i32)>("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+                .fetch_optional(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    // Its worker dies: its visibility lapses (its lease is still live).
+    let lapse = "UPDATE pgmq.q_default SET vt = now() - interval '1 second'";
+    let id = enqueue(&db).await;
+
+    // The first life: attempt 1 fails, 2 is lost, 3 fails and is the last.
+    let (m, ct) = claim(&db).await.unwrap();
+    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'first failure', 1)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    claim(&db).await.unwrap();
+    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    assert_eq!(job_state(&db, id).await, state("queued", 2, "failed lost"));
+    let (m, ct) = claim(&db).await.unwrap();
+    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'third failure', 3)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(job_state(&db, id).await, state("dead", 3, "failed lost failed"));
+
+    // The second life: attempt 1 is lost.
+    sqlx::query("SELECT * FROM lockgate.dlq_retry()").execute(&db.pool).await.unwrap();
+    claim(&db).await.unwrap();
+    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    assert_eq!(job_state(&db, id).await, state("queued", 1, "failed lost failed lost"));
+    assert_eq!(attempt_numbers(&db, id).await, [1, 2, 3, 1]);
+
+    // Its lease lapses too, and the sweep gives its permit to another job of the key: its next
+    // claim parks it behind that job, and the lost attempt goes with it.
+    sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.sweep()").execute(&db.pool).await.unwrap();
+    let other = enqueue(&db).await;
+    assert_eq!(job_state(&db, other).await.0, "queued", "the other job took the key's permit");
+    let _ = claim(&db).await;
+    assert_eq!(job_state(&db, id).await.0, "parked");
+    assert_eq!(job_state(&db, id).await.2, "failed lost failed lost");
+    assert_eq!(attempt_numbers(&db, id).await, [1, 2, 3, 1]);
+
+    // Promoted when the other job ends, it runs attempt 2 and succeeds: one entry per attempt.
+    let delivered: Option<(i64, i32)> =
+        sqlx::query_as("SELECT msg_id, read_ct FROM pgmq.q_default WHERE msg_id = $1 AND read_ct > 0")
+            .bind(other)
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap();
+    let delivery = match delivered {
+        Some(delivery) => delivery,
+        None => claim(&db).await.unwrap(),
+    };
+    assert_eq!(delivery.0, other);
+    assert!(common::complete_default(&db.pool, delivery).await);
+    let (m, ct) = claim(&db).await.expect("the parked job was promoted");
+    assert!(common::complete_default(&db.pool, (m, ct)).await);
+    assert_eq!(job_state(&db, id).await, state("succeeded", 2, "failed lost failed lost succeeded"));
+    assert_eq!(attempt_numbers(&db, id).await, [1, 2, 3, 1, 2]);
+}
+
 #[tokio::test]
 async fn a_job_keeps_its_id_and_history_through_retry_dead_letter_dlq_retry_and_success() {
     let db = TestDb::migrated().await.unwrap();
