@@ -582,6 +582,77 @@ async fn a_runtime_on_a_repeatable_read_database_completes_at_read_committed() {
     assert!(max_overlap(&db.pool, -1).await.iter().all(|(_, n)| *n <= 1), "one job at a time");
 }
 
+/// Counts its starts and returns once released.
+struct Held {
+    starts: Counter,
+    release: Arc<tokio::sync::Notify>,
+}
+
+impl RawHandler for Held {
+    fn call(&self, _ctx: JobContext, _args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(async move {
+            self.starts.bump();
+            self.release.notified().await;
+            Ok(())
+        })
+    }
+}
+
+/// A server that turns read-only (a failover's demoted primary, or a managed database's
+/// `default_transaction_read_only` when its disk fills) refuses a completion with SQLSTATE 25006:
+/// nothing was written. The completion used to fail for good ("the job will run again"), and the
+/// job that had succeeded ran again; with one attempt, it was dead-lettered. It is retried, and
+/// lands once the server takes writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_refused_by_a_read_only_server_lands_once_it_is_writable_and_the_job_runs_once() {
+    let db = TestDb::migrated().await.unwrap();
+    let mut policy = JobPolicy::on_queue(queue("default"));
+    policy.max_attempts = 1;
+    let client = define(&db, &[("held", policy.clone())]).await;
+    let (starts, release) = (Counter::default(), Arc::new(tokio::sync::Notify::new()));
+    let mut registry = Registry::new();
+    let handler = Held { starts: starts.clone(), release: Arc::clone(&release) };
+    registry.register_raw(JobTypeName::new("held").unwrap(), policy, Arc::new(handler)).unwrap();
+    let running = Running::start(&db, test_config(), registry, &["default"], 1).await;
+    client.enqueue_raw("held", &json!({}), &EnqueueOptions::default()).await.unwrap();
+    wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+
+    // A session opened before the change keeps taking writes: it turns the server back.
+    let mut admin = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let reconnect_all = format!(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = '{}' AND pid <> pg_backend_pid()",
+        db.name
+    );
+    sqlx::query(&format!("ALTER DATABASE {} SET default_transaction_read_only = on", db.name))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::query(&reconnect_all).execute(&mut admin).await.unwrap();
+    release.notify_one();
+    // The completion has been tried, on a read-only session, and refused (the pattern is split
+    // so that this query's own text does not match it).
+    wait_for("the completion to be refused", WAIT, || async {
+        let tried: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()
+                               AND query LIKE '%lockgate.' || 'complete(%' AND state <> 'active')",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        Ok(tried.then_some(()))
+    })
+    .await
+    .unwrap();
+    sqlx::query(&format!("ALTER DATABASE {} RESET default_transaction_read_only", db.name))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::query(&reconnect_all).execute(&mut admin).await.unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    running.stop().await;
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
+    assert_eq!(starts.get(), 1, "the job ran again");
+}
+
 /// A managed database's `idle_session_timeout` ends sessions idle past it. The runtime's
 /// connections idle between uses by design (the heartbeat's between renewals, the pool's between
 /// completions): each renewal and completion met a connection the server had ended, failed for

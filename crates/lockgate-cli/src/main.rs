@@ -143,6 +143,10 @@ fn hint(err: &anyhow::Error) -> Option<&'static str> {
              that ran lockgate migrate (or its grants); a role that only enqueues needs the grants of the README's \
              \"A producer's role\"",
         ),
+        "25006" => Some(
+            "the database is read-only: the URL reaches a standby (a replica, or a primary demoted by a failover), \
+             or default_transaction_read_only is on for its role or database; point the URL at the writable primary",
+        ),
         _ => None,
     }
 }

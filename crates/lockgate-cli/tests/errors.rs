@@ -429,3 +429,24 @@ async fn run_waits_for_an_unreachable_database_and_a_term_ends_the_wait() {
     assert!(wait_exit(&mut child).await.success(), "{}", std::fs::read_to_string(&log).unwrap_or_default());
     proxy.thaw();
 }
+
+/// A read-only server (a standby the URL reaches, or `default_transaction_read_only`) is named,
+/// with what to do: for a command, and for `lockgate run`, whose start ends at once instead of
+/// retrying as it would for a server that is restarting.
+#[tokio::test]
+async fn a_read_only_database_is_named_and_ends_the_start_of_run() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('plain')").execute(&db.pool).await.unwrap();
+    sqlx::query(&format!("ALTER DATABASE {} SET default_transaction_read_only = on", db.name))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let o = output(&db, &["enqueue", "plain", "{}"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("read-only transaction"), "{}", text(&o));
+    assert!(text(&o).contains("hint: the database is read-only"), "{}", text(&o));
+    let config = Config::new("[job_types.plain]\ncommand = [\"true\"]");
+    let (status, out) = run_until_exit(&db, &config).await;
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("hint: the database is read-only"), "{out}");
+}

@@ -417,7 +417,7 @@ impl Runtime {
 
 /// Runs one start-up step, riding out a database that is restarting or that terminated the
 /// connection (H19): a transient error is logged and retried with backoff until the step succeeds
-/// or shutdown is asked for; any other error ends the start.
+/// or shutdown is asked for; any other error, and a read-only server, ends the start.
 async fn start_up<T, F, Fut>(what: &str, shutdown: &CancellationToken, mut step: F) -> Result<T, RuntimeError>
 where
     F: FnMut() -> Fut,
@@ -427,7 +427,10 @@ where
     loop {
         let error = match step().await {
             Ok(value) => return Ok(value),
-            Err(error) if error.is_transient() && !shutdown.is_cancelled() => error,
+            // A read-only server at the start is a URL that reaches a standby far more often
+            // than a failover under way: the start fails, with the error naming it, and the
+            // process's own supervisor starts it again.
+            Err(error) if error.is_transient() && !error.is_read_only() && !shutdown.is_cancelled() => error,
             Err(error) => return Err(error.into()),
         };
         tracing::warn!(%error, retry_in_ms = pause.as_millis() as u64, "could not {what} at start-up; retrying");

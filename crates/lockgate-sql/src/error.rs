@@ -136,6 +136,12 @@ fn duplicate(text: &str, message: String) -> Option<DbError> {
 }
 
 impl DbError {
+    /// Whether the server refused to write: it is read-only (SQLSTATE 25006). Transient for a
+    /// statement under way; at a process's start it is more often a URL that reaches a standby.
+    pub fn is_read_only(&self) -> bool {
+        matches!(self, Self::Sqlx(sqlx::Error::Database(db)) if db.code().is_some_and(|code| code == "25006"))
+    }
+
     /// Whether retrying the same call may succeed: connection loss, a terminated backend, a
     /// restarting server, pool exhaustion. Callers retry these; everything else is final.
     pub fn is_transient(&self) -> bool {
@@ -157,7 +163,11 @@ impl DbError {
                 // ended a session idle past `idle_session_timeout` or a transaction idle past
                 // `idle_in_transaction_session_timeout` (a pooled connection that waited too
                 // long): nothing of the statement ran, and a new connection runs it (review
-                // helper-80: a completion failed for good on a pool's stale connection).
+                // helper-80: a completion failed for good on a pool's stale connection). 25006:
+                // the server is read-only (a standby the URL reached during a failover, or
+                // default_transaction_read_only turned on, as managed databases do when their disk
+                // fills): the statement wrote nothing, and the writable server runs it; a job that
+                // succeeded meanwhile is completed then, not run again.
                 code.starts_with("08")
                     || matches!(
                         code.as_ref(),
@@ -166,6 +176,7 @@ impl DbError {
                             | "57P03"
                             | "57P05"
                             | "25P03"
+                            | "25006"
                             | "40001"
                             | "40P01"
                             | "55P03"
