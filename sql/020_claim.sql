@@ -498,7 +498,7 @@ BEGIN
     -- Promoted later as a new message (read_ct 0), the job keeps its id in the headers, and the
     -- attempts its earlier deliveries made in attempts_before (this one never ran, H32), with
     -- those that recorded no outcome written into its history as lost.
-    before := COALESCE((c.headers->>'attempts_before')::integer, 0);
+    before := lockgate._attempts_before(c.headers);
     made := before + GREATEST(c.read_ct - 1 - COALESCE((c.headers->>'returns')::integer, 0), 0);
     INSERT INTO lockgate.parked (key, queue, job_type, job_id, args, headers, priority, run_at)
     VALUES (ckey, queue, jt.name, job, c.message,

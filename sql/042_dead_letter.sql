@@ -11,6 +11,49 @@
 -- Locks: the deleted row, its lease, the key's semaphore row (only if free), its unique lock, its
 -- batch row.
 -- Callers: the worker (last attempt failed, undecodable, unknown type).
+-- The headers a dead letter keeps: the delivery's, less its retry mark, with its last attempt
+-- (number `attempt`) appended to the history. When its attempts are exhausted, the attempts
+-- before that recorded nothing (their worker was killed) are written down as lost first: in the
+-- dead letter, read_ct no longer tells of them. A delivery that would have been an attempt past
+-- the last and was not run (its previous attempt was lost) tells of that attempt: its entry
+-- is lost, with no start, and takes the place of a lost entry of the same number written when
+-- the job was parked again; an attempt with an outcome of its own (one interrupted by a shutdown
+-- return) keeps it, and the dead letter's reason and error say the rest (review helper-88: one
+-- entry per attempt). Headers that are not an object are kept as they are.
+CREATE OR REPLACE FUNCTION lockgate._dead_letter_headers(headers jsonb, read_ct integer, last_read_at timestamptz,
+                                                         reason text, error text, attempt integer)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    h jsonb;
+    ran boolean := reason <> 'attempts_exhausted' OR lockgate._attempt_of(headers, read_ct) = attempt;
+    life integer;
+BEGIN
+    IF jsonb_typeof(headers) IS DISTINCT FROM 'object' THEN
+        RETURN headers;
+    END IF;
+    h := headers - 'retry_at';
+    IF reason = 'attempts_exhausted' THEN
+        h := lockgate._record_lost(h, lockgate._attempts_before(h), attempt - 1);
+    END IF;
+    IF NOT ran AND jsonb_typeof(h->'errors') = 'array' THEN
+        life := lockgate._history_from(h);
+        IF EXISTS (SELECT 1 FROM jsonb_array_elements(h->'errors') WITH ORDINALITY a(e, o)
+                    WHERE o > life AND jsonb_typeof(e->'attempt') = 'number' AND (e->>'attempt')::numeric = attempt
+                      AND e->>'outcome' IS DISTINCT FROM 'lost') THEN
+            RETURN h;
+        END IF;
+        h := h || jsonb_build_object('errors', COALESCE(
+            (SELECT jsonb_agg(e ORDER BY o) FROM jsonb_array_elements(h->'errors') WITH ORDINALITY a(e, o)
+              WHERE NOT (o > life AND jsonb_typeof(e->'attempt') = 'number' AND (e->>'attempt')::numeric = attempt
+                         AND e->>'outcome' = 'lost')), '[]'));
+    END IF;
+    RETURN h || jsonb_build_object('errors', COALESCE(h->'errors', '[]')
+        || jsonb_build_array(jsonb_build_object(
+               'attempt', attempt, 'started_at', CASE WHEN ran THEN last_read_at END, 'at', clock_timestamp(),
+               'process', CASE WHEN ran THEN h->'owner' END, 'outcome', CASE WHEN ran THEN 'failed' ELSE 'lost' END,
+               'error', error)));
+END $$;
+
 CREATE OR REPLACE FUNCTION lockgate.dead_letter(
     queue text, msg_id bigint, read_ct integer, reason text, error text, attempts integer
 ) RETURNS boolean LANGUAGE plpgsql AS $$
@@ -28,20 +71,9 @@ BEGIN
                      WHEN jsonb_typeof(g.headers) = ''object'' AND g.headers ? ''type'' THEN g.msg_id END,
                 CASE WHEN jsonb_typeof(g.headers) = ''object'' THEN g.headers->>''type'' END,
                 g.message,
-                CASE WHEN jsonb_typeof(g.headers) = ''object''
-                     THEN r.headers - ''retry_at'' || jsonb_build_object(''errors'', COALESCE(r.headers->''errors'', ''[]'')
-                          || jsonb_build_array(jsonb_build_object(
-                                 ''attempt'', $6, ''started_at'', g.last_read_at, ''at'', clock_timestamp(),
-                                 ''process'', g.headers->''owner'', ''error'', left($5, 4000))))
-                     ELSE g.headers END,
+                lockgate._dead_letter_headers(g.headers, $2, g.last_read_at, $4, left($5, 4000), $6),
                 $4, left($5, 4000), $6, g.enqueued_at
            FROM gone g
-          -- The attempts before the last that recorded nothing (their worker was killed) are
-          -- written down as lost: in the dead letter, read_ct no longer tells of them.
-          CROSS JOIN LATERAL (SELECT lockgate._record_lost(g.headers,
-                                  CASE WHEN g.headers->>''attempts_before'' ~ ''^[0-9]{1,9}$''
-                                       THEN (g.headers->>''attempts_before'')::integer ELSE 0 END,
-                                  CASE WHEN $4 = ''attempts_exhausted'' THEN $6 - 1 ELSE 0 END) AS headers) r
          RETURNING msg_id, headers',
         lockgate._queue_table(queue, 'q'))
        INTO found_id, found_headers

@@ -16,7 +16,8 @@
 -- until_executed lock is released at once: it guards enqueues, not runs. The cancelled delivery's late completion, retry or
 -- return changes nothing (fenced on the queue table, where its row no longer is). A cancel racing
 -- a completion deletes the same row: one of them wins, the other finds nothing. A running attempt
--- that had started is recorded in the job's attempts with outcome cancelled.
+-- that had started is recorded in the job's attempts with outcome cancelled, after the attempts
+-- of its message that recorded nothing, as lost.
 --
 -- A parked job is deleted from the parked jobs (the others of its key keep their order) and
 -- archived under a fresh message id; its uniqueness lock is released and its batch counted.
@@ -64,7 +65,11 @@ BEGIN
                                             ''error'', ''cancelled'')))
                                 ELSE ''{}'' END
                    FROM gone g
-                  CROSS JOIN LATERAL (SELECT CASE WHEN jsonb_typeof(g.headers) = ''object'' THEN g.headers
+                  -- Its attempts that recorded nothing (their worker was killed) are written down
+                  -- as lost: the history of an archived cancelled job is read as it is stored.
+                  CROSS JOIN LATERAL (SELECT CASE WHEN jsonb_typeof(g.headers) = ''object''
+                                                  THEN lockgate._record_lost(g.headers, lockgate._attempts_before(g.headers),
+                                                           lockgate._lost_upto(g.headers, g.read_ct, g.was, g.last_read_at))
                                                   ELSE jsonb_build_object(''original_headers'', g.headers) END AS headers) h
                  RETURNING msg_id, headers, vt',
                 lockgate._queue_table(j.queue, 'q'), lockgate._queue_table(j.queue, 'a'))

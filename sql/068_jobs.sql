@@ -53,6 +53,13 @@ BEGIN
     END;
 END $$;
 
+-- The attempts of a job's earlier messages (headers read defensively).
+CREATE OR REPLACE FUNCTION lockgate._attempts_before(headers jsonb)
+RETURNS integer LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN jsonb_typeof(headers) = 'object' AND headers->>'attempts_before' ~ '^[0-9]{1,9}$'
+                THEN (headers->>'attempts_before')::integer ELSE 0 END
+$$;
+
 -- The attempt a delivery of read_ct is: deliveries minus shutdown returns that were not
 -- attempts, plus the attempts of the job's earlier messages (headers read defensively).
 CREATE OR REPLACE FUNCTION lockgate._attempt_of(headers jsonb, read_ct integer)
@@ -60,8 +67,7 @@ RETURNS integer LANGUAGE sql IMMUTABLE AS $$
     SELECT GREATEST(read_ct
         - CASE WHEN jsonb_typeof(headers) = 'object' AND headers->>'returns' ~ '^[0-9]{1,9}$'
                THEN (headers->>'returns')::integer ELSE 0 END
-        + CASE WHEN jsonb_typeof(headers) = 'object' AND headers->>'attempts_before' ~ '^[0-9]{1,9}$'
-               THEN (headers->>'attempts_before')::integer ELSE 0 END, 0)
+        + lockgate._attempts_before(headers), 0)
 $$;
 
 -- Where this life of a job's attempt history starts: the number of entries of the headers'
@@ -73,17 +79,35 @@ RETURNS integer LANGUAGE sql IMMUTABLE AS $$
                 THEN (headers->>'history_from')::integer ELSE 0 END
 $$;
 
+-- The last attempt of a message in state `state` that should have an outcome recorded, or be
+-- lost: its current delivery's when that delivery ran and is no longer running (a succeeded or
+-- running one is read from the message itself; one claimed ahead and never started, with no
+-- last_read_at, is no attempt: the next claim counts it as a return).
+CREATE OR REPLACE FUNCTION lockgate._lost_upto(headers jsonb, read_ct integer, state text, last_read_at timestamptz)
+RETURNS integer LANGUAGE sql IMMUTABLE AS $$
+    SELECT lockgate._attempt_of(headers, read_ct)
+           - CASE WHEN state IN ('succeeded', 'running') OR last_read_at IS NULL THEN 1 ELSE 0 END
+$$;
+
 -- headers with the attempt history written down for a message that leaves its queue table
 -- (parked again at claim, dead-lettered), where read_ct no longer tells of its attempts: an
 -- entry 'lost' for each attempt numbered after `after` and up to `upto` that this life recorded
 -- nothing for (its worker was killed, or lost its lease and stopped), at most the last 100, and
 -- this life's entries in attempt order (review helper-84, F4). Malformed headers or histories are
--- returned as they are.
+-- returned as they are, and so is a history whose attempt numbers go down after the mark: a
+-- job a build before the mark retried from the dead letters, whose lives cannot be told apart
+-- (review helper-88: sorted together, the two lives were interleaved for good).
 CREATE OR REPLACE FUNCTION lockgate._record_lost(headers jsonb, after integer, upto integer)
 RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE
         WHEN jsonb_typeof(headers) <> 'object' OR jsonb_typeof(COALESCE(headers->'errors', '[]')) <> 'array'
           OR upto <= after THEN headers
+        WHEN EXISTS (SELECT 1 FROM (SELECT n, lag(n) OVER (ORDER BY o) AS prev
+                                      FROM (SELECT o, (e->>'attempt')::numeric AS n
+                                              FROM jsonb_array_elements(headers->'errors') WITH ORDINALITY a(e, o)
+                                             WHERE o > lockgate._history_from(headers)
+                                               AND jsonb_typeof(e->'attempt') = 'number') numbered) t
+                      WHERE t.n < t.prev) THEN headers
         ELSE headers || jsonb_build_object('errors',
             COALESCE((SELECT jsonb_agg(e ORDER BY o) FROM jsonb_array_elements(headers->'errors') WITH ORDINALITY a(e, o)
                        WHERE o <= lockgate._history_from(headers)), '[]')
@@ -119,10 +143,6 @@ CREATE OR REPLACE FUNCTION lockgate._job_fields(message jsonb, headers jsonb, re
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
     h jsonb := CASE WHEN jsonb_typeof(headers) = 'object' THEN headers ELSE '{}' END;
-    upto integer;
-    lost_from integer;
-    -- The entries of the job's lives before its last dead-letter retry, shown first as they are.
-    earlier jsonb;
 BEGIN
     job_type := h->>'type';
     args := message;
@@ -130,41 +150,24 @@ BEGIN
     attempt := lockgate._attempt_of(h, read_ct);
     enqueued_at := lockgate._first_enqueued_at(h, stored_at);
     concurrency_key := h->>'ckey';
-    SELECT COALESCE(jsonb_agg(x.entry ORDER BY o) FILTER (WHERE o <= lockgate._history_from(h)), '[]'),
-           COALESCE(jsonb_agg(x.entry ORDER BY o) FILTER (WHERE o > lockgate._history_from(h)), '[]')
-      INTO earlier, attempts
-      FROM jsonb_array_elements(CASE WHEN jsonb_typeof(h->'errors') = 'array' THEN h->'errors' ELSE '[]' END)
-           WITH ORDINALITY AS a(e, o)
-     CROSS JOIN LATERAL (SELECT jsonb_build_object(
-               'attempt', e->'attempt', 'started_at', e->'started_at', 'ended_at', COALESCE(e->'ended_at', e->'at'),
-               'process', e->'process', 'outcome', COALESCE(e->'outcome', '"failed"'), 'error', e->'error') AS entry) x
-     WHERE jsonb_typeof(e) = 'object';
     -- An attempt that started and recorded no outcome (its worker was killed, or lost its lease
     -- and stopped) is shown as lost, so that there is one entry per attempt (review helper-81).
     -- Only a message's own deliveries can be told apart so (parked jobs and dead letters are read
-    -- with read_ct 0; a cancelled or discarded job's last delivery may never have run): the
-    -- attempts after the job's earlier messages' (attempts_before) and before the row's own, and
-    -- the row's own when it waits again, unless that delivery was claimed ahead and never started
-    -- (no last_read_at: the next claim counts it as a return). At most the last 100 of them, for
+    -- with read_ct 0, and had theirs written when they left their queue table; a cancelled or
+    -- discarded job's had theirs written when archived): the attempts after the job's earlier
+    -- messages' (attempts_before), up to lockgate._lost_upto. At most the last 100 of them, for
     -- counts written by hand (review helper-83: an attempts_before of 999999999 hung every listing).
-    -- Only this life's entries (after history_from) count: a dead-letter retry starts the numbers
-    -- again, and an earlier life's attempt 1 is not this one's.
     IF read_ct > 0 AND state IN ('queued', 'scheduled', 'retrying', 'running', 'succeeded') THEN
-        upto := CASE WHEN state IN ('succeeded', 'running') OR last_read_at IS NULL THEN attempt - 1 ELSE attempt END;
-        lost_from := GREATEST(1, upto - 99,
-                              1 + CASE WHEN h->>'attempts_before' ~ '^[0-9]{1,9}$' THEN (h->>'attempts_before')::integer ELSE 0 END);
-        SELECT COALESCE(jsonb_agg(e ORDER BY CASE WHEN e->>'attempt' ~ '^[0-9]{1,9}$' THEN (e->>'attempt')::integer END
-                                  NULLS FIRST), '[]') INTO attempts
-          FROM (SELECT e FROM jsonb_array_elements(attempts) e
-                UNION ALL
-                SELECT jsonb_build_object('attempt', n, 'started_at', NULL, 'ended_at', NULL, 'process', NULL,
-                                          'outcome', 'lost',
-                                          'error', 'no outcome was recorded: its worker stopped (killed, or its lease was lost)')
-                  FROM generate_series(lost_from, upto) n
-                 WHERE NOT EXISTS (SELECT 1 FROM jsonb_array_elements(attempts) r
-                                    WHERE jsonb_typeof(r->'attempt') = 'number' AND (r->>'attempt')::numeric = n)) x;
+        h := lockgate._record_lost(h, lockgate._attempts_before(h), lockgate._lost_upto(h, read_ct, state, last_read_at));
     END IF;
-    attempts := earlier || attempts;
+    SELECT COALESCE(jsonb_agg(jsonb_build_object(
+               'attempt', e->'attempt', 'started_at', e->'started_at', 'ended_at', COALESCE(e->'ended_at', e->'at'),
+               'process', e->'process', 'outcome', COALESCE(e->'outcome', '"failed"'), 'error', e->'error')
+             ORDER BY o), '[]')
+      INTO attempts
+      FROM jsonb_array_elements(CASE WHEN jsonb_typeof(h->'errors') = 'array' THEN h->'errors' ELSE '[]' END)
+           WITH ORDINALITY AS a(e, o)
+     WHERE jsonb_typeof(e) = 'object';
     IF state = 'succeeded' OR (state = 'running' AND last_read_at IS NOT NULL) THEN
         attempts := attempts || jsonb_build_array(jsonb_build_object(
             'attempt', attempt, 'started_at', last_read_at, 'ended_at', finished_at, 'process', h->'owner',

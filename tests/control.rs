@@ -339,6 +339,157 @@ async fn lost_attempts_stay_in_the_history_through_dead_letter_dlq_retry_and_par
     assert_eq!(attempt_numbers(&db, id).await, [1, 2, 3, 1, 2]);
 }
 
+/// Review of §86 (helper-88): one entry per attempt, whichever way the job leaves its queue
+/// table. A last attempt lost and written down at a park is not written again by the dead letter
+/// of the delivery past it, which never ran; a cancel writes down the lost attempts of its
+/// message; and a history a build before the mark retried from the dead letters, whose two
+/// lives cannot be told apart, is stored in its order, never sorted together.
+#[tokio::test]
+async fn each_attempt_has_one_entry_after_a_park_a_dead_letter_past_the_last_attempt_or_a_cancel() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query(
+        "SELECT lockgate.define_job_type('lim', concurrency_limit => 1, concurrency_key => array['k'], max_attempts => 2)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('free', max_attempts => 3)").execute(&db.pool).await.unwrap();
+    let enqueue = |db: &TestDb, job_type: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT job_id FROM lockgate.enqueue($1, '{\"k\": \"a\"}')")
+                .bind(job_type)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let claim = |db: &TestDb| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, i32)>("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+                .fetch_optional(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let lapse = "UPDATE pgmq.q_default SET vt = now() - interval '1 second'";
+
+    // Attempt 1 fails, attempt 2 (the last) is lost, the job is parked again behind another.
+    let id = enqueue(&db, "lim").await;
+    let (m, ct) = claim(&db).await.unwrap();
+    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'first failure', 1)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    claim(&db).await.unwrap();
+    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.sweep()").execute(&db.pool).await.unwrap();
+    let other = enqueue(&db, "lim").await;
+    let first = claim(&db).await;
+    assert_eq!(job_state(&db, id).await.0, "parked");
+    let other_delivery = match first {
+        Some(delivery) if delivery.0 == other => delivery,
+        _ => claim(&db).await.unwrap(),
+    };
+    assert!(common::complete_default(&db.pool, other_delivery).await);
+    // Promoted, its next delivery would be attempt 3 of 2: the worker dead-letters it unrun.
+    let (m, ct) = claim(&db).await.expect("the parked job was promoted");
+    sqlx::query(
+        "SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', \
+         'delivery would be attempt 3 of 2: the previous attempt was lost (worker crash or lease loss)', 2)",
+    )
+    .bind(m)
+    .bind(ct)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(job_state(&db, id).await, state("dead", 2, "failed lost"));
+    let dead = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().unwrap();
+    assert!(dead.attempts[1]["error"].as_str().unwrap().contains("would be attempt 3 of 2"), "{}", dead.attempts);
+    assert!(dead.attempts[1]["started_at"].is_null(), "the unrun delivery started nothing: {}", dead.attempts);
+
+    // Without a park: the dead letter's entry tells of the lost last attempt, once.
+    let id = enqueue(&db, "free").await;
+    claim(&db).await.unwrap();
+    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    let (m, ct) = claim(&db).await.unwrap();
+    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'second failure', 2)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    claim(&db).await.unwrap();
+    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    let (m, ct) = claim(&db).await.unwrap();
+    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'would be attempt 4 of 3', 3)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(job_state(&db, id).await, state("dead", 3, "lost failed lost"));
+    assert_eq!(attempt_numbers(&db, id).await, [1, 2, 3]);
+
+    // A cancel, queued after two lost attempts, and running after one.
+    let queued = enqueue(&db, "free").await;
+    for _ in 0..2 {
+        claim(&db).await.unwrap();
+        sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    }
+    sqlx::query("SELECT * FROM lockgate.cancel($1)").bind(queued).execute(&db.pool).await.unwrap();
+    assert_eq!(job_state(&db, queued).await, state("cancelled", 2, "lost lost"));
+    let running = enqueue(&db, "free").await;
+    claim(&db).await.unwrap();
+    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    claim(&db).await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.cancel($1)").bind(running).execute(&db.pool).await.unwrap();
+    assert_eq!(job_state(&db, running).await, state("cancelled", 2, "lost cancelled"));
+
+    // A job an earlier build retried from the dead letters: two lives, no mark.
+    let old = enqueue(&db, "free").await;
+    sqlx::query(
+        "UPDATE pgmq.q_default SET headers = headers || jsonb_build_object('errors', \
+         '[{\"attempt\": 1, \"error\": \"L1 a1\"}, {\"attempt\": 2, \"error\": \"L1 a2\"}, \
+           {\"attempt\": 3, \"error\": \"L1 a3\"}]'::jsonb) WHERE msg_id = $1",
+    )
+    .bind(old)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (m, ct) = claim(&db).await.unwrap();
+    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'L2 a1', 1)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    claim(&db).await.unwrap();
+    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    let (m, ct) = claim(&db).await.unwrap();
+    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'L2 a3', 3)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let errors: Vec<String> = lockgate::sql::job(&db.pool, lockgate::JobId(old))
+        .await
+        .unwrap()
+        .unwrap()
+        .attempts
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["error"].as_str().unwrap_or("?").to_string())
+        .collect();
+    assert_eq!(errors, ["L1 a1", "L1 a2", "L1 a3", "L2 a1", "L2 a3"], "stored in its order");
+}
+
 #[tokio::test]
 async fn a_job_keeps_its_id_and_history_through_retry_dead_letter_dlq_retry_and_success() {
     let db = TestDb::migrated().await.unwrap();

@@ -73,8 +73,9 @@ static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1)
 const WRITE_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// How long a new watchdog may take to say it is ready (it has made SIGHUP harmless) before it is
-/// given up on: no program starts under a watchdog that is not.
-const READY_TIMEOUT: Duration = Duration::from_secs(5);
+/// given up on: no program starts under a watchdog that is not. It starts in milliseconds; the
+/// wait holds every command job's line to the watchdog, so it is kept short.
+const READY_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The watchdog of this process's command groups, and what it was told: started before the first
 /// program, started again (and told every group) when it died or stopped reading.
@@ -131,6 +132,9 @@ impl Watched {
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null())
                 .process_group(0)
+                // Killed if given up on while starting (a wait abandoned with its job, say); the
+                // running watchdog's handle lives in a static, never dropped while lockgate runs.
+                .kill_on_drop(true)
                 .spawn()?;
             if let Err(e) = ready(&mut process).await {
                 let _ = process.start_kill();
