@@ -307,6 +307,26 @@ async fn dlq_list_shows_the_arguments_and_every_attempts_error() {
     assert!(attempts.iter().all(|l| l.contains("bad input")), "{human}");
 }
 
+/// A lost attempt in a dead letter's history has no time and says it was lost.
+#[tokio::test]
+async fn dlq_list_shows_a_lost_attempt_as_lost() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('flaky', max_attempts => 2); SELECT lockgate.enqueue('flaky', '{}'); \
+         SELECT lockgate.claim('default', 1, 30); UPDATE pgmq.q_default SET vt = now() - interval '1 second'; \
+         SELECT lockgate.dead_letter('default', c.msg_id, c.read_ct, 'attempts_exhausted', 'bad input', 2) \
+           FROM lockgate.claim('default', 1, 30) c;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let human = text(&output(&db, &["dlq", "list"]));
+    let attempts: Vec<&str> = human.lines().filter(|l| l.trim_start().starts_with("attempt ")).collect();
+    assert_eq!(attempts.len(), 2, "{human}");
+    assert!(attempts[0].contains(" -  ") && attempts[0].contains("lost: no outcome was recorded"), "{human}");
+    assert!(attempts[1].contains(" UTC  bad input"), "{human}");
+}
+
 /// `lockgate demo` empties the queue `demo` with PGMQ's own calls: on a database where an
 /// application's jobs use a queue of that name, it refuses, naming their type, and leaves them.
 #[tokio::test]

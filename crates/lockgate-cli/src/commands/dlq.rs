@@ -173,9 +173,12 @@ fn print_list(rows: &[DeadLetter]) {
         println!("    args       {}", shorten(&r.args.as_ref().map_or("-".to_string(), |a| a.to_string())));
         for e in r.errors.as_array().into_iter().flatten() {
             let at = e["at"].as_str().and_then(|at| chrono::DateTime::parse_from_rfc3339(at).ok());
-            let at = at.map_or("?".to_string(), |at| at.to_utc().format("%Y-%m-%d %H:%M:%S UTC").to_string());
+            // A lost attempt recorded no time: its worker stopped before it could.
+            let at = at.map_or("-".to_string(), |at| at.to_utc().format("%Y-%m-%d %H:%M:%S UTC").to_string());
             let attempt = e["attempt"].to_string();
-            println!("    attempt {attempt:<2} {at}  {}", shorten(e["error"].as_str().unwrap_or("")));
+            let outcome =
+                e["outcome"].as_str().filter(|o| *o != "failed").map(|o| format!("{o}: ")).unwrap_or_default();
+            println!("    attempt {attempt:<2} {at:<23}  {outcome}{}", shorten(e["error"].as_str().unwrap_or("")));
         }
     }
 }
