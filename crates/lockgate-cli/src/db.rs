@@ -126,7 +126,7 @@ pub async fn connect(target: &Target, max_connections: u32) -> Result<PgPool> {
 /// transaction (lockgate_sql::pooler). `pooler=session` (or none) changes nothing. The parameter
 /// is lockgate's, so it is taken out of the URL the driver sees.
 fn take_pooler_mode(url: &str) -> Result<String> {
-    let Ok(mut parsed) = reqwest::Url::parse(url) else { return Ok(url.to_string()) };
+    let Ok(parsed) = reqwest::Url::parse(url) else { return Ok(url.to_string()) };
     let pairs: Vec<(String, String)> = parsed.query_pairs().map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
     let modes: Vec<&String> = pairs.iter().filter(|(k, _)| k == "pooler").map(|(_, v)| v).collect();
     let mode = match modes.as_slice() {
@@ -143,13 +143,7 @@ fn take_pooler_mode(url: &str) -> Result<String> {
             redact(url)
         ),
     }
-    let rest: Vec<&(String, String)> = pairs.iter().filter(|(k, _)| k != "pooler").collect();
-    if rest.is_empty() {
-        parsed.set_query(None);
-    } else {
-        parsed.query_pairs_mut().clear().extend_pairs(rest.iter().map(|(k, v)| (k, v)));
-    }
-    Ok(parsed.to_string())
+    Ok(without_pooler(url))
 }
 
 /// Whether a database URL says `pooler=transaction`.
@@ -158,8 +152,9 @@ pub fn says_transaction_pooling(url: &str) -> bool {
 }
 
 /// The LISTEN URL of `run` must be a direct one: through a transaction-mode pooler LISTEN
-/// would subscribe a server connection that is lent to others.
-pub fn check_listen_url(url: &str) -> Result<()> {
+/// would subscribe a server connection that is lent to others. Returns it as the driver is to
+/// see it, without lockgate's `pooler` parameter.
+pub fn check_listen_url(url: &str) -> Result<String> {
     if says_transaction_pooling(url) {
         anyhow::bail!(
             "listen_database_url {} goes through a transaction-mode pooler: LISTEN needs a direct connection \
@@ -167,7 +162,24 @@ pub fn check_listen_url(url: &str) -> Result<()> {
             redact(url)
         );
     }
-    options(url).map(drop)
+    options(url)?;
+    Ok(without_pooler(url))
+}
+
+/// `url` without lockgate's `pooler` parameter, which the driver does not know (it warns of it).
+fn without_pooler(url: &str) -> String {
+    let Ok(mut parsed) = reqwest::Url::parse(url) else { return url.to_string() };
+    if !parsed.query_pairs().any(|(k, _)| k == "pooler") {
+        return url.to_string();
+    }
+    let rest: Vec<(String, String)> =
+        parsed.query_pairs().filter(|(k, _)| k != "pooler").map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
+    if rest.is_empty() {
+        parsed.set_query(None);
+    } else {
+        parsed.query_pairs_mut().clear().extend_pairs(rest);
+    }
+    parsed.to_string()
 }
 
 fn options(url: &str) -> Result<PgConnectOptions> {
@@ -210,8 +222,9 @@ async fn connect_one(url: &str, options: &PgConnectOptions, timeout: Duration) -
 
 /// "could not connect to HOST:PORT/DB: CAUSE", the cause said once and with what to do about it.
 fn connect_error(url: &str, err: sqlx::Error, timeout: Duration) -> anyhow::Error {
-    let at =
-        url.parse::<PgConnectOptions>().map_or_else(|_| "?".into(), |o| format!("{}:{}", o.get_host(), o.get_port()));
+    let at = without_pooler(url)
+        .parse::<PgConnectOptions>()
+        .map_or_else(|_| "?".into(), |o| format!("{}:{}", o.get_host(), o.get_port()));
     let cause = match &err {
         sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
             format!("connection refused (is PostgreSQL running on {at}?)")
@@ -273,7 +286,7 @@ pub async fn create_database_if_missing(target: &Target) -> Result<()> {
 
 /// The URL without its password, for messages.
 pub fn redact(url: &str) -> String {
-    match url.parse::<PgConnectOptions>() {
+    match without_pooler(url).parse::<PgConnectOptions>() {
         Ok(o) => format!("{}:{}/{}", o.get_host(), o.get_port(), o.get_database().unwrap_or("")),
         Err(_) => "(unparseable URL)".to_string(),
     }

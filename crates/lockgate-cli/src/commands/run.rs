@@ -34,7 +34,7 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
         runtime_config.listen_database_url = Some(url);
     }
     if let Some(url) = &runtime_config.listen_database_url {
-        db::check_listen_url(url)?;
+        runtime_config.listen_database_url = Some(db::check_listen_url(url)?);
     }
     let job_types = config.job_types()?;
     let recurring = config.recurring()?;
