@@ -685,6 +685,47 @@ async fn g5_a_database_idle_session_timeout_never_fails_a_renewal_or_a_completio
     assert_eq!(starts.get(), 4);
 }
 
+/// The LISTEN connection of `listen_database_url` (a direct URL beside a pooled one, where
+/// startup options may be refused) idles by design as well: it turns `idle_session_timeout` off
+/// once connected, and the server never ends it.
+#[tokio::test]
+async fn g5_the_listen_connection_of_a_listen_url_outlives_a_database_idle_session_timeout() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query(&format!("ALTER DATABASE {} SET idle_session_timeout = '100ms'", db.name))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let types = [("patient", JobPolicy::on_queue(queue("default")))];
+    define(&db, &types).await;
+    let config = RuntimeConfig { listen_database_url: Some(db.url.clone()), ..test_config() };
+    let starts = Counter::default();
+    let running = Running::start(&db, config, probe_registry(probe(&db, 0, &starts), &types), &["default"], 1).await;
+    let listener = || async {
+        sqlx::query_scalar::<_, i32>(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+        )
+        .fetch_optional(&db.pool)
+        .await
+    };
+    let first = wait_for("the LISTEN connection", WAIT, || async { Ok(listener().await?) }).await.unwrap();
+    // Twice the server's timeout, on its own clock: a session of the database's, left idle, ends.
+    for _ in 0..2 {
+        let mut idle = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut idle).await.unwrap();
+        wait_for("the server to end an idle session", WAIT, || async {
+            let alive: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
+                .bind(pid)
+                .fetch_one(&db.pool)
+                .await?;
+            Ok((!alive).then_some(()))
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(listener().await.unwrap(), Some(first), "the LISTEN connection was ended and made again");
+    running.stop().await;
+}
+
 /// What the server ends for idling has run nothing: a completion or renewal meeting it on a
 /// pooled connection (a handler's pool, or any under transaction pooling, which sets no startup
 /// options) retries on a new connection rather than failing for good.
