@@ -12,20 +12,24 @@
 -- batch row.
 -- Callers: the worker (last attempt failed, undecodable, unknown type).
 -- The headers a dead letter keeps: the delivery's, less its retry mark, with its last attempt
--- (number `attempt`) appended to the history. When its attempts are exhausted, the attempts
--- before that recorded nothing (their worker was killed) are written down as lost first: in the
--- dead letter, read_ct no longer tells of them. A delivery that would have been an attempt past
--- the last and was not run (its previous attempt was lost) tells of that attempt: its entry
--- is lost, with no start, and takes the place of a lost entry of the same number written when
--- the job was parked again; an attempt with an outcome of its own (one interrupted by a shutdown
--- return) keeps it, and the dead letter's reason and error say the rest (review helper-88: one
--- entry per attempt). Headers that are not an object are kept as they are.
+-- appended to the history. When its attempts are exhausted, the attempts before that recorded
+-- nothing (their worker was killed) are written down as lost first: in the dead letter, read_ct
+-- no longer tells of them. A delivery that would have been an attempt past the last (its
+-- previous attempt was lost, or max_attempts was lowered) is dead-lettered unrun: its entry is
+-- its previous attempt's, lost, with no start, in place of a lost entry of that number written
+-- when the job was parked again; an attempt with an outcome of its own (failed and retried, or
+-- interrupted by a shutdown return) keeps it, and the dead letter's reason and error say the
+-- rest (reviews helper-88 and helper-89: one entry per attempt, none dropped). Headers that are
+-- not an object are kept as they are.
 CREATE OR REPLACE FUNCTION lockgate._dead_letter_headers(headers jsonb, read_ct integer, last_read_at timestamptz,
                                                          reason text, error text, attempt integer)
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     h jsonb;
-    ran boolean := reason <> 'attempts_exhausted' OR lockgate._attempt_of(headers, read_ct) = attempt;
+    own integer := lockgate._attempt_of(headers, read_ct);
+    ran boolean := reason <> 'attempts_exhausted' OR own <= attempt;
+    -- The attempt the entry tells of: this one, or the one before the unrun delivery.
+    told integer := CASE WHEN ran THEN attempt ELSE own - 1 END;
     life integer;
 BEGIN
     IF jsonb_typeof(headers) IS DISTINCT FROM 'object' THEN
@@ -33,23 +37,23 @@ BEGIN
     END IF;
     h := headers - 'retry_at';
     IF reason = 'attempts_exhausted' THEN
-        h := lockgate._record_lost(h, lockgate._attempts_before(h), attempt - 1);
+        h := lockgate._record_lost(h, lockgate._attempts_before(h), told - 1);
     END IF;
     IF NOT ran AND jsonb_typeof(h->'errors') = 'array' THEN
         life := lockgate._history_from(h);
         IF EXISTS (SELECT 1 FROM jsonb_array_elements(h->'errors') WITH ORDINALITY a(e, o)
-                    WHERE o > life AND jsonb_typeof(e->'attempt') = 'number' AND (e->>'attempt')::numeric = attempt
+                    WHERE o > life AND jsonb_typeof(e->'attempt') = 'number' AND (e->>'attempt')::numeric = told
                       AND e->>'outcome' IS DISTINCT FROM 'lost') THEN
             RETURN h;
         END IF;
         h := h || jsonb_build_object('errors', COALESCE(
             (SELECT jsonb_agg(e ORDER BY o) FROM jsonb_array_elements(h->'errors') WITH ORDINALITY a(e, o)
-              WHERE NOT (o > life AND jsonb_typeof(e->'attempt') = 'number' AND (e->>'attempt')::numeric = attempt
+              WHERE NOT (o > life AND jsonb_typeof(e->'attempt') = 'number' AND (e->>'attempt')::numeric = told
                          AND e->>'outcome' = 'lost')), '[]'));
     END IF;
     RETURN h || jsonb_build_object('errors', COALESCE(h->'errors', '[]')
         || jsonb_build_array(jsonb_build_object(
-               'attempt', attempt, 'started_at', CASE WHEN ran THEN last_read_at END, 'at', clock_timestamp(),
+               'attempt', told, 'started_at', CASE WHEN ran THEN last_read_at END, 'at', clock_timestamp(),
                'process', CASE WHEN ran THEN h->'owner' END, 'outcome', CASE WHEN ran THEN 'failed' ELSE 'lost' END,
                'error', error)));
 END $$;
@@ -72,7 +76,12 @@ BEGIN
                 CASE WHEN jsonb_typeof(g.headers) = ''object'' THEN g.headers->>''type'' END,
                 g.message,
                 lockgate._dead_letter_headers(g.headers, $2, g.last_read_at, $4, left($5, 4000), $6),
-                $4, left($5, 4000), $6, g.enqueued_at
+                $4, left($5, 4000),
+                -- The attempts made: a delivery past a lowered max_attempts, dead-lettered unrun,
+                -- made more than the limit its caller names.
+                CASE WHEN $4 = ''attempts_exhausted'' AND jsonb_typeof(g.headers) = ''object''
+                     THEN GREATEST($6, lockgate._attempt_of(g.headers, $2) - 1) ELSE $6 END,
+                g.enqueued_at
            FROM gone g
          RETURNING msg_id, headers',
         lockgate._queue_table(queue, 'q'))

@@ -96,6 +96,21 @@ LANGUAGE sql STABLE AS $$
            NULL
       FROM pg_settings s WHERE s.name = 'statement_timeout'
     UNION ALL
+    -- A standby, or a database or role whose sessions start read-only, refuses every write the
+    -- runtime makes (review helper-89: doctor passed one).
+    SELECT 'writable',
+           CASE WHEN w.standby OR w.read_only THEN 'fail' ELSE 'ok' END,
+           CASE WHEN w.standby THEN 'the server is a standby (in recovery): it refuses every write lockgate makes'
+                WHEN w.read_only THEN format('sessions of role %s on database %s are read-only '
+                                             '(default_transaction_read_only is on): every write lockgate makes is refused',
+                                             current_user, current_database())
+                ELSE 'the server takes writes' END,
+           CASE WHEN w.standby THEN 'point the database URL at the writable primary'
+                WHEN w.read_only THEN format('turn it off where it was set: ALTER DATABASE %I RESET '
+                                             'default_transaction_read_only (or ALTER ROLE, or the server''s configuration)',
+                                             current_database()) END
+      FROM (SELECT pg_is_in_recovery() AS standby, current_setting('default_transaction_read_only') = 'on' AS read_only) w
+    UNION ALL
     SELECT 'connections',
            CASE WHEN c.used > 0.95 * c.usable THEN 'fail' WHEN c.used > 0.8 * c.usable THEN 'warn' ELSE 'ok' END,
            format('%s of %s connections in use (max_connections %s, less %s reserved)',

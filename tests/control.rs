@@ -435,6 +435,31 @@ async fn each_attempt_has_one_entry_after_a_park_a_dead_letter_past_the_last_att
     assert_eq!(job_state(&db, id).await, state("dead", 3, "lost failed lost"));
     assert_eq!(attempt_numbers(&db, id).await, [1, 2, 3]);
 
+    // max_attempts lowered below the attempts made: the delivery past it is dead-lettered unrun,
+    // and the lost attempt before it is still written down (review helper-89).
+    sqlx::query("SELECT lockgate.define_job_type('lowered', max_attempts => 3)").execute(&db.pool).await.unwrap();
+    let id = enqueue(&db, "lowered").await;
+    let (m, ct) = claim(&db).await.unwrap();
+    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'first failure', 1)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    claim(&db).await.unwrap();
+    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('lowered', max_attempts => 1)").execute(&db.pool).await.unwrap();
+    let (m, ct) = claim(&db).await.unwrap();
+    // As a worker before this build says it: attempts => max_attempts, below those made.
+    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'would be attempt 3 of 1', 1)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(job_state(&db, id).await, state("dead", 2, "failed lost"));
+    assert_eq!(attempt_numbers(&db, id).await, [1, 2]);
+
     // A cancel, queued after two lost attempts, and running after one.
     let queued = enqueue(&db, "free").await;
     for _ in 0..2 {

@@ -628,25 +628,36 @@ async fn a_completion_refused_by_a_read_only_server_lands_once_it_is_writable_an
         .await
         .unwrap();
     sqlx::query(&reconnect_all).execute(&mut admin).await.unwrap();
+    // The completion is held at the queue's table, where it is seen, then let through to be
+    // refused: its session, which refused, is closed.
+    sqlx::raw_sql("BEGIN; LOCK TABLE pgmq.q_default IN ACCESS EXCLUSIVE MODE").execute(&mut admin).await.unwrap();
     release.notify_one();
-    // The completion has been tried, on a read-only session, and refused (the pattern is split
-    // so that this query's own text does not match it).
-    wait_for("the completion to be refused", WAIT, || async {
-        let tried: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()
-                               AND query LIKE '%lockgate.' || 'complete(%' AND state <> 'active')",
+    let completing = wait_for("the completion to wait at the queue's table", WAIT, || async {
+        Ok(sqlx::query_scalar::<_, i32>(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND state = 'active'
+                AND wait_event_type = 'Lock' AND query LIKE '%lockgate.' || 'complete(%' LIMIT 1",
         )
-        .fetch_one(&db.pool)
-        .await?;
-        Ok(tried.then_some(()))
+        .fetch_optional(&db.pool)
+        .await?)
     })
     .await
     .unwrap();
+    sqlx::raw_sql("COMMIT").execute(&mut admin).await.unwrap();
+    wait_for("the refusing session to be closed", WAIT, || async {
+        let open: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
+            .bind(completing)
+            .fetch_one(&db.pool)
+            .await?;
+        Ok((!open).then_some(()))
+    })
+    .await
+    .unwrap();
+    // Writable again for new sessions only: the runtime's read-only ones are closed when they
+    // refuse a write, not kept (review helper-89: it stayed stuck until they were ended).
     sqlx::query(&format!("ALTER DATABASE {} RESET default_transaction_read_only", db.name))
         .execute(&mut admin)
         .await
         .unwrap();
-    sqlx::query(&reconnect_all).execute(&mut admin).await.unwrap();
     wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
     running.stop().await;
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
@@ -683,6 +694,28 @@ async fn g5_a_database_idle_session_timeout_never_fails_a_renewal_or_a_completio
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
     assert_eq!(db.count("SELECT 1 FROM pgmq.a_default WHERE read_ct > 1").await.unwrap(), 0, "a job ran again");
     assert_eq!(starts.get(), 4);
+}
+
+/// A pooled session that refused to write is closed, not given back: its read-only default,
+/// set for its database when it began, outlives the database's RESET, and the pool would lend it
+/// again and again (review helper-89).
+#[tokio::test]
+async fn a_pooled_session_that_refused_to_write_is_closed_not_lent_again() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('plain')").execute(&db.pool).await.unwrap();
+    sqlx::query(&format!("ALTER DATABASE {} SET default_transaction_read_only = on", db.name))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let one = db.new_pool(1).await.unwrap();
+    let refused = lockgate::sql::pause_queue(&one, "default").await.unwrap_err();
+    assert!(refused.is_read_only() && refused.is_transient(), "{refused}");
+    let mut admin = sqlx::PgConnection::connect(&db.url.replace(&format!("/{}", db.name), "/postgres")).await.unwrap();
+    sqlx::query(&format!("ALTER DATABASE {} RESET default_transaction_read_only", db.name))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    assert!(lockgate::sql::pause_queue(&one, "default").await.unwrap(), "paused on a new session");
 }
 
 /// The LISTEN connection of `listen_database_url` (a direct URL beside a pooled one, where

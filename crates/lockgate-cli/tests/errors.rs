@@ -431,8 +431,8 @@ async fn run_waits_for_an_unreachable_database_and_a_term_ends_the_wait() {
 }
 
 /// A read-only server (a standby the URL reaches, or `default_transaction_read_only`) is named,
-/// with what to do: for a command, and for `lockgate run`, whose start ends at once instead of
-/// retrying as it would for a server that is restarting.
+/// with what to do: for a command, for `lockgate run`, whose start ends at once instead of
+/// retrying as it would for a server that is restarting, and by `doctor`.
 #[tokio::test]
 async fn a_read_only_database_is_named_and_ends_the_start_of_run() {
     let db = TestDb::migrated().await.unwrap();
@@ -449,4 +449,9 @@ async fn a_read_only_database_is_named_and_ends_the_start_of_run() {
     let (status, out) = run_until_exit(&db, &config).await;
     assert_eq!(status.code(), Some(1), "{out}");
     assert!(out.contains("hint: the database is read-only"), "{out}");
+    // And doctor fails it, saying where to turn it off (review helper-89: it passed it).
+    let o = output(&db, &["doctor"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("default_transaction_read_only is on"), "{}", text(&o));
+    assert!(text(&o).contains("RESET default_transaction_read_only"), "{}", text(&o));
 }

@@ -93,6 +93,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "sessions",
         "idle_in_transaction_timeout",
         "statement_timeout",
+        "writable",
         "connections",
         "dead_tuples",
         "archive_size",
@@ -121,6 +122,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "claim_indexes",
         "key_guards",
         "table_writers",
+        "writable",
     ] {
         assert_eq!(named(&checks, name)[0]["verdict"], "ok", "{checks:#?}");
     }

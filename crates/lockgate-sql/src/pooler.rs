@@ -153,6 +153,14 @@ impl<'c> Scope<'c> {
                 tx.commit().await?;
                 Ok(value)
             }
+            // A session that refused to write keeps its read-only default (set for its database
+            // or role when it began) whatever the server does since: closed rather than given
+            // back to the pool, so that the next statement takes a session that sees the server
+            // as it is now (review helper-89: a runtime stayed read-only after the RESET).
+            (Self::Owned(conn), Err(err)) if err.is_read_only() => {
+                let _ = conn.close().await;
+                Err(err)
+            }
             (Self::Savepoint(conn), out) => {
                 let end = if out.is_ok() {
                     "RELEASE SAVEPOINT lockgate_scope"

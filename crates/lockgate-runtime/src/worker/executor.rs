@@ -89,12 +89,15 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
     span.record("attempt", attempt);
     if attempt > policy.max_attempts {
         let error = format!(
-            "delivery would be attempt {attempt} of {}: the previous attempt was lost (worker crash or lease loss)",
+            "delivery would be attempt {attempt} of {}: no attempt is left (the previous one was lost to a worker \
+             crash or lease loss, or max_attempts was lowered)",
             policy.max_attempts
         );
         let job_type = Some(headers.job_type.as_str());
         let dead = Undeliverable { reason: DeadLetterReason::AttemptsExhausted, error: &error, job_type };
-        return dead_letter_now(&shared, &claim, claimed_at, dead, policy.max_attempts as i32).await;
+        // The attempts made, which a lowered max_attempts may be below.
+        let made = i32::try_from(attempt - 1).unwrap_or(i32::MAX);
+        return dead_letter_now(&shared, &claim, claimed_at, dead, made).await;
     }
     let ctx = JobContext {
         job_id: headers.job_id,

@@ -4,7 +4,8 @@
 //! whatever `test_before_acquire` says) and hands it back through a spawned task. A loop that runs
 //! one statement after another (the fetch loop's claims, the completer's completions) keeps its
 //! connection instead, and pays neither. After a failed statement the connection is given back
-//! (the pool tests it and closes it if it is broken) and the next statement takes a fresh one.
+//! (the pool tests it and closes it if it is broken) and the next statement takes a fresh one; a
+//! connection whose session refused to write is closed instead.
 
 use lockgate_sql::{DbError, PgPool};
 use sqlx::pool::PoolConnection;
@@ -35,8 +36,16 @@ impl HeldConnection {
             None => self.conn.insert(self.pool.acquire().await.map_err(DbError::from)?),
         };
         let result = statement(conn).await;
-        if result.is_err() {
-            self.conn = None;
+        match &result {
+            // A session that refused to write (its database or role defaulted it to read-only)
+            // stays so however the server changes since: closed, not given back (review helper-89).
+            Err(err) if err.is_read_only() => {
+                if let Some(conn) = self.conn.take() {
+                    let _ = conn.close().await;
+                }
+            }
+            Err(_) => self.conn = None,
+            Ok(_) => {}
         }
         result
     }
