@@ -28,8 +28,9 @@ DECLARE
     h jsonb;
     own integer := lockgate._attempt_of(headers, read_ct);
     ran boolean := reason <> 'attempts_exhausted' OR own <= attempt;
-    -- The attempt the entry tells of: this one, or the one before the unrun delivery.
-    told integer := CASE WHEN ran THEN attempt ELSE own - 1 END;
+    -- The attempt the entry tells of: this one, or the one before the unrun delivery; never one
+    -- past the delivery's own, whatever its caller names (review helper-90).
+    told integer := CASE WHEN reason <> 'attempts_exhausted' THEN attempt WHEN ran THEN own ELSE own - 1 END;
     life integer;
 BEGIN
     IF jsonb_typeof(headers) IS DISTINCT FROM 'object' THEN
@@ -80,7 +81,9 @@ BEGIN
                 -- The attempts made: a delivery past a lowered max_attempts, dead-lettered unrun,
                 -- made more than the limit its caller names.
                 CASE WHEN $4 = ''attempts_exhausted'' AND jsonb_typeof(g.headers) = ''object''
-                     THEN GREATEST($6, lockgate._attempt_of(g.headers, $2) - 1) ELSE $6 END,
+                     THEN CASE WHEN lockgate._attempt_of(g.headers, $2) > $6 THEN lockgate._attempt_of(g.headers, $2) - 1
+                               ELSE lockgate._attempt_of(g.headers, $2) END
+                     ELSE $6 END,
                 g.enqueued_at
            FROM gone g
          RETURNING msg_id, headers',

@@ -61,13 +61,14 @@ RETURNS integer LANGUAGE sql IMMUTABLE AS $$
 $$;
 
 -- The attempt a delivery of read_ct is: deliveries minus shutdown returns that were not
--- attempts, plus the attempts of the job's earlier messages (headers read defensively).
+-- attempts, plus the attempts of the job's earlier messages (headers read defensively; counts
+-- written by hand past an integer are held at its largest).
 CREATE OR REPLACE FUNCTION lockgate._attempt_of(headers jsonb, read_ct integer)
 RETURNS integer LANGUAGE sql IMMUTABLE AS $$
-    SELECT GREATEST(read_ct
+    SELECT LEAST(GREATEST(read_ct::bigint
         - CASE WHEN jsonb_typeof(headers) = 'object' AND headers->>'returns' ~ '^[0-9]{1,9}$'
                THEN (headers->>'returns')::integer ELSE 0 END
-        + lockgate._attempts_before(headers), 0)
+        + lockgate._attempts_before(headers), 0), 2147483647)::integer
 $$;
 
 -- Where this life of a job's attempt history starts: the number of entries of the headers'

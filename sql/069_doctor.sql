@@ -101,15 +101,23 @@ LANGUAGE sql STABLE AS $$
     SELECT 'writable',
            CASE WHEN w.standby OR w.read_only THEN 'fail' ELSE 'ok' END,
            CASE WHEN w.standby THEN 'the server is a standby (in recovery): it refuses every write lockgate makes'
-                WHEN w.read_only THEN format('sessions of role %s on database %s are read-only '
-                                             '(default_transaction_read_only is on): every write lockgate makes is refused',
-                                             current_user, current_database())
+                WHEN w.read_only THEN format('sessions of role %s on database %s start read-only '
+                                             '(default_transaction_read_only is on, set by %s): every write lockgate makes is refused',
+                                             current_user, current_database(), w.source)
                 ELSE 'the server takes writes' END,
+           -- Where it was set (pg_settings.source) says where to turn it off (review helper-90).
            CASE WHEN w.standby THEN 'point the database URL at the writable primary'
-                WHEN w.read_only THEN format('turn it off where it was set: ALTER DATABASE %I RESET '
-                                             'default_transaction_read_only (or ALTER ROLE, or the server''s configuration)',
-                                             current_database()) END
-      FROM (SELECT pg_is_in_recovery() AS standby, current_setting('default_transaction_read_only') = 'on' AS read_only) w
+                WHEN NOT w.read_only THEN NULL
+                WHEN w.source = 'database' THEN format('ALTER DATABASE %I RESET default_transaction_read_only', current_database())
+                WHEN w.source = 'user' THEN format('ALTER ROLE %I RESET default_transaction_read_only', current_user)
+                WHEN w.source = 'database user'
+                    THEN format('ALTER ROLE %I IN DATABASE %I RESET default_transaction_read_only', current_user, current_database())
+                WHEN w.source = 'client' THEN 'remove default_transaction_read_only from the connection''s options '
+                                              '(PGOPTIONS, or options= in the database URL)'
+                ELSE 'turn default_transaction_read_only off in the server''s configuration (postgresql.conf or '
+                     'ALTER SYSTEM) and reload it' END
+      FROM (SELECT pg_is_in_recovery() AS standby, p.setting = 'on' AS read_only, p.source
+              FROM pg_settings p WHERE p.name = 'default_transaction_read_only') w
     UNION ALL
     SELECT 'connections',
            CASE WHEN c.used > 0.95 * c.usable THEN 'fail' WHEN c.used > 0.8 * c.usable THEN 'warn' ELSE 'ok' END,

@@ -460,6 +460,18 @@ async fn each_attempt_has_one_entry_after_a_park_a_dead_letter_past_the_last_att
     assert_eq!(job_state(&db, id).await, state("dead", 2, "failed lost"));
     assert_eq!(attempt_numbers(&db, id).await, [1, 2]);
 
+    // A caller that names an attempt past the delivery's own records the delivery's, not
+    // phantom attempts (review helper-90).
+    let id = enqueue(&db, "free").await;
+    let (m, ct) = claim(&db).await.unwrap();
+    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'named too high', 5)")
+        .bind(m)
+        .bind(ct)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(job_state(&db, id).await, state("dead", 1, "failed"));
+
     // A cancel, queued after two lost attempts, and running after one.
     let queued = enqueue(&db, "free").await;
     for _ in 0..2 {

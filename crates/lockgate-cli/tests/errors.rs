@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use lockgate_testkit::{wait_for_count, TestDb};
+use sqlx::Connection as _;
 
 /// A local port nothing listens on (bound, then released).
 fn free_port() -> u16 {
@@ -453,5 +454,24 @@ async fn a_read_only_database_is_named_and_ends_the_start_of_run() {
     let o = output(&db, &["doctor"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("default_transaction_read_only is on"), "{}", text(&o));
-    assert!(text(&o).contains("RESET default_transaction_read_only"), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("ALTER DATABASE {} RESET default_transaction_read_only", db.name)),
+        "{}",
+        text(&o)
+    );
+    // Set for the role in this database instead: doctor names that (review helper-90).
+    let mut admin = sqlx::PgConnection::connect(&db.url.replace(&format!("/{}", db.name), "/postgres")).await.unwrap();
+    let role: String = sqlx::query_scalar("SELECT current_user::text").fetch_one(&mut admin).await.unwrap();
+    sqlx::raw_sql(&format!(
+        "ALTER DATABASE {0} RESET default_transaction_read_only; \
+         ALTER ROLE {1} IN DATABASE {0} SET default_transaction_read_only = on",
+        db.name, role
+    ))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    let o = output(&db, &["doctor"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let advice = format!("ALTER ROLE {role} IN DATABASE {} RESET default_transaction_read_only", db.name);
+    assert!(text(&o).contains(&advice), "{}", text(&o));
 }

@@ -810,6 +810,40 @@ fn catches_hangup(pid: &str) -> bool {
         .is_some_and(|mask| mask & 1 != 0)
 }
 
+/// A session of the pool that turned read-only (here a job's own `set_config` does it; a
+/// database's or role's `default_transaction_read_only`, which a session keeps from its start,
+/// does it after a RESET) is closed when an `sql` job fails on it, not lent to the next jobs
+/// (review helper-90: thousands of jobs were dead-lettered after the RESET).
+#[tokio::test]
+async fn an_sql_job_that_fails_on_a_read_only_session_closes_it() {
+    let setup = Setup::with_job_type(
+        DEFAULT_RUNTIME,
+        "sql = \"WITH ins AS (INSERT INTO hits SELECT ($1->>'n')::int WHERE NOT $1 ? 'poison' RETURNING 1) \
+         SELECT CASE WHEN $1 ? 'poison' THEN set_config('default_transaction_read_only', 'on', false) END, \
+         (SELECT count(*) FROM ins)\"\nmax_attempts = 1",
+    );
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("CREATE TABLE hits (n integer)").execute(&db.pool).await.unwrap();
+    let mut lockgate = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.job_types", 1, WAIT).await.unwrap();
+    sqlx::query("SELECT lockgate.enqueue('task', '{\"poison\": true}')").execute(&db.pool).await.unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    for n in 0..30 {
+        sqlx::query("SELECT lockgate.enqueue('task', jsonb_build_object('n', $1::int))")
+            .bind(n)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let ended = "SELECT (SELECT count(*) FROM pgmq.a_default) + (SELECT count(*) FROM lockgate.dead_letters)";
+    wait_for_count(&db.pool, ended, 31, WAIT).await.unwrap();
+    signal(&lockgate, "TERM");
+    assert!(wait_exit(&mut lockgate).await.success());
+    let refused = db.count("SELECT 1 FROM lockgate.dead_letters WHERE error LIKE '%read-only%'").await.unwrap();
+    assert!(refused <= 1, "{refused} jobs failed on the read-only session: it was lent again");
+    assert_eq!(db.count("SELECT 1 FROM hits").await.unwrap() + refused, 30);
+}
+
 /// Statements of the `sql` executor's job type in the tests below, running now.
 async fn probes_running(db: &TestDb) -> i64 {
     db.count(

@@ -182,8 +182,18 @@ impl SqlExecutor {
                     return Err(e);
                 }
             }
-        } else {
-            self.watched(&mut conn, &ctx, args, false).await?;
+        } else if let Err(e) = self.watched(&mut conn, &ctx, args, false).await {
+            // A session that is read-only (its database or role made it so when it began, and
+            // it stays so whatever the server does since) is closed, not given back: every job
+            // lent it would fail (review helper-90). One statement, on failures only.
+            let read_only = query_scalar::<bool>("SELECT current_setting('transaction_read_only') = 'on'")
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap_or(false);
+            if read_only {
+                let _ = conn.close().await;
+            }
+            return Err(e);
         }
         Ok(())
     }
