@@ -21,16 +21,29 @@
 -- interrupted by a shutdown return) keeps it, and the dead letter's reason and error say the
 -- rest (reviews helper-88 and helper-89: one entry per attempt, none dropped). Headers that are
 -- not an object are kept as they are.
+-- The attempt a dead letter tells of: the one its caller names, except with its attempts
+-- exhausted, where it is the delivery's own when that ran, or the one before it when the
+-- delivery is past the last attempt and was not run (its previous attempt was lost, or
+-- max_attempts was lowered); never one past the delivery's own, whatever its caller names
+-- (review helper-90). Also the dead letter's count of attempts made. PL/pgSQL: _attempt_of is
+-- created after this file (sql/068_jobs.sql).
+CREATE OR REPLACE FUNCTION lockgate._dead_letter_attempt(headers jsonb, read_ct integer, reason text, attempt integer)
+RETURNS integer LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    own integer := lockgate._attempt_of(headers, read_ct);
+BEGIN
+    RETURN CASE WHEN reason <> 'attempts_exhausted' OR jsonb_typeof(headers) IS DISTINCT FROM 'object' THEN attempt
+                WHEN own <= attempt THEN own
+                ELSE own - 1 END;
+END $$;
+
 CREATE OR REPLACE FUNCTION lockgate._dead_letter_headers(headers jsonb, read_ct integer, last_read_at timestamptz,
                                                          reason text, error text, attempt integer)
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     h jsonb;
-    own integer := lockgate._attempt_of(headers, read_ct);
-    ran boolean := reason <> 'attempts_exhausted' OR own <= attempt;
-    -- The attempt the entry tells of: this one, or the one before the unrun delivery; never one
-    -- past the delivery's own, whatever its caller names (review helper-90).
-    told integer := CASE WHEN reason <> 'attempts_exhausted' THEN attempt WHEN ran THEN own ELSE own - 1 END;
+    ran boolean := reason <> 'attempts_exhausted' OR lockgate._attempt_of(headers, read_ct) <= attempt;
+    told integer := lockgate._dead_letter_attempt(headers, read_ct, reason, attempt);
     life integer;
 BEGIN
     IF jsonb_typeof(headers) IS DISTINCT FROM 'object' THEN
@@ -80,10 +93,7 @@ BEGIN
                 $4, left($5, 4000),
                 -- The attempts made: a delivery past a lowered max_attempts, dead-lettered unrun,
                 -- made more than the limit its caller names.
-                CASE WHEN $4 = ''attempts_exhausted'' AND jsonb_typeof(g.headers) = ''object''
-                     THEN CASE WHEN lockgate._attempt_of(g.headers, $2) > $6 THEN lockgate._attempt_of(g.headers, $2) - 1
-                               ELSE lockgate._attempt_of(g.headers, $2) END
-                     ELSE $6 END,
+                lockgate._dead_letter_attempt(g.headers, $2, $4, $6),
                 g.enqueued_at
            FROM gone g
          RETURNING msg_id, headers',

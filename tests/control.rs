@@ -246,6 +246,52 @@ async fn attempt_numbers(db: &TestDb, id: i64) -> Vec<i64> {
     job.attempts.as_array().into_iter().flatten().map(|a| a["attempt"].as_i64().unwrap_or(-1)).collect()
 }
 
+/// A job of `job_type` on key "a"; its id.
+async fn enqueue_on_a(db: &TestDb, job_type: &str) -> i64 {
+    sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue($1, '{\"k\": \"a\"}')")
+        .bind(job_type)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// One delivery of the default queue, if any is visible.
+async fn claim_one(db: &TestDb) -> Option<(i64, i32)> {
+    sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+        .fetch_optional(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// Its worker dies: the visibility of the default queue's messages lapses (leases stay live).
+async fn lapse(db: &TestDb) {
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second'").execute(&db.pool).await.unwrap();
+}
+
+/// Delivery `d` fails attempt `attempt` with `error`, retried at once.
+async fn fail_and_retry(db: &TestDb, d: (i64, i32), error: &str, attempt: i32) {
+    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, $3, $4)")
+        .bind(d.0)
+        .bind(d.1)
+        .bind(error)
+        .bind(attempt)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+/// Delivery `d` is dead-lettered as the worker does when attempts run out, naming `attempts`.
+async fn dead_letter_exhausted(db: &TestDb, d: (i64, i32), error: &str, attempts: i32) {
+    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', $3, $4)")
+        .bind(d.0)
+        .bind(d.1)
+        .bind(error)
+        .bind(attempts)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
 /// A lost attempt (its worker killed) is told by its message's read_ct. It stays in the history
 /// when the job leaves its queue table: dead-lettered with its attempts exhausted, parked again
 /// at claim behind its key (review helper-84, F4). After a dead-letter retry the attempts are
@@ -260,52 +306,22 @@ async fn lost_attempts_stay_in_the_history_through_dead_letter_dlq_retry_and_par
     .execute(&db.pool)
     .await
     .unwrap();
-    let enqueue = |db: &TestDb| {
-        let pool = db.pool.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>("SELECT job_id FROM lockgate.enqueue('lim', '{\"k\": \"a\"}')")
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }
-    };
-    let claim = |db: &TestDb| {
-        let pool = db.pool.clone();
-        async move {
-            sqlx::query_as::<_, (i64, i32)>("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
-                .fetch_optional(&pool)
-                .await
-                .unwrap()
-        }
-    };
-    // Its worker dies: its visibility lapses (its lease is still live).
-    let lapse = "UPDATE pgmq.q_default SET vt = now() - interval '1 second'";
-    let id = enqueue(&db).await;
+    let id = enqueue_on_a(&db, "lim").await;
 
     // The first life: attempt 1 fails, 2 is lost, 3 fails and is the last.
-    let (m, ct) = claim(&db).await.unwrap();
-    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'first failure', 1)")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    claim(&db).await.unwrap();
-    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    let (m, ct) = claim_one(&db).await.unwrap();
+    fail_and_retry(&db, (m, ct), "first failure", 1).await;
+    claim_one(&db).await.unwrap();
+    lapse(&db).await;
     assert_eq!(job_state(&db, id).await, state("queued", 2, "failed lost"));
-    let (m, ct) = claim(&db).await.unwrap();
-    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'third failure', 3)")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    let (m, ct) = claim_one(&db).await.unwrap();
+    dead_letter_exhausted(&db, (m, ct), "third failure", 3).await;
     assert_eq!(job_state(&db, id).await, state("dead", 3, "failed lost failed"));
 
     // The second life: attempt 1 is lost.
     sqlx::query("SELECT * FROM lockgate.dlq_retry()").execute(&db.pool).await.unwrap();
-    claim(&db).await.unwrap();
-    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    claim_one(&db).await.unwrap();
+    lapse(&db).await;
     assert_eq!(job_state(&db, id).await, state("queued", 1, "failed lost failed lost"));
     assert_eq!(attempt_numbers(&db, id).await, [1, 2, 3, 1]);
 
@@ -313,9 +329,9 @@ async fn lost_attempts_stay_in_the_history_through_dead_letter_dlq_retry_and_par
     // claim parks it behind that job, and the lost attempt goes with it.
     sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(&db.pool).await.unwrap();
     sqlx::query("SELECT lockgate.sweep()").execute(&db.pool).await.unwrap();
-    let other = enqueue(&db).await;
+    let other = enqueue_on_a(&db, "lim").await;
     assert_eq!(job_state(&db, other).await.0, "queued", "the other job took the key's permit");
-    let _ = claim(&db).await;
+    let _ = claim_one(&db).await;
     assert_eq!(job_state(&db, id).await.0, "parked");
     assert_eq!(job_state(&db, id).await.2, "failed lost failed lost");
     assert_eq!(attempt_numbers(&db, id).await, [1, 2, 3, 1]);
@@ -329,11 +345,11 @@ async fn lost_attempts_stay_in_the_history_through_dead_letter_dlq_retry_and_par
             .unwrap();
     let delivery = match delivered {
         Some(delivery) => delivery,
-        None => claim(&db).await.unwrap(),
+        None => claim_one(&db).await.unwrap(),
     };
     assert_eq!(delivery.0, other);
     assert!(common::complete_default(&db.pool, delivery).await);
-    let (m, ct) = claim(&db).await.expect("the parked job was promoted");
+    let (m, ct) = claim_one(&db).await.expect("the parked job was promoted");
     assert!(common::complete_default(&db.pool, (m, ct)).await);
     assert_eq!(job_state(&db, id).await, state("succeeded", 2, "failed lost failed lost succeeded"));
     assert_eq!(attempt_numbers(&db, id).await, [1, 2, 3, 1, 2]);
@@ -354,141 +370,84 @@ async fn each_attempt_has_one_entry_after_a_park_a_dead_letter_past_the_last_att
     .await
     .unwrap();
     sqlx::query("SELECT lockgate.define_job_type('free', max_attempts => 3)").execute(&db.pool).await.unwrap();
-    let enqueue = |db: &TestDb, job_type: &'static str| {
-        let pool = db.pool.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>("SELECT job_id FROM lockgate.enqueue($1, '{\"k\": \"a\"}')")
-                .bind(job_type)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }
-    };
-    let claim = |db: &TestDb| {
-        let pool = db.pool.clone();
-        async move {
-            sqlx::query_as::<_, (i64, i32)>("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
-                .fetch_optional(&pool)
-                .await
-                .unwrap()
-        }
-    };
-    let lapse = "UPDATE pgmq.q_default SET vt = now() - interval '1 second'";
 
     // Attempt 1 fails, attempt 2 (the last) is lost, the job is parked again behind another.
-    let id = enqueue(&db, "lim").await;
-    let (m, ct) = claim(&db).await.unwrap();
-    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'first failure', 1)")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    claim(&db).await.unwrap();
-    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    let id = enqueue_on_a(&db, "lim").await;
+    let (m, ct) = claim_one(&db).await.unwrap();
+    fail_and_retry(&db, (m, ct), "first failure", 1).await;
+    claim_one(&db).await.unwrap();
+    lapse(&db).await;
     sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(&db.pool).await.unwrap();
     sqlx::query("SELECT lockgate.sweep()").execute(&db.pool).await.unwrap();
-    let other = enqueue(&db, "lim").await;
-    let first = claim(&db).await;
+    let other = enqueue_on_a(&db, "lim").await;
+    let first = claim_one(&db).await;
     assert_eq!(job_state(&db, id).await.0, "parked");
     let other_delivery = match first {
         Some(delivery) if delivery.0 == other => delivery,
-        _ => claim(&db).await.unwrap(),
+        _ => claim_one(&db).await.unwrap(),
     };
     assert!(common::complete_default(&db.pool, other_delivery).await);
     // Promoted, its next delivery would be attempt 3 of 2: the worker dead-letters it unrun.
-    let (m, ct) = claim(&db).await.expect("the parked job was promoted");
-    sqlx::query(
-        "SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', \
-         'delivery would be attempt 3 of 2: the previous attempt was lost (worker crash or lease loss)', 2)",
-    )
-    .bind(m)
-    .bind(ct)
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    let past = claim_one(&db).await.expect("the parked job was promoted");
+    let error = "delivery would be attempt 3 of 2: the previous attempt was lost (worker crash or lease loss)";
+    dead_letter_exhausted(&db, past, error, 2).await;
     assert_eq!(job_state(&db, id).await, state("dead", 2, "failed lost"));
     let dead = lockgate::sql::job(&db.pool, lockgate::JobId(id)).await.unwrap().unwrap();
     assert!(dead.attempts[1]["error"].as_str().unwrap().contains("would be attempt 3 of 2"), "{}", dead.attempts);
     assert!(dead.attempts[1]["started_at"].is_null(), "the unrun delivery started nothing: {}", dead.attempts);
 
     // Without a park: the dead letter's entry tells of the lost last attempt, once.
-    let id = enqueue(&db, "free").await;
-    claim(&db).await.unwrap();
-    sqlx::query(lapse).execute(&db.pool).await.unwrap();
-    let (m, ct) = claim(&db).await.unwrap();
-    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'second failure', 2)")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    claim(&db).await.unwrap();
-    sqlx::query(lapse).execute(&db.pool).await.unwrap();
-    let (m, ct) = claim(&db).await.unwrap();
-    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'would be attempt 4 of 3', 3)")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    let id = enqueue_on_a(&db, "free").await;
+    claim_one(&db).await.unwrap();
+    lapse(&db).await;
+    let (m, ct) = claim_one(&db).await.unwrap();
+    fail_and_retry(&db, (m, ct), "second failure", 2).await;
+    claim_one(&db).await.unwrap();
+    lapse(&db).await;
+    let (m, ct) = claim_one(&db).await.unwrap();
+    dead_letter_exhausted(&db, (m, ct), "would be attempt 4 of 3", 3).await;
     assert_eq!(job_state(&db, id).await, state("dead", 3, "lost failed lost"));
     assert_eq!(attempt_numbers(&db, id).await, [1, 2, 3]);
 
     // max_attempts lowered below the attempts made: the delivery past it is dead-lettered unrun,
     // and the lost attempt before it is still written down (review helper-89).
     sqlx::query("SELECT lockgate.define_job_type('lowered', max_attempts => 3)").execute(&db.pool).await.unwrap();
-    let id = enqueue(&db, "lowered").await;
-    let (m, ct) = claim(&db).await.unwrap();
-    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'first failure', 1)")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    claim(&db).await.unwrap();
-    sqlx::query(lapse).execute(&db.pool).await.unwrap();
+    let id = enqueue_on_a(&db, "lowered").await;
+    let (m, ct) = claim_one(&db).await.unwrap();
+    fail_and_retry(&db, (m, ct), "first failure", 1).await;
+    claim_one(&db).await.unwrap();
+    lapse(&db).await;
     sqlx::query("SELECT lockgate.define_job_type('lowered', max_attempts => 1)").execute(&db.pool).await.unwrap();
-    let (m, ct) = claim(&db).await.unwrap();
+    let (m, ct) = claim_one(&db).await.unwrap();
     // As a worker before this build says it: attempts => max_attempts, below those made.
-    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'would be attempt 3 of 1', 1)")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    dead_letter_exhausted(&db, (m, ct), "would be attempt 3 of 1", 1).await;
     assert_eq!(job_state(&db, id).await, state("dead", 2, "failed lost"));
     assert_eq!(attempt_numbers(&db, id).await, [1, 2]);
 
     // A caller that names an attempt past the delivery's own records the delivery's, not
     // phantom attempts (review helper-90).
-    let id = enqueue(&db, "free").await;
-    let (m, ct) = claim(&db).await.unwrap();
-    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'named too high', 5)")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    let id = enqueue_on_a(&db, "free").await;
+    let (m, ct) = claim_one(&db).await.unwrap();
+    dead_letter_exhausted(&db, (m, ct), "named too high", 5).await;
     assert_eq!(job_state(&db, id).await, state("dead", 1, "failed"));
 
     // A cancel, queued after two lost attempts, and running after one.
-    let queued = enqueue(&db, "free").await;
+    let queued = enqueue_on_a(&db, "free").await;
     for _ in 0..2 {
-        claim(&db).await.unwrap();
-        sqlx::query(lapse).execute(&db.pool).await.unwrap();
+        claim_one(&db).await.unwrap();
+        lapse(&db).await;
     }
     sqlx::query("SELECT * FROM lockgate.cancel($1)").bind(queued).execute(&db.pool).await.unwrap();
     assert_eq!(job_state(&db, queued).await, state("cancelled", 2, "lost lost"));
-    let running = enqueue(&db, "free").await;
-    claim(&db).await.unwrap();
-    sqlx::query(lapse).execute(&db.pool).await.unwrap();
-    claim(&db).await.unwrap();
+    let running = enqueue_on_a(&db, "free").await;
+    claim_one(&db).await.unwrap();
+    lapse(&db).await;
+    claim_one(&db).await.unwrap();
     sqlx::query("SELECT * FROM lockgate.cancel($1)").bind(running).execute(&db.pool).await.unwrap();
     assert_eq!(job_state(&db, running).await, state("cancelled", 2, "lost cancelled"));
 
     // A job an earlier build retried from the dead letters: two lives, no mark.
-    let old = enqueue(&db, "free").await;
+    let old = enqueue_on_a(&db, "free").await;
     sqlx::query(
         "UPDATE pgmq.q_default SET headers = headers || jsonb_build_object('errors', \
          '[{\"attempt\": 1, \"error\": \"L1 a1\"}, {\"attempt\": 2, \"error\": \"L1 a2\"}, \
@@ -498,22 +457,12 @@ async fn each_attempt_has_one_entry_after_a_park_a_dead_letter_past_the_last_att
     .execute(&db.pool)
     .await
     .unwrap();
-    let (m, ct) = claim(&db).await.unwrap();
-    sqlx::query("SELECT lockgate.retry('default', $1, $2, 0, 'L2 a1', 1)")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    claim(&db).await.unwrap();
-    sqlx::query(lapse).execute(&db.pool).await.unwrap();
-    let (m, ct) = claim(&db).await.unwrap();
-    sqlx::query("SELECT lockgate.dead_letter('default', $1, $2, 'attempts_exhausted', 'L2 a3', 3)")
-        .bind(m)
-        .bind(ct)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    let (m, ct) = claim_one(&db).await.unwrap();
+    fail_and_retry(&db, (m, ct), "L2 a1", 1).await;
+    claim_one(&db).await.unwrap();
+    lapse(&db).await;
+    let (m, ct) = claim_one(&db).await.unwrap();
+    dead_letter_exhausted(&db, (m, ct), "L2 a3", 3).await;
     let errors: Vec<String> = lockgate::sql::job(&db.pool, lockgate::JobId(old))
         .await
         .unwrap()

@@ -643,15 +643,7 @@ async fn a_completion_refused_by_a_read_only_server_lands_once_it_is_writable_an
     .await
     .unwrap();
     sqlx::raw_sql("COMMIT").execute(&mut admin).await.unwrap();
-    wait_for("the refusing session to be closed", WAIT, || async {
-        let open: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
-            .bind(completing)
-            .fetch_one(&db.pool)
-            .await?;
-        Ok((!open).then_some(()))
-    })
-    .await
-    .unwrap();
+    db.wait_session_ended("the refusing session to be closed", completing, WAIT).await.unwrap();
     // Writable again for new sessions only: the runtime's read-only ones are closed when they
     // refuse a write, not kept (review helper-89: it stayed stuck until they were ended).
     sqlx::query(&format!("ALTER DATABASE {} RESET default_transaction_read_only", db.name))
@@ -710,7 +702,7 @@ async fn a_pooled_session_that_refused_to_write_is_closed_not_lent_again() {
     let one = db.new_pool(1).await.unwrap();
     let refused = lockgate::sql::pause_queue(&one, "default").await.unwrap_err();
     assert!(refused.is_read_only() && refused.is_transient(), "{refused}");
-    let mut admin = sqlx::PgConnection::connect(&db.url.replace(&format!("/{}", db.name), "/postgres")).await.unwrap();
+    let mut admin = sqlx::PgConnection::connect(&lockgate_testkit::server_url()).await.unwrap();
     sqlx::query(&format!("ALTER DATABASE {} RESET default_transaction_read_only", db.name))
         .execute(&mut admin)
         .await
@@ -745,15 +737,7 @@ async fn g5_the_listen_connection_of_a_listen_url_outlives_a_database_idle_sessi
     for _ in 0..2 {
         let mut idle = sqlx::PgConnection::connect(&db.url).await.unwrap();
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut idle).await.unwrap();
-        wait_for("the server to end an idle session", WAIT, || async {
-            let alive: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
-                .bind(pid)
-                .fetch_one(&db.pool)
-                .await?;
-            Ok((!alive).then_some(()))
-        })
-        .await
-        .unwrap();
+        db.wait_session_ended("the server to end an idle session", pid, WAIT).await.unwrap();
     }
     assert_eq!(listener().await.unwrap(), Some(first), "the LISTEN connection was ended and made again");
     running.stop().await;
@@ -772,15 +756,7 @@ async fn a_session_or_transaction_the_server_ended_for_idling_is_a_transient_err
         let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut conn).await.unwrap();
         sqlx::raw_sql(setup).execute(&mut conn).await.unwrap();
-        wait_for("the server to end the idle connection", WAIT, || async {
-            let alive: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
-                .bind(pid)
-                .fetch_one(&db.pool)
-                .await?;
-            Ok((!alive).then_some(()))
-        })
-        .await
-        .unwrap();
+        db.wait_session_ended("the server to end the idle connection", pid, WAIT).await.unwrap();
         let error = sqlx::query("SELECT 1").execute(&mut conn).await.unwrap_err();
         let error = lockgate::sql::DbError::from(error);
         assert!(error.is_transient(), "{what}: {error} is final");

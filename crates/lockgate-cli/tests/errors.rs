@@ -460,7 +460,7 @@ async fn a_read_only_database_is_named_and_ends_the_start_of_run() {
         text(&o)
     );
     // Set for the role in this database instead: doctor names that (review helper-90).
-    let mut admin = sqlx::PgConnection::connect(&db.url.replace(&format!("/{}", db.name), "/postgres")).await.unwrap();
+    let mut admin = sqlx::PgConnection::connect(&lockgate_testkit::server_url()).await.unwrap();
     let role: String = sqlx::query_scalar("SELECT current_user::text").fetch_one(&mut admin).await.unwrap();
     sqlx::raw_sql(&format!(
         "ALTER DATABASE {0} RESET default_transaction_read_only; \

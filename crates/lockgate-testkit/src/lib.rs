@@ -75,6 +75,19 @@ impl TestDb {
         .await?)
     }
 
+    /// Waits until the session of backend `pid` has ended (the server ended it, or its client
+    /// closed it), as seen from this database's pool.
+    pub async fn wait_session_ended(&self, what: &str, pid: i32, timeout: Duration) -> Result<()> {
+        wait_for(what, timeout, || async {
+            let open: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
+                .bind(pid)
+                .fetch_one(&self.pool)
+                .await?;
+            Ok((!open).then_some(()))
+        })
+        .await
+    }
+
     /// Rows in a query's result, e.g. `count("SELECT 1 FROM pgmq.a_default")`.
     pub async fn count(&self, from: &str) -> Result<i64> {
         Ok(sqlx::query_scalar(&format!("SELECT count(*) FROM ({from}) t")).fetch_one(&self.pool).await?)

@@ -136,10 +136,8 @@ impl Watched {
                 // running watchdog's handle lives in a static, never dropped while lockgate runs.
                 .kill_on_drop(true)
                 .spawn()?;
-            if let Err(e) = ready(&mut process).await {
-                let _ = process.start_kill();
-                return Err(e);
-            }
+            // Given up on, it is dropped here, and killed (kill_on_drop).
+            ready(&mut process).await?;
             let mut pipe = process.stdin.take().ok_or_else(|| std::io::Error::other("the watchdog has no stdin"))?;
             let lines: String =
                 self.runs.iter().flatten().map(|(run, (until, pgid))| run_lines(*run, *until, *pgid)).collect();
