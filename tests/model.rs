@@ -47,6 +47,9 @@
 //!   permit back promotes a parked job with it, or leaves the permit on its finished lease (at
 //!   REPEATABLE READ, design §78), never back on the key past the parked job. (After a limit
 //!   changes, only from the next sweep on: a raised limit waits for it, as the README says.)
+//! - (n) once every job has its fate (after the drain), each job's history has one entry per
+//!   attempt: each life numbered 1, 2, ... with no gap or repeat (a lost attempt written down when
+//!   its job left its queue table), the last ending at the job's attempt (design §86).
 //!
 //! After the schedule, the case drains (`Run::drain`): running holders complete, claims take
 //! what is visible, and when they find nothing, clocks run past every visibility and waiting
@@ -66,7 +69,7 @@
 //! Time is simulated by moving database times into the past, never by sleeping.
 //!
 //! Size: LOCKGATE_MODEL_CASES (default 64) cases of 1 to LOCKGATE_MODEL_STEPS (default 80)
-//! steps; LOCKGATE_MODEL_SEED replays a run; LOCKGATE_MODEL_CHECKS (default "abcdefghijklm") keeps
+//! steps; LOCKGATE_MODEL_SEED replays a run; LOCKGATE_MODEL_CHECKS (default "abcdefghijklmn") keeps
 //! only some checks. See docs/testing.md.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -1197,7 +1200,7 @@ impl Run<'_> {
         let mut n = 0;
         for _ in 0..DRAIN_ROUNDS {
             if self.model.jobs.values().all(|fate| *fate != Fate::Live) {
-                return Ok(());
+                return self.check_histories().await;
             }
             let mut ops: Vec<Op> =
                 self.model.running().iter().map(|_| Op::Finish { pick: 0, how: Finish::Complete }).collect();
@@ -1228,6 +1231,18 @@ impl Run<'_> {
             state.messages.iter().map(|m| (m.queue.name(), m.msg_id, m.job_id)).collect::<Vec<_>>(),
             state.parked
         )
+    }
+
+    /// Check (n), once every job has its fate: one history entry per attempt.
+    async fn check_histories(&mut self) -> Result<()> {
+        if !self.checks.on('n') {
+            return Ok(());
+        }
+        let broken = db::histories_broken(&mut self.c.observer).await?;
+        if !broken.is_empty() {
+            bail!("after the drain:\n  {}", broken.join("\n  "));
+        }
+        Ok(())
     }
 
     /// One step of the drain, logged and checked as the schedule's steps are.
@@ -1381,7 +1396,7 @@ impl Harness {
 fn g3_model_random_schedules_never_admit_more_than_the_limit_lose_nothing_and_fence_stale_tokens() {
     let cases: u32 = env_or("LOCKGATE_MODEL_CASES", 64);
     let max_steps: usize = env_or("LOCKGATE_MODEL_STEPS", 80);
-    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijklm".to_string()));
+    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijklmn".to_string()));
     let seed: u64 = match std::env::var("LOCKGATE_MODEL_SEED") {
         Ok(s) => s
             .trim_start_matches("0x")
@@ -1464,7 +1479,7 @@ fn g3_model_random_schedules_never_admit_more_than_the_limit_lose_nothing_and_fe
 /// Runs fixed schedules through the same model and checks, each from a clean database; fails
 /// with the first one's trace that breaks a check.
 fn replay_known_schedules(schedules: Vec<(&str, Case)>) {
-    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijklm".to_string()));
+    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijklmn".to_string()));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let db = rt.block_on(TestDb::migrated()).expect("a migrated test database");
     let mut harness = Harness { db, conns: None, api: None, stats: BTreeMap::new() };

@@ -162,15 +162,26 @@ pub async fn complete(conn: &mut PgConnection, queue: Queue, msg_id: i64, read_c
     Ok(rows.into_iter().map(|r| r.get::<i64, _>(0)).collect())
 }
 
+/// The attempt a delivery is, as its worker counts it (1 for a stale token, whose call is fenced).
+fn attempt_of(queue: Queue) -> String {
+    format!(
+        "COALESCE((SELECT lockgate._attempt_of(m.headers, m.read_ct) FROM {} m WHERE m.msg_id = $2 AND m.read_ct = $3), 1)",
+        queue.table("q")
+    )
+}
+
 pub async fn retry(conn: &mut PgConnection, queue: Queue, msg_id: i64, read_ct: i32, delay: f64) -> Result<bool> {
-    sqlx::query_scalar("SELECT lockgate.retry($1, $2, $3, $4, 'model: attempt failed', 1)")
-        .bind(queue.name())
-        .bind(msg_id)
-        .bind(read_ct)
-        .bind(delay)
-        .fetch_one(&mut *conn)
-        .await
-        .context("lockgate.retry")
+    sqlx::query_scalar(&format!(
+        "SELECT lockgate.retry($1, $2, $3, $4, 'model: attempt failed', {})",
+        attempt_of(queue)
+    ))
+    .bind(queue.name())
+    .bind(msg_id)
+    .bind(read_ct)
+    .bind(delay)
+    .fetch_one(&mut *conn)
+    .await
+    .context("lockgate.retry")
 }
 
 pub async fn release(conn: &mut PgConnection, queue: Queue, msg_id: i64, read_ct: i32) -> Result<Vec<i64>> {
@@ -185,13 +196,16 @@ pub async fn release(conn: &mut PgConnection, queue: Queue, msg_id: i64, read_ct
 }
 
 pub async fn dead_letter(conn: &mut PgConnection, queue: Queue, msg_id: i64, read_ct: i32) -> Result<bool> {
-    sqlx::query_scalar("SELECT lockgate.dead_letter($1, $2, $3, 'attempts_exhausted', 'model: last attempt failed', 1)")
-        .bind(queue.name())
-        .bind(msg_id)
-        .bind(read_ct)
-        .fetch_one(&mut *conn)
-        .await
-        .context("lockgate.dead_letter")
+    sqlx::query_scalar(&format!(
+        "SELECT lockgate.dead_letter($1, $2, $3, 'attempts_exhausted', 'model: last attempt failed', {})",
+        attempt_of(queue)
+    ))
+    .bind(queue.name())
+    .bind(msg_id)
+    .bind(read_ct)
+    .fetch_one(&mut *conn)
+    .await
+    .context("lockgate.dead_letter")
 }
 
 pub async fn sweep(conn: &mut PgConnection) -> Result<String> {
@@ -468,4 +482,41 @@ pub async fn free_permits_behind_parked_jobs(conn: &mut PgConnection) -> Result<
     )
     .fetch_all(conn)
     .await?)
+}
+
+/// Check (n): every job's history, one entry per attempt: each life (a dead-letter retry starts
+/// one, numbered from 1 again) is numbered 1, 2, ... without a gap or a repeat, and the last
+/// ends at the job's attempt (or the one before, for a job cancelled with a delivery that never
+/// started). Jobs discarded unrun are left out. One row per job that breaks it.
+pub async fn histories_broken(conn: &mut PgConnection) -> Result<Vec<String>> {
+    let jobs: Vec<(i64, String, i32, Value, Value)> =
+        sqlx::query_as("SELECT id, state, attempt, attempts, headers FROM lockgate.jobs(max_rows => 1000)")
+            .fetch_all(conn)
+            .await?;
+    let mut broken = Vec::new();
+    for (id, state, attempt, attempts, headers) in jobs {
+        if state == "discarded" || attempt > 100 {
+            continue;
+        }
+        let numbers: Vec<i64> =
+            attempts.as_array().into_iter().flatten().map(|a| a["attempt"].as_i64().unwrap_or(-1)).collect();
+        // The entries before the mark dlq_retry left are earlier lives', each numbered from 1.
+        let from = usize::try_from(headers["history_from"].as_u64().unwrap_or(0)).unwrap_or(usize::MAX);
+        let (earlier, last) = numbers.split_at(from.min(numbers.len()));
+        let mut lives: Vec<Vec<i64>> = Vec::new();
+        for n in earlier {
+            match lives.last_mut() {
+                Some(life) if *n != 1 => life.push(*n),
+                _ => lives.push(vec![*n]),
+            }
+        }
+        lives.push(last.to_vec());
+        let numbered = lives.iter().all(|life| life.iter().zip(1..).all(|(n, i)| *n == i));
+        let ends = last.len() as i64 == i64::from(attempt)
+            || (state == "cancelled" && last.len() as i64 == i64::from(attempt) - 1);
+        if !numbered || !ends {
+            broken.push(format!("(n) job {id} ({state}, attempt {attempt}) has the history {numbers:?}: {attempts}"));
+        }
+    }
+    Ok(broken)
 }
