@@ -656,6 +656,55 @@ async fn a_completion_refused_by_a_read_only_server_lands_once_it_is_writable_an
     assert_eq!(starts.get(), 1, "the job ran again");
 }
 
+/// `/readyz` said ready while the server refused every write (review helper-89): a process that
+/// can neither renew nor complete is not ready, and the reason names the refusal; it is ready
+/// again once a heartbeat lands.
+#[tokio::test]
+async fn readiness_is_lost_while_the_server_refuses_writes_and_comes_back_with_them() {
+    let db = TestDb::migrated().await.unwrap();
+    define(&db, &[("noop", JobPolicy::on_queue(queue("default")))]).await;
+    let config = RuntimeConfig { process_heartbeat_interval: Duration::from_millis(200), ..test_config() };
+    let pools = vec![PoolConfig::new("test", vec![queue("default")], 1)];
+    let runtime = Runtime::new(db.new_pool(2).await.unwrap(), config, Registry::new(), pools).unwrap();
+    let health = runtime.health();
+    let running = Running::spawn(runtime);
+    let ready = || {
+        let health = Arc::clone(&health);
+        async move { Ok(health.readiness().is_ok().then_some(())) }
+    };
+    wait_for("the runtime to be ready", WAIT, ready.clone()).await.unwrap();
+
+    // A session opened before the change keeps taking writes: it turns the server back.
+    let mut admin = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query(&format!("ALTER DATABASE {} SET default_transaction_read_only = on", db.name))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+    )
+    .bind(&db.name)
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    let reasons = wait_for("the runtime to say it is not ready", WAIT, || {
+        let health = Arc::clone(&health);
+        async move { Ok(health.readiness().err()) }
+    })
+    .await
+    .unwrap();
+    assert!(
+        reasons.iter().any(|r| r.starts_with("process heartbeat failing") && r.contains("refuses writes (read-only)")),
+        "{reasons:?}"
+    );
+    sqlx::query(&format!("ALTER DATABASE {} RESET default_transaction_read_only", db.name))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    wait_for("the runtime to be ready again", WAIT, ready).await.unwrap();
+    running.stop().await;
+}
+
 /// A managed database's `idle_session_timeout` ends sessions idle past it. The runtime's
 /// connections idle between uses by design (the heartbeat's between renewals, the pool's between
 /// completions): each renewal and completion met a connection the server had ended, failed for

@@ -1,9 +1,11 @@
 //! Health: what `/livez` and `/readyz` report, and the small HTTP server that serves them and
 //! `/metrics` (bound to 127.0.0.1 unless configured otherwise).
 //!
-//! Ready means: booted, not draining, registered, and no service crash-looping (three crashes
-//! within a minute). A lost LISTEN connection is reported as degraded but keeps the process
-//! ready: polling still delivers every job (H20).
+//! Ready means: booted, not draining, registered, its last process heartbeat landed, and no
+//! service crash-looping (three crashes within a minute). A heartbeat the server refused (a
+//! read-only server, an unreachable one) makes the process not ready until one lands: it can
+//! neither renew nor complete. A lost LISTEN connection is reported as degraded but keeps the
+//! process ready: polling still delivers every job (H20).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -34,6 +36,8 @@ pub struct Health {
     listen_down: AtomicBool,
     /// No LISTEN by design (transaction pooling without a listen URL): the fetch loops poll.
     listen_off: AtomicBool,
+    /// Since when the process heartbeat has failed, and its last error; `None` once one lands.
+    beat_failing: Mutex<Option<(Instant, String)>>,
     crashes: Mutex<HashMap<&'static str, VecDeque<Instant>>>,
 }
 
@@ -56,6 +60,21 @@ impl Health {
 
     pub(crate) fn set_listen_off(&self) {
         self.listen_off.store(true, Ordering::SeqCst);
+    }
+
+    /// Records a process heartbeat's outcome: a failure's error (named as a refusal to write when
+    /// the server is read-only), or `None` when it landed.
+    pub(crate) fn set_beat_failure(&self, error: Option<&lockgate_sql::DbError>) {
+        let mut failing = self.beat_failing.lock().unwrap_or_else(|e| e.into_inner());
+        *failing = error.map(|error| {
+            let since = failing.as_ref().map_or_else(Instant::now, |(since, _)| *since);
+            let text = if error.is_read_only() {
+                format!("the server refuses writes (read-only): {error}")
+            } else {
+                error.to_string()
+            };
+            (since, text)
+        });
     }
 
     pub fn listen_down(&self) -> bool {
@@ -91,6 +110,9 @@ impl Health {
         }
         if !self.registered.load(Ordering::SeqCst) {
             reasons.push("not registered in lockgate.processes".to_string());
+        }
+        if let Some((since, error)) = &*self.beat_failing.lock().unwrap_or_else(|e| e.into_inner()) {
+            reasons.push(format!("process heartbeat failing for {}s: {error}", since.elapsed().as_secs()));
         }
         reasons.extend(self.crash_looping().into_iter().map(|s| format!("{s} is crash-looping")));
         let notes = if self.listen_off.load(Ordering::SeqCst) {

@@ -164,7 +164,9 @@ impl ProcessRegistry {
             () = tokio::time::sleep(crate::ticker::first_pass(self.interval)) => {}
         }
         crate::ticker::every(self.interval, Duration::ZERO, &shutdown, || async {
-            match self.run_once().await {
+            let outcome = self.run_once().await;
+            self.health.set_beat_failure(outcome.as_ref().err());
+            match outcome {
                 Ok(report) if report == RegistryReport::default() => {
                     self.metrics.prune_runs.inc();
                 }
