@@ -48,12 +48,30 @@ $$;
 -- statement's plan for the session: as a SQL function (its subquery keeps it from being inlined)
 -- it was planned again at every claim, about 95 us of an empty claim's 0.4 ms of server time,
 -- two claims per job on an idle queue (docs/benchmarks.md, twenty-fourth session).
+-- A table found as lockgate made it is remembered by its oid for the session (the setting
+-- lockgate.adopted_<queue>), and a later call that finds the same oid reads no catalog table:
+-- the query, even planned once, cost about 35 us per transaction, twice in every claim that took
+-- a message (docs/design.md §88). A table made again is another table, with another oid, and is
+-- looked at in full; only an ALTER by hand that makes the same table's msg_id an identity column
+-- again goes unseen by sessions that looked before it.
 CREATE OR REPLACE FUNCTION lockgate._made_again(queue text)
 RETURNS boolean LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    tbl oid := to_regclass(format('pgmq.%I', 'q_' || queue));
+    memo text := 'lockgate.adopted_' || queue;
+    again boolean;
 BEGIN
-    RETURN EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a
-                    WHERE a.attrelid = to_regclass(format('pgmq.%I', 'q_' || queue))
-                      AND a.attname = 'msg_id' AND a.attidentity <> '');
+    IF tbl IS NULL THEN
+        RETURN false;
+    ELSIF tbl::text = current_setting(memo, true) THEN
+        RETURN false;
+    END IF;
+    again := EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a
+                      WHERE a.attrelid = tbl AND a.attname = 'msg_id' AND a.attidentity <> '');
+    IF NOT again THEN
+        PERFORM set_config(memo, tbl::text, false);
+    END IF;
+    RETURN again;
 END $$;
 
 -- The queues whose PGMQ table exists as lockgate made or adopted it: loops over every queue
@@ -310,7 +328,8 @@ END $$;
 -- up as the one function under that name (to_regproc, 0.6 us: NULL when there is none or more
 -- than one, so that a caller that falls back never meets an ambiguous call), or, by_signature,
 -- as the one of that signature (to_regprocedure and the step's arguments from the list, 8 us in
--- all: other overloads, which the caller's call does not match, do not matter) — which the caller
+-- all: other overloads, which the caller's call does not match, do not matter; when the one
+-- function under that name is the one this session trusted, that is all it looks up) — which the caller
 -- may execute, owned by the owner of the step's installer. The owner and argument types are
 -- read from the catalog (a query, about 5 us) once per session and function; the function's oid
 -- is then kept in a session setting (lockgate.trusted<step>, e.g.
@@ -339,8 +358,13 @@ BEGIN
     IF step IS NULL THEN
         RETURN false;
     ELSIF by_signature THEN
-        SELECT x.args INTO args FROM lockgate._steps() x WHERE x.prefix = _trusted_step.prefix;
-        step_oid := to_regprocedure(format('lockgate.%I(%s)', step, array_to_string(args, ', ')));
+        -- The one function of that name, if this session trusted it already: the list and the
+        -- signature's parse (about 20 us per transaction) are needed only when it is not.
+        step_oid := to_regproc(format('lockgate.%I', step));
+        IF step_oid IS NULL OR step_oid::text IS DISTINCT FROM current_setting(memo, true) THEN
+            SELECT x.args INTO args FROM lockgate._steps() x WHERE x.prefix = _trusted_step.prefix;
+            step_oid := to_regprocedure(format('lockgate.%I(%s)', step, array_to_string(args, ', ')));
+        END IF;
     ELSE
         step_oid := to_regproc(format('lockgate.%I', step));
     END IF;
