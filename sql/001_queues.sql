@@ -59,19 +59,25 @@ RETURNS boolean LANGUAGE plpgsql STABLE AS $$
 DECLARE
     tbl oid := to_regclass(format('pgmq.%I', 'q_' || queue));
     memo text := 'lockgate.adopted_' || queue;
-    again boolean;
+    identity "char";
 BEGIN
     IF tbl IS NULL THEN
         RETURN false;
     ELSIF tbl::text = current_setting(memo, true) THEN
         RETURN false;
     END IF;
-    again := EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a
-                      WHERE a.attrelid = tbl AND a.attname = 'msg_id' AND a.attidentity <> '');
-    IF NOT again THEN
+    SELECT a.attidentity INTO identity FROM pg_catalog.pg_attribute a
+     WHERE a.attrelid = tbl AND a.attname = 'msg_id';
+    -- Remembered only when the column was seen, and is no identity: to_regclass reads the latest
+    -- catalog, the query the transaction's snapshot, which under REPEATABLE READ may be older than
+    -- a table made again since and not see its columns at all (review helper-91: remembered so,
+    -- the session's next claims took the new table's messages).
+    IF NOT FOUND THEN
+        RETURN false;
+    ELSIF identity = '' THEN
         PERFORM set_config(memo, tbl::text, false);
     END IF;
-    RETURN again;
+    RETURN identity <> '';
 END $$;
 
 -- The queues whose PGMQ table exists as lockgate made or adopted it: loops over every queue

@@ -705,6 +705,60 @@ async fn readiness_is_lost_while_the_server_refuses_writes_and_comes_back_with_t
     running.stop().await;
 }
 
+/// Review of §89 (helper-91, F2): readiness followed the registry's whole tick, prune included. A
+/// prune of a silent process fails while a queue's table is locked (it counts the dead process's
+/// messages there), and every live process went not ready, blaming a heartbeat that landed. The
+/// process's own beat decides; the prune's failure is only logged.
+#[tokio::test]
+async fn a_failing_prune_of_another_process_keeps_a_beating_process_ready() {
+    let db = TestDb::migrated().await.unwrap();
+    define(&db, &[("noop", JobPolicy::on_queue(queue("default")))]).await;
+    let config = RuntimeConfig {
+        process_heartbeat_interval: Duration::from_millis(200),
+        alive_threshold: Duration::from_millis(600),
+        ..test_config()
+    };
+    let pools = vec![PoolConfig::new("test", vec![queue("default")], 1)];
+    let runtime = Runtime::new(db.new_pool(2).await.unwrap(), config, Registry::new(), pools).unwrap();
+    let health = runtime.health();
+    let running = Running::spawn(runtime);
+    wait_for("the runtime to be ready", WAIT, || {
+        let health = Arc::clone(&health);
+        async move { Ok(health.readiness().is_ok().then_some(())) }
+    })
+    .await
+    .unwrap();
+    let mut locker = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE pgmq.q_default IN ACCESS EXCLUSIVE MODE").execute(&mut locker).await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.register_process('supervisor', 'ghost', 'elsewhere', 1);
+         UPDATE lockgate.processes SET last_heartbeat_at = now() - interval '1 hour' WHERE name = 'ghost';",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    wait_for("a prune to wait for the queue's table", WAIT, || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                AND wait_event_type = 'Lock' AND query LIKE '%prune' || '_processes%'",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        Ok((waiting > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    // Several ticks, each prune giving up at its lock timeout (100 ms): ready throughout.
+    let until = std::time::Instant::now() + Duration::from_millis(1500);
+    while std::time::Instant::now() < until {
+        assert!(health.readiness().is_ok(), "{:?}", health.readiness());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(db.count("SELECT 1 FROM lockgate.processes WHERE name = 'ghost'").await.unwrap(), 1, "never pruned");
+    sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();
+    running.stop().await;
+}
+
 /// A managed database's `idle_session_timeout` ends sessions idle past it. The runtime's
 /// connections idle between uses by design (the heartbeat's between renewals, the pool's between
 /// completions): each renewal and completion met a connection the server had ended, failed for

@@ -729,6 +729,48 @@ async fn a_claim_waiting_behind_a_table_made_again_takes_nothing_from_it() {
     assert_eq!(read, 0, "no message of the new table was read");
 }
 
+/// Review of §88 (helper-91, F1): `_made_again` remembered for the session a table it found "not
+/// made again" by its oid. Under REPEATABLE READ the catalog lookup (the latest table) and the
+/// column query (the transaction's older snapshot) disagree about a table made again after the
+/// snapshot: the query saw no column, and the new table was remembered as lockgate's. The
+/// session's next claims then took the new table's messages, and a stale token of the dropped
+/// table completed one. Only a column seen, and no identity, is remembered.
+#[tokio::test]
+async fn a_table_made_again_after_a_repeatable_read_snapshot_is_not_remembered_as_lockgates() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql("SELECT lockgate.define_job_type('free', queue => 'qa'); SELECT lockgate.enqueue('free', '{}');")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut session = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url).await.unwrap();
+    let claimed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lockgate.claim('qa', 1, 300)").fetch_one(&mut session).await.unwrap();
+    assert_eq!(claimed, 1);
+    // The snapshot, taken by a statement that locks no table: the claim's first lock then reads
+    // the catalog's changes, so its lookup of the table finds the new one.
+    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT txid_current_snapshot()")
+        .execute(&mut session)
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        "SELECT pgmq.drop_queue('qa'); SELECT pgmq.create('qa');
+         SELECT pgmq.send('qa', '{}'::jsonb, '{\"type\": \"free\"}'::jsonb);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let in_snapshot: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lockgate.claim('qa', 1, 300)").fetch_one(&mut session).await.unwrap();
+    assert_eq!(in_snapshot, 0);
+    sqlx::query("COMMIT").execute(&mut session).await.unwrap();
+    let (made_again, after): (bool, i64) =
+        sqlx::query_as("SELECT lockgate._made_again('qa'), (SELECT count(*) FROM lockgate.claim('qa', 1, 300))")
+            .fetch_one(&mut session)
+            .await
+            .unwrap();
+    assert_eq!((made_again, after), (true, 0), "the session still sees the table made again, and claims nothing");
+}
+
 /// Adopting a table made again alters it, which only its owner may: a worker's role that does not
 /// own it starts, and defines its types, as before (review of §71, F3), leaving the table to a
 /// migrate by its owner; the queue stays out of claims until then.

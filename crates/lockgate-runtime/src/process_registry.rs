@@ -164,9 +164,7 @@ impl ProcessRegistry {
             () = tokio::time::sleep(crate::ticker::first_pass(self.interval)) => {}
         }
         crate::ticker::every(self.interval, Duration::ZERO, &shutdown, || async {
-            let outcome = self.run_once().await;
-            self.health.set_beat_failure(outcome.as_ref().err());
-            match outcome {
+            match self.run_once().await {
                 Ok(report) if report == RegistryReport::default() => {
                     self.metrics.prune_runs.inc();
                 }
@@ -197,22 +195,33 @@ impl ProcessRegistry {
         if let Some(dispatcher) = rows.last() {
             beats.push((*dispatcher, json!({})));
         }
-        let alive = lockgate_sql::heartbeat_processes(&self.db, &beats).await?;
+        // Readiness follows this process's own beat (and its registering again), not the
+        // housekeeping after it: a prune of other processes that fails (a queue table locked)
+        // must not take every live process out of readiness (review helper-91).
+        let beat = self.beat(owner, &beats).await;
+        self.health.set_beat_failure(beat.as_ref().err());
+        report.reregistered = beat?;
         // The start recorded it, and nothing in lockgate lowers it; recorded again here, an
         // operator's change to lockgate.settings (or a restore of an old copy of it) leaves
         // leases floored below this process's heartbeat for one beat at most. A read when the
         // recorded interval is at least as long.
         lockgate_sql::record_heartbeat_interval(&self.db, self.lease_heartbeat).await?;
-        if !alive.contains(&owner) {
-            self.on_pruned(owner).await?;
-            report.reregistered = true;
-        }
         for (id, in_flight) in lockgate_sql::prune_processes(&self.db, self.alive_threshold.as_secs_f64()).await? {
             tracing::warn!(process_id = id, in_flight, "pruned a process silent past the alive threshold");
             report.pruned += 1;
             report.in_flight += in_flight;
         }
         Ok(report)
+    }
+
+    /// This process's heartbeat, and its registering again if it was pruned meanwhile (then true).
+    async fn beat(&self, owner: i64, beats: &[(i64, Value)]) -> Result<bool, DbError> {
+        let alive = lockgate_sql::heartbeat_processes(&self.db, beats).await?;
+        if alive.contains(&owner) {
+            return Ok(false);
+        }
+        self.on_pruned(owner).await?;
+        Ok(true)
     }
 
     async fn on_pruned(&self, old_id: i64) -> Result<(), DbError> {
