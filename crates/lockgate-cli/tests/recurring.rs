@@ -163,3 +163,35 @@ async fn recurring_commands_list_enable_disable_and_refuse_bad_input_naming_it()
     assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks").await.unwrap(), 0);
     assert_eq!(db.count("SELECT 1 FROM lockgate.processes").await.unwrap(), 0, "no process registered");
 }
+
+/// Review of the README (helper-92, F1): `define` stored a configuration whose recurring task
+/// named an unknown job type or queue, which `run` then refused, and `run` refused it only after
+/// it had stored the configuration's job types. Both now check every task's type and queue
+/// against the configuration and the database before they store anything; a queue that only a
+/// pool of the configuration serves is created before the tasks are stored.
+#[tokio::test]
+async fn a_recurring_task_naming_what_does_not_exist_is_refused_before_anything_is_stored() {
+    let db = TestDb::migrated().await.unwrap();
+    let cases = [
+        ("job_type = \"nope\"", "recurring task \"nightly\": unknown job type \"nope\""),
+        ("job_type = \"task\"\nqueue = \"reports\"", "recurring task \"nightly\": queue \"reports\" does not exist"),
+    ];
+    for (keys, expected) in cases {
+        let setup = Setup::new(RECORD_START, &format!("\n[recurring.nightly]\ncron = \"@daily\"\n{keys}\n"));
+        for command in ["define", "run"] {
+            let o = output(&db, &[command, "--config", setup.config.to_str().unwrap()]);
+            assert_eq!(o.status.code(), Some(1), "{command} {keys}: {}", text(&o));
+            assert!(text(&o).contains(expected), "{command}: expected {expected:?} in {}", text(&o));
+            assert_eq!(db.count("SELECT 1 FROM lockgate.job_types").await.unwrap(), 0, "{command} stored a type");
+        }
+    }
+    let pool = "\n[[pool]]\nqueues = [\"reports\"]\nconcurrency = 1\n";
+    let setup = Setup::new(
+        RECORD_START,
+        &format!("\n[recurring.nightly]\ncron = \"@daily\"\njob_type = \"task\"\nqueue = \"reports\"\n{pool}"),
+    );
+    let child = setup.run(&db);
+    wait_supervisors(&db, 1).await;
+    assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks WHERE name = 'nightly'").await.unwrap(), 1);
+    stop(child).await;
+}

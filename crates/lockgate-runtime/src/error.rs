@@ -62,6 +62,10 @@ pub enum RuntimeError {
     Config(#[from] ValidationError),
     #[error(transparent)]
     Database(#[from] DbError),
+    /// A recurring task names a job type or a queue that neither this runtime nor the database
+    /// has: found before anything is stored.
+    #[error("recurring task \"{task}\": {problem}")]
+    Recurring { task: String, problem: String },
     /// `health_listen` names an address that cannot be bound (and is not optional).
     #[error("cannot serve the health endpoints on health_listen {addr}: {source}")]
     HealthListen { addr: std::net::SocketAddr, source: std::io::Error },

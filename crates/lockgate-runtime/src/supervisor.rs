@@ -29,7 +29,7 @@ use std::sync::atomic::AtomicI64;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockgate_core::{JobPolicy, QueueName, RecurringTask, ValidationError};
+use lockgate_core::{JobPolicy, JobTypeName, QueueName, RecurringTask, ValidationError};
 use lockgate_sql::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
@@ -104,6 +104,52 @@ impl Runtime {
         Ok(self)
     }
 
+    /// Checks that every recurring task names a job type and a queue that exist, in this runtime
+    /// (its registry's types and their queues, its pools' queues) or in the database. `run` makes
+    /// this check before it stores anything, so a start refused for a task leaves the database
+    /// as it was; `lockgate define` makes it too.
+    pub async fn check_recurring(&self) -> Result<(), RuntimeError> {
+        match self.recurring_problem().await? {
+            Some(problem) => Err(problem),
+            None => Ok(()),
+        }
+    }
+
+    /// The first recurring task that names what does not exist, as the error to stop with.
+    async fn recurring_problem(&self) -> Result<Option<RuntimeError>, lockgate_sql::DbError> {
+        let Some(tasks) = &self.recurring else { return Ok(None) };
+        let types = self.registry.job_types();
+        let mut stored_queues: Option<Vec<String>> = None;
+        for task in tasks {
+            let problem = |problem: String| Ok(Some(RuntimeError::Recurring { task: task.name.clone(), problem }));
+            let known = match JobTypeName::new(task.job_type.clone()) {
+                Ok(name) => {
+                    types.iter().any(|(t, _)| *t == name) || lockgate_sql::job_type_exists(&self.db, &name).await?
+                }
+                Err(invalid) => return problem(invalid.to_string()),
+            };
+            if !known {
+                return problem(format!(
+                    "unknown job type \"{}\": neither this configuration nor the database defines it",
+                    task.job_type
+                ));
+            }
+            let Some(queue) = &task.queue else { continue };
+            if types.iter().any(|(_, p)| p.queue == *queue) || self.pools.iter().any(|p| p.queues.contains(queue)) {
+                continue;
+            }
+            if stored_queues.is_none() {
+                stored_queues = Some(lockgate_sql::list_queues(&self.db).await?);
+            }
+            if !stored_queues.iter().flatten().any(|q| q == queue.as_str()) {
+                return problem(format!(
+                    "queue \"{queue}\" does not exist: no pool or job type of this configuration has it, nor the database"
+                ));
+            }
+        }
+        Ok(None)
+    }
+
     /// Names the process in `lockgate.processes` (default `lockgate`).
     pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.name = name.into();
@@ -140,9 +186,16 @@ impl Runtime {
             },
         };
         start_up("check the schema", up, || lockgate_sql::check_schema(db)).await?;
+        if let Some(problem) = start_up("check the recurring tasks", up, || self.recurring_problem()).await? {
+            return Err(problem);
+        }
         let job_types = self.registry.job_types();
         if !job_types.is_empty() {
             start_up("define the job types", up, || lockgate_sql::define_job_types(db, job_types)).await?;
+        }
+        // The pools' queues before the recurring tasks, which may enqueue into one of them.
+        for queue in self.pools.iter().flat_map(|p| &p.queues) {
+            start_up("create a queue", up, || lockgate_sql::create_queue(db, queue.as_str())).await?;
         }
         if let Some(tasks) = &self.recurring {
             let removed =
@@ -153,9 +206,6 @@ impl Runtime {
         }
         let interval = self.config.heartbeat_interval;
         start_up("record the heartbeat interval", up, || lockgate_sql::record_heartbeat_interval(db, interval)).await?;
-        for queue in self.pools.iter().flat_map(|p| &p.queues) {
-            start_up("create a queue", up, || lockgate_sql::create_queue(db, queue.as_str())).await?;
-        }
         let policies = Arc::new(start_up("load the job types", up, || PolicyCache::load(db)).await?);
         self.warn_of_unserved_types(&policies.all().await);
         // The runtime's own pool: sized for its loops (not for handlers, which bring their own),

@@ -30,7 +30,8 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     let target = target.or(config.database_url.clone(), config.connect_timeout()?);
     let db = db::connect_checked(&target, 1).await?;
     // Nothing is stored of a configuration `lockgate run` would refuse.
-    run::checked_runtime(db.clone(), runtime_config, job_types.clone(), pools, recurring).await?;
+    let runtime = run::checked_runtime(db.clone(), runtime_config, job_types.clone(), pools, recurring).await?;
+    runtime.check_recurring().await?;
     let client = Client::new(db);
     for job_type in &job_types {
         let (name, queue) = (&job_type.name, &job_type.policy.queue);
