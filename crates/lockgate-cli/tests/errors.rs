@@ -112,6 +112,33 @@ async fn dlq_verbs_refuse_an_unknown_job_id_or_queue() {
     assert!(o.status.success() && text(&o).contains("purged 0"), "{}", text(&o));
 }
 
+/// Review of the README (helper-92, F2): `dlq retry --job-id` of a dead letter kept because
+/// another job holds its unique key said "retried 0 dead letter(s)" and exited 0, where `job
+/// retry` of the same one exits 1. A dead letter kept is named and fails the command.
+#[tokio::test]
+async fn dlq_retry_of_a_dead_letter_it_keeps_exits_1() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('uq', queue => 'uqq', unique_mode => 'until_executed', unique_key => ARRAY['k']);
+         SELECT lockgate.enqueue('uq', '{\"k\": 2}');
+         SELECT lockgate.dead_letter('uqq', msg_id, read_ct, 'attempts_exhausted', 'boom', 1) FROM lockgate.claim('uqq', 1, 30);
+         SELECT lockgate.enqueue('uq', '{\"k\": 2}');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let dead: i64 = sqlx::query_scalar("SELECT job_id FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+    let o = output(&db, &["dlq", "retry", "--job-id", &dead.to_string()]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("its unique key is held by job")
+            && text(&o).contains("1 of 1 dead letter(s) were not retried"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 1, "kept");
+}
+
 #[tokio::test]
 async fn enqueue_reads_arguments_from_stdin_and_from_a_file() {
     let db = TestDb::migrated().await.unwrap();

@@ -103,6 +103,11 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
             if busy > 0 {
                 bail!("{busy} dead letter(s) were not retried: another transaction held them; run the command again");
             }
+            // A kept dead letter is no success: a script must not read "retried" into exit 0
+            // (review helper-92: `job retry` of the same dead letter already exited 1).
+            if retried < rows.len() {
+                bail!("{} of {} dead letter(s) were not retried (named above)", rows.len() - retried, rows.len());
+            }
         }
         Command::Purge { .. } => {
             let n = dlq_purge(&pool, &select).await?;
