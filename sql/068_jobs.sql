@@ -342,8 +342,9 @@ BEGIN
 END $$;
 
 -- Jobs matching every filter given (NULL: any), newest id first, at most max_rows (1 to 1000).
--- queue: one queue (LG001 when unknown); job_type; states: any of lockgate.job_states() (LG003
--- otherwise); key: a concurrency or unique key; since/until: first enqueued in [since, until);
+-- queue: one queue (LG001 when unknown); job_type (LG002 when no type of that name is defined);
+-- states: any of lockgate.job_states() (LG003 otherwise); key: a concurrency or unique key;
+-- since/until: first enqueued in [since, until);
 -- search: text in the arguments or in an attempt's error (case-insensitive); before_id: the
 -- cursor, the last id of the previous page. The id lookup is indexed; a search scans the tables it
 -- has to (a state filter skips the others: 'dead' reads only the dead letters), reading the job's
@@ -366,6 +367,12 @@ BEGIN
     IF since IS NOT NULL AND until IS NOT NULL AND until <= since THEN
         RAISE EXCEPTION 'lockgate: invalid time range: until (%) is not after since (%)', until, since
             USING ERRCODE = 'LG003';
+    END IF;
+    -- A type no one defined is a typo far more often than a search for raw messages, and matching
+    -- nothing in silence told an operator cancelling a misspelt type that nothing ran (review
+    -- helper-92): refused as an unknown queue is.
+    IF jobs.job_type IS NOT NULL AND NOT EXISTS (SELECT 1 FROM lockgate.job_types t WHERE t.name = jobs.job_type) THEN
+        PERFORM lockgate.job_policy(jobs.job_type);  -- raises LG002 naming the type
     END IF;
     IF jobs.queue IS NOT NULL THEN
         PERFORM lockgate._queue_table(jobs.queue, 'q');

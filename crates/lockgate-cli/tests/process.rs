@@ -536,6 +536,9 @@ async fn jobs_found_cancelled_retried_and_discarded_from_the_cli() {
     for (args, expected) in [
         (vec!["jobs", "--state", "lost"], "invalid --state \"lost\""),
         (vec!["jobs", "--queue", "nosuch"], "queue \"nosuch\" does not exist"),
+        // A misspelt type matched nothing in silence (review helper-92).
+        (vec!["jobs", "--type", "mial"], "unknown job type \"mial\""),
+        (vec!["job", "cancel", "--type", "mial"], "unknown job type \"mial\""),
         (vec!["jobs", "--since", "yesterday-ish"], "invalid --since"),
         (vec!["jobs", "--limit", "0"], "invalid --limit 0"),
         (vec!["job", "cancel", "999999"], "no job 999999"),
