@@ -125,11 +125,35 @@ struct JobTypeSection {
 }
 
 /// `http = "URL"`, or `http = { url = "URL", timeout = "10s" }` to change the request deadline.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug)]
 enum HttpSection {
     Url(String),
     Table(HttpTable),
+}
+
+/// By hand, not `#[serde(untagged)]`: an untagged enum reports a table's misspelt key as "data did
+/// not match any variant of untagged enum HttpSection" (review helper-92); the table's own
+/// `deny_unknown_fields` names it.
+impl<'de> Deserialize<'de> for HttpSection {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Section;
+        impl<'de> serde::de::Visitor<'de> for Section {
+            type Value = HttpSection;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a URL, or a table such as { url = \"https://…\", timeout = \"10s\" }")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, url: &str) -> Result<HttpSection, E> {
+                Ok(HttpSection::Url(url.to_string()))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<HttpSection, A::Error> {
+                HttpTable::deserialize(serde::de::value::MapAccessDeserializer::new(map)).map(HttpSection::Table)
+            }
+        }
+        deserializer.deserialize_any(Section)
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -463,6 +487,11 @@ mod tests {
         assert!(err("[job_types.x]\nsql = \"s\"\ntimeout = \"-1s\"").contains("invalid job_types.x.timeout"));
         assert!(err("[job_types.x]\nhttp = { url = \"http://h\", timeout = \"soon\" }")
             .contains("invalid job_types.x.http.timeout \"soon\""));
+        // Named, not "did not match any variant of untagged enum" (review helper-92).
+        assert!(err("[job_types.x]\nhttp = { url = \"http://h\", timeot = \"10s\" }")
+            .contains("unknown field `timeot`, expected `url` or `timeout`"));
+        assert!(err("[job_types.x]\nhttp = { ur = \"http://h\" }").contains("unknown field `ur`"));
+        assert!(err("[job_types.x]\nhttp = 5").contains("invalid type: integer `5`, expected a URL, or a table"));
         assert!(err("[job_types.x]\nsql = \"s\"\nunique = { mode = \"forever\" }")
             .contains("until_executed or while_executing"));
         assert!(err("[job_types.x]\nsql = \"s\"\nunique = { mode = \"until_executed\", on_conflict = \"raise\" }")
