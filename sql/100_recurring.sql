@@ -96,7 +96,9 @@ BEGIN
     IF EXISTS (SELECT 1 FROM lockgate.recurring_tasks t
                 WHERE t.name = define_recurring.name AND t.source <> define_recurring.source) THEN
         RAISE EXCEPTION 'lockgate: recurring task "%" is already defined %', name,
-            CASE WHEN source = 'config' THEN 'through SQL, the client or the CLI' ELSE 'by a lockgate.toml [recurring] table' END
+            CASE WHEN source = 'config' THEN 'through SQL, the client or the CLI: remove it (lockgate recurring remove '
+                                             || name || ') or give the configuration''s task another name'
+                 ELSE 'by a lockgate.toml [recurring] table: change it there, or choose another name' END
             USING ERRCODE = 'LG003',
                   HINT = CASE WHEN source = 'config' THEN 'remove it (lockgate recurring remove) or give the configuration''s task another name'
                               ELSE 'change it in the configuration, or choose another name' END;

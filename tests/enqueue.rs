@@ -297,6 +297,8 @@ async fn bad_rust_inputs_are_refused_before_or_by_the_database() {
     let (db, client) = setup().await;
     let err = client.enqueue(&NotAnObject(3)).await.unwrap_err();
     assert!(matches!(err, EnqueueError::NotAnObject { .. }), "{err}");
+    // Said as the user sees it (review helper-92: "must serialize to a JSON object").
+    assert_eq!(err.to_string(), "the arguments of a note job must be a JSON object, not a number");
     let err = client.enqueue_raw("missing_type", &json!({}), &EnqueueOptions::default()).await.unwrap_err();
     assert!(matches!(&err, EnqueueError::UnknownJobType { job_type } if job_type == "missing_type"), "{err:?}");
     assert_eq!(err.to_string(), "unknown job type \"missing_type\"");

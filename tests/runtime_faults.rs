@@ -672,7 +672,7 @@ async fn readiness_is_lost_while_the_server_refuses_writes_and_comes_back_with_t
         let health = Arc::clone(&health);
         async move { Ok(health.readiness().is_ok().then_some(())) }
     };
-    wait_for("the runtime to be ready", WAIT, ready.clone()).await.unwrap();
+    wait_for("the runtime to be ready", WAIT, ready).await.unwrap();
 
     // A session opened before the change keeps taking writes: it turns the server back.
     let mut admin = sqlx::PgConnection::connect(&db.url).await.unwrap();

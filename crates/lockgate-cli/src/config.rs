@@ -292,7 +292,7 @@ impl Config {
             let queues = p.queues.iter().map(|q| QueueName::new(q.clone())).collect::<Result<Vec<_>, _>>()?;
             let name = p.name.clone().unwrap_or_else(|| format!("pool{}", i + 1));
             let pool = PoolConfig::new(name, queues, p.concurrency.unwrap_or(DEFAULT_CONCURRENCY));
-            pool.validate()?;
+            pool.validate().with_context(|| format!("[[pool]] {}", pool.name))?;
             pools.push(pool);
         }
         Ok(pools)
@@ -363,14 +363,22 @@ fn job_type(name: &str, s: &JobTypeSection) -> Result<JobTypeConfig> {
             limit: c.limit,
             key: c.key.clone(),
             duration: duration_or(&at("concurrency.duration"), &c.duration, DEFAULT_CONCURRENCY_DURATION)?,
-            on_conflict: c.on_conflict.as_deref().map_or(Ok(OnConflict::Block), OnConflict::parse)?,
+            on_conflict: c
+                .on_conflict
+                .as_deref()
+                .map_or(Ok(OnConflict::Block), OnConflict::parse)
+                .with_context(|| format!("job type {name}"))?,
         });
     }
     if let Some(u) = &s.unique {
         policy.unique = Some(UniquePolicy {
-            mode: UniqueMode::parse(&u.mode)?,
+            mode: UniqueMode::parse(&u.mode).with_context(|| format!("job type {name}"))?,
             key: u.key.clone(),
-            on_conflict: u.on_conflict.as_deref().map_or(Ok(UniqueOnConflict::Reject), UniqueOnConflict::parse)?,
+            on_conflict: u
+                .on_conflict
+                .as_deref()
+                .map_or(Ok(UniqueOnConflict::Reject), UniqueOnConflict::parse)
+                .with_context(|| format!("job type {name}"))?,
         });
     }
     policy.validate().with_context(|| format!("job type {name}"))?;
@@ -479,6 +487,17 @@ mod tests {
         assert!(err("[job_types.x]\nsql = \"select 1\"\nmax_attempts = 0").contains("max_attempts"));
         assert!(err("[job_types.x]\nsql = \"select 1\"\nqueue = \"Bad\"").contains("invalid queue \"Bad\""));
         assert!(err("[[pool]]\nqueues = []").contains("at least one queue"));
+        // Each names its pool or job type once, outside the value (review helper-92).
+        assert_eq!(
+            err("[[pool]]\nname = \"main\"\nqueues = [\"a\"]\nconcurrency = 0"),
+            "[[pool]] main: invalid concurrency \"0\": an integer of at least 1 in pool main"
+        );
+        assert!(err("[[pool]]\nqueues = [\"a\", \"b\", \"a\"]")
+            .contains("invalid queues \"a\": each queue once in pool pool1"));
+        assert!(err("[job_types.x]\nsql = \"s\"\nconcurrency = { limit = 1, on_conflict = \"blok\" }")
+            .contains("job type x: invalid concurrency.on_conflict \"blok\""));
+        assert!(err("[job_types.x]\nsql = \"s\"\nunique = { mode = \"always\" }")
+            .contains("job type x: invalid unique.mode"));
         assert!(err("[runtime]\nhealth_listen = \"everywhere\"").contains("invalid runtime.health_listen"));
         assert!(err("[runtime]\nalive_threshold = \"1s\"").contains("alive_threshold"));
         assert!(err("[job_types.x]\nsql = \"s\"\nconcurrency = { limit = 0 }").contains("concurrency.limit"));

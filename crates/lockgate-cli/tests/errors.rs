@@ -270,7 +270,8 @@ async fn run_refuses_executors_that_cannot_work_naming_the_job_type() {
         ),
         (
             Config::new("[job_types.resize]\ncommand = [\"./no-such-script.sh\"]"),
-            "job type resize cannot run: its command \"./no-such-script.sh\" was not found",
+            // Where it was looked for (review helper-92: not the configuration file's directory).
+            "the directory lockgate runs in (a relative path is not read from the configuration file's directory",
         ),
         (not_executable, "job type plain cannot run: its command"),
         (

@@ -649,8 +649,13 @@ fn to_args<J: Job>(job_type: &str, job: &J) -> Result<Value, EnqueueError> {
 fn check_args(job_type: &str, args: &Value) -> Result<(), EnqueueError> {
     // The size bound (MAX_PAYLOAD_BYTES) is enforced once, by the SQL function, for every
     // producer; serializing here only to measure would double the cost of every enqueue.
-    if !args.is_object() {
-        return Err(EnqueueError::NotAnObject { job_type: job_type.to_string() });
-    }
-    Ok(())
+    let kind = match args {
+        Value::Object(_) => return Ok(()),
+        Value::Array(_) => "an array",
+        Value::String(_) => "a string",
+        Value::Number(_) => "a number",
+        Value::Bool(_) => "a boolean",
+        Value::Null => "null",
+    };
+    Err(EnqueueError::NotAnObject { job_type: job_type.to_string(), kind })
 }

@@ -183,15 +183,19 @@ impl PoolConfig {
     }
 
     pub fn validate(&self) -> Result<(), ValidationError> {
+        let pool = &self.name;
         if self.queues.is_empty() {
-            return Err(ValidationError::new("queues", format!("pool {}: []", self.name), "at least one queue"));
+            return Err(ValidationError::new("queues", "[]", format!("at least one queue in pool {pool}")));
         }
         if self.concurrency == 0 {
-            return Err(ValidationError::new(
-                "concurrency",
-                format!("pool {}: 0", self.name),
-                "an integer of at least 1",
-            ));
+            return Err(ValidationError::new("concurrency", 0, format!("an integer of at least 1 in pool {pool}")));
+        }
+        // Named twice, a queue would be claimed from twice per claim (review helper-92: accepted
+        // in silence).
+        for (i, queue) in self.queues.iter().enumerate() {
+            if self.queues[..i].contains(queue) {
+                return Err(ValidationError::new("queues", queue, format!("each queue once in pool {pool}")));
+            }
         }
         Ok(())
     }

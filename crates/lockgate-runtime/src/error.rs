@@ -14,8 +14,9 @@ pub enum EnqueueError {
     Invalid(#[from] ValidationError),
     #[error("job arguments could not be serialized: {0}")]
     Serialize(#[from] serde_json::Error),
-    #[error("job arguments of {job_type} must serialize to a JSON object")]
-    NotAnObject { job_type: String },
+    /// The arguments (as given, or as a typed job serialized) are JSON of another kind.
+    #[error("the arguments of a {job_type} job must be a JSON object, not {kind}")]
+    NotAnObject { job_type: String, kind: &'static str },
     /// The job type is not in `lockgate.job_types` (a typed enqueue defines its type on first
     /// use, so this is a raw enqueue's, or a type deleted since).
     #[error("unknown job type \"{job_type}\"")]

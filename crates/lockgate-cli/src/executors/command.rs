@@ -351,7 +351,16 @@ pub fn check(argv: &[String]) -> anyhow::Result<()> {
     }
     match candidates.iter().find(|c| c.exists()) {
         Some(found) => anyhow::bail!("its command {program:?} ({}) is not an executable file", found.display()),
-        None if program.contains('/') => anyhow::bail!("its command {program:?} was not found"),
+        None if program.starts_with('/') => anyhow::bail!("its command {program:?} was not found"),
+        // Resolved as the spawn resolves it, against lockgate's working directory, whatever
+        // directory the configuration file is in (review helper-92: the message did not say).
+        None if program.contains('/') => {
+            let cwd = std::env::current_dir().map_or_else(|_| "?".to_string(), |d| d.display().to_string());
+            anyhow::bail!(
+                "its command {program:?} was not found in {cwd}, the directory lockgate runs in (a relative path \
+                 is not read from the configuration file's directory; give an absolute path, or run lockgate there)"
+            )
+        }
         None => anyhow::bail!("its command {program:?} was not found in PATH"),
     }
 }
