@@ -502,7 +502,7 @@ LANGUAGE sql STABLE AS $$
                       ORDER BY b.name),
            'a table made again: run lockgate migrate as the role that owns it, which adopts it (its messages take '
            'lockgate''s ids). A table dropped: create the queue again (lockgate.create_queue) if its parked jobs and '
-           'dead letters should run, or drop what refers to it'
+           'dead letters should run, or retire it: lockgate queue drop (lockgate.drop_queue) names what still refers to it'
       FROM bad b HAVING count(*) > 0
     UNION ALL
     SELECT 'queue_tables', 'ok', format('%s queue(s), each with its PGMQ table as lockgate made or adopted it', count(*)), NULL

@@ -51,6 +51,9 @@ enum Command {
     /// Store the job types of a config file (their queues and policies) without running them, so
     /// producers can enqueue before the first `lockgate run`.
     Define(commands::define::Args),
+    /// Remove stored job types no job, dead letter, recurring task or batch still needs (the
+    /// inverse of `define`).
+    Undefine(commands::undefine::Args),
     /// Run the worker pools and maintenance configured in a TOML file until TERM/INT.
     Run(commands::run::Args),
     /// Enqueue one job: `lockgate enqueue <type> '<json object>'`.
@@ -71,7 +74,7 @@ enum Command {
     Job(commands::job::Command),
     /// Find jobs in every state by queue, type, state, key, time and text.
     Jobs(commands::jobs::Args),
-    /// Pause or resume claims on a queue.
+    /// Pause or resume claims on a queue, or drop one nothing uses any more.
     #[command(subcommand)]
     Queue(commands::queue::Command),
     /// Create, close and show batches of jobs (progress and callbacks).
@@ -104,8 +107,10 @@ async fn cli() {
     // The demo draws a progress bar; routine logs would tear it.
     init_logging(cli.log_format, if matches!(cli.command, Command::Demo(_)) { "error" } else { "info,sqlx=warn" });
     if let Err(err) = dispatch(cli).await {
-        // lockgate's SQL errors start with "lockgate: " for psql users; here "error: " says it.
-        let text = causes_once(&err).replace(": lockgate: ", ": ");
+        // lockgate's SQL errors start with "lockgate: " for psql users; here "error: " says it,
+        // and the driver's "error returned from database" says nothing more.
+        let text = causes_once(&err).replace("error returned from database: lockgate: ", "lockgate: ");
+        let text = text.replace(": lockgate: ", ": ");
         eprintln!("error: {}", text.strip_prefix("lockgate: ").unwrap_or(&text));
         if let Some(hint) = hint(&err) {
             eprintln!("hint: {hint}");
@@ -199,6 +204,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Migrate(args) => commands::migrate::run(&target, args).await,
         Command::Define(args) => commands::define::run(&target, args).await,
+        Command::Undefine(args) => commands::undefine::run(&target, args).await,
         Command::Run(args) => commands::run::run(&target, args).await,
         Command::Enqueue(args) => commands::enqueue::run(&target, args).await,
         Command::Status(args) => commands::status::run(&target, args).await,

@@ -420,3 +420,39 @@ async fn a_listing_piped_into_a_reader_that_stops_early_exits_quietly() {
     assert_eq!(o.status.code(), Some(141), "{}", text(&o));
     assert!(!text(&o).contains("panicked"), "{}", text(&o));
 }
+
+/// Review of the README (helper-92, F5): nothing retired a job type or a queue; the only way was a
+/// hand DELETE on lockgate's tables. `lockgate undefine` and `lockgate queue drop` refuse while
+/// anything needs what they remove, naming it, and exit 1 for what does not exist.
+#[tokio::test]
+async fn undefine_and_queue_drop_retire_what_nothing_needs_and_refuse_the_rest() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql("SELECT lockgate.define_job_type('old', queue => 'legacy'); SELECT lockgate.enqueue('old', '{}');")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let o = output(&db, &["undefine", "old"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("error: job type \"old\" is still in use: 1 queued, scheduled, retrying or running job(s)"),
+        "{}",
+        text(&o)
+    );
+    let o = output(&db, &["queue", "drop", "legacy"]);
+    assert!(o.status.code() == Some(1) && text(&o).contains("job type(s) old defined on it"), "{}", text(&o));
+    let cancelled = output(&db, &["job", "cancel", "--type", "old"]);
+    assert!(cancelled.status.success(), "{}", text(&cancelled));
+    let o = output(&db, &["undefine", "old"]);
+    assert!(o.status.success() && text(&o).contains("removed job type old"), "{}", text(&o));
+    let o = output(&db, &["queue", "drop", "legacy"]);
+    assert!(o.status.success() && text(&o).contains("dropped queue legacy"), "{}", text(&o));
+    for (args, expected) in [
+        (vec!["undefine", "old"], "unknown job type \"old\": nothing to remove"),
+        (vec!["queue", "drop", "legacy"], "queue \"legacy\" does not exist: nothing to drop"),
+    ] {
+        let o = output(&db, &args);
+        assert!(o.status.code() == Some(1) && text(&o).contains(expected), "{args:?}: {}", text(&o));
+    }
+    let doctor = output(&db, &["doctor"]);
+    assert!(doctor.status.success(), "nothing left behind: {}", text(&doctor));
+}

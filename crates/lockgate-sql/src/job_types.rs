@@ -82,6 +82,16 @@ pub async fn job_type_exists<'c>(db: impl Into<Db<'c>>, name: &JobTypeName) -> R
     .await
 }
 
+/// Removes a job type's definition (`lockgate.remove_job_type`); false if there was none.
+/// Refused, naming every use, while it has jobs in any queue, parked jobs, dead letters,
+/// recurring tasks or unfinished batches calling it back.
+pub async fn remove_job_type<'c>(db: impl Into<Db<'c>>, name: &str) -> Result<bool, DbError> {
+    on(db.into(), async |conn| {
+        Ok(query_scalar("SELECT lockgate.remove_job_type($1)").bind(name).fetch_one(conn).await?)
+    })
+    .await
+}
+
 fn define_query<'q>(
     name: &'q JobTypeName,
     policy: &'q JobPolicy,

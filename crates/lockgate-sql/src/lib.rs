@@ -35,7 +35,9 @@ pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetried,
 pub use doctor::{database_clock, doctor, DoctorCheck, DoctorThresholds, Verdict};
 pub use enqueue::{enqueue, enqueue_and_wake, enqueue_many, enqueue_many_and_wake, wake};
 pub use error::DbError;
-pub use job_types::{define_job_type, define_job_type_if_missing, define_job_types, job_type_exists, load_job_types};
+pub use job_types::{
+    define_job_type, define_job_type_if_missing, define_job_types, job_type_exists, load_job_types, remove_job_type,
+};
 pub use jobs::{
     cancel, cancel_jobs, cancelled_messages, discard_job, job, jobs, release_cancelled, return_unstarted, Cancelled,
     CancelledCount, JobFilter, JobRecord, JOB_STATES,
@@ -48,7 +50,7 @@ pub use migrate::{
 pub use processes::{
     deregister_process, heartbeat_processes, list_processes, prune_processes, register_process, ProcessRow,
 };
-pub use queues::{create_queue, list_queues, pause_queue, resume_queue};
+pub use queues::{create_queue, drop_queue, list_queues, pause_queue, resume_queue};
 pub use recurring::{
     database_now, define_recurring, enqueue_recurring_tick, list_recurring, remove_recurring, set_recurring_enabled,
     sync_config_recurring, RecurringRow, RecurringSource, TickOutcome,

@@ -1,4 +1,4 @@
-//! Queue statements: create (idempotent, concurrency-safe), list, pause and resume.
+//! Queue statements: create (idempotent, concurrency-safe), list, pause, resume and drop.
 
 use crate::pooler::{on, query, query_scalar, Db};
 
@@ -33,5 +33,14 @@ pub async fn pause_queue<'c>(db: impl Into<Db<'c>>, queue: &str) -> Result<bool,
 /// paused; `UnknownQueue` for a queue that does not exist.
 pub async fn resume_queue<'c>(db: impl Into<Db<'c>>, queue: &str) -> Result<bool, DbError> {
     on(db.into(), async |conn| Ok(query_scalar("SELECT lockgate.resume_queue($1)").bind(queue).fetch_one(conn).await?))
+        .await
+}
+
+/// Drops a queue no one uses any more (`lockgate.drop_queue`): its PGMQ tables, archive included,
+/// its steps and its row. False if there was no such queue; refused, naming every use, while job
+/// types are defined on it or it holds jobs, parked jobs, dead letters, leases, unique locks,
+/// recurring tasks or a registered pool.
+pub async fn drop_queue<'c>(db: impl Into<Db<'c>>, queue: &str) -> Result<bool, DbError> {
+    on(db.into(), async |conn| Ok(query_scalar("SELECT lockgate.drop_queue($1)").bind(queue).fetch_one(conn).await?))
         .await
 }

@@ -14,3 +14,4 @@ pub mod queue;
 pub mod recurring;
 pub mod run;
 pub mod status;
+pub mod undefine;

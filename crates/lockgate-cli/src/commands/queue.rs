@@ -1,6 +1,7 @@
-//! `lockgate queue pause|resume <NAME>`: stop and restart claims on a queue, for every process.
+//! `lockgate queue pause|resume|drop <NAME>`: stop and restart claims on a queue, for every
+//! process, or drop a queue nothing uses any more.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 use crate::db;
 
@@ -10,6 +11,9 @@ pub enum Command {
     Pause { queue: String },
     /// Let workers claim from a paused queue again.
     Resume { queue: String },
+    /// Drop a queue, its tables (its archive too) and its steps; refused while job types are
+    /// defined on it or it has jobs, dead letters, recurring tasks or a running pool.
+    Drop { queue: String },
 }
 
 pub async fn run(target: &db::Target, command: Command) -> Result<()> {
@@ -22,6 +26,12 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
         Command::Resume { queue } => {
             let changed = lockgate::sql::resume_queue(&pool, &queue).await?;
             println!("queue {queue} {}", if changed { "resumed" } else { "was not paused" });
+        }
+        Command::Drop { queue } => {
+            if !lockgate::sql::drop_queue(&pool, &queue).await? {
+                bail!("queue \"{queue}\" does not exist: nothing to drop");
+            }
+            println!("dropped queue {queue}");
         }
     }
     Ok(())

@@ -1,0 +1,141 @@
+-- Retiring a job type or a queue: the inverse of define_job_type and create_queue, refused while
+-- anything still needs what is removed (docs/design.md §90). Neither waits for producers: a job
+-- enqueued by a transaction that read the type before its removal committed is claimed as a job
+-- of a type no one defines, and dead-lettered as such (unknown_job_type), not lost; stop the
+-- producers of what is retired first.
+
+-- Removes job type `name`'s definition; false when there is none. Refused (SQLSTATE 55006,
+-- object_in_use, with the count of each) while it has jobs queued, scheduled, retrying or running
+-- in any queue, parked jobs, dead letters, recurring tasks, or unfinished batches that name it as
+-- a callback: each of those would otherwise meet a type no one defines. Its archived jobs stay,
+-- as history. Reads every queue's table whole (the type is in the headers, which no index
+-- covers): an operator's call, not a hot path.
+-- Locks: the type's row (a definition of it waits), then reads only. Callers: lockgate undefine,
+-- SQL operators.
+CREATE OR REPLACE FUNCTION lockgate.remove_job_type(name text)
+RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    q text;
+    n bigint;
+    jobs bigint := 0;
+    parked bigint;
+    dead bigint;
+    tasks text[];
+    batches bigint[];
+    uses text[] := '{}';
+BEGIN
+    PERFORM 1 FROM lockgate.job_types t WHERE t.name = remove_job_type.name FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    FOR q IN SELECT lockgate._live_queues() LOOP
+        EXECUTE format('SELECT count(*) FROM pgmq.%I m WHERE m.headers->>''type'' = $1', 'q_' || q) INTO n USING name;
+        jobs := jobs + n;
+    END LOOP;
+    SELECT count(*) INTO parked FROM lockgate.parked p WHERE p.job_type = remove_job_type.name;
+    SELECT count(*) INTO dead FROM lockgate.dead_letters d WHERE d.job_type = remove_job_type.name;
+    tasks := ARRAY(SELECT r.name FROM lockgate.recurring_tasks r WHERE r.job_type = remove_job_type.name ORDER BY 1);
+    batches := ARRAY(SELECT b.id FROM lockgate.batches b
+                      WHERE (b.state <> 'finished' OR b.callbacks_pending)
+                        AND remove_job_type.name IN (b.on_finish, b.on_success, b.on_failure)
+                      ORDER BY 1);
+    IF jobs > 0 THEN
+        uses := uses || (jobs || ' queued, scheduled, retrying or running job(s)');
+    END IF;
+    IF parked > 0 THEN
+        uses := uses || (parked || ' parked job(s)');
+    END IF;
+    IF dead > 0 THEN
+        uses := uses || (dead || ' dead letter(s)');
+    END IF;
+    IF cardinality(tasks) > 0 THEN
+        uses := uses || ('recurring task(s) ' || array_to_string(tasks, ', '));
+    END IF;
+    IF cardinality(batches) > 0 THEN
+        uses := uses || ('the callbacks of unfinished batch(es) ' || array_to_string(batches, ', '));
+    END IF;
+    IF cardinality(uses) > 0 THEN
+        RAISE EXCEPTION 'lockgate: job type "%" is still in use: %. Let its jobs finish or cancel them (lockgate jobs --type % lists them), purge or retry its dead letters and remove its recurring tasks first', name, array_to_string(uses, '; '), name
+            USING ERRCODE = '55006';
+    END IF;
+    DELETE FROM lockgate.job_types t WHERE t.name = remove_job_type.name;
+    RETURN true;
+END $$;
+
+-- Drops queue `queue`: its PGMQ tables (the archive, its finished jobs' history, with them), its
+-- steps and its row; false when there is no such queue. Refused (SQLSTATE 55006, naming each)
+-- while job types are defined on it, while it holds messages (queued, scheduled, retrying or
+-- running), parked jobs, dead letters or leases, while recurring tasks enqueue into it, while
+-- unique locks name it, or while a registered process's pool serves it (a running pool would
+-- fail its claims from then on). The queue's table is locked first (ACCESS EXCLUSIVE, waiting
+-- at most the caller's lock_timeout, or 5 s when it has none), so that a message committed by a
+-- transaction that was writing it is counted, not dropped.
+-- Locks: create_queue's advisory lock on the name, then the queue's table, then reads.
+-- Callers: lockgate queue drop, SQL operators.
+CREATE OR REPLACE FUNCTION lockgate.drop_queue(queue text)
+RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    tbl text := format('pgmq.%I', 'q_' || queue);
+    n bigint := 0;
+    types text[];
+    tasks text[];
+    pools text[];
+    uses text[] := '{}';
+    step record;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = drop_queue.queue) THEN
+        RETURN false;
+    END IF;
+    PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
+    IF current_setting('lock_timeout') IN ('0', '0ms') THEN
+        PERFORM set_config('lock_timeout', '5s', true);
+    END IF;
+    IF to_regclass(tbl) IS NOT NULL THEN
+        EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', tbl);
+        EXECUTE format('SELECT count(*) FROM %s', tbl) INTO n;
+    END IF;
+    types := ARRAY(SELECT t.name FROM lockgate.job_types t WHERE t.queue = drop_queue.queue ORDER BY 1);
+    tasks := ARRAY(SELECT r.name FROM lockgate.recurring_tasks r WHERE r.options->>'queue' = drop_queue.queue ORDER BY 1);
+    pools := ARRAY(SELECT format('%s (pid %s on %s)', p.name, p.pid, p.host) FROM lockgate.processes p
+                    WHERE p.kind = 'worker' AND p.metadata->'queues' ? drop_queue.queue ORDER BY p.id);
+    IF cardinality(types) > 0 THEN
+        uses := uses || ('job type(s) ' || array_to_string(types, ', ') || ' defined on it');
+    END IF;
+    IF n > 0 THEN
+        uses := uses || (n || ' queued, scheduled, retrying or running job(s)');
+    END IF;
+    SELECT count(*) INTO n FROM lockgate.parked p WHERE p.queue = drop_queue.queue;
+    IF n > 0 THEN
+        uses := uses || (n || ' parked job(s)');
+    END IF;
+    SELECT count(*) INTO n FROM lockgate.dead_letters d WHERE d.queue = drop_queue.queue;
+    IF n > 0 THEN
+        uses := uses || (n || ' dead letter(s)');
+    END IF;
+    SELECT count(*) INTO n FROM lockgate.leases l WHERE l.queue = drop_queue.queue;
+    IF n > 0 THEN
+        uses := uses || (n || ' lease(s) not yet freed');
+    END IF;
+    SELECT count(*) INTO n FROM lockgate.unique_locks u WHERE u.queue = drop_queue.queue;
+    IF n > 0 THEN
+        uses := uses || (n || ' unique lock(s)');
+    END IF;
+    IF cardinality(tasks) > 0 THEN
+        uses := uses || ('recurring task(s) ' || array_to_string(tasks, ', '));
+    END IF;
+    IF cardinality(pools) > 0 THEN
+        uses := uses || ('the pool(s) ' || array_to_string(pools, ', ') || ' serving it');
+    END IF;
+    IF cardinality(uses) > 0 THEN
+        RAISE EXCEPTION 'lockgate: queue "%" is still in use: %. Remove its job types (lockgate undefine) or define them on another queue, let its jobs finish or cancel them, purge or retry its dead letters, remove its recurring tasks and take it out of every running pool first', queue, array_to_string(uses, '; ')
+            USING ERRCODE = '55006';
+    END IF;
+    IF to_regclass(tbl) IS NOT NULL THEN
+        PERFORM pgmq.drop_queue(queue);
+    END IF;
+    FOR step IN SELECT x.prefix, x.args FROM lockgate._steps() x LOOP
+        EXECUTE format('DROP FUNCTION IF EXISTS lockgate.%I(%s)', step.prefix || queue, array_to_string(step.args, ', '));
+    END LOOP;
+    DELETE FROM lockgate.queues q WHERE q.name = drop_queue.queue;
+    RETURN true;
+END $$;

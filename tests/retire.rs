@@ -1,0 +1,180 @@
+//! Retiring job types and queues (`lockgate.remove_job_type`, `lockgate.drop_queue`, design §90):
+//! each refused, naming the use, while anything still needs what it removes, and complete once
+//! nothing does; a drop that races a producer's uncommitted enqueue counts its job, never drops it.
+
+use std::time::Duration;
+
+use lockgate_testkit::{wait_for, TestDb};
+use sqlx::Connection;
+
+async fn refusal(db: &TestDb, sql: &str) -> String {
+    let err = sqlx::query(sql).execute(&db.pool).await.expect_err(sql);
+    let db_err = err.as_database_error().expect("a database error");
+    assert_eq!(db_err.code().as_deref(), Some("55006"), "{db_err}");
+    db_err.message().to_string()
+}
+
+async fn removed(db: &TestDb, sql: &str) -> bool {
+    sqlx::query_scalar(sql).fetch_one(&db.pool).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_job_type_is_removed_only_once_nothing_needs_it() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('gone', queue => 'qa', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         concurrency_duration_ms => 60000);
+         SELECT lockgate.define_job_type('other', queue => 'qa');
+         SELECT lockgate.enqueue('gone', '{\"k\": 1}');
+         SELECT lockgate.enqueue('gone', '{\"k\": 1}');
+         SELECT lockgate.define_recurring('tick', '@daily', 'gone');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let message = refusal(&db, "SELECT lockgate.remove_job_type('gone')").await;
+    assert!(
+        message.starts_with(
+            "lockgate: job type \"gone\" is still in use: 1 queued, scheduled, retrying or running job(s); \
+             1 parked job(s); recurring task(s) tick."
+        ),
+        "{message}"
+    );
+    // Cleared one by one: the queued job dead-lettered, the parked one promoted and cancelled.
+    sqlx::raw_sql(
+        "SELECT lockgate.dead_letter('qa', msg_id, read_ct, 'attempts_exhausted', 'boom', 1) FROM lockgate.claim('qa', 1, 30);
+         SELECT lockgate.cancel(j.id) FROM lockgate.jobs(job_type => 'gone', states => '{queued}') j;
+         SELECT lockgate.remove_recurring('tick');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let message = refusal(&db, "SELECT lockgate.remove_job_type('gone')").await;
+    assert!(message.contains("in use: 1 dead letter(s). Let its jobs finish"), "{message}");
+    sqlx::query("SELECT lockgate.dlq_purge('qa', NULL)").execute(&db.pool).await.unwrap();
+    assert!(removed(&db, "SELECT lockgate.remove_job_type('gone')").await);
+    assert!(!removed(&db, "SELECT lockgate.remove_job_type('gone')").await, "a second removal finds nothing");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.job_types").await.unwrap(), 1, "the other type stays");
+    let refused = sqlx::query("SELECT lockgate.enqueue('gone', '{}')").execute(&db.pool).await.unwrap_err();
+    assert!(refused.to_string().contains("unknown job type \"gone\""), "{refused}");
+
+    // A batch that will call it back, then the callback's job.
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('report', queue => 'qa'); SELECT lockgate.create_batch(on_finish => 'report');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let message = refusal(&db, "SELECT lockgate.remove_job_type('report')").await;
+    assert!(message.contains("in use: the callbacks of unfinished batch(es) 1."), "{message}");
+    sqlx::query("SELECT lockgate.close_batch(1)").execute(&db.pool).await.unwrap();
+    let message = refusal(&db, "SELECT lockgate.remove_job_type('report')").await;
+    assert!(message.contains("in use: 1 queued, scheduled, retrying or running job(s)."), "{message}");
+    sqlx::query("SELECT lockgate.cancel(j.id) FROM lockgate.jobs(job_type => 'report') j")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert!(removed(&db, "SELECT lockgate.remove_job_type('report')").await);
+}
+
+#[tokio::test]
+async fn a_queue_is_dropped_only_once_nothing_needs_it_and_can_be_made_again() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('t', queue => 'qa');
+         SELECT lockgate.define_job_type('elsewhere', queue => 'qb');
+         SELECT lockgate.enqueue('elsewhere', '{}', '{\"queue\": \"qa\"}');
+         SELECT lockgate.define_recurring('tick', '@daily', 'elsewhere', options => '{\"queue\": \"qa\"}');
+         SELECT lockgate.register_process('worker', 'workers', 'h', 1, NULL, '{\"queues\": [\"qa\"]}');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let message = refusal(&db, "SELECT lockgate.drop_queue('qa')").await;
+    assert!(
+        message.starts_with(
+            "lockgate: queue \"qa\" is still in use: job type(s) t defined on it; 1 queued, scheduled, retrying or \
+             running job(s); recurring task(s) tick; the pool(s) workers (pid 1 on h) serving it."
+        ),
+        "{message}"
+    );
+    sqlx::raw_sql(
+        "SELECT lockgate.remove_job_type('t');
+         SELECT lockgate.dead_letter('qa', msg_id, read_ct, 'attempts_exhausted', 'boom', 1) FROM lockgate.claim('qa', 1, 30);
+         SELECT lockgate.remove_recurring('tick');
+         DELETE FROM lockgate.processes;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let message = refusal(&db, "SELECT lockgate.drop_queue('qa')").await;
+    assert!(message.contains("in use: 1 dead letter(s). Remove its job types"), "{message}");
+    sqlx::query("SELECT lockgate.dlq_purge('qa', NULL)").execute(&db.pool).await.unwrap();
+    assert!(removed(&db, "SELECT lockgate.drop_queue('qa')").await);
+    assert!(!removed(&db, "SELECT lockgate.drop_queue('qa')").await, "a second drop finds nothing");
+    let left: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM lockgate.queues WHERE name = 'qa')
+              + (SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = 'pgmq' AND c.relname IN ('q_qa', 'a_qa'))
+              + (SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                  WHERE n.nspname = 'lockgate' AND p.proname LIKE '%\\_qa')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(left, 0, "its row, tables and steps are gone");
+    let problems = db.count("SELECT 1 FROM lockgate.check_invariants()").await.unwrap();
+    assert_eq!(problems, 0, "nothing is left pointing at the dropped queue");
+    // Made again under the same name, it is a new queue that works as any other.
+    sqlx::raw_sql("SELECT lockgate.define_job_type('t', queue => 'qa'); SELECT lockgate.enqueue('t', '{}');")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let claimed = db.count("SELECT 1 FROM lockgate.claim('qa', 5, 30)").await.unwrap();
+    assert_eq!(claimed, 1);
+    // A queue whose table was dropped behind lockgate's back is retired the same way.
+    sqlx::raw_sql("SELECT lockgate.create_queue('qd'); SELECT pgmq.drop_queue('qd');").execute(&db.pool).await.unwrap();
+    assert!(removed(&db, "SELECT lockgate.drop_queue('qd')").await);
+    let verdict: String = sqlx::query_scalar("SELECT verdict FROM lockgate.doctor() WHERE check_name = 'queue_tables'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(verdict, "ok");
+}
+
+/// A producer's enqueue into the queue, not yet committed when the drop starts: the drop waits for
+/// the queue's table, then counts the committed job and refuses, rather than drop the table with
+/// the job in it.
+#[tokio::test]
+async fn a_drop_racing_an_uncommitted_enqueue_counts_its_job() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql("SELECT lockgate.define_job_type('elsewhere', queue => 'qb'); SELECT lockgate.create_queue('qa');")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT lockgate.enqueue('elsewhere', '{}', '{\"queue\": \"qa\"}');")
+        .execute(&mut producer)
+        .await
+        .unwrap();
+    let url = db.url.clone();
+    let drop = tokio::spawn(async move {
+        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query_scalar::<_, bool>("SELECT lockgate.drop_queue('qa')").fetch_one(&mut conn).await
+    });
+    wait_for("the drop to wait for the queue's table", Duration::from_secs(15), || async {
+        let waiting = db
+            .count(
+                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
+                    AND query LIKE '%drop' || '_queue%'",
+            )
+            .await?;
+        Ok((waiting > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    let refused = drop.await.unwrap().expect_err("the drop counts the committed job");
+    assert!(refused.to_string().contains("1 queued, scheduled, retrying or running job(s)"), "{refused}");
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_qa").await.unwrap(), 1, "the job is still there");
+}
