@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Context, Result};
 use lockgate::{PgPool, PgPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgSslMode};
-use sqlx::Connection as _;
+use sqlx::{ConnectOptions as _, Connection as _};
 
 /// The local server of this machine, database `lockgate`, as the `postgres` role.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/lockgate";
@@ -207,6 +207,10 @@ fn options(url: &str) -> Result<PgConnectOptions> {
     if named.iter().any(|(k, _)| k == "sslrootcert") && matches!(options.get_ssl_mode(), PgSslMode::Require) {
         options = options.ssl_mode(PgSslMode::VerifyCa);
     }
+    // sqlx warns of every statement slower than a second; an `sql` job's statement runs as long
+    // as its job does, so that was a warning per long job (review helper-92). At debug it is still
+    // there for whoever looks.
+    let options = options.log_slow_statements(log::LevelFilter::Debug, Duration::from_secs(1));
     // Named, so operators (and fault-injection tests) can find lockgate's backends.
     Ok(options.application_name("lockgate"))
 }

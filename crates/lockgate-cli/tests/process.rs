@@ -847,6 +847,23 @@ async fn an_sql_job_that_fails_on_a_read_only_session_closes_it() {
     assert_eq!(db.count("SELECT 1 FROM hits").await.unwrap() + refused, 30);
 }
 
+/// An `sql` job that runs longer than a second is no driver warning (review helper-92: sqlx's
+/// "slow statement" at WARN for every such job).
+#[tokio::test]
+async fn a_long_sql_job_logs_no_slow_statement_warning() {
+    let setup = Setup::with_job_type(DEFAULT_RUNTIME, "sql = \"SELECT pg_sleep(1.2), $1::text\"");
+    let db = TestDb::migrated().await.unwrap();
+    let mut lockgate = setup.run_with(&db, &[], Stdio::piped());
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.job_types", 1, WAIT).await.unwrap();
+    sqlx::query("SELECT lockgate.enqueue('task', '{}')").execute(&db.pool).await.unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    signal(&lockgate, "TERM");
+    assert!(wait_exit(&mut lockgate).await.success());
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut lockgate.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!stderr.contains("slow statement"), "{stderr}");
+}
+
 /// Statements of the `sql` executor's job type in the tests below, running now.
 async fn probes_running(db: &TestDb) -> i64 {
     db.count(
