@@ -2,6 +2,8 @@
 //! each refused, naming the use, while anything still needs what it removes, and complete once
 //! nothing does; a drop that races a producer's uncommitted enqueue counts its job, never drops it.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::time::Duration;
 
 use lockgate_testkit::{wait_for, TestDb};
