@@ -192,12 +192,18 @@ fn options(url: &str) -> Result<PgConnectOptions> {
         );
     }
     let url = &take_pooler_mode(url)?;
-    let mut options: PgConnectOptions = url.parse().with_context(|| format!("invalid database URL {}", redact(url)))?;
-    // The TLS files the URL names must exist: the driver would report only "No such file or
-    // directory", or, in the modes that do not verify, ignore a missing root certificate.
     let named: Vec<(String, String)> = reqwest::Url::parse(url)
         .map(|u| u.query_pairs().map(|(k, v)| (k.into_owned(), v.into_owned())).collect())
         .unwrap_or_default();
+    // Named with what it may be: the driver said "unparseable URL: error with configuration: error
+    // with configuration: unknown value" (review helper-92).
+    const SSL_MODES: [&str; 6] = ["disable", "allow", "prefer", "require", "verify-ca", "verify-full"];
+    if let Some((_, mode)) = named.iter().find(|(k, v)| k == "sslmode" && !SSL_MODES.contains(&v.as_str())) {
+        anyhow::bail!("invalid database URL {}: sslmode {mode:?}: one of {}", redact(url), SSL_MODES.join(", "));
+    }
+    let mut options: PgConnectOptions = url.parse().with_context(|| format!("invalid database URL {}", redact(url)))?;
+    // The TLS files the URL names must exist: the driver would report only "No such file or
+    // directory", or, in the modes that do not verify, ignore a missing root certificate.
     for (key, path) in named.iter().filter(|(k, _)| matches!(k.as_str(), "sslrootcert" | "sslcert" | "sslkey")) {
         if !std::path::Path::new(path).is_file() {
             anyhow::bail!("invalid database URL {}: {key} {path:?} is not a readable file", redact(url));
@@ -292,6 +298,15 @@ pub async fn create_database_if_missing(target: &Target) -> Result<()> {
 pub fn redact(url: &str) -> String {
     match without_pooler(url).parse::<PgConnectOptions>() {
         Ok(o) => format!("{}:{}/{}", o.get_host(), o.get_port(), o.get_database().unwrap_or("")),
-        Err(_) => "(unparseable URL)".to_string(),
+        // A value the driver refuses (sslmode=bogus) still leaves the address to name.
+        Err(_) => match reqwest::Url::parse(url) {
+            Ok(u) if u.host_str().is_some() => format!(
+                "{}:{}/{}",
+                u.host_str().unwrap_or_default(),
+                u.port().unwrap_or(5432),
+                u.path().trim_start_matches('/')
+            ),
+            _ => "(unparseable URL)".to_string(),
+        },
     }
 }

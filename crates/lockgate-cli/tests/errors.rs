@@ -50,6 +50,17 @@ async fn a_url_of_another_scheme_is_refused_naming_it() {
     let o = lockgate(&db, &["status"]).env("DATABASE_URL", "mysql://root@127.0.0.1/app").output().unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("its scheme is mysql; lockgate needs postgres:// or postgresql://"), "{}", text(&o));
+    // A value the driver refuses is named once, with what it may be, and the address without
+    // its password (review helper-92: "(unparseable URL): error with configuration: error with
+    // configuration: unknown value").
+    let bad = "postgres://app:secret@127.0.0.1/app?sslmode=bogus";
+    let o = lockgate(&db, &["status"]).env("DATABASE_URL", bad).output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert_eq!(
+        text(&o).trim(),
+        "error: invalid database URL 127.0.0.1:5432/app: sslmode \"bogus\": one of disable, allow, prefer, require, \
+         verify-ca, verify-full"
+    );
 }
 
 #[tokio::test]
