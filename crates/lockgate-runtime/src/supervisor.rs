@@ -448,7 +448,8 @@ impl Runtime {
                 job_type = %name,
                 queue = %policy.queue,
                 "this process serves the queue of a job type it has no handler for: jobs of it that it claims fail \
-                 their attempts (no handler); serve that queue only from processes that run the type"
+                 their attempts (no handler); serve that queue only from processes that run the type, or remove a \
+                 type no one runs any more (lockgate undefine)"
             );
         }
     }
