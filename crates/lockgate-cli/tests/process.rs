@@ -461,6 +461,20 @@ async fn job_show_from_the_cli() {
     assert_eq!((value["state"].as_str(), value["args"]["to"].as_str()), (Some("queued"), Some("ada")));
     let missing = output(&db, &["job", "show", "999999"]);
     assert!(!missing.status.success() && text(&missing).contains("no job 999999"), "{}", text(&missing));
+    // A delivery a shutdown gave back is no attempt, but is shown (review helper-92).
+    sqlx::query(
+        "SELECT lockgate.release('default', ARRAY[msg_id], ARRAY[read_ct]) FROM lockgate.claim('default', 1, 30)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let shown = output(&db, &["job", "show", &id.to_string()]);
+    assert!(
+        text(&shown).contains("attempt   0")
+            && text(&shown).contains("returns   1 (deliveries given back by a shutdown"),
+        "{}",
+        text(&shown)
+    );
 }
 
 /// Claims the next job of queue default and dead-letters it, as its last failed attempt would.

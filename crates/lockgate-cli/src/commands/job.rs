@@ -160,6 +160,12 @@ async fn show(client: &Client, id: i64, json: bool) -> Result<()> {
     if let Some(reason) = &job.reason {
         println!("  dead      {reason}: {}", job.error.as_deref().unwrap_or(""));
     }
+    // Deliveries that were no attempt: given back by a shutdown, or claimed ahead and never
+    // started (review helper-92: a job a shutdown returned showed no trace of it).
+    let returns = job.headers.as_ref().and_then(|h| h.get("returns")).and_then(serde_json::Value::as_i64);
+    if let Some(returns) = returns.filter(|n| *n > 0) {
+        println!("  returns   {returns} (deliveries given back by a shutdown or never started: not attempts)");
+    }
     let text = |v: &serde_json::Value| v.as_str().map_or_else(|| "-".to_string(), str::to_string);
     for a in job.attempts.as_array().into_iter().flatten() {
         let process = if a["process"].is_null() { String::new() } else { format!(" process {}", a["process"]) };
