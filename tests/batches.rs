@@ -116,6 +116,11 @@ async fn h22_the_last_two_completions_racing_on_two_connections_enqueue_the_call
         assert_eq!(args["batch_id"], json!(batch));
         assert_eq!((args["succeeded"].clone(), args["failed"].clone()), (json!(2 - failed), json!(failed)));
         assert_eq!(args["properties"], json!({ "report": 7 }));
+        // Which callback each job is (review helper-92: two callbacks of one type looked alike).
+        let kinds: Vec<Value> = callbacks(&db.pool).await.into_iter().map(|c| c.1["callback"].clone()).collect();
+        let expected =
+            if last_fails { [json!("failure"), json!("finish")] } else { [json!("finish"), json!("success")] };
+        assert_eq!(kinds, expected);
     }
 }
 
