@@ -342,7 +342,8 @@ BEGIN
 END $$;
 
 -- Jobs matching every filter given (NULL: any), newest id first, at most max_rows (1 to 1000).
--- queue: one queue (LG001 when unknown); job_type (LG002 when no type of that name is defined);
+-- queue: one queue (LG001 when unknown); job_type (LG002 when no type of that name is defined
+-- and nothing matches);
 -- states: any of lockgate.job_states() (LG003 otherwise); key: a concurrency or unique key;
 -- since/until: first enqueued in [since, until);
 -- search: text in the arguments or in an attempt's error (case-insensitive); before_id: the
@@ -368,12 +369,6 @@ BEGIN
         RAISE EXCEPTION 'lockgate: invalid time range: until (%) is not after since (%)', until, since
             USING ERRCODE = 'LG003';
     END IF;
-    -- A type no one defined is a typo far more often than a search for raw messages, and matching
-    -- nothing in silence told an operator cancelling a misspelt type that nothing ran (review
-    -- helper-92): refused as an unknown queue is.
-    IF jobs.job_type IS NOT NULL AND NOT EXISTS (SELECT 1 FROM lockgate.job_types t WHERE t.name = jobs.job_type) THEN
-        PERFORM lockgate.job_policy(jobs.job_type);  -- raises LG002 naming the type
-    END IF;
     IF jobs.queue IS NOT NULL THEN
         PERFORM lockgate._queue_table(jobs.queue, 'q');
         queues := ARRAY[jobs.queue];
@@ -393,6 +388,14 @@ BEGIN
     IF states IS NULL OR 'dead' = ANY (states) THEN
         found := found || ARRAY(SELECT j FROM lockgate._jobs_dead(jobs.queue, NULL, job_type, key, since, until, search,
                                                                   before_id, max_rows) j);
+    END IF;
+    -- A type no one defines that matches nothing is a typo far more often than a search, and
+    -- matching nothing in silence told an operator cancelling a misspelt type that nothing ran
+    -- (review helper-92): refused as an unknown queue is. A removed type's history, or its jobs
+    -- dead-lettered as of an unknown type, are still found (review helper-93).
+    IF cardinality(found) = 0 AND jobs.job_type IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM lockgate.job_types t WHERE t.name = jobs.job_type) THEN
+        PERFORM lockgate.job_policy(jobs.job_type);  -- raises LG002 naming the type
     END IF;
     RETURN QUERY SELECT * FROM unnest(found) ORDER BY 1 DESC LIMIT max_rows;
 END $$;

@@ -2,7 +2,33 @@
 -- anything still needs what is removed (docs/design.md §90). Neither waits for producers: a job
 -- enqueued by a transaction that read the type before its removal committed is claimed as a job
 -- of a type no one defines, and dead-lettered as such (unknown_job_type), not lost; stop the
--- producers of what is retired first.
+-- producers of what is retired first. Both run at READ COMMITTED only: their counts must see what
+-- committed before their locks, which an older snapshot does not (review helper-91 of §88 found
+-- the same for a catalog read; helper-93 lost a committed job so). Each waits for a lock at most
+-- the caller's lock_timeout, or 5 s when it has none, and leaves the caller's setting as it was.
+
+-- Refuses a transaction that does not read each statement's committed state, naming the function.
+CREATE OR REPLACE FUNCTION lockgate._retire_at_read_committed(what text)
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'lockgate: % needs READ COMMITTED, not %: at an older snapshot it would miss jobs committed since',
+            what, current_setting('transaction_isolation')
+            USING ERRCODE = '40001', HINT = 'run it in a READ COMMITTED transaction, or on its own';
+    END IF;
+END $$;
+
+-- The caller's lock_timeout, and 5 s from now on in this transaction when it has none.
+CREATE OR REPLACE FUNCTION lockgate._retire_lock_timeout()
+RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    caller text := current_setting('lock_timeout');
+BEGIN
+    IF caller IN ('0', '0ms') THEN
+        PERFORM set_config('lock_timeout', '5s', true);
+    END IF;
+    RETURN caller;
+END $$;
 
 -- Removes job type `name`'s definition; false when there is none. Refused (SQLSTATE 55006,
 -- object_in_use, with the count of each) while it has jobs queued, scheduled, retrying or running
@@ -15,6 +41,7 @@
 CREATE OR REPLACE FUNCTION lockgate.remove_job_type(name text)
 RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
+    caller_lock_timeout text;
     q text;
     n bigint;
     jobs bigint := 0;
@@ -24,8 +51,11 @@ DECLARE
     batches bigint[];
     uses text[] := '{}';
 BEGIN
+    PERFORM lockgate._retire_at_read_committed('remove_job_type');
+    caller_lock_timeout := lockgate._retire_lock_timeout();
     PERFORM 1 FROM lockgate.job_types t WHERE t.name = remove_job_type.name FOR UPDATE;
     IF NOT FOUND THEN
+        PERFORM set_config('lock_timeout', caller_lock_timeout, true);
         RETURN false;
     END IF;
     FOR q IN SELECT lockgate._live_queues() LOOP
@@ -59,6 +89,7 @@ BEGIN
             USING ERRCODE = '55006';
     END IF;
     DELETE FROM lockgate.job_types t WHERE t.name = remove_job_type.name;
+    PERFORM set_config('lock_timeout', caller_lock_timeout, true);
     RETURN true;
 END $$;
 
@@ -67,15 +98,18 @@ END $$;
 -- while job types are defined on it, while it holds messages (queued, scheduled, retrying or
 -- running), parked jobs, dead letters or leases, while recurring tasks enqueue into it, while
 -- unique locks name it, or while a registered process's pool serves it (a running pool would
--- fail its claims from then on). The queue's table is locked first (ACCESS EXCLUSIVE, waiting
--- at most the caller's lock_timeout, or 5 s when it has none), so that a message committed by a
--- transaction that was writing it is counted, not dropped.
--- Locks: create_queue's advisory lock on the name, then the queue's table, then reads.
+-- fail its claims from then on). The queue's table (ACCESS EXCLUSIVE) and lockgate.parked (SHARE,
+-- for the moment the drop takes: parking waits, in every queue) are locked before anything is
+-- counted, so a message or a parked job committed by a transaction that was writing it is
+-- counted, not dropped: a limited job enqueued into the queue parks without touching the
+-- queue's table (review helper-93).
+-- Locks: create_queue's advisory lock on the name, then the queue's table, then lockgate.parked.
 -- Callers: lockgate queue drop, SQL operators.
 CREATE OR REPLACE FUNCTION lockgate.drop_queue(queue text)
 RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    tbl text := format('pgmq.%I', 'q_' || queue);
+    caller_lock_timeout text;
+    tbl text;
     n bigint := 0;
     types text[];
     tasks text[];
@@ -83,15 +117,24 @@ DECLARE
     uses text[] := '{}';
     step record;
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = drop_queue.queue) THEN
+    IF queue IS NULL THEN
         RETURN false;
     END IF;
+    tbl := format('pgmq.%I', 'q_' || queue);
+    PERFORM lockgate._retire_at_read_committed('drop_queue');
+    caller_lock_timeout := lockgate._retire_lock_timeout();
     PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
-    IF current_setting('lock_timeout') IN ('0', '0ms') THEN
-        PERFORM set_config('lock_timeout', '5s', true);
+    -- Looked for under the lock: a drop that waited for another drop of the same queue finds
+    -- nothing left (review helper-93: it said true).
+    IF NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = drop_queue.queue) THEN
+        PERFORM set_config('lock_timeout', caller_lock_timeout, true);
+        RETURN false;
     END IF;
     IF to_regclass(tbl) IS NOT NULL THEN
         EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', tbl);
+    END IF;
+    LOCK TABLE lockgate.parked IN SHARE MODE;
+    IF to_regclass(tbl) IS NOT NULL THEN
         EXECUTE format('SELECT count(*) FROM %s', tbl) INTO n;
     END IF;
     types := ARRAY(SELECT t.name FROM lockgate.job_types t WHERE t.queue = drop_queue.queue ORDER BY 1);
@@ -137,5 +180,6 @@ BEGIN
         EXECUTE format('DROP FUNCTION IF EXISTS lockgate.%I(%s)', step.prefix || queue, array_to_string(step.args, ', '));
     END LOOP;
     DELETE FROM lockgate.queues q WHERE q.name = drop_queue.queue;
+    PERFORM set_config('lock_timeout', caller_lock_timeout, true);
     RETURN true;
 END $$;

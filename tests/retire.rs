@@ -180,3 +180,121 @@ async fn a_drop_racing_an_uncommitted_enqueue_counts_its_job() {
     assert!(refused.to_string().contains("1 queued, scheduled, retrying or running job(s)"), "{refused}");
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_qa").await.unwrap(), 1, "the job is still there");
 }
+
+/// Review of §90 (helper-93, F1/F2): at REPEATABLE READ the counts read a snapshot older than the
+/// locks, so a job committed after it was missed and dropped with its table. Both functions need
+/// READ COMMITTED, and say so with a serialization failure.
+#[tokio::test]
+async fn retiring_at_an_older_snapshot_is_refused_and_loses_no_job() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql("SELECT lockgate.define_job_type('elsewhere', queue => 'qb'); SELECT lockgate.create_queue('qa');")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut operator = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT txid_current_snapshot();")
+        .execute(&mut operator)
+        .await
+        .unwrap();
+    sqlx::query("SELECT lockgate.enqueue('elsewhere', '{}', '{\"queue\": \"qa\"}')").execute(&db.pool).await.unwrap();
+    for call in ["SELECT lockgate.drop_queue('qa')", "SELECT lockgate.remove_job_type('elsewhere')"] {
+        let refused = sqlx::query(call).execute(&mut operator).await.unwrap_err();
+        let code = refused.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned());
+        assert_eq!(code.as_deref(), Some("40001"), "{call}: {refused}");
+        assert!(refused.to_string().contains("needs READ COMMITTED, not repeatable read"), "{refused}");
+        sqlx::raw_sql("ROLLBACK; BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1;")
+            .execute(&mut operator)
+            .await
+            .unwrap();
+    }
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_qa").await.unwrap(), 1, "the job is still there");
+}
+
+/// Review of §90 (helper-93, F3): a limited job enqueued into the queue parks in lockgate.parked
+/// without touching the queue's table, so the table's lock did not wait for it, and the drop left
+/// it parked for a queue that no longer existed. The drop waits for parking too.
+#[tokio::test]
+async fn a_drop_racing_an_uncommitted_park_into_the_queue_counts_it() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('lim', queue => 'qb', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         concurrency_duration_ms => 60000);
+         SELECT lockgate.create_queue('qa');
+         SELECT lockgate.enqueue('lim', '{\"k\": 1}');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    // The key is held by the first job (in qb): this one parks, for qa.
+    sqlx::raw_sql("BEGIN; SELECT lockgate.enqueue('lim', '{\"k\": 1}', '{\"queue\": \"qa\"}');")
+        .execute(&mut producer)
+        .await
+        .unwrap();
+    let url = db.url.clone();
+    let drop = tokio::spawn(async move {
+        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query_scalar::<_, bool>("SELECT lockgate.drop_queue('qa')").fetch_one(&mut conn).await
+    });
+    wait_for("the drop to wait for parking", Duration::from_secs(15), || async {
+        let waiting = db
+            .count(
+                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
+                    AND query LIKE '%drop' || '_queue%'",
+            )
+            .await?;
+        Ok((waiting > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    let refused = drop.await.unwrap().expect_err("the drop counts the parked job");
+    assert!(refused.to_string().contains("1 parked job(s)"), "{refused}");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.queues WHERE name = 'qa'").await.unwrap(), 1);
+}
+
+/// Review of §90 (helper-93, F4–F7): a removed type's history is still found by `jobs`; a drop
+/// that waited for another drop of the same queue finds nothing and says so; the caller's
+/// lock_timeout is left as it was; NULL names nothing.
+#[tokio::test]
+async fn retiring_leaves_history_findable_and_the_callers_settings_alone() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('once', queue => 'qa');
+         SELECT lockgate.enqueue('once', '{}');
+         SELECT lockgate.complete('qa', ARRAY[msg_id], ARRAY[read_ct]) FROM lockgate.claim('qa', 1, 30);
+         SELECT lockgate.remove_job_type('once');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let found = db.count("SELECT 1 FROM lockgate.jobs(job_type => 'once')").await.unwrap();
+    assert_eq!(found, 1, "the archived job of the removed type");
+    let typo = sqlx::query("SELECT * FROM lockgate.jobs(job_type => 'onec')").execute(&db.pool).await.unwrap_err();
+    assert!(typo.to_string().contains("unknown job type \"onec\""), "{typo}");
+
+    let mut first = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT lockgate.drop_queue('qa');").execute(&mut first).await.unwrap();
+    let url = db.url.clone();
+    let second = tokio::spawn(async move {
+        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query_scalar::<_, bool>("SELECT lockgate.drop_queue('qa')").fetch_one(&mut conn).await
+    });
+    wait_for("the second drop to wait", Duration::from_secs(15), || async {
+        let waiting = db
+            .count(
+                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
+                    AND query LIKE '%drop' || '_queue%'",
+            )
+            .await?;
+        Ok((waiting > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    let timeout: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut first).await.unwrap();
+    assert_eq!(timeout, "0", "the caller's lock_timeout is left as it was");
+    sqlx::query("COMMIT").execute(&mut first).await.unwrap();
+    assert!(!second.await.unwrap().unwrap(), "nothing was left to drop");
+    let null: bool = sqlx::query_scalar("SELECT lockgate.drop_queue(NULL)").fetch_one(&db.pool).await.unwrap();
+    assert!(!null);
+}
