@@ -412,6 +412,13 @@ BEGIN
                 VALUES (key, _enqueue_one.queue, jt.name, _enqueue_one.job_id, args,
                         headers || jsonb_build_object('job_id', _enqueue_one.job_id, 'enqueued_at', clock_timestamp()),
                         _enqueue_one.priority, vt);
+                -- The queue, looked for again: a drop of it (lockgate.drop_queue) holds
+                -- lockgate.parked against this insert while it counts, so an insert that waited
+                -- for it finds the queue gone now, and fails rather than park a job for no queue
+                -- (review helper-94). A primary-key lookup, on the parking path only.
+                IF NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = _enqueue_one.queue) THEN
+                    PERFORM lockgate._queue_table(_enqueue_one.queue, 'q');  -- raises LG001
+                END IF;
                 status := 'parked';
                 IF batch IS NOT NULL THEN
                     INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id)

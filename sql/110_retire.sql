@@ -93,6 +93,38 @@ BEGIN
     RETURN true;
 END $$;
 
+-- Locks lockgate.parked (SHARE) and queue table `tbl` (ACCESS EXCLUSIVE, when it exists) for a
+-- drop, both or neither, never waiting while it holds one: each try takes them with NOWAIT in a
+-- subtransaction, whose failure lets go of what it took, and the next try comes 10 ms later,
+-- until lock_timeout (5 s when the caller has none) has passed. A drop that waited for one lock
+-- while holding the other deadlocked with a completion promoting into the queue (parked, then the
+-- table) and with a producer that enqueued into it, then parked for it (the table, then parked),
+-- and a worker's completion could be the victim (review helper-94); a drop that never waits in a
+-- lock's queue is in no cycle, and holds up no one behind it.
+CREATE OR REPLACE FUNCTION lockgate._lock_for_drop(tbl text)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    budget interval := CASE WHEN current_setting('lock_timeout') IN ('0', '0ms') THEN interval '5 seconds'
+                            ELSE current_setting('lock_timeout')::interval END;
+    deadline timestamptz := clock_timestamp() + budget;
+BEGIN
+    LOOP
+        BEGIN
+            LOCK TABLE lockgate.parked IN SHARE MODE NOWAIT;
+            IF to_regclass(tbl) IS NOT NULL THEN
+                EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE NOWAIT', tbl);
+            END IF;
+            RETURN;
+        EXCEPTION WHEN lock_not_available THEN
+            IF clock_timestamp() >= deadline THEN
+                RAISE EXCEPTION 'lockgate: could not lock % and lockgate.parked within %: transactions are writing them; try again when the queue is idle', tbl, budget
+                    USING ERRCODE = '55P03';
+            END IF;
+        END;
+        PERFORM pg_sleep(0.01);
+    END LOOP;
+END $$;
+
 -- Drops queue `queue`: its PGMQ tables (the archive, its finished jobs' history, with them), its
 -- steps and its row; false when there is no such queue. Refused (SQLSTATE 55006, naming each)
 -- while job types are defined on it, while it holds messages (queued, scheduled, retrying or
@@ -100,10 +132,11 @@ END $$;
 -- unique locks name it, or while a registered process's pool serves it (a running pool would
 -- fail its claims from then on). The queue's table (ACCESS EXCLUSIVE) and lockgate.parked (SHARE,
 -- for the moment the drop takes: parking waits, in every queue) are locked before anything is
--- counted, so a message or a parked job committed by a transaction that was writing it is
--- counted, not dropped: a limited job enqueued into the queue parks without touching the
--- queue's table (review helper-93).
--- Locks: create_queue's advisory lock on the name, then the queue's table, then lockgate.parked.
+-- counted (lockgate._lock_for_drop), so a message or a parked job committed by a transaction that
+-- was writing it is counted, not dropped: a limited job enqueued into the queue parks without
+-- touching the queue's table (review helper-93), and one that parks after the drop waited for its
+-- lock finds the queue gone (lockgate._enqueue_one looks again after its insert).
+-- Locks: create_queue's advisory lock on the name, then lockgate.parked and the queue's table.
 -- Callers: lockgate queue drop, SQL operators.
 CREATE OR REPLACE FUNCTION lockgate.drop_queue(queue text)
 RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -130,10 +163,7 @@ BEGIN
         PERFORM set_config('lock_timeout', caller_lock_timeout, true);
         RETURN false;
     END IF;
-    IF to_regclass(tbl) IS NOT NULL THEN
-        EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', tbl);
-    END IF;
-    LOCK TABLE lockgate.parked IN SHARE MODE;
+    PERFORM lockgate._lock_for_drop(tbl);
     IF to_regclass(tbl) IS NOT NULL THEN
         EXECUTE format('SELECT count(*) FROM %s', tbl) INTO n;
     END IF;

@@ -20,6 +20,22 @@ async fn removed(db: &TestDb, sql: &str) -> bool {
     sqlx::query_scalar(sql).fetch_one(&db.pool).await.unwrap()
 }
 
+/// Waits until a drop is trying for its locks (it never waits in a lock's queue: it tries again
+/// every 10 ms), and has tried for a while.
+async fn drop_trying(db: &TestDb) {
+    wait_for("the drop to try for its locks", Duration::from_secs(15), || async {
+        let trying = db
+            .count(
+                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND state = 'active'
+                    AND query LIKE '%drop' || '_queue%' AND now() - query_start > interval '100 milliseconds'",
+            )
+            .await?;
+        Ok((trying > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn a_job_type_is_removed_only_once_nothing_needs_it() {
     let db = TestDb::migrated().await.unwrap();
@@ -144,9 +160,9 @@ async fn a_queue_is_dropped_only_once_nothing_needs_it_and_can_be_made_again() {
     assert_eq!(verdict, "ok");
 }
 
-/// A producer's enqueue into the queue, not yet committed when the drop starts: the drop waits for
-/// the queue's table, then counts the committed job and refuses, rather than drop the table with
-/// the job in it.
+/// A producer's enqueue into the queue, not yet committed when the drop starts: the drop keeps
+/// trying for the queue's table, then counts the committed job and refuses, rather than drop the
+/// table with the job in it.
 #[tokio::test]
 async fn a_drop_racing_an_uncommitted_enqueue_counts_its_job() {
     let db = TestDb::migrated().await.unwrap();
@@ -164,17 +180,7 @@ async fn a_drop_racing_an_uncommitted_enqueue_counts_its_job() {
         let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
         sqlx::query_scalar::<_, bool>("SELECT lockgate.drop_queue('qa')").fetch_one(&mut conn).await
     });
-    wait_for("the drop to wait for the queue's table", Duration::from_secs(15), || async {
-        let waiting = db
-            .count(
-                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
-                    AND query LIKE '%drop' || '_queue%'",
-            )
-            .await?;
-        Ok((waiting > 0).then_some(()))
-    })
-    .await
-    .unwrap();
+    drop_trying(&db).await;
     sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
     let refused = drop.await.unwrap().expect_err("the drop counts the committed job");
     assert!(refused.to_string().contains("1 queued, scheduled, retrying or running job(s)"), "{refused}");
@@ -236,17 +242,7 @@ async fn a_drop_racing_an_uncommitted_park_into_the_queue_counts_it() {
         let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
         sqlx::query_scalar::<_, bool>("SELECT lockgate.drop_queue('qa')").fetch_one(&mut conn).await
     });
-    wait_for("the drop to wait for parking", Duration::from_secs(15), || async {
-        let waiting = db
-            .count(
-                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
-                    AND query LIKE '%drop' || '_queue%'",
-            )
-            .await?;
-        Ok((waiting > 0).then_some(()))
-    })
-    .await
-    .unwrap();
+    drop_trying(&db).await;
     sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
     let refused = drop.await.unwrap().expect_err("the drop counts the parked job");
     assert!(refused.to_string().contains("1 parked job(s)"), "{refused}");
@@ -297,4 +293,97 @@ async fn retiring_leaves_history_findable_and_the_callers_settings_alone() {
     assert!(!second.await.unwrap().unwrap(), "nothing was left to drop");
     let null: bool = sqlx::query_scalar("SELECT lockgate.drop_queue(NULL)").fetch_one(&db.pool).await.unwrap();
     assert!(!null);
+}
+
+/// Review of §90 (helper-94, F1): the other order. The drop holds its locks first; a limited job
+/// then parks for the queue, its insert waiting for the drop, which commits; the insert went
+/// through, and the job was parked for a queue that no longer existed. The enqueue looks for the
+/// queue again after its insert, and fails. And a drop never waits holding a lock, so a
+/// completion promoting into the queue is in no deadlock with it (F2).
+#[tokio::test]
+async fn a_park_that_waited_for_a_drop_fails_instead_of_parking_for_no_queue() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('lim', queue => 'qb', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         concurrency_duration_ms => 60000);
+         SELECT lockgate.create_queue('qa');
+         SELECT lockgate.enqueue('lim', '{\"k\": 1}');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut operator = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT lockgate.drop_queue('qa');").execute(&mut operator).await.unwrap();
+    let url = db.url.clone();
+    let producer = tokio::spawn(async move {
+        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query_scalar::<_, String>(
+            "SELECT status FROM lockgate.enqueue('lim', '{\"k\": 1}', '{\"queue\": \"qa\"}')",
+        )
+        .fetch_one(&mut conn)
+        .await
+    });
+    wait_for("the park to wait for the drop", Duration::from_secs(15), || async {
+        let waiting = db
+            .count(
+                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
+                    AND query LIKE '%lockgate.enqueue%'",
+            )
+            .await?;
+        Ok((waiting > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    sqlx::query("COMMIT").execute(&mut operator).await.unwrap();
+    let refused = producer.await.unwrap().expect_err("the park finds the queue gone");
+    assert!(refused.to_string().contains("queue \"qa\" does not exist"), "{refused}");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 0, "nothing parked for no queue");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.check_invariants()").await.unwrap(), 0);
+}
+
+/// Review of §90 (helper-94, F2): the drop took the queue's table, then lockgate.parked, waiting
+/// for each; a completion promoting a parked job into the queue takes them in the other order,
+/// and one of the two was the deadlock detector's victim, the completion among them (its job
+/// would run again). The drop now never waits while it holds a lock: the completion goes
+/// through, and the drop then counts the job it promoted.
+#[tokio::test]
+async fn a_completion_promoting_into_a_queue_being_dropped_is_never_a_deadlock_victim() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('lim', queue => 'qhome', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         concurrency_duration_ms => 60000);
+         SELECT lockgate.define_job_type('free', queue => 'qhome');
+         SELECT lockgate.create_queue('qp');
+         SELECT lockgate.enqueue('lim', '{\"k\": 1}');
+         SELECT lockgate.enqueue('lim', '{\"k\": 1}', '{\"queue\": \"qp\"}');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(db.count("SELECT 1 FROM lockgate.parked WHERE queue = 'qp'").await.unwrap(), 1);
+    let (msg_id, read_ct): (i64, i32) =
+        sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('qhome', 1, 60)").fetch_one(&db.pool).await.unwrap();
+    // A producer writing the queue's table for a while: the drop keeps trying meanwhile.
+    let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT lockgate.enqueue('free', '{}', '{\"queue\": \"qp\"}');")
+        .execute(&mut producer)
+        .await
+        .unwrap();
+    let url = db.url.clone();
+    let drop = tokio::spawn(async move {
+        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query_scalar::<_, bool>("SELECT lockgate.drop_queue('qp')").fetch_one(&mut conn).await
+    });
+    drop_trying(&db).await;
+    let completed: Vec<i64> = sqlx::query_scalar("SELECT * FROM lockgate.complete('qhome', $1, $2)")
+        .bind(vec![msg_id])
+        .bind(vec![read_ct])
+        .fetch_all(&db.pool)
+        .await
+        .expect("the completion lands, promoting into qp");
+    assert_eq!(completed, vec![msg_id]);
+    sqlx::query("ROLLBACK").execute(&mut producer).await.unwrap();
+    let refused = drop.await.unwrap().expect_err("the drop counts the promoted job");
+    assert!(refused.to_string().contains("1 queued, scheduled, retrying or running job(s)"), "{refused}");
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_qp").await.unwrap(), 1);
 }

@@ -431,6 +431,12 @@ async fn undefine_and_queue_drop_retire_what_nothing_needs_and_refuse_the_rest()
         .execute(&db.pool)
         .await
         .unwrap();
+    // Sessions that start at REPEATABLE READ, which the SQL functions refuse: the commands run
+    // their own READ COMMITTED transaction (review helper-94).
+    sqlx::query(&format!("ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'", db.name))
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let o = output(&db, &["undefine", "old"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(

@@ -28,9 +28,13 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
             println!("queue {queue} {}", if changed { "resumed" } else { "was not paused" });
         }
         Command::Drop { queue } => {
-            if !lockgate::sql::drop_queue(&pool, &queue).await? {
+            // At READ COMMITTED whatever the role's default (the drop refuses an older snapshot).
+            let mut tx = pool.begin().await?;
+            sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED").execute(&mut *tx).await?;
+            if !lockgate::sql::drop_queue(&mut *tx, &queue).await? {
                 bail!("queue \"{queue}\" does not exist: nothing to drop");
             }
+            tx.commit().await?;
             println!("dropped queue {queue}");
         }
     }

@@ -15,9 +15,13 @@ pub struct Args {
 pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     let pool = db::connect_checked(target, 1).await?;
     for name in &args.job_types {
-        if !lockgate::sql::remove_job_type(&pool, name).await? {
+        // At READ COMMITTED whatever the role's default (a removal refuses an older snapshot).
+        let mut tx = pool.begin().await?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED").execute(&mut *tx).await?;
+        if !lockgate::sql::remove_job_type(&mut *tx, name).await? {
             bail!("unknown job type \"{name}\": nothing to remove");
         }
+        tx.commit().await?;
         println!("removed job type {name}");
     }
     Ok(())
