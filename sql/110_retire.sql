@@ -14,7 +14,8 @@ BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'lockgate: % needs READ COMMITTED, not %: at an older snapshot it would miss jobs committed since',
             what, current_setting('transaction_isolation')
-            USING ERRCODE = '40001', HINT = 'run it in a READ COMMITTED transaction, or on its own';
+            USING ERRCODE = '40001',
+                  HINT = 'run it in a transaction begun with BEGIN ISOLATION LEVEL READ COMMITTED (lockgate queue drop and lockgate undefine do)';
     END IF;
 END $$;
 
