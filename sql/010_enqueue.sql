@@ -415,9 +415,13 @@ BEGIN
                 -- The queue, looked for again: a drop of it (lockgate.drop_queue) holds
                 -- lockgate.parked against this insert while it counts, so an insert that waited
                 -- for it finds the queue gone now, and fails rather than park a job for no queue
-                -- (review helper-94). A primary-key lookup, on the parking path only.
-                IF NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = _enqueue_one.queue) THEN
-                    PERFORM lockgate._queue_table(_enqueue_one.queue, 'q');  -- raises LG001
+                -- (review helper-94). Its table is looked up in the catalog as it is now, which an
+                -- older snapshot (REPEATABLE READ, SERIALIZABLE) still showing the queue's row
+                -- does not hide (review helper-95). On the parking path only.
+                IF to_regclass(format('pgmq.%I', 'q_' || _enqueue_one.queue)) IS NULL
+                   OR NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = _enqueue_one.queue) THEN
+                    RAISE EXCEPTION 'lockgate: queue "%" does not exist (it was dropped)', _enqueue_one.queue
+                        USING ERRCODE = 'LG001';
                 END IF;
                 status := 'parked';
                 IF batch IS NOT NULL THEN

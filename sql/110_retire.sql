@@ -95,30 +95,35 @@ BEGIN
 END $$;
 
 -- Locks lockgate.parked (SHARE) and queue table `tbl` (ACCESS EXCLUSIVE, when it exists) for a
--- drop, both or neither, never waiting while it holds one: each try takes them with NOWAIT in a
--- subtransaction, whose failure lets go of what it took, and the next try comes 10 ms later,
--- until lock_timeout (5 s when the caller has none) has passed. A drop that waited for one lock
--- while holding the other deadlocked with a completion promoting into the queue (parked, then the
--- table) and with a producer that enqueued into it, then parked for it (the table, then parked),
--- and a worker's completion could be the victim (review helper-94); a drop that never waits in a
--- lock's queue is in no cycle, and holds up no one behind it.
+-- drop, both or neither. lockgate.parked is waited for in line (parking anywhere holds it for a
+-- moment, and a NOWAIT lost to every one of them: review helper-95); the table, with NOWAIT. A
+-- try that cannot have the table lets go of both (it runs in a subtransaction) and the next comes
+-- 10 ms later, until the lock budget (lock_timeout, 5 s when the caller has none) is spent. A
+-- drop that waited for the table while holding lockgate.parked deadlocked with a completion
+-- promoting into the queue (parked, then the table) and with a producer that enqueued into it,
+-- then parked for it, and a worker's completion could be the victim (review helper-94); waiting
+-- for lockgate.parked holding nothing but the queue name's advisory lock, and never for the table,
+-- the drop is in no cycle.
 CREATE OR REPLACE FUNCTION lockgate._lock_for_drop(tbl text)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     budget interval := CASE WHEN current_setting('lock_timeout') IN ('0', '0ms') THEN interval '5 seconds'
                             ELSE current_setting('lock_timeout')::interval END;
     deadline timestamptz := clock_timestamp() + budget;
+    left_ms bigint;
 BEGIN
     LOOP
+        left_ms := GREATEST(1, ceil(extract(epoch FROM deadline - clock_timestamp()) * 1000))::bigint;
+        PERFORM set_config('lock_timeout', left_ms || 'ms', true);
         BEGIN
-            LOCK TABLE lockgate.parked IN SHARE MODE NOWAIT;
+            LOCK TABLE lockgate.parked IN SHARE MODE;
             IF to_regclass(tbl) IS NOT NULL THEN
                 EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE NOWAIT', tbl);
             END IF;
             RETURN;
         EXCEPTION WHEN lock_not_available THEN
             IF clock_timestamp() >= deadline THEN
-                RAISE EXCEPTION 'lockgate: could not lock % and lockgate.parked within %: transactions are writing them; try again when the queue is idle', tbl, budget
+                RAISE EXCEPTION 'lockgate: could not lock % and lockgate.parked within %: open transactions are using them; try again when they have ended', tbl, budget
                     USING ERRCODE = '55P03';
             END IF;
         END;

@@ -387,3 +387,52 @@ async fn a_completion_promoting_into_a_queue_being_dropped_is_never_a_deadlock_v
     assert!(refused.to_string().contains("1 queued, scheduled, retrying or running job(s)"), "{refused}");
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_qp").await.unwrap(), 1);
 }
+
+/// Review of §90 (helper-95, F1): a producer at REPEATABLE READ, its snapshot older than a drop's
+/// commit, still saw the queue's row after its park waited for the drop, and parked its job for a
+/// queue that no longer existed. The park now looks the queue's table up in the catalog as it is.
+#[tokio::test]
+async fn a_repeatable_read_park_that_waited_for_a_drop_fails_too() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('lim', queue => 'qb', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         concurrency_duration_ms => 60000);
+         SELECT lockgate.create_queue('qa');
+         SELECT lockgate.enqueue('lim', '{\"k\": 1}');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM lockgate.queues;")
+        .execute(&mut producer)
+        .await
+        .unwrap();
+    let mut operator = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT lockgate.drop_queue('qa');").execute(&mut operator).await.unwrap();
+    let parking = tokio::spawn(async move {
+        let parked = sqlx::query_scalar::<_, String>(
+            "SELECT status FROM lockgate.enqueue('lim', '{\"k\": 1}', '{\"queue\": \"qa\"}')",
+        )
+        .fetch_one(&mut producer)
+        .await;
+        (parked, producer)
+    });
+    wait_for("the park to wait for the drop", Duration::from_secs(15), || async {
+        let waiting = db
+            .count(
+                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
+                    AND query LIKE '%lockgate.enqueue%'",
+            )
+            .await?;
+        Ok((waiting > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    sqlx::query("COMMIT").execute(&mut operator).await.unwrap();
+    let (parked, mut producer) = parking.await.unwrap();
+    let refused = parked.expect_err("the park finds the queue's table gone");
+    assert!(refused.to_string().contains("queue \"qa\" does not exist"), "{refused}");
+    sqlx::query("ROLLBACK").execute(&mut producer).await.unwrap();
+    assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 0, "nothing parked for no queue");
+}
