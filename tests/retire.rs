@@ -20,6 +20,38 @@ async fn removed(db: &TestDb, sql: &str) -> bool {
     sqlx::query_scalar(sql).fetch_one(&db.pool).await.unwrap()
 }
 
+/// Waits until a session of this database waits for a lock, running a statement like `like`.
+async fn waiting_on_a_lock(db: &TestDb, what: &str, like: &str) {
+    let sql = format!(
+        "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
+            AND pid <> pg_backend_pid() AND query LIKE '{like}'"
+    );
+    wait_for(what, Duration::from_secs(15), || async { Ok((db.count(&sql).await? > 0).then_some(())) }).await.unwrap();
+}
+
+/// `lockgate.drop_queue(queue)` on a connection of its own, in a task.
+fn spawn_drop(db: &TestDb, queue: &'static str) -> tokio::task::JoinHandle<Result<bool, sqlx::Error>> {
+    let url = db.url.clone();
+    tokio::spawn(async move {
+        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query_scalar("SELECT lockgate.drop_queue($1)").bind(queue).fetch_one(&mut conn).await
+    })
+}
+
+/// Limited type `lim` on queue qb, its key `k` = 1 held by a first job there, and an empty queue
+/// qa: a job of the key enqueued into qa parks for qa.
+async fn hold_a_key_for_qa(db: &TestDb) {
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('lim', queue => 'qb', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         concurrency_duration_ms => 60000);
+         SELECT lockgate.create_queue('qa');
+         SELECT lockgate.enqueue('lim', '{\"k\": 1}');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
 /// Waits until a drop is trying for its locks (it never waits in a lock's queue: it tries again
 /// every 10 ms), and has tried for a while.
 async fn drop_trying(db: &TestDb) {
@@ -175,11 +207,7 @@ async fn a_drop_racing_an_uncommitted_enqueue_counts_its_job() {
         .execute(&mut producer)
         .await
         .unwrap();
-    let url = db.url.clone();
-    let drop = tokio::spawn(async move {
-        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::query_scalar::<_, bool>("SELECT lockgate.drop_queue('qa')").fetch_one(&mut conn).await
-    });
+    let drop = spawn_drop(&db, "qa");
     drop_trying(&db).await;
     sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
     let refused = drop.await.unwrap().expect_err("the drop counts the committed job");
@@ -222,26 +250,14 @@ async fn retiring_at_an_older_snapshot_is_refused_and_loses_no_job() {
 #[tokio::test]
 async fn a_drop_racing_an_uncommitted_park_into_the_queue_counts_it() {
     let db = TestDb::migrated().await.unwrap();
-    sqlx::raw_sql(
-        "SELECT lockgate.define_job_type('lim', queue => 'qb', concurrency_limit => 1, concurrency_key => ARRAY['k'],
-                                         concurrency_duration_ms => 60000);
-         SELECT lockgate.create_queue('qa');
-         SELECT lockgate.enqueue('lim', '{\"k\": 1}');",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    hold_a_key_for_qa(&db).await;
     let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
     // The key is held by the first job (in qb): this one parks, for qa.
     sqlx::raw_sql("BEGIN; SELECT lockgate.enqueue('lim', '{\"k\": 1}', '{\"queue\": \"qa\"}');")
         .execute(&mut producer)
         .await
         .unwrap();
-    let url = db.url.clone();
-    let drop = tokio::spawn(async move {
-        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::query_scalar::<_, bool>("SELECT lockgate.drop_queue('qa')").fetch_one(&mut conn).await
-    });
+    let drop = spawn_drop(&db, "qa");
     drop_trying(&db).await;
     sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
     let refused = drop.await.unwrap().expect_err("the drop counts the parked job");
@@ -271,22 +287,8 @@ async fn retiring_leaves_history_findable_and_the_callers_settings_alone() {
 
     let mut first = sqlx::PgConnection::connect(&db.url).await.unwrap();
     sqlx::raw_sql("BEGIN; SELECT lockgate.drop_queue('qa');").execute(&mut first).await.unwrap();
-    let url = db.url.clone();
-    let second = tokio::spawn(async move {
-        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::query_scalar::<_, bool>("SELECT lockgate.drop_queue('qa')").fetch_one(&mut conn).await
-    });
-    wait_for("the second drop to wait", Duration::from_secs(15), || async {
-        let waiting = db
-            .count(
-                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
-                    AND query LIKE '%drop' || '_queue%'",
-            )
-            .await?;
-        Ok((waiting > 0).then_some(()))
-    })
-    .await
-    .unwrap();
+    let second = spawn_drop(&db, "qa");
+    waiting_on_a_lock(&db, "the second drop to wait", "%lockgate.drop_queue(%").await;
     let timeout: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut first).await.unwrap();
     assert_eq!(timeout, "0", "the caller's lock_timeout is left as it was");
     sqlx::query("COMMIT").execute(&mut first).await.unwrap();
@@ -303,15 +305,7 @@ async fn retiring_leaves_history_findable_and_the_callers_settings_alone() {
 #[tokio::test]
 async fn a_park_that_waited_for_a_drop_fails_instead_of_parking_for_no_queue() {
     let db = TestDb::migrated().await.unwrap();
-    sqlx::raw_sql(
-        "SELECT lockgate.define_job_type('lim', queue => 'qb', concurrency_limit => 1, concurrency_key => ARRAY['k'],
-                                         concurrency_duration_ms => 60000);
-         SELECT lockgate.create_queue('qa');
-         SELECT lockgate.enqueue('lim', '{\"k\": 1}');",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    hold_a_key_for_qa(&db).await;
     let mut operator = sqlx::PgConnection::connect(&db.url).await.unwrap();
     sqlx::raw_sql("BEGIN; SELECT lockgate.drop_queue('qa');").execute(&mut operator).await.unwrap();
     let url = db.url.clone();
@@ -323,17 +317,7 @@ async fn a_park_that_waited_for_a_drop_fails_instead_of_parking_for_no_queue() {
         .fetch_one(&mut conn)
         .await
     });
-    wait_for("the park to wait for the drop", Duration::from_secs(15), || async {
-        let waiting = db
-            .count(
-                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
-                    AND query LIKE '%lockgate.enqueue%'",
-            )
-            .await?;
-        Ok((waiting > 0).then_some(()))
-    })
-    .await
-    .unwrap();
+    waiting_on_a_lock(&db, "the park to wait for the drop", "%lockgate.enqueue%").await;
     sqlx::query("COMMIT").execute(&mut operator).await.unwrap();
     let refused = producer.await.unwrap().expect_err("the park finds the queue gone");
     assert!(refused.to_string().contains("queue \"qa\" does not exist"), "{refused}");
@@ -369,11 +353,7 @@ async fn a_completion_promoting_into_a_queue_being_dropped_is_never_a_deadlock_v
         .execute(&mut producer)
         .await
         .unwrap();
-    let url = db.url.clone();
-    let drop = tokio::spawn(async move {
-        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::query_scalar::<_, bool>("SELECT lockgate.drop_queue('qp')").fetch_one(&mut conn).await
-    });
+    let drop = spawn_drop(&db, "qp");
     drop_trying(&db).await;
     let completed: Vec<i64> = sqlx::query_scalar("SELECT * FROM lockgate.complete('qhome', $1, $2)")
         .bind(vec![msg_id])
@@ -394,15 +374,7 @@ async fn a_completion_promoting_into_a_queue_being_dropped_is_never_a_deadlock_v
 #[tokio::test]
 async fn a_repeatable_read_park_that_waited_for_a_drop_fails_too() {
     let db = TestDb::migrated().await.unwrap();
-    sqlx::raw_sql(
-        "SELECT lockgate.define_job_type('lim', queue => 'qb', concurrency_limit => 1, concurrency_key => ARRAY['k'],
-                                         concurrency_duration_ms => 60000);
-         SELECT lockgate.create_queue('qa');
-         SELECT lockgate.enqueue('lim', '{\"k\": 1}');",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    hold_a_key_for_qa(&db).await;
     let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
     sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM lockgate.queues;")
         .execute(&mut producer)
@@ -418,17 +390,7 @@ async fn a_repeatable_read_park_that_waited_for_a_drop_fails_too() {
         .await;
         (parked, producer)
     });
-    wait_for("the park to wait for the drop", Duration::from_secs(15), || async {
-        let waiting = db
-            .count(
-                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
-                    AND query LIKE '%lockgate.enqueue%'",
-            )
-            .await?;
-        Ok((waiting > 0).then_some(()))
-    })
-    .await
-    .unwrap();
+    waiting_on_a_lock(&db, "the park to wait for the drop", "%lockgate.enqueue%").await;
     sqlx::query("COMMIT").execute(&mut operator).await.unwrap();
     let (parked, mut producer) = parking.await.unwrap();
     let refused = parked.expect_err("the park finds the queue's table gone");
