@@ -30,11 +30,18 @@
 -- Lock order: a batch row is counted after every other row its transaction locks (messages,
 -- leases, semaphores, unique locks, batch memberships); batches in id order.
 
--- Validates a callback job type: NULL (none) or a defined type.
+-- Validates a callback job type: NULL (none) or a defined type, whose row it holds FOR KEY SHARE
+-- until the caller's commit, so that lockgate.remove_job_type (which takes the row FOR UPDATE,
+-- then counts the batches naming it) either counts the new batch or has removed the type before
+-- this looks (design §91).
 CREATE OR REPLACE FUNCTION lockgate._check_callback(which text, job_type text)
-RETURNS void LANGUAGE plpgsql STABLE AS $$
+RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
-    IF job_type IS NOT NULL AND NOT EXISTS (SELECT 1 FROM lockgate.job_types t WHERE t.name = job_type) THEN
+    IF job_type IS NULL THEN
+        RETURN;
+    END IF;
+    PERFORM 1 FROM lockgate.job_types t WHERE t.name = job_type FOR KEY SHARE;
+    IF NOT FOUND THEN
         RAISE EXCEPTION 'lockgate: unknown job type "%" for the batch callback %', job_type, which
             USING ERRCODE = 'LG002', HINT = 'define it with lockgate.define_job_type or in lockgate.toml first';
     END IF;
@@ -44,7 +51,8 @@ END $$;
 -- on_success when none failed, on_failure when some did; each gets the arguments
 -- {"batch_id", "total", "succeeded", "failed", "properties"}.
 -- SECURITY DEFINER, as lockgate.enqueue (010_enqueue.sql, "Privileges").
--- Locks: none. Callers: Client::create_batch, the CLI, SQL producers.
+-- Locks: the callback types' rows (FOR KEY SHARE). Callers: Client::create_batch, the CLI, SQL
+-- producers.
 CREATE OR REPLACE FUNCTION lockgate.create_batch(on_finish text DEFAULT NULL, on_success text DEFAULT NULL,
                                                  on_failure text DEFAULT NULL, properties jsonb DEFAULT '{}')
 RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$

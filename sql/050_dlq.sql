@@ -63,6 +63,13 @@ BEGIN
             RETURN NEXT;
             CONTINUE;
         END IF;
+        -- Its type's row, FOR KEY SHARE until the commit: lockgate.remove_job_type takes it FOR
+        -- UPDATE before it counts the type's jobs and dead letters, so it either waits for this
+        -- retry and counts its job, or counts the dead letter before this moves it; without the
+        -- lock a retry committed between its two counts was counted in neither (design §91).
+        IF dl.job_type IS NOT NULL THEN
+            PERFORM 1 FROM lockgate.job_types t WHERE t.name = dl.job_type FOR KEY SHARE;
+        END IF;
         new_msg_id := nextval('lockgate.job_id_seq');
         -- Only a well-formed key of a known type is taken: anything else is resent without it (a
         -- malformed message is dead-lettered again by its next claim, with its reason).

@@ -64,7 +64,10 @@ BEGIN
         RAISE EXCEPTION 'lockgate: recurring task "%": unknown time zone "%"', name, timezone
             USING ERRCODE = 'LG003', DETAIL = 'an IANA time zone name such as Europe/Berlin or UTC';
     END IF;
-    SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = define_recurring.job_type;
+    -- The type's row and the queue's are held FOR KEY SHARE until the commit: a removal of the type
+    -- or a drop of the queue, which lock them before counting the tasks that name them, either
+    -- counts this task or has committed before it looks (design §91).
+    SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = define_recurring.job_type FOR KEY SHARE;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'lockgate: recurring task "%": unknown job type "%"', name, job_type
             USING ERRCODE = 'LG002', HINT = 'define it with lockgate.define_job_type or in lockgate.toml';
@@ -86,6 +89,12 @@ BEGIN
     PERFORM lockgate._resolve_options(jt, options);  -- a bad priority raises LG003
     IF options ? 'queue' THEN
         PERFORM lockgate._queue_table(options->>'queue', 'q');  -- an unknown queue raises LG001
+        PERFORM 1 FROM lockgate.queues q WHERE q.name = options->>'queue' FOR KEY SHARE;
+        IF NOT FOUND THEN
+            -- Dropped while this waited for its row.
+            RAISE EXCEPTION 'lockgate: recurring task "%": unknown queue "%"', name, options->>'queue'
+                USING ERRCODE = 'LG001', HINT = 'create it with lockgate.create_queue or lockgate queue create';
+        END IF;
     END IF;
     IF source IS NULL OR source NOT IN ('config', 'sql') THEN
         RAISE EXCEPTION 'lockgate: invalid recurring task source "%": config or sql', source USING ERRCODE = 'LG003';

@@ -37,8 +37,10 @@ END $$;
 -- a callback: each of those would otherwise meet a type no one defines. Its archived jobs stay,
 -- as history. Reads every queue's table whole (the type is in the headers, which no index
 -- covers): an operator's call, not a hot path.
--- Locks: the type's row (a definition of it waits), then reads only. Callers: lockgate undefine,
--- SQL operators.
+-- Locks: the type's row FOR UPDATE, then reads only. A definition of the type waits for it, and so
+-- does whatever names the type without writing a job of it, each holding the row FOR KEY SHARE
+-- until its commit: define_recurring, create_batch's callbacks, dlq_retry (design §91). Callers:
+-- lockgate undefine, SQL operators.
 CREATE OR REPLACE FUNCTION lockgate.remove_job_type(name text)
 RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -94,17 +96,21 @@ BEGIN
     RETURN true;
 END $$;
 
--- Locks lockgate.parked (SHARE) and queue table `tbl` (ACCESS EXCLUSIVE, when it exists) for a
--- drop, both or neither. lockgate.parked is waited for in line (parking anywhere holds it for a
--- moment, and a NOWAIT lost to every one of them: review helper-95); the table, with NOWAIT. A
--- try that cannot have the table lets go of both (it runs in a subtransaction) and the next comes
--- 10 ms later, until the lock budget (lock_timeout, 5 s when the caller has none) is spent. A
--- drop that waited for the table while holding lockgate.parked deadlocked with a completion
--- promoting into the queue (parked, then the table) and with a producer that enqueued into it,
--- then parked for it, and a worker's completion could be the victim (review helper-94); waiting
--- for lockgate.parked holding nothing but the queue name's advisory lock, and never for the table,
--- the drop is in no cycle.
-CREATE OR REPLACE FUNCTION lockgate._lock_for_drop(tbl text)
+-- Locks lockgate.parked (SHARE), queue table `tbl` (ACCESS EXCLUSIVE, when it exists) and the
+-- queue's row in lockgate.queues (FOR UPDATE) for a drop of `queue`, all or none. lockgate.parked is
+-- waited for in line (parking anywhere holds it for a moment, and a NOWAIT lost to every one of
+-- them: review helper-95); the table and the row, with NOWAIT. A try that cannot have them lets go
+-- of all (it runs in a subtransaction) and the next comes 10 ms later, until the lock budget
+-- (lock_timeout, 5 s when the caller has none) is spent. A drop that waited for the table while
+-- holding lockgate.parked deadlocked with a completion promoting into the queue (parked, then the
+-- table) and with a producer that enqueued into it, then parked for it, and a worker's completion
+-- could be the victim (review helper-94); waiting for lockgate.parked holding nothing but the
+-- queue name's advisory lock, and never for the table or the row, the drop is in no cycle. The
+-- row is held against definitions that name the queue without writing to it (define_recurring,
+-- define_job_type's foreign key): each holds it FOR KEY SHARE, so the drop counts what they
+-- commit, or they find the queue gone (design §91).
+DROP FUNCTION IF EXISTS lockgate._lock_for_drop(text);
+CREATE OR REPLACE FUNCTION lockgate._lock_for_drop(queue text, tbl text)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     budget interval := CASE WHEN current_setting('lock_timeout') IN ('0', '0ms') THEN interval '5 seconds'
@@ -120,10 +126,11 @@ BEGIN
             IF to_regclass(tbl) IS NOT NULL THEN
                 EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE NOWAIT', tbl);
             END IF;
+            PERFORM 1 FROM lockgate.queues q WHERE q.name = _lock_for_drop.queue FOR UPDATE NOWAIT;
             RETURN;
         EXCEPTION WHEN lock_not_available THEN
             IF clock_timestamp() >= deadline THEN
-                RAISE EXCEPTION 'lockgate: could not lock % and lockgate.parked within %: open transactions are using them; try again when they have ended', tbl, budget
+                RAISE EXCEPTION 'lockgate: could not lock %, its row in lockgate.queues and lockgate.parked within %: open transactions are using them; try again when they have ended', tbl, budget
                     USING ERRCODE = '55P03';
             END IF;
         END;
@@ -142,7 +149,8 @@ END $$;
 -- was writing it is counted, not dropped: a limited job enqueued into the queue parks without
 -- touching the queue's table (review helper-93), and one that parks after the drop waited for its
 -- lock finds the queue gone (lockgate._enqueue_one looks again after its insert).
--- Locks: create_queue's advisory lock on the name, then lockgate.parked and the queue's table.
+-- Locks: create_queue's advisory lock on the name, then lockgate.parked, the queue's table and its
+-- row.
 -- Callers: lockgate queue drop, SQL operators.
 CREATE OR REPLACE FUNCTION lockgate.drop_queue(queue text)
 RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -169,7 +177,7 @@ BEGIN
         PERFORM set_config('lock_timeout', caller_lock_timeout, true);
         RETURN false;
     END IF;
-    PERFORM lockgate._lock_for_drop(tbl);
+    PERFORM lockgate._lock_for_drop(queue, tbl);
     IF to_regclass(tbl) IS NOT NULL THEN
         EXECUTE format('SELECT count(*) FROM %s', tbl) INTO n;
     END IF;

@@ -398,3 +398,125 @@ async fn a_repeatable_read_park_that_waited_for_a_drop_fails_too() {
     sqlx::query("ROLLBACK").execute(&mut producer).await.unwrap();
     assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 0, "nothing parked for no queue");
 }
+
+/// `sql` on a connection of its own, in a task, as one transaction.
+fn spawn_sql(db: &TestDb, sql: &'static str) -> tokio::task::JoinHandle<Result<(), sqlx::Error>> {
+    let url = db.url.clone();
+    tokio::spawn(async move {
+        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query(sql).execute(&mut conn).await.map(|_| ())
+    })
+}
+
+/// Design §91: a recurring task or a batch callback names a type without writing a job of it, so
+/// nothing a removal counted waited for it. A definition uncommitted while the removal ran was
+/// counted in nothing (the type went, and the task's ticks or the batch's callback met a type no
+/// one defines); a definition that read the type before the removal committed stored it all the
+/// same. Each now holds the type's row FOR KEY SHARE: in the first order the removal waits and
+/// counts it, in the second the definition waits and finds the type gone.
+#[tokio::test]
+async fn definitions_naming_a_type_being_removed_are_counted_or_refused() {
+    let db = TestDb::migrated().await.unwrap();
+    let definitions = [
+        (
+            "SELECT lockgate.define_recurring('tick', '@daily', 'gone')",
+            "recurring task(s) tick",
+            "SELECT lockgate.remove_recurring('tick')",
+        ),
+        (
+            "SELECT lockgate.create_batch(on_finish => 'gone')",
+            "the callbacks of unfinished batch(es)",
+            "DELETE FROM lockgate.batches",
+        ),
+    ];
+    for (define, counted_as, undo) in definitions {
+        sqlx::query("SELECT lockgate.define_job_type('gone', queue => 'qa')").execute(&db.pool).await.unwrap();
+        // The definition first: the removal waits for it and counts what it committed.
+        let mut definer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        sqlx::raw_sql(&format!("BEGIN; {define};")).execute(&mut definer).await.unwrap();
+        let removal = spawn_sql(&db, "SELECT lockgate.remove_job_type('gone')");
+        waiting_on_a_lock(&db, "the removal to wait for the definition", "%remove_job_type%").await;
+        sqlx::query("COMMIT").execute(&mut definer).await.unwrap();
+        let refused = removal.await.unwrap().expect_err("the removal counts the definition");
+        assert!(refused.to_string().contains(counted_as), "{define}: {refused}");
+        sqlx::query(undo).execute(&db.pool).await.unwrap();
+
+        // The removal first: the definition waits for it and finds the type gone.
+        let mut operator = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        sqlx::raw_sql("BEGIN; SELECT lockgate.remove_job_type('gone');").execute(&mut operator).await.unwrap();
+        let definition = spawn_sql(&db, define);
+        waiting_on_a_lock(&db, "the definition to wait for the removal", "%lockgate.%").await;
+        sqlx::query("COMMIT").execute(&mut operator).await.unwrap();
+        let refused = definition.await.unwrap().expect_err("the definition finds the type gone");
+        assert!(refused.to_string().contains("unknown job type \"gone\""), "{define}: {refused}");
+        assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks").await.unwrap(), 0, "{define}");
+        assert_eq!(db.count("SELECT 1 FROM lockgate.batches").await.unwrap(), 0, "{define}");
+    }
+}
+
+/// Design §91: a recurring task that enqueues into a queue (`{"queue": …}`) names it without
+/// writing to its table, so the drop's table lock did not wait for it: a task uncommitted while the
+/// drop counted was left ticking into a dropped queue, and one that looked for the queue before the
+/// drop committed was stored all the same. The task holds the queue's row FOR KEY SHARE, which the
+/// drop takes FOR UPDATE with its other locks.
+#[tokio::test]
+async fn a_recurring_task_naming_a_queue_being_dropped_is_counted_or_refused() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql("SELECT lockgate.define_job_type('elsewhere', queue => 'qb'); SELECT lockgate.create_queue('qa');")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    const DEFINE: &str =
+        "SELECT lockgate.define_recurring('tick', '@daily', 'elsewhere', options => '{\"queue\": \"qa\"}')";
+    let mut definer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(&format!("BEGIN; {DEFINE};")).execute(&mut definer).await.unwrap();
+    let drop = spawn_drop(&db, "qa");
+    drop_trying(&db).await;
+    sqlx::query("COMMIT").execute(&mut definer).await.unwrap();
+    let refused = drop.await.unwrap().expect_err("the drop counts the task");
+    assert!(refused.to_string().contains("recurring task(s) tick"), "{refused}");
+    sqlx::query("SELECT lockgate.remove_recurring('tick')").execute(&db.pool).await.unwrap();
+
+    let mut operator = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT lockgate.drop_queue('qa');").execute(&mut operator).await.unwrap();
+    let definition = spawn_sql(&db, DEFINE);
+    waiting_on_a_lock(&db, "the definition to wait for the drop", "%define_recurring%").await;
+    sqlx::query("COMMIT").execute(&mut operator).await.unwrap();
+    let refused = definition.await.unwrap().expect_err("the definition finds the queue gone");
+    let db_err = refused.as_database_error().expect("a database error");
+    assert_eq!(db_err.code().as_deref(), Some("LG001"), "{db_err}");
+    assert!(db_err.message().contains("unknown queue \"qa\""), "{db_err}");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks").await.unwrap(), 0);
+}
+
+/// Design §91 (helper-94's MEDIUM): a removal counts a type's jobs queue by queue, then its dead
+/// letters; a `dlq_retry` committed between the two moved a dead letter of the type into a queue
+/// already counted, and the type went with a job of it queued. The retry now holds the type's row
+/// FOR KEY SHARE, so the removal waits for it before counting anything. The schedule is forced:
+/// queue qz's table is held, so a removal that did not wait for the retry has counted qa and waits
+/// at qz while the retry commits.
+#[tokio::test]
+async fn a_dead_letter_retried_while_its_type_is_removed_is_counted() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('gone', queue => 'qa');
+         SELECT lockgate.define_job_type('other', queue => 'qz');
+         SELECT lockgate.enqueue('gone', '{}');
+         SELECT lockgate.dead_letter('qa', msg_id, read_ct, 'attempts_exhausted', 'boom', 1) FROM lockgate.claim('qa', 1, 30);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 1);
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE pgmq.q_qz IN ACCESS EXCLUSIVE MODE;").execute(&mut holder).await.unwrap();
+    let mut retrier = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT * FROM lockgate.dlq_retry('qa', NULL);").execute(&mut retrier).await.unwrap();
+    let removal = spawn_sql(&db, "SELECT lockgate.remove_job_type('gone')");
+    waiting_on_a_lock(&db, "the removal to wait", "%remove_job_type%").await;
+    sqlx::query("COMMIT").execute(&mut retrier).await.unwrap();
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    let refused = removal.await.unwrap().expect_err("the removal counts the retried job");
+    assert!(refused.to_string().contains("in use: 1 queued, scheduled, retrying or running job(s)."), "{refused}");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.job_types WHERE name = 'gone'").await.unwrap(), 1);
+}
