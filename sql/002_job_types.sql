@@ -11,7 +11,8 @@
 -- other's commits; a change (or a delete) of the row by another transaction still waits for the
 -- definer's commit, or is waited for, so the last definition to commit is the one that holds.
 -- Locks: the job_types row, FOR SHARE when the stored definition is identical (which needs the
--- UPDATE privilege), else exclusively by the upsert. A transaction that defines a type as
+-- UPDATE privilege), else exclusively by the upsert, and then its queue's row FOR KEY SHARE
+-- (create_queue's advisory lock first, when the queue is new). A transaction that defines a type as
 -- stored and later changes it can deadlock with another doing the same (both share the row,
 -- neither can upgrade): a change belongs in the transaction's first definition. Callers:
 -- Client::define_job_type, lockgate run, SQL users.
@@ -102,6 +103,14 @@ BEGIN
         RETURN;
     END IF;
     PERFORM lockgate.create_queue(queue);
+    -- The queue's row, FOR KEY SHARE until the commit (the foreign key takes it too, but only at
+    -- the insert): a drop holding it (design §91) is waited for, and one that committed meanwhile
+    -- took the queue that create_queue found, so it is created again, as it would be for a
+    -- definition made a moment later, instead of failing on the key.
+    PERFORM 1 FROM lockgate.queues q WHERE q.name = define_job_type.queue FOR KEY SHARE;
+    IF NOT FOUND THEN
+        PERFORM lockgate.create_queue(queue);
+    END IF;
     INSERT INTO lockgate.job_types AS t
         (name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms,
          concurrency_limit, concurrency_key, concurrency_duration_ms, concurrency_on_conflict,

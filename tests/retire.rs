@@ -487,6 +487,18 @@ async fn a_recurring_task_naming_a_queue_being_dropped_is_counted_or_refused() {
     assert_eq!(db_err.code().as_deref(), Some("LG001"), "{db_err}");
     assert!(db_err.message().contains("unknown queue \"qa\""), "{db_err}");
     assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks").await.unwrap(), 0);
+
+    // A type defined on the queue as it is dropped: the definition waits, and makes the queue
+    // again, as a moment later it would (it failed on the foreign key).
+    sqlx::query("SELECT lockgate.create_queue('qa')").execute(&db.pool).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT lockgate.drop_queue('qa');").execute(&mut operator).await.unwrap();
+    let definition = spawn_sql(&db, "SELECT lockgate.define_job_type('here', queue => 'qa')");
+    waiting_on_a_lock(&db, "the type's definition to wait for the drop", "%define_job_type%").await;
+    sqlx::query("COMMIT").execute(&mut operator).await.unwrap();
+    definition.await.unwrap().expect("the type is defined, on the queue made again");
+    sqlx::query("SELECT lockgate.enqueue('here', '{}')").execute(&db.pool).await.unwrap();
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_qa").await.unwrap(), 1);
+    assert_eq!(db.count("SELECT 1 FROM lockgate.check_invariants()").await.unwrap(), 0);
 }
 
 /// Design §91 (helper-94's MEDIUM): a removal counts a type's jobs queue by queue, then its dead
