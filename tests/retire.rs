@@ -532,3 +532,300 @@ async fn a_dead_letter_retried_while_its_type_is_removed_is_counted() {
     assert!(refused.to_string().contains("in use: 1 queued, scheduled, retrying or running job(s)."), "{refused}");
     assert_eq!(db.count("SELECT 1 FROM lockgate.job_types WHERE name = 'gone'").await.unwrap(), 1);
 }
+
+/// The SQLSTATE of a database error, or the error itself.
+fn sqlstate(e: &sqlx::Error) -> String {
+    e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned()).unwrap_or_else(|| e.to_string())
+}
+
+/// Runs `f` on connection `conn` until `until`, pausing 0-`pause_ms` ms between calls; an error
+/// whose SQLSTATE is not in `accepted` fails the test, naming the task and the error.
+async fn keep_doing<F>(task: &'static str, accepted: &[&str], pause_ms: u64, until: std::time::Instant, mut f: F)
+where
+    F: AsyncFnMut() -> Result<(), sqlx::Error>,
+{
+    while std::time::Instant::now() < until {
+        if let Err(e) = f().await {
+            assert!(accepted.contains(&sqlstate(&e).as_str()), "{task}: {e}");
+        }
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(0..=pause_ms))).await;
+    }
+}
+
+/// What a chaos phase may not leave: a name that points at nothing (a recurring task's type or
+/// queue, an unfinished batch's callback type, a parked job's queue) or a job of a type no one
+/// defines; and lockgate's own invariants.
+async fn nothing_dangles(db: &TestDb, when: &str) {
+    for (what, sql) in [
+        (
+            "recurring tasks naming what is gone",
+            "SELECT 1 FROM lockgate.recurring_tasks r
+              WHERE NOT EXISTS (SELECT 1 FROM lockgate.job_types t WHERE t.name = r.job_type)
+                 OR (r.options ? 'queue' AND NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = r.options->>'queue'))",
+        ),
+        (
+            "unfinished batches calling back a removed type",
+            "SELECT 1 FROM lockgate.batches b
+              WHERE (b.state <> 'finished' OR b.callbacks_pending)
+                AND b.on_finish IS NOT NULL AND NOT EXISTS (SELECT 1 FROM lockgate.job_types t WHERE t.name = b.on_finish)",
+        ),
+        ("parked jobs of a dropped queue", "SELECT 1 FROM lockgate.parked p WHERE NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = p.queue)"),
+        (
+            "queued jobs of a removed type",
+            "SELECT 1 FROM pgmq.q_qhome m WHERE NOT EXISTS (SELECT 1 FROM lockgate.job_types t WHERE t.name = m.headers->>'type')",
+        ),
+        (
+            "dead letters of a removed type or a dropped queue",
+            "SELECT 1 FROM lockgate.dead_letters d
+              WHERE NOT EXISTS (SELECT 1 FROM lockgate.job_types t WHERE t.name = d.job_type)
+                 OR NOT EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = d.queue)",
+        ),
+        ("invariants broken", "SELECT 1 FROM lockgate.check_invariants()"),
+    ] {
+        assert_eq!(db.count(sql).await.unwrap(), 0, "{when}: {what}");
+    }
+}
+
+/// Design §90, §91, searched: producers (limited and not, single and many, READ COMMITTED and
+/// REPEATABLE READ) enqueue into queue qx, a definer defines and removes recurring tasks naming
+/// qx and type `gone`, a batcher creates and closes batches calling `gone` back, a worker claims
+/// from qx and qhome and completes or dead-letters, a retrier retries dead letters, and an
+/// operator drops qx and removes `gone` whenever nothing needs them, making them again a moment
+/// later. Afterwards nothing names what is gone, and once drained every job an enqueue committed
+/// was completed, exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retiring_amid_producers_workers_and_definitions_loses_no_job_and_leaves_nothing_dangling() {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('free', queue => 'qhome');
+         SELECT lockgate.define_job_type('lim', queue => 'qhome', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         concurrency_duration_ms => 60000);
+         SELECT lockgate.define_job_type('gone', queue => 'qhome');
+         SELECT lockgate.create_queue('qx');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    let enqueued: Arc<Mutex<Vec<i64>>> = Arc::default();
+    let completed: Arc<Mutex<HashMap<i64, u32>>> = Arc::default();
+    let retired: Arc<Mutex<[u32; 2]>> = Arc::default();
+    let connect = || sqlx::PgConnection::connect(&db.url);
+
+    let producer = |producer: u8, mut conn: sqlx::PgConnection| {
+        let enqueued = enqueued.clone();
+        async move {
+            keep_doing("producer", &["LG001", "40001", "42P01"], 5, until, async || {
+                // Quiet every other 300 ms, so that the queue empties and its drop goes through.
+                if (until - std::time::Instant::now()).as_millis() / 300 % 2 == 0 {
+                    return Ok(());
+                }
+                let isolation = if fastrand::bool() { "READ COMMITTED" } else { "REPEATABLE READ" };
+                let k = fastrand::u8(0..3);
+                let (call, args) = match (producer, fastrand::u8(0..3)) {
+                    (0, 0) => ("enqueue", "'free', '{}'".to_string()),
+                    (0, _) => ("enqueue", format!("'lim', '{{\"k\": {k}}}'")),
+                    _ => ("enqueue_many", format!("'lim', ARRAY['{{\"k\": {k}}}', '{{\"k\": {}}}']::jsonb[]", k + 1)),
+                };
+                sqlx::raw_sql(&format!("BEGIN ISOLATION LEVEL {isolation}")).execute(&mut conn).await?;
+                let ids = sqlx::query_scalar::<_, i64>(&format!(
+                    "SELECT job_id FROM lockgate.{call}({args}, '{{\"queue\": \"qx\"}}')"
+                ))
+                .fetch_all(&mut conn)
+                .await;
+                let ids = match ids {
+                    Ok(ids) => ids,
+                    Err(e) => {
+                        sqlx::raw_sql("ROLLBACK").execute(&mut conn).await?;
+                        return Err(e);
+                    }
+                };
+                sqlx::raw_sql("COMMIT").execute(&mut conn).await?;
+                enqueued.lock().unwrap().extend(ids);
+                Ok(())
+            })
+            .await;
+        }
+    };
+    let producers = (producer(0, connect().await.unwrap()), producer(1, connect().await.unwrap()));
+    let definer = {
+        let mut conn = connect().await.unwrap();
+        async move {
+            keep_doing("definer", &["LG001", "LG002"], 10, until, async || {
+                let ty = if fastrand::bool() { "gone" } else { "free" };
+                let options = if fastrand::bool() { "{\"queue\": \"qx\"}" } else { "{}" };
+                sqlx::query("SELECT lockgate.define_recurring('tick', '@daily', $1, options => $2::jsonb)")
+                    .bind(ty)
+                    .bind(options)
+                    .execute(&mut conn)
+                    .await?;
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(0..5))).await;
+                sqlx::query("SELECT lockgate.remove_recurring('tick')").execute(&mut conn).await?;
+                Ok(())
+            })
+            .await;
+        }
+    };
+    let batcher = {
+        let mut conn = connect().await.unwrap();
+        async move {
+            keep_doing("batcher", &["LG002"], 40, until, async || {
+                sqlx::query("SELECT lockgate.close_batch(lockgate.create_batch(on_finish => 'gone'))")
+                    .execute(&mut conn)
+                    .await
+                    .map(|_| ())
+            })
+            .await;
+        }
+    };
+    let worker = {
+        let mut conn = connect().await.unwrap();
+        let completed = completed.clone();
+        async move {
+            keep_doing("worker", &["LG001", "42P01", "42883"], 2, until, async || {
+                for queue in ["qx", "qhome"] {
+                    let claimed: Vec<(i64, i32, i64)> = sqlx::query_as(
+                        "SELECT msg_id, read_ct, COALESCE((headers->>'job_id')::bigint, msg_id) FROM lockgate.claim($1, 8, 30)",
+                    )
+                    .bind(queue)
+                    .fetch_all(&mut conn)
+                    .await?;
+                    let (mut ids, mut cts, mut jobs) = (Vec::new(), Vec::new(), HashMap::new());
+                    for (msg_id, read_ct, job_id) in claimed {
+                        if fastrand::u8(0..8) == 0 {
+                            sqlx::query("SELECT lockgate.dead_letter($1, $2, $3, 'attempts_exhausted', 'boom', 1)")
+                                .bind(queue)
+                                .bind(msg_id)
+                                .bind(read_ct)
+                                .execute(&mut conn)
+                                .await?;
+                        } else {
+                            ids.push(msg_id);
+                            cts.push(read_ct);
+                            jobs.insert(msg_id, job_id);
+                        }
+                    }
+                    let archived: Vec<i64> = sqlx::query_scalar("SELECT * FROM lockgate.complete($1, $2, $3)")
+                        .bind(queue)
+                        .bind(&ids)
+                        .bind(&cts)
+                        .fetch_all(&mut conn)
+                        .await?;
+                    let mut completed = completed.lock().unwrap();
+                    for msg_id in archived {
+                        *completed.entry(jobs[&msg_id]).or_default() += 1;
+                    }
+                }
+                Ok(())
+            })
+            .await;
+        }
+    };
+    let retrier = {
+        let mut conn = connect().await.unwrap();
+        async move {
+            keep_doing("retrier", &[], 20, until, async || {
+                sqlx::query("SELECT * FROM lockgate.dlq_retry(NULL, NULL)").execute(&mut conn).await?;
+                sqlx::query("SELECT * FROM lockgate.sweep()").execute(&mut conn).await.map(|_| ())
+            })
+            .await;
+        }
+    };
+    let operator = {
+        let mut conn = connect().await.unwrap();
+        let retired = retired.clone();
+        async move {
+            keep_doing("operator", &["55006", "55P03"], 2, until, async || {
+                let (retire, again, which) = if fastrand::bool() {
+                    ("SELECT lockgate.drop_queue('qx')", "SELECT lockgate.create_queue('qx')", 0)
+                } else {
+                    (
+                        "SELECT lockgate.remove_job_type('gone')",
+                        "SELECT lockgate.define_job_type('gone', queue => 'qhome')",
+                        1,
+                    )
+                };
+                let done: bool = sqlx::query_scalar(retire).fetch_one(&mut conn).await?;
+                if done {
+                    retired.lock().unwrap()[which] += 1;
+                    tokio::time::sleep(Duration::from_millis(fastrand::u64(0..30))).await;
+                    sqlx::query(again).execute(&mut conn).await?;
+                }
+                Ok(())
+            })
+            .await;
+        }
+    };
+    tokio::join!(producers.0, producers.1, definer, batcher, worker, retrier, operator);
+    nothing_dangles(&db, "after the schedule").await;
+
+    // Drained: every dead letter retried, every job claimed and completed, until nothing is left.
+    sqlx::raw_sql("SELECT lockgate.create_queue('qx'); SELECT lockgate.define_job_type('gone', queue => 'qhome');")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let drained = wait_for("the drain", Duration::from_secs(30), || async {
+        sqlx::query("SELECT * FROM lockgate.dlq_retry(NULL, NULL)").execute(&db.pool).await?;
+        sqlx::query("SELECT * FROM lockgate.sweep()").execute(&db.pool).await?;
+        for queue in ["qx", "qhome"] {
+            let claimed: Vec<(i64, i32, i64)> = sqlx::query_as(
+                "SELECT msg_id, read_ct, COALESCE((headers->>'job_id')::bigint, msg_id) FROM lockgate.claim($1, 50, 30)",
+            )
+            .bind(queue)
+            .fetch_all(&db.pool)
+            .await?;
+            let jobs: HashMap<i64, i64> = claimed.iter().map(|c| (c.0, c.2)).collect();
+            let archived: Vec<i64> = sqlx::query_scalar("SELECT * FROM lockgate.complete($1, $2, $3)")
+                .bind(queue)
+                .bind(claimed.iter().map(|c| c.0).collect::<Vec<_>>())
+                .bind(claimed.iter().map(|c| c.1).collect::<Vec<_>>())
+                .fetch_all(&db.pool)
+                .await?;
+            let mut completed = completed.lock().unwrap();
+            for msg_id in archived {
+                *completed.entry(jobs[&msg_id]).or_default() += 1;
+            }
+        }
+        let left = db
+            .count(
+                "SELECT 1 FROM pgmq.q_qx UNION ALL SELECT 1 FROM pgmq.q_qhome UNION ALL SELECT 1 FROM lockgate.parked
+                 UNION ALL SELECT 1 FROM lockgate.dead_letters",
+            )
+            .await?;
+        Ok((left == 0).then_some(()))
+    })
+    .await;
+    if let Err(e) = drained {
+        let left: Vec<String> = sqlx::query_scalar(
+            "SELECT 'qx ' || m.msg_id || ' ' || m.read_ct || ' ' || m.vt || ' ' || m.headers FROM pgmq.q_qx m
+             UNION ALL SELECT 'qhome ' || m.msg_id || ' ' || m.headers FROM pgmq.q_qhome m
+             UNION ALL SELECT 'parked ' || row_to_json(p)::text FROM lockgate.parked p
+             UNION ALL SELECT 'dead ' || row_to_json(d)::text FROM lockgate.dead_letters d
+             UNION ALL SELECT 'lease ' || row_to_json(l)::text FROM lockgate.leases l
+             UNION ALL SELECT 'semaphore ' || row_to_json(x)::text FROM lockgate.semaphores x",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        panic!("{e}; left:\n{}", left.join("\n"));
+    }
+    nothing_dangles(&db, "after the drain").await;
+    let enqueued = enqueued.lock().unwrap().clone();
+    let completed = completed.lock().unwrap().clone();
+    let retired = *retired.lock().unwrap();
+    let lost: Vec<i64> = enqueued.iter().copied().filter(|id| !completed.contains_key(id)).collect();
+    let twice: Vec<(i64, u32)> = completed.iter().filter(|(_, n)| **n > 1).map(|(id, n)| (*id, *n)).collect();
+    eprintln!(
+        "retire chaos: {} jobs enqueued, {} completed, queue dropped {} times, type removed {} times",
+        enqueued.len(),
+        completed.len(),
+        retired[0],
+        retired[1]
+    );
+    assert!(lost.is_empty(), "jobs enqueued and never completed: {lost:?}");
+    assert!(twice.is_empty(), "jobs completed more than once: {twice:?}");
+    assert!(retired[0] > 0 && retired[1] > 0, "the schedule retired nothing: {retired:?}");
+}
