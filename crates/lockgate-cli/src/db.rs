@@ -182,6 +182,72 @@ fn without_pooler(url: &str) -> String {
     parsed.to_string()
 }
 
+/// The URL parameters the driver reads (sqlx's names and their aliases); lockgate's own `pooler`
+/// is taken out before they are looked at.
+const DRIVER_PARAMETERS: [&str; 19] = [
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+    "pooler",
+];
+
+/// Why a URL parameter the driver does not read is refused: the driver only warns of it and
+/// goes on without it, so a misspelt `sslmode` connected in plain text (review helper-92). A
+/// parameter of libpq's that the driver lacks is named as such; another is taken for a typo of
+/// the nearest one the driver reads.
+fn unknown_parameter(key: &str) -> String {
+    const LIBPQ_ONLY: [&str; 22] = [
+        "connect_timeout",
+        "target_session_attrs",
+        "load_balance_hosts",
+        "keepalives",
+        "keepalives_idle",
+        "keepalives_interval",
+        "keepalives_count",
+        "tcp_user_timeout",
+        "fallback_application_name",
+        "client_encoding",
+        "gssencmode",
+        "channel_binding",
+        "sslcompression",
+        "sslcrl",
+        "sslcrldir",
+        "sslpassword",
+        "sslsni",
+        "ssl_min_protocol_version",
+        "ssl_max_protocol_version",
+        "requirepeer",
+        "service",
+        "passfile",
+    ];
+    if LIBPQ_ONLY.contains(&key) {
+        return format!(
+            "{key} is a libpq parameter that lockgate's driver (sqlx) does not support; remove it \
+             (lockgate has --connect-timeout for connect_timeout)"
+        );
+    }
+    let nearest = DRIVER_PARAMETERS.iter().min_by_key(|known| strsim::levenshtein(key, known)).copied();
+    match nearest.filter(|known| strsim::levenshtein(key, known) <= 2) {
+        Some(known) => format!("unknown parameter {key:?}; did you mean {known}?"),
+        None => format!("unknown parameter {key:?}; lockgate reads {}", DRIVER_PARAMETERS.join(", ")),
+    }
+}
+
 fn options(url: &str) -> Result<PgConnectOptions> {
     // The driver reads any scheme as PostgreSQL's: another database's URL is a mistake to name.
     if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
@@ -195,6 +261,9 @@ fn options(url: &str) -> Result<PgConnectOptions> {
     let named: Vec<(String, String)> = reqwest::Url::parse(url)
         .map(|u| u.query_pairs().map(|(k, v)| (k.into_owned(), v.into_owned())).collect())
         .unwrap_or_default();
+    if let Some((key, _)) = named.iter().find(|(k, _)| !DRIVER_PARAMETERS.contains(&k.as_str())) {
+        anyhow::bail!("invalid database URL {}: {}", redact(url), unknown_parameter(key));
+    }
     // Named with what it may be: the driver said "unparseable URL: error with configuration: error
     // with configuration: unknown value" (review helper-92).
     const SSL_MODES: [&str; 6] = ["disable", "allow", "prefer", "require", "verify-ca", "verify-full"];

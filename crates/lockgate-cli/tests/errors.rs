@@ -61,6 +61,27 @@ async fn a_url_of_another_scheme_is_refused_naming_it() {
         "error: invalid database URL 127.0.0.1:5432/app: sslmode \"bogus\": one of disable, allow, prefer, require, \
          verify-ca, verify-full"
     );
+    // A parameter the driver does not read is refused: the driver warned of a misspelt sslmode
+    // and connected in plain text (review helper-92).
+    for (url, said) in [
+        ("postgres://app:secret@127.0.0.1/app?sslmod=require", "unknown parameter \"sslmod\"; did you mean sslmode?"),
+        (
+            "postgres://app@127.0.0.1/app?sslmode=require&connect_timeout=10",
+            "connect_timeout is a libpq parameter that lockgate's driver (sqlx) does not support; remove it",
+        ),
+        ("postgres://app@127.0.0.1/app?colour=blue", "unknown parameter \"colour\"; lockgate reads sslmode, ssl-mode,"),
+    ] {
+        let o = lockgate(&db, &["status"]).env("DATABASE_URL", url).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        assert!(text(&o).contains("error: invalid database URL 127.0.0.1:5432/app: "), "{}", text(&o));
+        assert!(text(&o).contains(said), "{url}: {}", text(&o));
+        assert!(!text(&o).contains("secret"), "{}", text(&o));
+    }
+    // The parameters it reads are taken, in either spelling.
+    let url =
+        format!("{}{}application_name=mine&ssl-mode=disable", db.url, if db.url.contains('?') { '&' } else { '?' });
+    let o = lockgate(&db, &["status"]).env("DATABASE_URL", &url).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
 }
 
 #[tokio::test]
