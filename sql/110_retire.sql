@@ -31,6 +31,14 @@ BEGIN
     RETURN caller;
 END $$;
 
+-- The first ten of names, comma-separated, and how many more there are: a refusal names what
+-- holds it, and stays readable with thousands (review helper-97).
+CREATE OR REPLACE FUNCTION lockgate._listed(names text[])
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT array_to_string(names[1:10], ', ')
+           || CASE WHEN cardinality(names) > 10 THEN format(' and %s more', cardinality(names) - 10) ELSE '' END
+$$;
+
 -- Removes job type `name`'s definition; false when there is none. Refused (SQLSTATE 55006,
 -- object_in_use, with the count of each) while it has jobs queued, scheduled, retrying or running
 -- in any queue, parked jobs, dead letters, recurring tasks, or unfinished batches that name it as
@@ -56,13 +64,25 @@ DECLARE
 BEGIN
     PERFORM lockgate._retire_at_read_committed('remove_job_type');
     caller_lock_timeout := lockgate._retire_lock_timeout();
-    PERFORM 1 FROM lockgate.job_types t WHERE t.name = remove_job_type.name FOR UPDATE;
+    BEGIN
+        PERFORM 1 FROM lockgate.job_types t WHERE t.name = remove_job_type.name FOR UPDATE;
+    EXCEPTION WHEN lock_not_available THEN
+        -- Named, as a drop's timeout is (review helper-97: the bare lock timeout).
+        RAISE EXCEPTION 'lockgate: could not lock job type "%" within %: open transactions are defining it or naming it (a recurring task, a batch callback, a dead letter''s retry); try again when they have ended', name, current_setting('lock_timeout')
+            USING ERRCODE = '55P03';
+    END;
     IF NOT FOUND THEN
         PERFORM set_config('lock_timeout', caller_lock_timeout, true);
         RETURN false;
     END IF;
     FOR q IN SELECT lockgate._live_queues() LOOP
-        EXECUTE format('SELECT count(*) FROM pgmq.%I m WHERE m.headers->>''type'' = $1', 'q_' || q) INTO n USING name;
+        BEGIN
+            EXECUTE format('SELECT count(*) FROM pgmq.%I m WHERE m.headers->>''type'' = $1', 'q_' || q) INTO n USING name;
+        EXCEPTION WHEN undefined_table THEN
+            -- Dropped since the list was read (review helper-97: the removal failed with 42P01); a
+            -- drop goes through only with its table empty, so there is nothing of this type to count.
+            n := 0;
+        END;
         jobs := jobs + n;
     END LOOP;
     SELECT count(*) INTO parked FROM lockgate.parked p WHERE p.job_type = remove_job_type.name;
@@ -82,10 +102,10 @@ BEGIN
         uses := uses || (dead || ' dead letter(s)');
     END IF;
     IF cardinality(tasks) > 0 THEN
-        uses := uses || ('recurring task(s) ' || array_to_string(tasks, ', '));
+        uses := uses || ('recurring task(s) ' || lockgate._listed(tasks));
     END IF;
     IF cardinality(batches) > 0 THEN
-        uses := uses || ('the callbacks of unfinished batch(es) ' || array_to_string(batches, ', '));
+        uses := uses || ('the callbacks of unfinished batch(es) ' || lockgate._listed(batches::text[]));
     END IF;
     IF cardinality(uses) > 0 THEN
         RAISE EXCEPTION 'lockgate: job type "%" is still in use: %. Let its jobs finish or cancel them (lockgate jobs --type % lists them), purge or retry its dead letters and remove its recurring tasks first', name, array_to_string(uses, '; '), name
@@ -96,16 +116,18 @@ BEGIN
     RETURN true;
 END $$;
 
--- Locks lockgate.parked (SHARE), queue table `tbl` (ACCESS EXCLUSIVE, when it exists) and the
--- queue's row in lockgate.queues (FOR UPDATE) for a drop of `queue`, all or none. lockgate.parked is
--- waited for in line (parking anywhere holds it for a moment, and a NOWAIT lost to every one of
--- them: review helper-95); the table and the row, with NOWAIT. A try that cannot have them lets go
--- of all (it runs in a subtransaction) and the next comes 10 ms later, until the lock budget
--- (lock_timeout, 5 s when the caller has none) is spent. A drop that waited for the table while
--- holding lockgate.parked deadlocked with a completion promoting into the queue (parked, then the
--- table) and with a producer that enqueued into it, then parked for it, and a worker's completion
--- could be the victim (review helper-94); waiting for lockgate.parked holding nothing but the
--- queue name's advisory lock, and never for the table or the row, the drop is in no cycle. The
+-- Locks lockgate.parked (SHARE), queue table `tbl` and its archive (ACCESS EXCLUSIVE, each when it
+-- exists) and the queue's row in lockgate.queues (FOR UPDATE) for a drop of `queue`, all or none.
+-- lockgate.parked is waited for in line (parking anywhere holds it for a moment, and a NOWAIT lost
+-- to every one of them: review helper-95); the tables and the row, with NOWAIT. A try that cannot
+-- have them lets go of all (it runs in a subtransaction) and the next comes 10 ms later, until the
+-- lock budget (lock_timeout, 5 s when the caller has none) is spent. A drop that waited for the
+-- table while holding lockgate.parked deadlocked with a completion promoting into the queue
+-- (parked, then the table) and with a producer that enqueued into it, then parked for it, and a
+-- worker's completion could be the victim (review helper-94); so it did, at pgmq.drop_queue, with
+-- a reader of the archive that then parked (review helper-97). Waiting for lockgate.parked holding
+-- nothing but the queue name's advisory lock, and never for the tables or the row, the drop is in
+-- no cycle. The
 -- row is held against definitions that name the queue without writing to it (define_recurring,
 -- define_job_type's foreign key): each holds it FOR KEY SHARE, so the drop counts what they
 -- commit, or they find the queue gone (design §91).
@@ -117,6 +139,7 @@ DECLARE
                             ELSE current_setting('lock_timeout')::interval END;
     deadline timestamptz := clock_timestamp() + budget;
     left_ms bigint;
+    atbl text := format('pgmq.%I', 'a_' || queue);
 BEGIN
     LOOP
         left_ms := GREATEST(1, ceil(extract(epoch FROM deadline - clock_timestamp()) * 1000))::bigint;
@@ -126,11 +149,17 @@ BEGIN
             IF to_regclass(tbl) IS NOT NULL THEN
                 EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE NOWAIT', tbl);
             END IF;
+            -- The archive too, which pgmq.drop_queue drops: waited for there, holding
+            -- lockgate.parked, a reader of the archive that then parked closed a cycle (review
+            -- helper-97).
+            IF to_regclass(atbl) IS NOT NULL THEN
+                EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE NOWAIT', atbl);
+            END IF;
             PERFORM 1 FROM lockgate.queues q WHERE q.name = _lock_for_drop.queue FOR UPDATE NOWAIT;
             RETURN;
         EXCEPTION WHEN lock_not_available THEN
             IF clock_timestamp() >= deadline THEN
-                RAISE EXCEPTION 'lockgate: could not lock %, its row in lockgate.queues and lockgate.parked within %: open transactions are using them; try again when they have ended', tbl, budget
+                RAISE EXCEPTION 'lockgate: could not lock %, its archive, its row in lockgate.queues and lockgate.parked within %: open transactions are using them; try again when they have ended', tbl, budget
                     USING ERRCODE = '55P03';
             END IF;
         END;
@@ -186,7 +215,7 @@ BEGIN
     pools := ARRAY(SELECT format('%s (pid %s on %s)', p.name, p.pid, p.host) FROM lockgate.processes p
                     WHERE p.kind = 'worker' AND p.metadata->'queues' ? drop_queue.queue ORDER BY p.id);
     IF cardinality(types) > 0 THEN
-        uses := uses || ('job type(s) ' || array_to_string(types, ', ') || ' defined on it');
+        uses := uses || ('job type(s) ' || lockgate._listed(types) || ' defined on it');
     END IF;
     IF n > 0 THEN
         uses := uses || (n || ' queued, scheduled, retrying or running job(s)');
@@ -208,10 +237,10 @@ BEGIN
         uses := uses || (n || ' unique lock(s)');
     END IF;
     IF cardinality(tasks) > 0 THEN
-        uses := uses || ('recurring task(s) ' || array_to_string(tasks, ', '));
+        uses := uses || ('recurring task(s) ' || lockgate._listed(tasks));
     END IF;
     IF cardinality(pools) > 0 THEN
-        uses := uses || ('the pool(s) ' || array_to_string(pools, ', ') || ' serving it');
+        uses := uses || ('the pool(s) ' || lockgate._listed(pools) || ' serving it');
     END IF;
     IF cardinality(uses) > 0 THEN
         RAISE EXCEPTION 'lockgate: queue "%" is still in use: %. Remove its job types (lockgate undefine) or define them on another queue, let its jobs finish or cancel them, purge or retry its dead letters, remove its recurring tasks and take it out of every running pool first', queue, array_to_string(uses, '; ')

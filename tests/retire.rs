@@ -829,3 +829,72 @@ async fn retiring_amid_producers_workers_and_definitions_loses_no_job_and_leaves
     assert!(twice.is_empty(), "jobs completed more than once: {twice:?}");
     assert!(retired[0] > 0 && retired[1] > 0, "the schedule retired nothing: {retired:?}");
 }
+
+/// Review of §91 (helper-97, F1): a removal lists the queues, then counts the type's jobs in each
+/// table; a queue dropped in between (any queue, unrelated to the type) failed the removal with
+/// the database's "relation does not exist". A table gone since the list has nothing to count.
+#[tokio::test]
+async fn a_removal_meeting_a_queue_dropped_during_its_count_goes_on() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql("SELECT lockgate.define_job_type('gone', queue => 'qa'); SELECT lockgate.create_queue('qz');")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut operator = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT lockgate.drop_queue('qz');").execute(&mut operator).await.unwrap();
+    let removal = spawn_sql(&db, "SELECT lockgate.remove_job_type('gone')");
+    waiting_on_a_lock(&db, "the removal to wait at qz's table", "%remove_job_type%").await;
+    sqlx::query("COMMIT").execute(&mut operator).await.unwrap();
+    removal.await.unwrap().expect("the removal goes on past the dropped queue");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.job_types").await.unwrap(), 0);
+}
+
+/// Review of §90 (helper-97, F2): the drop took the queue's archive only at pgmq.drop_queue's
+/// DROP TABLE, waiting there while it held lockgate.parked: a transaction reading the archive
+/// stalled parking in every queue for the drop's whole budget, and one that then parked closed a
+/// deadlock (a producer in another queue could be its victim). The archive is now tried with
+/// NOWAIT beside the table, all or none, so parking elsewhere goes on while the drop waits.
+#[tokio::test]
+async fn a_reader_of_the_archive_stalls_no_parking_while_a_drop_waits_for_it() {
+    let db = TestDb::migrated().await.unwrap();
+    hold_a_key_for_qa(&db).await;
+    sqlx::query("SELECT lockgate.create_queue('qidle')").execute(&db.pool).await.unwrap();
+    let mut reader = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT count(*) FROM pgmq.a_qidle;").execute(&mut reader).await.unwrap();
+    let drop = spawn_drop(&db, "qidle");
+    drop_trying(&db).await;
+    let started = std::time::Instant::now();
+    let parked: String = sqlx::query_scalar("SELECT status FROM lockgate.enqueue('lim', '{\"k\": 1}')")
+        .fetch_one(&db.pool)
+        .await
+        .expect("the park lands");
+    assert_eq!(parked, "parked");
+    assert!(started.elapsed() < Duration::from_secs(1), "the park waited {:?} for the drop", started.elapsed());
+    assert!(!drop.is_finished(), "the drop still waits for the archive's reader");
+    sqlx::query("COMMIT").execute(&mut reader).await.unwrap();
+    assert!(drop.await.unwrap().expect("the drop goes through once the reader is done"));
+}
+
+/// Review of §91 (helper-97, F3, F4): a removal that cannot lock the type's row (an open
+/// transaction created a batch calling it back) says so in its own words, not the database's bare
+/// lock timeout; and a refusal names the first ten of what holds it, and how many more.
+#[tokio::test]
+async fn a_removal_names_its_lock_wait_and_lists_ten_uses() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('report', queue => 'qa')").execute(&db.pool).await.unwrap();
+    let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT lockgate.create_batch(on_finish => 'report');").execute(&mut producer).await.unwrap();
+    let mut operator = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("SET lock_timeout = '200ms'").execute(&mut operator).await.unwrap();
+    let refused = sqlx::query("SELECT lockgate.remove_job_type('report')").execute(&mut operator).await.unwrap_err();
+    let db_err = refused.as_database_error().expect("a database error");
+    assert_eq!(db_err.code().as_deref(), Some("55P03"), "{db_err}");
+    assert!(db_err.message().starts_with("lockgate: could not lock job type \"report\" within 200ms"), "{db_err}");
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    sqlx::query("SELECT lockgate.create_batch(on_finish => 'report') FROM generate_series(1, 11)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let message = refusal(&db, "SELECT lockgate.remove_job_type('report')").await;
+    assert!(message.contains("batch(es) 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 2 more."), "{message}");
+}
