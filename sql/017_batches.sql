@@ -42,6 +42,11 @@ BEGIN
     END IF;
     PERFORM 1 FROM lockgate.job_types t WHERE t.name = job_type FOR KEY SHARE;
     IF NOT FOUND THEN
+        -- Looked for again by a new statement: a type removed and defined again in one transaction
+        -- while this waited is another row, which the wait does not follow (review helper-96).
+        PERFORM 1 FROM lockgate.job_types t WHERE t.name = job_type FOR KEY SHARE;
+    END IF;
+    IF NOT FOUND THEN
         RAISE EXCEPTION 'lockgate: unknown job type "%" for the batch callback %', job_type, which
             USING ERRCODE = 'LG002', HINT = 'define it with lockgate.define_job_type or in lockgate.toml first';
     END IF;

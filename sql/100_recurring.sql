@@ -69,6 +69,12 @@ BEGIN
     -- counts this task or has committed before it looks (design §91).
     SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = define_recurring.job_type FOR KEY SHARE;
     IF NOT FOUND THEN
+        -- Looked for again by a new statement: a row deleted and made again while this waited for
+        -- it (a removal and a definition in one transaction) is another row, which the wait does
+        -- not follow (review helper-96).
+        SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = define_recurring.job_type FOR KEY SHARE;
+    END IF;
+    IF NOT FOUND THEN
         RAISE EXCEPTION 'lockgate: recurring task "%": unknown job type "%"', name, job_type
             USING ERRCODE = 'LG002', HINT = 'define it with lockgate.define_job_type or in lockgate.toml';
     END IF;
@@ -90,6 +96,10 @@ BEGIN
     IF options ? 'queue' THEN
         PERFORM lockgate._queue_table(options->>'queue', 'q');  -- an unknown queue raises LG001
         PERFORM 1 FROM lockgate.queues q WHERE q.name = options->>'queue' FOR KEY SHARE;
+        IF NOT FOUND THEN
+            -- As for the type: a queue dropped and made again in one transaction is another row.
+            PERFORM 1 FROM lockgate.queues q WHERE q.name = options->>'queue' FOR KEY SHARE;
+        END IF;
         IF NOT FOUND THEN
             -- Dropped while this waited for its row.
             RAISE EXCEPTION 'lockgate: recurring task "%": unknown queue "%"', name, options->>'queue'

@@ -898,3 +898,112 @@ async fn a_removal_names_its_lock_wait_and_lists_ten_uses() {
     let message = refusal(&db, "SELECT lockgate.remove_job_type('report')").await;
     assert!(message.contains("batch(es) 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 2 more."), "{message}");
 }
+
+/// Review of §91 (helper-96, F1): a removal counted the queues, then the parked jobs, then the
+/// batches; a batch's callback enqueued after its queue was counted, and a parked job promoted into
+/// a queue already counted, were seen nowhere, and the type went with a job of it queued. Batches
+/// are now counted first and parked jobs before and after the queues. The schedule is forced:
+/// queue qz's table is held, so the removal has counted qa (and qb) and waits at qz while the
+/// batch's last job and the holder of the parked job's key complete.
+#[tokio::test]
+async fn jobs_moving_into_a_counted_queue_during_a_removal_are_counted() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('gone', queue => 'qa', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         concurrency_duration_ms => 60000);
+         SELECT lockgate.define_job_type('holder', queue => 'qb', concurrency_limit => 1, concurrency_key => ARRAY['k'],
+                                         concurrency_duration_ms => 60000);
+         SELECT lockgate.define_job_type('free', queue => 'qb');
+         SELECT lockgate.create_queue('qz');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    for case in ["callback", "promotion"] {
+        if case == "callback" {
+            // A closed batch of one job, whose completion enqueues the callback into qa.
+            sqlx::raw_sql(
+                "SELECT lockgate.create_batch(on_finish => 'gone');
+                 SELECT lockgate.enqueue('free', '{}', '{\"batch\": 1}');
+                 SELECT lockgate.close_batch(1);",
+            )
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        } else {
+            // A job of `gone` parked behind key `shared`, which a job of `holder` holds.
+            sqlx::raw_sql(
+                "SELECT lockgate.enqueue('holder', '{}', '{\"concurrency_key\": \"shared\"}');
+                 SELECT lockgate.enqueue('gone', '{}', '{\"concurrency_key\": \"shared\"}');",
+            )
+            .execute(&db.pool)
+            .await
+            .unwrap();
+            assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 1);
+        }
+        let (msg_id, read_ct): (i64, i32) = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('qb', 1, 60)")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        sqlx::raw_sql("BEGIN; LOCK TABLE pgmq.q_qz IN ACCESS EXCLUSIVE MODE;").execute(&mut holder).await.unwrap();
+        let removal = spawn_sql(&db, "SELECT lockgate.remove_job_type('gone')");
+        waiting_on_a_lock(&db, "the removal to wait at qz", "%remove_job_type%").await;
+        sqlx::query("SELECT lockgate.complete('qb', $1, $2)")
+            .bind(vec![msg_id])
+            .bind(vec![read_ct])
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        // A finished batch's callbacks are enqueued by the batch sweep, in a transaction of its own.
+        sqlx::query("SELECT lockgate.batch_sweep()").execute(&db.pool).await.unwrap();
+        assert_eq!(db.count("SELECT 1 FROM pgmq.q_qa").await.unwrap(), 1, "{case}: the job of `gone` is in qa");
+        sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+        let refused = removal.await.unwrap().expect_err("the removal counts the job that moved");
+        assert_eq!(sqlstate(&refused), "55006", "{case}: {refused}");
+        assert_eq!(db.count("SELECT 1 FROM lockgate.job_types WHERE name = 'gone'").await.unwrap(), 1, "{case}");
+        sqlx::query(
+            "SELECT lockgate.cancel(j.id) FROM lockgate.jobs(job_type => 'gone') j WHERE j.state <> 'cancelled'",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+}
+
+/// Review of §91 (helper-96, F3): a definition that waited for a type's or queue's row that was
+/// removed and made again in one transaction found the old row gone and said the type or queue
+/// did not exist; it looks again.
+#[tokio::test]
+async fn a_definition_waiting_for_a_type_removed_and_defined_again_finds_the_new_one() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql("SELECT lockgate.define_job_type('t', queue => 'qa'); SELECT lockgate.create_queue('qx');")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    for (again, define) in [
+        (
+            "SELECT lockgate.remove_job_type('t'); SELECT lockgate.define_job_type('t', queue => 'qa');",
+            "SELECT lockgate.create_batch(on_finish => 't')",
+        ),
+        (
+            "SELECT lockgate.remove_job_type('t'); SELECT lockgate.define_job_type('t', queue => 'qa');",
+            "SELECT lockgate.define_recurring('tick', '@daily', 't')",
+        ),
+        (
+            "SELECT lockgate.drop_queue('qx'); SELECT lockgate.create_queue('qx');",
+            "SELECT lockgate.define_recurring('tock', '@daily', 't', options => '{\"queue\": \"qx\"}')",
+        ),
+    ] {
+        let mut operator = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        sqlx::raw_sql(&format!("BEGIN; {again}")).execute(&mut operator).await.unwrap();
+        let definition = spawn_sql(&db, define);
+        waiting_on_a_lock(&db, "the definition to wait", "%lockgate.%").await;
+        sqlx::query("COMMIT").execute(&mut operator).await.unwrap();
+        definition.await.unwrap().unwrap_or_else(|e| panic!("{define}: {e}"));
+        sqlx::raw_sql("DELETE FROM lockgate.batches; DELETE FROM lockgate.recurring_tasks;")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+}
