@@ -671,12 +671,20 @@ async fn retiring_amid_producers_workers_and_definitions_loses_no_job_and_leaves
     };
     let batcher = {
         let mut conn = connect().await.unwrap();
+        let enqueued = enqueued.clone();
         async move {
             keep_doing("batcher", &["LG002"], 40, until, async || {
-                sqlx::query("SELECT lockgate.close_batch(lockgate.create_batch(on_finish => 'gone'))")
-                    .execute(&mut conn)
-                    .await
-                    .map(|_| ())
+                // A batch of one job: its callback is enqueued by the batch sweep once the worker
+                // has completed the job (review helper-96: into a queue a removal had counted).
+                let batch: i64 = sqlx::query_scalar("SELECT lockgate.create_batch(on_finish => 'gone')")
+                    .fetch_one(&mut conn)
+                    .await?;
+                let job: i64 = sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue('free', '{}', $1)")
+                    .bind(serde_json::json!({ "batch": batch }))
+                    .fetch_one(&mut conn)
+                    .await?;
+                enqueued.lock().unwrap().push(job);
+                sqlx::query("SELECT lockgate.close_batch($1)").bind(batch).execute(&mut conn).await.map(|_| ())
             })
             .await;
         }
@@ -729,6 +737,7 @@ async fn retiring_amid_producers_workers_and_definitions_loses_no_job_and_leaves
         async move {
             keep_doing("retrier", &[], 20, until, async || {
                 sqlx::query("SELECT * FROM lockgate.dlq_retry(NULL, NULL)").execute(&mut conn).await?;
+                sqlx::query("SELECT * FROM lockgate.batch_sweep()").execute(&mut conn).await?;
                 sqlx::query("SELECT * FROM lockgate.sweep()").execute(&mut conn).await.map(|_| ())
             })
             .await;
@@ -769,6 +778,7 @@ async fn retiring_amid_producers_workers_and_definitions_loses_no_job_and_leaves
         .unwrap();
     let drained = wait_for("the drain", Duration::from_secs(30), || async {
         sqlx::query("SELECT * FROM lockgate.dlq_retry(NULL, NULL)").execute(&db.pool).await?;
+        sqlx::query("SELECT * FROM lockgate.batch_sweep()").execute(&db.pool).await?;
         sqlx::query("SELECT * FROM lockgate.sweep()").execute(&db.pool).await?;
         for queue in ["qx", "qhome"] {
             let claimed: Vec<(i64, i32, i64)> = sqlx::query_as(

@@ -182,8 +182,9 @@ fn without_pooler(url: &str) -> String {
     parsed.to_string()
 }
 
-/// The URL parameters the driver reads (sqlx's names and their aliases); lockgate's own `pooler`
-/// is taken out before they are looked at.
+/// The URL parameters the driver reads (sqlx's names and their aliases), and lockgate's own
+/// `pooler`: taken out before the others are looked at, and listed here for the message that names
+/// what is read.
 const DRIVER_PARAMETERS: [&str; 19] = [
     "sslmode",
     "ssl-mode",
