@@ -22,6 +22,7 @@ use lockgate::{
 use lockgate_testkit::{wait_for, wait_for_count, FaultProxy, TestDb};
 use serde_json::{json, Value};
 use sqlx::Connection;
+use tokio_util::sync::CancellationToken;
 
 fn limited(queue_name: &str, limit: u32, duration: Duration) -> JobPolicy {
     let mut policy = JobPolicy::on_queue(queue(queue_name));
@@ -965,4 +966,175 @@ async fn a_lowered_or_deleted_heartbeat_interval_is_recorded_again_by_the_next_p
             .unwrap();
     }
     running.stop().await;
+}
+
+/// Runs its first job with its thread blocked for `block` (a synchronous call, CPU work without
+/// `spawn_blocking`), once the next job is claimed; its runs are recorded as worker 0's.
+struct Blocking {
+    pool: PgPool,
+    block: Duration,
+    starts: Counter,
+}
+
+impl RawHandler for Blocking {
+    fn call(&self, ctx: JobContext, args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(async move {
+            common::run_started(&self.pool, ctx.job_id.0, &args["key"].to_string(), 0).await;
+            if self.starts.bump() == 1 {
+                // Blocks only once the pool holds the next job claimed ahead (its claim answered,
+                // and the pool's loop, woken before this handler, has taken it in).
+                wait_for_count(&self.pool, "SELECT count(*) FROM pgmq.q_default WHERE read_ct > 0", 2, WAIT)
+                    .await
+                    .unwrap();
+                std::thread::sleep(self.block);
+            }
+            common::run_ended(&self.pool, ctx.job_id.0, 0).await;
+            Ok(())
+        })
+    }
+}
+
+/// A handler that blocks every thread of the runtime it runs on (here the only one, as under
+/// `#[tokio::main(flavor = "current_thread")]`) for twice the visibility timeout stops no renewal
+/// of a running job: the heartbeat runs on a thread of its own, so the job keeps its message and
+/// its permit, and no other worker runs a job of its key beside it. Before, the heartbeat was a
+/// task of that runtime; the job's visibility and lease lapsed, and a second worker ran it again
+/// beside the first run. A job claimed ahead behind the blocked one is not kept waiting for the
+/// stall to end: the runtime answers no probe, so the heartbeat leaves it to lapse, and the
+/// second worker runs it meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g3_a_handler_that_blocks_every_thread_of_its_runtime_keeps_its_lease_and_runs_alone() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types =
+        [("serial", limited("default", 1, Duration::from_secs(2))), ("free", JobPolicy::on_queue(queue("default")))];
+    let client = define(&db, &types).await;
+    let first = client.enqueue_raw("serial", &json!({"key": 1}), &EnqueueOptions::default()).await.unwrap();
+    let ahead = client.enqueue_raw("free", &json!({"key": "f"}), &EnqueueOptions::default()).await.unwrap();
+    client.enqueue_raw("serial", &json!({"key": 1}), &EnqueueOptions::default()).await.unwrap();
+    let config = fast_config();
+    let blocking =
+        Arc::new(Blocking { pool: db.pool.clone(), block: config.visibility_timeout * 2, starts: Counter::default() });
+    let (url, shutdown) = (db.url.clone(), CancellationToken::new());
+    let worker0 = std::thread::spawn({
+        let (types, config, shutdown) = (types.clone(), config.clone(), shutdown.clone());
+        move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(async move {
+                let pool = lockgate::PgPoolOptions::new().max_connections(2).connect(&url).await.unwrap();
+                let mut registry = Registry::new();
+                for (name, policy) in &types {
+                    registry.register_raw(JobTypeName::new(*name).unwrap(), policy.clone(), blocking.clone()).unwrap();
+                }
+                let pools = vec![PoolConfig::new("blocked", vec![queue("default")], 1)];
+                Runtime::new(pool, config, registry, pools).unwrap().run(shutdown).await.unwrap();
+            });
+        }
+    });
+    // Worker 0 starts the first job, which blocks its thread, and holds the free one claimed ahead.
+    wait_for("worker 0 to start the first job and claim the next ahead", WAIT, || async {
+        let claimed = db.count("SELECT 1 FROM pgmq.q_default WHERE read_ct > 0").await?;
+        let started = db.count("SELECT 1 FROM runs WHERE worker = 0").await?;
+        Ok((claimed == 2 && started == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    let worker1 =
+        Running::start(&db, config, probe_registry(probe(&db, 1, &Counter::default()), &types), &["default"], 1).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 3, WAIT).await.unwrap();
+    shutdown.cancel();
+    tokio::task::spawn_blocking(move || worker0.join()).await.unwrap().unwrap();
+    worker1.stop().await;
+    assert_eq!(started(&db, first.job_id.0).await, 1, "the blocked job ran once");
+    let overlap = max_overlap(&db.pool, -1).await.into_iter().find(|(key, _)| key == "1");
+    assert_eq!(overlap, Some(("1".to_string(), 1)), "no overlap on key 1, counting every worker");
+    let (by, during): (i32, bool) = sqlx::query_as(
+        "SELECT a.worker, a.started_at < (SELECT ended_at FROM runs WHERE job_id = $2)
+           FROM runs a WHERE a.job_id = $1",
+    )
+    .bind(ahead.job_id.0)
+    .bind(first.job_id.0)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        by == 1 && during,
+        "the job claimed ahead ran on worker 1 while worker 0 was blocked (by {by}, during {during})"
+    );
+    common::assert_invariants_after_sweep(&db).await;
+}
+
+/// The heartbeat's thread ends with the runtime's `run`, however it ends: a tokio runtime shut
+/// down under a running `run` (its future dropped) leaves no thread renewing the leases of jobs
+/// that no handler runs any more; they lapse and come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_dropped_with_its_tokio_runtime_leaves_nothing_renewing_its_jobs() {
+    let db = TestDb::migrated().await.unwrap();
+    let types = [("held", JobPolicy::on_queue(queue("default")))];
+    let client = define(&db, &types).await;
+    client.enqueue_raw("held", &json!({"hold": true}), &EnqueueOptions::default()).await.unwrap();
+    let (url, config, starts) = (db.url.clone(), fast_config(), Counter::default());
+    let registry = probe_registry(probe(&db, 0, &starts), &types);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let worker = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let pool = lockgate::PgPoolOptions::new().max_connections(2).connect(&url).await.unwrap();
+            let pools = vec![PoolConfig::new("dropped", vec![queue("default")], 1)];
+            let run = Runtime::new(pool, config, registry, pools).unwrap().run(CancellationToken::new());
+            tokio::select! {
+                _ = run => panic!("the runtime stopped on its own"),
+                _ = stopped => {}
+            }
+        });
+        // Dropping the runtime drops every task of it, handlers included.
+        drop(runtime);
+    });
+    wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+    stop.send(()).unwrap();
+    tokio::task::spawn_blocking(move || worker.join()).await.unwrap().unwrap();
+    wait_for("the job's visibility to lapse, renewed by no one", WAIT, || async {
+        let lapsed: bool =
+            sqlx::query_scalar("SELECT vt < clock_timestamp() FROM pgmq.q_default").fetch_one(&db.pool).await?;
+        Ok(lapsed.then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+/// Shutdown's deregistration rides out a moment when its row is locked past the statement's
+/// budget (another session reading `lockgate.processes` FOR UPDATE): it tries again, and the
+/// process is gone from the registry when `run` returns. Before, one failure left its row to be
+/// pruned a minute later (review helper-99).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g7_a_deregistration_that_meets_a_locked_row_tries_again_before_run_returns() {
+    let db = TestDb::migrated().await.unwrap();
+    let types = [("work", JobPolicy::on_queue(queue("default")))];
+    define(&db, &types).await;
+    let config = RuntimeConfig { process_heartbeat_interval: Duration::from_millis(400), ..test_config() };
+    let registry = probe_registry(probe(&db, 0, &Counter::default()), &types);
+    let running = Running::start(&db, config, registry, &["default"], 1).await;
+    wait_for_count(&db.pool, "SELECT least(count(*), 1) FROM lockgate.processes", 1, WAIT).await.unwrap();
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let mut tx = holder.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lockgate.processes FOR UPDATE").execute(&mut *tx).await.unwrap();
+    let stopping = tokio::spawn(running.stop());
+    // The deregistration waits for the row, gives up at its lock budget and waits again.
+    let waiting = "SELECT query_start FROM pg_stat_activity
+                    WHERE datname = current_database() AND wait_event_type = 'Lock'
+                      AND query LIKE '%deregister_process%'";
+    let first: chrono::DateTime<chrono::Utc> = wait_for("the deregistration to wait", WAIT, || async {
+        Ok(sqlx::query_scalar(waiting).fetch_optional(&db.pool).await?)
+    })
+    .await
+    .unwrap();
+    wait_for("the deregistration to wait again, or run to return", WAIT, || async {
+        let again: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(waiting).fetch_optional(&db.pool).await?;
+        Ok((again.is_some_and(|t| t > first) || stopping.is_finished()).then_some(()))
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    stopping.await.unwrap();
+    assert_eq!(db.count("SELECT 1 FROM lockgate.processes").await.unwrap(), 0, "deregistered before run returned");
 }

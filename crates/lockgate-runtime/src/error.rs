@@ -70,4 +70,7 @@ pub enum RuntimeError {
     /// `health_listen` names an address that cannot be bound (and is not optional).
     #[error("cannot serve the health endpoints on health_listen {addr}: {source}")]
     HealthListen { addr: std::net::SocketAddr, source: std::io::Error },
+    /// The heartbeat's thread (or its runtime) could not be started: the system refused a thread.
+    #[error("cannot start the heartbeat's thread: {0}")]
+    HeartbeatThread(std::io::Error),
 }

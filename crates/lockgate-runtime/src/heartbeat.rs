@@ -5,15 +5,23 @@
 //! rows) is neither renewed nor lost, and is asked about again next tick.
 //!
 //! Isolation (H28): the heartbeat renews on a connection of its own, outside the runtime's pool,
-//! so neither an exhausted pool nor statements queued on it can delay a renewal; the renewal
+//! and on a thread of its own, outside the caller's tokio runtime (the supervisor runs it in a
+//! single-threaded runtime of its own), so neither an exhausted pool nor statements queued on it,
+//! nor handlers that block every thread of the caller's runtime, can delay a renewal; the renewal
 //! never waits for a row lock; and each renewal has a budget of half an interval on the server
 //! (`statement_timeout`) and one interval on this side. A renewal that has not answered by then
 //! (the server is gone, or the network silently dropped it) is abandoned with its connection,
 //! and the next tick starts on a fresh one. Even a heartbeat stuck in a hung TCP call cannot let
 //! a handler outlive its lease: the pool's watchdog fences on the budgets alone (H27).
+//!
+//! Jobs claimed ahead are renewed only while the caller's runtime, which would start them, is
+//! answering: each tick sends it a probe task, and a tick that finds the last one not run (every
+//! thread of that runtime blocked for a whole interval) leaves them to lapse, with a warning, so
+//! that other workers take them rather than wait for the stall to end. Once their budget is short,
+//! the pool no longer starts them either (H32).
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +29,7 @@ use lockgate_core::QueueName;
 use lockgate_sql::{DbError, PgPool, Renewal};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, PgConnection};
+use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
 use crate::in_flight::{Delivery, InFlight};
@@ -49,13 +58,22 @@ enum RenewError {
     Database(#[from] DbError),
 }
 
+/// The runtime's pool and the caller's runtime, which the pool's connections belong to: the
+/// permits of cancelled jobs are given back there, in tasks of their own, since that may wait for
+/// a key's row lock and a renewal never waits (H28); and the probe that tells whether that
+/// runtime is answering runs there.
+#[derive(Clone)]
+pub(crate) struct GiveBack {
+    pub db: PgPool,
+    pub main: Handle,
+}
+
 pub struct Heartbeat {
     /// The heartbeat's own connection's options, with its statement budget.
     connect: PgConnectOptions,
     conn: Option<PgConnection>,
-    /// The runtime's pool: only for giving back the permits of cancelled jobs, in tasks of their
-    /// own, since that may wait for a key's row lock and a renewal never waits (H28).
-    db: PgPool,
+    /// Where the permits of cancelled jobs are given back.
+    give_back: GiveBack,
     sets: Vec<Arc<InFlight>>,
     interval: Duration,
     visibility: Duration,
@@ -63,31 +81,56 @@ pub struct Heartbeat {
     owner: Arc<AtomicI64>,
     /// Renewals, lost leases and failed statements are counted here, tick by tick.
     metrics: Arc<Metrics>,
+    /// Set by the probe each tick sends to the caller's runtime, once that runtime runs it.
+    answered: Arc<AtomicBool>,
 }
 
 impl Heartbeat {
     pub(crate) fn new(
         connect: PgConnectOptions,
-        db: PgPool,
+        give_back: GiveBack,
         sets: Vec<Arc<InFlight>>,
         interval: Duration,
         visibility: Duration,
         owner: Arc<AtomicI64>,
         metrics: Arc<Metrics>,
     ) -> Self {
-        Self { connect, conn: None, db, sets, interval, visibility, owner, metrics }
+        Self {
+            connect,
+            conn: None,
+            give_back,
+            sets,
+            interval,
+            visibility,
+            owner,
+            metrics,
+            answered: Arc::new(AtomicBool::new(true)),
+        }
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut ticker = tokio::time::interval(self.interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut stalled = false;
         loop {
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
             }
-            let report = self.run_once().await;
+            let answering = self.answered.swap(false, Ordering::SeqCst);
+            let probe = Arc::clone(&self.answered);
+            self.give_back.main.spawn(async move { probe.store(true, Ordering::SeqCst) });
+            if !answering && !stalled {
+                tracing::warn!(
+                    interval = ?self.interval,
+                    "the runtime's threads ran nothing for a heartbeat interval: a handler may be blocking them \
+                     (run blocking work in tokio::task::spawn_blocking); running jobs are still renewed, jobs \
+                     claimed ahead are left for other workers"
+                );
+            }
+            stalled = !answering;
+            let report = self.run_once(answering).await;
             self.metrics.renewals.inc_by(report.renewed as u64);
             self.metrics.leases_lost.inc_by(report.lost as u64);
             self.metrics.renewal_failures.inc_by(report.failed_queues as u64);
@@ -110,12 +153,13 @@ impl Heartbeat {
         }
     }
 
-    pub async fn run_once(&mut self) -> HeartbeatReport {
+    /// One tick; `with_waiting`: renew the jobs claimed ahead too.
+    pub async fn run_once(&mut self, with_waiting: bool) -> HeartbeatReport {
         let mut report = HeartbeatReport::default();
         let owner = Some(self.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
         let sets = self.sets.clone();
         for set in &sets {
-            for (queue, asked) in set.renewable() {
+            for (queue, asked) in set.renewable(with_waiting) {
                 // The new budget counts from before the statement is sent: the database starts
                 // it no earlier than this, whatever its clock says (H27).
                 let sent_at = Instant::now();
@@ -167,12 +211,13 @@ impl Heartbeat {
     }
 
     /// Gives back the permits of cancelled deliveries that no handler had started, each in a task
-    /// of its own on the runtime's pool: each is a statement of its own (a few milliseconds more
-    /// when its key's row is held, sql/015_concurrency.sql), and this tick must not wait for them.
+    /// of its own on the runtime's pool (in the caller's runtime): each is a statement of its own
+    /// (a few milliseconds more when its key's row is held, sql/015_concurrency.sql), and this
+    /// tick must not wait for them.
     fn release_cancelled(&self, queue: &QueueName, idle: &[(i64, i32)]) {
         for &(msg_id, read_ct) in idle {
-            let (db, delivery) = (self.db.clone(), Delivery { queue: queue.clone(), msg_id, read_ct });
-            tokio::spawn(async move { give_back_if_cancelled(&db, &delivery).await });
+            let (db, delivery) = (self.give_back.db.clone(), Delivery { queue: queue.clone(), msg_id, read_ct });
+            self.give_back.main.spawn(async move { give_back_if_cancelled(&db, &delivery).await });
         }
     }
 

@@ -236,11 +236,12 @@ impl InFlight {
         (e.read_ct == d.read_ct && e.state != State::Lost).then_some(e.lease_until)
     }
 
-    /// Deliveries the heartbeat should renew, by queue.
-    pub fn renewable(&self) -> HashMap<QueueName, Vec<(i64, i32)>> {
+    /// Deliveries the heartbeat should renew, by queue; those claimed ahead only if
+    /// `with_waiting` (the pool that would start them is not stalled).
+    pub fn renewable(&self, with_waiting: bool) -> HashMap<QueueName, Vec<(i64, i32)>> {
         let mut out: HashMap<QueueName, Vec<(i64, i32)>> = HashMap::new();
         for ((queue, msg_id), e) in self.entries().iter() {
-            if e.state != State::Lost {
+            if e.state != State::Lost && (with_waiting || e.state != State::Waiting) {
                 out.entry(queue.clone()).or_default().push((*msg_id, e.read_ct));
             }
         }

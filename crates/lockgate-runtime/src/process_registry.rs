@@ -235,10 +235,24 @@ impl ProcessRegistry {
         self.register().await.map(|_| ())
     }
 
-    /// Deletes this process's rows (shutdown's last database step).
+    /// Deletes this process's rows (shutdown's last database step). A transient failure (a lock
+    /// held past the statement's budget, a dropped connection, a restarting server) is tried
+    /// again for up to two registry intervals: once was all it had, and a row locked for a moment
+    /// by another session left the process listed until it was pruned (review helper-99).
     pub async fn deregister(&self) -> Result<(), DbError> {
         self.health.set_registered(false);
-        lockgate_sql::deregister_process(&self.db, self.owner.load(Ordering::SeqCst)).await
+        let give_up = tokio::time::Instant::now() + 2 * self.interval;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match lockgate_sql::deregister_process(&self.db, self.owner.load(Ordering::SeqCst)).await {
+                Err(error) if error.is_transient() && tokio::time::Instant::now() + pause < give_up => {
+                    tracing::debug!(%error, "could not deregister; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                done => return done,
+            }
+        }
     }
 }
 

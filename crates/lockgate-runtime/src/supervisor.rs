@@ -37,7 +37,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::budgets::Budget;
 use crate::health::{self, Health};
-use crate::heartbeat::Heartbeat;
+use crate::heartbeat::{GiveBack, Heartbeat};
 use crate::in_flight::InFlight;
 use crate::maintenance::{ArchiveRetention, BookkeepingSweep, ConcurrencySweep, FinishedPermits};
 use crate::metrics::{Metrics, MetricsRefresh};
@@ -307,6 +307,35 @@ impl Runtime {
             self.config.heartbeat_interval,
             Arc::clone(&self.metrics),
         ));
+        let heartbeat_stop = CancellationToken::new();
+        // Started before the registration, whose failure ends the start. However `run` ends,
+        // dropped included, the heartbeat stops with it: its thread must not renew the leases of
+        // jobs that no handler runs any more.
+        let _heartbeat_stopped_with_run = heartbeat_stop.clone().drop_guard();
+        // The heartbeat renews on a connection of its own, not one of the runtime pool's (H28),
+        // and on a thread of its own: handlers that block every thread of the caller's runtime
+        // (a synchronous call, CPU work without spawn_blocking) must not stop the renewals that
+        // keep their jobs' messages and permits, or another worker runs the job beside them.
+        let heartbeat_task = on_own_thread("lockgate-heartbeat", {
+            let connect = Budget::heartbeat(&self.config).apply(options.clone());
+            let (config, sets, owner) = (self.config.clone(), sets.clone(), Arc::clone(&process_registry.owner));
+            let give_back = GiveBack { db: db.clone(), main: tokio::runtime::Handle::current() };
+            let metrics = Arc::clone(&self.metrics);
+            supervise("heartbeat", Arc::clone(&self.health), heartbeat_stop.clone(), move |token| {
+                let beat = Heartbeat::new(
+                    connect.clone(),
+                    give_back.clone(),
+                    sets.clone(),
+                    config.heartbeat_interval,
+                    config.visibility_timeout,
+                    Arc::clone(&owner),
+                    Arc::clone(&metrics),
+                );
+                beat.run(token)
+            })
+        })
+        .map_err(RuntimeError::HeartbeatThread)?;
+
         start_up("register the process", up, || process_registry.register()).await?;
 
         let notifier = Arc::new(notifier);
@@ -352,26 +381,6 @@ impl Runtime {
             let registry = Arc::clone(&process_registry);
             move |token| Arc::clone(&registry).run(token)
         }));
-        let heartbeat_stop = CancellationToken::new();
-        // The heartbeat renews on a connection of its own, not one of the runtime pool's (H28).
-        let heartbeat_task = tokio::spawn(supervise("heartbeat", health.clone(), heartbeat_stop.clone(), {
-            let connect = Budget::heartbeat(&self.config).apply(options.clone());
-            let (config, sets, owner) = (self.config.clone(), sets.clone(), Arc::clone(&process_registry.owner));
-            let (metrics, db) = (Arc::clone(&self.metrics), db.clone());
-            move |token| {
-                let beat = Heartbeat::new(
-                    connect.clone(),
-                    db.clone(),
-                    sets.clone(),
-                    config.heartbeat_interval,
-                    config.visibility_timeout,
-                    Arc::clone(&owner),
-                    Arc::clone(&metrics),
-                );
-                beat.run(token)
-            }
-        }));
-
         let workers = TaskTracker::new();
         for (pool, in_flight, wake, last_tick) in pool_parts {
             let (db, config, registry, policies) =
@@ -409,7 +418,7 @@ impl Runtime {
         registry_stop.cancel();
         let _ = registry_task.await;
         if let Err(error) = process_registry.deregister().await {
-            tracing::warn!(%error, "could not deregister; the row will be pruned after the alive threshold");
+            tracing::error!(%error, "could not deregister; the row will be pruned after the alive threshold");
         }
         services.cancel();
         tracker.close();
@@ -491,6 +500,23 @@ where
         }
         pause = (pause * 2).min(Duration::from_secs(5));
     }
+}
+
+/// Runs `service` on a new thread, in a single-threaded tokio runtime of its own, with the
+/// caller's tracing subscriber; the receiver resolves once it has returned (or the thread ended
+/// otherwise, its sender dropped).
+fn on_own_thread(
+    name: &str,
+    service: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let dispatch = tracing::dispatcher::get_default(Clone::clone);
+    let (done, finished) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new().name(name.to_owned()).spawn(move || {
+        tracing::dispatcher::with_default(&dispatch, || runtime.block_on(service));
+        let _ = done.send(());
+    })?;
+    Ok(finished)
 }
 
 /// Runs the service `make` builds until `token` fires; restarts it with backoff whenever it

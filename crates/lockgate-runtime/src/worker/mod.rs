@@ -411,7 +411,7 @@ async fn return_stopped(shared: &Shared) {
                 }
             }
             Err(error) => {
-                tracing::warn!(%queue, %error, "could not return jobs; they come back when their visibility lapses")
+                tracing::error!(%queue, %error, "could not return jobs; they come back when their visibility lapses")
             }
         }
     }
