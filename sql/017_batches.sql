@@ -378,6 +378,12 @@ END $$;
 -- it is (callback: finish, success or failure): one type named for two of them got two jobs it
 -- could not tell apart (review helper-92), and, with a unique key of its whole arguments, the
 -- second was a duplicate of the first and the batch stayed pending.
+-- One type named for two callbacks whose own policy refuses the second behind the first (a
+-- unique key without the callback in it; a limit whose on_conflict is discard or raise, the
+-- first holding the permit) could never be enqueued both at once: every pass rolled both back,
+-- and the batch stayed pending for good, naming a job that never existed (review helper-98).
+-- A callback refused so, when a callback of its type was stored earlier in this pass, counts as
+-- merged into that one: the type's own policy allows one job where two were named.
 CREATE OR REPLACE FUNCTION lockgate._enqueue_callbacks(b lockgate.batches)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
@@ -385,14 +391,23 @@ DECLARE
                                      'properties', b.properties);
     c record;
     r record;
+    stored text[] := '{}';
 BEGIN
     BEGIN
         FOR c IN SELECT * FROM (VALUES (1, 'finish', b.on_finish),
                                        (2, 'success', CASE WHEN b.failed = 0 THEN b.on_success END),
                                        (3, 'failure', CASE WHEN b.failed > 0 THEN b.on_failure END)) v(n, kind, job_type)
                   WHERE v.job_type IS NOT NULL ORDER BY v.n LOOP
-            SELECT * INTO r FROM lockgate.enqueue(c.job_type, args || jsonb_build_object('callback', c.kind));
-            IF r.status NOT IN ('enqueued', 'parked') THEN
+            BEGIN
+                SELECT * INTO r FROM lockgate.enqueue(c.job_type, args || jsonb_build_object('callback', c.kind));
+            EXCEPTION WHEN SQLSTATE 'LG004' OR SQLSTATE 'LG005' THEN
+                -- Refused by its limit (raise) or its unique key (reject).
+                CONTINUE WHEN c.job_type = ANY (stored);
+                RAISE;
+            END;
+            IF r.status IN ('enqueued', 'parked') THEN
+                stored := stored || c.job_type;
+            ELSIF NOT (r.status IN ('discarded', 'duplicate') AND c.job_type = ANY (stored)) THEN
                 RAISE EXCEPTION 'lockgate: callback % was % (job %)', c.job_type, r.status, r.job_id;
             END IF;
         END LOOP;

@@ -514,6 +514,52 @@ async fn callbacks_of_types_that_take_locks_are_enqueued_by_the_sweep_and_a_disc
     assert_eq!(limited().await.unwrap(), 1);
 }
 
+/// One type named for on_finish and on_success, whose own policy refuses the second callback
+/// behind the first (a unique key without the callback in it, rejecting or discarding; a limit of
+/// 1 that discards or raises): the callbacks count as enqueued with the one job. Before, every
+/// sweep rolled both back, and the batch stayed pending for good, naming a job that never existed
+/// (review helper-98).
+#[tokio::test]
+async fn one_type_named_for_two_callbacks_that_its_policy_merges_fires_once() {
+    let db = setup().await;
+    let policies = [
+        ("u_reject", "unique_mode => 'until_executed', unique_key => ARRAY['batch_id']"),
+        (
+            "u_discard",
+            "unique_mode => 'until_executed', unique_key => ARRAY['batch_id'], unique_on_conflict => 'discard'",
+        ),
+        ("l_discard", "concurrency_limit => 1, concurrency_on_conflict => 'discard'"),
+        ("l_raise", "concurrency_limit => 1, concurrency_on_conflict => 'raise'"),
+    ];
+    for (name, policy) in policies {
+        sqlx::query(&format!("SELECT lockgate.define_job_type('{name}', {policy})")).execute(&db.pool).await.unwrap();
+        let batch: i64 = sqlx::query_scalar("SELECT lockgate.create_batch(on_finish => $1, on_success => $1)")
+            .bind(name)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        add_jobs(&db.pool, batch, 1).await;
+        close(&db.pool, batch).await.unwrap();
+        let claimed = claim_work(&db.pool).await;
+        assert!(common::complete_default(&db.pool, claimed[0]).await);
+        let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+        let (pending, error): (bool, Option<String>) =
+            sqlx::query_as("SELECT callbacks_pending, callback_error FROM lockgate.batch($1)")
+                .bind(batch)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!((swept, pending, error), (1, false, None), "{name}: the callbacks are done with one job");
+        let kinds: Vec<String> =
+            sqlx::query_scalar("SELECT message->>'callback' FROM pgmq.q_default WHERE headers->>'type' = $1")
+                .bind(name)
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!(kinds, vec!["finish"], "{name}: the first callback's job, once");
+    }
+}
+
 #[tokio::test]
 async fn the_batch_reaper_counts_a_member_deleted_outside_lockgate_as_failed() {
     let db = setup().await;
