@@ -357,8 +357,11 @@ pub async fn create_database_if_missing(target: &Target) -> Result<()> {
     let quoted: String = sqlx::query_scalar("SELECT quote_ident($1)").bind(&name).fetch_one(&mut admin).await?;
     match sqlx::raw_sql(&format!("CREATE DATABASE {quoted}")).execute(&mut admin).await {
         Ok(_) => tracing::info!(database = %name, "created database"),
-        // Another process created it at the same moment: that is what we wanted.
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => {}
+        // Another process created it at the same moment: that is what we wanted. Seen as the
+        // catalog's unique index when both creations were under way at once (review helper-99).
+        Err(sqlx::Error::Database(e))
+            if e.code().as_deref() == Some("42P04")
+                || (e.code().as_deref() == Some("23505") && e.constraint() == Some("pg_database_datname_index")) => {}
         Err(e) => return Err(e).context(format!("could not create database {name}")),
     }
     Ok(())

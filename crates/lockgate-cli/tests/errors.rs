@@ -122,6 +122,31 @@ async fn a_missing_database_is_named_once_with_the_command_that_creates_it() {
     assert!(status.status.success(), "{}", text(&status));
 }
 
+/// Three `migrate --create-database` started at once for one missing database all succeed:
+/// those whose CREATE DATABASE met another's under way carry on with the database it made.
+/// Before, two of three failed on the catalog's unique index (review helper-99).
+#[tokio::test]
+async fn migrates_creating_one_database_at_once_all_succeed() {
+    let db = TestDb::migrated().await.unwrap();
+    let name = format!("{}_together", db.name);
+    let url = format!("{}/{name}", lockgate_testkit::server_url().rsplit_once('/').unwrap().0);
+    let runs: Vec<_> = (0..3)
+        .map(|_| {
+            lockgate(&db, &["migrate", "--create-database"])
+                .env("DATABASE_URL", &url)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<Output> = runs.into_iter().map(|r| r.wait_with_output().unwrap()).collect();
+    sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).execute(&db.pool).await.unwrap();
+    for o in &outputs {
+        assert!(o.status.success(), "{}", text(o));
+    }
+}
+
 #[tokio::test]
 async fn dlq_verbs_refuse_an_unknown_job_id_or_queue() {
     let db = TestDb::migrated().await.unwrap();
