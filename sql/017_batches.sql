@@ -63,6 +63,7 @@ CREATE OR REPLACE FUNCTION lockgate.create_batch(on_finish text DEFAULT NULL, on
 RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     id bigint;
+    size integer;
 BEGIN
     PERFORM lockgate._check_callback('on_finish', on_finish);
     PERFORM lockgate._check_callback('on_success', on_success);
@@ -71,9 +72,13 @@ BEGIN
         RAISE EXCEPTION 'lockgate: batch properties must be a JSON object, got %', COALESCE(jsonb_typeof(properties), 'null')
             USING ERRCODE = 'LG003';
     END IF;
-    -- The callbacks' arguments carry them, and arguments are at most 1 MiB.
-    IF pg_column_size(properties) > 1000000 THEN
-        RAISE EXCEPTION 'lockgate: batch properties are % bytes, more than the 1000000 allowed', pg_column_size(properties)
+    -- The callbacks' arguments carry them, and arguments are at most 1 MiB. Measured as they
+    -- will be, inside a new object: a value read from a table may be compressed, and its own
+    -- size then says nothing of the arguments' (review helper-101: 3 MB of properties passed
+    -- as 34 kB, and every callback was refused for good).
+    size := pg_column_size(jsonb_build_object('properties', properties));
+    IF size > 1000000 THEN
+        RAISE EXCEPTION 'lockgate: batch properties are % bytes, more than the 1000000 allowed', size
             USING ERRCODE = 'LG003';
     END IF;
     INSERT INTO lockgate.batches (on_finish, on_success, on_failure, properties)
@@ -382,8 +387,12 @@ END $$;
 -- unique key without the callback in it; a limit whose on_conflict is discard or raise, the
 -- first holding the permit) could never be enqueued both at once: every pass rolled both back,
 -- and the batch stayed pending for good, naming a job that never existed (review helper-98).
--- A callback refused so, when a callback of its type was stored earlier in this pass, counts as
--- merged into that one: the type's own policy allows one job where two were named.
+-- Such a callback counts as merged into the first when what refused it is that callback alone:
+-- the holder of its unique key is a job stored earlier in this pass, or its concurrency key is
+-- full with leases of such jobs alone. The type's own policy then allows one job where two were
+-- named; the job's arguments name the first callback. Refused by anything else (another job
+-- holding the key or a permit of it), the pass rolls back and stays pending, as any refusal does
+-- (review helper-101: merged on the type alone, a callback refused by an unrelated job was lost).
 CREATE OR REPLACE FUNCTION lockgate._enqueue_callbacks(b lockgate.batches)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
@@ -391,29 +400,61 @@ DECLARE
                                      'properties', b.properties);
     c record;
     r record;
-    stored text[] := '{}';
+    jt lockgate.job_types;
+    cargs jsonb;
+    refusal text;
+    -- The refusal raised by the enqueue (LG004, LG005), kept to be raised again as it was.
+    raised_message text;
+    raised_state text;
+    -- The callbacks stored in this pass: their job ids, and their messages (queue, msg_id).
+    stored_jobs bigint[] := '{}';
+    stored_msgs text[] := '{}';
 BEGIN
     BEGIN
         FOR c IN SELECT * FROM (VALUES (1, 'finish', b.on_finish),
                                        (2, 'success', CASE WHEN b.failed = 0 THEN b.on_success END),
                                        (3, 'failure', CASE WHEN b.failed > 0 THEN b.on_failure END)) v(n, kind, job_type)
                   WHERE v.job_type IS NOT NULL ORDER BY v.n LOOP
+            cargs := args || jsonb_build_object('callback', c.kind);
+            raised_state := NULL;
             BEGIN
-                SELECT * INTO r FROM lockgate.enqueue(c.job_type, args || jsonb_build_object('callback', c.kind));
+                SELECT * INTO r FROM lockgate.enqueue(c.job_type, cargs);
+                IF r.status IN ('enqueued', 'parked') THEN
+                    stored_jobs := stored_jobs || r.job_id;
+                    stored_msgs := stored_msgs || (r.queue || ':' || r.msg_id);
+                    CONTINUE;
+                END IF;
+                refusal := CASE r.status WHEN 'duplicate' THEN 'unique' WHEN 'discarded' THEN 'limit' END;
             EXCEPTION WHEN SQLSTATE 'LG004' OR SQLSTATE 'LG005' THEN
-                -- Refused by its limit (raise) or its unique key (reject).
-                CONTINUE WHEN c.job_type = ANY (stored);
-                RAISE;
+                -- Refused by its limit (raise) or its unique key (reject): this subtransaction
+                -- alone is undone.
+                IF cardinality(stored_jobs) = 0 THEN
+                    RAISE;
+                END IF;
+                refusal := CASE SQLSTATE WHEN 'LG005' THEN 'unique' ELSE 'limit' END;
+                raised_message := SQLERRM;
+                raised_state := SQLSTATE;
             END;
-            IF r.status IN ('enqueued', 'parked') THEN
-                stored := stored || c.job_type;
-            ELSIF NOT (r.status IN ('discarded', 'duplicate') AND c.job_type = ANY (stored)) THEN
-                RAISE EXCEPTION 'lockgate: callback % was % (job %)', c.job_type, r.status, r.job_id;
+            SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = c.job_type;
+            CONTINUE WHEN refusal = 'unique' AND (
+                SELECT u.job_id = ANY (stored_jobs) FROM lockgate.unique_locks u
+                 WHERE u.key = lockgate._key_of(jt.name, jt.unique_key, cargs, NULL));
+            -- Full, and of this pass's callbacks alone: a lease of another job, even one that has
+            -- ended since the refusal, leaves the pass to be tried again.
+            CONTINUE WHEN refusal = 'limit' AND (
+                SELECT count(*) >= jt.concurrency_limit AND bool_and(l.queue || ':' || l.msg_id = ANY (stored_msgs))
+                  FROM lockgate.leases l
+                 WHERE l.key = lockgate._concurrency_key(jt, cargs, NULL));
+            IF raised_state IS NOT NULL THEN
+                RAISE EXCEPTION USING MESSAGE = raised_message, ERRCODE = raised_state;
             END IF;
+            RAISE EXCEPTION 'lockgate: callback % was % (job %)', c.job_type, r.status, r.job_id;
         END LOOP;
         UPDATE lockgate.batches x SET callbacks_pending = false, callback_error = NULL WHERE x.id = b.id;
     EXCEPTION WHEN OTHERS THEN
-        UPDATE lockgate.batches x SET callback_error = left(SQLERRM, 4000) WHERE x.id = b.id;
+        -- updated_at moves with the error, so that the sweep tries the batches it has not tried
+        -- for the longest first.
+        UPDATE lockgate.batches x SET callback_error = left(SQLERRM, 4000), updated_at = now() WHERE x.id = b.id;
     END;
 END $$;
 
@@ -444,8 +485,10 @@ BEGIN
             repaired := repaired + 1;
         END IF;
     END LOOP;
+    -- Those tried longest ago first: ordered by id, batches whose callbacks keep failing filled
+    -- every pass, and a newer batch beyond them never had its turn (review helper-101).
     FOR b IN SELECT * FROM lockgate.batches x WHERE x.callbacks_pending AND x.state = 'finished'
-              ORDER BY x.id LIMIT max_rows FOR NO KEY UPDATE SKIP LOCKED LOOP
+              ORDER BY x.updated_at, x.id LIMIT max_rows FOR NO KEY UPDATE SKIP LOCKED LOOP
         PERFORM lockgate._enqueue_callbacks(b);
         IF NOT (SELECT x.callbacks_pending FROM lockgate.batches x WHERE x.id = b.id) THEN
             repaired := repaired + 1;

@@ -560,6 +560,97 @@ async fn one_type_named_for_two_callbacks_that_its_policy_merges_fires_once() {
     }
 }
 
+/// A callback refused by another job, not by the callback of its type stored before it, is not
+/// merged: the pass stays pending, and a later one enqueues both (review helper-101: merged on
+/// the type alone, the success callback was lost while the batch said its callbacks were done).
+#[tokio::test]
+async fn a_callback_refused_by_an_unrelated_job_is_not_merged_into_its_sibling() {
+    let db = setup().await;
+    let policies = [
+        ("u_cb", "unique_mode => 'until_executed', unique_key => ARRAY['callback']", r#"{"callback": "success"}"#),
+        ("l_cb", "concurrency_limit => 2, concurrency_on_conflict => 'discard'", "{}"),
+    ];
+    for (name, policy, other) in policies {
+        sqlx::query(&format!("SELECT lockgate.define_job_type('{name}', {policy})")).execute(&db.pool).await.unwrap();
+        // Another job holds the success callback's unique key, or one of the type's two permits.
+        let unrelated: Delivery = sqlx::query_as("SELECT msg_id, 0 FROM lockgate.enqueue($1, $2::jsonb)")
+            .bind(name)
+            .bind(other)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        let batch: i64 = sqlx::query_scalar("SELECT lockgate.create_batch(on_finish => $1, on_success => $1)")
+            .bind(name)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        close(&db.pool, batch).await.unwrap();
+        let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+        let (pending, error): (bool, Option<String>) =
+            sqlx::query_as("SELECT callbacks_pending, callback_error FROM lockgate.batch($1)")
+                .bind(batch)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert!(swept == 0 && pending && error.is_some(), "{name}: stays pending ({swept}, {pending}, {error:?})");
+        // The other job finishes: the next pass enqueues both callbacks.
+        let claimed: Delivery =
+            sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 10, 30) WHERE msg_id = $1")
+                .bind(unrelated.0)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert!(common::complete_default(&db.pool, claimed).await);
+        let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+        let mut kinds: Vec<String> =
+            sqlx::query_scalar("SELECT message->>'callback' FROM pgmq.q_default WHERE headers->>'type' = $1")
+                .bind(name)
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        kinds.sort();
+        assert_eq!((swept, kinds), (1, vec!["finish".to_string(), "success".to_string()]), "{name}: both, once");
+    }
+}
+
+/// Batches whose callbacks keep failing do not starve a newer one: the sweep takes those it tried
+/// longest ago first (review helper-101: ordered by id, two failing batches filled every pass of
+/// two).
+#[tokio::test]
+async fn batches_whose_callbacks_keep_failing_leave_the_sweep_to_newer_ones() {
+    let db = setup().await;
+    for name in ["held_cb", "free_cb"] {
+        sqlx::query(
+            "SELECT lockgate.define_job_type($1, concurrency_limit => 1, concurrency_on_conflict => 'discard')",
+        )
+        .bind(name)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    // held_cb's only permit is taken: its callbacks are discarded at every pass.
+    sqlx::query("SELECT * FROM lockgate.enqueue('held_cb')").execute(&db.pool).await.unwrap();
+    let mut batches = Vec::new();
+    for callback in ["held_cb", "held_cb", "free_cb"] {
+        let batch: i64 = sqlx::query_scalar("SELECT lockgate.create_batch(on_finish => $1)")
+            .bind(callback)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        close(&db.pool, batch).await.unwrap();
+        batches.push(batch);
+    }
+    for _ in 0..2 {
+        sqlx::query("SELECT lockgate.batch_sweep(2)").execute(&db.pool).await.unwrap();
+    }
+    let pending: bool = sqlx::query_scalar("SELECT callbacks_pending FROM lockgate.batch($1)")
+        .bind(batches[2])
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(!pending, "the newest batch had its turn in the second pass");
+}
+
 #[tokio::test]
 async fn the_batch_reaper_counts_a_member_deleted_outside_lockgate_as_failed() {
     let db = setup().await;
@@ -593,6 +684,20 @@ async fn the_properties_of_a_batch_are_bounded_so_its_callbacks_can_always_be_en
     let big = json!({ "blob": "x".repeat(1_100_000) });
     let err = sqlx::query("SELECT lockgate.create_batch(properties => $1)")
         .bind(&big)
+        .execute(&db.pool)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("more than the 1000000 allowed"), "{err}");
+    // The same read from a table, where it is stored compressed (a few kB): measured as the
+    // callbacks' arguments will carry it. Before, it was taken, and every callback was refused.
+    sqlx::query("CREATE TABLE props AS SELECT jsonb_build_object('blob', repeat('x', 3000000)) AS p")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let stored: i32 = sqlx::query_scalar("SELECT pg_column_size(p) FROM props").fetch_one(&db.pool).await.unwrap();
+    assert!(stored < 1_000_000, "stored compressed: {stored} bytes");
+    let err = sqlx::query("SELECT lockgate.create_batch(properties => (SELECT p FROM props))")
         .execute(&db.pool)
         .await
         .unwrap_err()
