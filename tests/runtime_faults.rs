@@ -1138,3 +1138,40 @@ async fn g7_a_deregistration_that_meets_a_locked_row_tries_again_before_run_retu
     stopping.await.unwrap();
     assert_eq!(db.count("SELECT 1 FROM lockgate.processes").await.unwrap(), 0, "deregistered before run returned");
 }
+
+/// A `run` dropped while its tokio runtime lives (one arm of a `select!`, a timeout) stops none of
+/// its services, the heartbeat included: its running job is renewed past the visibility timeout
+/// and succeeds once. An earlier version stopped the heartbeat alone on such a drop, and the job,
+/// its lease lost, was cancelled and run again until dead-lettered (review helper-100).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_dropped_while_its_tokio_runtime_lives_stops_nothing_by_halves() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types = [("long", JobPolicy::on_queue(queue("default")))];
+    let client = define(&db, &types).await;
+    let config = fast_config();
+    let ms = u64::try_from((config.visibility_timeout * 3).as_millis()).unwrap();
+    let long = client.enqueue_raw("long", &json!({ "ms": ms }), &EnqueueOptions::default()).await.unwrap();
+    let starts = Counter::default();
+    let probe = probe(&db, 0, &starts);
+    let cancels = Arc::clone(&probe.cancels);
+    let registry = probe_registry(probe, &types);
+    let pools = vec![PoolConfig::new("dropped", vec![queue("default")], 1)];
+    let run =
+        Runtime::new(db.new_pool(2).await.unwrap(), config, registry, pools).unwrap().run(CancellationToken::new());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        tokio::select! {
+            _ = run => panic!("the runtime stopped on its own"),
+            _ = stopped => {}
+        }
+    });
+    wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    let state = client.job(long.job_id).await.unwrap().map(|job| (job.state, job.attempt));
+    assert_eq!(state, Some(("succeeded".to_string(), 1)));
+    assert_eq!(starts.get(), 1, "run once");
+    assert!(cancels.lock().unwrap().is_empty(), "never cancelled");
+}

@@ -18,10 +18,11 @@
 //! answering: each tick sends it a probe task, and a tick that finds the last one not run (every
 //! thread of that runtime blocked for a whole interval) leaves them to lapse, with a warning, so
 //! that other workers take them rather than wait for the stall to end. Once their budget is short,
-//! the pool no longer starts them either (H32).
+//! the pool no longer starts them either (H32). A probe cancelled rather than run says that
+//! runtime has shut down, with every handler and pool of this process's: the heartbeat stops too.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,6 +31,7 @@ use lockgate_sql::{DbError, PgPool, Renewal};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, PgConnection};
 use tokio::runtime::Handle;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::in_flight::{Delivery, InFlight};
@@ -81,8 +83,6 @@ pub struct Heartbeat {
     owner: Arc<AtomicI64>,
     /// Renewals, lost leases and failed statements are counted here, tick by tick.
     metrics: Arc<Metrics>,
-    /// Set by the probe each tick sends to the caller's runtime, once that runtime runs it.
-    answered: Arc<AtomicBool>,
 }
 
 impl Heartbeat {
@@ -95,32 +95,34 @@ impl Heartbeat {
         owner: Arc<AtomicI64>,
         metrics: Arc<Metrics>,
     ) -> Self {
-        Self {
-            connect,
-            conn: None,
-            give_back,
-            sets,
-            interval,
-            visibility,
-            owner,
-            metrics,
-            answered: Arc::new(AtomicBool::new(true)),
-        }
+        Self { connect, conn: None, give_back, sets, interval, visibility, owner, metrics }
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut ticker = tokio::time::interval(self.interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut stalled = false;
+        let mut probe: Option<JoinHandle<()>> = None;
         loop {
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
             }
-            let answering = self.answered.swap(false, Ordering::SeqCst);
-            let probe = Arc::clone(&self.answered);
-            self.give_back.main.spawn(async move { probe.store(true, Ordering::SeqCst) });
+            let answering = match probe.take() {
+                None => true,
+                Some(sent) if sent.is_finished() => {
+                    // Cancelled, not run: the caller's runtime has shut down, and every task of
+                    // it, handlers included, with it. Nothing is left to renew for.
+                    if sent.await.is_err() {
+                        shutdown.cancel();
+                        return;
+                    }
+                    true
+                }
+                Some(_) => false,
+            };
+            probe = Some(self.give_back.main.spawn(async {}));
             if !answering && !stalled {
                 tracing::warn!(
                     interval = ?self.interval,

@@ -237,11 +237,12 @@ impl ProcessRegistry {
 
     /// Deletes this process's rows (shutdown's last database step). A transient failure (a lock
     /// held past the statement's budget, a dropped connection, a restarting server) is tried
-    /// again for up to two registry intervals: once was all it had, and a row locked for a moment
-    /// by another session left the process listed until it was pruned (review helper-99).
+    /// again for up to one registry interval: once was all it had, and a row locked for a moment
+    /// by another session left the process listed until it was pruned (review helper-99). No
+    /// longer: the shutdown it ends should fit in a container's grace period.
     pub async fn deregister(&self) -> Result<(), DbError> {
         self.health.set_registered(false);
-        let give_up = tokio::time::Instant::now() + 2 * self.interval;
+        let give_up = tokio::time::Instant::now() + self.interval;
         let mut pause = Duration::from_millis(50);
         loop {
             match lockgate_sql::deregister_process(&self.db, self.owner.load(Ordering::SeqCst)).await {

@@ -308,10 +308,11 @@ impl Runtime {
             Arc::clone(&self.metrics),
         ));
         let heartbeat_stop = CancellationToken::new();
-        // Started before the registration, whose failure ends the start. However `run` ends,
-        // dropped included, the heartbeat stops with it: its thread must not renew the leases of
-        // jobs that no handler runs any more.
-        let _heartbeat_stopped_with_run = heartbeat_stop.clone().drop_guard();
+        // Started before the registration, whose failure ends the start (the guard stops it
+        // then). Once started, it stops when `run` stops it, or when the caller's runtime has shut
+        // down (heartbeat.rs). A `run` dropped while that runtime lives leaves every service
+        // running, the heartbeat included, as it always did: stop it with its token.
+        let start_failed = heartbeat_stop.clone().drop_guard();
         // The heartbeat renews on a connection of its own, not one of the runtime pool's (H28),
         // and on a thread of its own: handlers that block every thread of the caller's runtime
         // (a synchronous call, CPU work without spawn_blocking) must not stop the renewals that
@@ -334,9 +335,11 @@ impl Runtime {
                 beat.run(token)
             })
         })
+        .await
         .map_err(RuntimeError::HeartbeatThread)?;
 
         start_up("register the process", up, || process_registry.register()).await?;
+        start_failed.disarm();
 
         let notifier = Arc::new(notifier);
         let health = &self.health;
@@ -502,20 +505,35 @@ where
     }
 }
 
-/// Runs `service` on a new thread, in a single-threaded tokio runtime of its own, with the
-/// caller's tracing subscriber; the receiver resolves once it has returned (or the thread ended
-/// otherwise, its sender dropped).
-fn on_own_thread(
+/// Runs `service` on a new thread, in a single-threaded tokio runtime of its own (built there, so
+/// that none is ever dropped on the caller's thread), with the caller's tracing subscriber if it
+/// has one of its own (else the global one, looked up as the thread logs); the receiver resolves
+/// once the service has returned (or the thread ended otherwise, its sender dropped).
+async fn on_own_thread(
     name: &str,
     service: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let dispatch = tracing::dispatcher::get_default(Clone::clone);
+    let scoped = !dispatch.is::<tracing::subscriber::NoSubscriber>();
+    let (started, start) = tokio::sync::oneshot::channel();
     let (done, finished) = tokio::sync::oneshot::channel();
     std::thread::Builder::new().name(name.to_owned()).spawn(move || {
-        tracing::dispatcher::with_default(&dispatch, || runtime.block_on(service));
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(runtime) => runtime,
+            Err(error) => {
+                let _ = started.send(Err(error));
+                return;
+            }
+        };
+        let _ = started.send(Ok(()));
+        if scoped {
+            tracing::dispatcher::with_default(&dispatch, || runtime.block_on(service));
+        } else {
+            runtime.block_on(service);
+        }
         let _ = done.send(());
     })?;
+    start.await.map_err(|_| std::io::Error::other("the thread ended before its runtime was built"))??;
     Ok(finished)
 }
 
