@@ -1175,3 +1175,76 @@ async fn a_run_dropped_while_its_tokio_runtime_lives_stops_nothing_by_halves() {
     assert_eq!(starts.get(), 1, "run once");
     assert!(cancels.lock().unwrap().is_empty(), "never cancelled");
 }
+
+/// Blocks its thread for `block`, then records when it ended, before any await (an await after a
+/// runtime's shutdown never returns).
+struct BlockThenRecord {
+    block: Duration,
+    starts: Counter,
+    ended: Arc<Mutex<Option<chrono::DateTime<chrono::Utc>>>>,
+}
+
+impl RawHandler for BlockThenRecord {
+    fn call(&self, _ctx: JobContext, _args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(async move {
+            self.starts.bump();
+            std::thread::sleep(self.block);
+            *self.ended.lock().unwrap() = Some(chrono::Utc::now());
+            Ok(())
+        })
+    }
+}
+
+/// The caller's tokio runtime shut down under a running `run` (dropped, its token never
+/// cancelled) while a handler blocks one of its threads: the handler's task runs on past the
+/// shutdown, and the heartbeat renews its job until it ends, so no other worker runs the job
+/// beside it. An earlier version stopped the heartbeat at the shutdown, and a second worker ran
+/// the job two seconds later, six before the first run ended (review helper-102).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g3_a_runtime_shut_down_under_a_blocked_handler_renews_its_job_until_the_handler_ends() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types = [("serial", limited("default", 1, Duration::from_secs(2)))];
+    let client = define(&db, &types).await;
+    let job = client.enqueue_raw("serial", &json!({"key": 1}), &EnqueueOptions::default()).await.unwrap();
+    let config = fast_config();
+    let (starts, ended) = (Counter::default(), Arc::new(Mutex::new(None)));
+    let handler = Arc::new(BlockThenRecord {
+        block: config.visibility_timeout * 3,
+        starts: starts.clone(),
+        ended: Arc::clone(&ended),
+    });
+    let (url, worker_config, policy) = (db.url.clone(), config.clone(), types[0].1.clone());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let worker0 = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let pool = lockgate::PgPoolOptions::new().max_connections(2).connect(&url).await.unwrap();
+            let mut registry = Registry::new();
+            registry.register_raw(JobTypeName::new("serial").unwrap(), policy, handler).unwrap();
+            let pools = vec![PoolConfig::new("shut", vec![queue("default")], 1)];
+            let run = Runtime::new(pool, worker_config, registry, pools).unwrap().run(CancellationToken::new());
+            tokio::select! {
+                _ = run => panic!("the runtime stopped on its own"),
+                _ = stopped => {}
+            }
+        });
+        // Waits for the blocked handler's thread.
+        drop(runtime);
+    });
+    wait_for("worker 0 to start the job", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+    stop.send(()).unwrap();
+    let worker1 =
+        Running::start(&db, config, probe_registry(probe(&db, 1, &Counter::default()), &types), &["default"], 1).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    worker1.stop().await;
+    tokio::task::spawn_blocking(move || worker0.join()).await.unwrap().unwrap();
+    let ended = ended.lock().unwrap().expect("worker 0's handler ended");
+    let again: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT started_at FROM runs WHERE job_id = $1 AND worker = 1")
+            .bind(job.job_id.0)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(again > ended, "worker 1 ran the job at {again}, before worker 0's run of it ended at {ended}");
+}

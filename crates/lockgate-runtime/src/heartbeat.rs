@@ -19,7 +19,9 @@
 //! thread of that runtime blocked for a whole interval) leaves them to lapse, with a warning, so
 //! that other workers take them rather than wait for the stall to end. Once their budget is short,
 //! the pool no longer starts them either (H32). A probe cancelled rather than run says that
-//! runtime has shut down, with every handler and pool of this process's: the heartbeat stops too.
+//! runtime has shut down, and its tasks with it, but not a handler's task that blocks a thread,
+//! which runs on past the shutdown (review helper-102): the heartbeat renews those alone, and
+//! stops once the last has ended.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -34,7 +36,7 @@ use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::in_flight::{Delivery, InFlight};
+use crate::in_flight::{Delivery, InFlight, Renew};
 use crate::metrics::Metrics;
 use crate::worker::executor::give_back_if_cancelled;
 
@@ -102,6 +104,7 @@ impl Heartbeat {
         let mut ticker = tokio::time::interval(self.interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut stalled = false;
+        let mut orphaned = false;
         let mut probe: Option<JoinHandle<()>> = None;
         loop {
             tokio::select! {
@@ -111,19 +114,32 @@ impl Heartbeat {
             }
             let answering = match probe.take() {
                 None => true,
+                // Cancelled, not run: the caller's runtime has shut down (without `run` being
+                // stopped). Its tasks are gone, but not a handler's task blocking a thread, which
+                // runs on past the shutdown: renewed until the last of them ends.
                 Some(sent) if sent.is_finished() => {
-                    // Cancelled, not run: the caller's runtime has shut down, and every task of
-                    // it, handlers included, with it. Nothing is left to renew for.
                     if sent.await.is_err() {
-                        shutdown.cancel();
-                        return;
+                        orphaned = true;
                     }
                     true
                 }
                 Some(_) => false,
             };
-            probe = Some(self.give_back.main.spawn(async {}));
-            if !answering && !stalled {
+            let which = if orphaned {
+                if !self.sets.iter().any(|set| set.any_handler_alive()) {
+                    shutdown.cancel();
+                    return;
+                }
+                Renew::HandlerAlive
+            } else {
+                probe = Some(self.give_back.main.spawn(async {}));
+                if answering {
+                    Renew::All
+                } else {
+                    Renew::Started
+                }
+            };
+            if !answering && !stalled && !orphaned {
                 tracing::warn!(
                     interval = ?self.interval,
                     "the runtime's threads ran nothing for a heartbeat interval: a handler may be blocking them \
@@ -132,7 +148,7 @@ impl Heartbeat {
                 );
             }
             stalled = !answering;
-            let report = self.run_once(answering).await;
+            let report = self.run_once(which).await;
             self.metrics.renewals.inc_by(report.renewed as u64);
             self.metrics.leases_lost.inc_by(report.lost as u64);
             self.metrics.renewal_failures.inc_by(report.failed_queues as u64);
@@ -155,13 +171,13 @@ impl Heartbeat {
         }
     }
 
-    /// One tick; `with_waiting`: renew the jobs claimed ahead too.
-    pub async fn run_once(&mut self, with_waiting: bool) -> HeartbeatReport {
+    /// One tick, renewing the deliveries `which` says.
+    pub(crate) async fn run_once(&mut self, which: Renew) -> HeartbeatReport {
         let mut report = HeartbeatReport::default();
         let owner = Some(self.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
         let sets = self.sets.clone();
         for set in &sets {
-            for (queue, asked) in set.renewable(with_waiting) {
+            for (queue, asked) in set.renewable(which) {
                 // The new budget counts from before the statement is sent: the database starts
                 // it no earlier than this, whatever its clock says (H27).
                 let sent_at = Instant::now();

@@ -14,7 +14,7 @@
 //! statement is on its way is not reported lost when its row disappears (`renewed`).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use lockgate_core::{JobId, QueueName};
@@ -78,6 +78,21 @@ struct Entry {
     /// Until when this delivery's visibility (and lease) is known to hold in the database:
     /// the instant before its claim or last renewal was sent, plus the budget it returned.
     lease_until: Instant,
+    /// Alive while the handler's task exists (the executor's `Arc` moves into it): a task that
+    /// blocks its thread outlives the tokio runtime's shutdown, and the heartbeat renews for it
+    /// until it ends (heartbeat.rs).
+    handler: Weak<()>,
+}
+
+/// Which deliveries a heartbeat tick renews.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Renew {
+    /// Every one not lost.
+    All,
+    /// Not those claimed ahead: the caller's runtime, which would start them, is stalled.
+    Started,
+    /// Only those whose handler's task still exists: the caller's runtime has shut down.
+    HandlerAlive,
 }
 
 /// Whether a claimed delivery may start its handler (`InFlight::start`).
@@ -144,7 +159,7 @@ impl InFlight {
     /// its token, say): its handler is cancelled as a lost lease's is, never left running beside
     /// the new one unfenced (review helper-83; the entry it had is replaced).
     pub fn insert_waiting(&self, d: &Delivery, lease_until: Instant) {
-        let entry = Entry { read_ct: d.read_ct, state: State::Waiting, ctx: None, lease_until };
+        let entry = Entry { read_ct: d.read_ct, state: State::Waiting, ctx: None, lease_until, handler: Weak::new() };
         if let Some(old) = self.entries().insert((d.queue.clone(), d.msg_id), entry) {
             if let Some(ctx) = old.ctx.filter(|_| old.read_ct != d.read_ct) {
                 tracing::warn!(
@@ -236,12 +251,31 @@ impl InFlight {
         (e.read_ct == d.read_ct && e.state != State::Lost).then_some(e.lease_until)
     }
 
-    /// Deliveries the heartbeat should renew, by queue; those claimed ahead only if
-    /// `with_waiting` (the pool that would start them is not stalled).
-    pub fn renewable(&self, with_waiting: bool) -> HashMap<QueueName, Vec<(i64, i32)>> {
+    /// The running delivery's handler task is starting: the returned `Arc` lives in that task,
+    /// and says, while it exists, that the handler does (`Renew::HandlerAlive`).
+    pub fn handler_started(&self, d: &Delivery) -> Arc<()> {
+        let alive = Arc::new(());
+        if let Some(e) = self.entries().get_mut(&(d.queue.clone(), d.msg_id)).filter(|e| e.read_ct == d.read_ct) {
+            e.handler = Arc::downgrade(&alive);
+        }
+        alive
+    }
+
+    /// Whether any handler task of this set still exists.
+    pub fn any_handler_alive(&self) -> bool {
+        self.entries().values().any(|e| e.handler.strong_count() > 0)
+    }
+
+    /// Deliveries the heartbeat should renew, by queue (see `Renew`).
+    pub fn renewable(&self, which: Renew) -> HashMap<QueueName, Vec<(i64, i32)>> {
         let mut out: HashMap<QueueName, Vec<(i64, i32)>> = HashMap::new();
         for ((queue, msg_id), e) in self.entries().iter() {
-            if e.state != State::Lost && (with_waiting || e.state != State::Waiting) {
+            let wanted = match which {
+                Renew::All => true,
+                Renew::Started => e.state != State::Waiting,
+                Renew::HandlerAlive => e.handler.strong_count() > 0,
+            };
+            if e.state != State::Lost && wanted {
                 out.entry(queue.clone()).or_default().push((*msg_id, e.read_ct));
             }
         }

@@ -163,7 +163,8 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
     }
     observe_start_latency(&metrics, &claim);
     let started = Instant::now();
-    let (result, ended) = run_handler(&shared, &ctx, &policy, args).await;
+    let alive = shared.in_flight.handler_started(&delivery);
+    let (result, ended) = run_handler(&shared, &ctx, &policy, args, alive).await;
     let duration = started.elapsed();
     metrics.duration.observe(duration.as_secs_f64());
     match shared.in_flight.begin_finishing(&delivery) {
@@ -239,6 +240,7 @@ async fn run_handler(
     ctx: &JobContext,
     policy: &JobPolicy,
     args: serde_json::Value,
+    alive: Arc<()>,
 ) -> (Result<(), HandlerFailure>, bool) {
     let Some(handler) = shared.registry.handler(&ctx.job_type) else {
         let msg = format!("no handler for job type {:?} in this process", ctx.job_type);
@@ -250,7 +252,10 @@ async fn run_handler(
     let timed_ctx = ctx.clone();
     // The handler runs in a task of its own, so a panic is caught as a failed attempt (instead of
     // leaving the delivery in flight forever) and cancellation can abort it.
+    // `alive` lives as long as the task does, a task that blocks its thread past the runtime's
+    // shutdown included (`InFlight::handler_started`).
     let mut task = AbortOnDrop(tokio::spawn(async move {
+        let _alive = alive;
         match timeout {
             Some(limit) => match tokio::time::timeout(limit, &mut call).await {
                 Ok(result) => result,
