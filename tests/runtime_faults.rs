@@ -1248,3 +1248,85 @@ async fn g3_a_runtime_shut_down_under_a_blocked_handler_renews_its_job_until_the
             .unwrap();
     assert!(again > ended, "worker 1 ran the job at {again}, before worker 0's run of it ended at {ended}");
 }
+
+/// When offloaded work ended, and whether it was told to stop.
+type WorkEnded = Arc<Mutex<Option<(chrono::DateTime<chrono::Utc>, bool)>>>;
+
+/// Hands `block` of blocking work to `spawn_blocking` and awaits it, the work checking its job's
+/// cancellation every 50 ms; records when the work ended and whether it was told to stop.
+struct Offloaded {
+    block: Duration,
+    starts: Counter,
+    ended: WorkEnded,
+}
+
+impl RawHandler for Offloaded {
+    fn call(&self, ctx: JobContext, _args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(async move {
+            self.starts.bump();
+            let (block, ended) = (self.block, Arc::clone(&self.ended));
+            tokio::task::spawn_blocking(move || {
+                let until = std::time::Instant::now() + block;
+                let mut told = false;
+                while std::time::Instant::now() < until && !told {
+                    told = ctx.is_cancelled();
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                *ended.lock().unwrap() = Some((chrono::Utc::now(), told));
+            })
+            .await
+            .unwrap();
+            Ok(())
+        })
+    }
+}
+
+/// The same shutdown of the caller's runtime while a handler awaits blocking work it handed to
+/// `spawn_blocking`, as the README advises: the handler's task is dropped with the runtime, but
+/// the work runs on. The heartbeat tells every handler to stop, as a shutdown does, so work that
+/// checks its cancellation ends before its job can be run again. Before, it was never told, and
+/// a second worker ran the job 3.7 s before the work ended (review helper-103).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g3_a_runtime_shut_down_under_offloaded_work_tells_it_to_stop_before_its_job_runs_again() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types = [("serial", limited("default", 1, Duration::from_secs(2)))];
+    let client = define(&db, &types).await;
+    let job = client.enqueue_raw("serial", &json!({"key": 1}), &EnqueueOptions::default()).await.unwrap();
+    let config = fast_config();
+    let (starts, ended) = (Counter::default(), Arc::new(Mutex::new(None)));
+    let handler =
+        Arc::new(Offloaded { block: config.visibility_timeout * 3, starts: starts.clone(), ended: Arc::clone(&ended) });
+    let (url, worker_config, policy) = (db.url.clone(), config.clone(), types[0].1.clone());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let worker0 = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let pool = lockgate::PgPoolOptions::new().max_connections(2).connect(&url).await.unwrap();
+            let mut registry = Registry::new();
+            registry.register_raw(JobTypeName::new("serial").unwrap(), policy, handler).unwrap();
+            let pools = vec![PoolConfig::new("shut", vec![queue("default")], 1)];
+            let run = Runtime::new(pool, worker_config, registry, pools).unwrap().run(CancellationToken::new());
+            tokio::select! {
+                _ = run => panic!("the runtime stopped on its own"),
+                _ = stopped => {}
+            }
+        });
+        drop(runtime);
+    });
+    wait_for("worker 0 to start the job", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+    stop.send(()).unwrap();
+    let worker1 =
+        Running::start(&db, config, probe_registry(probe(&db, 1, &Counter::default()), &types), &["default"], 1).await;
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    worker1.stop().await;
+    tokio::task::spawn_blocking(move || worker0.join()).await.unwrap().unwrap();
+    let (ended, told) = ended.lock().unwrap().expect("worker 0's work ended");
+    let again: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT started_at FROM runs WHERE job_id = $1 AND worker = 1")
+            .bind(job.job_id.0)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(told && again > ended, "worker 1 ran the job at {again}; worker 0's work ended at {ended}, told: {told}");
+}

@@ -20,8 +20,10 @@
 //! that other workers take them rather than wait for the stall to end. Once their budget is short,
 //! the pool no longer starts them either (H32). A probe cancelled rather than run says that
 //! runtime has shut down, and its tasks with it, but not a handler's task that blocks a thread,
-//! which runs on past the shutdown (review helper-102): the heartbeat renews those alone, and
-//! stops once the last has ended.
+//! which runs on past the shutdown (review helper-102): the heartbeat then tells every handler to
+//! stop, fences them itself, renews the jobs whose handler task still exists, and stops once the
+//! last has ended. Work a handler handed to another task or to `spawn_blocking` outlives its task
+//! unseen: told to stop, it must stop by itself (review helper-103).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -119,7 +121,19 @@ impl Heartbeat {
                 // runs on past the shutdown: renewed until the last of them ends.
                 Some(sent) if sent.is_finished() => {
                     if sent.await.is_err() {
+                        // As a shutdown does: every handler is told to stop, and what may still
+                        // run is fenced from here, the pools' watchdogs having gone with their
+                        // runtime (review helper-103).
                         orphaned = true;
+                        for set in &self.sets {
+                            set.stop_running();
+                            tokio::spawn(crate::worker::watchdog(Arc::clone(set), shutdown.clone()));
+                        }
+                        tracing::warn!(
+                            "the tokio runtime running lockgate shut down before lockgate was stopped: its \
+                             handlers are told to stop, and the jobs of those still running are renewed until \
+                             they end; stop lockgate through its token first"
+                        );
                     }
                     true
                 }

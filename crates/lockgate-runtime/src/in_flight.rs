@@ -261,9 +261,10 @@ impl InFlight {
         alive
     }
 
-    /// Whether any handler task of this set still exists.
+    /// Whether any handler task of this set still exists for a delivery not lost (a fenced one
+    /// has nothing more to renew).
     pub fn any_handler_alive(&self) -> bool {
-        self.entries().values().any(|e| e.handler.strong_count() > 0)
+        self.entries().values().any(|e| e.state != State::Lost && e.handler.strong_count() > 0)
     }
 
     /// Deliveries the heartbeat should renew, by queue (see `Renew`).

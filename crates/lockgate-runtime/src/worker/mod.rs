@@ -137,8 +137,9 @@ impl WorkerPool {
     }
 }
 
-/// The pool's self-fencing watchdog (H27): see the module docs.
-async fn watchdog(in_flight: Arc<InFlight>, stop: CancellationToken) {
+/// The pool's self-fencing watchdog (H27): see the module docs. Also run by a heartbeat whose
+/// caller's runtime shut down under it, for the handlers that outlive that runtime.
+pub(crate) async fn watchdog(in_flight: Arc<InFlight>, stop: CancellationToken) {
     crate::ticker::every(FENCE_TICK, Duration::ZERO, &stop, || async {
         for fenced in in_flight.fence(Instant::now()) {
             let Delivery { queue, msg_id, .. } = &fenced.delivery;
