@@ -538,13 +538,31 @@ fn sqlstate(e: &sqlx::Error) -> String {
     e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned()).unwrap_or_else(|| e.to_string())
 }
 
-/// Runs `f` on connection `conn` until `until`, pausing 0-`pause_ms` ms between calls; an error
-/// whose SQLSTATE is not in `accepted` fails the test, naming the task and the error.
-async fn keep_doing<F>(task: &'static str, accepted: &[&str], pause_ms: u64, until: std::time::Instant, mut f: F)
+/// How long the randomised schedule runs: at least `least`, then until a drop and a removal have
+/// both happened, and at most `most` whatever happened. A fixed 5 s left a loaded CI machine, once,
+/// with no removal at all, and the search's own check failed.
+struct Schedule {
+    start: std::time::Instant,
+    least: Duration,
+    most: Duration,
+    retired: std::sync::Arc<std::sync::Mutex<[u32; 2]>>,
+}
+
+impl Schedule {
+    fn over(&self) -> bool {
+        let ran = self.start.elapsed();
+        let both = || self.retired.lock().unwrap().iter().all(|n| *n > 0);
+        ran >= self.most || (ran >= self.least && both())
+    }
+}
+
+/// Runs `f` until the schedule is over, pausing 0-`pause_ms` ms between calls; an error whose
+/// SQLSTATE is not in `accepted` fails the test, naming the task and the error.
+async fn keep_doing<F>(task: &'static str, accepted: &[&str], pause_ms: u64, until: &Schedule, mut f: F)
 where
     F: AsyncFnMut() -> Result<(), sqlx::Error>,
 {
-    while std::time::Instant::now() < until {
+    while !until.over() {
         if let Err(e) = f().await {
             assert!(accepted.contains(&sqlstate(&e).as_str()), "{task}: {e}");
         }
@@ -609,10 +627,16 @@ async fn retiring_amid_producers_workers_and_definitions_loses_no_job_and_leaves
     .execute(&db.pool)
     .await
     .unwrap();
-    let until = std::time::Instant::now() + Duration::from_secs(5);
     let enqueued: Arc<Mutex<Vec<i64>>> = Arc::default();
     let completed: Arc<Mutex<HashMap<i64, u32>>> = Arc::default();
     let retired: Arc<Mutex<[u32; 2]>> = Arc::default();
+    let schedule = Schedule {
+        start: std::time::Instant::now(),
+        least: Duration::from_secs(5),
+        most: Duration::from_secs(30),
+        retired: retired.clone(),
+    };
+    let until = &schedule;
     let connect = || sqlx::PgConnection::connect(&db.url);
 
     let producer = |producer: u8, mut conn: sqlx::PgConnection| {
@@ -622,7 +646,7 @@ async fn retiring_amid_producers_workers_and_definitions_loses_no_job_and_leaves
             // or the queue's enqueue step, gone between its look and its use (design §90, LOW).
             keep_doing("producer", &["LG001", "40001", "42P01", "42883"], 5, until, async || {
                 // Quiet every other 300 ms, so that the queue empties and its drop goes through.
-                if (until - std::time::Instant::now()).as_millis() / 300 % 2 == 0 {
+                if until.start.elapsed().as_millis() / 300 % 2 == 0 {
                     return Ok(());
                 }
                 let isolation = if fastrand::bool() { "READ COMMITTED" } else { "REPEATABLE READ" };
