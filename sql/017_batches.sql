@@ -421,7 +421,10 @@ BEGIN
                 SELECT * INTO r FROM lockgate.enqueue(c.job_type, cargs);
                 IF r.status IN ('enqueued', 'parked') THEN
                     stored_jobs := stored_jobs || r.job_id;
-                    stored_msgs := stored_msgs || (r.queue || ':' || r.msg_id);
+                    -- A parked job has no message yet, nor a lease.
+                    IF r.msg_id IS NOT NULL THEN
+                        stored_msgs := stored_msgs || (r.queue || ':' || r.msg_id);
+                    END IF;
                     CONTINUE;
                 END IF;
                 refusal := CASE r.status WHEN 'duplicate' THEN 'unique' WHEN 'discarded' THEN 'limit' END;
@@ -438,7 +441,7 @@ BEGIN
             SELECT * INTO jt FROM lockgate.job_types t WHERE t.name = c.job_type;
             CONTINUE WHEN refusal = 'unique' AND (
                 SELECT u.job_id = ANY (stored_jobs) FROM lockgate.unique_locks u
-                 WHERE u.key = lockgate._key_of(jt.name, jt.unique_key, cargs, NULL));
+                 WHERE u.key = lockgate._unique_key(jt, cargs, NULL));
             -- Full, and of this pass's callbacks alone: a lease of another job, even one that has
             -- ended since the refusal, leaves the pass to be tried again.
             CONTINUE WHEN refusal = 'limit' AND (

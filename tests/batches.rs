@@ -79,6 +79,27 @@ async fn callbacks(db: &PgPool) -> Vec<(String, Value)> {
     .unwrap()
 }
 
+/// Runs a batch sweep: what it returned, and then the batch's callbacks_pending and
+/// callback_error.
+async fn sweep_callbacks(db: &PgPool, batch: i64) -> (i32, bool, Option<String>) {
+    let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(db).await.unwrap();
+    let (pending, error) = sqlx::query_as("SELECT callbacks_pending, callback_error FROM lockgate.batch($1)")
+        .bind(batch)
+        .fetch_one(db)
+        .await
+        .unwrap();
+    (swept, pending, error)
+}
+
+/// Which callback (`finish`, `success`, `failure`) each queued job of type `name` is.
+async fn callback_kinds(db: &PgPool, name: &str) -> Vec<String> {
+    sqlx::query_scalar("SELECT message->>'callback' FROM pgmq.q_default WHERE headers->>'type' = $1 ORDER BY 1")
+        .bind(name)
+        .fetch_all(db)
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn h22_the_last_two_completions_racing_on_two_connections_enqueue_the_callbacks_once() {
     for last_fails in [false, true] {
@@ -542,21 +563,9 @@ async fn one_type_named_for_two_callbacks_that_its_policy_merges_fires_once() {
         close(&db.pool, batch).await.unwrap();
         let claimed = claim_work(&db.pool).await;
         assert!(common::complete_default(&db.pool, claimed[0]).await);
-        let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
-        let (pending, error): (bool, Option<String>) =
-            sqlx::query_as("SELECT callbacks_pending, callback_error FROM lockgate.batch($1)")
-                .bind(batch)
-                .fetch_one(&db.pool)
-                .await
-                .unwrap();
-        assert_eq!((swept, pending, error), (1, false, None), "{name}: the callbacks are done with one job");
-        let kinds: Vec<String> =
-            sqlx::query_scalar("SELECT message->>'callback' FROM pgmq.q_default WHERE headers->>'type' = $1")
-                .bind(name)
-                .fetch_all(&db.pool)
-                .await
-                .unwrap();
-        assert_eq!(kinds, vec!["finish"], "{name}: the first callback's job, once");
+        let done = sweep_callbacks(&db.pool, batch).await;
+        assert_eq!(done, (1, false, None), "{name}: the callbacks are done with one job");
+        assert_eq!(callback_kinds(&db.pool, name).await, vec!["finish"], "{name}: the first callback's job, once");
     }
 }
 
@@ -585,13 +594,7 @@ async fn a_callback_refused_by_an_unrelated_job_is_not_merged_into_its_sibling()
             .await
             .unwrap();
         close(&db.pool, batch).await.unwrap();
-        let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
-        let (pending, error): (bool, Option<String>) =
-            sqlx::query_as("SELECT callbacks_pending, callback_error FROM lockgate.batch($1)")
-                .bind(batch)
-                .fetch_one(&db.pool)
-                .await
-                .unwrap();
+        let (swept, pending, error) = sweep_callbacks(&db.pool, batch).await;
         assert!(swept == 0 && pending && error.is_some(), "{name}: stays pending ({swept}, {pending}, {error:?})");
         // The other job finishes: the next pass enqueues both callbacks.
         let claimed: Delivery =
@@ -601,15 +604,9 @@ async fn a_callback_refused_by_an_unrelated_job_is_not_merged_into_its_sibling()
                 .await
                 .unwrap();
         assert!(common::complete_default(&db.pool, claimed).await);
-        let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
-        let mut kinds: Vec<String> =
-            sqlx::query_scalar("SELECT message->>'callback' FROM pgmq.q_default WHERE headers->>'type' = $1")
-                .bind(name)
-                .fetch_all(&db.pool)
-                .await
-                .unwrap();
-        kinds.sort();
-        assert_eq!((swept, kinds), (1, vec!["finish".to_string(), "success".to_string()]), "{name}: both, once");
+        let (swept, pending, _) = sweep_callbacks(&db.pool, batch).await;
+        let kinds = callback_kinds(&db.pool, name).await;
+        assert_eq!((swept, pending, kinds), (1, false, vec!["finish".into(), "success".into()]), "{name}: both, once");
     }
 }
 

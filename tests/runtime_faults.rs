@@ -91,12 +91,51 @@ impl RawHandler for Probe {
 }
 
 fn probe_registry(probe: Probe, types: &[(&str, JobPolicy)]) -> Registry {
-    let probe = Arc::new(probe);
+    handled_by(Arc::new(probe), types)
+}
+
+/// A registry running every type of `types` with `handler`.
+fn handled_by(handler: Arc<dyn RawHandler>, types: &[(&str, JobPolicy)]) -> Registry {
     let mut registry = Registry::new();
     for (name, policy) in types {
-        registry.register_raw(JobTypeName::new(*name).unwrap(), policy.clone(), probe.clone()).unwrap();
+        registry.register_raw(JobTypeName::new(*name).unwrap(), policy.clone(), handler.clone()).unwrap();
     }
     registry
+}
+
+/// A `Runtime` serving queue `default` (one pool of concurrency 1) with `registry`, run on
+/// `runtime` in a thread of its own, as an application with a tokio runtime of its own runs it.
+/// Sending on the returned channel drops `run` and then `runtime`, without stopping `run` through
+/// its token, as such an application's end does; join the thread to wait for that drop (which
+/// waits for a handler blocking one of the runtime's threads).
+fn on_own_runtime(
+    runtime: tokio::runtime::Runtime,
+    url: String,
+    config: RuntimeConfig,
+    registry: Registry,
+) -> (tokio::sync::oneshot::Sender<()>, std::thread::JoinHandle<()>) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        runtime.block_on(async move {
+            let pool = lockgate::PgPoolOptions::new().max_connections(2).connect(&url).await.unwrap();
+            let pools = vec![PoolConfig::new("own", vec![queue("default")], 1)];
+            let run = Runtime::new(pool, config, registry, pools).unwrap().run(CancellationToken::new());
+            tokio::select! {
+                _ = run => panic!("the runtime stopped on its own"),
+                _ = stopped => {}
+            }
+        });
+        drop(runtime);
+    });
+    (stop, thread)
+}
+
+fn current_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+fn two_threads() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
 
 fn probe(db: &TestDb, worker: i32, starts: &Counter) -> Probe {
@@ -1015,22 +1054,8 @@ async fn g3_a_handler_that_blocks_every_thread_of_its_runtime_keeps_its_lease_an
     let config = fast_config();
     let blocking =
         Arc::new(Blocking { pool: db.pool.clone(), block: config.visibility_timeout * 2, starts: Counter::default() });
-    let (url, shutdown) = (db.url.clone(), CancellationToken::new());
-    let worker0 = std::thread::spawn({
-        let (types, config, shutdown) = (types.clone(), config.clone(), shutdown.clone());
-        move || {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            runtime.block_on(async move {
-                let pool = lockgate::PgPoolOptions::new().max_connections(2).connect(&url).await.unwrap();
-                let mut registry = Registry::new();
-                for (name, policy) in &types {
-                    registry.register_raw(JobTypeName::new(*name).unwrap(), policy.clone(), blocking.clone()).unwrap();
-                }
-                let pools = vec![PoolConfig::new("blocked", vec![queue("default")], 1)];
-                Runtime::new(pool, config, registry, pools).unwrap().run(shutdown).await.unwrap();
-            });
-        }
-    });
+    let (stop, worker0) =
+        on_own_runtime(current_thread(), db.url.clone(), config.clone(), handled_by(blocking, &types));
     // Worker 0 starts the first job, which blocks its thread, and holds the free one claimed ahead.
     wait_for("worker 0 to start the first job and claim the next ahead", WAIT, || async {
         let claimed = db.count("SELECT 1 FROM pgmq.q_default WHERE read_ct > 0").await?;
@@ -1042,7 +1067,7 @@ async fn g3_a_handler_that_blocks_every_thread_of_its_runtime_keeps_its_lease_an
     let worker1 =
         Running::start(&db, config, probe_registry(probe(&db, 1, &Counter::default()), &types), &["default"], 1).await;
     wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 3, WAIT).await.unwrap();
-    shutdown.cancel();
+    stop.send(()).unwrap();
     tokio::task::spawn_blocking(move || worker0.join()).await.unwrap().unwrap();
     worker1.stop().await;
     assert_eq!(started(&db, first.job_id.0).await, 1, "the blocked job ran once");
@@ -1075,21 +1100,8 @@ async fn a_run_dropped_with_its_tokio_runtime_leaves_nothing_renewing_its_jobs()
     client.enqueue_raw("held", &json!({"hold": true}), &EnqueueOptions::default()).await.unwrap();
     let (url, config, starts) = (db.url.clone(), fast_config(), Counter::default());
     let registry = probe_registry(probe(&db, 0, &starts), &types);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let worker = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        runtime.block_on(async move {
-            let pool = lockgate::PgPoolOptions::new().max_connections(2).connect(&url).await.unwrap();
-            let pools = vec![PoolConfig::new("dropped", vec![queue("default")], 1)];
-            let run = Runtime::new(pool, config, registry, pools).unwrap().run(CancellationToken::new());
-            tokio::select! {
-                _ = run => panic!("the runtime stopped on its own"),
-                _ = stopped => {}
-            }
-        });
-        // Dropping the runtime drops every task of it, handlers included.
-        drop(runtime);
-    });
+    // Dropping the runtime drops every task of it, handlers included.
+    let (stop, worker) = on_own_runtime(current_thread(), url, config, registry);
     wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
     stop.send(()).unwrap();
     tokio::task::spawn_blocking(move || worker.join()).await.unwrap().unwrap();
@@ -1214,24 +1226,8 @@ async fn g3_a_runtime_shut_down_under_a_blocked_handler_renews_its_job_until_the
         starts: starts.clone(),
         ended: Arc::clone(&ended),
     });
-    let (url, worker_config, policy) = (db.url.clone(), config.clone(), types[0].1.clone());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let worker0 = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        runtime.block_on(async move {
-            let pool = lockgate::PgPoolOptions::new().max_connections(2).connect(&url).await.unwrap();
-            let mut registry = Registry::new();
-            registry.register_raw(JobTypeName::new("serial").unwrap(), policy, handler).unwrap();
-            let pools = vec![PoolConfig::new("shut", vec![queue("default")], 1)];
-            let run = Runtime::new(pool, worker_config, registry, pools).unwrap().run(CancellationToken::new());
-            tokio::select! {
-                _ = run => panic!("the runtime stopped on its own"),
-                _ = stopped => {}
-            }
-        });
-        // Waits for the blocked handler's thread.
-        drop(runtime);
-    });
+    // Dropping the runtime waits for the blocked handler's thread.
+    let (stop, worker0) = on_own_runtime(two_threads(), db.url.clone(), config.clone(), handled_by(handler, &types));
     wait_for("worker 0 to start the job", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
     stop.send(()).unwrap();
     let worker1 =
@@ -1297,23 +1293,8 @@ async fn g3_a_runtime_shut_down_under_offloaded_work_tells_it_to_stop_before_its
     let (starts, ended) = (Counter::default(), Arc::new(Mutex::new(None)));
     let handler =
         Arc::new(Offloaded { block: config.visibility_timeout * 3, starts: starts.clone(), ended: Arc::clone(&ended) });
-    let (url, worker_config, policy) = (db.url.clone(), config.clone(), types[0].1.clone());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let worker0 = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        runtime.block_on(async move {
-            let pool = lockgate::PgPoolOptions::new().max_connections(2).connect(&url).await.unwrap();
-            let mut registry = Registry::new();
-            registry.register_raw(JobTypeName::new("serial").unwrap(), policy, handler).unwrap();
-            let pools = vec![PoolConfig::new("shut", vec![queue("default")], 1)];
-            let run = Runtime::new(pool, worker_config, registry, pools).unwrap().run(CancellationToken::new());
-            tokio::select! {
-                _ = run => panic!("the runtime stopped on its own"),
-                _ = stopped => {}
-            }
-        });
-        drop(runtime);
-    });
+    // Dropping the runtime waits for the blocked handler's thread.
+    let (stop, worker0) = on_own_runtime(two_threads(), db.url.clone(), config.clone(), handled_by(handler, &types));
     wait_for("worker 0 to start the job", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
     stop.send(()).unwrap();
     let worker1 =

@@ -121,19 +121,8 @@ impl Heartbeat {
                 // runs on past the shutdown: renewed until the last of them ends.
                 Some(sent) if sent.is_finished() => {
                     if sent.await.is_err() {
-                        // As a shutdown does: every handler is told to stop, and what may still
-                        // run is fenced from here, the pools' watchdogs having gone with their
-                        // runtime (review helper-103).
                         orphaned = true;
-                        for set in &self.sets {
-                            set.stop_running();
-                            tokio::spawn(crate::worker::watchdog(Arc::clone(set), shutdown.clone()));
-                        }
-                        tracing::warn!(
-                            "the tokio runtime running lockgate shut down before lockgate was stopped: its \
-                             handlers are told to stop, and the jobs of those still running are renewed until \
-                             they end; stop lockgate through its token first"
-                        );
+                        self.outlive_the_runtime(&shutdown);
                     }
                     true
                 }
@@ -153,7 +142,7 @@ impl Heartbeat {
                     Renew::Started
                 }
             };
-            if !answering && !stalled && !orphaned {
+            if !answering && !stalled {
                 tracing::warn!(
                     interval = ?self.interval,
                     "the runtime's threads ran nothing for a heartbeat interval: a handler may be blocking them \
@@ -183,6 +172,21 @@ impl Heartbeat {
                 );
             }
         }
+    }
+
+    /// The caller's runtime has shut down under a running `run`: as a shutdown does, every
+    /// handler is told to stop, and what may still run is fenced from here, the pools' watchdogs
+    /// having gone with that runtime (review helper-103).
+    fn outlive_the_runtime(&self, shutdown: &CancellationToken) {
+        for set in &self.sets {
+            set.stop_running();
+            tokio::spawn(crate::worker::watchdog(Arc::clone(set), shutdown.clone()));
+        }
+        tracing::warn!(
+            "the tokio runtime running lockgate shut down before lockgate was stopped: its handlers are told \
+             to stop, and the jobs of those still running are renewed until they end; stop lockgate through \
+             its token first"
+        );
     }
 
     /// One tick, renewing the deliveries `which` says.
