@@ -1053,7 +1053,8 @@ async fn g3_a_handler_that_blocks_every_thread_of_its_runtime_keeps_its_lease_an
     client.enqueue_raw("serial", &json!({"key": 1}), &EnqueueOptions::default()).await.unwrap();
     let config = fast_config();
     let blocking =
-        Arc::new(Blocking { pool: db.pool.clone(), block: config.visibility_timeout * 2, starts: Counter::default() });
+        // A pool of its own: its connections are opened on the runtime the test drops.
+        Arc::new(Blocking { pool: db.new_pool(2).await.unwrap(), block: config.visibility_timeout * 2, starts: Counter::default() });
     let (stop, worker0) =
         on_own_runtime(current_thread(), db.url.clone(), config.clone(), handled_by(blocking, &types));
     // Worker 0 starts the first job, which blocks its thread, and holds the free one claimed ahead.
@@ -1098,8 +1099,12 @@ async fn a_run_dropped_with_its_tokio_runtime_leaves_nothing_renewing_its_jobs()
     let types = [("held", JobPolicy::on_queue(queue("default")))];
     let client = define(&db, &types).await;
     client.enqueue_raw("held", &json!({"hold": true}), &EnqueueOptions::default()).await.unwrap();
+    install_permit_monitor(&db).await;
     let (url, config, starts) = (db.url.clone(), fast_config(), Counter::default());
-    let registry = probe_registry(probe(&db, 0, &starts), &types);
+    // The handler's writes go through a pool of its own: a connection opened on the runtime
+    // about to be dropped is dead once it is, and must not be lent to the test afterwards.
+    let own = Probe { pool: db.new_pool(1).await.unwrap(), ..probe(&db, 0, &starts) };
+    let registry = probe_registry(own, &types);
     // Dropping the runtime drops every task of it, handlers included.
     let (stop, worker) = on_own_runtime(current_thread(), url, config, registry);
     wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
