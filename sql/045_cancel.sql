@@ -204,6 +204,81 @@ BEGIN
     RETURN released;
 END $$;
 
+-- Keeps what a cancelled running delivery kept (its permit lease, its while_executing lock) for
+-- as long as its handler still runs: a handler that does not stop when told (a Rust handler
+-- blocking its thread, which nothing can abort) must not see a second job of its key start beside
+-- it when the lease or lock it kept at the cancel runs out (G3; design §95). Its worker's
+-- heartbeat calls it every tick until the handler has ended, then gives both back
+-- (release_cancelled). Fenced as release_cancelled is: only the delivery that was running when its
+-- job was cancelled (the archived message with its msg_id and read_ct, cancelled_in running)
+-- renews anything, and only a lease and lock still held (a lease marked finished is given back
+-- already, sql/015_concurrency.sql): one already expired (the worker was
+-- silent past its budget, and the sweep may have freed it) is not taken back. The lease moves to
+-- a fresh silence budget, as lockgate.extend renews it; the lock to vt_seconds from now, as a
+-- delivery's visibility. Never waits for a row lock (H28): a row another statement holds (its
+-- own release_cancelled, the sweep) is skipped and the delivery reported busy. Returns one row
+-- per delivery that still holds something: busy when it was skipped. A delivery missing from the
+-- result holds nothing any more (or held nothing), and is not asked about again.
+-- Locks: lease rows, then unique lock rows, both SKIP LOCKED. Callers: the heartbeat.
+CREATE OR REPLACE FUNCTION lockgate.extend_cancelled(queue text, msg_ids bigint[], read_cts integer[],
+                                                     vt_seconds double precision)
+RETURNS TABLE (msg_id bigint, busy boolean) LANGUAGE plpgsql AS $$
+BEGIN
+    IF vt_seconds IS NULL OR NOT vt_seconds > 0 OR vt_seconds IN ('infinity', 'NaN') THEN
+        RAISE EXCEPTION 'lockgate: invalid visibility timeout % seconds: a positive, finite number', vt_seconds
+            USING ERRCODE = 'LG003';
+    END IF;
+    IF queue NOT IN (SELECT lockgate._live_queues()) THEN
+        RETURN;
+    END IF;
+    RETURN QUERY EXECUTE format(
+        'WITH cancelled AS (
+             SELECT a.msg_id, COALESCE(lockgate._job_id_of(a.headers), a.msg_id) AS job_id
+               FROM %s a JOIN unnest($2::bigint[], $3::integer[]) AS d(msg_id, read_ct)
+                 ON a.msg_id = d.msg_id AND a.read_ct = d.read_ct
+              WHERE jsonb_typeof(a.headers) = ''object'' AND a.headers->>''cancelled_in'' = ''running''),
+         held_leases AS (
+             SELECT l.msg_id, l.expires_at > clock_timestamp() AND l.finished_at IS NULL AS live
+               FROM lockgate.leases l JOIN cancelled c ON l.queue = $1 AND l.msg_id = c.msg_id),
+         free_leases AS (
+             SELECT x.queue, x.msg_id FROM lockgate.leases x JOIN cancelled c ON x.queue = $1 AND x.msg_id = c.msg_id
+              WHERE x.expires_at > clock_timestamp() AND x.finished_at IS NULL
+              ORDER BY x.msg_id
+                FOR UPDATE OF x SKIP LOCKED),
+         leased AS (
+             UPDATE lockgate.leases l
+                SET expires_at = GREATEST(l.expires_at, clock_timestamp()
+                                 + lockgate._lease_interval(l.duration_ms, (SELECT lockgate._lease_floor_ms())))
+               FROM free_leases f
+              WHERE l.queue = f.queue AND l.msg_id = f.msg_id
+             RETURNING l.msg_id),
+         held_locks AS (
+             SELECT u.msg_id FROM lockgate.unique_locks u JOIN cancelled c ON u.queue = $1 AND u.job_id = c.job_id
+                                                                      AND u.msg_id = c.msg_id
+              WHERE u.mode = ''while_executing'' AND u.held_until > clock_timestamp()),
+         free_locks AS (
+             SELECT u.key FROM lockgate.unique_locks u JOIN cancelled c ON u.queue = $1 AND u.job_id = c.job_id
+                                                                   AND u.msg_id = c.msg_id
+              WHERE u.mode = ''while_executing'' AND u.held_until > clock_timestamp()
+              ORDER BY u.key
+                FOR UPDATE OF u SKIP LOCKED),
+         locked AS (
+             UPDATE lockgate.unique_locks u
+                SET held_until = GREATEST(u.held_until, clock_timestamp() + make_interval(secs => $4))
+               FROM free_locks f
+              WHERE u.key = f.key
+             RETURNING u.msg_id)
+         SELECT h.msg_id, bool_or(h.skipped)
+           FROM (SELECT l.msg_id, NOT EXISTS (SELECT 1 FROM leased WHERE leased.msg_id = l.msg_id) AS skipped
+                   FROM held_leases l WHERE l.live
+                 UNION ALL
+                 SELECT k.msg_id, NOT EXISTS (SELECT 1 FROM locked WHERE locked.msg_id = k.msg_id)
+                   FROM held_locks k) h
+          GROUP BY h.msg_id',
+        lockgate._queue_table(queue, 'a'))
+      USING queue, msg_ids, read_cts, vt_seconds;
+END $$;
+
 -- Which of the deliveries (msg_ids[i], read_cts[i]) of queue the heartbeat found gone were
 -- cancelled while they held their job: their archived message carries cancelled_at and the same
 -- read_ct. One primary-key lookup per message, only for lost deliveries; nothing for a queue

@@ -18,7 +18,7 @@ pub use lockgate_core::{
 };
 pub use lockgate_runtime::{
     testing, CancelReason, Client, EnqueueError, Handler, Job, JobContext, JobError, Metrics, PoolConfig, RawHandler,
-    Registry, Runtime, RuntimeBuilder, RuntimeConfig, RuntimeError,
+    Registry, RunHold, Runtime, RuntimeBuilder, RuntimeConfig, RuntimeError,
 };
 pub use lockgate_sql::{
     check_schema, migrate, BatchCallbacks, BatchInfo, Cancelled, CancelledCount, DbError, JobFilter, JobRecord,

@@ -478,6 +478,101 @@ async fn a_cancelled_running_job_keeps_its_while_executing_key_until_its_handler
     assert_eq!((reaped, lock().await), (1, vec![]));
 }
 
+/// Design §95: `lockgate.extend_cancelled` keeps what a cancelled running delivery kept (its
+/// permit lease and its while_executing lock) for a handler that has not stopped, fenced on that
+/// delivery: another read_ct, a job that was not running when cancelled, or one not cancelled
+/// renews nothing; a row another transaction holds is skipped and reported busy without a wait
+/// (H28); a lease already run out is not taken back, and the sweep frees it.
+#[tokio::test]
+async fn a_cancelled_delivery_renews_what_it_kept_only_for_itself_and_never_waits() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query(
+        "SELECT lockgate.define_job_type('w', concurrency_limit => 1, concurrency_duration_ms => 1000,
+                                          unique_mode => 'while_executing', unique_key => ARRAY['u'])",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let extend = |d: (i64, i32)| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, bool)>(
+                "SELECT msg_id, busy FROM lockgate.extend_cancelled('default', $1, $2, 30)",
+            )
+            .bind(vec![d.0])
+            .bind(vec![d.1])
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    // (lease left, lock left) in seconds.
+    let held = || async {
+        sqlx::query_as::<_, (Option<f64>, Option<f64>)>(
+            "SELECT (SELECT extract(epoch FROM max(expires_at) - clock_timestamp())::float8 FROM lockgate.leases),
+                    (SELECT extract(epoch FROM max(held_until) - clock_timestamp())::float8 FROM lockgate.unique_locks)",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    let first = enqueue(&db, "w", r#"{"u": 1}"#, "{}").await;
+    let next = enqueue(&db, "w", r#"{"u": 1}"#, "{}").await;
+    let d = claim(&db, 5).await[0];
+    assert_eq!(extend(d).await, vec![], "a running job not cancelled: extend's business, not this");
+    assert_eq!(cancel(&db.pool, first).await, Some(("running".to_string(), true)));
+    let invalid = sqlx::query("SELECT * FROM lockgate.extend_cancelled('default', '{1}', '{1}', 0)")
+        .execute(&db.pool)
+        .await
+        .unwrap_err();
+    assert!(invalid.to_string().contains("invalid visibility timeout"), "{invalid}");
+    assert_eq!(extend((d.0, d.1 + 1)).await, vec![], "another delivery of the message renews nothing");
+    sqlx::query("UPDATE lockgate.leases SET expires_at = clock_timestamp() + interval '1 second'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE lockgate.unique_locks SET held_until = clock_timestamp() + interval '1 second'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(extend(d).await, vec![(d.0, false)]);
+    let (lease, lock) = held().await;
+    assert!(lease.unwrap() > 1.5 && lock.unwrap() > 25.0, "both pushed out: lease {lease:?}, lock {lock:?}");
+    // Rows held by another transaction (a sweep, its own release) are skipped, not waited for.
+    for row in ["SELECT 1 FROM lockgate.leases FOR UPDATE", "SELECT 1 FROM lockgate.unique_locks FOR UPDATE"] {
+        let mut other = db.pool.begin().await.unwrap();
+        sqlx::query(row).execute(&mut *other).await.unwrap();
+        assert_eq!(extend(d).await, vec![(d.0, true)], "busy behind {row}");
+        other.rollback().await.unwrap();
+    }
+    assert_eq!(state_of(&db, next).await, "parked", "the next job of the key waits all along");
+    // Run out (its worker was silent past its budget): not taken back; the sweep frees it.
+    sqlx::query("UPDATE lockgate.leases SET expires_at = clock_timestamp() - interval '1 second'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE lockgate.unique_locks SET held_until = clock_timestamp() - interval '1 second'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(extend(d).await, vec![], "nothing held any more");
+    sqlx::query("SELECT lockgate.sweep()").execute(&db.pool).await.unwrap();
+    assert_eq!(state_of(&db, next).await, "queued");
+    assert_eq!(permits(&db).await, (1, 1, vec![]));
+    // Once given back, nothing is left to renew.
+    let d2 = claim(&db, 5).await[0];
+    assert_eq!(cancel(&db.pool, next).await, Some(("running".to_string(), true)));
+    assert!(release_cancelled(&db, d2).await);
+    assert_eq!(extend(d2).await, vec![]);
+    // A queue dropped meanwhile answers nothing rather than an error.
+    let gone: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lockgate.extend_cancelled('nosuchqueue', '{1}', '{1}', 30)")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(gone, 0);
+}
+
 /// From review: a type that discards duplicates does not discard the job that replaces a
 /// cancelled one whose handler may still run: it waits for the key, then runs.
 #[tokio::test]

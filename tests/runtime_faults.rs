@@ -906,12 +906,11 @@ async fn a_session_or_transaction_the_server_ended_for_idling_is_a_transient_err
     }
 }
 
-/// Runs until cancelled; then takes `wind_down` to return (awaiting, or blocking its thread), and
+/// Runs until cancelled; then takes `wind_down` to return, awaiting, and
 /// records the wall-clock instant it ended, however it ended (returned or dropped).
 struct Stubborn {
     starts: Counter,
     wind_down: Duration,
-    blocking: bool,
     ended: Arc<Mutex<Option<SystemTime>>>,
 }
 
@@ -929,23 +928,19 @@ impl RawHandler for Stubborn {
             let _end = RecordEnd(Arc::clone(&self.ended));
             self.starts.bump();
             ctx.cancelled().await;
-            if self.blocking {
-                std::thread::sleep(self.wind_down);
-            } else {
-                tokio::time::sleep(self.wind_down).await;
-            }
+            tokio::time::sleep(self.wind_down).await;
             Ok(())
         })
     }
 }
 
-async fn stubborn_run(wind_down: Duration, blocking: bool) -> (TestDb, Option<SystemTime>) {
+async fn stubborn_run(wind_down: Duration) -> (TestDb, Option<SystemTime>) {
     let db = TestDb::migrated().await.unwrap();
     let types = [("stubborn", JobPolicy::on_queue(queue("default")))];
     let client = define(&db, &types).await;
     client.enqueue_raw("stubborn", &json!({}), &EnqueueOptions::default()).await.unwrap();
     let (starts, ended) = (Counter::default(), Arc::new(Mutex::new(None)));
-    let handler = Arc::new(Stubborn { starts: starts.clone(), wind_down, blocking, ended: Arc::clone(&ended) });
+    let handler = Arc::new(Stubborn { starts: starts.clone(), wind_down, ended: Arc::clone(&ended) });
     let mut registry = Registry::new();
     registry.register_raw(JobTypeName::new("stubborn").unwrap(), types[0].1.clone(), handler).unwrap();
     let config = RuntimeConfig { shutdown_timeout: Duration::from_millis(200), ..test_config() };
@@ -959,7 +954,7 @@ async fn stubborn_run(wind_down: Duration, blocking: bool) -> (TestDb, Option<Sy
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h30_shutdown_returns_a_job_only_after_its_handler_has_ended() {
     // The handler takes 50 ms to wind down after shutdown cancels it, within its grace.
-    let (db, ended) = stubborn_run(Duration::from_millis(50), false).await;
+    let (db, ended) = stubborn_run(Duration::from_millis(50)).await;
     let ended: chrono::DateTime<chrono::Utc> = ended.expect("the handler ended before the runtime stopped").into();
     let (returned_at, returns): (chrono::DateTime<chrono::Utc>, Option<i32>) =
         sqlx::query_as("SELECT vt, (headers->>'returns')::int FROM pgmq.q_default").fetch_one(&db.pool).await.unwrap();
@@ -967,17 +962,215 @@ async fn h30_shutdown_returns_a_job_only_after_its_handler_has_ended() {
     assert!(returned_at >= ended, "returned at {returned_at}, before its handler ended at {ended}");
 }
 
+/// Records its runs in `runs` as worker 0's. The first attempt of a job with `"obstinate": true`
+/// then waits until it is told to stop (a cancel, its timeout, a shutdown) and blocks its thread
+/// for `block` before it ends: a synchronous call nothing can interrupt. Other runs take 10 ms.
+/// The blocked run's end is kept in `ended` at once: its task, aborted meanwhile, is dropped at
+/// its next await, before it could record it in `runs`. With `offload`, the blocking call runs in
+/// `spawn_blocking` under a hold of the attempt (`JobContext::hold`), and the handler returns
+/// without waiting for it.
+struct Obstinate {
+    pool: PgPool,
+    block: Duration,
+    offload: bool,
+    ended: Arc<Mutex<Option<chrono::DateTime<chrono::Utc>>>>,
+}
+
+impl RawHandler for Obstinate {
+    fn call(&self, ctx: JobContext, args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(async move {
+            common::run_started(&self.pool, ctx.job_id.0, &args["key"].to_string(), 0).await;
+            if args["obstinate"] == json!(true) && ctx.attempt == 1 {
+                ctx.cancelled().await;
+                let (block, ended) = (self.block, Arc::clone(&self.ended));
+                let blocking = move || {
+                    std::thread::sleep(block);
+                    *ended.lock().unwrap() = Some(chrono::Utc::now());
+                };
+                if self.offload {
+                    let hold = ctx.hold();
+                    tokio::task::spawn_blocking(move || {
+                        blocking();
+                        drop(hold);
+                    });
+                    return Ok(());
+                }
+                // An await first (as cleanup that awaits does): the executor, woken by a timeout
+                // fired on this thread, runs elsewhere rather than wait behind the block.
+                tokio::task::yield_now().await;
+                blocking();
+            } else {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            common::run_ended(&self.pool, ctx.job_id.0, 0).await;
+            Ok(())
+        })
+    }
+}
+
+/// Worker 0 runs `types` with `Obstinate` (blocking twice the visibility timeout) on queue
+/// `default`, worker 1 with a probe on `default` and `other`, both at concurrency 1. Enqueues an
+/// obstinate job of key 1 and then a plain one of the same key into `other` (so that worker 0,
+/// its slot taken by the blocked run, cannot claim it ahead and hold it until that run ends,
+/// which would hide an early permit), waits for worker 0 to start the first, applies `stop_it` to it, and waits until
+/// the plain one has completed. Then: no two runs of key 1 overlapped,
+/// counting the blocked run until it ended, and the second job started only after it; the
+/// permits held throughout (the monitor) and the invariants hold. `stop_it` returns worker 0
+/// when it did not stop it; when it did, the stop returned only after the blocked run ended.
+/// Returns the database, for more checks.
+async fn obstinate_then_next(
+    types: &[(&str, JobPolicy)],
+    config: RuntimeConfig,
+    offload: bool,
+    stop_it: impl AsyncFnOnce(&TestDb, &Client, i64, Running) -> Option<Running>,
+) -> TestDb {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let client = define(&db, types).await;
+    lockgate::sql::create_queue(&db.pool, "other").await.unwrap();
+    // The runtimes' interval, recorded before the enqueue: the first job's lease then lasts its
+    // second, not the ten of the default interval's floor, and would run out during the block.
+    lockgate::sql::record_heartbeat_interval(&db.pool, config.heartbeat_interval).await.unwrap();
+    let first =
+        client.enqueue_raw("serial", &json!({"key": 1, "obstinate": true}), &EnqueueOptions::default()).await.unwrap();
+    let elsewhere = EnqueueOptions { queue: Some(queue("other")), ..EnqueueOptions::default() };
+    let next = client.enqueue_raw("serial", &json!({"key": 1}), &elsewhere).await.unwrap();
+    let ended = Arc::new(Mutex::new(None));
+    let block = config.visibility_timeout * 2;
+    let pool = db.new_pool(2).await.unwrap();
+    let obstinate = Arc::new(Obstinate { pool, block, offload, ended: Arc::clone(&ended) });
+    let worker0 = Running::start(&db, config.clone(), handled_by(obstinate, types), &["default"], 1).await;
+    wait_for("worker 0 to start the obstinate job", WAIT, || async {
+        Ok((started(&db, first.job_id.0).await == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    let worker1 = Running::start(
+        &db,
+        config,
+        probe_registry(probe(&db, 1, &Counter::default()), types),
+        &["default", "other"],
+        1,
+    )
+    .await;
+    let worker0 = stop_it(&db, &client, first.job_id.0, worker0).await;
+    let stop_returned = chrono::Utc::now();
+    wait_for("the next job of key 1 to complete", Duration::from_secs(30), || async {
+        let done = format!("SELECT 1 FROM runs WHERE job_id = {} AND ended_at IS NOT NULL", next.job_id.0);
+        Ok((db.count(&done).await? == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    wait_for("the blocked run to end", WAIT, || async { Ok(ended.lock().unwrap().map(|_| ())) }).await.unwrap();
+    worker1.stop().await;
+    let stopped = worker0.is_none();
+    if let Some(worker0) = worker0 {
+        worker0.stop().await;
+    }
+    let blocked_end = ended.lock().unwrap().expect("the blocked run ended");
+    if stopped {
+        assert!(
+            stop_returned >= blocked_end,
+            "run returned at {stop_returned}, before its handler ended at {blocked_end}"
+        );
+    }
+    sqlx::query(
+        "UPDATE runs SET ended_at = $2
+          WHERE ctid = (SELECT ctid FROM runs WHERE job_id = $1 AND worker = 0 ORDER BY started_at LIMIT 1)",
+    )
+    .bind(first.job_id.0)
+    .bind(blocked_end)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let next_start: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT started_at FROM runs WHERE job_id = $1")
+        .bind(next.job_id.0)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(
+        next_start >= blocked_end,
+        "the next job of key 1 started at {next_start}, while the blocked run went on until {blocked_end}"
+    );
+    let overlap = max_overlap(&db.pool, -1).await.into_iter().find(|(key, _)| key == "1");
+    assert_eq!(overlap, Some(("1".to_string(), 1)), "no overlap on key 1");
+    common::assert_invariants_after_sweep(&db).await;
+    db
+}
+
+/// Design §95: a job cancelled while its handler blocks its thread keeps its permit until that
+/// handler has ended. The handler is told, cannot be aborted, and blocks for twice the
+/// visibility timeout, far past the lease of one second it held at the cancel: its heartbeat
+/// renews that lease (`lockgate.extend_cancelled`) while the handler's task exists, and gives it
+/// back once it has ended; only then does the next job of its key start, on the other worker.
+/// Before, the permit ran out with the lease, and the next job ran beside the blocked one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn h30_a_handler_that_will_not_stop_is_not_returned_and_its_visibility_lapses_instead() {
-    // The handler blocks its thread for 1.5 s after shutdown cancels it: it cannot be aborted.
-    let (db, ended) = stubborn_run(Duration::from_millis(1500), true).await;
-    assert!(ended.is_none(), "the runtime stopped while the handler was still running");
-    let (invisible, returns): (bool, Option<i32>) =
-        sqlx::query_as("SELECT vt > clock_timestamp(), (headers->>'returns')::int FROM pgmq.q_default")
-            .fetch_one(&db.pool)
+async fn g3_a_cancelled_job_whose_handler_will_not_stop_keeps_its_permit_until_the_handler_ends() {
+    let types = [("serial", limited("default", 1, Duration::from_secs(1)))];
+    obstinate_then_next(&types, fast_config(), false, async |_db, client, job_id, worker0| {
+        let outcome = client.cancel(lockgate::JobId(job_id)).await.unwrap().unwrap();
+        assert!(outcome.cancelled, "cancelled while running: {outcome:?}");
+        Some(worker0)
+    })
+    .await;
+}
+
+/// Design §95: work a handler hands to `spawn_blocking` under a hold of its attempt
+/// (`JobContext::hold`) keeps the job leased after the handler has returned: cancelled, the job
+/// keeps its permit until that work drops the hold, and the next job of its key starts only then.
+/// Before, nothing in the runtime saw such work: once the handler returned, the permit went back
+/// and the next job ran beside it (review helper-103).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn g3_work_a_cancelled_handler_left_holding_keeps_its_permit_until_it_ends() {
+    let types = [("serial", limited("default", 1, Duration::from_secs(1)))];
+    obstinate_then_next(&types, fast_config(), true, async |_db, client, job_id, worker0| {
+        let outcome = client.cancel(lockgate::JobId(job_id)).await.unwrap().unwrap();
+        assert!(outcome.cancelled, "cancelled while running: {outcome:?}");
+        Some(worker0)
+    })
+    .await;
+}
+
+/// Design §95: a handler that blocks its thread when its timeout tells it to stop keeps its job
+/// leased until it has ended: its retry is written only then. Before, the executor gave up on it
+/// after 100 ms and wrote the retry at once, and the retry ran on the other worker beside the
+/// blocked attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn g3_a_timed_out_handler_that_will_not_stop_holds_its_permit_until_it_ends() {
+    let mut policy = limited("default", 1, Duration::from_secs(1));
+    policy.timeout = Some(Duration::from_millis(300));
+    policy.max_attempts = 2;
+    // Retried at once: the retry keeps the job's permit through its backoff (G6), and a retry
+    // written too early would run on worker 1 beside the blocked attempt.
+    policy.backoff = lockgate::Backoff { base: Duration::from_millis(1), max: Duration::from_millis(1), jitter: 0.0 };
+    let db =
+        obstinate_then_next(&[("serial", policy)], fast_config(), false, async |_, _, _, worker0| Some(worker0)).await;
+    let attempts: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM runs WHERE key = '1'").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(attempts, 3, "the timed-out job ran again after its retry, and the next job once");
+}
+
+/// H30 and G7 together, for a handler that will not stop: shutdown cancels it, cannot abort it
+/// (it blocks its thread for twice the visibility timeout), and waits for it, renewing its job
+/// and permit meanwhile; once it has ended, the job is returned to its queue, visible at once,
+/// and `run` returns. The other worker runs it, and the next job of its key, only then. Before, shutdown gave up on the handler after
+/// 100 ms and let the job's visibility lapse: the other worker ran it again beside the blocked
+/// run, and `run` returned while that run went on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn h30_shutdown_waits_for_a_handler_that_will_not_stop_renewing_its_job_and_returns_it_when_it_ends() {
+    let types = [("serial", limited("default", 1, Duration::from_secs(1)))];
+    let config = RuntimeConfig { shutdown_timeout: Duration::from_millis(200), ..fast_config() };
+    let db = obstinate_then_next(&types, config, false, async |_, _, _, worker0| {
+        worker0.stop().await;
+        None
+    })
+    .await;
+    let returns: Vec<Option<i32>> =
+        sqlx::query_scalar("SELECT (headers->>'returns')::int FROM pgmq.a_default ORDER BY msg_id")
+            .fetch_all(&db.pool)
             .await
             .unwrap();
-    assert!(invisible && returns.is_none(), "not returned while its handler runs; its visibility lapses instead");
+    assert_eq!(returns, vec![Some(1)], "the blocked job was returned once, then completed");
 }
 
 /// The lease floor (twice the longest recorded heartbeat interval, H10) comes back within a

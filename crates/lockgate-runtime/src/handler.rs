@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use lockgate_core::{JobId, JobPolicy, JobTypeName, ValidationError};
@@ -57,6 +57,16 @@ pub struct JobContext {
     /// Until when the delivery's lease is known to hold (`InFlight`): set when the handler
     /// starts, moved on by each renewal.
     pub(crate) lease: Arc<watch::Sender<Instant>>,
+    /// The attempt's liveness: strong while its handler's task or any [`RunHold`] exists.
+    pub(crate) run: Weak<()>,
+}
+
+/// Keeps an attempt in flight while it is held: see [`JobContext::hold`]. Dropping it says the
+/// work it stands for has ended.
+#[derive(Debug)]
+#[must_use = "the attempt is held only while the RunHold lives"]
+pub struct RunHold {
+    _run: Option<Arc<()>>,
 }
 
 impl JobContext {
@@ -81,6 +91,17 @@ impl JobContext {
     /// pass this on, so that the work stops in time even if the process is frozen or killed.
     pub fn lease_ends(&self) -> watch::Receiver<Instant> {
         self.lease.subscribe()
+    }
+
+    /// Holds this attempt in flight for work of it that may outlive the handler's own task: a
+    /// process it started that is still dying, a statement still ending on the server, work
+    /// handed to `tokio::task::spawn_blocking` or to a thread. While any hold lives, the job
+    /// stays leased (its visibility and permit renewed, those of a cancelled job included), its
+    /// outcome, retry, return or give-back waits, and a handler told to stop is not aborted
+    /// after its grace but waited for. Drop the hold when that work has ended (design §95).
+    /// Taken after the attempt is over, it holds nothing.
+    pub fn hold(&self) -> RunHold {
+        RunHold { _run: self.run.upgrade() }
     }
 
     pub(crate) fn fire(&self, reason: CancelReason) {

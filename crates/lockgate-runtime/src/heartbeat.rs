@@ -23,7 +23,13 @@
 //! which runs on past the shutdown (review helper-102): the heartbeat then tells every handler to
 //! stop, fences them itself, renews the jobs whose handler task still exists, and stops once the
 //! last has ended. Work a handler handed to another task or to `spawn_blocking` outlives its task
-//! unseen: told to stop, it must stop by itself (review helper-103).
+//! unseen, unless it holds the attempt (`JobContext::hold`): told to stop, it must stop by itself
+//! (review helper-103).
+//!
+//! A cancelled job's message is gone, but a handler that has not stopped yet (one blocking its
+//! thread, or work it holds) keeps what the cancel kept for it: each tick renews that permit lease
+//! and while_executing lock (`lockgate.extend_cancelled`) until the handler has ended and its
+//! executor gives them back (design §95).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -215,6 +221,23 @@ impl Heartbeat {
                     }
                 }
             }
+            // Cancelled jobs whose handler has not stopped keep their permit until it does.
+            for (queue, asked) in set.cancelled_running() {
+                let visibility = self.visibility;
+                let renewal = self
+                    .ask(async |conn| {
+                        let db = lockgate_sql::pooler::Db::idle(conn);
+                        lockgate_sql::extend_cancelled(db, queue.as_str(), &asked, visibility).await
+                    })
+                    .await;
+                match renewal {
+                    Ok(held) => report.renewed += set.cancelled_renewed(&queue, &asked, &held),
+                    Err(error) => {
+                        tracing::warn!(%queue, %error, "renewal of cancelled jobs' permits failed; the next tick tries again");
+                        report.failed_queues += 1;
+                    }
+                }
+            }
         }
         report
     }
@@ -257,25 +280,37 @@ impl Heartbeat {
         }
     }
 
-    /// One renewal on the heartbeat's connection (opened first if there is none), answered
-    /// within one interval or abandoned with its connection.
+    /// One renewal on the heartbeat's connection.
     async fn extend(
         &mut self,
         queue: &QueueName,
         asked: &[(i64, i32)],
         owner: Option<i64>,
     ) -> Result<Renewal, RenewError> {
-        let (connect, visibility, conn) = (&self.connect, self.visibility, &mut self.conn);
+        let visibility = self.visibility;
+        self.ask(async |conn| {
+            lockgate_sql::extend(lockgate_sql::pooler::Db::idle(conn), queue, asked, visibility, owner).await
+        })
+        .await
+    }
+
+    /// One statement on the heartbeat's connection (opened first if there is none), answered
+    /// within one interval or abandoned with its connection.
+    async fn ask<T>(
+        &mut self,
+        statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, DbError>,
+    ) -> Result<T, RenewError> {
+        let (connect, conn) = (&self.connect, &mut self.conn);
         let answered = tokio::time::timeout(self.interval, async {
             let conn = match conn {
                 Some(conn) => conn,
                 None => conn.insert(connect.connect().await.map_err(DbError::from)?),
             };
-            lockgate_sql::extend(lockgate_sql::pooler::Db::idle(&mut *conn), queue, asked, visibility, owner).await
+            statement(conn).await
         })
         .await;
         match answered {
-            Ok(Ok(renewal)) => Ok(renewal),
+            Ok(Ok(out)) => Ok(out),
             Ok(Err(error)) => {
                 // A broken connection is replaced; a statement error (an unknown queue, say)
                 // leaves it usable for the other queues.

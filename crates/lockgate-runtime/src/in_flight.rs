@@ -30,8 +30,9 @@ pub(crate) const FENCE_TICK: Duration = Duration::from_millis(50);
 /// to delay a shutdown's return of jobs.
 pub(crate) const CANCEL_GRACE: Duration = Duration::from_millis(100);
 
-/// How long an aborted handler task may take to be dropped. A task that is not gone by then
-/// never yields (it blocks its thread): it has not ended, and its delivery is never returned.
+/// How long an aborted handler task takes to be dropped, at most, unless it blocks its thread. One
+/// that is not gone by then never yields: nothing can stop it, so it is waited for, its delivery
+/// still leased, and warned about (design §95).
 pub(crate) const ABORT_WAIT: Duration = Duration::from_millis(100);
 
 /// How long before its budget runs out a running delivery's handler is cancelled (H27): the
@@ -65,6 +66,11 @@ enum State {
     Stopped,
     /// The release statement is on its way.
     Returning,
+    /// Its job was cancelled while its handler ran, and the handler has not ended yet: the
+    /// message is gone, but the permit lease and while_executing lock it kept are renewed
+    /// (`lockgate.extend_cancelled`) until the handler ends and its executor gives them back, so
+    /// that no job of its key starts beside a handler that will not stop (design §95).
+    Cancelled,
     /// Lost (the heartbeat found it owned by nobody or by a newer delivery) or fenced (its budget
     /// ran out before a renewal): it may write nothing more.
     Lost,
@@ -212,7 +218,7 @@ impl InFlight {
                 Finish::Write
             }
             Some(e) if e.read_ct == d.read_ct && e.state == State::Stopping => Finish::Shutdown,
-            Some(e) if e.read_ct == d.read_ct && e.state == State::Lost => {
+            Some(e) if e.read_ct == d.read_ct && matches!(e.state, State::Lost | State::Cancelled) => {
                 entries.remove(&key);
                 Finish::Lost
             }
@@ -220,19 +226,12 @@ impl InFlight {
         }
     }
 
-    /// Shutdown's cancelled handler is over: `ended` says whether it really ended (then the pool
-    /// returns the delivery), or would not stop within its grace (then it is forgotten and its
-    /// visibility lapses, so the job cannot run twice at once, H30).
-    pub fn stopped(&self, d: &Delivery, ended: bool) {
-        let mut entries = self.entries();
-        let key = (d.queue.clone(), d.msg_id);
-        if entries.get(&key).is_some_and(|e| e.read_ct == d.read_ct && e.state == State::Stopping) {
-            if ended {
-                if let Some(e) = entries.get_mut(&key) {
-                    e.state = State::Stopped;
-                }
-            } else {
-                entries.remove(&key);
+    /// Shutdown's cancelled handler has ended (however long that took: until then its delivery
+    /// is renewed, H30): the pool returns the delivery.
+    pub fn stopped(&self, d: &Delivery) {
+        if let Some(e) = self.entries().get_mut(&(d.queue.clone(), d.msg_id)) {
+            if e.read_ct == d.read_ct && e.state == State::Stopping {
+                e.state = State::Stopped;
             }
         }
     }
@@ -244,21 +243,20 @@ impl InFlight {
         }
     }
 
-    /// Until when the delivery's lease is known to hold; `None` once it is gone or lost.
+    /// Until when the delivery's lease is known to hold; `None` once it is gone, lost or cancelled.
     pub fn lease_until(&self, d: &Delivery) -> Option<Instant> {
         let entries = self.entries();
         let e = entries.get(&(d.queue.clone(), d.msg_id))?;
-        (e.read_ct == d.read_ct && e.state != State::Lost).then_some(e.lease_until)
+        (e.read_ct == d.read_ct && !matches!(e.state, State::Lost | State::Cancelled)).then_some(e.lease_until)
     }
 
-    /// The running delivery's handler task is starting: the returned `Arc` lives in that task,
-    /// and says, while it exists, that the handler does (`Renew::HandlerAlive`).
-    pub fn handler_started(&self, d: &Delivery) -> Arc<()> {
-        let alive = Arc::new(());
+    /// The running delivery's handler task is starting: `run` lives in that task (and in the
+    /// attempt's holds, `JobContext::hold`), and says, while it exists, that the handler does
+    /// (`Renew::HandlerAlive`).
+    pub fn handler_started(&self, d: &Delivery, run: &Arc<()>) {
         if let Some(e) = self.entries().get_mut(&(d.queue.clone(), d.msg_id)).filter(|e| e.read_ct == d.read_ct) {
-            e.handler = Arc::downgrade(&alive);
+            e.handler = Arc::downgrade(run);
         }
-        alive
     }
 
     /// Whether any handler task of this set still exists for a delivery not lost (a fenced one
@@ -276,11 +274,39 @@ impl InFlight {
                 Renew::Started => e.state != State::Waiting,
                 Renew::HandlerAlive => e.handler.strong_count() > 0,
             };
-            if e.state != State::Lost && wanted {
+            if !matches!(e.state, State::Lost | State::Cancelled) && wanted {
                 out.entry(queue.clone()).or_default().push((*msg_id, e.read_ct));
             }
         }
         out
+    }
+
+    /// Cancelled deliveries whose handler task still exists, by queue: what they kept is renewed
+    /// for them (`lockgate.extend_cancelled`) in every mode of the heartbeat.
+    pub fn cancelled_running(&self) -> HashMap<QueueName, Vec<(i64, i32)>> {
+        let mut out: HashMap<QueueName, Vec<(i64, i32)>> = HashMap::new();
+        for ((queue, msg_id), e) in self.entries().iter() {
+            if e.state == State::Cancelled && e.handler.strong_count() > 0 {
+                out.entry(queue.clone()).or_default().push((*msg_id, e.read_ct));
+            }
+        }
+        out
+    }
+
+    /// Records a renewal of cancelled deliveries (`cancelled_running`): those that hold nothing
+    /// any more (`held` lists the others) are lost, and asked about no more. Returns how many
+    /// were renewed.
+    pub fn cancelled_renewed(&self, queue: &QueueName, asked: &[(i64, i32)], held: &[(i64, bool)]) -> usize {
+        let held: HashMap<i64, bool> = held.iter().copied().collect();
+        let mut entries = self.entries();
+        for (msg_id, read_ct) in asked {
+            if let Some(e) = entries.get_mut(&(queue.clone(), *msg_id)) {
+                if e.read_ct == *read_ct && e.state == State::Cancelled && !held.contains_key(msg_id) {
+                    e.state = State::Lost;
+                }
+            }
+        }
+        held.values().filter(|busy| !**busy).count()
     }
 
     /// Records a renewal of one queue's deliveries, sent at `sent_at`: renewed ones get a new
@@ -315,8 +341,9 @@ impl InFlight {
                 // No handler runs for it: never started, or ended under shutdown (which will not
                 // return it now that it is lost).
                 let idle = e.ctx.is_none() || e.state == State::Stopped;
-                e.state = State::Lost;
                 let reason = if cancelled.contains(msg_id) { CancelReason::Cancelled } else { CancelReason::LeaseLost };
+                // A cancelled handler still running keeps what its job held until it ends.
+                e.state = if reason == CancelReason::Cancelled && !idle { State::Cancelled } else { State::Lost };
                 if let Some(ctx) = &e.ctx {
                     ctx.fire(reason);
                 }
@@ -411,6 +438,7 @@ mod tests {
             cancel: Default::default(),
             reason: Default::default(),
             lease: std::sync::Arc::new(tokio::sync::watch::channel(Instant::now()).0),
+            run: std::sync::Weak::new(),
         }
     }
 
@@ -493,11 +521,51 @@ mod tests {
         assert_eq!(set.start(&running, ctx(3), now), Start::Run);
         set.stop_running();
         assert_eq!(set.begin_finishing(&ended), Finish::Shutdown);
-        set.stopped(&ended, true);
+        set.stopped(&ended);
         let cancelled = Renewal { cancelled: vec![1, 2, 3], ..Renewal::default() };
         let report = set.renewed(&ended.queue, &[(1, 1), (2, 1), (3, 1)], &cancelled, now);
         assert_eq!(report.cancelled_idle, vec![(1, 1), (2, 1)], "not the one whose handler is still stopping");
         assert!(set.take_stopped().is_empty(), "a cancelled delivery is not returned");
+    }
+
+    /// Design §95: a cancelled job's handler that has not stopped keeps what its job held, renewed
+    /// through `extend_cancelled` while its task exists, and is asked about no more once that
+    /// holds nothing; its outcome is never written, and its executor gives the permit back.
+    #[test]
+    fn a_cancelled_delivery_whose_handler_still_runs_keeps_its_permit_renewed() {
+        let set = InFlight::default();
+        let now = Instant::now();
+        let (d, c) = (delivery(1), ctx(1));
+        set.insert_waiting(&d, now + Duration::from_secs(2));
+        assert_eq!(set.start(&d, c.clone(), now), Start::Run);
+        let alive = Arc::new(());
+        set.handler_started(&d, &alive);
+        let cancelled = Renewal { cancelled: vec![1], ..Renewal::default() };
+        assert_eq!(set.renewed(&d.queue, &[(1, 1)], &cancelled, now).cancelled, 1);
+        assert_eq!(c.cancel_reason(), Some(CancelReason::Cancelled));
+        assert!(set.renewable(Renew::All).is_empty(), "its message is gone: not renewed by extend");
+        assert!(set.lease_until(&d).is_none(), "nothing may be written for it");
+        assert_eq!(set.cancelled_running().get(&d.queue), Some(&vec![(1, 1)]));
+        assert!(set.any_handler_alive(), "a runtime shut down meanwhile still renews for it");
+        // Renewed, then skipped by a busy row: still asked about.
+        assert_eq!(set.cancelled_renewed(&d.queue, &[(1, 1)], &[(1, false)]), 1);
+        assert_eq!(set.cancelled_renewed(&d.queue, &[(1, 1)], &[(1, true)]), 0);
+        assert_eq!(set.cancelled_running().len(), 1);
+        // The handler's task is gone: not asked about; its executor gives the permit back.
+        drop(alive);
+        assert!(set.cancelled_running().is_empty());
+        assert_eq!(set.begin_finishing(&d), Finish::Lost);
+        assert_eq!(set.len(), 0);
+        // Held nothing any more (its lease ran out): lost, asked about no more.
+        let d2 = delivery(2);
+        set.insert_waiting(&d2, now + Duration::from_secs(2));
+        assert_eq!(set.start(&d2, ctx(2), now), Start::Run);
+        let _alive = Arc::new(());
+        set.handler_started(&d2, &_alive);
+        set.renewed(&d2.queue, &[(2, 1)], &Renewal { cancelled: vec![2], ..Renewal::default() }, now);
+        assert_eq!(set.cancelled_renewed(&d2.queue, &[(2, 1)], &[]), 0);
+        assert!(set.cancelled_running().is_empty());
+        assert!(!set.any_handler_alive(), "a lost delivery has nothing to renew");
     }
 
     #[test]
@@ -515,9 +583,13 @@ mod tests {
         assert_eq!(set.stop_running(), 2);
         assert!(set.take_stopped().is_empty(), "nothing returned while handlers run");
         assert_eq!(set.begin_finishing(&ended), Finish::Shutdown);
-        set.stopped(&ended, true);
-        set.stopped(&stuck, false);
+        set.stopped(&ended);
         assert_eq!(set.take_stopped(), vec![ended]);
-        assert!(set.lease_until(&stuck).is_none(), "a handler that would not stop is not returned");
+        // A handler that will not stop is still renewed, and returned only once it has ended.
+        assert!(set.lease_until(&stuck).is_some());
+        assert!(set.renewable(Renew::All)[&stuck.queue].contains(&(2, 1)));
+        assert_eq!(set.begin_finishing(&stuck), Finish::Shutdown);
+        set.stopped(&stuck);
+        assert_eq!(set.take_stopped(), vec![stuck]);
     }
 }

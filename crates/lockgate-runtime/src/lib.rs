@@ -33,7 +33,7 @@ pub use builder::RuntimeBuilder;
 pub use client::Client;
 pub use config::{PoolConfig, RuntimeConfig};
 pub use error::{EnqueueError, RuntimeError};
-pub use handler::{CancelReason, JobContext, JobError, RawHandler, Registry};
+pub use handler::{CancelReason, JobContext, JobError, RawHandler, Registry, RunHold};
 pub use job::{Handler, Job};
 pub use metrics::Metrics;
 pub use supervisor::Runtime;

@@ -43,6 +43,7 @@ use crate::{CancelReason, Handler, Job, JobContext, JobError};
 pub fn context<J: Job>() -> JobContext {
     let policy = J::policy();
     JobContext {
+        run: std::sync::Weak::new(),
         job_id: JobId(0),
         job_type: J::TYPE.to_string(),
         queue: policy.queue.as_str().to_string(),

@@ -306,6 +306,29 @@ pub async fn cancelled_messages<'c>(
     .await
 }
 
+/// `lockgate.extend_cancelled`: renews the permit lease and while_executing lock that cancelled
+/// running deliveries `(msg_id, read_ct)` of `queue` kept for their handlers, which have not
+/// ended yet. Returns the deliveries that still hold something, each with whether it was skipped
+/// (busy: another statement held its rows); the others hold nothing any more.
+pub async fn extend_cancelled<'c>(
+    db: impl Into<Db<'c>>,
+    queue: &str,
+    held: &[(i64, i32)],
+    visibility: std::time::Duration,
+) -> Result<Vec<(i64, bool)>, DbError> {
+    on(db.into(), async |conn| {
+        let (ids, cts): (Vec<i64>, Vec<i32>) = held.iter().copied().unzip();
+        Ok(query_as("SELECT msg_id, busy FROM lockgate.extend_cancelled($1, $2, $3, $4)")
+            .bind(queue)
+            .bind(ids)
+            .bind(cts)
+            .bind(visibility.as_secs_f64())
+            .fetch_all(conn)
+            .await?)
+    })
+    .await
+}
+
 /// `lockgate.discard_job(id)`: deletes a dead or parked job for good. `None` for an unknown id;
 /// otherwise the state the job was in and whether it was discarded (only dead and parked jobs are).
 pub async fn discard_job<'c>(db: impl Into<Db<'c>>, id: JobId) -> Result<Option<(String, bool)>, DbError> {

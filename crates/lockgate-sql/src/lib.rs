@@ -39,8 +39,8 @@ pub use job_types::{
     define_job_type, define_job_type_if_missing, define_job_types, job_type_exists, load_job_types, remove_job_type,
 };
 pub use jobs::{
-    cancel, cancel_jobs, cancelled_messages, discard_job, job, jobs, release_cancelled, return_unstarted, Cancelled,
-    CancelledCount, JobFilter, JobRecord, JOB_STATES,
+    cancel, cancel_jobs, cancelled_messages, discard_job, extend_cancelled, job, jobs, release_cancelled,
+    return_unstarted, Cancelled, CancelledCount, JobFilter, JobRecord, JOB_STATES,
 };
 pub use maintenance::{prune_archive, reap_batches, reap_unique_locks, reclaim_idle_keys};
 pub use migrate::{

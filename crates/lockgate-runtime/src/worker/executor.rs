@@ -2,7 +2,7 @@
 //! the job type's timeout and the delivery's cancellation signal, then write exactly one final
 //! statement — complete, retry in place, or dead-letter — fenced on the delivery's token.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use lockgate_core::{Claim, JobHeaders, JobPolicy};
@@ -99,6 +99,8 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         let made = i32::try_from(attempt - 1).unwrap_or(i32::MAX);
         return dead_letter_now(&shared, &claim, claimed_at, dead, made).await;
     }
+    // The attempt's liveness: moved into the handler's task, cloned by its holds.
+    let alive = Arc::new(());
     let ctx = JobContext {
         job_id: headers.job_id,
         job_type: headers.job_type.clone(),
@@ -109,6 +111,7 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         cancel: CancellationToken::new(),
         reason: Default::default(),
         lease: Arc::new(tokio::sync::watch::channel(claimed_at).0),
+        run: Arc::downgrade(&alive),
     };
     let metrics = shared.metrics.job(claim.queue.as_str(), &headers.job_type);
     match shared.in_flight.start(&delivery, ctx.clone(), Instant::now()) {
@@ -152,7 +155,7 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
                 shared.completer.submit(delivery, finished).await;
             }
             Finish::Lost => give_back_if_cancelled(&shared.db, &delivery).await,
-            Finish::Shutdown => shared.in_flight.stopped(&delivery, true),
+            Finish::Shutdown => shared.in_flight.stopped(&delivery),
         }
         return;
     }
@@ -163,8 +166,8 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
     }
     observe_start_latency(&metrics, &claim);
     let started = Instant::now();
-    let alive = shared.in_flight.handler_started(&delivery);
-    let (result, ended) = run_handler(&shared, &ctx, &policy, args, alive).await;
+    shared.in_flight.handler_started(&delivery, &alive);
+    let result = run_handler(&shared, &ctx, &policy, args, alive).await;
     let duration = started.elapsed();
     metrics.duration.observe(duration.as_secs_f64());
     match shared.in_flight.begin_finishing(&delivery) {
@@ -172,28 +175,18 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         Finish::Lost => {
             // Its lease is lost or fenced: this delivery may write nothing more.
             let reason = ctx.cancel_reason().map_or_else(|| "none".to_string(), |r| r.to_string());
-            tracing::info!(job_id = ctx.job_id.0, %reason, ended, "delivery given up without an outcome");
+            tracing::info!(job_id = ctx.job_id.0, %reason, "delivery given up without an outcome");
             if ctx.cancel_reason() == Some(CancelReason::Cancelled) {
                 metrics.cancelled.inc();
             }
-            if ended {
-                // Whatever stopped it first (a timeout, shutdown, a lapsed lease), its job may have
-                // been cancelled meanwhile; then the permit it kept goes back now.
-                give_back_if_cancelled(&shared.db, &delivery).await;
-            } else {
-                tracing::warn!(job_id = ctx.job_id.0, "the cancelled handler did not stop within its grace");
-            }
+            // Whatever stopped it first (a timeout, shutdown, a lapsed lease), its job may have
+            // been cancelled meanwhile; then the permit it kept goes back now that it has ended.
+            give_back_if_cancelled(&shared.db, &delivery).await;
             return;
         }
         Finish::Shutdown => {
-            // Returned to its queue by the pool only if the handler really ended (H30).
-            shared.in_flight.stopped(&delivery, ended);
-            if !ended {
-                tracing::warn!(
-                    job_id = ctx.job_id.0,
-                    "handler did not stop within its grace: not returned to its queue, its visibility lapses instead"
-                );
-            }
+            // Its handler has ended: the pool returns it to its queue (H30).
+            shared.in_flight.stopped(&delivery);
             return;
         }
     }
@@ -232,24 +225,27 @@ fn observe_start_latency(metrics: &JobMetrics, claim: &Claim) {
 }
 
 /// Runs the handler until it returns, its timeout passes, or its cancellation fires (then it
-/// gets `CANCEL_GRACE` to return on its own before it is aborted). Also says whether the handler
-/// has ended: false only when an aborted handler's task was still not gone after `ABORT_WAIT`
-/// (it blocks its thread), so the delivery must not be given to anyone else by this process.
+/// gets `CANCEL_GRACE` to return on its own before it is aborted, unless work of it is held,
+/// `JobContext::hold`: a command's group still dying, a statement still ending, which the abort
+/// would cut short). Returns only once the handler's task is gone and no hold of its attempt is
+/// left: a task that blocks its thread cannot be aborted, and is waited for (`until_gone`), so
+/// that nothing is written or given back for its delivery while it still runs.
 async fn run_handler(
     shared: &Shared,
     ctx: &JobContext,
     policy: &JobPolicy,
     args: serde_json::Value,
     alive: Arc<()>,
-) -> (Result<(), HandlerFailure>, bool) {
+) -> Result<(), HandlerFailure> {
     let Some(handler) = shared.registry.handler(&ctx.job_type) else {
         let msg = format!("no handler for job type {:?} in this process", ctx.job_type);
-        return (Err(HandlerFailure::Failed(JobError::new(msg))), true);
+        return Err(HandlerFailure::Failed(JobError::new(msg)));
     };
     let mut call = handler(ctx.clone(), args);
     let timeout = policy.timeout;
     let timed_out = |limit: Duration| HandlerFailure::Failed(JobError::new(format!("timed out after {limit:?}")));
     let timed_ctx = ctx.clone();
+    let run = Arc::downgrade(&alive);
     // The handler runs in a task of its own, so a panic is caught as a failed attempt (instead of
     // leaving the delivery in flight forever) and cancellation can abort it.
     // `alive` lives as long as the task does, a task that blocks its thread past the runtime's
@@ -273,27 +269,84 @@ async fn run_handler(
             None => call.await,
         }
     }));
-    tokio::select! {
+    let result = tokio::select! {
         biased;
-        joined = &mut task.0 => (joined_result(joined), true),
+        joined = &mut task.0 => joined_result(joined),
         () = ctx.cancelled() => {
             // Let the handler see the signal and wind down; then stop it, and wait until its
             // task is really gone (its destructors, such as a command's kill, have run).
             match tokio::time::timeout(CANCEL_GRACE, &mut task.0).await {
-                Ok(joined) => (joined_result(joined), true),
+                Ok(joined) => joined_result(joined),
                 Err(_) => {
-                    task.0.abort();
-                    let ended = tokio::time::timeout(ABORT_WAIT, &mut task.0).await.is_ok();
-                    let failure = match (ctx.cancel_reason(), timeout) {
-                        (Some(CancelReason::Timeout), Some(limit)) => timed_out(limit),
-                        _ => HandlerFailure::Failed(JobError::new("cancelled")),
-                    };
-                    (Err(failure), ended)
+                    // The task's own reference, and holds: work winding down that must not be
+                    // cut short. Left to end, and its outcome kept.
+                    let held = run.strong_count() > 1;
+                    if !held {
+                        task.0.abort();
+                    }
+                    let joined = until_ended(
+                        async {
+                            let joined = (&mut task.0).await;
+                            released(&run).await;
+                            joined
+                        },
+                        ctx,
+                    )
+                    .await;
+                    match (held, ctx.cancel_reason(), timeout) {
+                        (true, _, _) => joined_result(joined),
+                        (false, Some(CancelReason::Timeout), Some(limit)) => Err(timed_out(limit)),
+                        (false, _, _) => Err(HandlerFailure::Failed(JobError::new("cancelled"))),
+                    }
                 }
             }
         }
+    };
+    // Work of the attempt held past its task (`JobContext::hold`) ends before anything is written.
+    if run.strong_count() > 0 {
+        until_ended(released(&run), ctx).await;
+    }
+    result
+}
+
+/// Resolves once no hold of the attempt is left (`JobContext::hold`), the task's own included.
+async fn released(run: &Weak<()>) {
+    while run.strong_count() > 0 {
+        tokio::time::sleep(HOLD_POLL).await;
     }
 }
+
+/// Waits for the end of a stopped attempt: its handler's task gone and its holds released. One
+/// not over within `ABORT_WAIT` blocks its thread (a synchronous call, CPU work not moved to
+/// `spawn_blocking`) and cannot be stopped, or holds work still ending: its delivery stays in
+/// flight meanwhile, so the heartbeat renews its visibility and permit (those a cancelled job
+/// kept included) and no job of its key starts beside it; its outcome, return or give-back waits
+/// until it ends (design §95). Warned about, at growing intervals.
+async fn until_ended<T>(ended: impl std::future::Future<Output = T>, ctx: &JobContext) -> T {
+    let since = Instant::now();
+    tokio::pin!(ended);
+    let mut wait = ABORT_WAIT;
+    loop {
+        match tokio::time::timeout(wait, &mut ended).await {
+            Ok(joined) => return joined,
+            Err(_) => tracing::warn!(
+                job_id = ctx.job_id.0,
+                reason = %ctx.cancel_reason().map_or_else(|| "none".to_string(), |r| r.to_string()),
+                waited_ms = since.elapsed().as_millis() as u64,
+                "a handler told to stop has not ended: it blocks its thread (run blocking work in \
+                 tokio::task::spawn_blocking and check JobContext::is_cancelled), or work it holds \
+                 (JobContext::hold) is still ending; its job stays leased, and its outcome waits, until it ends"
+            ),
+        }
+        wait = (wait * 2).min(MAX_WARN_INTERVAL);
+    }
+}
+
+/// How often the end of an attempt's holds is looked for.
+const HOLD_POLL: Duration = Duration::from_millis(5);
+
+/// The longest interval between two warnings about a handler that will not stop.
+const MAX_WARN_INTERVAL: Duration = Duration::from_secs(60);
 
 /// Aborts the handler's task when the executor stops waiting for it.
 struct AbortOnDrop(tokio::task::JoinHandle<Result<(), HandlerFailure>>);

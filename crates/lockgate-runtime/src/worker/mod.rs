@@ -23,8 +23,9 @@
 //! claimed ahead at once; give running jobs `shutdown_timeout`; then cancel the rest, wait for
 //! each handler to end (a command's whole process group killed and reaped), and return only
 //! those, visible at once, in one fenced statement per queue that lands before `run` returns
-//! (H30); a handler that will not stop within its grace is not returned, and its visibility
-//! lapses instead. Finishing jobs land their outcome; the completer stops last.
+//! (H30); a handler that will not stop within its grace (it blocks its thread, and cannot be
+//! aborted) is waited for, its delivery renewed meanwhile, and returned once it has ended (design
+//! §95). Finishing jobs land their outcome; the completer stops last.
 
 mod completer;
 pub(crate) mod executor;
@@ -124,8 +125,8 @@ impl WorkerPool {
         if tokio::time::timeout(shared.config.shutdown_timeout, tracker.wait()).await.is_err() {
             let cancelled = shared.in_flight.stop_running();
             tracing::info!(pool = %config.name, cancelled, "shutdown_timeout passed; cancelling running jobs");
-            // Every executor ends once its handler has ended, or once it gave up on one that
-            // would not stop (H30); only then are the stopped ones returned.
+            // Every executor ends once its handler has ended, however long one that blocks its
+            // thread takes (H30, design §95); only then are the stopped ones returned.
             tracker.wait().await;
             return_stopped(&shared).await;
         }
