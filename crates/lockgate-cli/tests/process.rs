@@ -1035,3 +1035,48 @@ async fn an_sql_statement_that_catches_its_cancel_still_ends_with_its_attempt() 
     signal(&first, "TERM");
     assert!(wait_exit(&mut first).await.success());
 }
+
+/// Review helper-104 (F1): a terminated statement that checks for interrupts only after a long
+/// computation (an `md5` of 300 MB, which never does) ran on in its backend after the handler's
+/// grace: the handler was aborted 100 ms after its cancel, and the job's retry ran beside it on a
+/// key limited to 1. The sql executor now holds its attempt (`JobContext::hold`) until the
+/// statement has ended on the server, so the handler is waited for rather than aborted, and the
+/// terminated connection is closed rather than given back to the pool.
+#[tokio::test]
+async fn an_sql_statement_slow_to_end_after_its_terminate_holds_its_key_until_it_has() {
+    // The string is built within the timeout (outside the block that catches the cancel), and the
+    // retry is claimed within milliseconds of its writing, well inside the 0.5 s the md5 takes.
+    let setup = Setup::with_job_type(
+        "visibility_timeout = \"2s\"\nheartbeat_interval = \"300ms\"\nshutdown_timeout = \"1s\"\n\
+         poll_interval = \"20ms\"\nhealth_listen = \"off\"",
+        "sql = \"SELECT slow_to_end($1), 'sql-probe'\"\ntimeout = \"1500ms\"\nmax_attempts = 2\n\
+         backoff = { base = \"1ms\", max = \"1ms\" }\nconcurrency = { limit = 1 }",
+    );
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "CREATE FUNCTION slow_to_end(jsonb) RETURNS void LANGUAGE plpgsql AS $$
+         DECLARE
+             s text := repeat('x', 300000000);
+         BEGIN
+             PERFORM pg_sleep(30);
+         EXCEPTION WHEN query_canceled THEN
+             PERFORM md5(s);
+             PERFORM pg_sleep(30);
+         END $$;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut first = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'", 1, WAIT)
+        .await
+        .unwrap();
+    assert!(output(&db, &["enqueue", "task", "{}"]).status.success());
+    assert_eq!(
+        most_running_until_dead_lettered(&db).await,
+        1,
+        "a terminated attempt's statement ran beside the next attempt"
+    );
+    signal(&first, "TERM");
+    assert!(wait_exit(&mut first).await.success());
+}

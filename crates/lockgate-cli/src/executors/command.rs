@@ -38,7 +38,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use lockgate::{JobContext, JobError, RawHandler};
+use lockgate::{JobContext, JobError, RawHandler, RunHold};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use serde_json::Value;
@@ -188,7 +188,7 @@ async fn write_line(pipe: &mut ChildStdin, line: &str) -> std::io::Result<()> {
 /// go on until `until` before the program starts, and its group once it has: a lockgate frozen
 /// or killed in between leaves a run the watchdog still ends, by its mark. A program the watchdog
 /// cannot be told of is not started, or killed.
-async fn spawn_watched(command: &mut Command, until: Instant) -> Result<(Child, Group), String> {
+async fn spawn_watched(command: &mut Command, until: Instant, hold: RunHold) -> Result<(Child, Group), String> {
     let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     {
         let mut watched = WATCHDOG.lock().await;
@@ -210,7 +210,7 @@ async fn spawn_watched(command: &mut Command, until: Instant) -> Result<(Child, 
         forget(run).await;
         return Err("it exited before it could be tracked".to_string());
     };
-    let mut group = Group::new(pgid, run);
+    let mut group = Group::new(pgid, run, hold);
     let told = {
         let mut watched = WATCHDOG.lock().await;
         if let Some(entry) = watched.runs.as_mut().and_then(|r| r.get_mut(&run)) {
@@ -269,12 +269,18 @@ struct Group {
     pgid: u32,
     run: u64,
     gone: bool,
+    /// Holds the attempt in flight while any process of the group may be alive: its handler is
+    /// not aborted meanwhile, and nothing is written for its job until the group is gone (H30,
+    /// design §95). A process can take far longer than the handler's grace to die after SIGKILL
+    /// (gigabytes to unmap, an uninterruptible I/O wait), holding its files and locks (review
+    /// helper-104).
+    hold: Option<RunHold>,
 }
 
 impl Group {
-    fn new(pgid: u32, run: u64) -> Self {
+    fn new(pgid: u32, run: u64, hold: RunHold) -> Self {
         groups().get_or_insert_with(HashSet::new).insert(pgid);
-        Self { pgid, run, gone: false }
+        Self { pgid, run, gone: false, hold: Some(hold) }
     }
 
     /// Kills every process of the group, reaps the program, and waits until no process of the
@@ -295,10 +301,21 @@ impl Group {
 impl Drop for Group {
     fn drop(&mut self) {
         if !self.gone {
-            // Dropped mid-run: the program itself is reaped by tokio (`kill_on_drop`).
+            // Dropped mid-run: the program itself is reaped by tokio (`kill_on_drop`); the
+            // attempt stays held until no process of the group is alive.
             kill_group(self.pgid);
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 runtime.spawn(forget(self.run));
+            }
+            let (pgid, hold) = (self.pgid, self.hold.take());
+            let waited = std::thread::Builder::new().name("lockgate-reap".into()).spawn(move || {
+                while group_alive(pgid) {
+                    std::thread::sleep(REAP_POLL);
+                }
+                drop(hold);
+            });
+            if let Err(e) = waited {
+                tracing::warn!(pgid, error = %e, "could not wait for a killed command's processes to end");
             }
         }
         if let Some(set) = groups().as_mut() {
@@ -393,8 +410,9 @@ impl CommandExecutor {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
-        let (mut child, mut group) =
-            spawn_watched(&mut command, until).await.map_err(|e| JobError::new(format!("{program}: {e}")))?;
+        let (mut child, mut group) = spawn_watched(&mut command, until, ctx.hold())
+            .await
+            .map_err(|e| JobError::new(format!("{program}: {e}")))?;
         let run = group.run;
         // stderr is read from the start (a full pipe would block the program) and kept apart,
         // since a process the program left behind may hold it open until the group is killed.

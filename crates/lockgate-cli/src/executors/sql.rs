@@ -162,12 +162,20 @@ const CLIENT_CHECK: &str = "100ms";
 /// How long a cancelled statement may take to end before its backend is terminated.
 const CANCEL_WAIT: std::time::Duration = std::time::Duration::from_millis(30);
 
+/// How often a terminated backend's exit is looked for.
+const EXIT_POLL: std::time::Duration = std::time::Duration::from_millis(5);
+
 impl SqlExecutor {
     pub fn new(db: PgPool, statement: String) -> Self {
         Self { db, statement }
     }
 
     async fn run(&self, ctx: JobContext, args: Value) -> Result<(), JobError> {
+        // Held until the statement has ended on the server: the handler is not aborted while its
+        // backend may still run it (a statement that checks for interrupts only now and then
+        // outlives the handler's grace), and nothing is written for the job before (review
+        // helper-104, design §95).
+        let _hold = ctx.hold();
         let mut conn = self.db.acquire().await?;
         // In a transaction of its own under transaction pooling (the pooled path of
         // lockgate_sql::pooler), so that the statement and the backend pid it is cancelled by are
@@ -177,12 +185,25 @@ impl SqlExecutor {
             let ran = self.watched(&mut tx, &ctx, args, true).await;
             match ran {
                 Ok(()) => tx.commit().await?,
-                Err(e) => {
+                Err(Stopped::Terminated(e)) => {
+                    drop(tx);
+                    conn.close_on_drop();
+                    return Err(e);
+                }
+                Err(Stopped::Failed(e)) => {
                     let _ = tx.rollback().await;
                     return Err(e);
                 }
             }
-        } else if let Err(e) = self.watched(&mut conn, &ctx, args, false).await {
+        } else if let Err(stopped) = self.watched(&mut conn, &ctx, args, false).await {
+            let e = match stopped {
+                Stopped::Failed(e) => e,
+                Stopped::Terminated(e) => {
+                    // Its backend is gone: the connection is closed, not given back to be tested.
+                    conn.close_on_drop();
+                    return Err(e);
+                }
+            };
             // A session that is read-only (its database or role made it so when it began, and
             // it stays so whatever the server does since) is closed, not given back: every job
             // lent it would fail (review helper-90). One statement, on failures only.
@@ -210,7 +231,7 @@ impl SqlExecutor {
         ctx: &JobContext,
         args: Value,
         local: bool,
-    ) -> Result<(), JobError> {
+    ) -> Result<(), Stopped> {
         let check = conn.server_version_num().is_some_and(|v| v >= 140_000);
         let backend: i32 = if check {
             query_scalar("SELECT pg_backend_pid() FROM set_config('client_connection_check_interval', $1, $2)")
@@ -242,15 +263,38 @@ impl SqlExecutor {
         // A statement may catch the cancel (plpgsql's `EXCEPTION WHEN query_canceled`) and run
         // on: past a short wait its backend is terminated, which no statement can catch (review
         // helper-78). Both fit in the handler's grace.
+        let error = JobError::new(format!("its statement was cancelled ({reason})"));
         if tokio::time::timeout(CANCEL_WAIT, &mut running).await.is_err() {
             let terminated =
                 query_scalar::<bool>("SELECT pg_terminate_backend($1)").bind(backend).fetch_one(&self.db).await;
             if let Err(e) = terminated {
                 tracing::warn!(backend, error = %e, "a cancelled job's SQL statement could not be ended on the server");
             }
+            // Resolves once the backend has sent its termination; it exits just after (its
+            // transaction, and the locks it held, end on the way): waited for, so the next run of
+            // the job or its key never meets it still running (review helper-104).
             let _ = running.await;
+            let listed = "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)";
+            while query_scalar::<bool>(listed).bind(backend).fetch_one(&self.db).await.unwrap_or(false) {
+                tokio::time::sleep(EXIT_POLL).await;
+            }
+            return Err(Stopped::Terminated(error));
         }
-        Err(JobError::new(format!("its statement was cancelled ({reason})")))
+        Err(Stopped::Failed(error))
+    }
+}
+
+/// How a watched statement did not succeed.
+enum Stopped {
+    /// It failed, or was cancelled and ended: its connection is usable.
+    Failed(JobError),
+    /// Its backend was terminated (the statement would not end on cancel): the connection is dead.
+    Terminated(JobError),
+}
+
+impl<E: Into<JobError>> From<E> for Stopped {
+    fn from(e: E) -> Self {
+        Self::Failed(e.into())
     }
 }
 
