@@ -202,7 +202,7 @@ impl Run<'_> {
                 self.claimed(worker, queue, rows, started).await
             }
             Op::ClaimRacingSweep { worker, queue, qty } => self.claim_racing_sweep(*worker, *queue, *qty).await,
-            Op::Extend { mask } => self.extend(*mask).await,
+            Op::Extend { mask, blocked } => self.extend(*mask, *blocked).await,
             Op::Finish { pick, how } => {
                 let Some(i) = pick_from(&self.model.running(), *pick).copied() else {
                     return Ok("no running delivery: nothing to do".into());
@@ -518,6 +518,7 @@ impl Run<'_> {
                 wkey: r.headers.get("wkey").and_then(serde_json::Value::as_str).map(str::to_string),
                 holder: Holder::Running,
                 cancelled: false,
+                blocked: false,
             };
             let id = self.model.add_delivery(delivery, r.budget);
             if self.model.deliveries[id].wkey.is_some() {
@@ -779,6 +780,44 @@ impl Run<'_> {
     /// refused its finish): the worker gives back what a cancel kept for it, as the runtime does
     /// (`give_back_if_cancelled`). (f) Only the delivery its job was cancelled in may release
     /// anything. Returns what it said, for the trace.
+    /// The heartbeat of delivery i, whose handler was told of its cancel and blocks on, renews
+    /// what the cancel kept (`lockgate.extend_cancelled`): it must answer exactly while the kept
+    /// lease or while_executing lock is live (h, f), and leave it live; answered nothing, the
+    /// holder is no longer entitled (what it kept ran out: the frozen-process case).
+    async fn extend_cancelled(&mut self, i: usize, problems: &mut Vec<String>) -> Result<String> {
+        let d = self.model.deliveries[i].clone();
+        let kept = || {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM lockgate.leases WHERE queue = $1 AND msg_id = $2 AND expires_at > clock_timestamp())
+                     OR EXISTS (SELECT 1 FROM lockgate.unique_locks WHERE queue = $1 AND msg_id = $2
+                                   AND mode = 'while_executing' AND held_until > clock_timestamp())",
+            )
+            .bind(d.queue.name())
+            .bind(d.msg_id)
+        };
+        let live = kept().fetch_one(&mut self.c.observer).await?;
+        let answer = db::extend_cancelled(&mut self.c.workers[d.worker], d.queue, d.msg_id, d.read_ct).await?;
+        *self.stats.entry("blocked cancelled handler renewed").or_default() += 1;
+        let renewed = answer.iter().any(|(m, _)| *m == d.msg_id);
+        if live && !renewed && self.checks.on('h') {
+            problems.push(format!(
+                "(h) extend_cancelled of {} answered nothing while what its cancel kept was live",
+                d.describe()
+            ));
+        }
+        if renewed && !live && self.checks.on('f') {
+            problems
+                .push(format!("(f) extend_cancelled of {} renewed what was no longer held: {answer:?}", d.describe()));
+        }
+        if renewed && !kept().fetch_one(&mut self.c.observer).await? && self.checks.on('h') {
+            problems.push(format!("(h) extend_cancelled of {} answered, but left nothing live", d.describe()));
+        }
+        if !renewed {
+            self.model.deliveries[i].holder = Holder::Fenced("what its cancel kept ran out".into());
+        }
+        Ok(format!("d{} (cancelled, blocking) renewed: {answer:?}", d.id))
+    }
+
     async fn release_cancelled(&mut self, i: usize, problems: &mut Vec<String>) -> Result<String> {
         let d = self.model.deliveries[i].clone();
         let gave: bool = sqlx::query_scalar("SELECT lockgate.release_cancelled($1, $2, $3)")
@@ -849,7 +888,7 @@ impl Run<'_> {
         Ok(format!("sweep {swept}; claim {} -> {said}", if waited { "waited for the sweep" } else { "did not wait" }))
     }
 
-    async fn extend(&mut self, mask: u8) -> Result<String> {
+    async fn extend(&mut self, mask: u8, blocked: bool) -> Result<String> {
         let picked: Vec<usize> = self
             .model
             .running()
@@ -862,13 +901,25 @@ impl Run<'_> {
         if picked.is_empty() {
             return Ok("no running delivery picked: nothing to do".into());
         }
+        let mut said = Vec::new();
+        let mut problems = Vec::new();
+        // Handlers that were told of their cancel and block on: their heartbeat renews what the
+        // cancel kept, while they still block; otherwise they have ended (design §95).
+        let (told, picked): (Vec<usize>, Vec<usize>) =
+            picked.into_iter().partition(|&i| self.model.deliveries[i].blocked);
+        for i in told {
+            if blocked {
+                said.push(self.extend_cancelled(i, &mut problems).await?);
+            } else {
+                self.model.deliveries[i].holder = Holder::Fenced("its handler ended after its cancel".into());
+                said.push(self.release_cancelled(i, &mut problems).await?);
+            }
+        }
         let mut groups: BTreeMap<(usize, Queue), Vec<usize>> = BTreeMap::new();
         for i in picked {
             let d = &self.model.deliveries[i];
             groups.entry((d.worker, d.queue)).or_default().push(i);
         }
-        let mut said = Vec::new();
-        let mut problems = Vec::new();
         for ((worker, queue), ds) in groups {
             let mut healthy = Vec::new();
             for &i in &ds {
@@ -903,38 +954,46 @@ impl Run<'_> {
                                 d.describe()
                             ));
                         }
-                        d.holder = Holder::Fenced("its renewal said it was lost".into());
                         lost.push(i);
                     }
                 }
             }
+            let mut cancelled = Vec::new();
             if !lost.is_empty() && self.api.cancel {
                 // As the heartbeat does: which of the lost deliveries were cancelled, so their
-                // handlers learn why; once such a handler has ended, its worker gives back what
-                // the cancel kept for it. (h) Exactly the deliveries a job was cancelled in.
+                // handlers learn why. (h) Exactly the deliveries a job was cancelled in.
                 let (ids, cts): (Vec<i64>, Vec<i32>) =
                     lost.iter().map(|&i| (self.model.deliveries[i].msg_id, self.model.deliveries[i].read_ct)).unzip();
-                let cancelled: Vec<i64> = sqlx::query_scalar("SELECT lockgate.cancelled_messages($1, $2, $3)")
+                cancelled = sqlx::query_scalar("SELECT lockgate.cancelled_messages($1, $2, $3)")
                     .bind(queue.name())
                     .bind(ids)
                     .bind(cts)
                     .fetch_all(&mut self.c.workers[worker])
                     .await?;
-                for i in lost {
-                    let d = &self.model.deliveries[i];
-                    let told = cancelled.contains(&d.msg_id);
-                    if told != d.cancelled && self.checks.on('h') {
-                        problems.push(format!(
-                            "(h) the heartbeat found {} lost, and cancelled_messages said it was {}cancelled",
-                            d.describe(),
-                            if told { "" } else { "not " }
-                        ));
-                    }
-                    if told {
-                        *self.stats.entry("heartbeat told a holder of its cancel").or_default() += 1;
-                        let gave = self.release_cancelled(i, &mut problems).await?;
-                        said.push(format!("d{} told it was cancelled: {gave}", self.model.deliveries[i].id));
-                    }
+            }
+            for i in lost {
+                let d = &self.model.deliveries[i];
+                let told = cancelled.contains(&d.msg_id);
+                if self.api.cancel && told != d.cancelled && self.checks.on('h') {
+                    problems.push(format!(
+                        "(h) the heartbeat found {} lost, and cancelled_messages said it was {}cancelled",
+                        d.describe(),
+                        if told { "" } else { "not " }
+                    ));
+                }
+                if told && blocked && self.api.extend_cancelled {
+                    // Told, its handler does not stop: it runs on, keeping what its cancel kept.
+                    *self.stats.entry("cancelled handler blocking on").or_default() += 1;
+                    said.push(format!("d{} told it was cancelled: blocks on", d.id));
+                    self.model.deliveries[i].blocked = true;
+                    continue;
+                }
+                self.model.deliveries[i].holder = Holder::Fenced("its renewal said it was lost".into());
+                if told {
+                    // Once its handler has ended, its worker gives back what the cancel kept.
+                    *self.stats.entry("heartbeat told a holder of its cancel").or_default() += 1;
+                    let gave = self.release_cancelled(i, &mut problems).await?;
+                    said.push(format!("d{} told it was cancelled: {gave}", self.model.deliveries[i].id));
                 }
             }
         }
@@ -1153,6 +1212,10 @@ impl Run<'_> {
                 let answer: Vec<i64> = renewed.iter().filter(|(_, b)| b.is_some()).map(|(m, _)| *m).collect();
                 format!("{answer:?}")
             }
+            StaleAction::ExtendCancelled if self.api.extend_cancelled => {
+                format!("{:?}", db::extend_cancelled(conn, d.queue, d.msg_id, d.read_ct).await?)
+            }
+            StaleAction::ExtendCancelled => return Ok("no lockgate.extend_cancelled: nothing to do".into()),
         };
         let after = db::snapshot(&mut self.c.observer).await?;
         if self.checks.on('f') {
@@ -1556,7 +1619,7 @@ fn h25_model_a_stale_renewal_keeps_no_lease_alive() {
 fn h26_model_a_prune_never_hands_a_healthy_delivery_to_another_worker() {
     replay_known_schedules(vec![(
         "worker 0 runs M; its registry row goes silent; prune; worker 1 claims",
-        schedule(1, vec![LIM0, claim(0), Op::Prune { worker: 0 }, claim(1), Op::Extend { mask: 0xff }]),
+        schedule(1, vec![LIM0, claim(0), Op::Prune { worker: 0 }, claim(1), Op::Extend { mask: 0xff, blocked: false }]),
     )]);
 }
 
@@ -1711,7 +1774,40 @@ fn g3_model_a_cancelled_running_job_keeps_its_permit_until_its_handler_stopped()
              heartbeat reports it cancelled, its worker gives back the permit; B runs",
             schedule(
                 1,
-                vec![LIM0, claim(0), CANCEL_A, LIM0, Op::Sweep, claim(1), Op::Extend { mask: 1 }, Op::Sweep, claim(1)],
+                vec![
+                    LIM0,
+                    claim(0),
+                    CANCEL_A,
+                    LIM0,
+                    Op::Sweep,
+                    claim(1),
+                    Op::Extend { mask: 1, blocked: false },
+                    Op::Sweep,
+                    claim(1),
+                ],
+            ),
+        ),
+        (
+            "A runs under limit 1 and is cancelled; B parks; A's heartbeat tells it, and its handler blocks on: \
+             its heartbeats renew the kept permit through sweeps and claims, which run nothing; then it ends and \
+             its worker gives the permit back; B runs (design §95)",
+            schedule(
+                1,
+                vec![
+                    LIM0,
+                    claim(0),
+                    CANCEL_A,
+                    LIM0,
+                    Op::Extend { mask: 1, blocked: true },
+                    Op::Sweep,
+                    claim(1),
+                    Op::Extend { mask: 1, blocked: true },
+                    Op::Sweep,
+                    claim(1),
+                    Op::Extend { mask: 1, blocked: false },
+                    Op::Sweep,
+                    claim(1),
+                ],
             ),
         ),
         (
@@ -1773,7 +1869,7 @@ fn g3_model_a_cancelled_while_executing_job_keeps_its_key_until_its_handler_stop
                     CANCEL_A,
                     Op::LapseVisibility { pick: 0 },
                     claim(1),
-                    Op::Extend { mask: 1 },
+                    Op::Extend { mask: 1, blocked: false },
                     Op::LapseVisibility { pick: 0 },
                     claim(1),
                 ],

@@ -55,6 +55,8 @@ pub struct Api {
     pub bookkeeping: bool,
     /// `lockgate.cancel` exists (issue 12).
     pub cancel: bool,
+    /// `lockgate.extend_cancelled` exists (design §95).
+    pub extend_cancelled: bool,
 }
 
 impl Api {
@@ -78,7 +80,12 @@ impl Api {
         let cancel: bool = sqlx::query_scalar("SELECT to_regprocedure('lockgate.cancel(bigint)') IS NOT NULL")
             .fetch_one(&mut *conn)
             .await?;
-        Ok(Self { claim_budget, extend_budget, bookkeeping, cancel })
+        let extend_cancelled: bool = sqlx::query_scalar(
+            "SELECT to_regprocedure('lockgate.extend_cancelled(text, bigint[], integer[], double precision)') IS NOT NULL",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        Ok(Self { claim_budget, extend_budget, bookkeeping, cancel, extend_cancelled })
     }
 }
 
@@ -148,6 +155,24 @@ pub async fn extend(
     }
     let rows = query.fetch_all(&mut *conn).await.context("lockgate.extend")?;
     Ok(rows.into_iter().map(|r| (r.get::<i64, _>(0), r.get::<Option<f64>, _>(1))).collect())
+}
+
+/// `lockgate.extend_cancelled` of one delivery: (msg_id, busy) if it still holds what its cancel
+/// kept (design §95).
+pub async fn extend_cancelled(
+    conn: &mut PgConnection,
+    queue: Queue,
+    msg_id: i64,
+    read_ct: i32,
+) -> Result<Vec<(i64, bool)>> {
+    sqlx::query_as("SELECT msg_id, busy FROM lockgate.extend_cancelled($1, ARRAY[$2::bigint], ARRAY[$3::integer], $4)")
+        .bind(queue.name())
+        .bind(msg_id)
+        .bind(read_ct)
+        .bind(VT_SECONDS)
+        .fetch_all(&mut *conn)
+        .await
+        .context("lockgate.extend_cancelled")
 }
 
 /// The msg_ids a fenced completion archived.

@@ -100,6 +100,8 @@ pub enum StaleAction {
     Release,
     DeadLetter,
     Extend,
+    /// `lockgate.extend_cancelled` (design §95): a stale token must renew nothing a cancel kept.
+    ExtendCancelled,
 }
 
 #[derive(Clone, Debug)]
@@ -117,8 +119,11 @@ pub enum Op {
     ClaimRacingSweep { worker: usize, queue: Queue, qty: u8 },
     /// A heartbeat renewing the running deliveries picked by the bits of `mask` (first 8). A
     /// delivery it finds lost stops; one whose job was cancelled (`cancelled_messages`) then gives
-    /// back what the cancel kept for it (`release_cancelled`).
-    Extend { mask: u8 },
+    /// back what the cancel kept for it (`release_cancelled`) — unless `blocked`: its handler,
+    /// told, does not stop (it blocks its thread), and runs on, renewed. A picked delivery whose
+    /// handler already blocks so is renewed through `extend_cancelled` while `blocked`; without,
+    /// its handler has ended, and gives back what its cancel kept (design §95).
+    Extend { mask: u8, blocked: bool },
     /// The holder of the `pick`-th running delivery finishes it; refused, it calls
     /// `release_cancelled`, as the runtime does.
     Finish { pick: usize, how: Finish },
@@ -234,7 +239,10 @@ impl fmt::Display for Op {
             Op::ClaimRacingSweep { worker, queue, qty } => {
                 write!(f, "claim {qty} from {} as worker {worker} racing an uncommitted sweep", queue.name())
             }
-            Op::Extend { mask } => write!(f, "extend running deliveries of mask {mask:#010b}"),
+            Op::Extend { mask, blocked: false } => write!(f, "extend running deliveries of mask {mask:#010b}"),
+            Op::Extend { mask, blocked: true } => {
+                write!(f, "extend running deliveries of mask {mask:#010b}, cancelled handlers blocking")
+            }
             Op::Finish { pick, how } => write!(f, "{how:?} running delivery #{pick}"),
             Op::FinishBehindProducer { pick, how, commit } => write!(
                 f,
@@ -293,6 +301,7 @@ fn stale_action() -> impl Strategy<Value = StaleAction> {
         Just(StaleAction::Release),
         Just(StaleAction::DeadLetter),
         Just(StaleAction::Extend),
+        Just(StaleAction::ExtendCancelled),
     ]
 }
 
@@ -305,7 +314,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (ty(), 0..2u8).prop_map(|(ty, k)| Op::EnqueueRolledBack { ty, k }),
         7 => (0..2usize, queue(), 1..4u8).prop_map(|(worker, queue, qty)| Op::Claim { worker, queue, qty }),
         2 => (0..2usize, queue(), 1..4u8).prop_map(|(worker, queue, qty)| Op::ClaimRacingSweep { worker, queue, qty }),
-        2 => any::<u8>().prop_map(|mask| Op::Extend { mask }),
+        2 => (any::<u8>(), any::<bool>()).prop_map(|(mask, blocked)| Op::Extend { mask, blocked }),
         5 => (0..8usize, finish()).prop_map(|(pick, how)| Op::Finish { pick, how }),
         2 => (0..8usize, finish(), any::<bool>())
             .prop_map(|(pick, how, commit)| Op::FinishBehindProducer { pick, how, commit }),

@@ -54,6 +54,10 @@ pub struct Delivery {
     /// holds (its permit) for its handler, and `lockgate.release_cancelled` with its token gives
     /// that back once the handler has ended.
     pub cancelled: bool,
+    /// Told of its cancel by a heartbeat, its handler did not stop (it blocks its thread): it
+    /// runs on, and its heartbeats renew what the cancel kept (`lockgate.extend_cancelled`) until
+    /// the handler ends (design §95).
+    pub blocked: bool,
 }
 
 impl Delivery {
@@ -70,7 +74,11 @@ impl Delivery {
             self.wkey.as_deref().map(|w| format!(" while_executing {w}")).unwrap_or_default(),
             self.worker,
             self.holder,
-            if self.cancelled { ", its job cancelled" } else { "" }
+            match (self.cancelled, self.blocked) {
+                (true, true) => ", its job cancelled, its handler blocking",
+                (true, false) => ", its job cancelled",
+                _ => "",
+            }
         )
     }
 }
