@@ -265,6 +265,17 @@ impl SqlExecutor {
         // helper-78). Both fit in the handler's grace.
         let error = JobError::new(format!("its statement was cancelled ({reason})"));
         if tokio::time::timeout(CANCEL_WAIT, &mut running).await.is_err() {
+            // The backend's start, so that its exit is not confused with a new backend given its
+            // pid (under a pooler, one that may live for hours).
+            let started = query_scalar::<Option<chrono::DateTime<chrono::Utc>>>(
+                "SELECT backend_start FROM pg_stat_activity WHERE pid = $1",
+            )
+            .bind(backend)
+            .fetch_optional(&self.db)
+            .await
+            .ok()
+            .flatten()
+            .flatten();
             let terminated =
                 query_scalar::<bool>("SELECT pg_terminate_backend($1)").bind(backend).fetch_one(&self.db).await;
             if let Err(e) = terminated {
@@ -274,8 +285,10 @@ impl SqlExecutor {
             // transaction, and the locks it held, end on the way): waited for, so the next run of
             // the job or its key never meets it still running (review helper-104).
             let _ = running.await;
-            let listed = "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)";
-            while query_scalar::<bool>(listed).bind(backend).fetch_one(&self.db).await.unwrap_or(false) {
+            let listed = "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2)";
+            while started.is_some()
+                && query_scalar::<bool>(listed).bind(backend).bind(started).fetch_one(&self.db).await.unwrap_or(false)
+            {
                 tokio::time::sleep(EXIT_POLL).await;
             }
             return Err(Stopped::Terminated(error));
