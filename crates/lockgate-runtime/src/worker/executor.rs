@@ -228,7 +228,7 @@ fn observe_start_latency(metrics: &JobMetrics, claim: &Claim) {
 /// gets `CANCEL_GRACE` to return on its own before it is aborted, unless work of it is held,
 /// `JobContext::hold`: a command's group still dying, a statement still ending, which the abort
 /// would cut short). Returns only once the handler's task is gone and no hold of its attempt is
-/// left: a task that blocks its thread cannot be aborted, and is waited for (`until_gone`), so
+/// left: a task that blocks its thread cannot be aborted, and is waited for (`until_ended`), so
 /// that nothing is written or given back for its delivery while it still runs.
 async fn run_handler(
     shared: &Shared,
@@ -316,12 +316,13 @@ async fn released(run: &Weak<()>) {
     }
 }
 
-/// Waits for the end of a stopped attempt: its handler's task gone and its holds released. One
-/// not over within `ABORT_WAIT` blocks its thread (a synchronous call, CPU work not moved to
-/// `spawn_blocking`) and cannot be stopped, or holds work still ending: its delivery stays in
+/// Waits for the end of an attempt: its handler's task gone and its holds released. One told to
+/// stop and not over within `ABORT_WAIT` blocks its thread (a synchronous call, CPU work not moved
+/// to `spawn_blocking`) and cannot be stopped, or holds work still ending: its delivery stays in
 /// flight meanwhile, so the heartbeat renews its visibility and permit (those a cancelled job
 /// kept included) and no job of its key starts beside it; its outcome, return or give-back waits
-/// until it ends (design §95). Warned about, at growing intervals.
+/// until it ends (design §95). Warned about, at growing intervals, once told to stop (held work
+/// an attempt goes on with after its handler returned is no fault by itself).
 async fn until_ended<T>(ended: impl std::future::Future<Output = T>, ctx: &JobContext) -> T {
     let since = Instant::now();
     tokio::pin!(ended);
@@ -329,14 +330,15 @@ async fn until_ended<T>(ended: impl std::future::Future<Output = T>, ctx: &JobCo
     loop {
         match tokio::time::timeout(wait, &mut ended).await {
             Ok(joined) => return joined,
-            Err(_) => tracing::warn!(
+            Err(_) if ctx.is_cancelled() => tracing::warn!(
                 job_id = ctx.job_id.0,
                 reason = %ctx.cancel_reason().map_or_else(|| "none".to_string(), |r| r.to_string()),
                 waited_ms = since.elapsed().as_millis() as u64,
-                "a handler told to stop has not ended: it blocks its thread (run blocking work in \
+                "an attempt told to stop has not ended: its handler blocks its thread (run blocking work in \
                  tokio::task::spawn_blocking and check JobContext::is_cancelled), or work it holds \
                  (JobContext::hold) is still ending; its job stays leased, and its outcome waits, until it ends"
             ),
+            Err(_) => {}
         }
         wait = (wait * 2).min(MAX_WARN_INTERVAL);
     }
