@@ -468,7 +468,7 @@ END $$;
 -- waits long: a callback's key held by another transaction makes the enqueue give up after
 -- 100 ms (lock_timeout, set for this call only: the caller's transaction keeps its own), and
 -- the batch stays pending for the next pass. Returns how many batches it finished or completed
--- the callbacks of.
+-- the callbacks of, each once.
 -- Locks: batch rows (SKIP LOCKED), then what the callbacks' enqueues lock.
 -- Callers: the bookkeeping sweep service, operators.
 CREATE OR REPLACE FUNCTION lockgate.batch_sweep(max_rows integer DEFAULT 100)
@@ -476,7 +476,7 @@ RETURNS integer LANGUAGE plpgsql SET lock_timeout = '100ms' AS $$
 DECLARE
     b lockgate.batches;
     done bigint;
-    repaired integer := 0;
+    repaired bigint[] := '{}';
 BEGIN
     -- FOR UPDATE SKIP LOCKED: a batch an enqueue still shares is passed over here, not taken
     -- into the LIMIT (a producer adding to many batches would otherwise fill it).
@@ -485,7 +485,7 @@ BEGIN
                    AND NOT EXISTS (SELECT 1 FROM lockgate.batch_jobs m WHERE m.batch_id = x.id AND m.outcome IS NULL)
                  ORDER BY x.id LIMIT max_rows FOR UPDATE SKIP LOCKED LOOP
         IF lockgate._finish_if_done(done) THEN
-            repaired := repaired + 1;
+            repaired := repaired || done;
         END IF;
     END LOOP;
     -- Those tried longest ago first: ordered by id, batches whose callbacks keep failing filled
@@ -494,10 +494,12 @@ BEGIN
               ORDER BY x.updated_at, x.id LIMIT max_rows FOR NO KEY UPDATE SKIP LOCKED LOOP
         PERFORM lockgate._enqueue_callbacks(b);
         IF NOT (SELECT x.callbacks_pending FROM lockgate.batches x WHERE x.id = b.id) THEN
-            repaired := repaired + 1;
+            repaired := repaired || b.id;
         END IF;
     END LOOP;
-    RETURN repaired;
+    -- A batch this pass finished and then completed the callbacks of counts once (review
+    -- helper-101).
+    RETURN (SELECT count(DISTINCT r) FROM unnest(repaired) r);
 END $$;
 
 -- The batch reaper (dispatcher): counts as failed the members of closed batches idle for

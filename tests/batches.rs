@@ -102,8 +102,16 @@ async fn callback_kinds(db: &PgPool, name: &str) -> Vec<String> {
 
 #[tokio::test]
 async fn h22_the_last_two_completions_racing_on_two_connections_enqueue_the_callbacks_once() {
-    for last_fails in [false, true] {
+    // With a limited callback type, the sweep that finishes the batch leaves its callbacks to its
+    // own second step, and counts the batch once all the same (review helper-101).
+    for (last_fails, limited) in [(false, false), (true, false), (false, true)] {
         let db = setup().await;
+        if limited {
+            sqlx::query("SELECT lockgate.define_job_type('done', concurrency_limit => 1)")
+                .execute(&db.pool)
+                .await
+                .unwrap();
+        }
         let batch = create_batch(&db.pool).await;
         add_jobs(&db.pool, batch, 2).await;
         assert_eq!(close(&db.pool, batch).await.unwrap(), "closed");
