@@ -973,6 +973,8 @@ struct Obstinate {
     pool: PgPool,
     block: Duration,
     offload: bool,
+    /// Counts the runs told to stop (they then block).
+    told: Counter,
     ended: Arc<Mutex<Option<chrono::DateTime<chrono::Utc>>>>,
 }
 
@@ -982,6 +984,7 @@ impl RawHandler for Obstinate {
             common::run_started(&self.pool, ctx.job_id.0, &args["key"].to_string(), 0).await;
             if args["obstinate"] == json!(true) && ctx.attempt == 1 {
                 ctx.cancelled().await;
+                self.told.bump();
                 let (block, ended) = (self.block, Arc::clone(&self.ended));
                 let blocking = move || {
                     std::thread::sleep(block);
@@ -1038,7 +1041,7 @@ async fn obstinate_then_next(
     let ended = Arc::new(Mutex::new(None));
     let block = config.visibility_timeout * 2;
     let pool = db.new_pool(2).await.unwrap();
-    let obstinate = Arc::new(Obstinate { pool, block, offload, ended: Arc::clone(&ended) });
+    let obstinate = Arc::new(Obstinate { pool, block, offload, told: Counter::default(), ended: Arc::clone(&ended) });
     let worker0 = Running::start(&db, config.clone(), handled_by(obstinate, types), &["default"], 1).await;
     wait_for("worker 0 to start the obstinate job", WAIT, || async {
         Ok((started(&db, first.job_id.0).await == 1).then_some(()))
@@ -1129,6 +1132,111 @@ async fn g3_work_a_cancelled_handler_left_holding_keeps_its_permit_until_it_ends
         Some(worker0)
     })
     .await;
+}
+
+/// Review helper-105 (F1): the heartbeat that finds a cancelled job's message gone asks the
+/// archive whether it was cancelled. When that question cannot be answered in time (the archive
+/// locked, here just after the cancel committed), the delivery was taken for a lost lease, its
+/// kept permit was never renewed, and the next job of its key ran beside the blocked handler
+/// (3.3 s). The deliveries are now asked about again next tick, as if busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn g3_a_cancel_seen_while_the_archive_cannot_be_read_still_keeps_the_permit() {
+    let types = [("serial", limited("default", 1, Duration::from_secs(1)))];
+    obstinate_then_next(&types, fast_config(), false, async |db, _, job_id, worker0| {
+        let mut cancel = db.pool.begin().await.unwrap();
+        sqlx::query("SELECT * FROM lockgate.cancel($1)").bind(job_id).execute(&mut *cancel).await.unwrap();
+        let mut locker = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        // The archive's lock is queued behind the cancel, and taken the moment it commits: the
+        // heartbeat then sees the message gone, and cannot read the archive for 1.5 intervals.
+        let lock = sqlx::raw_sql("BEGIN; LOCK TABLE pgmq.a_default IN ACCESS EXCLUSIVE MODE").execute(&mut locker);
+        let commit = async {
+            let queued = "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'pgmq.a_default'::regclass";
+            wait_for_count(&db.pool, queued, 1, WAIT).await.unwrap();
+            cancel.commit().await.unwrap();
+        };
+        let (locked, ()) = tokio::join!(lock, commit);
+        locked.unwrap();
+        tokio::time::sleep(Duration::from_millis(450)).await;
+        sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();
+        Some(worker0)
+    })
+    .await;
+}
+
+/// Returns at once, leaving its work to `spawn_blocking` under a hold of the attempt for `work`;
+/// records its starts, and whether the work was told to stop.
+struct Lingering {
+    work: Duration,
+    starts: Counter,
+    told: Arc<Mutex<Option<bool>>>,
+}
+
+impl RawHandler for Lingering {
+    fn call(&self, ctx: JobContext, _args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(async move {
+            let hold = ctx.hold();
+            let (work, told) = (self.work, Arc::clone(&self.told));
+            if self.starts.bump() == 1 {
+                tokio::task::spawn_blocking(move || {
+                    std::thread::sleep(work);
+                    *told.lock().unwrap() = Some(ctx.is_cancelled());
+                    drop(hold);
+                });
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Review helper-105 (F2): a handler that returned `Ok` while work it held went on past
+/// `shutdown_timeout` had its outcome dropped: shutdown took it for a running job, returned it,
+/// and it ran again. Its outcome is decided once the handler returns: shutdown tells the held work
+/// to stop, and the job is completed once that work has ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn g7_a_handler_that_returned_while_its_held_work_outlives_shutdown_timeout_is_completed() {
+    let db = TestDb::migrated().await.unwrap();
+    let types = [("work", JobPolicy::on_queue(queue("default")))];
+    let client = define(&db, &types).await;
+    client.enqueue_raw("work", &json!({}), &EnqueueOptions::default()).await.unwrap();
+    let (starts, told) = (Counter::default(), Arc::new(Mutex::new(None)));
+    let handler = Arc::new(Lingering { work: Duration::from_millis(1500), starts: starts.clone(), told: told.clone() });
+    let config = RuntimeConfig { shutdown_timeout: Duration::from_millis(200), ..fast_config() };
+    let running = Running::start(&db, config, handled_by(handler, &types), &["default"], 1).await;
+    wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+    running.stop().await;
+    assert_eq!(*told.lock().unwrap(), Some(true), "the held work was told to stop, and ended before run returned");
+    let (queued, archived) = (db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), archived_jobs(&db).await);
+    assert_eq!((queued, archived), (0, 1), "completed, not returned to run again");
+}
+
+/// Review helper-105 (F3): an attempt whose timeout passed, and whose handler then blocked on
+/// into a shutdown, was returned by the shutdown: no attempt counted, its timeout not recorded,
+/// and a job that always does so gained an attempt from every deploy. Its outcome is decided when
+/// its timeout passes: with `max_attempts` 1, it is dead-lettered once the handler has ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn g7_a_timed_out_attempt_that_blocks_into_a_shutdown_still_counts() {
+    let db = TestDb::migrated().await.unwrap();
+    let mut policy = JobPolicy::on_queue(queue("default"));
+    policy.timeout = Some(Duration::from_millis(200));
+    policy.max_attempts = 1;
+    let types = [("serial", policy)];
+    let client = define(&db, &types).await;
+    install_permit_monitor(&db).await;
+    let job = client.enqueue_raw("serial", &json!({"key": 1, "obstinate": true}), &EnqueueOptions::default()).await;
+    let job = job.unwrap().job_id.0;
+    let pool = db.new_pool(2).await.unwrap();
+    let (ended, told) = (Arc::new(Mutex::new(None)), Counter::default());
+    let block = Duration::from_millis(1500);
+    let obstinate = Arc::new(Obstinate { pool, block, offload: false, told: told.clone(), ended: ended.clone() });
+    let config = RuntimeConfig { shutdown_timeout: Duration::from_millis(100), ..fast_config() };
+    let running = Running::start(&db, config, handled_by(obstinate, &types), &["default"], 1).await;
+    // Timed out at 200 ms, it blocks for 1.5 s: the shutdown lands in between.
+    wait_for("the job to time out", WAIT, || async { Ok((told.get() == 1).then_some(())) }).await.unwrap();
+    running.stop().await;
+    assert!(ended.lock().unwrap().is_some(), "run returned before the blocked attempt ended");
+    assert_eq!(db.count(&format!("SELECT 1 FROM runs WHERE job_id = {job}")).await.unwrap(), 1);
+    let dead = db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap();
+    assert_eq!(dead, 1, "max_attempts 1: the timed-out attempt dead-letters the job");
 }
 
 /// Design §95: a handler that blocks its thread when its timeout tells it to stop keeps its job

@@ -61,6 +61,13 @@ pub struct HeartbeatReport {
     pub failed_queues: usize,
 }
 
+/// The deliveries asked about that a renewal neither renewed nor found busy.
+fn lost_among(asked: &[(i64, i32)], renewal: &Renewal) -> Vec<(i64, i32)> {
+    let answered: HashSet<i64> =
+        renewal.renewed.iter().map(|(id, _)| *id).chain(renewal.busy.iter().copied()).collect();
+    asked.iter().copied().filter(|(id, _)| !answered.contains(id)).collect()
+}
+
 /// Why one renewal statement did not answer.
 #[derive(Debug, thiserror::Error)]
 enum RenewError {
@@ -207,7 +214,14 @@ impl Heartbeat {
                 let sent_at = Instant::now();
                 match self.extend(&queue, &asked, owner).await {
                     Ok(mut renewal) => {
-                        renewal.cancelled = self.cancelled_among_lost(&queue, &asked, &renewal).await;
+                        match self.cancelled_among_lost(&queue, &asked, &renewal).await {
+                            Some(cancelled) => renewal.cancelled = cancelled,
+                            // Not known which were cancelled: asked again next tick, as if busy.
+                            // Taken for lost leases, a cancelled one would no longer keep its
+                            // permit for a handler that runs on (review helper-105); the
+                            // watchdog still fences them all once their budgets run out.
+                            None => renewal.busy.extend(lost_among(&asked, &renewal).into_iter().map(|(id, _)| id)),
+                        }
                         let r = set.renewed(&queue, &asked, &renewal, sent_at);
                         report.renewed += r.renewed;
                         report.busy += r.busy;
@@ -243,28 +257,33 @@ impl Heartbeat {
     }
 
     /// Of the deliveries a renewal lost (neither renewed nor busy), those whose job was cancelled,
-    /// so their handlers learn why. Asked only when some were lost; a failed question leaves
-    /// them reported as lost leases, which stops them all the same.
-    async fn cancelled_among_lost(&mut self, queue: &QueueName, asked: &[(i64, i32)], renewal: &Renewal) -> Vec<i64> {
-        if renewal.renewed.len() + renewal.busy.len() == asked.len() {
-            return Vec::new();
+    /// so their handlers learn why, and those still running keep what the cancel kept for them
+    /// (design §95). Asked only when some were lost; `None` when the question failed.
+    async fn cancelled_among_lost(
+        &mut self,
+        queue: &QueueName,
+        asked: &[(i64, i32)],
+        renewal: &Renewal,
+    ) -> Option<Vec<i64>> {
+        let lost = lost_among(asked, renewal);
+        if lost.is_empty() {
+            return Some(Vec::new());
         }
-        let answered: HashSet<i64> =
-            renewal.renewed.iter().map(|(id, _)| *id).chain(renewal.busy.iter().copied()).collect();
-        let lost: Vec<(i64, i32)> = asked.iter().copied().filter(|(id, _)| !answered.contains(id)).collect();
-        let Some(conn) = self.conn.as_mut().filter(|_| !lost.is_empty()) else {
-            return Vec::new();
-        };
+        let conn = self.conn.as_mut()?;
         let asked = lockgate_sql::cancelled_messages(lockgate_sql::pooler::Db::idle(&mut *conn), queue.as_str(), &lost);
         match tokio::time::timeout(self.interval, asked).await {
-            Ok(Ok(cancelled)) => cancelled,
+            Ok(Ok(cancelled)) => Some(cancelled),
             Ok(Err(error)) => {
-                tracing::debug!(%queue, %error, "could not tell cancelled deliveries from lost ones");
-                Vec::new()
+                tracing::warn!(%queue, %error, "could not tell cancelled deliveries from lost ones; asked again next tick");
+                if error.is_transient() {
+                    self.conn = None;
+                }
+                None
             }
             Err(_) => {
+                tracing::warn!(%queue, "could not tell cancelled deliveries from lost ones in time; asked again next tick");
                 self.conn = None;
-                Vec::new()
+                None
             }
         }
     }

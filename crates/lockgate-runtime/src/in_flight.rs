@@ -56,6 +56,11 @@ enum State {
     /// Claimed ahead, waiting for a free handler slot; its handler has not started.
     Waiting,
     Running,
+    /// Its outcome is decided (the handler returned, or its timeout passed), but the attempt has
+    /// not ended: its handler's task blocks on, or work it holds (`JobContext::hold`) is still
+    /// running. Renewed and fenced as a running one; shutdown tells it to stop but leaves its
+    /// outcome to be written once it has ended (review helper-105).
+    Decided,
     /// The handler returned; the final statement is on its way. Still renewed by the heartbeat.
     Finishing,
     /// Shutdown cancelled the handler; the pool returns the delivery once the handler has ended
@@ -213,7 +218,7 @@ impl InFlight {
         let mut entries = self.entries();
         let key = (d.queue.clone(), d.msg_id);
         match entries.get_mut(&key) {
-            Some(e) if e.read_ct == d.read_ct && e.state == State::Running => {
+            Some(e) if e.read_ct == d.read_ct && matches!(e.state, State::Running | State::Decided) => {
                 e.state = State::Finishing;
                 Finish::Write
             }
@@ -365,7 +370,7 @@ impl InFlight {
     pub fn fence(&self, now: Instant) -> Vec<Fenced> {
         let mut fenced = Vec::new();
         for ((queue, msg_id), e) in self.entries().iter_mut() {
-            if e.state == State::Running && now + FENCE_MARGIN >= e.lease_until {
+            if matches!(e.state, State::Running | State::Decided) && now + FENCE_MARGIN >= e.lease_until {
                 e.state = State::Lost;
                 if let Some(ctx) = &e.ctx {
                     ctx.fire(CancelReason::LeaseLost);
@@ -392,11 +397,15 @@ impl InFlight {
 
     /// Shutdown, after `shutdown_timeout`: cancels every running handler. The deliveries are
     /// returned only once their handlers have ended (`stopped`). Returns how many were cancelled.
+    /// An attempt whose outcome is decided is told to stop too, and its outcome is still written
+    /// once it has ended.
     pub fn stop_running(&self) -> usize {
         let mut n = 0;
         for e in self.entries().values_mut() {
-            if e.state == State::Running {
-                e.state = State::Stopping;
+            if matches!(e.state, State::Running | State::Decided) {
+                if e.state == State::Running {
+                    e.state = State::Stopping;
+                }
                 if let Some(ctx) = &e.ctx {
                     ctx.fire(CancelReason::Shutdown);
                 }
@@ -404,6 +413,16 @@ impl InFlight {
             }
         }
         n
+    }
+
+    /// Running → Decided: the attempt's outcome is known (its handler returned, or its timeout
+    /// passed), though the attempt goes on (its task blocks, or work it holds runs).
+    pub fn decided(&self, d: &Delivery) {
+        if let Some(e) = self.entries().get_mut(&(d.queue.clone(), d.msg_id)) {
+            if e.read_ct == d.read_ct && e.state == State::Running {
+                e.state = State::Decided;
+            }
+        }
     }
 
     /// The deliveries that no handler runs for any more, to be returned to their queue now.

@@ -167,7 +167,7 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
     observe_start_latency(&metrics, &claim);
     let started = Instant::now();
     shared.in_flight.handler_started(&delivery, &alive);
-    let result = run_handler(&shared, &ctx, &policy, args, alive).await;
+    let result = run_handler(&shared, &delivery, &ctx, &policy, args, alive).await;
     let duration = started.elapsed();
     metrics.duration.observe(duration.as_secs_f64());
     match shared.in_flight.begin_finishing(&delivery) {
@@ -232,6 +232,7 @@ fn observe_start_latency(metrics: &JobMetrics, claim: &Claim) {
 /// that nothing is written or given back for its delivery while it still runs.
 async fn run_handler(
     shared: &Shared,
+    delivery: &Delivery,
     ctx: &JobContext,
     policy: &JobPolicy,
     args: serde_json::Value,
@@ -273,6 +274,11 @@ async fn run_handler(
         biased;
         joined = &mut task.0 => joined_result(joined),
         () = ctx.cancelled() => {
+            if ctx.cancel_reason() == Some(CancelReason::Timeout) {
+                // The attempt has failed, whatever its wind-down takes: a shutdown meanwhile
+                // must not turn it into a return that counts no attempt (review helper-105).
+                shared.in_flight.decided(delivery);
+            }
             // Let the handler see the signal and wind down; then stop it, and wait until its
             // task is really gone (its destructors, such as a command's kill, have run).
             match tokio::time::timeout(CANCEL_GRACE, &mut task.0).await {
@@ -302,8 +308,10 @@ async fn run_handler(
             }
         }
     };
-    // Work of the attempt held past its task (`JobContext::hold`) ends before anything is written.
+    // Work of the attempt held past its task (`JobContext::hold`) ends before anything is written;
+    // the outcome stands meanwhile, a shutdown's included (review helper-105).
     if run.strong_count() > 0 {
+        shared.in_flight.decided(delivery);
         until_ended(released(&run), ctx).await;
     }
     result
