@@ -786,16 +786,7 @@ impl Run<'_> {
     /// holder is no longer entitled (what it kept ran out: the frozen-process case).
     async fn extend_cancelled(&mut self, i: usize, problems: &mut Vec<String>) -> Result<String> {
         let d = self.model.deliveries[i].clone();
-        let kept = || {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT EXISTS (SELECT 1 FROM lockgate.leases WHERE queue = $1 AND msg_id = $2 AND expires_at > clock_timestamp())
-                     OR EXISTS (SELECT 1 FROM lockgate.unique_locks WHERE queue = $1 AND msg_id = $2
-                                   AND mode = 'while_executing' AND held_until > clock_timestamp())",
-            )
-            .bind(d.queue.name())
-            .bind(d.msg_id)
-        };
-        let live = kept().fetch_one(&mut self.c.observer).await?;
+        let live = self.kept_live(&d).await?;
         let answer = db::extend_cancelled(&mut self.c.workers[d.worker], d.queue, d.msg_id, d.read_ct).await?;
         *self.stats.entry("blocked cancelled handler renewed").or_default() += 1;
         let renewed = answer.iter().any(|(m, _)| *m == d.msg_id);
@@ -809,13 +800,27 @@ impl Run<'_> {
             problems
                 .push(format!("(f) extend_cancelled of {} renewed what was no longer held: {answer:?}", d.describe()));
         }
-        if renewed && !kept().fetch_one(&mut self.c.observer).await? && self.checks.on('h') {
+        if renewed && !self.kept_live(&d).await? && self.checks.on('h') {
             problems.push(format!("(h) extend_cancelled of {} answered, but left nothing live", d.describe()));
         }
         if !renewed {
             self.model.deliveries[i].holder = Holder::Fenced("what its cancel kept ran out".into());
         }
         Ok(format!("d{} (cancelled, blocking) renewed: {answer:?}", d.id))
+    }
+
+    /// Whether the permit lease or while_executing lock of delivery `d`'s message is live.
+    async fn kept_live(&mut self, d: &Delivery) -> Result<bool> {
+        Ok(sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM lockgate.leases WHERE queue = $1 AND msg_id = $2 AND expires_at > clock_timestamp()
+                                                            AND finished_at IS NULL)
+                 OR EXISTS (SELECT 1 FROM lockgate.unique_locks WHERE queue = $1 AND msg_id = $2
+                               AND mode = 'while_executing' AND held_until > clock_timestamp())",
+        )
+        .bind(d.queue.name())
+        .bind(d.msg_id)
+        .fetch_one(&mut self.c.observer)
+        .await?)
     }
 
     async fn release_cancelled(&mut self, i: usize, problems: &mut Vec<String>) -> Result<String> {
@@ -898,15 +903,20 @@ impl Run<'_> {
             .filter(|(b, _)| mask & (1 << b) != 0)
             .map(|(_, i)| i)
             .collect();
-        if picked.is_empty() {
+        let blocking = self.model.running().into_iter().any(|i| self.model.deliveries[i].blocked);
+        if picked.is_empty() && !(blocked && blocking) {
             return Ok("no running delivery picked: nothing to do".into());
         }
         let mut said = Vec::new();
         let mut problems = Vec::new();
         // Handlers that were told of their cancel and block on: their heartbeat renews what the
         // cancel kept, while they still block; otherwise they have ended (design §95).
-        let (told, picked): (Vec<usize>, Vec<usize>) =
+        let (mut told, picked): (Vec<usize>, Vec<usize>) =
             picked.into_iter().partition(|&i| self.model.deliveries[i].blocked);
+        if blocked {
+            // Each tick renews every handler still blocking, picked or not.
+            told = self.model.running().into_iter().filter(|&i| self.model.deliveries[i].blocked).collect();
+        }
         for i in told {
             if blocked {
                 said.push(self.extend_cancelled(i, &mut problems).await?);
@@ -1198,6 +1208,10 @@ impl Run<'_> {
             return Ok("no stale token yet: nothing to do".into());
         };
         let d = self.model.deliveries[i].clone();
+        // A cancelled job's delivery whose holder ran out of budget may still renew what its
+        // cancel kept, while that is live: no one else can hold it, and holding it longer admits
+        // fewer jobs, never more (its worker's handler may still be running, design §95).
+        let kept_live = action == StaleAction::ExtendCancelled && d.cancelled && self.kept_live(&d).await?;
         let before = db::snapshot(&mut self.c.observer).await?;
         let conn = &mut self.c.workers[d.worker];
         let answer = match action {
@@ -1218,6 +1232,9 @@ impl Run<'_> {
             StaleAction::ExtendCancelled => return Ok("no lockgate.extend_cancelled: nothing to do".into()),
         };
         let after = db::snapshot(&mut self.c.observer).await?;
+        if kept_live {
+            return Ok(format!("d{} {} -> {answer}, what its cancel kept was still live", d.id, d.token()));
+        }
         if self.checks.on('f') {
             if !matches!(answer.as_str(), "[]" | "false") {
                 bail!("(f) stale {action:?} with {} answered {answer}, as if it owned the delivery", d.describe());

@@ -120,9 +120,9 @@ pub enum Op {
     /// A heartbeat renewing the running deliveries picked by the bits of `mask` (first 8). A
     /// delivery it finds lost stops; one whose job was cancelled (`cancelled_messages`) then gives
     /// back what the cancel kept for it (`release_cancelled`) — unless `blocked`: its handler,
-    /// told, does not stop (it blocks its thread), and runs on, renewed. A picked delivery whose
-    /// handler already blocks so is renewed through `extend_cancelled` while `blocked`; without,
-    /// its handler has ended, and gives back what its cancel kept (design §95).
+    /// told, does not stop (it blocks its thread), and runs on, renewed. With `blocked`, every
+    /// handler already blocking so is renewed through `extend_cancelled`; without, those picked
+    /// have ended, and give back what their cancel kept (design §95).
     Extend { mask: u8, blocked: bool },
     /// The holder of the `pick`-th running delivery finishes it; refused, it calls
     /// `release_cancelled`, as the runtime does.
