@@ -204,19 +204,19 @@ impl Run<'_> {
             Op::ClaimRacingSweep { worker, queue, qty } => self.claim_racing_sweep(*worker, *queue, *qty).await,
             Op::Extend { mask, blocked } => self.extend(*mask, *blocked).await,
             Op::Finish { pick, how } => {
-                let Some(i) = pick_from(&self.model.running(), *pick).copied() else {
+                let Some(i) = pick_from(&self.model.finishable(), *pick).copied() else {
                     return Ok("no running delivery: nothing to do".into());
                 };
                 self.finish(i, *how).await
             }
             Op::FinishBehindProducer { pick, how, commit } => {
-                let Some(i) = pick_from(&self.model.running(), *pick).copied() else {
+                let Some(i) = pick_from(&self.model.finishable(), *pick).copied() else {
                     return Ok("no running delivery: nothing to do".into());
                 };
                 self.finish_behind_producer(i, *how, *commit).await
             }
             Op::FinishOnOldSnapshot { pick, how } => {
-                let Some(i) = pick_from(&self.model.running(), *pick).copied() else {
+                let Some(i) = pick_from(&self.model.finishable(), *pick).copied() else {
                     return Ok("no running delivery: nothing to do".into());
                 };
                 self.finish_on_old_snapshot(i, *how).await

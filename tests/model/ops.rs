@@ -314,7 +314,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (ty(), 0..2u8).prop_map(|(ty, k)| Op::EnqueueRolledBack { ty, k }),
         7 => (0..2usize, queue(), 1..4u8).prop_map(|(worker, queue, qty)| Op::Claim { worker, queue, qty }),
         2 => (0..2usize, queue(), 1..4u8).prop_map(|(worker, queue, qty)| Op::ClaimRacingSweep { worker, queue, qty }),
-        2 => (any::<u8>(), any::<bool>()).prop_map(|(mask, blocked)| Op::Extend { mask, blocked }),
+        4 => (any::<u8>(), any::<bool>()).prop_map(|(mask, blocked)| Op::Extend { mask, blocked }),
         5 => (0..8usize, finish()).prop_map(|(pick, how)| Op::Finish { pick, how }),
         2 => (0..8usize, finish(), any::<bool>())
             .prop_map(|(pick, how, commit)| Op::FinishBehindProducer { pick, how, commit }),

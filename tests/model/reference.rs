@@ -175,6 +175,12 @@ impl Model {
         (0..self.deliveries.len()).filter(|&i| self.deliveries[i].holder == Holder::Running).collect()
     }
 
+    /// Running deliveries whose handler can finish: not one blocking on after its cancel, which
+    /// ends only at a heartbeat step without `blocked` (or a clock runs its budget out).
+    pub fn finishable(&self) -> Vec<usize> {
+        self.running().into_iter().filter(|&i| !self.deliveries[i].blocked).collect()
+    }
+
     /// Indices of deliveries whose holder stopped without finishing, in claim order.
     pub fn fenced(&self) -> Vec<usize> {
         (0..self.deliveries.len()).filter(|&i| matches!(self.deliveries[i].holder, Holder::Fenced(_))).collect()
