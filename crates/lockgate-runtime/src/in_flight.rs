@@ -587,6 +587,29 @@ mod tests {
         assert!(!set.any_handler_alive(), "a lost delivery has nothing to renew");
     }
 
+    /// Review helper-105: an attempt whose outcome is decided (its handler returned with work
+    /// held, or its timeout passed) is renewed and fenced as a running one; shutdown tells it to
+    /// stop, but its outcome is still written once it has ended.
+    #[test]
+    fn a_decided_attempt_keeps_its_outcome_through_a_shutdown_and_is_still_fenced() {
+        let set = InFlight::default();
+        let now = Instant::now();
+        let (d, c) = (delivery(1), ctx(1));
+        set.insert_waiting(&d, now + Duration::from_secs(2));
+        assert_eq!(set.start(&d, c.clone(), now), Start::Run);
+        set.decided(&d);
+        assert_eq!(set.renewable(Renew::All).get(&d.queue), Some(&vec![(1, 1)]));
+        assert_eq!(set.stop_running(), 1);
+        assert_eq!(c.cancel_reason(), Some(CancelReason::Shutdown), "its held work is told to stop");
+        assert_eq!(set.begin_finishing(&d), Finish::Write, "its outcome stands");
+        let (d2, c2) = (delivery(2), ctx(2));
+        set.insert_waiting(&d2, now + Duration::from_secs(2));
+        assert_eq!(set.start(&d2, c2.clone(), now), Start::Run);
+        set.decided(&d2);
+        assert_eq!(set.fence(now + Duration::from_secs(2)).len(), 1, "fenced as a running one");
+        assert_eq!(set.begin_finishing(&d2), Finish::Lost);
+    }
+
     #[test]
     fn h30_shutdown_returns_a_delivery_only_after_its_handler_ended() {
         let set = InFlight::default();
