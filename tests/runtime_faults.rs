@@ -975,6 +975,8 @@ struct Obstinate {
     offload: bool,
     /// Counts the runs told to stop (they then block).
     told: Counter,
+    /// Awaits once between being told and blocking.
+    yields: bool,
     ended: Arc<Mutex<Option<chrono::DateTime<chrono::Utc>>>>,
 }
 
@@ -998,9 +1000,11 @@ impl RawHandler for Obstinate {
                     });
                     return Ok(());
                 }
-                // An await first (as cleanup that awaits does): the executor, woken by a timeout
-                // fired on this thread, runs elsewhere rather than wait behind the block.
-                tokio::task::yield_now().await;
+                if self.yields {
+                    // An await first (as cleanup that awaits does): the executor, woken by a
+                    // timeout fired on this thread, runs elsewhere rather than wait behind the block.
+                    tokio::task::yield_now().await;
+                }
                 blocking();
             } else {
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -1041,7 +1045,8 @@ async fn obstinate_then_next(
     let ended = Arc::new(Mutex::new(None));
     let block = config.visibility_timeout * 2;
     let pool = db.new_pool(2).await.unwrap();
-    let obstinate = Arc::new(Obstinate { pool, block, offload, told: Counter::default(), ended: Arc::clone(&ended) });
+    let told = Counter::default();
+    let obstinate = Arc::new(Obstinate { pool, block, offload, told, yields: true, ended: Arc::clone(&ended) });
     let worker0 = Running::start(&db, config.clone(), handled_by(obstinate, types), &["default"], 1).await;
     wait_for("worker 0 to start the obstinate job", WAIT, || async {
         Ok((started(&db, first.job_id.0).await == 1).then_some(()))
@@ -1163,6 +1168,43 @@ async fn g3_a_cancel_seen_while_the_archive_cannot_be_read_still_keeps_the_permi
     .await;
 }
 
+/// Review helper-107 (F2): while the archive cannot be read (a `VACUUM FULL`, a `CLUSTER`), a
+/// delivery whose lease was really lost (its message made visible and claimed by another worker)
+/// was taken for "busy" and its handler ran on beside the new delivery until the watchdog fenced
+/// it at its budget (5.7 s). Not knowing whether it was cancelled, the heartbeat now tells its
+/// handler at once that its lease is lost, and keeps only what a cancel may have kept for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h27_a_lease_lost_while_the_archive_cannot_be_read_stops_its_handler_at_once() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types = [("held", JobPolicy::on_queue(queue("default")))];
+    let client = define(&db, &types).await;
+    let job = client.enqueue_raw("held", &json!({"hold": true}), &EnqueueOptions::default()).await.unwrap();
+    let (starts, own) = (Counter::default(), probe(&db, 0, &Counter::default()));
+    let (cancels, probe0) = (Arc::clone(&own.cancels), Probe { starts: starts.clone(), ..own });
+    // A budget of 6 s: the watchdog would fence the handler only then.
+    let config = RuntimeConfig { visibility_timeout: Duration::from_secs(6), ..fast_config() };
+    let running = Running::start(&db, config, probe_registry(probe0, &types), &["default"], 1).await;
+    wait_for("the job to start", WAIT, || async { Ok((starts.get() == 1).then_some(())) }).await.unwrap();
+    let mut locker = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE pgmq.a_default IN ACCESS EXCLUSIVE MODE").execute(&mut locker).await.unwrap();
+    // Another worker takes the message over behind the first one's back.
+    sqlx::query("SELECT pgmq.set_vt('default', $1, 0)").bind(job.msg_id).execute(&db.pool).await.unwrap();
+    let taken = db.count("SELECT 1 FROM lockgate.claim('default', 1, 30)").await.unwrap();
+    assert_eq!(taken, 1);
+    let since = std::time::Instant::now();
+    let told = wait_for("the first handler to be told its lease is lost", WAIT, || async {
+        Ok(cancels.lock().unwrap().first().cloned())
+    })
+    .await
+    .unwrap();
+    let waited = since.elapsed();
+    sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();
+    running.stop().await;
+    assert_eq!(told.reason, Some(CancelReason::LeaseLost));
+    assert!(waited < Duration::from_secs(2), "told after {waited:?}, not at once (its budget was 6 s)");
+}
+
 /// Returns at once, leaving its work to `spawn_blocking` under a hold of the attempt for `work`;
 /// records its starts, and whether the work was told to stop.
 struct Lingering {
@@ -1227,7 +1269,10 @@ async fn g7_a_timed_out_attempt_that_blocks_into_a_shutdown_still_counts() {
     let pool = db.new_pool(2).await.unwrap();
     let (ended, told) = (Arc::new(Mutex::new(None)), Counter::default());
     let block = Duration::from_millis(1500);
-    let obstinate = Arc::new(Obstinate { pool, block, offload: false, told: told.clone(), ended: ended.clone() });
+    // It blocks at once: the executor, woken on the blocked thread by the timeout, cannot mark the
+    // attempt failed before the shutdown comes (review helper-107).
+    let obstinate =
+        Arc::new(Obstinate { pool, block, offload: false, told: told.clone(), yields: false, ended: ended.clone() });
     let config = RuntimeConfig { shutdown_timeout: Duration::from_millis(100), ..fast_config() };
     let running = Running::start(&db, config, handled_by(obstinate, &types), &["default"], 1).await;
     // Timed out at 200 ms, it blocks for 1.5 s: the shutdown lands in between.

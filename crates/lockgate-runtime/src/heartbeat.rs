@@ -214,15 +214,13 @@ impl Heartbeat {
                 let sent_at = Instant::now();
                 match self.extend(&queue, &asked, owner).await {
                     Ok(mut renewal) => {
-                        match self.cancelled_among_lost(&queue, &asked, &renewal).await {
-                            Some(cancelled) => renewal.cancelled = cancelled,
-                            // Not known which were cancelled: asked again next tick, as if busy.
-                            // Taken for lost leases, a cancelled one would no longer keep its
-                            // permit for a handler that runs on (review helper-105); the
-                            // watchdog still fences them all once their budgets run out.
-                            None => renewal.busy.extend(lost_among(&asked, &renewal).into_iter().map(|(id, _)| id)),
-                        }
-                        let r = set.renewed(&queue, &asked, &renewal, sent_at);
+                        let r = match self.cancelled_among_lost(&queue, &asked, &renewal).await {
+                            Some(cancelled) => {
+                                renewal.cancelled = cancelled;
+                                set.renewed(&queue, &asked, &renewal, sent_at)
+                            }
+                            None => set.renewed_not_knowing_cancels(&queue, &asked, &renewal, sent_at),
+                        };
                         report.renewed += r.renewed;
                         report.busy += r.busy;
                         report.lost += r.lost;
@@ -274,14 +272,23 @@ impl Heartbeat {
         match tokio::time::timeout(self.interval, asked).await {
             Ok(Ok(cancelled)) => Some(cancelled),
             Ok(Err(error)) => {
-                tracing::warn!(%queue, %error, "could not tell cancelled deliveries from lost ones; asked again next tick");
+                tracing::warn!(
+                    %queue,
+                    %error,
+                    "could not tell cancelled deliveries from lost ones: their handlers are told their lease is lost, \
+                     and what a cancel may have kept for them is renewed"
+                );
                 if error.is_transient() {
                     self.conn = None;
                 }
                 None
             }
             Err(_) => {
-                tracing::warn!(%queue, "could not tell cancelled deliveries from lost ones in time; asked again next tick");
+                tracing::warn!(
+                    %queue,
+                    "could not tell cancelled deliveries from lost ones in time: their handlers are told their lease \
+                     is lost, and what a cancel may have kept for them is renewed"
+                );
                 self.conn = None;
                 None
             }

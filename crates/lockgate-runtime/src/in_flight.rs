@@ -71,10 +71,11 @@ enum State {
     Stopped,
     /// The release statement is on its way.
     Returning,
-    /// Its job was cancelled while its handler ran, and the handler has not ended yet: the
-    /// message is gone, but the permit lease and while_executing lock it kept are renewed
-    /// (`lockgate.extend_cancelled`) until the handler ends and its executor gives them back, so
-    /// that no job of its key starts beside a handler that will not stop (design §95).
+    /// Its job was cancelled while its handler ran (or may have been: the heartbeat could not
+    /// tell), and the handler has not ended yet: the message is gone, but the permit lease and
+    /// while_executing lock it kept are renewed (`lockgate.extend_cancelled`) until the handler
+    /// ends and its executor gives them back, so that no job of its key starts beside a handler
+    /// that will not stop (design §95).
     Cancelled,
     /// Lost (the heartbeat found it owned by nobody or by a newer delivery) or fenced (its budget
     /// ran out before a renewal): it may write nothing more.
@@ -321,6 +322,33 @@ impl InFlight {
     /// by that very statement: it is neither counted nor reported as lost, and its statement's
     /// own fence decides.
     pub fn renewed(&self, queue: &QueueName, asked: &[(i64, i32)], renewal: &Renewal, sent_at: Instant) -> Renewed {
+        self.record_renewal(queue, asked, renewal, sent_at, false)
+    }
+
+    /// As `renewed`, when the heartbeat could not tell which of the lost deliveries were
+    /// cancelled (the question about them failed): their handlers are told they lost their lease,
+    /// and each one still running keeps what a cancel may have kept for it (`Cancelled`, renewed
+    /// through `extend_cancelled`, which renews nothing for a job that was not cancelled). Taken
+    /// for lost leases, a cancelled job's permit was dropped while its handler ran on (review
+    /// helper-105); taken for busy, a lease really lost ran on to its budget (review helper-107).
+    pub fn renewed_not_knowing_cancels(
+        &self,
+        queue: &QueueName,
+        asked: &[(i64, i32)],
+        renewal: &Renewal,
+        sent_at: Instant,
+    ) -> Renewed {
+        self.record_renewal(queue, asked, renewal, sent_at, true)
+    }
+
+    fn record_renewal(
+        &self,
+        queue: &QueueName,
+        asked: &[(i64, i32)],
+        renewal: &Renewal,
+        sent_at: Instant,
+        unsure: bool,
+    ) -> Renewed {
         let budgets: HashMap<i64, Duration> = renewal.renewed.iter().copied().collect();
         let busy: HashSet<i64> = renewal.busy.iter().copied().collect();
         let cancelled: HashSet<i64> = renewal.cancelled.iter().copied().collect();
@@ -348,7 +376,8 @@ impl InFlight {
                 let idle = e.ctx.is_none() || e.state == State::Stopped;
                 let reason = if cancelled.contains(msg_id) { CancelReason::Cancelled } else { CancelReason::LeaseLost };
                 // A cancelled handler still running keeps what its job held until it ends.
-                e.state = if reason == CancelReason::Cancelled && !idle { State::Cancelled } else { State::Lost };
+                let maybe_cancelled = reason == CancelReason::Cancelled || unsure;
+                e.state = if maybe_cancelled && !idle { State::Cancelled } else { State::Lost };
                 if let Some(ctx) = &e.ctx {
                     ctx.fire(reason);
                 }
@@ -403,7 +432,13 @@ impl InFlight {
         let mut n = 0;
         for e in self.entries().values_mut() {
             if matches!(e.state, State::Running | State::Decided) {
-                if e.state == State::Running {
+                let timed_out = e.ctx.as_ref().is_some_and(|c| c.cancel_reason() == Some(CancelReason::Timeout));
+                if timed_out {
+                    // Its timeout passed before its executor could mark it decided (the handler
+                    // blocked the thread the executor was woken on): it has failed all the same
+                    // (review helper-107).
+                    e.state = State::Decided;
+                } else if e.state == State::Running {
                     e.state = State::Stopping;
                 }
                 if let Some(ctx) = &e.ctx {
