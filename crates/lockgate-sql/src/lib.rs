@@ -5,6 +5,7 @@
 //! Every statement calls a function from the `sql/` folder of the repository (the API that
 //! producers in any language share), with values bound as parameters.
 
+mod backends;
 mod batches;
 mod columns;
 mod concurrency;
@@ -23,6 +24,7 @@ mod queues;
 mod recurring;
 mod status;
 
+pub use backends::{backend_listed, backend_start, signal_backend};
 pub use batches::{batch_info, batch_sweep, close_batch, create_batch, unfinished_batches, BatchCallbacks, BatchInfo};
 pub use concurrency::{
     check_invariants, discard_parked, give_back_finished, key_stats, parked_jobs, record_heartbeat_interval, sweep,

@@ -255,45 +255,67 @@ impl SqlExecutor {
             () = ctx.cancelled() => {}
         }
         let reason = ctx.cancel_reason().map_or_else(|| "cancelled".to_string(), |r| r.to_string());
-        let cancelled = query_scalar::<bool>("SELECT pg_cancel_backend($1)").bind(backend).fetch_one(&self.db).await;
-        if let Err(e) = cancelled {
+        // Each signal and look runs in a transaction of its own under a pooler (review helper-106:
+        // sent as two exchanges outside one, a pooler split them across servers, and the
+        // statement ran on to its end).
+        if let Err(e) = lockgate::sql::signal_backend(&self.db, backend, false).await {
             tracing::warn!(backend, error = %e, "a cancelled job's SQL statement could not be cancelled on the server");
         }
         // Ends with the cancel's error, or with the statement's own result had it just finished.
         // A statement may catch the cancel (plpgsql's `EXCEPTION WHEN query_canceled`) and run
         // on: past a short wait its backend is terminated, which no statement can catch (review
-        // helper-78). Both fit in the handler's grace.
+        // helper-78).
         let error = JobError::new(format!("its statement was cancelled ({reason})"));
         if tokio::time::timeout(CANCEL_WAIT, &mut running).await.is_err() {
             // The backend's start, so that its exit is not confused with a new backend given its
             // pid (under a pooler, one that may live for hours).
-            let started = query_scalar::<Option<chrono::DateTime<chrono::Utc>>>(
-                "SELECT backend_start FROM pg_stat_activity WHERE pid = $1",
-            )
-            .bind(backend)
-            .fetch_optional(&self.db)
-            .await
-            .ok()
-            .flatten()
-            .flatten();
-            let terminated =
-                query_scalar::<bool>("SELECT pg_terminate_backend($1)").bind(backend).fetch_one(&self.db).await;
-            if let Err(e) = terminated {
+            let started = self.until_answered(ctx, || lockgate::sql::backend_start(&self.db, backend)).await.flatten();
+            if let Err(e) = lockgate::sql::signal_backend(&self.db, backend, true).await {
                 tracing::warn!(backend, error = %e, "a cancelled job's SQL statement could not be ended on the server");
             }
             // Resolves once the backend has sent its termination; it exits just after (its
             // transaction, and the locks it held, end on the way): waited for, so the next run of
             // the job or its key never meets it still running (review helper-104).
             let _ = running.await;
-            let listed = "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2)";
-            while started.is_some()
-                && query_scalar::<bool>(listed).bind(backend).bind(started).fetch_one(&self.db).await.unwrap_or(false)
-            {
-                tokio::time::sleep(EXIT_POLL).await;
+            if let Some(started) = started {
+                tracing::info!(backend, "a cancelled job's SQL statement would not end: its backend was terminated");
+                while self
+                    .until_answered(ctx, || lockgate::sql::backend_listed(&self.db, backend, started))
+                    .await
+                    .unwrap_or(false)
+                {
+                    tokio::time::sleep(EXIT_POLL).await;
+                }
             }
             return Err(Stopped::Terminated(error));
         }
         Err(Stopped::Failed(error))
+    }
+}
+
+impl SqlExecutor {
+    /// Asks `question` until it is answered, or until the attempt's lease has run out (then the
+    /// job may run elsewhere whatever this process waits for, and `None` is returned): a question
+    /// that failed on a blip must not be taken for an answer (review helper-106).
+    async fn until_answered<T, F, Fut>(&self, ctx: &JobContext, question: F) -> Option<T>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, lockgate::DbError>>,
+    {
+        let lease = ctx.lease_ends();
+        loop {
+            match question().await {
+                Ok(answer) => return Some(answer),
+                Err(e) if std::time::Instant::now() < *lease.borrow() => {
+                    tracing::debug!(error = %e, "asking about a cancelled job's backend again");
+                    tokio::time::sleep(EXIT_POLL * 10).await;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not learn whether a cancelled job's backend has ended");
+                    return None;
+                }
+            }
+        }
     }
 }
 
