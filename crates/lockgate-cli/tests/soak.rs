@@ -1110,7 +1110,7 @@ async fn soak(size: Size, seed: u64) {
     for (what, needle) in [
         ("logged: prunes", "pruned a process silent"),
         ("logged: lease lost, given up", "LeaseLost"),
-        ("logged: handler outlived grace", "did not stop within its grace"),
+        ("logged: attempt not ended when told", "an attempt told to stop has not ended"),
         ("logged: ambiguous completions", "Ambiguous"),
     ] {
         writeln!(summary, "  {what:<31} {}", logs.lines().filter(|l| l.contains(needle)).count()).unwrap();
