@@ -381,7 +381,9 @@ impl InFlight {
                 if let Some(ctx) = &e.ctx {
                     ctx.fire(reason);
                 }
-                if idle && reason == CancelReason::Cancelled {
+                // Not knowing, an idle one is given back too: `release_cancelled` gives back nothing
+                // for a job that was not cancelled (review helper-108).
+                if idle && maybe_cancelled {
                     report.cancelled_idle.push((*msg_id, *read_ct));
                 }
                 if reason == CancelReason::Cancelled {

@@ -270,14 +270,20 @@ impl SqlExecutor {
             // The backend's start, so that its exit is not confused with a new backend given its
             // pid (under a pooler, one that may live for hours).
             let started = self.until_answered(ctx, || lockgate::sql::backend_start(&self.db, backend)).await.flatten();
-            if let Err(e) = lockgate::sql::signal_backend(&self.db, backend, true).await {
-                tracing::warn!(backend, error = %e, "a cancelled job's SQL statement could not be ended on the server");
+            let terminated = self.until_answered(ctx, || lockgate::sql::signal_backend(&self.db, backend, true)).await;
+            if terminated != Some(true) {
+                tracing::warn!(
+                    backend,
+                    "a cancelled job's SQL statement could not be ended on the server: it is waited for until it ends"
+                );
             }
-            // Resolves once the backend has sent its termination; it exits just after (its
-            // transaction, and the locks it held, end on the way): waited for, so the next run of
-            // the job or its key never meets it still running (review helper-104).
+            // Resolves once the backend has sent its termination (or the statement has ended by
+            // itself, if the terminate could not be sent). A terminated backend exits just after
+            // (its transaction, and the locks it held, end on the way): waited for, so the next
+            // run of the job or its key never meets it still running (review helper-104). One not
+            // terminated stays ours, idle: its connection is closed instead (review helper-108).
             let _ = running.await;
-            if let Some(started) = started {
+            if let (Some(true), Some(started)) = (terminated, started) {
                 tracing::info!(backend, "a cancelled job's SQL statement would not end: its backend was terminated");
                 while self
                     .until_answered(ctx, || lockgate::sql::backend_listed(&self.db, backend, started))
@@ -296,7 +302,8 @@ impl SqlExecutor {
 impl SqlExecutor {
     /// Asks `question` until it is answered, or until the attempt's lease has run out (then the
     /// job may run elsewhere whatever this process waits for, and `None` is returned): a question
-    /// that failed on a blip must not be taken for an answer (review helper-106).
+    /// that failed on a blip must not be taken for an answer (review helper-106). An error that is
+    /// no blip (a permission refused) is not asked again (review helper-108).
     async fn until_answered<T, F, Fut>(&self, ctx: &JobContext, question: F) -> Option<T>
     where
         F: Fn() -> Fut,
@@ -306,7 +313,7 @@ impl SqlExecutor {
         loop {
             match question().await {
                 Ok(answer) => return Some(answer),
-                Err(e) if std::time::Instant::now() < *lease.borrow() => {
+                Err(e) if e.is_transient() && std::time::Instant::now() < *lease.borrow() => {
                     tracing::debug!(error = %e, "asking about a cancelled job's backend again");
                     tokio::time::sleep(EXIT_POLL * 10).await;
                 }
