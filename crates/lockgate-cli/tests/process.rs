@@ -1080,3 +1080,56 @@ async fn an_sql_statement_slow_to_end_after_its_terminate_holds_its_key_until_it
     signal(&first, "TERM");
     assert!(wait_exit(&mut first).await.success());
 }
+
+/// Review helper-108 (F1): when a timed-out statement's terminate was refused (a role that may not
+/// call `pg_terminate_backend`) the statement, having caught its cancel, ended by itself and left
+/// its backend ours and idle, and the sql executor waited for that backend to exit for ever: the
+/// job stayed leased and a TERM did not return. Now the wait follows only a terminate that was
+/// sent; otherwise the attempt ends with its statement, and the connection is closed.
+#[tokio::test]
+async fn an_sql_statement_whose_terminate_is_refused_ends_its_attempt_when_it_ends() {
+    let setup = Setup::with_job_type(
+        DEFAULT_RUNTIME,
+        "sql = \"SELECT catches_its_cancel($1), 'sql-probe'\"\ntimeout = \"500ms\"\nmax_attempts = 1\n",
+    );
+    let db = TestDb::empty().await.unwrap();
+    let role = format!("{}_worker", db.name);
+    sqlx::raw_sql(&format!(
+        "CREATE ROLE {role} LOGIN; ALTER DATABASE {name} OWNER TO {role};
+         REVOKE EXECUTE ON FUNCTION pg_catalog.pg_terminate_backend(integer, bigint) FROM PUBLIC;
+         CREATE FUNCTION catches_its_cancel(jsonb) RETURNS void LANGUAGE plpgsql AS $$
+         BEGIN
+             PERFORM pg_sleep(30);
+         EXCEPTION WHEN query_canceled THEN
+             PERFORM pg_sleep(1.5);
+         END $$;",
+        name = db.name
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let options: sqlx::postgres::PgConnectOptions = db.url.parse().unwrap();
+    let url = sqlx::ConnectOptions::to_url_lossy(&options.username(&role)).to_string();
+    for args in [&["migrate"][..], &["define", "--config", setup.config.to_str().unwrap()], &["enqueue", "task", "{}"]]
+    {
+        let o = lockgate(&db, args).env("DATABASE_URL", &url).output().unwrap();
+        assert!(o.status.success(), "{args:?}: {}", text(&o));
+    }
+    let mut run = lockgate(&db, &["run", "--config", setup.config.to_str().unwrap()])
+        .env("DATABASE_URL", &url)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let done = wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await;
+    if let Err(e) = done {
+        run.kill().unwrap();
+        let o = run.wait_with_output().unwrap();
+        panic!("{e}: the attempt never ended\n{}", text(&o));
+    }
+    signal(&run, "TERM");
+    let status = wait_exit(&mut run).await;
+    let o = run.wait_with_output().unwrap();
+    assert!(status.success(), "{}", text(&o));
+    assert!(text(&o).contains("could not be ended on the server"), "the refused terminate is told: {}", text(&o));
+}
