@@ -143,39 +143,23 @@ async fn run_with_sql_job_types_through_transaction_pooling() {
 /// exchanges a pooler may give to two servers: about one in four failed ("unnamed prepared
 /// statement does not exist"), and the statement, held by its attempt, ran on to its end. Each now
 /// runs in a transaction of its own. Eight statements that catch their cancel and would run a
-/// minute, timed out at once four at a time: all end within seconds.
+/// minute, timed out two at a time: all end within seconds.
 #[tokio::test]
 async fn an_sql_job_is_stopped_on_the_server_through_transaction_pooling() {
     let db = TestDb::migrated().await.unwrap();
-    sqlx::raw_sql(
-        "CREATE FUNCTION stubborn_sleep(jsonb) RETURNS void LANGUAGE plpgsql AS $$
-         BEGIN
-             PERFORM pg_sleep(30);
-         EXCEPTION WHEN query_canceled THEN
-             PERFORM pg_sleep(30);
-         END $$;",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    sqlx::raw_sql(STUBBORN_SLEEP).execute(&db.pool).await.unwrap();
     let bouncer = PgBouncer::start(PoolMode::Transaction, 6).await.unwrap();
     let pooled = format!("{}&pooler=transaction", bouncer.url(&db.name));
-    let dir = std::env::temp_dir().join(format!("lockgate-pooler-{}-{:08x}", std::process::id(), fastrand::u32(..)));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("lockgate.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[runtime]\n{DEFAULT_RUNTIME}\n\n[[pool]]\nqueues = [\"default\"]\nconcurrency = 4\n\n\
-             [job_types.stubborn]\nsql = \"SELECT stubborn_sleep($1)\"\ntimeout = \"300ms\"\nmax_attempts = 1\n"
-        ),
-    )
-    .unwrap();
+    let setup = Setup::with_job_type(
+        DEFAULT_RUNTIME,
+        "sql = \"SELECT stubborn_sleep($1)\"\ntimeout = \"300ms\"\nmax_attempts = 1\n",
+    );
+    let config = &setup.config;
     let o =
         lockgate(&db, &["define", "--config", config.to_str().unwrap()]).env("DATABASE_URL", &pooled).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     for n in 0..8 {
-        let o = lockgate(&db, &["enqueue", "stubborn", &format!("{{\"n\": {n}}}")]).output().unwrap();
+        let o = lockgate(&db, &["enqueue", "task", &format!("{{\"n\": {n}}}")]).output().unwrap();
         assert!(o.status.success(), "{}", text(&o));
     }
     let mut child = lockgate(&db, &["run", "--config", config.to_str().unwrap()])
@@ -189,13 +173,11 @@ async fn an_sql_job_is_stopped_on_the_server_through_transaction_pooling() {
         // A statement still running holds its attempt, and the graceful shutdown waits for it.
         child.kill().unwrap();
         let o = child.wait_with_output().unwrap();
-        std::fs::remove_dir_all(&dir).ok();
         panic!("{e}: a timed-out statement was not stopped on the server\n{}", text(&o));
     }
     signal(&child, "TERM");
     let status = wait_exit(&mut child).await;
     let o = child.wait_with_output().unwrap();
-    std::fs::remove_dir_all(&dir).ok();
     assert!(status.success(), "{}", text(&o));
     let running = db.count("SELECT 1 FROM pg_stat_activity WHERE query LIKE '%stubborn_sleep(%' AND state = 'active' AND pid <> pg_backend_pid()");
     assert_eq!(running.await.unwrap(), 0);

@@ -1010,28 +1010,22 @@ async fn an_sql_statement_that_catches_its_cancel_still_ends_with_its_attempt() 
         "sql = \"SELECT stubborn_sleep($1), 'sql-probe'\"\ntimeout = \"500ms\"\nmax_attempts = 3\n\
          backoff = { base = \"50ms\", max = \"50ms\" }\nconcurrency = { limit = 1 }",
     );
+    one_statement_at_a_time(&setup, STUBBORN_SLEEP, "a timed-out attempt's statement ran beside the next attempt")
+        .await;
+}
+
+/// Creates the statement's function with `function`, runs `setup`'s job type until its job is
+/// dead-lettered, and asserts that its attempts' statements never ran two at once on the server
+/// (`why` otherwise); then stops the run with TERM.
+async fn one_statement_at_a_time(setup: &Setup, function: &str, why: &str) {
     let db = TestDb::migrated().await.unwrap();
-    sqlx::raw_sql(
-        "CREATE FUNCTION stubborn_sleep(jsonb) RETURNS void LANGUAGE plpgsql AS $$
-         BEGIN
-             PERFORM pg_sleep(30);
-         EXCEPTION WHEN query_canceled THEN
-             PERFORM pg_sleep(30);
-         END $$;",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    sqlx::raw_sql(function).execute(&db.pool).await.unwrap();
     let mut first = setup.run(&db);
     wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'", 1, WAIT)
         .await
         .unwrap();
     assert!(output(&db, &["enqueue", "task", "{}"]).status.success());
-    assert_eq!(
-        most_running_until_dead_lettered(&db).await,
-        1,
-        "a timed-out attempt's statement ran beside the next attempt"
-    );
+    assert_eq!(most_running_until_dead_lettered(&db).await, 1, "{why}");
     signal(&first, "TERM");
     assert!(wait_exit(&mut first).await.success());
 }
@@ -1052,9 +1046,7 @@ async fn an_sql_statement_slow_to_end_after_its_terminate_holds_its_key_until_it
         "sql = \"SELECT slow_to_end($1), 'sql-probe'\"\ntimeout = \"1500ms\"\nmax_attempts = 2\n\
          backoff = { base = \"1ms\", max = \"1ms\" }\nconcurrency = { limit = 1 }",
     );
-    let db = TestDb::migrated().await.unwrap();
-    sqlx::raw_sql(
-        "CREATE FUNCTION slow_to_end(jsonb) RETURNS void LANGUAGE plpgsql AS $$
+    let function = "CREATE FUNCTION slow_to_end(jsonb) RETURNS void LANGUAGE plpgsql AS $$
          DECLARE
              s text := repeat('x', 300000000);
          BEGIN
@@ -1062,23 +1054,8 @@ async fn an_sql_statement_slow_to_end_after_its_terminate_holds_its_key_until_it
          EXCEPTION WHEN query_canceled THEN
              PERFORM md5(s);
              PERFORM pg_sleep(30);
-         END $$;",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    let mut first = setup.run(&db);
-    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'", 1, WAIT)
-        .await
-        .unwrap();
-    assert!(output(&db, &["enqueue", "task", "{}"]).status.success());
-    assert_eq!(
-        most_running_until_dead_lettered(&db).await,
-        1,
-        "a terminated attempt's statement ran beside the next attempt"
-    );
-    signal(&first, "TERM");
-    assert!(wait_exit(&mut first).await.success());
+         END $$;";
+    one_statement_at_a_time(&setup, function, "a terminated attempt's statement ran beside the next attempt").await;
 }
 
 /// Review helper-108 (F1): when a timed-out statement's terminate was refused (a role that may not

@@ -17,6 +17,15 @@ pub const WAIT: Duration = Duration::from_secs(20);
 pub const DEFAULT_RUNTIME: &str = "visibility_timeout = \"2s\"\nheartbeat_interval = \"300ms\"\n\
     shutdown_timeout = \"1s\"\npoll_interval = \"200ms\"\nhealth_listen = \"off\"";
 
+/// An SQL function that catches its cancel (`query_canceled`) and sleeps on: a statement only a
+/// terminate of its backend ends early.
+pub const STUBBORN_SLEEP: &str = "CREATE FUNCTION stubborn_sleep(jsonb) RETURNS void LANGUAGE plpgsql AS $$
+     BEGIN
+         PERFORM pg_sleep(30);
+     EXCEPTION WHEN query_canceled THEN
+         PERFORM pg_sleep(30);
+     END $$;";
+
 pub fn lockgate(db: &TestDb, args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_lockgate"));
     cmd.args(args).env("DATABASE_URL", &db.url).env("LOCKGATE_LOG", "info,sqlx=warn");
