@@ -284,10 +284,13 @@ async fn operators_list_parked_jobs_and_discard_one_explicitly() {
 
 /// A process is gone when /proc no longer lists it, or lists it only as a zombie.
 fn process_gone(pid: &str) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')),
-    }
+    process_state(pid).is_none_or(|state| state == 'Z')
+}
+
+/// The state letter of process `pid` in /proc/<pid>/stat (`T` stopped, `Z` a zombie), if it exists.
+fn process_state(pid: &str) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.trim_start().chars().next()
 }
 
 #[tokio::test]
@@ -787,12 +790,15 @@ async fn a_job_after_its_watchdog_died_runs_under_a_new_one() {
 /// A watchdog that is itself stopped (SIGSTOP) when lockgate is killed: the kernel sends the
 /// orphaned group SIGHUP then SIGCONT, and the watchdog used to die of the SIGHUP, leaving its
 /// programs running past their leases. It survives the hangup, wakes, finds the pipe closed and
-/// kills them.
+/// kills them. lockgate runs in a session of its own here, as under a service manager: in the
+/// test's session, a process of that session inheriting the watchdog (a subreaper, the
+/// container's init) keeps its group from being orphaned, and nothing wakes it (the failure of CI
+/// at stop 47, reproduced with the test run under a subreaper of its own session).
 #[tokio::test]
 async fn a_stopped_watchdog_of_a_killed_lockgate_still_kills_its_programs() {
     let setup = Setup::new("echo $$ > $DIR/child; cat >/dev/null; exec sleep 60", "");
     let db = migrated_with_one_job(&setup).await;
-    let mut first = setup.run(&db);
+    let mut first = setup.run_in_own_session(&db);
     let child = setup.dir.join("child");
     let pid = lockgate_testkit::wait_for("the program", WAIT, || async {
         Ok(std::fs::read_to_string(&child).ok().map(|p| p.trim().to_string()).filter(|p| !p.is_empty()))
@@ -806,12 +812,19 @@ async fn a_stopped_watchdog_of_a_killed_lockgate_still_kills_its_programs() {
     // hangup, killed it (the flaky failure of CI at stop 43).
     assert!(catches_hangup(&watchdog), "the program started before its watchdog caught SIGHUP");
     std::process::Command::new("kill").args(["-STOP", &watchdog]).status().unwrap();
+    // `kill` returns once the stop is sent; the watchdog (and each of its threads) stops when it
+    // next runs. Killed before that, lockgate would leave a group with no stopped member, which
+    // the kernel does not wake, and the watchdog would stop for good afterwards.
+    lockgate_testkit::wait_for("the watchdog to stop", WAIT, || async {
+        Ok((process_state(&watchdog) == Some('T')).then_some(()))
+    })
+    .await
+    .unwrap();
     first.kill().unwrap();
     first.wait().unwrap();
-    let killed = lockgate_testkit::wait_for("the program to be killed", std::time::Duration::from_secs(2), || async {
-        Ok(process_gone(&pid).then_some(()))
-    })
-    .await;
+    let killed =
+        lockgate_testkit::wait_for("the program to be killed", WAIT, || async { Ok(process_gone(&pid).then_some(())) })
+            .await;
     let _ = std::process::Command::new("kill").args(["-KILL", &pid, &watchdog]).status();
     killed.unwrap();
 }

@@ -84,6 +84,25 @@ impl Setup {
         child
     }
 
+    /// Like `run`, in a session of its own (`setsid`, which execs it in place), as a service
+    /// manager starts it. Whatever process inherits its children when it dies is then in another
+    /// session, so the kernel counts their process groups orphaned (wakes a stopped one with
+    /// SIGHUP and SIGCONT) on any machine: in the test's session, a reaper of that session (CI's
+    /// may be one) left them not orphaned and never woken.
+    pub fn run_in_own_session(&self, db: &TestDb) -> Child {
+        let child = Command::new("setsid")
+            .arg(env!("CARGO_BIN_EXE_lockgate"))
+            .args(["run", "--config", self.config.to_str().unwrap()])
+            .env("DATABASE_URL", &db.url)
+            .env("LOCKGATE_LOG", "info,sqlx=warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.started.lock().unwrap().push(child.id());
+        child
+    }
+
     /// Like `run`, with global flags before `run` (e.g. `--log-format json`) and stderr written
     /// to `stderr`.
     pub fn run_with(&self, db: &TestDb, flags: &[&str], stderr: Stdio) -> Child {
