@@ -1122,4 +1122,9 @@ async fn an_sql_statement_whose_terminate_is_refused_ends_its_attempt_when_it_en
     let o = run.wait_with_output().unwrap();
     assert!(status.success(), "{}", text(&o));
     assert!(text(&o).contains("could not be ended on the server"), "the refused terminate is told: {}", text(&o));
+    let waiting = text(&o).lines().find(|l| l.contains("an attempt told to stop has not ended")).map(str::to_string);
+    assert!(
+        waiting.as_deref().is_some_and(|l| l.contains("the statement on backend ")),
+        "the wait names the backend it waits for: {waiting:?}"
+    );
 }

@@ -59,6 +59,23 @@ pub struct JobContext {
     pub(crate) lease: Arc<watch::Sender<Instant>>,
     /// The attempt's liveness: strong while its handler's task or any [`RunHold`] exists.
     pub(crate) run: Weak<()>,
+    /// What the attempt's holds said they stand for ([`RunHold::describe`]).
+    pub(crate) held: Arc<HeldWork>,
+}
+
+/// The descriptions of an attempt's live holds, by hold.
+#[derive(Debug, Default)]
+pub(crate) struct HeldWork {
+    next: std::sync::atomic::AtomicU64,
+    named: Mutex<std::collections::BTreeMap<u64, String>>,
+}
+
+impl HeldWork {
+    /// The work still held, as described, one description after another; empty if none was.
+    pub(crate) fn described(&self) -> String {
+        let named = self.named.lock().unwrap_or_else(|e| e.into_inner());
+        named.values().cloned().collect::<Vec<_>>().join("; ")
+    }
 }
 
 /// Keeps an attempt in flight while it is held: see [`JobContext::hold`]. Dropping it says the
@@ -66,7 +83,26 @@ pub struct JobContext {
 #[derive(Debug)]
 #[must_use = "the attempt is held only while the RunHold lives"]
 pub struct RunHold {
-    _run: Option<Arc<()>>,
+    run: Option<Arc<()>>,
+    id: u64,
+    held: Arc<HeldWork>,
+}
+
+impl RunHold {
+    /// Names the work this hold stands for ("the process group 4242 of `backup.sh`"): while the
+    /// attempt waits for it, the warning that it has not ended says what it waits for. A hold
+    /// that holds nothing (taken after its attempt was over) keeps no name.
+    pub fn describe(&self, what: impl Into<String>) {
+        if self.run.is_some() {
+            self.held.named.lock().unwrap_or_else(|e| e.into_inner()).insert(self.id, what.into());
+        }
+    }
+}
+
+impl Drop for RunHold {
+    fn drop(&mut self) {
+        self.held.named.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
+    }
 }
 
 impl JobContext {
@@ -99,9 +135,11 @@ impl JobContext {
     /// stays leased (its visibility and permit renewed, those of a cancelled job included), its
     /// outcome, retry, return or give-back waits, and a handler told to stop is not aborted
     /// after its grace but waited for. Drop the hold when that work has ended (design §95).
-    /// Taken after the attempt is over, it holds nothing.
+    /// Taken after the attempt is over, it holds nothing. [`RunHold::describe`] names the work,
+    /// for the warning about an attempt told to stop that has not ended.
     pub fn hold(&self) -> RunHold {
-        RunHold { _run: self.run.upgrade() }
+        let id = self.held.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        RunHold { run: self.run.upgrade(), id, held: self.held.clone() }
     }
 
     pub(crate) fn fire(&self, reason: CancelReason) {
@@ -233,5 +271,44 @@ impl Registry {
     /// Every registered job type with the policy it records at startup.
     pub fn job_types(&self) -> &[(JobTypeName, JobPolicy)] {
         &self.policies
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx(run: &Arc<()>) -> JobContext {
+        JobContext {
+            job_id: JobId(1),
+            job_type: "t".into(),
+            queue: "q".into(),
+            msg_id: 1,
+            attempt: 1,
+            max_attempts: 1,
+            cancel: CancellationToken::new(),
+            reason: Default::default(),
+            lease: Arc::new(watch::channel(Instant::now()).0),
+            run: Arc::downgrade(run),
+            held: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_hold_is_named_while_it_lives_and_only_if_it_holds() {
+        let alive = Arc::new(());
+        let ctx = ctx(&alive);
+        let group = ctx.hold();
+        group.describe("the process group 7 of \"sh\"");
+        let statement = ctx.hold();
+        statement.describe("the statement on backend 9");
+        assert_eq!(ctx.held.described(), "the process group 7 of \"sh\"; the statement on backend 9");
+        drop(group);
+        assert_eq!(ctx.held.described(), "the statement on backend 9");
+        drop(statement);
+        drop(alive);
+        let late = ctx.hold();
+        late.describe("after the attempt");
+        assert_eq!(ctx.held.described(), "", "a hold taken after the attempt holds nothing and names nothing");
     }
 }

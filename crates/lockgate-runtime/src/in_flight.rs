@@ -495,6 +495,7 @@ mod tests {
             reason: Default::default(),
             lease: std::sync::Arc::new(tokio::sync::watch::channel(Instant::now()).0),
             run: std::sync::Weak::new(),
+            held: Default::default(),
         }
     }
 

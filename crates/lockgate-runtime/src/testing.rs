@@ -44,6 +44,7 @@ pub fn context<J: Job>() -> JobContext {
     let policy = J::policy();
     JobContext {
         run: std::sync::Weak::new(),
+        held: Default::default(),
         job_id: JobId(0),
         job_type: J::TYPE.to_string(),
         queue: policy.queue.as_str().to_string(),

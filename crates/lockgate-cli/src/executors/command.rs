@@ -210,6 +210,7 @@ async fn spawn_watched(command: &mut Command, until: Instant, hold: RunHold) -> 
         forget(run).await;
         return Err("it exited before it could be tracked".to_string());
     };
+    hold.describe(format!("the process group {pgid} of {:?}", command.as_std().get_program()));
     let mut group = Group::new(pgid, run, hold);
     let told = {
         let mut watched = WATCHDOG.lock().await;

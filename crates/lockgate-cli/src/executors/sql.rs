@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use lockgate::sql::pooler::query_scalar;
-use lockgate::{JobContext, JobError, PgPool, RawHandler};
+use lockgate::{JobContext, JobError, PgPool, RawHandler, RunHold};
 use serde_json::Value;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -175,14 +175,14 @@ impl SqlExecutor {
         // backend may still run it (a statement that checks for interrupts only now and then
         // outlives the handler's grace), and nothing is written for the job before (review
         // helper-104, design §95).
-        let _hold = ctx.hold();
+        let hold = ctx.hold();
         let mut conn = self.db.acquire().await?;
         // In a transaction of its own under transaction pooling (the pooled path of
         // lockgate_sql::pooler), so that the statement and the backend pid it is cancelled by are
         // the same server's; on its own connection otherwise.
         if lockgate::pooler::transaction_pooling() {
             let mut tx = conn.begin().await?;
-            let ran = self.watched(&mut tx, &ctx, args, true).await;
+            let ran = self.watched(&mut tx, &ctx, &hold, args, true).await;
             match ran {
                 Ok(()) => tx.commit().await?,
                 Err(Stopped::Terminated(e)) => {
@@ -195,7 +195,7 @@ impl SqlExecutor {
                     return Err(e);
                 }
             }
-        } else if let Err(stopped) = self.watched(&mut conn, &ctx, args, false).await {
+        } else if let Err(stopped) = self.watched(&mut conn, &ctx, &hold, args, false).await {
             let e = match stopped {
                 Stopped::Failed(e) => e,
                 Stopped::Terminated(e) => {
@@ -229,6 +229,7 @@ impl SqlExecutor {
         &self,
         conn: &mut PgConnection,
         ctx: &JobContext,
+        hold: &RunHold,
         args: Value,
         local: bool,
     ) -> Result<(), Stopped> {
@@ -242,6 +243,7 @@ impl SqlExecutor {
         } else {
             query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *conn).await?
         };
+        hold.describe(format!("the statement on backend {backend}"));
         let query = lockgate::sql::pooler::query(&self.statement);
         let query = if self.statement.contains("$1") { query.bind(args) } else { query };
         let running = query.execute(&mut *conn);

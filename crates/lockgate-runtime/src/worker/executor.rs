@@ -112,6 +112,7 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         reason: Default::default(),
         lease: Arc::new(tokio::sync::watch::channel(claimed_at).0),
         run: Arc::downgrade(&alive),
+        held: Default::default(),
     };
     let metrics = shared.metrics.job(claim.queue.as_str(), &headers.job_type);
     match shared.in_flight.start(&delivery, ctx.clone(), Instant::now()) {
@@ -338,14 +339,19 @@ async fn until_ended<T>(ended: impl std::future::Future<Output = T>, ctx: &JobCo
     loop {
         match tokio::time::timeout(wait, &mut ended).await {
             Ok(joined) => return joined,
-            Err(_) if ctx.is_cancelled() => tracing::warn!(
-                job_id = ctx.job_id.0,
-                reason = %ctx.cancel_reason().map_or_else(|| "none".to_string(), |r| r.to_string()),
-                waited_ms = since.elapsed().as_millis() as u64,
-                "an attempt told to stop has not ended: its handler blocks its thread (run blocking work in \
-                 tokio::task::spawn_blocking and check JobContext::is_cancelled), or work it holds \
-                 (JobContext::hold) is still ending; its job stays leased, and its outcome waits, until it ends"
-            ),
+            Err(_) if ctx.is_cancelled() => {
+                let held = ctx.held.described();
+                tracing::warn!(
+                    job_id = ctx.job_id.0,
+                    reason = %ctx.cancel_reason().map_or_else(|| "none".to_string(), |r| r.to_string()),
+                    waited_ms = since.elapsed().as_millis() as u64,
+                    held = if held.is_empty() { "nothing named" } else { held.as_str() },
+                    "an attempt told to stop has not ended: its handler blocks its thread (run blocking work in \
+                     tokio::task::spawn_blocking and check JobContext::is_cancelled), or work it holds \
+                     (JobContext::hold, named in `held`) is still ending; its job stays leased, and its outcome \
+                     waits, until it ends"
+                );
+            }
             Err(_) => {}
         }
         wait = (wait * 2).min(MAX_WARN_INTERVAL);
