@@ -89,6 +89,12 @@ pub struct RunHold {
 }
 
 impl RunHold {
+    /// Whether this hold keeps its attempt in flight: false for one taken after the attempt
+    /// ended, which holds nothing.
+    pub fn is_held(&self) -> bool {
+        self.run.is_some()
+    }
+
     /// Names the work this hold stands for ("the process group 4242 of `backup.sh`"): while the
     /// attempt waits for it, the warning that it has not ended says what it waits for. A hold
     /// that holds nothing (taken after its attempt was over) keeps no name.
@@ -137,9 +143,21 @@ impl JobContext {
     /// after its grace but waited for. Drop the hold when that work has ended (design §95).
     /// Taken after the attempt is over, it holds nothing. [`RunHold::describe`] names the work,
     /// for the warning about an attempt told to stop that has not ended.
+    ///
+    /// Take it in the handler, before handing the work on, and move it with the work: taken in a
+    /// spawned task, it may come after the handler has returned and hold nothing (warned about;
+    /// [`RunHold::is_held`] says so).
     pub fn hold(&self) -> RunHold {
         let id = self.held.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        RunHold { run: self.run.upgrade(), id, held: self.held.clone() }
+        let run = self.run.upgrade();
+        if run.is_none() {
+            tracing::warn!(
+                job_id = self.job_id.0,
+                "a hold was taken after its attempt ended, and holds nothing: take it in the handler, before \
+                 handing the work to a task or thread, and move it there"
+            );
+        }
+        RunHold { run, id, held: self.held.clone() }
     }
 
     pub(crate) fn fire(&self, reason: CancelReason) {
@@ -299,6 +317,7 @@ mod tests {
         let alive = Arc::new(());
         let ctx = ctx(&alive);
         let group = ctx.hold();
+        assert!(group.is_held());
         group.describe("the process group 7 of \"sh\"");
         let statement = ctx.hold();
         statement.describe("the statement on backend 9");
@@ -308,6 +327,7 @@ mod tests {
         drop(statement);
         drop(alive);
         let late = ctx.hold();
+        assert!(!late.is_held());
         late.describe("after the attempt");
         assert_eq!(ctx.held.described(), "", "a hold taken after the attempt holds nothing and names nothing");
     }
