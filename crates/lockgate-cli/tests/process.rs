@@ -77,6 +77,62 @@ async fn g7_term_returns_a_job_that_outlives_shutdown_timeout_and_it_runs_again_
     assert_eq!(setup.starts(), 2);
 }
 
+/// Review helper-110, F1: GNU `timeout` (and a supervisor that signals the process and then its
+/// group) delivers one TERM twice within microseconds; when the second came after the first was
+/// handled it was taken as a second signal: exit 130 at once, the running job not returned. A
+/// repeat within a second of the first is the same request. The second TERM is sent the moment the
+/// first is logged, the case that failed.
+#[tokio::test]
+async fn a_term_delivered_twice_at_once_is_one_graceful_shutdown() {
+    let setup = Setup::new(LONG_FIRST_RUN, "");
+    let db = migrated_with_one_job(&setup).await;
+    let log = setup.dir.join("stderr");
+    let mut first = setup.run_with(&db, &[], Stdio::from(std::fs::File::create(&log).unwrap()));
+    setup.wait_starts(1).await;
+    signal(&first, "TERM");
+    let logged = || std::fs::read_to_string(&log).unwrap_or_default();
+    wait_for("the first TERM to be handled", WAIT, || async { Ok(logged().contains("TERM received").then_some(())) })
+        .await
+        .unwrap();
+    signal(&first, "TERM");
+    let status = wait_exit(&mut first).await;
+    assert!(status.success(), "one graceful shutdown, exit 0, got {status}: {}", logged());
+    assert!(logged().contains("is the same request"), "the repeat is told: {}", logged());
+    let (ready, returns): (bool, i32) =
+        sqlx::query_as("SELECT vt <= now(), (headers->>'returns')::int FROM pgmq.q_default")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(ready && returns == 1, "the running job was returned, visible at once");
+}
+
+/// A second TERM a person sends after the first (past the second a repeat is taken as the same
+/// request) still exits at once, killing the `command` executor's programs: 130.
+#[tokio::test]
+async fn a_second_term_after_the_first_exits_at_once() {
+    let setup = Setup::with_runtime(
+        &DEFAULT_RUNTIME.replace("shutdown_timeout = \"1s\"", "shutdown_timeout = \"60s\""),
+        "cat >/dev/null; echo $$ > $DIR/child; echo start >> $DIR/starts; exec sleep 60",
+        "",
+    );
+    let db = migrated_with_one_job(&setup).await;
+    let log = setup.dir.join("stderr");
+    let mut first = setup.run_with(&db, &[], Stdio::from(std::fs::File::create(&log).unwrap()));
+    setup.wait_starts(1).await;
+    let pid = std::fs::read_to_string(setup.dir.join("child")).unwrap().trim().to_string();
+    signal(&first, "TERM");
+    let logged = || std::fs::read_to_string(&log).unwrap_or_default();
+    wait_for("the first TERM to be handled", WAIT, || async { Ok(logged().contains("TERM received").then_some(())) })
+        .await
+        .unwrap();
+    // The time is the subject here: a repeat within the first second is the same request.
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    assert!(first.try_wait().unwrap().is_none(), "the graceful shutdown waits for the job (60 s)");
+    signal(&first, "TERM");
+    assert_eq!(wait_exit(&mut first).await.code(), Some(130), "{}", logged());
+    wait_for("the job's program to be killed", WAIT, || async { Ok(process_gone(&pid).then_some(())) }).await.unwrap();
+}
+
 #[tokio::test]
 async fn quit_exits_at_once_and_visibility_expiry_returns_the_job() {
     let setup = Setup::new(LONG_FIRST_RUN, "");

@@ -73,6 +73,9 @@ pub(crate) async fn checked_runtime(
     Ok(runtime)
 }
 
+/// How long after the first TERM or INT a repeat is taken as the same request, not as a second.
+const SAME_REQUEST: std::time::Duration = std::time::Duration::from_secs(1);
+
 fn watch_signals(shutdown: CancellationToken) -> Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
@@ -84,10 +87,23 @@ fn watch_signals(shutdown: CancellationToken) -> Result<()> {
             _ = quit.recv() => quit_now(),
         }
         shutdown.cancel();
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-            _ = quit.recv() => quit_now(),
+        let first = std::time::Instant::now();
+        loop {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+                _ = quit.recv() => quit_now(),
+            }
+            if first.elapsed() >= SAME_REQUEST {
+                break;
+            }
+            // GNU `timeout`, and a supervisor that signals the process and then its group, deliver
+            // one request twice within microseconds; taken as a second signal, it dropped the
+            // graceful shutdown (review helper-110).
+            tracing::info!(
+                "a repeat within {SAME_REQUEST:?} of the first signal is the same request; send it again later \
+                 (or QUIT) to exit at once"
+            );
         }
         tracing::warn!("second signal: exiting at once; unfinished jobs return when their visibility lapses");
         executors::command::kill_children();
