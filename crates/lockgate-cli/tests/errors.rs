@@ -339,6 +339,16 @@ async fn run_refuses_executors_that_cannot_work_naming_the_job_type() {
             Config::new("[job_types.hook]\nhttp = \"http//missing-colon\""),
             "job type hook cannot run: invalid http executor URL",
         ),
+        // Review helper-110: each prepared, and every job of the type succeeded doing nothing
+        // (the empty one) or left its session in a transaction that swallowed later jobs' writes.
+        (
+            Config::new("[job_types.audit]\nsql = \"-- TODO write the statement $1\""),
+            "job type audit cannot run: its sql statement is empty (white space and comments only)",
+        ),
+        (
+            Config::new("[job_types.audit]\nsql = \" begin\""),
+            "job type audit cannot run: its sql statement is transaction control (BEGIN)",
+        ),
     ] {
         let (status, out) = run_until_exit(&db, &config).await;
         assert!(!status.success(), "{out}");

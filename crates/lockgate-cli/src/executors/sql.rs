@@ -27,6 +27,22 @@ use sqlx::{Connection as _, Executor as _, Statement as _};
 /// locked by another transaction (an ALTER TABLE left open): the check waits `PREPARE_LOCK_WAIT`
 /// for it, then fails naming the lock rather than hanging the start.
 pub async fn check(db: &PgPool, statement: &str) -> anyhow::Result<()> {
+    // Both prepare (review helper-110): an empty statement ran as nothing and every job of its
+    // type succeeded; a `BEGIN` left its pooled session in a transaction that the next jobs' writes
+    // joined and lost when the session was closed, each of them reported as succeeded.
+    if blank(statement) {
+        anyhow::bail!(
+            "its sql statement is empty (white space and comments only): every job would succeed doing nothing"
+        );
+    }
+    let keyword = first_keyword(statement);
+    if TRANSACTION_CONTROL.contains(&keyword.as_str()) {
+        anyhow::bail!(
+            "its sql statement is transaction control ({}): a job's statement runs in the transaction lockgate \
+             gives it, and one it left open would take in the writes of the jobs after it on the same connection",
+            keyword.to_ascii_uppercase()
+        );
+    }
     let mut tx = db.begin().await?;
     let budget = format!("SET LOCAL lock_timeout = '{}ms'", PREPARE_LOCK_WAIT.as_millis());
     sqlx::query(&budget).persistent(false).execute(&mut *tx).await?;
@@ -118,6 +134,24 @@ fn first_keyword(statement: &str) -> String {
         }
     }
     rest.chars().take_while(char::is_ascii_alphabetic).collect::<String>().to_ascii_lowercase()
+}
+
+/// The first keywords of the statements that begin or end transactions, and of savepoints.
+const TRANSACTION_CONTROL: [&str; 8] = ["begin", "start", "commit", "end", "rollback", "abort", "savepoint", "release"];
+
+/// Whether `statement` holds nothing but white space, comments and semicolons.
+fn blank(statement: &str) -> bool {
+    let mut rest = statement;
+    loop {
+        rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == ';');
+        if let Some(line) = rest.strip_prefix("--") {
+            rest = line.split_once('\n').map_or("", |(_, after)| after);
+        } else if rest.starts_with("/*") {
+            rest = past_block_comment(rest);
+        } else {
+            return rest.is_empty();
+        }
+    }
 }
 
 /// `text` past the block comment it starts with, nested ones included ("" when it never ends).
@@ -350,7 +384,17 @@ impl RawHandler for SqlExecutor {
 
 #[cfg(test)]
 mod tests {
-    use super::first_keyword;
+    use super::{blank, first_keyword};
+
+    #[test]
+    fn a_statement_of_space_comments_and_semicolons_is_blank() {
+        for text in ["", "  \n\t", ";", "-- TODO write it $1", "/* a /* nested */ one */ ;\n-- and a line"] {
+            assert!(blank(text), "{text:?}");
+        }
+        for text in ["SELECT 1", "-- a comment\nSELECT $1", "/* c */ INSERT INTO t VALUES ($1)", "'x'", "("] {
+            assert!(!blank(text), "{text:?}");
+        }
+    }
 
     #[test]
     fn the_first_keyword_is_read_past_space_comments_and_parentheses() {
