@@ -133,6 +133,23 @@ async fn a_second_term_after_the_first_exits_at_once() {
     wait_for("the job's program to be killed", WAIT, || async { Ok(process_gone(&pid).then_some(())) }).await.unwrap();
 }
 
+/// Review helper-110, F2: a program whose stderr held a NUL byte failed its attempt with an error
+/// PostgreSQL's text cannot hold; the failure could not be written, each retry waited out the
+/// visibility instead of its backoff, and the job was dead-lettered as lost, its error gone.
+#[tokio::test]
+async fn a_programs_error_with_a_nul_byte_is_kept() {
+    let setup = Setup::new("cat >/dev/null; printf 'before\\000after' >&2; exit 3", "max_attempts = 1");
+    let db = migrated_with_one_job(&setup).await;
+    let mut run = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await.unwrap();
+    signal(&run, "TERM");
+    assert!(wait_exit(&mut run).await.success());
+    let (reason, error): (String, String) =
+        sqlx::query_as("SELECT reason, error FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(reason, "attempts_exhausted");
+    assert!(error.contains("before\u{FFFD}after"), "the program's error, its NUL replaced: {error:?}");
+}
+
 #[tokio::test]
 async fn quit_exits_at_once_and_visibility_expiry_returns_the_job() {
     let setup = Setup::new(LONG_FIRST_RUN, "");

@@ -173,8 +173,11 @@ pub struct JobError {
 }
 
 impl JobError {
+    /// A NUL character, which PostgreSQL's text cannot hold, is kept as U+FFFD (as invalid UTF-8
+    /// is where text is read lossily): unreplaced, the attempt's error could not be written, and
+    /// the attempt was taken for lost (review helper-110).
     pub fn new(message: impl Into<String>) -> Self {
-        Self { message: message.into() }
+        Self { message: storable(message.into()) }
     }
 
     pub fn message(&self) -> &str {
@@ -196,7 +199,16 @@ impl<E: std::error::Error> From<E> for JobError {
             }
             source = cause.source();
         }
-        Self { message }
+        Self { message: storable(message) }
+    }
+}
+
+/// `message` without NUL characters, each replaced by U+FFFD.
+fn storable(message: String) -> String {
+    if message.contains('\0') {
+        message.replace('\0', "\u{FFFD}")
+    } else {
+        message
     }
 }
 
@@ -310,6 +322,13 @@ mod tests {
             run: Arc::downgrade(run),
             held: Default::default(),
         }
+    }
+
+    #[test]
+    fn an_error_keeps_no_nul_character() {
+        assert_eq!(JobError::new("bad\0byte").message(), "bad\u{FFFD}byte");
+        let io = std::io::Error::other("from\0io");
+        assert_eq!(JobError::from(io).message(), "from\u{FFFD}io");
     }
 
     #[test]
