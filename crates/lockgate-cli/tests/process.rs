@@ -357,12 +357,13 @@ async fn operators_list_parked_jobs_and_discard_one_explicitly() {
 
 /// A process is gone when /proc no longer lists it, or lists it only as a zombie.
 fn process_gone(pid: &str) -> bool {
-    process_state(pid).is_none_or(|state| state == 'Z')
+    state_in(Path::new(&format!("/proc/{pid}/stat"))).is_none_or(|state| state == 'Z')
 }
 
-/// The state letter of process `pid` in /proc/<pid>/stat (`T` stopped, `Z` a zombie), if it exists.
-fn process_state(pid: &str) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+/// The state letter in a process's or thread's `stat` file (`T` stopped, `Z` a zombie), if it
+/// exists.
+fn state_in(stat: &Path) -> Option<char> {
+    let stat = std::fs::read_to_string(stat).ok()?;
     stat.rsplit(')').next()?.trim_start().chars().next()
 }
 
@@ -889,7 +890,7 @@ async fn a_stopped_watchdog_of_a_killed_lockgate_still_kills_its_programs() {
     // next runs. Killed before that, lockgate would leave a group with no stopped member, which
     // the kernel does not wake, and the watchdog would stop for good afterwards.
     lockgate_testkit::wait_for("the watchdog to stop", WAIT, || async {
-        Ok((process_state(&watchdog) == Some('T')).then_some(()))
+        Ok(all_threads_stopped(&watchdog).then_some(()))
     })
     .await
     .unwrap();
@@ -900,6 +901,14 @@ async fn a_stopped_watchdog_of_a_killed_lockgate_still_kills_its_programs() {
             .await;
     let _ = std::process::Command::new("kill").args(["-KILL", &pid, &watchdog]).status();
     killed.unwrap();
+}
+
+/// Whether every thread of process `pid` is stopped (`T`): the kernel wakes an orphaned group only
+/// once its stop is complete, every thread of it stopped (review helper-111).
+fn all_threads_stopped(pid: &str) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    let states: Vec<Option<char>> = tasks.flatten().map(|task| state_in(&task.path().join("stat"))).collect();
+    !states.is_empty() && states.iter().all(|state| *state == Some('T'))
 }
 
 /// Whether process `pid` has a handler for SIGHUP (`SigCgt` of /proc/<pid>/status).

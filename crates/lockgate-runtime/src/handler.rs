@@ -100,7 +100,10 @@ impl RunHold {
     /// that holds nothing (taken after its attempt was over) keeps no name.
     pub fn describe(&self, what: impl Into<String>) {
         if self.run.is_some() {
-            self.held.named.lock().unwrap_or_else(|e| e.into_inner()).insert(self.id, what.into());
+            // Made before the lock: a conversion that drops another hold of the attempt would
+            // take the lock again (review helper-111).
+            let what = what.into();
+            self.held.named.lock().unwrap_or_else(|e| e.into_inner()).insert(self.id, what);
         }
     }
 }
@@ -322,6 +325,30 @@ mod tests {
             run: Arc::downgrade(run),
             held: Default::default(),
         }
+    }
+
+    /// A description that carries a hold of its own, dropped as it is made into text.
+    struct Carried(RunHold, &'static str);
+
+    impl From<Carried> for String {
+        fn from(carried: Carried) -> String {
+            drop(carried.0);
+            carried.1.to_string()
+        }
+    }
+
+    #[test]
+    fn a_description_that_drops_a_hold_as_it_is_made_does_not_block() {
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let alive = Arc::new(());
+            let ctx = ctx(&alive);
+            let hold = ctx.hold();
+            hold.describe(Carried(ctx.hold(), "the process group 7"));
+            let _ = done.send(ctx.held.described());
+        });
+        let described = finished.recv_timeout(std::time::Duration::from_secs(5));
+        assert_eq!(described.as_deref(), Ok("the process group 7"), "describe took its own lock again");
     }
 
     #[test]
