@@ -38,14 +38,17 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{CancelReason, Handler, Job, JobContext, JobError};
 
+/// The liveness of the attempts of test contexts: they never end.
+static NEVER_ENDS: std::sync::LazyLock<Arc<()>> = std::sync::LazyLock::new(|| Arc::new(()));
+
 /// The context a worker gives the first attempt of a job of type `J` (job id 0, `J::policy()`'s
 /// queue and attempts). Its fields are public: set `attempt` to test a retry.
 pub fn context<J: Job>() -> JobContext {
     let policy = J::policy();
     JobContext {
-        // An attempt that never ends (its one strong reference is never dropped): a hold the
-        // handler under test takes holds, as it would in a worker, and is not warned about.
-        run: Arc::downgrade(&std::mem::ManuallyDrop::new(Arc::new(()))),
+        // An attempt that never ends (one shared by every test context, never dropped): a hold
+        // the handler under test takes holds, as it would in a worker, and is not warned about.
+        run: Arc::downgrade(&NEVER_ENDS),
         held: Default::default(),
         job_id: JobId(0),
         job_type: J::TYPE.to_string(),
