@@ -162,23 +162,15 @@ async fn an_sql_job_is_stopped_on_the_server_through_transaction_pooling() {
         let o = lockgate(&db, &["enqueue", "task", &format!("{{\"n\": {n}}}")]).output().unwrap();
         assert!(o.status.success(), "{}", text(&o));
     }
-    let mut child = lockgate(&db, &["run", "--config", config.to_str().unwrap()])
+    let child = lockgate(&db, &["run", "--config", config.to_str().unwrap()])
         .env("DATABASE_URL", &pooled)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let done = lockgate_testkit::wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 8, WAIT).await;
-    if let Err(e) = done {
-        // A statement still running holds its attempt, and the graceful shutdown waits for it.
-        child.kill().unwrap();
-        let o = child.wait_with_output().unwrap();
-        panic!("{e}: a timed-out statement was not stopped on the server\n{}", text(&o));
-    }
-    signal(&child, "TERM");
-    let status = wait_exit(&mut child).await;
-    let o = child.wait_with_output().unwrap();
-    assert!(status.success(), "{}", text(&o));
+    // A statement still running holds its attempt, and the graceful shutdown would wait for it.
+    let dead = "SELECT count(*) FROM lockgate.dead_letters";
+    stopped_once_counted(&db, child, dead, 8, "a timed-out statement was not stopped on the server").await;
     let running = db.count("SELECT 1 FROM pg_stat_activity WHERE query LIKE '%stubborn_sleep(%' AND state = 'active' AND pid <> pg_backend_pid()");
     assert_eq!(running.await.unwrap(), 0);
 }

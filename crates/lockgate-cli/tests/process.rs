@@ -1187,22 +1187,14 @@ async fn an_sql_statement_whose_terminate_is_refused_ends_its_attempt_when_it_en
         let o = lockgate(&db, args).env("DATABASE_URL", &url).output().unwrap();
         assert!(o.status.success(), "{args:?}: {}", text(&o));
     }
-    let mut run = lockgate(&db, &["run", "--config", setup.config.to_str().unwrap()])
+    let run = lockgate(&db, &["run", "--config", setup.config.to_str().unwrap()])
         .env("DATABASE_URL", &url)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let done = wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await;
-    if let Err(e) = done {
-        run.kill().unwrap();
-        let o = run.wait_with_output().unwrap();
-        panic!("{e}: the attempt never ended\n{}", text(&o));
-    }
-    signal(&run, "TERM");
-    let status = wait_exit(&mut run).await;
-    let o = run.wait_with_output().unwrap();
-    assert!(status.success(), "{}", text(&o));
+    let dead = "SELECT count(*) FROM lockgate.dead_letters";
+    let o = stopped_once_counted(&db, run, dead, 1, "the attempt never ended").await;
     assert!(text(&o).contains("could not be ended on the server"), "the refused terminate is told: {}", text(&o));
     let waiting = text(&o).lines().find(|l| l.contains("an attempt told to stop has not ended")).map(str::to_string);
     assert!(

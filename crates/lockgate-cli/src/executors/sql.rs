@@ -122,18 +122,23 @@ async fn prepare_by_name(conn: &mut PgConnection, statement: &str) -> Result<Opt
 /// The statement's first keyword, lowercased, past white space, comments (block comments nest, as
 /// PostgreSQL reads them) and opening parentheses.
 fn first_keyword(statement: &str) -> String {
+    let rest = past_comments(statement, |c| c.is_whitespace() || c == '(');
+    rest.chars().take_while(char::is_ascii_alphabetic).collect::<String>().to_ascii_lowercase()
+}
+
+/// `statement` past its leading comments and the characters `skipped` takes.
+fn past_comments(statement: &str, skipped: impl Fn(char) -> bool) -> &str {
     let mut rest = statement;
     loop {
-        rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == '(');
+        rest = rest.trim_start_matches(&skipped);
         if let Some(line) = rest.strip_prefix("--") {
             rest = line.split_once('\n').map_or("", |(_, after)| after);
         } else if rest.starts_with("/*") {
             rest = past_block_comment(rest);
         } else {
-            break;
+            return rest;
         }
     }
-    rest.chars().take_while(char::is_ascii_alphabetic).collect::<String>().to_ascii_lowercase()
 }
 
 /// The first keywords of the statements that begin or end transactions, and of savepoints.
@@ -141,17 +146,7 @@ const TRANSACTION_CONTROL: [&str; 8] = ["begin", "start", "commit", "end", "roll
 
 /// Whether `statement` holds nothing but white space, comments and semicolons.
 fn blank(statement: &str) -> bool {
-    let mut rest = statement;
-    loop {
-        rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == ';');
-        if let Some(line) = rest.strip_prefix("--") {
-            rest = line.split_once('\n').map_or("", |(_, after)| after);
-        } else if rest.starts_with("/*") {
-            rest = past_block_comment(rest);
-        } else {
-            return rest.is_empty();
-        }
-    }
+    past_comments(statement, |c| c.is_whitespace() || c == ';').is_empty()
 }
 
 /// `text` past the block comment it starts with, nested ones included ("" when it never ends).

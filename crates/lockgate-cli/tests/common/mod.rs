@@ -27,13 +27,33 @@ pub const STUBBORN_SLEEP: &str = "CREATE FUNCTION stubborn_sleep(jsonb) RETURNS 
      END $$;";
 
 pub fn lockgate(db: &TestDb, args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lockgate"));
+    with_test_env(Command::new(env!("CARGO_BIN_EXE_lockgate")), db, args)
+}
+
+/// `cmd` given `args` and the tests' environment for lockgate: the database, the log filter.
+fn with_test_env(mut cmd: Command, db: &TestDb, args: &[&str]) -> Command {
     cmd.args(args).env("DATABASE_URL", &db.url).env("LOCKGATE_LOG", "info,sqlx=warn");
     cmd
 }
 
 pub fn output(db: &TestDb, args: &[&str]) -> Output {
     lockgate(db, args).output().expect("lockgate runs")
+}
+
+/// Waits until `sql` counts `n`, then stops `child` (started with its output piped) with TERM,
+/// checks that it exited 0, and returns its output. Not counted within `WAIT`, it is killed and the
+/// test fails saying `what` went wrong, with the output.
+pub async fn stopped_once_counted(db: &TestDb, mut child: Child, sql: &str, n: i64, what: &str) -> Output {
+    if let Err(e) = lockgate_testkit::wait_for_count(&db.pool, sql, n, WAIT).await {
+        child.kill().unwrap();
+        let o = child.wait_with_output().unwrap();
+        panic!("{e}: {what}\n{}", text(&o));
+    }
+    signal(&child, "TERM");
+    let status = wait_exit(&mut child).await;
+    let o = child.wait_with_output().unwrap();
+    assert!(status.success(), "{}", text(&o));
+    o
 }
 
 pub fn text(o: &Output) -> String {
@@ -75,13 +95,7 @@ impl Setup {
     }
 
     pub fn run(&self, db: &TestDb) -> Child {
-        let child = lockgate(db, &["run", "--config", self.config.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        self.started.lock().unwrap().push(child.id());
-        child
+        self.start(lockgate(db, &["run", "--config", self.config.to_str().unwrap()]), Stdio::null())
     }
 
     /// Like `run`, in a session of its own (`setsid`, which execs it in place), as a service
@@ -90,17 +104,9 @@ impl Setup {
     /// SIGHUP and SIGCONT) on any machine: in the test's session, a reaper of that session (CI's
     /// may be one) left them not orphaned and never woken.
     pub fn run_in_own_session(&self, db: &TestDb) -> Child {
-        let child = Command::new("setsid")
-            .arg(env!("CARGO_BIN_EXE_lockgate"))
-            .args(["run", "--config", self.config.to_str().unwrap()])
-            .env("DATABASE_URL", &db.url)
-            .env("LOCKGATE_LOG", "info,sqlx=warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        self.started.lock().unwrap().push(child.id());
-        child
+        let mut setsid = Command::new("setsid");
+        setsid.arg(env!("CARGO_BIN_EXE_lockgate"));
+        self.start(with_test_env(setsid, db, &["run", "--config", self.config.to_str().unwrap()]), Stdio::null())
     }
 
     /// Like `run`, with global flags before `run` (e.g. `--log-format json`) and stderr written
@@ -108,7 +114,13 @@ impl Setup {
     pub fn run_with(&self, db: &TestDb, flags: &[&str], stderr: Stdio) -> Child {
         let mut args = flags.to_vec();
         args.extend(["run", "--config", self.config.to_str().unwrap()]);
-        let child = lockgate(db, &args).stdout(Stdio::null()).stderr(stderr).spawn().unwrap();
+        self.start(lockgate(db, &args), stderr)
+    }
+
+    /// Starts `run` (its stdout discarded, its stderr to `stderr`), recorded to be killed if the
+    /// test fails half-way.
+    fn start(&self, mut run: Command, stderr: Stdio) -> Child {
+        let child = run.stdout(Stdio::null()).stderr(stderr).spawn().unwrap();
         self.started.lock().unwrap().push(child.id());
         child
     }
