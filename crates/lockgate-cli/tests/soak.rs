@@ -904,16 +904,23 @@ async fn soak(size: Size, seed: u64) {
                     if procs.procs[pick].spawned.elapsed() < Duration::from_secs(2) {
                         continue;
                     }
+                    // Half of them delivered twice at once, as GNU `timeout` and supervisors
+                    // that signal a process and then its group do: still one graceful shutdown
+                    // (review helper-110; taken as a second signal, it exited 130).
+                    let twice = rng.bool();
                     faults.push(Fault {
                         kind,
                         target: procs.procs[pick].label(),
                         pid: Some(pid),
                         began: Utc::now(),
                         ended: None,
-                        detail: String::new(),
+                        detail: if twice { "TERM twice; ".into() } else { String::new() },
                         problem: None,
                     });
                     chaos::send_signal(&[pid], "TERM");
+                    if twice {
+                        chaos::send_signal(&[pid], "TERM");
+                    }
                     active.push(Active::Terminating {
                         idx: pick,
                         until: Instant::now() + Duration::from_secs(10),
@@ -1169,13 +1176,13 @@ async fn end_fault(a: Active, faults: &mut [Fault], procs: &mut Procs, proxy: &F
             }
             let f = &mut faults[fault];
             match status {
-                Some(s) if s.success() => f.detail = format!("exited 0 after {}", since(f.began)),
+                Some(s) if s.success() => write!(f.detail, "exited 0 after {}", since(f.began)).unwrap(),
                 Some(s) => {
-                    f.detail = format!("exited with {s} after {}", since(f.began));
+                    write!(f.detail, "exited with {s} after {}", since(f.began)).unwrap();
                     f.problem = Some(format!("G7: {label} exited with {s} after TERM (at {})", ts(f.began)));
                 }
                 None => {
-                    f.detail = "still running 10 s after TERM: killed".into();
+                    f.detail.push_str("still running 10 s after TERM: killed");
                     f.problem = Some(format!("G7: {label} had not exited 10 s after TERM (at {})", ts(f.began)));
                     procs.kill(idx);
                 }
