@@ -118,6 +118,10 @@ END $$;
 -- busy the queue; a JSON string of one digit ("5") reads as that digit's rank (the index reads
 -- the header as text), and is dead-lettered when that priority's turn comes.
 --
+-- A job delivered again whose earlier delivery's `sql` statement still runs, on a backend that
+-- carries the job's mark (sql/046_statements.sql), has that backend ended first, or is put back
+-- for a second when it cannot be (docs/design.md §100).
+--
 -- One priority at a time, through the claim index (priority, vt, msg_id): within a priority the
 -- visible messages come first, so a claim never scans the delayed or in-flight ones after them.
 -- The queue's claim step (above) finds the next priority holding a visible message (one index
@@ -185,6 +189,9 @@ DECLARE
     -- Deliveries returned; fewer than were taken when some were dead-lettered, parked or put back.
     returned integer := 0;
     paused timestamptz;
+    -- The marks of backends running jobs' statements, read at the first job delivered again.
+    marks text[];
+    mark text;
 BEGIN
     -- One primary-key lookup says the queue exists and whether it is paused.
     SELECT q.paused_at INTO paused FROM lockgate.queues q WHERE q.name = claim.queue;
@@ -222,6 +229,23 @@ BEGIN
         IF left_to_claim = qty - 1 AND lockgate._made_again(queue) THEN
             RAISE EXCEPTION 'lockgate: queue "%" has a table made again outside lockgate (pgmq.create): run lockgate migrate to adopt it', queue
                 USING ERRCODE = '55000';
+        END IF;
+        -- A job delivered again: an earlier delivery's `sql` statement may still run on the server,
+        -- its lockgate frozen or cut off. Its backend is ended first, or, if it cannot be, the job
+        -- is put back until it has (docs/design.md §100). The marks are read once per claim, after
+        -- the take locked every row it returns (sql/046_statements.sql).
+        IF r.read_ct > 1 THEN
+            IF marks IS NULL THEN
+                marks := lockgate._statement_marks();
+            END IF;
+            IF cardinality(marks) > 0 THEN
+                mark := lockgate._statement_tag(queue, r.msg_id);
+                IF mark = ANY (marks) AND cardinality(lockgate._end_statements(ARRAY[mark])) > 0 THEN
+                    PERFORM lockgate._put_back(tbl,
+                        ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed);
+                    CONTINUE;
+                END IF;
+            END IF;
         END IF;
         -- Checked here, row by row, not in the take step: written when that statement was
         -- planned at every call, where planning the inlined check cost more than the claim's

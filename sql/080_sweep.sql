@@ -9,7 +9,9 @@
 --    another transaction held its key's row (lockgate._release_leases) is expired at once, and
 --    freed here as soon as the row is free (counted in neither). A lease whose key has no semaphore
 --    row (only a bug, or a hand edit past migration 19's guards, makes one; docs/design.md §61) is
---    deleted once expired, with no permit to give back: no row counts it;
+--    deleted once expired, with no permit to give back: no row counts it. A lapsed holder's `sql`
+--    statement still running on a backend that carries its job's mark (sql/046_statements.sql)
+--    is ended first, and its lease kept for a later pass if it cannot be (docs/design.md §100);
 -- 2. repair: promote parked jobs of keys that can take a permit although nothing released one
 --    (every release promotes in its own transaction, so such keys are rare: a raised or removed
 --    limit, a type or queue gone, a permit given back at a claim that re-keyed its job, a parked
@@ -65,6 +67,12 @@ DECLARE
     looked text[];
     candidates text[];
     k record;
+    -- The marks of the expired leases' statements (sql/046_statements.sql), those of any running
+    -- backend, and those of statements that could not be ended.
+    e_marks text[];
+    mine boolean[];
+    marks text[];
+    kept text[] := '{}';
 BEGIN
     -- 1. The expired leases, read from the expiry index alone (no order is asked of the table,
     -- so no plan walks another index for one); their keys made distinct and sorted in memory.
@@ -88,17 +96,33 @@ BEGIN
     -- locked: rows this transaction holds cannot move or be deleted by another, so every row is
     -- deleted.
     WITH held AS MATERIALIZED (
-        SELECT e.key, take[e.r] AS mine, x.tid
+        SELECT e.key, take[e.r] AS mine, x.tid, lockgate._statement_tag(e.queue, e.msg_id) AS mark
           FROM (SELECT u.*, dense_rank() OVER (ORDER BY u.key)::integer AS r
                   FROM unnest(e_keys, e_queues, e_ids, e_tids) AS u(key, queue, msg_id, tid)) e
          CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.leases x
                               WHERE x.ctid = e.tid AND x.queue = e.queue AND x.msg_id = e.msg_id AND x.key = e.key
                                 AND x.expires_at < at
                               OFFSET 0 FOR UPDATE SKIP LOCKED) x
-         WHERE take[e.r] IS NOT NULL),
+         WHERE take[e.r] IS NOT NULL)
+    SELECT array_agg(h.tid), array_agg(h.key), array_agg(h.mine), array_agg(h.mark)
+      INTO tids, e_keys, mine, e_marks
+      FROM held h;
+    -- A lapsed holder's `sql` statement may still run on the server (its lockgate frozen or cut
+    -- off): its backend is ended before the permit is given back, and a lease whose statement
+    -- cannot be ended is kept, for a later pass (docs/design.md §100). The marks are read after
+    -- the leases were locked (sql/046_statements.sql); there are none, almost always.
+    IF tids IS NOT NULL THEN
+        marks := lockgate._statement_marks();
+        IF marks && e_marks THEN
+            kept := lockgate._end_statements(ARRAY(SELECT m FROM unnest(e_marks) AS m WHERE m = ANY (marks)));
+        END IF;
+    END IF;
+    WITH live AS MATERIALIZED (
+        SELECT h.* FROM unnest(tids, e_keys, mine, e_marks) AS h(tid, key, mine, mark)
+         WHERE NOT h.mark = ANY (kept)),
     per_key AS (
-        SELECT h.key, count(*)::integer AS n FROM held h WHERE h.mine GROUP BY h.key)
-    SELECT (SELECT array_agg(h.tid) FROM held h),
+        SELECT h.key, count(*)::integer AS n FROM live h WHERE h.mine GROUP BY h.key)
+    SELECT (SELECT array_agg(h.tid) FROM live h),
            (SELECT array_agg(c.key ORDER BY c.key) FROM per_key c),
            (SELECT array_agg(c.n ORDER BY c.key) FROM per_key c)
       INTO tids, keys, counts;

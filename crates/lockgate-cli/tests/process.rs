@@ -1043,6 +1043,50 @@ async fn an_sql_jobs_statement_never_outlives_its_attempt_on_the_server() {
     .unwrap();
 }
 
+/// The backends running a probe statement now.
+async fn probe_backends(db: &TestDb) -> Vec<i32> {
+    sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE query LIKE '%sql-probe%' AND state = 'active' \
+         AND pid <> pg_backend_pid() AND datname = current_database()",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// Design §100: a frozen lockgate's `sql` statement ran on in its backend (nothing reached it:
+/// the connection stays open, and the watchdog guards only programs) beside the job's next
+/// delivery and the next job of its key. The backend carries its job's mark, and the other
+/// lockgate's claim or sweep that takes the job ends it first. Two jobs on a key limited to 1.
+#[tokio::test]
+async fn a_frozen_lockgates_sql_statement_is_ended_before_its_key_runs_again() {
+    let setup = Setup::with_job_type(
+        DEFAULT_RUNTIME,
+        "sql = \"SELECT pg_sleep(60), 'sql-probe', $1::text\"\nconcurrency = { limit = 1 }",
+    );
+    let db = migrated_with_one_job(&setup).await;
+    assert!(output(&db, &["enqueue", "task", "{\"n\": 2}"]).status.success());
+    let mut first = setup.run(&db);
+    let frozen =
+        wait_for("a statement", WAIT, || async { Ok(probe_backends(&db).await.first().copied()) }).await.unwrap();
+    signal(&first, "STOP");
+    let mut second = setup.run(&db);
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let running = probe_backends(&db).await;
+        assert!(running.len() <= 1, "two statements of the key at once: backends {running:?} (frozen: {frozen})");
+        if running.iter().any(|&pid| pid != frozen) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the other lockgate ran no statement of the key");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    signal(&second, "TERM");
+    assert!(wait_exit(&mut second).await.success());
+}
+
 /// A program in a process group of its own, marked for the watchdog as run `run` of lockgate
 /// `lockgate`, as `lockgate run` starts them; its pid.
 fn marked_program(lockgate: u32, run: u64) -> std::process::Child {

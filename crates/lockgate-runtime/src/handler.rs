@@ -49,6 +49,9 @@ pub struct JobContext {
     pub job_type: String,
     pub queue: String,
     pub msg_id: i64,
+    /// The delivery's read count: with `queue` and `msg_id`, the token that fences this delivery's
+    /// steps (a later delivery of the job has a higher one), as `lockgate.start_statement` takes it.
+    pub read_ct: i32,
     /// 1 for the first attempt.
     pub attempt: u32,
     pub max_attempts: u32,
@@ -317,6 +320,7 @@ mod tests {
             job_type: "t".into(),
             queue: "q".into(),
             msg_id: 1,
+            read_ct: 1,
             attempt: 1,
             max_attempts: 1,
             cancel: CancellationToken::new(),

@@ -489,6 +489,7 @@ mod tests {
             job_type: "t".into(),
             queue: "q".into(),
             msg_id,
+            read_ct: 1,
             attempt: 1,
             max_attempts: 1,
             cancel: Default::default(),

@@ -54,6 +54,7 @@ pub fn context<J: Job>() -> JobContext {
         job_type: J::TYPE.to_string(),
         queue: policy.queue.as_str().to_string(),
         msg_id: 0,
+        read_ct: 1,
         attempt: 1,
         max_attempts: policy.max_attempts,
         cancel: CancellationToken::new(),

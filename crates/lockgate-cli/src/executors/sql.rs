@@ -224,14 +224,22 @@ impl SqlExecutor {
                     return Err(e);
                 }
             }
-        } else if let Err(stopped) = self.watched(&mut conn, &ctx, &hold, args, false).await {
-            let e = match stopped {
-                Stopped::Failed(e) => e,
-                Stopped::Terminated(e) => {
-                    // Its backend is gone: the connection is closed, not given back to be tested.
-                    conn.close_on_drop();
-                    return Err(e);
-                }
+        } else {
+            let ran = self.watched(&mut conn, &ctx, &hold, args, false).await;
+            if let Err(Stopped::Terminated(e)) = ran {
+                // Its backend is gone: the connection is closed, not given back to be tested.
+                conn.close_on_drop();
+                return Err(e);
+            }
+            // The backend's mark (lockgate.start_statement) goes with the statement: left on a
+            // connection lent to other work, it would have that work's backend ended when the job is
+            // delivered again. A connection that cannot say it is unmarked is not lent again.
+            if let Err(e) = sqlx::query("RESET application_name").execute(&mut *conn).await {
+                tracing::debug!(error = %e, "an sql job's connection could not be unmarked: it is closed");
+                conn.close_on_drop();
+            }
+            let Err(Stopped::Failed(e)) = ran else {
+                return Ok(());
             };
             // A session that is read-only (its database or role made it so when it began, and
             // it stays so whatever the server does since) is closed, not given back: every job
@@ -262,15 +270,36 @@ impl SqlExecutor {
         args: Value,
         local: bool,
     ) -> Result<(), Stopped> {
+        // The backend is marked as running this delivery's statement, so that a sweep or claim that
+        // takes the job from this process while it is frozen or cut off ends the statement first
+        // (design §100); a delivery that no longer owns its job starts nothing.
         let check = conn.server_version_num().is_some_and(|v| v >= 140_000);
-        let backend: i32 = if check {
-            query_scalar("SELECT pg_backend_pid() FROM set_config('client_connection_check_interval', $1, $2)")
-                .bind(CLIENT_CHECK)
+        let started: Option<i32> = if check {
+            query_scalar(
+                "SELECT lockgate.start_statement($3, $4, $5, $2) \
+                   FROM set_config('client_connection_check_interval', $1, $2)",
+            )
+            .bind(CLIENT_CHECK)
+            .bind(local)
+            .bind(&ctx.queue)
+            .bind(ctx.msg_id)
+            .bind(ctx.read_ct)
+            .fetch_one(&mut *conn)
+            .await?
+        } else {
+            query_scalar("SELECT lockgate.start_statement($1, $2, $3, $4)")
+                .bind(&ctx.queue)
+                .bind(ctx.msg_id)
+                .bind(ctx.read_ct)
                 .bind(local)
                 .fetch_one(&mut *conn)
                 .await?
-        } else {
-            query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *conn).await?
+        };
+        let Some(backend) = started else {
+            return Err(Stopped::Failed(JobError::new(
+                "its statement was not started: the delivery no longer holds the job (its visibility ran out, \
+                 or it was delivered again)",
+            )));
         };
         hold.describe(format!("the statement on backend {backend}"));
         let query = lockgate::sql::pooler::query(&self.statement);

@@ -106,6 +106,7 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         job_type: headers.job_type.clone(),
         queue: claim.queue.to_string(),
         msg_id: claim.msg_id,
+        read_ct: claim.read_ct,
         attempt,
         max_attempts: policy.max_attempts,
         cancel: CancellationToken::new(),

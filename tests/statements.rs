@@ -1,0 +1,306 @@
+//! `sql` jobs' statements fenced on the server (design §100): a statement runs in a database
+//! backend, which a frozen or cut-off `lockgate run` cannot stop, so the backend carries its job's
+//! mark (`lockgate.start_statement`) and whatever takes the job from a silent holder ends it
+//! first: the sweep that expires the job's lease, the claim that delivers the job again. Each test
+//! marks a connection of its own as the `sql` executor marks its statement's, runs a long
+//! statement on it, and takes the job away through the public SQL API.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use lockgate_testkit::TestDb;
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio::task::JoinHandle;
+
+/// How long a statement runs unless it is ended: far longer than any test.
+const LONG: &str = "SELECT pg_sleep(60)";
+
+async fn define(db: &TestDb, limit: Option<i32>) {
+    sqlx::query(
+        "SELECT lockgate.define_job_type('job', concurrency_limit => $1,
+                                         concurrency_key => CASE WHEN $1 IS NULL THEN NULL ELSE array['k'] END,
+                                         concurrency_duration_ms => 60000)",
+    )
+    .bind(limit)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+async fn enqueue(db: &PgPool) -> String {
+    sqlx::query_scalar("SELECT status FROM lockgate.enqueue('job', '{\"k\": 1}')").fetch_one(db).await.unwrap()
+}
+
+/// The deliveries a claim returns, as (msg_id, read_ct).
+async fn claim(db: impl sqlx::PgExecutor<'_>) -> Vec<(i64, i32)> {
+    sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 10, 30)").fetch_all(db).await.unwrap()
+}
+
+/// A connection of its own, marked as running delivery (msg_id, read_ct)'s statement; its
+/// backend's pid, or `None` when the delivery may not start one.
+async fn start(db: &TestDb, msg_id: i64, read_ct: i32) -> (PgConnection, Option<i32>) {
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    let pid = sqlx::query_scalar("SELECT lockgate.start_statement('default', $1, $2)")
+        .bind(msg_id)
+        .bind(read_ct)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    (conn, pid)
+}
+
+/// Runs the long statement on `conn` until it ends; the statement's result.
+fn run_long(mut conn: PgConnection) -> JoinHandle<Result<(), sqlx::Error>> {
+    tokio::spawn(async move { sqlx::query(LONG).execute(&mut conn).await.map(drop) })
+}
+
+/// Whether backend `pid` is running a statement now.
+async fn running(db: &PgPool, pid: i32) -> bool {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active')")
+        .bind(pid)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+async fn wait_running(db: &PgPool, pid: i32) {
+    lockgate_testkit::wait_for("the marked statement to run", Duration::from_secs(10), || async {
+        Ok(running(db, pid).await.then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+/// A sweep as if two minutes had passed: every lease lapsed.
+async fn sweep_later(db: impl sqlx::PgExecutor<'_>) -> (i32, i32, i32) {
+    sqlx::query_as("SELECT expired, orphaned, promoted FROM lockgate.sweep(1000, now() + interval '2 minutes')")
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+async fn lapse_visibility(db: &PgPool) {
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second'").execute(db).await.unwrap();
+}
+
+async fn violations(db: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT COALESCE(key || ': ', '') || problem FROM lockgate.check_invariants()")
+        .fetch_all(db)
+        .await
+        .unwrap()
+}
+
+/// The sweep that expires a silent holder's lease ends its statement, and has waited for the
+/// backend to exit, before the key's next job is promoted into the permit.
+#[tokio::test]
+async fn a_sweep_ends_the_statement_of_a_lapsed_lease_before_its_permit_passes_on() {
+    let db = TestDb::migrated().await.unwrap();
+    define(&db, Some(1)).await;
+    assert_eq!(enqueue(&db.pool).await, "enqueued");
+    assert_eq!(enqueue(&db.pool).await, "parked");
+    let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
+    let (conn, pid) = start(&db, m, rc).await;
+    let pid = pid.expect("a delivery that holds its job starts its statement");
+    let statement = run_long(conn);
+    wait_running(&db.pool, pid).await;
+
+    lapse_visibility(&db.pool).await;
+    assert_eq!(sweep_later(&db.pool).await, (1, 0, 1), "the lease expired and the parked job promoted");
+    assert!(!running(&db.pool, pid).await, "the lapsed holder's statement ran on beside the promoted job");
+    assert!(statement.await.unwrap().is_err(), "the statement was ended, not left to finish");
+    assert!(violations(&db.pool).await.is_empty(), "{:?}", violations(&db.pool).await);
+}
+
+/// A claim that delivers a job again ends the earlier delivery's statement before it returns the
+/// job; the earlier delivery can then start none.
+#[tokio::test]
+async fn a_claim_that_delivers_a_job_again_ends_its_earlier_statement() {
+    for limit in [None, Some(1)] {
+        let db = TestDb::migrated().await.unwrap();
+        define(&db, limit).await;
+        assert_eq!(enqueue(&db.pool).await, "enqueued");
+        let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
+        let (conn, pid) = start(&db, m, rc).await;
+        let pid = pid.unwrap();
+        let statement = run_long(conn);
+        wait_running(&db.pool, pid).await;
+
+        lapse_visibility(&db.pool).await;
+        assert_eq!(claim(&db.pool).await, vec![(m, rc + 1)], "the job is delivered again ({limit:?})");
+        assert!(!running(&db.pool, pid).await, "the earlier statement ran beside the new delivery ({limit:?})");
+        assert!(statement.await.unwrap().is_err());
+        assert_eq!(start(&db, m, rc).await.1, None, "the earlier delivery started another statement");
+        assert!(start(&db, m, rc + 1).await.1.is_some(), "the new delivery may start its statement");
+    }
+}
+
+/// What `start_statement` refuses: a delivery that no longer holds its job (delivered again,
+/// past its visibility, waiting out a retry, gone), leaving the session's name as it was; and a
+/// mark made for the transaction only ends with it.
+#[tokio::test]
+async fn a_delivery_that_no_longer_holds_its_job_starts_no_statement() {
+    let db = TestDb::migrated().await.unwrap();
+    define(&db, None).await;
+    enqueue(&db.pool).await;
+    let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    let name = "SELECT current_setting('application_name')";
+    let before: String = sqlx::query_scalar(name).fetch_one(&mut conn).await.unwrap();
+    let refused = |read_ct: i32| {
+        sqlx::query_scalar::<_, Option<i32>>("SELECT lockgate.start_statement('default', $1, $2)").bind(m).bind(read_ct)
+    };
+    assert_eq!(refused(rc + 1).fetch_one(&mut conn).await.unwrap(), None, "another read_ct");
+    assert_eq!(refused(rc - 1).fetch_one(&mut conn).await.unwrap(), None, "another read_ct");
+    sqlx::query("UPDATE pgmq.q_default SET headers = headers || '{\"retry_at\": \"x\"}'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(refused(rc).fetch_one(&mut conn).await.unwrap(), None, "a delivery waiting out a retry");
+    sqlx::query("UPDATE pgmq.q_default SET headers = headers - 'retry_at'").execute(&db.pool).await.unwrap();
+    lapse_visibility(&db.pool).await;
+    assert_eq!(refused(rc).fetch_one(&mut conn).await.unwrap(), None, "a delivery past its visibility");
+    assert_eq!(sqlx::query_scalar::<_, String>(name).fetch_one(&mut conn).await.unwrap(), before);
+
+    let [(m, rc)] = claim(&db.pool).await[..] else { panic!("delivered again") };
+    let mut tx = conn.begin().await.unwrap();
+    let pid: Option<i32> = sqlx::query_scalar("SELECT lockgate.start_statement('default', $1, $2, true)")
+        .bind(m)
+        .bind(rc)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert!(pid.is_some());
+    let marked: String = sqlx::query_scalar(name).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(marked, format!("lockgate job {m} default"));
+    tx.commit().await.unwrap();
+    assert_eq!(sqlx::query_scalar::<_, String>(name).fetch_one(&mut conn).await.unwrap(), before);
+
+    sqlx::query("SELECT pgmq.archive('default', $1)").bind(m).execute(&db.pool).await.unwrap();
+    assert_eq!(refused(rc).fetch_one(&mut conn).await.unwrap(), None, "a job gone from its queue");
+}
+
+/// A statement lockgate may not end (here a superuser's, seen from a role that is not one) keeps
+/// its job: the sweep keeps the lease and its permit, the claim puts the job back; both hand it
+/// on once the statement has ended and its mark is gone.
+#[tokio::test]
+async fn a_statement_that_cannot_be_ended_keeps_its_lease_and_its_job() {
+    let db = TestDb::migrated().await.unwrap();
+    define(&db, Some(1)).await;
+    let role = format!("{}_sweeper", db.name);
+    let owner: String = sqlx::query_scalar("SELECT current_user::text").fetch_one(&db.pool).await.unwrap();
+    sqlx::raw_sql(&format!("CREATE ROLE {role}; GRANT \"{owner}\" TO {role}")).execute(&db.pool).await.unwrap();
+    assert_eq!(enqueue(&db.pool).await, "enqueued");
+    assert_eq!(enqueue(&db.pool).await, "parked");
+    let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
+    let (conn, pid) = start(&db, m, rc).await;
+    let pid = pid.unwrap();
+    let statement = run_long(conn);
+    wait_running(&db.pool, pid).await;
+
+    let mut sweeper = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(&format!("SET ROLE {role}")).execute(&mut sweeper).await.unwrap();
+    assert_eq!(sweep_later(&mut sweeper).await, (0, 0, 0), "the lease was expired under a running statement");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 1, "the parked job was promoted");
+    lapse_visibility(&db.pool).await;
+    assert!(claim(&mut sweeper).await.is_empty(), "the job was delivered again beside its statement");
+    assert!(running(&db.pool, pid).await);
+
+    // The statement ends, and its session with it: then both go on.
+    sqlx::query("SELECT pg_terminate_backend($1, 5000)").bind(pid).execute(&db.pool).await.unwrap();
+    assert!(statement.await.unwrap().is_err());
+    assert_eq!(sweep_later(&mut sweeper).await.0, 1, "the lease expired once the statement had ended");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 0);
+}
+
+/// Marks are a database's own: another database's lockgate, whose jobs have the same ids, ends
+/// none of them.
+#[tokio::test]
+async fn another_databases_claim_leaves_a_statement_of_the_same_job_id_alone() {
+    let (one, other) = (TestDb::migrated().await.unwrap(), TestDb::migrated().await.unwrap());
+    for db in [&one, &other] {
+        define(db, None).await;
+        enqueue(&db.pool).await;
+    }
+    let [(m, rc)] = claim(&one.pool).await[..] else { panic!("one delivery") };
+    let (conn, pid) = start(&one, m, rc).await;
+    let pid = pid.unwrap();
+    let _statement = run_long(conn);
+    wait_running(&one.pool, pid).await;
+    assert_eq!(claim(&other.pool).await, vec![(m, 1)], "the same job id in the other database");
+    lapse_visibility(&other.pool).await;
+    assert_eq!(claim(&other.pool).await, vec![(m, 2)]);
+    assert_eq!(sweep_later(&other.pool).await.0, 0);
+    assert!(running(&one.pool, pid).await, "another database's claim ended this one's statement");
+}
+
+/// A start waits for a claim or a sweep that is taking its job (each holds the job's rows until it
+/// commits) and then starts nothing, whatever the clock says: here the job is taken while its
+/// visibility still runs, as after the server's clock stepped back.
+#[tokio::test]
+async fn a_start_waits_for_a_claim_or_sweep_that_takes_its_job_and_then_starts_nothing() {
+    for taking in [
+        "UPDATE pgmq.q_default SET read_ct = read_ct + 1",
+        "DELETE FROM lockgate.leases WHERE ctid = (SELECT ctid FROM lockgate.leases FOR UPDATE)",
+    ] {
+        let db = TestDb::migrated().await.unwrap();
+        define(&db, Some(1)).await;
+        enqueue(&db.pool).await;
+        let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
+        let mut taker = PgConnection::connect(&db.url).await.unwrap();
+        let mut tx = taker.begin().await.unwrap();
+        sqlx::query(taking).execute(&mut *tx).await.unwrap();
+        let url = db.url.clone();
+        let starting = tokio::spawn(async move {
+            let mut conn = PgConnection::connect(&url).await.unwrap();
+            sqlx::query_scalar::<_, Option<i32>>("SELECT lockgate.start_statement('default', $1, $2)")
+                .bind(m)
+                .bind(rc)
+                .fetch_one(&mut conn)
+                .await
+                .unwrap()
+        });
+        lockgate_testkit::wait_for("the start to wait for the taker's lock", Duration::from_secs(10), || async {
+            let waiting = db
+                .count(
+                    "SELECT 1 FROM pg_stat_activity WHERE query LIKE '%start_statement%' AND wait_event_type = 'Lock' \
+                      AND datname = current_database()",
+                )
+                .await?;
+            Ok((waiting == 1 || starting.is_finished()).then_some(()))
+        })
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(starting.await.unwrap(), None, "a statement started after `{taking}` took its job");
+    }
+}
+
+/// A start holds no lock once it has returned, even in the transaction its statement runs in (as
+/// under a transaction-mode pooler): the job's heartbeat renews its visibility and lease, rather
+/// than finding them held, all the while the statement runs.
+#[tokio::test]
+async fn a_started_statement_holds_nothing_its_heartbeat_renews() {
+    let db = TestDb::migrated().await.unwrap();
+    define(&db, Some(1)).await;
+    enqueue(&db.pool).await;
+    let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    let pid: Option<i32> = sqlx::query_scalar("SELECT lockgate.start_statement('default', $1, $2, true)")
+        .bind(m)
+        .bind(rc)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert!(pid.is_some());
+    let budget: Option<f64> =
+        sqlx::query_scalar("SELECT budget_seconds FROM lockgate.extend('default', ARRAY[$1], ARRAY[$2], 30)")
+            .bind(m)
+            .bind(rc)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(budget.is_some(), "the heartbeat found the job's rows held by its statement's transaction");
+    tx.rollback().await.unwrap();
+}
