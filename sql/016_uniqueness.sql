@@ -37,6 +37,13 @@ BEGIN
             IF holder.held_until <= clock_timestamp() THEN
                 -- The cancelled holder's handler has stopped: its lock goes (re-checked under the
                 -- row's lock, so a new owner's row is never deleted), and the key is tried again.
+                -- But a worker frozen or cut off stopped nothing: its `sql` statement, still running
+                -- on a backend that carries its mark, is ended first, and the lock kept if it cannot
+                -- be (docs/design.md §100; no new mark can come: the cancel removed the message).
+                IF holder.msg_id IS NOT NULL AND cardinality(lockgate._end_statements(
+                       ARRAY[lockgate._statement_tag(holder.queue, holder.msg_id)])) > 0 THEN
+                    RETURN holder.job_id;
+                END IF;
                 DELETE FROM lockgate.unique_locks u WHERE u.key = _take_unique.key AND u.held_until <= clock_timestamp();
                 CONTINUE;
             END IF;
@@ -164,7 +171,8 @@ END $$;
 -- that moves a job to a new message refreshes its lock's acquired_at in the same transaction,
 -- a lock judged by a message it no longer names is kept. A cancelled job's lock (its message
 -- archived by the cancel) is judged by its held_until alone: it goes once that has passed, and
--- never before, however old (a long run's lock is as old as the run). A lock of a queue whose table is gone
+-- never before, however old (a long run's lock is as old as the run); its `sql` statement, if
+-- one still runs on a marked backend, is ended first, and the lock kept if it cannot be (§100). A lock of a queue whose table is gone
 -- cannot be judged, and is kept. One statement per queue, skipping rows other transactions
 -- hold. Returns how many locks it deleted.
 -- Locks: unique lock rows (SKIP LOCKED). Callers: the maintenance service, operators.
@@ -174,7 +182,14 @@ DECLARE
     q record;
     n integer;
     reaped integer := 0;
+    -- The marks of cancelled holders' statements that could not be ended (docs/design.md §100).
+    kept text[] := '{}';
 BEGIN
+    IF EXISTS (SELECT 1 FROM lockgate.unique_locks u WHERE u.held_until < now() AND u.msg_id IS NOT NULL) THEN
+        kept := lockgate._end_statements(ARRAY(
+            SELECT lockgate._statement_tag(u.queue, u.msg_id) FROM lockgate.unique_locks u
+             WHERE u.held_until < now() AND u.msg_id IS NOT NULL));
+    END IF;
     FOR q IN SELECT DISTINCT u.queue FROM lockgate.unique_locks u
               WHERE ((u.held_until IS NULL AND u.acquired_at < now() - min_age) OR u.held_until < now())
                 AND u.queue IN (SELECT lockgate._live_queues())
@@ -186,12 +201,13 @@ BEGIN
                     AND NOT EXISTS (SELECT 1 FROM %1$s m WHERE m.msg_id = u.msg_id)
                     AND NOT EXISTS (SELECT 1 FROM %1$s m WHERE m.msg_id = u.job_id)
                     AND NOT EXISTS (SELECT 1 FROM lockgate.parked p WHERE p.job_id = u.job_id)
+                    AND NOT (u.held_until IS NOT NULL AND lockgate._statement_tag(u.queue, u.msg_id) = ANY ($4))
                   ORDER BY u.key LIMIT $3
                     FOR UPDATE OF u SKIP LOCKED),
              gone AS (DELETE FROM lockgate.unique_locks u USING doomed d WHERE u.key = d.key RETURNING 1)
              SELECT count(*) FROM gone',
             lockgate._queue_table(q.queue, 'q'))
-          INTO n USING q.queue, min_age, max_rows;
+          INTO n USING q.queue, min_age, max_rows, kept;
         reaped := reaped + n;
     END LOOP;
     RETURN reaped;

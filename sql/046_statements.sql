@@ -19,7 +19,9 @@
 --   and that sweep reads the marks after it locked the lease.
 -- A mark outlives its statement only on a direct connection whose lockgate froze before clearing
 -- it (the `sql` executor clears it once the statement has ended); ending that idle backend is
--- harmless.
+-- harmless. Only the marks of roles that may renew leases (UPDATE on lockgate.leases, as every
+-- worker's role may) count: any role that may connect can set its application_name, and a role
+-- without lockgate's rights must not hold a job by wearing its mark.
 
 -- The mark of a backend running a statement of job msg_id of queue: 'lockgate job <msg_id> <queue>',
 -- within application_name's 63 bytes (a queue name that does not fit is cut, with a hash of the
@@ -85,7 +87,8 @@ BEGIN
 END $$;
 
 -- The marks of the backends of this database, other than the caller's, running a statement of a
--- job: empty, almost always (another database's lockgate has jobs of the same ids). Read afresh (a transaction keeps the first activity it read, and a mark set since counts).
+-- job: empty, almost always (another database's lockgate has jobs of the same ids). Only those of
+-- roles that may renew leases, as lockgate's workers may (see above). Read afresh (a transaction keeps the first activity it read, and a mark set since counts).
 -- Callers: lockgate.sweep, lockgate.claim, before they hand a job on.
 CREATE OR REPLACE FUNCTION lockgate._statement_marks()
 RETURNS text[] LANGUAGE plpgsql AS $$
@@ -93,35 +96,49 @@ BEGIN
     PERFORM pg_stat_clear_snapshot();
     RETURN ARRAY(SELECT a.application_name FROM pg_stat_get_activity(NULL::integer) a
                   WHERE a.application_name LIKE 'lockgate job %' AND a.pid <> pg_backend_pid()
-                    AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()));
+                    AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+                    AND has_table_privilege(a.usesysid, 'lockgate.leases', 'UPDATE'));
 END $$;
 
--- Ends the backends of this database, other than the caller's, that carry one of tags (lockgate._statement_tag),
--- each waited for until it has exited, up to a second; returns the tags of those still running
--- (one this role may not terminate, or that did not exit in time), whose jobs the caller must
--- not hand on: the statement may still be running.
+-- Ends the backends of this database, other than the caller's, that carry one of tags
+-- (lockgate._statement_tag) as lockgate._statement_marks counts them, and waits for them to exit,
+-- up to 200 ms in all (a terminated backend exits within milliseconds; the caller holds the job's
+-- rows meanwhile, within the runtime's statement_timeout); returns the tags of those still
+-- running (one this role may not terminate, or that has not exited yet), whose jobs the caller
+-- must not hand on: the statement may still be running. A later sweep or claim looks again.
 -- Callers: lockgate.sweep, lockgate.claim, for the marks lockgate._statement_marks found.
 CREATE OR REPLACE FUNCTION lockgate._end_statements(tags text[])
 RETURNS text[] LANGUAGE plpgsql SET client_min_messages = error AS $$
 DECLARE
     b record;
+    ending integer[] := '{}';
     running text[] := '{}';
+    until timestamptz := clock_timestamp() + interval '200 milliseconds';
 BEGIN
     PERFORM pg_stat_clear_snapshot();
     FOR b IN SELECT a.pid, a.application_name AS tag FROM pg_stat_get_activity(NULL::integer) a
               WHERE a.application_name = ANY (tags) AND a.pid <> pg_backend_pid()
-                AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()) LOOP
+                AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+                AND has_table_privilege(a.usesysid, 'lockgate.leases', 'UPDATE') LOOP
         BEGIN
-            -- False when it did not exit within the wait, or was gone already (then it has ended).
-            IF NOT pg_terminate_backend(b.pid, 1000) THEN
-                PERFORM pg_stat_clear_snapshot();
-                IF EXISTS (SELECT 1 FROM pg_stat_get_activity(b.pid) a WHERE a.application_name = b.tag) THEN
-                    running := running || b.tag;
-                END IF;
+            -- False when the backend was gone already (then it has ended).
+            IF pg_terminate_backend(b.pid) THEN
+                ending := ending || b.pid;
             END IF;
         EXCEPTION WHEN insufficient_privilege THEN
             running := running || b.tag;
         END;
     END LOOP;
-    RETURN running;
+    -- Waited for in 1 ms steps (pg_terminate_backend's own wait looks every 100 ms): a backend
+    -- leaves the server's activity as it exits, after its statement has stopped for good (the
+    -- terminate is a FATAL error in it); its transaction is rolled back on the way.
+    WHILE cardinality(ending) > 0 LOOP
+        PERFORM pg_stat_clear_snapshot();
+        ending := ARRAY(SELECT e FROM unnest(ending) e
+                         WHERE EXISTS (SELECT 1 FROM pg_stat_get_activity(e) a WHERE a.application_name = ANY (tags)));
+        EXIT WHEN cardinality(ending) = 0 OR clock_timestamp() >= until;
+        PERFORM pg_sleep(0.001);
+    END LOOP;
+    RETURN running || ARRAY(SELECT a.application_name FROM unnest(ending) e, pg_stat_get_activity(e) a
+                             WHERE a.application_name = ANY (tags));
 END $$;

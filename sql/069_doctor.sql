@@ -259,6 +259,34 @@ BEGIN
                   'sessions check)';
     END IF;
     RETURN NEXT;
+    -- Leases past their end that the sweep keeps because their job's `sql` statement still runs
+    -- on a backend carrying its mark, which the sweeping role may not end (docs/design.md §100).
+    check_name := 'held_statements';
+    SELECT count(*), string_agg(format('backend %s of role %s (job %s of queue %s, lease ended %s ago)', a.pid,
+                                       COALESCE(r.rolname::text, '?'), l.msg_id, l.queue,
+                                       date_trunc('second', now() - l.expires_at)), '; ' ORDER BY l.expires_at)
+      INTO n, detail
+      FROM lockgate.leases l
+      JOIN pg_stat_get_activity(NULL::integer) a ON a.application_name = lockgate._statement_tag(l.queue, l.msg_id)
+      LEFT JOIN pg_roles r ON r.oid = a.usesysid
+     WHERE l.expires_at < now() - interval '10 seconds' AND l.finished_at IS NULL
+       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+       AND has_table_privilege(a.usesysid, 'lockgate.leases', 'UPDATE');
+    IF n = 0 THEN
+        verdict := 'ok';
+        detail := 'no lapsed permit is kept for a statement still running';
+        advice := NULL;
+    ELSE
+        verdict := 'warn';
+        detail := format('%s lapsed permit(s) kept because the job''s sql statement still runs, or its session still '
+                         'carries the job''s mark, and lockgate may not end it: %s', n, detail);
+        advice := 'the sweep ends such a backend before it gives the permit on, and the claim before it delivers the job '
+                  'again, but lockgate''s role may not terminate this one: only a superuser may end a superuser''s '
+                  'backend, and a role needs pg_signal_backend (or to be the backend''s role) to end another''s, and '
+                  'EXECUTE on pg_terminate_backend. End it as a role that may (SELECT pg_terminate_backend(pid)); to '
+                  'keep it from happening, run lockgate''s sql jobs and its sweep as the same role';
+    END IF;
+    RETURN NEXT;
 END $$;
 
 -- Keys with parked jobs and room for one of them now: what the sweep promotes (the condition is

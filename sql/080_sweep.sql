@@ -96,10 +96,11 @@ BEGIN
     -- locked: rows this transaction holds cannot move or be deleted by another, so every row is
     -- deleted.
     WITH held AS MATERIALIZED (
-        SELECT e.key, take[e.r] AS mine, x.tid, lockgate._statement_tag(e.queue, e.msg_id) AS mark
+        SELECT e.key, take[e.r] AS mine, x.tid,
+               CASE WHEN x.finished_at IS NULL THEN lockgate._statement_tag(e.queue, e.msg_id) END AS mark
           FROM (SELECT u.*, dense_rank() OVER (ORDER BY u.key)::integer AS r
                   FROM unnest(e_keys, e_queues, e_ids, e_tids) AS u(key, queue, msg_id, tid)) e
-         CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM lockgate.leases x
+         CROSS JOIN LATERAL (SELECT x.ctid AS tid, x.finished_at FROM lockgate.leases x
                               WHERE x.ctid = e.tid AND x.queue = e.queue AND x.msg_id = e.msg_id AND x.key = e.key
                                 AND x.expires_at < at
                               OFFSET 0 FOR UPDATE SKIP LOCKED) x
@@ -111,7 +112,7 @@ BEGIN
     -- off): its backend is ended before the permit is given back, and a lease whose statement
     -- cannot be ended is kept, for a later pass (docs/design.md §100). The marks are read after
     -- the leases were locked (sql/046_statements.sql); there are none, almost always.
-    IF tids IS NOT NULL THEN
+    IF cardinality(array_remove(e_marks, NULL)) > 0 THEN
         marks := lockgate._statement_marks();
         IF marks && e_marks THEN
             kept := lockgate._end_statements(ARRAY(SELECT m FROM unnest(e_marks) AS m WHERE m = ANY (marks)));
@@ -119,7 +120,7 @@ BEGIN
     END IF;
     WITH live AS MATERIALIZED (
         SELECT h.* FROM unnest(tids, e_keys, mine, e_marks) AS h(tid, key, mine, mark)
-         WHERE NOT h.mark = ANY (kept)),
+         WHERE h.mark IS NULL OR NOT h.mark = ANY (kept)),
     per_key AS (
         SELECT h.key, count(*)::integer AS n FROM live h WHERE h.mine GROUP BY h.key)
     SELECT (SELECT array_agg(h.tid) FROM live h),

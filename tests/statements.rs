@@ -206,6 +206,16 @@ async fn a_statement_that_cannot_be_ended_keeps_its_lease_and_its_job() {
     assert!(claim(&mut sweeper).await.is_empty(), "the job was delivered again beside its statement");
     assert!(running(&db.pool, pid).await);
 
+    // The operator is told which backend keeps the permit.
+    sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 minute'").execute(&db.pool).await.unwrap();
+    let (verdict, detail): (String, String) =
+        sqlx::query_as("SELECT verdict, detail FROM lockgate.doctor() WHERE check_name = 'held_statements'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(verdict, "warn", "{detail}");
+    assert!(detail.contains(&format!("backend {pid} of role")), "{detail}");
+
     // The statement ends, and its session with it: then both go on.
     sqlx::query("SELECT pg_terminate_backend($1, 5000)").bind(pid).execute(&db.pool).await.unwrap();
     assert!(statement.await.unwrap().is_err());
@@ -303,4 +313,91 @@ async fn a_started_statement_holds_nothing_its_heartbeat_renews() {
             .unwrap();
     assert!(budget.is_some(), "the heartbeat found the job's rows held by its statement's transaction");
     tx.rollback().await.unwrap();
+}
+
+/// A role without lockgate's rights that wears a job's mark (any role that may connect may set its
+/// application_name) holds nothing: the sweep and the claim hand the job on as if it were not
+/// there, and leave its session alone.
+#[tokio::test]
+async fn a_mark_worn_by_a_role_without_lockgates_rights_holds_nothing() {
+    let db = TestDb::migrated().await.unwrap();
+    define(&db, Some(1)).await;
+    let role = format!("{}_forger", db.name);
+    sqlx::raw_sql(&format!("CREATE ROLE {role} LOGIN")).execute(&db.pool).await.unwrap();
+    assert_eq!(enqueue(&db.pool).await, "enqueued");
+    assert_eq!(enqueue(&db.pool).await, "parked");
+    let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
+    let options: sqlx::postgres::PgConnectOptions = db.url.parse().unwrap();
+    let mut forger = PgConnection::connect_with(&options.username(&role)).await.unwrap();
+    sqlx::raw_sql(&format!("SET application_name = 'lockgate job {m} default'")).execute(&mut forger).await.unwrap();
+    let forger_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut forger).await.unwrap();
+
+    lapse_visibility(&db.pool).await;
+    assert_eq!(claim(&db.pool).await, vec![(m, rc + 1)], "the job was kept for a forged mark");
+    lapse_visibility(&db.pool).await;
+    assert_eq!(sweep_later(&db.pool).await, (1, 0, 1), "the lease was kept for a forged mark");
+    let alive: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
+        .bind(forger_pid)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(alive, "a session lockgate has nothing to do with was ended");
+}
+
+/// A cancelled running job of a `while_executing` type keeps its unique key only until its
+/// visibility ends (by then its worker has stopped it); a worker frozen or cut off stopped
+/// nothing, so the claim that takes the key for the next job, and the reaper, end its statement
+/// first.
+#[tokio::test]
+async fn a_cancelled_jobs_statement_is_ended_before_its_unique_key_passes_on() {
+    // (by the reaper, as a role that may end the statement)
+    for (reaper, may_end) in [(false, true), (true, true), (false, false), (true, false)] {
+        let db = TestDb::migrated().await.unwrap();
+        sqlx::query(
+            "SELECT lockgate.define_job_type('job', unique_mode => 'while_executing', unique_key => array['k'])",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        enqueue(&db.pool).await;
+        let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
+        let (conn, pid) = start(&db, m, rc).await;
+        let pid = pid.unwrap();
+        let statement = run_long(conn);
+        wait_running(&db.pool, pid).await;
+        sqlx::query("SELECT lockgate.cancel($1)").bind(m).execute(&db.pool).await.unwrap();
+        // The cancelled run's visibility over: the lock it kept for its handler is free to take.
+        sqlx::query("UPDATE lockgate.unique_locks SET held_until = now() - interval '1 second'")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let mut taker = PgConnection::connect(&db.url).await.unwrap();
+        if !may_end {
+            // Not a superuser: it may not end the superuser's statement.
+            let owner: String = sqlx::query_scalar("SELECT current_user::text").fetch_one(&db.pool).await.unwrap();
+            let role = format!("{}_taker", db.name);
+            sqlx::raw_sql(&format!("CREATE ROLE {role}; GRANT \"{owner}\" TO {role}; SET ROLE {role}"))
+                .execute(&mut taker)
+                .await
+                .unwrap();
+        }
+        let handed_on = if reaper {
+            let reaped: i32 = sqlx::query_scalar("SELECT lockgate.reap_unique_locks('0 seconds')")
+                .fetch_one(&mut taker)
+                .await
+                .unwrap();
+            reaped == 1
+        } else {
+            assert_eq!(enqueue(&db.pool).await, "enqueued");
+            claim(&mut taker).await.len() == 1
+        };
+        if !may_end {
+            assert!(!handed_on, "the key went on while its cancelled job's statement ran (reaper: {reaper})");
+            assert!(running(&db.pool, pid).await);
+            continue;
+        }
+        assert!(handed_on, "the key stayed with its cancelled job (reaper: {reaper})");
+        assert!(!running(&db.pool, pid).await, "the cancelled job's statement ran on (reaper: {reaper})");
+        assert!(statement.await.unwrap().is_err());
+    }
 }

@@ -1087,6 +1087,56 @@ async fn a_frozen_lockgates_sql_statement_is_ended_before_its_key_runs_again() {
     assert!(wait_exit(&mut second).await.success());
 }
 
+/// Design §100, the sweep's part: the frozen lockgate's job cannot be delivered again (its queue
+/// paused), so the other lockgate's sweep, expiring its lease, is what must end its statement
+/// before the permit passes to the next job of the key, of another type on another queue.
+#[tokio::test]
+async fn a_frozen_lockgates_sql_statement_is_ended_by_the_sweep_before_its_permit_passes_on() {
+    // A lease of 2 s: by default one lasts 15 minutes of silence.
+    let statement =
+        "sql = \"SELECT pg_sleep(60), 'sql-probe', $1::text\"\nconcurrency = { limit = 1, duration = \"2s\" }";
+    let setup = Setup::with_job_type(
+        DEFAULT_RUNTIME,
+        &format!(
+            "{statement}\n\n[job_types.other]\nqueue = \"other\"\n{statement}\n\n[[pool]]\nqueues = [\"other\"]\n"
+        ),
+    );
+    let db = TestDb::migrated().await.unwrap();
+    let mut define = setup.run(&db);
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'", 1, WAIT)
+        .await
+        .unwrap();
+    signal(&define, "TERM");
+    assert!(wait_exit(&mut define).await.success());
+    for job_type in ["task", "other"] {
+        sqlx::query("SELECT lockgate.enqueue($1, '{}', '{\"concurrency_key\": \"shared\"}')")
+            .bind(job_type)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let mut first = setup.run(&db);
+    let frozen =
+        wait_for("a statement", WAIT, || async { Ok(probe_backends(&db).await.first().copied()) }).await.unwrap();
+    signal(&first, "STOP");
+    sqlx::query("SELECT lockgate.pause_queue('default')").execute(&db.pool).await.unwrap();
+    let mut second = setup.run(&db);
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let running = probe_backends(&db).await;
+        assert!(running.len() <= 1, "two statements of the key at once: backends {running:?} (frozen: {frozen})");
+        if running.iter().any(|&pid| pid != frozen) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the other lockgate ran no statement of the key");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    signal(&second, "TERM");
+    assert!(wait_exit(&mut second).await.success());
+}
+
 /// A program in a process group of its own, marked for the watchdog as run `run` of lockgate
 /// `lockgate`, as `lockgate run` starts them; its pid.
 fn marked_program(lockgate: u32, run: u64) -> std::process::Child {

@@ -132,6 +132,47 @@ BEGIN
     COMMIT;
     PERFORM pg_advisory_unlock_all();
 END $$;
+-- The same run as the `sqlk` type's statement (an `sql` job): in the statement's one transaction,
+-- with transaction-level slots, so that a statement ended early leaves no slot held and no record
+-- (a run admitted beside it still records it as a holder); its job read from its backend's mark
+-- (design §100; 0 if there is none). Its lockgate is not known (wpid 0): no freeze excuses it.
+CREATE FUNCTION soak.run_sql(args jsonb) RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    kid int := (args->>'kid')::int;
+    lim int := (args->>'lim')::int;
+    ms int := (args->>'ms')::int;
+    t0 timestamptz := clock_timestamp();
+    tl timestamptz;
+    got int;
+    tries int := 0;
+    h0 int[];
+    hl int[];
+    job bigint;
+BEGIN
+    SELECT COALESCE((m.headers->>'job_id')::bigint, m.msg_id) INTO job FROM pgmq.q_soak m
+     WHERE m.msg_id = substring(current_setting('application_name') from '^lockgate job ([0-9]+) ')::bigint;
+    LOOP
+        tries := tries + 1;
+        FOR s IN 1..lim LOOP
+            IF pg_try_advisory_xact_lock(kid, s) THEN got := s; EXIT; END IF;
+        END LOOP;
+        IF tries = 1 THEN h0 := soak.holders(kid); END IF;
+        EXIT WHEN got IS NOT NULL OR tries >= 9;
+        PERFORM pg_sleep(0.005);
+    END LOOP;
+    IF got IS NULL THEN
+        FOR s IN lim + 1 .. lim + 100 LOOP
+            IF pg_try_advisory_xact_lock(kid, s) THEN got := s; EXIT; END IF;
+        END LOOP;
+    END IF;
+    tl := clock_timestamp();
+    hl := soak.holders(kid);
+    PERFORM pg_sleep(ms / 1000.0);
+    INSERT INTO soak.runs (job, attempt, jtype, kid, lim, planned_ms, wpid, bpid, try_at, lock_at, slot, tries,
+                           holders_first, holders_lock, ended_at)
+    VALUES (COALESCE(job, 0), 0, 'sqlk', kid, lim, ms, 0, pg_backend_pid(), t0, tl, got, tries, h0, hl,
+            clock_timestamp());
+END $$;
 ";
 
 /// Every finished job: archived (`a`) or dead-lettered (`d`), by job id. The raw messages the
@@ -204,6 +245,8 @@ async fn g3_h19_chaos_soak_with_a_postgres_restart_never_overlaps_a_key_and_lose
 /// Limited types are `lim1`..`lim3`; these two stand in the kid space above them.
 const WHILE_EXECUTING: i32 = 4;
 const UNTIL_EXECUTED: i32 = 5;
+/// The `sqlk` type: an `sql` job on a key limited to 1, its statement `soak.run_sql`.
+const SQL_LIMITED: i32 = 6;
 /// The oracle's limit for an until_executed key: its runs may overlap (a duplicate is refused
 /// at enqueue, not at run time), so it is never an overlap; its check is the jobs' lifetimes.
 const UNTIL_EXECUTED_SLOTS: i32 = 50;
@@ -211,7 +254,7 @@ const UNTIL_EXECUTED_SLOTS: i32 = 50;
 #[derive(Debug, Clone)]
 struct JobSpec {
     /// 1..=3: type lim<lim>; WHILE_EXECUTING: type wexec (one run per key at a time, so the
-    /// oracle checks it as limit 1); UNTIL_EXECUTED: type once.
+    /// oracle checks it as limit 1); UNTIL_EXECUTED: type once; SQL_LIMITED: type sqlk.
     lim: i32,
     k: i32,
     ms: i32,
@@ -222,13 +265,14 @@ impl JobSpec {
         match self.lim {
             WHILE_EXECUTING => "wexec".into(),
             UNTIL_EXECUTED => "once".into(),
+            SQL_LIMITED => "sqlk".into(),
             lim => format!("lim{lim}"),
         }
     }
     /// The limit the overlap oracle holds the key to.
     fn oracle_lim(&self) -> i32 {
         match self.lim {
-            WHILE_EXECUTING => 1,
+            WHILE_EXECUTING | SQL_LIMITED => 1,
             UNTIL_EXECUTED => UNTIL_EXECUTED_SLOTS,
             lim => lim,
         }
@@ -261,7 +305,8 @@ fn duration_ms(rng: &mut fastrand::Rng) -> i32 {
 }
 
 /// The hot key (limit 1, k = 0) gets 4% of the jobs, the while_executing type 8% over 4 keys,
-/// the until_executed type 6% over 6 keys; the rest spread over every limited key.
+/// the until_executed type 6% over 6 keys, the sql type 6% over 4 keys (half of them longer than
+/// the lease); the rest spread over every limited key.
 fn plan(rng: &mut fastrand::Rng, n: usize) -> Vec<JobSpec> {
     (0..n)
         .map(|_| {
@@ -269,6 +314,12 @@ fn plan(rng: &mut fastrand::Rng, n: usize) -> Vec<JobSpec> {
                 0..=3 => return JobSpec { lim: 1, k: 0, ms: duration_ms(rng) },
                 4..=11 => return JobSpec { lim: WHILE_EXECUTING, k: rng.i32(0..4), ms: duration_ms(rng) },
                 12..=17 => return JobSpec { lim: UNTIL_EXECUTED, k: rng.i32(0..6), ms: duration_ms(rng) },
+                // Half of them longer than the lease: a statement still running when its lockgate
+                // froze or was cut off outlives the lease, unless the fence ends it (design §100).
+                18..=23 => {
+                    let ms = if rng.bool() { rng.i32(2500..=3500) } else { duration_ms(rng) };
+                    return JobSpec { lim: SQL_LIMITED, k: rng.i32(0..4), ms };
+                }
                 _ => {}
             }
             let total: i32 = KEYS.iter().map(|(_, n)| n).sum();
@@ -393,6 +444,7 @@ impl Procs {
                 ts(i.started),
                 i.killed.map(|k| format!(", killed {}", ts(k))).unwrap_or_default()
             ),
+            None if pid == 0 => "an sql job's backend".to_string(),
             None => format!("pid {pid} (not a lockgate process of this soak)"),
         }
     }
@@ -640,6 +692,16 @@ async fn soak(size: Size, seed: u64) {
         )
         .unwrap();
     }
+    // An `sql` job's statement runs in a backend that no freeze of its lockgate stops: the sweep or
+    // claim that takes its job ends it first (design §100), so no stop excuses its runs.
+    write!(
+        config,
+        "[job_types.sqlk]\nqueue = \"soak\"\nsql = \"SELECT soak.run_sql($1)\"\nmax_attempts = 50\n\
+         backoff = {{ base = \"200ms\", max = \"2s\", jitter = 0.1 }}\n\
+         concurrency = {{ limit = 1, key = [\"k\"], duration = \"{}ms\" }}\n\n",
+        LEASE.as_millis()
+    )
+    .unwrap();
     for callback in ["cb_finish", "cb_success", "cb_failure"] {
         write!(
             config,
