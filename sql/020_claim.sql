@@ -192,6 +192,7 @@ DECLARE
     -- The marks of backends running jobs' statements, read at the first job delivered again.
     marks text[];
     mark text;
+    fence_until timestamptz;
 BEGIN
     -- One primary-key lookup says the queue exists and whether it is paused.
     SELECT q.paused_at INTO paused FROM lockgate.queues q WHERE q.name = claim.queue;
@@ -240,7 +241,9 @@ BEGIN
             END IF;
             IF cardinality(marks) > 0 THEN
                 mark := lockgate._statement_tag(queue, r.msg_id);
-                IF mark = ANY (marks) AND cardinality(lockgate._end_statements(ARRAY[mark])) > 0 THEN
+                -- One deadline for the whole claim, however many of its jobs wait for theirs.
+                fence_until := COALESCE(fence_until, clock_timestamp() + interval '200 milliseconds');
+                IF mark = ANY (marks) AND cardinality(lockgate._end_statements(ARRAY[mark], fence_until)) > 0 THEN
                     PERFORM lockgate._put_back(tbl,
                         ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed);
                     CONTINUE;

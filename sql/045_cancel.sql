@@ -36,6 +36,8 @@ DECLARE
     gone_id bigint;
     gone_headers jsonb;
     gone_vt timestamptz;
+    -- Whether a handler or statement of the job may still run: its permit and key are kept.
+    held boolean;
 BEGIN
     id := job_id;
     -- A job can move between the lookup and the delete (a completion archived it, a promotion
@@ -80,11 +82,20 @@ BEGIN
             END IF;
             -- The state it was in when this delete took it (a claim may have run since the lookup).
             state := gone_headers->>'cancelled_in';
+            -- A job whose delivery lapsed is queued again, but its worker, frozen or cut off, may
+            -- still run its `sql` statement on a backend that carries its mark: ended first, or
+            -- the job is treated as running, its permit and key kept for the sweep and the next
+            -- taker of the key, which end the statement before they hand them on (docs/design.md
+            -- §100; review helper-113 F1). No new mark can come: the message is gone.
+            held := gone_headers->>'cancelled_in' = 'running';
+            IF NOT held AND (gone_headers ? 'ckey' OR gone_headers ? 'wkey') THEN
+                held := cardinality(lockgate._end_statements(ARRAY[lockgate._statement_tag(j.queue, gone_id)])) > 0;
+            END IF;
             -- A running job's permit waits for its handler to stop (release_cancelled).
-            IF gone_headers ? 'ckey' AND gone_headers->>'cancelled_in' <> 'running' THEN
+            IF gone_headers ? 'ckey' AND NOT held THEN
                 PERFORM lockgate._release_leases(j.queue, ARRAY[gone_id]);
             END IF;
-            IF gone_headers ? 'wkey' AND gone_headers->>'cancelled_in' = 'running' THEN
+            IF gone_headers ? 'wkey' AND held THEN
                 -- Kept for its handler: until release_cancelled, or until its visibility ends.
                 UPDATE lockgate.unique_locks u SET held_until = gone_vt
                  WHERE u.queue = j.queue AND u.job_id = j.id AND u.msg_id = gone_id AND u.mode = 'while_executing';

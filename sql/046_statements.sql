@@ -59,6 +59,12 @@ DECLARE
 BEGIN
     -- Marked first: a claim or sweep that began after the mark sees it.
     PERFORM set_config('application_name', lockgate._statement_tag(queue, msg_id), local);
+    IF NOT local THEN
+        -- Its own transaction, which takes row locks and writes nothing worth a flush: its commit
+        -- does not wait for one (review helper-113 F2). Not when local: that transaction is the
+        -- job's, whose statement's commit must be durable.
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
     BEGIN
         EXECUTE format(
             'SELECT m.vt > clock_timestamp() AND NOT COALESCE(m.headers ? ''retry_at'', false),
@@ -102,19 +108,20 @@ END $$;
 
 -- Ends the backends of this database, other than the caller's, that carry one of tags
 -- (lockgate._statement_tag) as lockgate._statement_marks counts them, and waits for them to exit,
--- up to 200 ms in all (a terminated backend exits within milliseconds; the caller holds the job's
--- rows meanwhile, within the runtime's statement_timeout); returns the tags of those still
+-- until `until` (NULL: 200 ms from now; a terminated backend exits within milliseconds; the
+-- caller holds the job's rows meanwhile, within the runtime's statement_timeout, so a caller that
+-- calls it for several jobs passes one deadline for all of them); returns the tags of those still
 -- running (one this role may not terminate, or that has not exited yet), whose jobs the caller
 -- must not hand on: the statement may still be running. A later sweep or claim looks again.
 -- Callers: lockgate.sweep, lockgate.claim, for the marks lockgate._statement_marks found.
-CREATE OR REPLACE FUNCTION lockgate._end_statements(tags text[])
+CREATE OR REPLACE FUNCTION lockgate._end_statements(tags text[], until timestamptz DEFAULT NULL)
 RETURNS text[] LANGUAGE plpgsql SET client_min_messages = error AS $$
 DECLARE
     b record;
     ending integer[] := '{}';
     running text[] := '{}';
-    until timestamptz := clock_timestamp() + interval '200 milliseconds';
 BEGIN
+    until := COALESCE(until, clock_timestamp() + interval '200 milliseconds');
     PERFORM pg_stat_clear_snapshot();
     FOR b IN SELECT a.pid, a.application_name AS tag FROM pg_stat_get_activity(NULL::integer) a
               WHERE a.application_name = ANY (tags) AND a.pid <> pg_backend_pid()

@@ -401,3 +401,47 @@ async fn a_cancelled_jobs_statement_is_ended_before_its_unique_key_passes_on() {
         assert!(statement.await.unwrap().is_err());
     }
 }
+
+/// An operator's cancel of a job whose delivery lapsed (queued again, its worker frozen or cut
+/// off) gave its permit to the key's next job while its statement ran on (review helper-113 F1).
+/// The cancel ends the statement first; one it may not end keeps the permit, as a running job's.
+#[tokio::test]
+async fn a_cancel_of_a_lapsed_delivery_ends_its_statement_before_its_permit_passes_on() {
+    for may_end in [true, false] {
+        let db = TestDb::migrated().await.unwrap();
+        define(&db, Some(1)).await;
+        assert_eq!(enqueue(&db.pool).await, "enqueued");
+        assert_eq!(enqueue(&db.pool).await, "parked");
+        let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
+        let (conn, pid) = start(&db, m, rc).await;
+        let pid = pid.unwrap();
+        let statement = run_long(conn);
+        wait_running(&db.pool, pid).await;
+        lapse_visibility(&db.pool).await;
+
+        let mut operator = PgConnection::connect(&db.url).await.unwrap();
+        if !may_end {
+            let owner: String = sqlx::query_scalar("SELECT current_user::text").fetch_one(&db.pool).await.unwrap();
+            let role = format!("{}_operator", db.name);
+            sqlx::raw_sql(&format!("CREATE ROLE {role}; GRANT \"{owner}\" TO {role}; SET ROLE {role}"))
+                .execute(&mut operator)
+                .await
+                .unwrap();
+        }
+        let (state, cancelled): (String, bool) = sqlx::query_as("SELECT state, cancelled FROM lockgate.cancel($1)")
+            .bind(m)
+            .fetch_one(&mut operator)
+            .await
+            .unwrap();
+        assert_eq!((state.as_str(), cancelled), ("queued", true));
+        let next = claim(&db.pool).await;
+        if may_end {
+            assert_eq!(next.len(), 1, "the key's next job runs");
+            assert!(!running(&db.pool, pid).await, "the cancelled job's statement ran beside the key's next job");
+            assert!(statement.await.unwrap().is_err());
+        } else {
+            assert!(next.is_empty(), "the key's next job ran beside the cancelled job's statement");
+            assert!(running(&db.pool, pid).await);
+        }
+    }
+}
