@@ -84,12 +84,15 @@ CREATE TABLE soak.runs (
     id bigserial PRIMARY KEY, job bigint, attempt int, jtype text, kid int, lim int, planned_ms int,
     wpid int, bpid int, try_at timestamptz, lock_at timestamptz, ended_at timestamptz,
     slot int, tries int, holders_first int[], holders_lock int[]);
--- Backends holding a slot of key kid, other than this one.
+-- Backends holding a slot of key kid, other than this one; negated for a backend running an `sql`
+-- job's statement (it carries the job's mark, design §100), which no release lag excuses.
 CREATE FUNCTION soak.holders(kid int) RETURNS int[] LANGUAGE sql AS $$
-    SELECT coalesce(array_agg(DISTINCT pid), '{}') FROM pg_locks
-     WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid = kid::oid
-       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-       AND pid <> pg_backend_pid() $$;
+    SELECT coalesce(array_agg(DISTINCT CASE WHEN a.application_name LIKE 'lockgate job %' THEN -l.pid ELSE l.pid END),
+                    '{}')
+      FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+     WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = kid::oid
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       AND l.pid <> pg_backend_pid() $$;
 -- One run: take a free slot of the key (retrying for 40 ms, so a killed session's release lag
 -- is not mistaken for an overlap), else an overflow slot; record the start (committed), sleep,
 -- record the end (committed), then unlock. Session-level locks survive the COMMITs.
@@ -1812,11 +1815,14 @@ impl<'a> Oracle<'a> {
             // 1. From the locks: who held the key when this run was admitted.
             let mut counted: Vec<Holder<'a>> = Vec::new();
             for &b in &x.holders_first {
-                let h = self.holder(b, t);
-                let lingering = match &h {
-                    Holder::Run(h) => h.ended_at.is_none() && !x.holders_lock.contains(&b),
-                    Holder::Unrecorded(_) => !x.holders_lock.contains(&b),
-                };
+                let h = self.holder(b.abs(), t);
+                // A handler's session that was killed may hold its slot a moment longer; an `sql`
+                // statement's backend (negated) is ended, and waited for, before its key passes on.
+                let lingering = b > 0
+                    && match &h {
+                        Holder::Run(h) => h.ended_at.is_none() && !x.holders_lock.contains(&b),
+                        Holder::Unrecorded(_) => !x.holders_lock.contains(&b),
+                    };
                 if lingering {
                     r.release_lag += 1;
                     continue;
