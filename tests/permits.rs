@@ -10,6 +10,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::{lapse_visibility, violations};
 use lockgate_testkit::{wait_for, TestDb};
 use sqlx::{Connection, PgConnection, PgPool, Row};
 
@@ -55,17 +56,6 @@ async fn sweep(db: impl sqlx::PgExecutor<'_>) -> (i32, i32, i32) {
 /// What a backlog longer than `duration` (or a silent holder) does to every lease: ends it.
 async fn lapse_leases(db: &PgPool) {
     sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(db).await.unwrap();
-}
-
-async fn lapse_visibility(db: &PgPool) {
-    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second'").execute(db).await.unwrap();
-}
-
-async fn violations(db: &PgPool) -> Vec<String> {
-    sqlx::query_scalar("SELECT COALESCE(key || ': ', '') || problem FROM lockgate.check_invariants()")
-        .fetch_all(db)
-        .await
-        .unwrap()
 }
 
 /// Runs `statement` with lockgate's guards of key rows switched off (migration 19), as only a

@@ -7,8 +7,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::time::Duration;
 
+use common::{lapse_visibility, violations};
 use lockgate_testkit::TestDb;
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio::task::JoinHandle;
@@ -55,6 +58,29 @@ fn run_long(mut conn: PgConnection) -> JoinHandle<Result<(), sqlx::Error>> {
     tokio::spawn(async move { sqlx::query(LONG).execute(&mut conn).await.map(drop) })
 }
 
+/// The long statement of delivery (msg_id, read_ct), running on a marked connection of its own:
+/// its backend's pid, and its result once it ends.
+async fn running_statement(db: &TestDb, msg_id: i64, read_ct: i32) -> (i32, JoinHandle<Result<(), sqlx::Error>>) {
+    let (conn, pid) = start(db, msg_id, read_ct).await;
+    let pid = pid.expect("a delivery that holds its job starts its statement");
+    let statement = run_long(conn);
+    wait_running(&db.pool, pid).await;
+    (pid, statement)
+}
+
+/// A connection of role `<database>_<name>`, which has the test role's rights but is no superuser:
+/// it may not end the test role's (a superuser's) backends.
+async fn not_superuser(db: &TestDb, name: &str) -> PgConnection {
+    let owner: String = sqlx::query_scalar("SELECT current_user::text").fetch_one(&db.pool).await.unwrap();
+    let role = format!("{}_{name}", db.name);
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(&format!("CREATE ROLE {role}; GRANT \"{owner}\" TO {role}; SET ROLE {role}"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn
+}
+
 /// Whether backend `pid` is running a statement now.
 async fn running(db: &PgPool, pid: i32) -> bool {
     sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active')")
@@ -80,17 +106,6 @@ async fn sweep_later(db: impl sqlx::PgExecutor<'_>) -> (i32, i32, i32) {
         .unwrap()
 }
 
-async fn lapse_visibility(db: &PgPool) {
-    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second'").execute(db).await.unwrap();
-}
-
-async fn violations(db: &PgPool) -> Vec<String> {
-    sqlx::query_scalar("SELECT COALESCE(key || ': ', '') || problem FROM lockgate.check_invariants()")
-        .fetch_all(db)
-        .await
-        .unwrap()
-}
-
 /// The sweep that expires a silent holder's lease ends its statement, and has waited for the
 /// backend to exit, before the key's next job is promoted into the permit.
 #[tokio::test]
@@ -100,10 +115,7 @@ async fn a_sweep_ends_the_statement_of_a_lapsed_lease_before_its_permit_passes_o
     assert_eq!(enqueue(&db.pool).await, "enqueued");
     assert_eq!(enqueue(&db.pool).await, "parked");
     let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
-    let (conn, pid) = start(&db, m, rc).await;
-    let pid = pid.expect("a delivery that holds its job starts its statement");
-    let statement = run_long(conn);
-    wait_running(&db.pool, pid).await;
+    let (pid, statement) = running_statement(&db, m, rc).await;
 
     lapse_visibility(&db.pool).await;
     assert_eq!(sweep_later(&db.pool).await, (1, 0, 1), "the lease expired and the parked job promoted");
@@ -121,10 +133,7 @@ async fn a_claim_that_delivers_a_job_again_ends_its_earlier_statement() {
         define(&db, limit).await;
         assert_eq!(enqueue(&db.pool).await, "enqueued");
         let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
-        let (conn, pid) = start(&db, m, rc).await;
-        let pid = pid.unwrap();
-        let statement = run_long(conn);
-        wait_running(&db.pool, pid).await;
+        let (pid, statement) = running_statement(&db, m, rc).await;
 
         lapse_visibility(&db.pool).await;
         assert_eq!(claim(&db.pool).await, vec![(m, rc + 1)], "the job is delivered again ({limit:?})");
@@ -187,19 +196,12 @@ async fn a_delivery_that_no_longer_holds_its_job_starts_no_statement() {
 async fn a_statement_that_cannot_be_ended_keeps_its_lease_and_its_job() {
     let db = TestDb::migrated().await.unwrap();
     define(&db, Some(1)).await;
-    let role = format!("{}_sweeper", db.name);
-    let owner: String = sqlx::query_scalar("SELECT current_user::text").fetch_one(&db.pool).await.unwrap();
-    sqlx::raw_sql(&format!("CREATE ROLE {role}; GRANT \"{owner}\" TO {role}")).execute(&db.pool).await.unwrap();
     assert_eq!(enqueue(&db.pool).await, "enqueued");
     assert_eq!(enqueue(&db.pool).await, "parked");
     let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
-    let (conn, pid) = start(&db, m, rc).await;
-    let pid = pid.unwrap();
-    let statement = run_long(conn);
-    wait_running(&db.pool, pid).await;
+    let (pid, statement) = running_statement(&db, m, rc).await;
 
-    let mut sweeper = PgConnection::connect(&db.url).await.unwrap();
-    sqlx::raw_sql(&format!("SET ROLE {role}")).execute(&mut sweeper).await.unwrap();
+    let mut sweeper = not_superuser(&db, "sweeper").await;
     assert_eq!(sweep_later(&mut sweeper).await, (0, 0, 0), "the lease was expired under a running statement");
     assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 1, "the parked job was promoted");
     lapse_visibility(&db.pool).await;
@@ -233,10 +235,7 @@ async fn another_databases_claim_leaves_a_statement_of_the_same_job_id_alone() {
         enqueue(&db.pool).await;
     }
     let [(m, rc)] = claim(&one.pool).await[..] else { panic!("one delivery") };
-    let (conn, pid) = start(&one, m, rc).await;
-    let pid = pid.unwrap();
-    let _statement = run_long(conn);
-    wait_running(&one.pool, pid).await;
+    let (pid, _statement) = running_statement(&one, m, rc).await;
     assert_eq!(claim(&other.pool).await, vec![(m, 1)], "the same job id in the other database");
     lapse_visibility(&other.pool).await;
     assert_eq!(claim(&other.pool).await, vec![(m, 2)]);
@@ -361,26 +360,15 @@ async fn a_cancelled_jobs_statement_is_ended_before_its_unique_key_passes_on() {
         .unwrap();
         enqueue(&db.pool).await;
         let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
-        let (conn, pid) = start(&db, m, rc).await;
-        let pid = pid.unwrap();
-        let statement = run_long(conn);
-        wait_running(&db.pool, pid).await;
+        let (pid, statement) = running_statement(&db, m, rc).await;
         sqlx::query("SELECT lockgate.cancel($1)").bind(m).execute(&db.pool).await.unwrap();
         // The cancelled run's visibility over: the lock it kept for its handler is free to take.
         sqlx::query("UPDATE lockgate.unique_locks SET held_until = now() - interval '1 second'")
             .execute(&db.pool)
             .await
             .unwrap();
-        let mut taker = PgConnection::connect(&db.url).await.unwrap();
-        if !may_end {
-            // Not a superuser: it may not end the superuser's statement.
-            let owner: String = sqlx::query_scalar("SELECT current_user::text").fetch_one(&db.pool).await.unwrap();
-            let role = format!("{}_taker", db.name);
-            sqlx::raw_sql(&format!("CREATE ROLE {role}; GRANT \"{owner}\" TO {role}; SET ROLE {role}"))
-                .execute(&mut taker)
-                .await
-                .unwrap();
-        }
+        let mut taker =
+            if may_end { PgConnection::connect(&db.url).await.unwrap() } else { not_superuser(&db, "taker").await };
         let handed_on = if reaper {
             let reaped: i32 = sqlx::query_scalar("SELECT lockgate.reap_unique_locks('0 seconds')")
                 .fetch_one(&mut taker)
@@ -413,21 +401,11 @@ async fn a_cancel_of_a_lapsed_delivery_ends_its_statement_before_its_permit_pass
         assert_eq!(enqueue(&db.pool).await, "enqueued");
         assert_eq!(enqueue(&db.pool).await, "parked");
         let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
-        let (conn, pid) = start(&db, m, rc).await;
-        let pid = pid.unwrap();
-        let statement = run_long(conn);
-        wait_running(&db.pool, pid).await;
+        let (pid, statement) = running_statement(&db, m, rc).await;
         lapse_visibility(&db.pool).await;
 
-        let mut operator = PgConnection::connect(&db.url).await.unwrap();
-        if !may_end {
-            let owner: String = sqlx::query_scalar("SELECT current_user::text").fetch_one(&db.pool).await.unwrap();
-            let role = format!("{}_operator", db.name);
-            sqlx::raw_sql(&format!("CREATE ROLE {role}; GRANT \"{owner}\" TO {role}; SET ROLE {role}"))
-                .execute(&mut operator)
-                .await
-                .unwrap();
-        }
+        let mut operator =
+            if may_end { PgConnection::connect(&db.url).await.unwrap() } else { not_superuser(&db, "operator").await };
         let (state, cancelled): (String, bool) = sqlx::query_as("SELECT state, cancelled FROM lockgate.cancel($1)")
             .bind(m)
             .fetch_one(&mut operator)

@@ -290,3 +290,16 @@ pub async fn until_one_waits_for_a_lock(db: &PgPool) {
     .await
     .unwrap();
 }
+
+/// What a delivery silent past its visibility leaves on queue `default`: every message visible.
+pub async fn lapse_visibility(db: &PgPool) {
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second'").execute(db).await.unwrap();
+}
+
+/// What `lockgate.check_invariants()` finds wrong, each prefixed with its key when it has one.
+pub async fn violations(db: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT COALESCE(key || ': ', '') || problem FROM lockgate.check_invariants()")
+        .fetch_all(db)
+        .await
+        .unwrap()
+}

@@ -1066,25 +1066,7 @@ async fn a_frozen_lockgates_sql_statement_is_ended_before_its_key_runs_again() {
     );
     let db = migrated_with_one_job(&setup).await;
     assert!(output(&db, &["enqueue", "task", "{\"n\": 2}"]).status.success());
-    let mut first = setup.run(&db);
-    let frozen =
-        wait_for("a statement", WAIT, || async { Ok(probe_backends(&db).await.first().copied()) }).await.unwrap();
-    signal(&first, "STOP");
-    let mut second = setup.run(&db);
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        let running = probe_backends(&db).await;
-        assert!(running.len() <= 1, "two statements of the key at once: backends {running:?} (frozen: {frozen})");
-        if running.iter().any(|&pid| pid != frozen) {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "the other lockgate ran no statement of the key");
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    first.kill().unwrap();
-    first.wait().unwrap();
-    signal(&second, "TERM");
-    assert!(wait_exit(&mut second).await.success());
+    never_two_statements_after_a_freeze(&setup, &db, None).await;
 }
 
 /// Design §100, the sweep's part: the frozen lockgate's job cannot be delivered again (its queue
@@ -1101,13 +1083,7 @@ async fn a_frozen_lockgates_sql_statement_is_ended_by_the_sweep_before_its_permi
             "{statement}\n\n[job_types.other]\nqueue = \"other\"\n{statement}\n\n[[pool]]\nqueues = [\"other\"]\n"
         ),
     );
-    let db = TestDb::migrated().await.unwrap();
-    let mut define = setup.run(&db);
-    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'", 1, WAIT)
-        .await
-        .unwrap();
-    signal(&define, "TERM");
-    assert!(wait_exit(&mut define).await.success());
+    let db = defined(&setup).await;
     for job_type in ["task", "other"] {
         sqlx::query("SELECT lockgate.enqueue($1, '{}', '{\"concurrency_key\": \"shared\"}')")
             .bind(job_type)
@@ -1115,15 +1091,24 @@ async fn a_frozen_lockgates_sql_statement_is_ended_by_the_sweep_before_its_permi
             .await
             .unwrap();
     }
-    let mut first = setup.run(&db);
+    never_two_statements_after_a_freeze(&setup, &db, Some("SELECT lockgate.pause_queue('default')")).await;
+}
+
+/// Runs `setup` until a probe statement runs, freezes that lockgate (SIGSTOP), runs `then`, starts
+/// a second lockgate and watches the probes: never two at once, until one runs on a backend other
+/// than the frozen lockgate's. Then kills the frozen lockgate and stops the second with TERM.
+async fn never_two_statements_after_a_freeze(setup: &Setup, db: &TestDb, then: Option<&str>) {
+    let mut first = setup.run(db);
     let frozen =
-        wait_for("a statement", WAIT, || async { Ok(probe_backends(&db).await.first().copied()) }).await.unwrap();
+        wait_for("a statement", WAIT, || async { Ok(probe_backends(db).await.first().copied()) }).await.unwrap();
     signal(&first, "STOP");
-    sqlx::query("SELECT lockgate.pause_queue('default')").execute(&db.pool).await.unwrap();
-    let mut second = setup.run(&db);
+    if let Some(then) = then {
+        sqlx::query(then).execute(&db.pool).await.unwrap();
+    }
+    let mut second = setup.run(db);
     let deadline = std::time::Instant::now() + WAIT;
     loop {
-        let running = probe_backends(&db).await;
+        let running = probe_backends(db).await;
         assert!(running.len() <= 1, "two statements of the key at once: backends {running:?} (frozen: {frozen})");
         if running.iter().any(|&pid| pid != frozen) {
             break;

@@ -93,9 +93,35 @@ CREATE FUNCTION soak.holders(kid int) RETURNS int[] LANGUAGE sql AS $$
      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = kid::oid
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
        AND l.pid <> pg_backend_pid() $$;
--- One run: take a free slot of the key (retrying for 40 ms, so a killed session's release lag
--- is not mistaken for an overlap), else an overflow slot; record the start (committed), sleep,
--- record the end (committed), then unlock. Session-level locks survive the COMMITs.
+-- A slot of key kid for one run: a free one of its lim (retrying for 40 ms, so a killed session's
+-- release lag is not mistaken for an overlap), else an overflow slot; held for the session, or
+-- for the transaction when xact. Returns the slot, the tries, the other holders at the first try,
+-- when it was taken and the other holders then.
+CREATE FUNCTION soak.take_slot(kid int, lim int, xact boolean, OUT got int, OUT tries int, OUT h0 int[],
+                               OUT tl timestamptz, OUT hl int[]) LANGUAGE plpgsql AS $$
+BEGIN
+    tries := 0;
+    LOOP
+        tries := tries + 1;
+        FOR s IN 1..lim LOOP
+            IF soak.try_slot(kid, s, xact) THEN got := s; EXIT; END IF;
+        END LOOP;
+        IF tries = 1 THEN h0 := soak.holders(kid); END IF;
+        EXIT WHEN got IS NOT NULL OR tries >= 9;
+        PERFORM pg_sleep(0.005);
+    END LOOP;
+    IF got IS NULL THEN
+        FOR s IN lim + 1 .. lim + 100 LOOP
+            IF soak.try_slot(kid, s, xact) THEN got := s; EXIT; END IF;
+        END LOOP;
+    END IF;
+    tl := clock_timestamp();
+    hl := soak.holders(kid);
+END $$;
+CREATE FUNCTION soak.try_slot(kid int, s int, xact boolean) RETURNS boolean LANGUAGE sql AS $$
+    SELECT CASE WHEN xact THEN pg_try_advisory_xact_lock(kid, s) ELSE pg_try_advisory_lock(kid, s) END $$;
+-- One run: take a slot of the key (soak.take_slot), record the start (committed), sleep, record
+-- the end (committed), then unlock. Session-level locks survive the COMMITs.
 CREATE PROCEDURE soak.run(args jsonb, job bigint, attempt int, jtype text, wpid int) LANGUAGE plpgsql AS $$
 DECLARE
     kid int := (args->>'kid')::int;
@@ -104,27 +130,12 @@ DECLARE
     t0 timestamptz := clock_timestamp();
     tl timestamptz;
     got int;
-    tries int := 0;
+    tries int;
     h0 int[];
     hl int[];
     rid bigint;
 BEGIN
-    LOOP
-        tries := tries + 1;
-        FOR s IN 1..lim LOOP
-            IF pg_try_advisory_lock(kid, s) THEN got := s; EXIT; END IF;
-        END LOOP;
-        IF tries = 1 THEN h0 := soak.holders(kid); END IF;
-        EXIT WHEN got IS NOT NULL OR tries >= 9;
-        PERFORM pg_sleep(0.005);
-    END LOOP;
-    IF got IS NULL THEN
-        FOR s IN lim + 1 .. lim + 100 LOOP
-            IF pg_try_advisory_lock(kid, s) THEN got := s; EXIT; END IF;
-        END LOOP;
-    END IF;
-    tl := clock_timestamp();
-    hl := soak.holders(kid);
+    SELECT * INTO got, tries, h0, tl, hl FROM soak.take_slot(kid, lim, false);
     INSERT INTO soak.runs (job, attempt, jtype, kid, lim, planned_ms, wpid, bpid, try_at, lock_at, slot, tries,
                            holders_first, holders_lock)
     VALUES (job, attempt, jtype, kid, lim, ms, wpid, pg_backend_pid(), t0, tl, got, tries, h0, hl)
@@ -147,29 +158,14 @@ DECLARE
     t0 timestamptz := clock_timestamp();
     tl timestamptz;
     got int;
-    tries int := 0;
+    tries int;
     h0 int[];
     hl int[];
     job bigint;
 BEGIN
     SELECT COALESCE((m.headers->>'job_id')::bigint, m.msg_id) INTO job FROM pgmq.q_soak m
      WHERE m.msg_id = substring(current_setting('application_name') from '^lockgate job ([0-9]+) ')::bigint;
-    LOOP
-        tries := tries + 1;
-        FOR s IN 1..lim LOOP
-            IF pg_try_advisory_xact_lock(kid, s) THEN got := s; EXIT; END IF;
-        END LOOP;
-        IF tries = 1 THEN h0 := soak.holders(kid); END IF;
-        EXIT WHEN got IS NOT NULL OR tries >= 9;
-        PERFORM pg_sleep(0.005);
-    END LOOP;
-    IF got IS NULL THEN
-        FOR s IN lim + 1 .. lim + 100 LOOP
-            IF pg_try_advisory_xact_lock(kid, s) THEN got := s; EXIT; END IF;
-        END LOOP;
-    END IF;
-    tl := clock_timestamp();
-    hl := soak.holders(kid);
+    SELECT * INTO got, tries, h0, tl, hl FROM soak.take_slot(kid, lim, true);
     PERFORM pg_sleep(ms / 1000.0);
     INSERT INTO soak.runs (job, attempt, jtype, kid, lim, planned_ms, wpid, bpid, try_at, lock_at, slot, tries,
                            holders_first, holders_lock, ended_at)

@@ -154,15 +154,22 @@ impl Drop for Setup {
 pub const LONG_FIRST_RUN: &str = "cat >/dev/null; echo start >> $DIR/starts; \
     if [ ! -f $DIR/first ]; then touch $DIR/first; exec sleep 30; fi";
 
-pub async fn migrated_with_one_job(setup: &Setup) -> TestDb {
+/// A migrated database where `setup`'s job types are defined: defining them is part of `lockgate
+/// run`, so it is started once and stopped with TERM.
+pub async fn defined(setup: &Setup) -> TestDb {
     let db = TestDb::migrated().await.unwrap();
-    // Defining the job type is part of `lockgate run`; start once so the type exists, then enqueue.
     let mut child = setup.run(&db);
     wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'", 1, WAIT)
         .await
         .unwrap();
     signal(&child, "TERM");
     assert!(wait_exit(&mut child).await.success());
+    db
+}
+
+/// A database as `defined` makes it, with one job of type `task` enqueued.
+pub async fn migrated_with_one_job(setup: &Setup) -> TestDb {
+    let db = defined(setup).await;
     let o = output(&db, &["enqueue", "task", "{\"n\": 1}"]);
     assert!(o.status.success(), "{}", text(&o));
     db
