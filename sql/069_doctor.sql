@@ -188,8 +188,10 @@ $$;
 -- the lease of a job that finished while another transaction held its key's row, which the
 -- sweep frees once the row is free (finished_at, sql/015_concurrency.sql). Their permits are counted as held
 -- until the sweep frees them, which it does once they expire (their holder may still run until
--- then, sql/080_sweep.sql). One row for all of them.
-CREATE OR REPLACE FUNCTION lockgate._doctor_leases()
+-- then, sql/080_sweep.sql). One row for all of them. Then the backends that run an `sql` job's
+-- statement for a job their delivery no longer holds (held_statements, below).
+DROP FUNCTION IF EXISTS lockgate._doctor_leases();
+CREATE OR REPLACE FUNCTION lockgate._doctor_leases(long_running interval)
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
@@ -200,6 +202,8 @@ DECLARE
     found_expired bigint := 0;
     places text[] := '{}';
     oldest timestamptz;
+    b record;
+    why text;
 BEGIN
     check_name := 'orphaned_leases';
     FOR q IN SELECT DISTINCT l.queue FROM lockgate.leases l ORDER BY 1 LOOP
@@ -259,32 +263,60 @@ BEGIN
                   'sessions check)';
     END IF;
     RETURN NEXT;
-    -- Leases past their end that the sweep keeps because their job's `sql` statement still runs
-    -- on a backend carrying its mark, which the sweeping role may not end (docs/design.md §100).
+    -- Statements of `sql` jobs (or sessions still carrying their mark) that run on after their
+    -- job left their delivery: its visibility ran out over 10 s ago, it was put back (a claim
+    -- found the statement running and could not end it), or it is no longer in its queue
+    -- (completed, cancelled, dead-lettered) and the backend has been in its state for longer than
+    -- long_running (a live executor stops its statement at once when its job is cancelled, and
+    -- clears the mark before it completes the job). Whatever takes such a job ends the
+    -- backend first, and keeps the job, its permit or its unique key while it cannot
+    -- (docs/design.md §100): one that stays here is one lockgate's role may not end, or one whose
+    -- job nothing has taken yet (its lockgate frozen or cut off). Marks as
+    -- lockgate._statement_marks counts them: this database's, of roles that may renew leases.
     check_name := 'held_statements';
-    SELECT count(*), string_agg(format('backend %s of role %s (job %s of queue %s, lease ended %s ago)', a.pid,
-                                       COALESCE(r.rolname::text, '?'), l.msg_id, l.queue,
-                                       date_trunc('second', now() - l.expires_at)), '; ' ORDER BY l.expires_at)
-      INTO n, detail
-      FROM lockgate.leases l
-      JOIN pg_stat_get_activity(NULL::integer) a ON a.application_name = lockgate._statement_tag(l.queue, l.msg_id)
-      LEFT JOIN pg_roles r ON r.oid = a.usesysid
-     WHERE l.expires_at < now() - interval '10 seconds' AND l.finished_at IS NULL
-       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-       AND has_table_privilege(a.usesysid, 'lockgate.leases', 'UPDATE');
-    IF n = 0 THEN
+    places := '{}';
+    FOR b IN WITH marked AS MATERIALIZED (
+                 -- The id only of a mark that can be one (any role may set any application_name).
+                 SELECT a.pid, a.usesysid, a.application_name AS tag, a.state_change,
+                        CASE WHEN split_part(a.application_name, ' ', 3)::numeric <= 9223372036854775807
+                             THEN split_part(a.application_name, ' ', 3)::bigint END AS msg_id
+                   FROM pg_stat_get_activity(NULL::integer) a
+                  WHERE a.application_name ~ '^lockgate job [0-9]{1,19} ' AND a.pid <> pg_backend_pid()
+                    AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+                    AND has_table_privilege(a.usesysid, 'lockgate.leases', 'UPDATE'))
+             SELECT m.pid, COALESCE(r.rolname::text, '?') AS role, m.state_change, m.msg_id, lq.name AS queue
+               FROM marked m
+               JOIN lockgate._live_queues() lq(name) ON lockgate._statement_tag(lq.name, m.msg_id) = m.tag
+               LEFT JOIN pg_roles r ON r.oid = m.usesysid
+              ORDER BY m.pid LOOP
+        EXECUTE format(
+            'SELECT CASE WHEN m.msg_id IS NULL THEN CASE WHEN $2 <= now() - $3 THEN ''no longer in its queue'' END
+                         WHEN m.headers->''retry_at'' = m.headers->''put_back_until'' THEN ''put back until it ends''
+                         WHEN m.vt < now() - interval ''10 seconds''
+                         THEN ''its delivery lapsed '' || lockgate._doctor_secs(now() - m.vt) || '' ago''
+                    END
+               FROM (SELECT 1) o LEFT JOIN %s m ON m.msg_id = $1',
+            lockgate._queue_table(b.queue, 'q'))
+          INTO why USING b.msg_id, b.state_change, long_running;
+        IF why IS NOT NULL THEN
+            places := places || format('backend %s of role %s (job %s of queue %s: %s)', b.pid, b.role, b.msg_id,
+                                       b.queue, why);
+        END IF;
+    END LOOP;
+    IF cardinality(places) = 0 THEN
         verdict := 'ok';
-        detail := 'no lapsed permit is kept for a statement still running';
+        detail := 'no sql statement runs on for a job its delivery no longer holds';
         advice := NULL;
     ELSE
         verdict := 'warn';
-        detail := format('%s lapsed permit(s) kept because the job''s sql statement still runs, or its session still '
-                         'carries the job''s mark, and lockgate may not end it: %s', n, detail);
-        advice := 'the sweep ends such a backend before it gives the permit on, and the claim before it delivers the job '
-                  'again, but lockgate''s role may not terminate this one: only a superuser may end a superuser''s '
-                  'backend, and a role needs pg_signal_backend (or to be the backend''s role) to end another''s, and '
-                  'EXECUTE on pg_terminate_backend. End it as a role that may (SELECT pg_terminate_backend(pid)); to '
-                  'keep it from happening, run lockgate''s sql jobs and its sweep as the same role';
+        detail := format('%s backend(s) run a job''s sql statement, or carry its mark, after the job left their '
+                         'delivery: %s', cardinality(places), array_to_string(places, '; '));
+        advice := 'the sweep, the claim, cancel and the unique-key reaper end such a backend before they hand its job, '
+                  'permit or key on, and keep them while they cannot: lockgate''s role may not terminate it (only a '
+                  'superuser may end a superuser''s backend; another role''s needs pg_signal_backend and EXECUTE on '
+                  'pg_terminate_backend), or nothing has taken the job yet. End it as a role that may (SELECT '
+                  'pg_terminate_backend(pid)); to keep it from happening, run lockgate''s sql jobs and its sweep as '
+                  'the same role';
     END IF;
     RETURN NEXT;
 END $$;
@@ -560,7 +592,7 @@ BEGIN
                                                           make_interval(secs => idle_in_transaction_seconds))
         UNION ALL SELECT * FROM lockgate._doctor_settings()
         UNION ALL SELECT * FROM lockgate._doctor_tables()
-        UNION ALL SELECT * FROM lockgate._doctor_leases()
+        UNION ALL SELECT * FROM lockgate._doctor_leases(make_interval(secs => long_running_seconds))
         UNION ALL SELECT * FROM lockgate._doctor_parked()
         UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds));
     -- These three read the queues' relations in schema pgmq, which a role without USAGE on it may

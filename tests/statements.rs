@@ -225,6 +225,50 @@ async fn a_statement_that_cannot_be_ended_keeps_its_lease_and_its_job() {
     assert_eq!(db.count("SELECT 1 FROM lockgate.parked").await.unwrap(), 0);
 }
 
+/// The doctor's check of `held_statements` at the given long-running threshold: its verdict and
+/// detail.
+async fn held_statements(db: &PgPool, long_running_seconds: f64) -> (String, String) {
+    sqlx::query_as("SELECT verdict, detail FROM lockgate.doctor($1) WHERE check_name = 'held_statements'")
+        .bind(long_running_seconds)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+/// The doctor names a statement that runs on for a job its delivery no longer holds, whatever
+/// holds the job back for it (review helper-113 F6: only kept leases were named): a delivery lapsed
+/// with nothing taking the job yet, an unlimited job a claim puts back because it may not end the
+/// statement, and a job gone from its queue while the statement ran on; not a statement whose
+/// delivery holds its job.
+#[tokio::test]
+async fn the_doctor_names_a_statement_that_runs_on_for_a_job_its_delivery_no_longer_holds() {
+    let db = TestDb::migrated().await.unwrap();
+    define(&db, None).await;
+    enqueue(&db.pool).await;
+    let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
+    let (pid, statement) = running_statement(&db, m, rc).await;
+    let named = |(verdict, detail): (String, String), why: &str| {
+        assert_eq!(verdict, "warn", "{detail}");
+        assert!(detail.contains(&format!("backend {pid} of role")) && detail.contains(why), "{detail}");
+    };
+    assert_eq!(held_statements(&db.pool, 0.0).await.0, "ok", "a running delivery's statement");
+
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 minute'").execute(&db.pool).await.unwrap();
+    named(held_statements(&db.pool, 60.0).await, &format!("job {m} of queue default: its delivery lapsed"));
+
+    let mut claimer = not_superuser(&db, "claimer").await;
+    assert!(claim(&mut claimer).await.is_empty(), "the job was delivered again beside its statement");
+    named(held_statements(&db.pool, 60.0).await, "put back until it ends");
+
+    sqlx::query("SELECT pgmq.archive('default', $1)").bind(m).execute(&db.pool).await.unwrap();
+    assert_eq!(held_statements(&db.pool, 60.0).await.0, "ok", "a statement younger than the threshold");
+    named(held_statements(&db.pool, 0.0).await, "no longer in its queue");
+
+    sqlx::query("SELECT pg_terminate_backend($1, 5000)").bind(pid).execute(&db.pool).await.unwrap();
+    assert!(statement.await.unwrap().is_err());
+    assert_eq!(held_statements(&db.pool, 0.0).await.0, "ok");
+}
+
 /// Marks are a database's own: another database's lockgate, whose jobs have the same ids, ends
 /// none of them.
 #[tokio::test]
