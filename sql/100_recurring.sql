@@ -199,7 +199,8 @@ $$;
 -- it 'inactive' all the same. NULL (the two-argument form): not compared.
 -- A key the tick's job needs that a producer holds (a limited type's semaphore row) makes the
 -- tick give up after 500 ms (lock_timeout, set for this call only) and try again on the next
--- pass, instead of holding up the rest.
+-- pass, instead of holding up the rest; the task's row, which only schedulers and definitions
+-- take, is waited for up to 5 s.
 -- Locks: the task's row, the tick row, then what lockgate.enqueue locks.
 CREATE OR REPLACE FUNCTION lockgate.enqueue_recurring_tick(
     task text, tick_at timestamptz, schedule_cron text, schedule_timezone text,
@@ -212,7 +213,13 @@ BEGIN
     IF tick_at IS NULL OR tick_at > clock_timestamp() THEN
         RAISE EXCEPTION 'lockgate: recurring task "%": tick % is in the future', task, tick_at USING ERRCODE = 'LG003';
     END IF;
+    -- The task's row is waited for longer than the rest: a scheduler racing another on this tick
+    -- waits for the other's commit, which the other's own 500 ms waits bound, and then finds the
+    -- tick taken. With 500 ms here, it failed on a lock timeout, and logged a warning, whenever the
+    -- other's enqueue took longer (review helper-114).
+    PERFORM set_config('lock_timeout', '5s', true);
     SELECT * INTO t FROM lockgate.recurring_tasks r WHERE r.name = enqueue_recurring_tick.task FOR NO KEY UPDATE;
+    PERFORM set_config('lock_timeout', '500ms', true);
     IF NOT FOUND OR NOT t.enabled OR tick_at <= t.active_since
        OR (schedule_cron IS NOT NULL AND t.cron IS DISTINCT FROM schedule_cron)
        OR (schedule_timezone IS NOT NULL AND t.timezone IS DISTINCT FROM schedule_timezone) THEN

@@ -104,6 +104,41 @@ async fn h23_two_schedulers_racing_on_one_tick_enqueue_it_once() {
     assert_eq!(last, (tick, outcome.job_id.unwrap()));
 }
 
+/// The same race with a first scheduler slower than the 500 ms a tick waits for a key (its
+/// enqueue waited on one, or its commit was slow): the second waits for it all the same and finds
+/// the tick taken, where it failed on a lock timeout and logged a warning (review helper-114).
+#[tokio::test]
+async fn h23_a_scheduler_racing_a_slow_one_on_one_tick_finds_it_taken() {
+    let (db, client) = setup().await;
+    client.define_recurring(&every_minute("nightly")).await.unwrap();
+    defined_ago(&db, "nightly", "1 hour").await;
+    let tick: DateTime<Utc> =
+        sqlx::query_scalar("SELECT date_trunc('minute', now())").fetch_one(&db.pool).await.unwrap();
+
+    let mut first = db.pool.begin().await.unwrap();
+    assert_eq!(enqueue_recurring_tick(&mut *first, "nightly", tick, None).await.unwrap().status, "enqueued");
+    let second_pool = db.new_pool(1).await.unwrap();
+    let second = tokio::spawn(async move { enqueue_recurring_tick(&second_pool, "nightly", tick, None).await });
+    // Held until the second has waited past the keys' 500 ms, or has given up.
+    wait_for("the second tick to wait 700 ms for the task, or to end", WAIT, || async {
+        let waited: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                             WHERE datname = current_database() AND wait_event_type = 'Lock'
+                               AND query LIKE '%enqueue_recurring_tick%'
+                               AND clock_timestamp() - query_start > interval '700 milliseconds')",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        Ok((waited || second.is_finished()).then_some(()))
+    })
+    .await
+    .unwrap();
+    first.commit().await.unwrap();
+
+    assert_eq!(second.await.unwrap().unwrap().status, "taken");
+    assert_eq!(jobs(&db).await, 1);
+}
+
 /// A schedule changed while a scheduler's tick of the old one waits for the task's row: the
 /// definition set active_since when it ran, before its commit, so the tick (due after that, by
 /// the old schedule the scheduler read) passes the active_since check; the scheduler passes the
