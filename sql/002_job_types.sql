@@ -46,7 +46,8 @@ BEGIN
     IF max_attempts IS NULL OR max_attempts < 1 THEN
         RAISE EXCEPTION 'lockgate: invalid max_attempts %: an integer of at least 1', max_attempts USING ERRCODE = 'LG003';
     END IF;
-    IF backoff_base_ms < 0 OR backoff_max_ms < backoff_base_ms OR NOT backoff_jitter BETWEEN 0 AND 1 THEN
+    IF backoff_base_ms IS NULL OR backoff_max_ms IS NULL OR backoff_jitter IS NULL
+       OR backoff_base_ms < 0 OR backoff_max_ms < backoff_base_ms OR NOT backoff_jitter BETWEEN 0 AND 1 THEN
         RAISE EXCEPTION 'lockgate: invalid backoff (base % ms, max % ms, jitter %): base >= 0, max >= base, jitter from 0 to 1',
             backoff_base_ms, backoff_max_ms, backoff_jitter USING ERRCODE = 'LG003';
     END IF;
@@ -67,7 +68,11 @@ BEGIN
         RAISE EXCEPTION 'lockgate: invalid concurrency limit %: an integer of at least 1', concurrency_limit
             USING ERRCODE = 'LG003';
     END IF;
-    IF concurrency_on_conflict NOT IN ('block', 'discard', 'raise') THEN
+    IF concurrency_duration_ms IS NULL OR concurrency_duration_ms <= 0 THEN
+        RAISE EXCEPTION 'lockgate: invalid concurrency_duration_ms %: a positive number of milliseconds', concurrency_duration_ms
+            USING ERRCODE = 'LG003';
+    END IF;
+    IF concurrency_on_conflict IS NULL OR concurrency_on_conflict NOT IN ('block', 'discard', 'raise') THEN
         RAISE EXCEPTION 'lockgate: invalid concurrency on_conflict "%": block, discard or raise', concurrency_on_conflict
             USING ERRCODE = 'LG003';
     END IF;

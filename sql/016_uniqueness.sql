@@ -124,7 +124,8 @@ END $$;
 -- the claim itself archives nothing and takes no lock of the completion's bookkeeping); a type
 -- that rejects them has the job put back for a second to wait for the holder (a return, not an
 -- attempt). Never waits more than a few milliseconds: a key another transaction is inserting or
--- deleting puts the job back too (H28).
+-- deleting puts the job back too (H28). A job whose type no longer takes a key while it runs
+-- runs without the key when another job holds it.
 CREATE OR REPLACE FUNCTION lockgate._start_unique(queue text, c lockgate._claimed)
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
@@ -132,6 +133,8 @@ DECLARE
     job bigint := COALESCE((c.headers->>'job_id')::bigint, c.msg_id);
     saved text := current_setting('lock_timeout');
     holder bigint;
+    type_mode text;
+    type_on_conflict text;
 BEGIN
     BEGIN
         PERFORM set_config('lock_timeout', '5ms', true);
@@ -151,9 +154,22 @@ BEGIN
         END IF;
         RETURN c.headers;
     END IF;
+    SELECT t.unique_mode, t.unique_on_conflict INTO type_mode, type_on_conflict
+      FROM lockgate.job_types t WHERE t.name = c.headers->>'type';
+    -- A type that no longer takes a key while it runs (redefined since the job was enqueued, or
+    -- a key written into the headers by hand on a type that never took one) does not wait for
+    -- it: the job runs without it, as a type whose limit was removed runs unlimited. Waiting
+    -- held the job back, put back every second, for as long as another job held that key, and
+    -- for good behind a key nothing gives back (review helper-116 F1).
+    IF type_mode IS DISTINCT FROM 'while_executing' THEN
+        c.headers := c.headers - 'wkey' - 'duplicate_of';
+        EXECUTE format('UPDATE %s m SET headers = $3 WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
+          USING c.msg_id, c.read_ct, c.headers;
+        RETURN c.headers;
+    END IF;
     -- A holder cancelled while it ran is no duplicate to discard against: it will never finish
     -- as a success. The job waits for its handler to stop, as a rejected one does.
-    IF (SELECT t.unique_on_conflict FROM lockgate.job_types t WHERE t.name = c.headers->>'type') = 'discard'
+    IF type_on_conflict = 'discard'
        AND NOT EXISTS (SELECT 1 FROM lockgate.unique_locks u WHERE u.key = c.headers->>'wkey' AND u.held_until IS NOT NULL) THEN
         c.headers := c.headers || jsonb_build_object('duplicate_of', holder);
         EXECUTE format('UPDATE %s m SET headers = $3 WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)

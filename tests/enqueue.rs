@@ -249,6 +249,12 @@ async fn bad_sql_inputs_are_refused_with_errors_that_name_them() {
         ),
         ("SELECT lockgate.define_job_type('far', backoff_max_ms => 3155760000001)", "invalid backoff_max_ms"),
         ("SELECT lockgate.define_job_type('far', timeout_ms => 3155760000001)", "invalid timeout_ms"),
+        // Review (helper-116, F5): NULL policies failed on the table's NOT NULL constraints (23502).
+        ("SELECT lockgate.define_job_type('far', backoff_base_ms => NULL)", "invalid backoff"),
+        ("SELECT lockgate.define_job_type('far', backoff_jitter => NULL)", "invalid backoff"),
+        ("SELECT lockgate.define_job_type('far', concurrency_duration_ms => NULL)", "invalid concurrency_duration_ms"),
+        ("SELECT lockgate.define_job_type('far', concurrency_duration_ms => 0)", "invalid concurrency_duration_ms 0"),
+        ("SELECT lockgate.define_job_type('far', concurrency_on_conflict => NULL)", "invalid concurrency on_conflict"),
         ("SELECT lockgate.enqueue_many('note', ARRAY['{}', '7']::jsonb[])", "arguments #2 must be a JSON object"),
         ("SELECT lockgate.create_queue('Bad Name')", "invalid queue name \"Bad Name\""),
         ("SELECT lockgate.create_queue(repeat('q', 48))", "invalid queue name"),

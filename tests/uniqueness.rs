@@ -550,6 +550,46 @@ async fn a_job_marked_a_duplicate_by_an_earlier_delivery_runs_once_the_holder_is
     assert_eq!(locks(&db.pool).await, vec![("wd".to_string(), b.unwrap(), b)]);
 }
 
+/// A key a job's type no longer takes while it runs is not waited for: a type redefined without
+/// uniqueness after its jobs were enqueued runs them beside the key's holder, as a type whose
+/// limit was removed runs unlimited, and a key written by hand into a raw message of a type that
+/// never took one does not hold it back. Both were put back every second for as long as the key
+/// was held, and for good behind a key nothing gave back (review helper-116 F1).
+#[tokio::test]
+async fn a_key_its_type_no_longer_takes_while_it_runs_does_not_hold_a_job_back() {
+    let db = db_with(&["'we', unique_mode => 'while_executing', unique_key => ARRAY['id']", "'plain'"]).await;
+    let (_, a, _) = enqueue(&db.pool, "we", 1).await.unwrap();
+    let (_, b, _) = enqueue(&db.pool, "we", 1).await.unwrap();
+    assert_eq!(claim(&db.pool, 5).await.len(), 1, "B waits while A holds the key");
+    assert_eq!(locks(&db.pool).await, vec![("we:[1]".to_string(), a.unwrap(), a)]);
+
+    let forged: i64 = sqlx::query_scalar(
+        "SELECT pgmq.send('default', '{}'::jsonb, '{\"type\": \"plain\", \"wkey\": \"we:[1]\"}'::jsonb)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let delivered: Vec<(i64, bool)> =
+        sqlx::query_as("SELECT msg_id, headers ? 'wkey' FROM lockgate.claim('default', 5, 30)")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(delivered, vec![(forged, false)], "the raw message ran, without the key it named");
+
+    sqlx::query("SELECT lockgate.define_job_type('we')").execute(&db.pool).await.unwrap();
+    make_visible(&db.pool, b.unwrap()).await;
+    let delivered: Vec<(i64, bool)> =
+        sqlx::query_as("SELECT msg_id, headers ? 'wkey' FROM lockgate.claim('default', 5, 30)")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(delivered, vec![(b.unwrap(), false)], "B runs once its type takes no key");
+    assert_eq!(locks(&db.pool).await, vec![("we:[1]".to_string(), a.unwrap(), a)], "A's lock is A's");
+    assert!(common::complete_default(&db.pool, (b.unwrap(), 2)).await);
+    assert!(common::complete_default(&db.pool, (a.unwrap(), 1)).await);
+    assert!(locks(&db.pool).await.is_empty());
+}
+
 /// Issue 14 (docs/design.md §60): finishing a job that holds a uniqueness lock and belongs to a
 /// batch reads its own lock and membership, not the queue's, and a promotion moves the promoted
 /// job's lock without reading the others. With the queue compared with a constant, each read

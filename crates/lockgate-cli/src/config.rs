@@ -490,7 +490,12 @@ mod tests {
         // Each names its pool or job type once, outside the value (review helper-92).
         assert_eq!(
             err("[[pool]]\nname = \"main\"\nqueues = [\"a\"]\nconcurrency = 0"),
-            "[[pool]] main: invalid concurrency \"0\": an integer of at least 1 in pool main"
+            "[[pool]] main: invalid concurrency \"0\": an integer from 1 to 10000 in pool main"
+        );
+        // Review (helper-116, F3): sized the connection pool by it, and the start aborted.
+        assert_eq!(
+            err("[[pool]]\nname = \"main\"\nqueues = [\"a\"]\nconcurrency = 3000000000"),
+            "[[pool]] main: invalid concurrency \"3000000000\": an integer from 1 to 10000 in pool main"
         );
         assert!(err("[[pool]]\nqueues = [\"a\", \"b\", \"a\"]")
             .contains("invalid queues \"a\": each queue once in pool pool1"));

@@ -8,8 +8,9 @@
 /// width made a cell over 65,535 characters panic, and with it every `dlq list`.
 const MAX_CELL: usize = 200;
 
-/// `cell` as shown: cut to `MAX_CELL` characters.
-fn shown(cell: &str) -> std::borrow::Cow<'_, str> {
+/// `cell` as shown: cut to `MAX_CELL` characters. Also what an error quotes of an input that may be
+/// long (a job's arguments, up to 4 MiB read).
+pub fn shown(cell: &str) -> std::borrow::Cow<'_, str> {
     match cell.char_indices().nth(MAX_CELL) {
         None => cell.into(),
         Some(_) => {

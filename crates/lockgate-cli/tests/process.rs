@@ -289,6 +289,10 @@ async fn bad_config_files_and_arguments_are_refused_with_the_problem_named() {
     assert!(text(&o).contains("could not read config file"), "{}", text(&o));
     let o = output(&db, &["enqueue", "t", "{not json"]);
     assert!(text(&o).contains("not valid JSON"), "{}", text(&o));
+    // Quoted cut (review helper-116, F4: arguments nested too deep were echoed whole, up to 4 MiB).
+    let deep = format!("{}1{}", "{\"a\":".repeat(200), "}".repeat(200));
+    let o = output(&db, &["enqueue", "t", &deep]);
+    assert!(text(&o).contains("not valid JSON") && text(&o).contains('…') && text(&o).len() < 1000, "{}", text(&o));
     let o = output(&db, &["enqueue", "t", "{}", "--queue", "BAD"]);
     assert!(text(&o).contains("invalid queue \"BAD\""), "{}", text(&o));
     let o = output(&db, &["enqueue", "t", "{}", "--delay", "200years"]);

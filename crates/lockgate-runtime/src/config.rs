@@ -167,6 +167,11 @@ impl RuntimeConfig {
     }
 }
 
+/// The most jobs one pool runs at once. Far above what a process's handlers and connections can
+/// serve; a larger figure (a typo, or a unit mistaken) sized the runtime's connection pool by it
+/// and aborted the start on an allocation of tens of gigabytes (review helper-116 F3).
+pub const MAX_POOL_CONCURRENCY: usize = 10_000;
+
 /// One worker pool: the queues it serves, in strict priority order, and how many jobs it runs
 /// at once.
 #[derive(Debug, Clone, PartialEq)]
@@ -187,8 +192,12 @@ impl PoolConfig {
         if self.queues.is_empty() {
             return Err(ValidationError::new("queues", "[]", format!("at least one queue in pool {pool}")));
         }
-        if self.concurrency == 0 {
-            return Err(ValidationError::new("concurrency", 0, format!("an integer of at least 1 in pool {pool}")));
+        if self.concurrency == 0 || self.concurrency > MAX_POOL_CONCURRENCY {
+            return Err(ValidationError::new(
+                "concurrency",
+                self.concurrency,
+                format!("an integer from 1 to {MAX_POOL_CONCURRENCY} in pool {pool}"),
+            ));
         }
         // Named twice, a queue would be claimed from twice per claim (review helper-92: accepted
         // in silence).

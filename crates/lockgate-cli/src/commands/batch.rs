@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use lockgate::{BatchCallbacks, BatchId, Client, JobTypeName};
 
-use crate::db;
+use crate::{db, table};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
@@ -39,7 +39,10 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
     match command {
         Command::Create { on_finish, on_success, on_failure, properties } => {
             let properties = properties
-                .map(|p| serde_json::from_str(&p).with_context(|| format!("--properties is not valid JSON: {p}")))
+                .map(|p| {
+                    serde_json::from_str(&p)
+                        .with_context(|| format!("--properties is not valid JSON: {}", table::shown(&p)))
+                })
                 .transpose()?;
             let callbacks = BatchCallbacks {
                 on_finish: on_finish.map(JobTypeName::new).transpose()?,

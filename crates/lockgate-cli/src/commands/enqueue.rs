@@ -5,7 +5,7 @@ use std::io::Read;
 use anyhow::{bail, Context, Result};
 use lockgate::{BatchId, Client, EnqueueError, EnqueueOptions, EnqueueStatus, QueueName, MAX_PAYLOAD_BYTES};
 
-use crate::db;
+use crate::{db, table};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -48,7 +48,7 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     let (text, from) = read_args(&args.args)?;
     let value: serde_json::Value = serde_json::from_str(&text).with_context(|| match from {
         Some(from) => format!("job arguments from {from} are not valid JSON"),
-        None => format!("job arguments are not valid JSON: {text}"),
+        None => format!("job arguments are not valid JSON: {}", table::shown(&text)),
     })?;
     let options = EnqueueOptions {
         delay: args.delay,

@@ -9,7 +9,7 @@ use lockgate::{Client, QueueName, RecurringRow, RecurringTask, Schedule, DEFAULT
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::db;
+use crate::{db, table};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
@@ -79,8 +79,8 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
 }
 
 async fn add(client: &Client, args: AddArgs) -> Result<()> {
-    let value: Value =
-        serde_json::from_str(&args.args).with_context(|| format!("job arguments are not valid JSON: {}", args.args))?;
+    let value: Value = serde_json::from_str(&args.args)
+        .with_context(|| format!("job arguments are not valid JSON: {}", table::shown(&args.args)))?;
     let task = RecurringTask {
         timezone: args.timezone,
         args: value,
