@@ -2,8 +2,10 @@
 -- one job, (queue, job_id), and released only by that job's own fenced steps, in their
 -- transaction: the completion or dead-letter that removed its message (until_executed and
 -- while_executing), the retry or shutdown return that ended its run (while_executing), the
--- operator's discard of it while parked. A stale or duplicate delivery's step matches no
--- message, so it releases nothing, and never a successor's lock: a successor is another job.
+-- operator's discard of it while parked; and a while_executing lock whose run lapsed, by the
+-- duplicate that takes the key after it (lockgate._take_unique). A stale or duplicate
+-- delivery's step matches no message, so it releases nothing, and never a successor's lock: a
+-- successor is another job.
 -- Lock order: unique lock rows come before semaphore rows in an enqueue; a completion deletes
 -- its jobs' lock rows after their leases and promotions (no enqueue waits for a row that a
 -- completion deletes while holding a semaphore row the enqueue holds, except an enqueue_many
@@ -14,14 +16,20 @@
 -- redelivered while_executing job: the same job on the same message) takes it back; a message
 -- that only copies another job's id in its headers is not that job. A lock kept for a cancelled
 -- job's handler (held_until, sql/045_cancel.sql) is free once held_until has passed: by then the
--- handler's worker has stopped it (H27). Never locks a live holder's lock row: a producer that
--- meets a duplicate holds nothing that delays its holder's completion. Waits only for a
--- transaction inserting or deleting the same key.
+-- handler's worker has stopped it (H27). So is a while_executing lock whose holder's delivery
+-- has lapsed (its visibility ran out: its worker fenced its handler and a command's watchdog
+-- killed its program before then, H27, design §75), which nothing else gives back while the job
+-- waits to be delivered again, for good in a queue no one serves (review helper-115 F1); the
+-- heartbeat renews no lapsed delivery holding such a key (sql/030_extend.sql). Never locks a
+-- live holder's lock row, and never waits for its message: a producer that meets a duplicate
+-- holds nothing that delays its holder's completion. Waits only for a transaction inserting or
+-- deleting the same key.
 CREATE OR REPLACE FUNCTION lockgate._take_unique(key text, mode text, job_type text, queue text, job_id bigint, msg_id bigint)
 RETURNS bigint LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     taken boolean;
     holder record;
+    lapsed boolean;
 BEGIN
     LOOP
         INSERT INTO lockgate.unique_locks (key, mode, job_type, queue, job_id, msg_id)
@@ -32,7 +40,8 @@ BEGIN
         IF taken THEN
             RETURN NULL;
         END IF;
-        SELECT u.queue, u.job_id, u.msg_id, u.held_until INTO holder FROM lockgate.unique_locks u WHERE u.key = _take_unique.key;
+        SELECT u.queue, u.job_id, u.msg_id, u.held_until, u.mode INTO holder
+          FROM lockgate.unique_locks u WHERE u.key = _take_unique.key;
         IF FOUND THEN
             IF holder.held_until <= clock_timestamp() THEN
                 -- The cancelled holder's handler has stopped: its lock goes (re-checked under the
@@ -53,6 +62,32 @@ BEGIN
                  WHERE u.key = _take_unique.key AND u.queue = _take_unique.queue AND u.job_id = _take_unique.job_id;
                 CONTINUE WHEN NOT FOUND;
                 RETURN NULL;
+            END IF;
+            -- A running holder whose delivery lapsed: judged under its message's row lock, which
+            -- the heartbeat's renewal takes too (so a renewal either came first and is seen, or
+            -- finds the delivery lapsed and renews nothing); a message another transaction holds
+            -- (its completion, a renewal under way) keeps the lock, as does one gone or in a
+            -- table that is gone (the reaper's to judge). Its `sql` statement, if its worker is
+            -- frozen or cut off, is ended first (§100).
+            IF holder.mode = 'while_executing' AND holder.held_until IS NULL AND holder.msg_id IS NOT NULL
+               AND holder.queue IN (SELECT lockgate._live_queues()) THEN
+                BEGIN
+                    EXECUTE format('SELECT m.vt <= clock_timestamp() FROM %s m WHERE m.msg_id = $1 FOR SHARE NOWAIT',
+                                   lockgate._queue_table(holder.queue, 'q'))
+                       INTO lapsed USING holder.msg_id;
+                EXCEPTION WHEN lock_not_available THEN
+                    lapsed := false;
+                END;
+                IF lapsed THEN
+                    IF cardinality(lockgate._end_statements(
+                           ARRAY[lockgate._statement_tag(holder.queue, holder.msg_id)])) > 0 THEN
+                        RETURN holder.job_id;
+                    END IF;
+                    DELETE FROM lockgate.unique_locks u
+                     WHERE u.key = _take_unique.key AND u.queue = holder.queue AND u.job_id = holder.job_id
+                       AND u.msg_id = holder.msg_id AND u.held_until IS NULL;
+                    CONTINUE;
+                END IF;
             END IF;
             RETURN holder.job_id;
         END IF;
@@ -168,8 +203,11 @@ BEGIN
         RETURN c.headers;
     END IF;
     -- A holder cancelled while it ran is no duplicate to discard against: it will never finish
-    -- as a success. The job waits for its handler to stop, as a rejected one does.
-    IF type_on_conflict = 'discard'
+    -- as a success. The job waits for its handler to stop, as a rejected one does. So does a
+    -- dead letter an operator retried (history_from, sql/050_dlq.sql): asked to run again, it
+    -- was archived unrun while another job of its key ran, its dead letter gone (review
+    -- helper-115 F3).
+    IF type_on_conflict = 'discard' AND NOT c.headers ? 'history_from'
        AND NOT EXISTS (SELECT 1 FROM lockgate.unique_locks u WHERE u.key = c.headers->>'wkey' AND u.held_until IS NOT NULL) THEN
         c.headers := c.headers || jsonb_build_object('duplicate_of', holder);
         EXECUTE format('UPDATE %s m SET headers = $3 WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)

@@ -451,7 +451,13 @@ BEGIN
             IF raised_state IS NOT NULL THEN
                 RAISE EXCEPTION USING MESSAGE = raised_message, ERRCODE = raised_state;
             END IF;
-            RAISE EXCEPTION 'lockgate: callback % was % (job %)', c.job_type, r.status, r.job_id;
+            -- Named by what refused it: a discarded enqueue's job id was drawn for a job never
+            -- stored (review helper-115 F2).
+            IF refusal = 'unique' THEN
+                RAISE EXCEPTION 'lockgate: callback % was refused: job % holds its unique key', c.job_type, r.job_id;
+            END IF;
+            RAISE EXCEPTION 'lockgate: callback % was discarded: its concurrency key "%" is full', c.job_type,
+                lockgate._concurrency_key(jt, cargs, NULL);
         END LOOP;
         UPDATE lockgate.batches x SET callbacks_pending = false, callback_error = NULL WHERE x.id = b.id;
     EXCEPTION WHEN OTHERS THEN

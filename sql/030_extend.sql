@@ -4,8 +4,10 @@
 -- with its lease, and never past it (vt <= expires_at); a delivery whose lease is gone or past
 -- its end is not renewed: it is lost, its handler is cancelled, and its next delivery takes a
 -- permit again or parks. A message waiting out a retry backoff or returned by shutdown (marked
--- with retry_at) is not renewed: a heartbeat that raced its retry must not push it out.
--- Leases are floored at twice the heartbeat interval (H10).
+-- with retry_at) is not renewed: a heartbeat that raced its retry must not push it out. Nor is
+-- a delivery holding a while_executing key whose visibility has run out: its key may have gone
+-- to a duplicate since (lockgate._take_unique), which runs; the delivery is lost, as a limited
+-- one past its lease is. Leases are floored at twice the heartbeat interval (H10).
 --
 -- Never waits for a row lock (H28): a message or lease another statement holds (the delivery's
 -- own completion, retry or return, a sweep expiring the lease) is skipped and reported busy.
@@ -36,6 +38,7 @@ BEGIN
                    FROM %s m JOIN unnest($1::bigint[], $2::integer[]) AS d(msg_id, read_ct)
                      ON m.msg_id = d.msg_id AND m.read_ct = d.read_ct
                   WHERE NOT m.headers ? ''retry_at''
+                    AND NOT (m.headers ? ''wkey'' AND m.vt <= clock_timestamp())
                   ORDER BY m.msg_id
                     FOR UPDATE OF m SKIP LOCKED) x',
         tbl)
@@ -67,7 +70,8 @@ BEGIN
              SELECT d.msg_id FROM unnest($6::bigint[], $7::integer[]) AS d(msg_id, read_ct)
               WHERE NOT d.msg_id = ANY (COALESCE($1, ''{}''))
                 AND EXISTS (SELECT 1 FROM %1$s m WHERE m.msg_id = d.msg_id AND m.read_ct = d.read_ct
-                                                   AND NOT m.headers ? ''retry_at'')
+                                                   AND NOT m.headers ? ''retry_at''
+                                                   AND NOT (m.headers ? ''wkey'' AND m.vt <= clock_timestamp()))
              UNION ALL
              SELECT k.msg_id FROM unnest($4::bigint[]) AS k(msg_id)
               WHERE NOT EXISTS (SELECT 1 FROM leased WHERE leased.msg_id = k.msg_id)

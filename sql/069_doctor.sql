@@ -191,7 +191,7 @@ $$;
 -- then, sql/080_sweep.sql). One row for all of them. Then the backends that run an `sql` job's
 -- statement for a job their delivery no longer holds (held_statements, below).
 DROP FUNCTION IF EXISTS lockgate._doctor_leases();
-CREATE OR REPLACE FUNCTION lockgate._doctor_leases(long_running interval)
+CREATE OR REPLACE FUNCTION lockgate._doctor_leases(long_running interval DEFAULT interval '60 seconds')
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE plpgsql STABLE AS $$
 DECLARE

@@ -527,7 +527,12 @@ async fn callbacks_of_types_that_take_locks_are_enqueued_by_the_sweep_and_a_disc
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert!(error.unwrap().contains("callback limited_cb was discarded"), "a discarded callback is not a fired one");
+    // Named by its key: the job id its enqueue drew was never stored (review helper-115 F2).
+    assert_eq!(
+        error.as_deref(),
+        Some("lockgate: callback limited_cb was discarded: its concurrency key \"limited_cb\" is full"),
+        "a discarded callback is not a fired one"
+    );
     // The permit frees up: the next pass enqueues it, once.
     // (claim_work claimed it too, with the batch's job.)
     let holder: Delivery =

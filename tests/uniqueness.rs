@@ -590,6 +590,94 @@ async fn a_key_its_type_no_longer_takes_while_it_runs_does_not_hold_a_job_back()
     assert!(locks(&db.pool).await.is_empty());
 }
 
+/// The msg_ids a claim of queue `other` returns.
+async fn claim_other(db: &PgPool) -> Vec<i64> {
+    sqlx::query_scalar("SELECT msg_id FROM lockgate.claim('other', 5, 30)").fetch_all(db).await.unwrap()
+}
+
+/// Ends the second that a claim puts a job of queue `other` back for.
+async fn put_back_over(db: &PgPool) {
+    sqlx::query("UPDATE pgmq.q_other SET vt = now() - interval '1 second', headers = headers - 'retry_at'")
+        .execute(db)
+        .await
+        .unwrap();
+}
+
+/// The heartbeat's renewal of queue `default`'s first delivery of msg_id: whether it was renewed.
+async fn renewed(db: &PgPool, msg_id: i64) -> Vec<i64> {
+    sqlx::query_scalar("SELECT msg_id FROM lockgate.extend('default', $1, ARRAY[1], 30)")
+        .bind(vec![msg_id])
+        .fetch_all(db)
+        .await
+        .unwrap()
+}
+
+/// A `while_executing` key whose holder's delivery lapsed (its worker died mid-run) goes to a
+/// duplicate that asks for it, even while the holder waits in a queue no one serves; and the
+/// lapsed delivery, if its worker is only late, is lost rather than renewed beside the duplicate.
+/// The lock waited for the holder's own next delivery, for good in a paused queue (review
+/// helper-115 F1).
+#[tokio::test]
+async fn a_while_executing_key_whose_holders_delivery_lapsed_goes_to_a_duplicate() {
+    let db = db_with(&["'w', unique_mode => 'while_executing', unique_key => array['id']"]).await;
+    sqlx::query("SELECT lockgate.create_queue('other')").execute(&db.pool).await.unwrap();
+    let (_, x, _) = enqueue(&db.pool, "w", 1).await.unwrap();
+    let y: i64 =
+        sqlx::query_scalar("SELECT msg_id FROM lockgate.enqueue('w', '{\"id\": 1}', '{\"queue\": \"other\"}')")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(claim(&db.pool, 1).await.len(), 1, "X runs, holding the key");
+    assert!(claim_other(&db.pool).await.is_empty(), "Y waits while X's run holds the key");
+    // A running holder's renewal keeps it: Y still waits.
+    assert_eq!(renewed(&db.pool, x.unwrap()).await, vec![x.unwrap()]);
+    put_back_over(&db.pool).await;
+    assert!(claim_other(&db.pool).await.is_empty(), "Y took the key of a live holder");
+
+    // X's worker dies; its queue is paused, so X is not delivered again.
+    sqlx::query("SELECT lockgate.pause_queue('default')").execute(&db.pool).await.unwrap();
+    make_visible(&db.pool, x.unwrap()).await;
+    put_back_over(&db.pool).await;
+    assert_eq!(claim_other(&db.pool).await, vec![y], "Y waited for a holder whose run had lapsed");
+    assert_eq!(locks(&db.pool).await, vec![("w:[1]".to_string(), y, Some(y))]);
+    assert!(renewed(&db.pool, x.unwrap()).await.is_empty(), "X's lapsed delivery was renewed beside Y's run");
+}
+
+/// A dead letter an operator retries is run, not discarded: of a type that discards
+/// `while_executing` duplicates, it waits while another job of its key runs, where it was
+/// archived unrun as that job's duplicate, its dead letter gone (review helper-115 F3).
+#[tokio::test]
+async fn a_retried_dead_letter_waits_for_its_key_rather_than_being_discarded() {
+    let db = db_with(&[
+        "'wd', unique_mode => 'while_executing', unique_key => array['id'], unique_on_conflict => 'discard'",
+    ])
+    .await;
+    let (_, a, _) = enqueue(&db.pool, "wd", 1).await.unwrap();
+    assert_eq!(claim(&db.pool, 5).await.len(), 1);
+    assert!(common::dead_letter_default(&db.pool, (a.unwrap(), 1)).await);
+    let (_, c, _) = enqueue(&db.pool, "wd", 1).await.unwrap();
+    assert_eq!(claim(&db.pool, 5).await.len(), 1, "C runs, holding the key");
+    let status: String =
+        sqlx::query_scalar("SELECT status FROM lockgate.dlq_retry()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(status, "enqueued");
+    let retried: i64 = sqlx::query_scalar("SELECT msg_id FROM pgmq.q_default WHERE msg_id <> $1")
+        .bind(c.unwrap())
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(claim(&db.pool, 5).await.is_empty(), "the retried job was delivered as C's duplicate");
+
+    assert!(common::complete_default(&db.pool, (c.unwrap(), 1)).await);
+    make_visible(&db.pool, retried).await;
+    sqlx::query("UPDATE pgmq.q_default SET headers = headers - 'retry_at'").execute(&db.pool).await.unwrap();
+    let delivered: Vec<(i64, bool)> =
+        sqlx::query_as("SELECT msg_id, headers ? 'duplicate_of' FROM lockgate.claim('default', 5, 30)")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(delivered, vec![(retried, false)], "the retried job runs once the key is free");
+}
+
 /// Issue 14 (docs/design.md §60): finishing a job that holds a uniqueness lock and belongs to a
 /// batch reads its own lock and membership, not the queue's, and a promotion moves the promoted
 /// job's lock without reading the others. With the queue compared with a constant, each read
