@@ -20,9 +20,10 @@
 -- has lapsed (its visibility ran out: its worker fenced its handler and a command's watchdog
 -- killed its program before then, H27, design §75), which nothing else gives back while the job
 -- waits to be delivered again, for good in a queue no one serves (review helper-115 F1); the
--- heartbeat renews no lapsed delivery holding such a key (sql/030_extend.sql). Never locks a
--- live holder's lock row, and never waits for its message: a producer that meets a duplicate
--- holds nothing that delays its holder's completion. Waits only for a transaction inserting or
+-- heartbeat renews no lapsed delivery holding such a key (sql/030_extend.sql); only a claim
+-- (mode while_executing) judges that. Never locks a live holder's lock row, nor holds its
+-- message, and never waits for either: a producer or claim that meets a duplicate holds nothing
+-- that delays its holder's renewal or completion (H28). Waits only for a transaction inserting or
 -- deleting the same key.
 CREATE OR REPLACE FUNCTION lockgate._take_unique(key text, mode text, job_type text, queue text, job_id bigint, msg_id bigint)
 RETURNS bigint LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
@@ -63,20 +64,28 @@ BEGIN
                 CONTINUE WHEN NOT FOUND;
                 RETURN NULL;
             END IF;
-            -- A running holder whose delivery lapsed: judged under its message's row lock, which
-            -- the heartbeat's renewal takes too (so a renewal either came first and is seen, or
-            -- finds the delivery lapsed and renews nothing); a message another transaction holds
-            -- (its completion, a renewal under way) keeps the lock, as does one gone or in a
-            -- table that is gone (the reaper's to judge). Its `sql` statement, if its worker is
-            -- frozen or cut off, is ended first (§100).
-            IF holder.mode = 'while_executing' AND holder.held_until IS NULL AND holder.msg_id IS NOT NULL
-               AND holder.queue IN (SELECT lockgate._live_queues()) THEN
+            -- A running holder whose delivery lapsed, met by a claim (a while_executing job about
+            -- to run; an enqueue or dlq_retry taking an until_executed key that names it reports a
+            -- duplicate, as before): judged under its message's row lock, which the heartbeat's
+            -- renewal takes too, so a renewal either came first and is seen, or comes after and
+            -- finds the delivery lapsed (sql/030_extend.sql, under its own lock). A message another
+            -- transaction holds (its completion, a renewal under way) keeps the lock, as does one
+            -- gone or in a table that is gone (the reaper's to judge). The row lock is taken in a
+            -- subtransaction rolled back at once: held until the claim's commit, it kept a live
+            -- holder's renewals busy and its completion waiting (review helper-117 F1, H28). Its
+            -- `sql` statement, if its worker is frozen or cut off, is ended first (§100).
+            IF mode = 'while_executing' AND holder.mode = 'while_executing' AND holder.held_until IS NULL
+               AND holder.msg_id IS NOT NULL AND holder.queue IN (SELECT lockgate._live_queues()) THEN
                 BEGIN
                     EXECUTE format('SELECT m.vt <= clock_timestamp() FROM %s m WHERE m.msg_id = $1 FOR SHARE NOWAIT',
                                    lockgate._queue_table(holder.queue, 'q'))
                        INTO lapsed USING holder.msg_id;
-                EXCEPTION WHEN lock_not_available THEN
-                    lapsed := false;
+                    RAISE EXCEPTION USING ERRCODE = 'LG900';
+                EXCEPTION
+                    WHEN lock_not_available THEN
+                        lapsed := false;
+                    WHEN SQLSTATE 'LG900' THEN
+                        NULL;
                 END;
                 IF lapsed THEN
                     IF cardinality(lockgate._end_statements(

@@ -64,6 +64,9 @@ BEGIN
                FROM unnest($1::bigint[]) AS o(msg_id) LEFT JOIN leased ON leased.msg_id = o.msg_id
               WHERE m.msg_id = o.msg_id
                 AND (NOT o.msg_id = ANY ($4::bigint[]) OR leased.msg_id IS NOT NULL)
+                -- Again under the row lock: the scan above looked before it, and a claim may
+                -- have judged the delivery lapsed in between (review helper-117 F3).
+                AND NOT (m.headers ? ''wkey'' AND m.vt <= clock_timestamp())
              RETURNING m.msg_id, m.vt),
          -- Asked about, matching the fence, but held by another statement: ask again next tick.
          busy AS (

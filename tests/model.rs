@@ -38,8 +38,9 @@
 //! - (k) per while_executing key (type `wexec`: unique while executing, duplicates rejected), at
 //!   most one delivery is entitled to run at any instant (G3, H14);
 //! - (l) the while_executing lock rows are exactly those the model expects: one per key whose
-//!   job's run has not ended (a holder running out of budget ends nothing: the job's next
-//!   delivery takes the lock back), owned by that job; a cancelled running job's kept, with a
+//!   job's run has not ended (a holder running out of budget ends nothing by itself: the job's
+//!   next delivery takes the lock back, or another job's claim takes it over, design §103),
+//!   owned by that job; a cancelled running job's kept, with a
 //!   held_until, until its worker calls `release_cancelled` (then that call must release it), and
 //!   once held_until has passed until a claim takes the key over; a claim delivers a job only with
 //!   its key free in that sense;
@@ -1928,6 +1929,33 @@ fn g3_model_a_cancelled_while_executing_job_keeps_its_key_until_its_handler_stop
             ),
         ),
     ]);
+}
+
+/// G3/H14 after a crash (design §103): a while_executing job whose worker went silent holds its
+/// key only until its visibility has passed; then the next job of the key takes it over and runs,
+/// the silent holder's late renewal finds its delivery lost, and its late completion releases
+/// nothing of the new holder's. (The model checks that the takeover keeps one run per key and the
+/// lock rows exact; tests/uniqueness.rs checks that it happens.)
+#[test]
+fn g3_model_a_while_executing_key_whose_holder_went_silent_goes_to_the_next_job() {
+    const W0: Op = Op::Enqueue { ty: Ty::Wexec, k: 0 };
+    replay_known_schedules(vec![(
+        "A runs and B is put back; A's worker goes silent past its visibility; a claim gives B the key and B runs; \
+         A's worker wakes and completes A, releasing nothing of B's; B completes",
+        schedule(
+            1,
+            vec![
+                W0,
+                W0,
+                claim(0),
+                Op::Silence { pick: 0 },
+                Op::LapseVisibility { pick: 0 },
+                claim(1),
+                Op::Thaw { pick: 0, how: Finish::Complete },
+                Op::Finish { pick: 0, how: Finish::Complete },
+            ],
+        ),
+    )]);
 }
 
 /// §78: a finish at REPEATABLE READ whose snapshot is older than a job parked behind its

@@ -643,6 +643,67 @@ async fn a_while_executing_key_whose_holders_delivery_lapsed_goes_to_a_duplicate
     assert!(renewed(&db.pool, x.unwrap()).await.is_empty(), "X's lapsed delivery was renewed beside Y's run");
 }
 
+/// What meets a running `while_executing` holder holds nothing of it (H28): neither a claim of
+/// its duplicate nor a producer enqueueing an `until_executed` job under the same key, each left
+/// open, keeps the holder's renewal busy or its completion waiting; and a producer never takes
+/// over a lapsed holder's key (only a claim does, ending its statement with the claim's rights).
+/// Judging the lapse held the holder's message until the caller's commit: a healthy holder's
+/// renewals came back busy until it was lost and ran again (review helper-117 F1, F2).
+#[tokio::test]
+async fn what_meets_a_running_while_executing_holder_holds_nothing_of_it() {
+    let db = db_with(&[
+        "'w', unique_mode => 'while_executing', unique_key => array['id']",
+        "'ud', unique_mode => 'until_executed', unique_on_conflict => 'discard'",
+    ])
+    .await;
+    let (_, x, _) = enqueue(&db.pool, "w", 1).await.unwrap();
+    enqueue(&db.pool, "w", 1).await.unwrap();
+    let produce = "SELECT status FROM lockgate.enqueue('ud', '{}', '{\"unique_key\": \"w:[1]\"}')";
+    let mut claimer = db.pool.begin().await.unwrap();
+    let claimed: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.claim('default', 1, 30)")
+        .fetch_all(&mut *claimer)
+        .await
+        .unwrap();
+    assert_eq!(claimed, vec![x.unwrap()]);
+    claimer.commit().await.unwrap();
+    // The duplicate's put-back second passes; its claim meets X and is left open.
+    sqlx::query(
+        "UPDATE pgmq.q_default SET vt = now() - interval '1 second', headers = headers - 'retry_at' WHERE msg_id <> $1",
+    )
+    .bind(x.unwrap())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut claimer = db.pool.begin().await.unwrap();
+    let claimed: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.claim('default', 5, 30)")
+        .fetch_all(&mut *claimer)
+        .await
+        .unwrap();
+    assert!(claimed.is_empty(), "the duplicate ran beside X");
+    let mut producer = db.pool.begin().await.unwrap();
+    let status: String = sqlx::query_scalar(produce).fetch_one(&mut *producer).await.unwrap();
+    assert_eq!(status, "duplicate");
+    // Both open: the holder renews and completes as if they were not there.
+    let budget: Option<f64> =
+        sqlx::query_scalar("SELECT budget_seconds FROM lockgate.extend('default', $1, ARRAY[1], 30)")
+            .bind(vec![x.unwrap()])
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(budget.is_some(), "the holder's renewal was busy behind what met it");
+    let mut worker = db.pool.acquire().await.unwrap();
+    sqlx::query("SET statement_timeout = '2s'").execute(&mut *worker).await.unwrap();
+    // (Lapsed now, a producer still only meets a duplicate: it takes no key over.)
+    make_visible(&db.pool, x.unwrap()).await;
+    let mut other = db.pool.begin().await.unwrap();
+    assert_eq!(sqlx::query_scalar::<_, String>(produce).fetch_one(&mut *other).await.unwrap(), "duplicate");
+    other.rollback().await.unwrap();
+    assert_eq!(locks(&db.pool).await, vec![("w:[1]".to_string(), x.unwrap(), x)]);
+    assert!(common::complete_default(&mut *worker, (x.unwrap(), 1)).await, "the completion waited");
+    producer.rollback().await.unwrap();
+    claimer.rollback().await.unwrap();
+}
+
 /// A dead letter an operator retries is run, not discarded: of a type that discards
 /// `while_executing` duplicates, it waits while another job of its key runs, where it was
 /// archived unrun as that job's duplicate, its dead letter gone (review helper-115 F3).

@@ -99,12 +99,14 @@ impl Checks {
 pub struct WLock {
     /// The job whose run took it: a delivery of it was returned, and its run has not ended
     /// (completed, retried, released, dead-lettered, cancelled, parked again). A holder running
-    /// out of budget ends nothing: the job's next delivery takes the lock back as its owner.
+    /// out of budget ends nothing by itself: the job's next delivery takes the lock back as its
+    /// owner, or another job's claim takes it over (design §103).
     pub job: i64,
     /// The delivery its job was cancelled in, for whose handler the cancel kept it: until
     /// `release_cancelled` with that delivery's token, or until its budget has passed.
     pub kept: Option<usize>,
-    /// The kept lock's held_until has passed: a claim of its key takes it over.
+    /// The kept lock's held_until has passed, or the running holder's visibility has: a claim
+    /// of its key takes it over.
     pub lapsed: bool,
 }
 
@@ -263,13 +265,20 @@ impl Model {
     }
 
     /// A clock moved past the budget of the deliveries of this message: a lock kept for one of
-    /// them is held no longer (its held_until has passed).
+    /// them is held no longer (its held_until has passed), nor one its job's run took through
+    /// this message (its visibility has passed: the heartbeat renews it no more).
     pub fn budget_passed(&mut self, queue: Queue, msg_id: i64) {
         for l in self.wlocks.values_mut() {
-            if let Some(i) = l.kept {
-                if self.deliveries[i].queue == queue && self.deliveries[i].msg_id == msg_id {
-                    l.lapsed = true;
-                }
+            let through_message =
+                |i: &usize| self.deliveries[*i].queue == queue && self.deliveries[*i].msg_id == msg_id;
+            let lapsed = match l.kept {
+                Some(i) => through_message(&i),
+                None => (0..self.deliveries.len()).any(|i| {
+                    self.deliveries[i].job_id == l.job && self.deliveries[i].wkey.is_some() && through_message(&i)
+                }),
+            };
+            if lapsed {
+                l.lapsed = true;
             }
         }
     }
@@ -284,7 +293,9 @@ impl Model {
             Some(l) if l.kept.is_some() && !l.lapsed => {
                 Some(format!("its lock was kept for the cancelled handler of d{}", l.kept.unwrap_or_default()))
             }
-            Some(l) if l.kept.is_none() && l.job != d.job_id => Some(format!("job {} holds its lock", l.job)),
+            Some(l) if l.kept.is_none() && !l.lapsed && l.job != d.job_id => {
+                Some(format!("job {} holds its lock", l.job))
+            }
             _ => None,
         };
         let problem = problem.map(|p| format!("(l) claim delivered {} although {p}", d.describe()));
