@@ -100,6 +100,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "orphaned_leases",
         "finished_leases",
         "held_statements",
+        "recurring_schedules",
         "parked_with_room",
         "stale_processes",
         "queue_tables",
@@ -117,6 +118,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "orphaned_leases",
         "finished_leases",
         "held_statements",
+        "recurring_schedules",
         "parked_with_room",
         "stale_processes",
         "queue_tables",
@@ -128,6 +130,22 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
     ] {
         assert_eq!(named(&checks, name)[0]["verdict"], "ok", "{checks:#?}");
     }
+    // A schedule stored through SQL that no scheduler can follow is named; a disabled one is not
+    // (review helper-116 F2: stored, never ticked, and doctor said nothing).
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('report');
+         SELECT lockgate.define_recurring('never', '61 * * * *', 'report');
+         SELECT lockgate.define_recurring('off', '* * 31 2 *', 'report', enabled => false);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (_, checks) = doctor(&db, &[]);
+    let recurring = &named(&checks, "recurring_schedules")[0];
+    assert_eq!(recurring["verdict"], "warn", "{recurring:#?}");
+    let detail = recurring["detail"].as_str().unwrap();
+    assert!(detail.starts_with("1 enabled recurring task(s) never tick: never (\"61 * * * *\" in UTC"), "{detail}");
+    sqlx::query("SELECT lockgate.remove_recurring('never')").execute(&db.pool).await.unwrap();
     // The key tables' guards, one disabled and one dropped by hand, are named.
     sqlx::raw_sql(
         "ALTER TABLE lockgate.leases DISABLE TRIGGER leases_key_not_moved;

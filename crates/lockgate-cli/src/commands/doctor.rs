@@ -1,8 +1,9 @@
 //! `lockgate doctor`: the checks an operator runs when something looks wrong, each with a verdict
 //! (ok, warn, fail) and what to do. The database's checks are one SQL function,
 //! `lockgate.doctor()`, shared with other languages and the dashboard; the two that compare the
-//! database with this binary (schema version and functions checksum, through `check_schema`)
-//! and with this host (clock offset) run here. Exit status: 0 without a failure, 1 with one,
+//! database with this binary (schema version and functions checksum, through `check_schema`;
+//! the stored recurring schedules, which this binary's cron parser reads) and with this host
+//! (clock offset) run here. Exit status: 0 without a failure, 1 with one,
 //! 2 when the database cannot be reached at all.
 
 use std::time::Duration;
@@ -10,7 +11,7 @@ use std::time::Duration;
 use anyhow::Result;
 use chrono::{TimeDelta, Utc};
 use lockgate::sql::{DbError, DoctorCheck, DoctorThresholds, Verdict};
-use lockgate::PgPool;
+use lockgate::{PgPool, Schedule};
 
 use crate::db;
 
@@ -83,8 +84,38 @@ async fn checks(pool: &PgPool, args: &Args) -> Result<Vec<DoctorCheck>> {
             alive_threshold: args.alive_threshold,
         };
         checks.extend(lockgate::sql::doctor(pool, &thresholds).await?);
+        checks.push(recurring_check(pool).await?);
     }
     Ok(checks)
+}
+
+/// Enabled recurring tasks whose stored schedule no scheduler can follow: `define_recurring`
+/// checks only an expression's shape, so a field out of its range (`61 * * * *`) is stored, and
+/// the task never ticks; the scheduler says so in its log, once per pass (review helper-116 F2).
+async fn recurring_check(pool: &PgPool) -> Result<DoctorCheck> {
+    let bad: Vec<String> = lockgate::sql::list_recurring(pool)
+        .await?
+        .into_iter()
+        .filter(|t| t.enabled)
+        .filter_map(|t| {
+            Schedule::parse(&t.cron, &t.timezone)
+                .err()
+                .map(|e| format!("{} (\"{}\" in {}: {e})", t.name, t.cron, t.timezone))
+        })
+        .collect();
+    if bad.is_empty() {
+        return Ok(ok("recurring_schedules", "every enabled recurring task has a schedule it can follow".into()));
+    }
+    Ok(DoctorCheck {
+        check: "recurring_schedules".into(),
+        verdict: Verdict::Warn,
+        detail: format!("{} enabled recurring task(s) never tick: {}", bad.len(), bad.join("; ")),
+        advice: Some(
+            "define each again with a valid cron expression and time zone (lockgate recurring add, which checks \
+             both, or lockgate.define_recurring), or disable it (lockgate recurring disable)"
+                .into(),
+        ),
+    })
 }
 
 /// The schema version and functions checksum, judged by the same `check_schema` that every other
