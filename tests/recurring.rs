@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, TimeDelta, Utc};
 use common::{Counter, Running, WAIT};
 use lockgate::scheduler::Scheduler;
-use lockgate::sql::{enqueue_recurring_tick, sync_config_recurring};
+use lockgate::sql::{enqueue_recurring_tick, sync_config_recurring, TickOutcome};
 use lockgate::{
     Client, ConcurrencyPolicy, DbError, EnqueueError, EnqueueOptions, Job, JobContext, JobError, JobPolicy,
     JobTypeName, OnConflict, RecurringTask, Registry,
@@ -55,20 +55,47 @@ async fn jobs(db: &TestDb) -> i64 {
     db.count("SELECT 1 FROM pgmq.q_default").await.unwrap()
 }
 
-/// Waits until a session of the test's database is waiting for a lock inside
-/// `enqueue_recurring_tick`, or until `call` (the task making that call) has ended.
-async fn until_a_tick_waits_for_a_lock_or_ends<T>(db: &TestDb, call: &tokio::task::JoinHandle<T>) {
+/// Waits until a session of the test's database has waited for a lock inside
+/// `enqueue_recurring_tick` for at least `waited`, or until `call` (the task making that call)
+/// has ended.
+async fn until_a_tick_waits_for_a_lock_or_ends<T>(db: &TestDb, call: &tokio::task::JoinHandle<T>, waited: Duration) {
     wait_for("a tick to wait for a lock, or to end", WAIT, || async {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%enqueue_recurring_tick%'",
+              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%enqueue_recurring_tick%'
+                AND clock_timestamp() - query_start >= $1",
         )
+        .bind(waited)
         .fetch_one(&db.pool)
         .await?;
         Ok((waiting > 0 || call.is_finished()).then_some(()))
     })
     .await
     .unwrap();
+}
+
+/// Two schedulers on one tick of the task `nightly`: the first enqueues it and holds its
+/// transaction open, the second races on the same tick from another connection. Returns the
+/// tick, the first's transaction and outcome, and the second's call.
+async fn racing_schedulers(
+    db: &TestDb,
+    client: &Client,
+) -> (
+    DateTime<Utc>,
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    TickOutcome,
+    tokio::task::JoinHandle<Result<TickOutcome, DbError>>,
+) {
+    client.define_recurring(&every_minute("nightly")).await.unwrap();
+    defined_ago(db, "nightly", "1 hour").await;
+    let tick: DateTime<Utc> =
+        sqlx::query_scalar("SELECT date_trunc('minute', now())").fetch_one(&db.pool).await.unwrap();
+    let mut first = db.pool.begin().await.unwrap();
+    let outcome = enqueue_recurring_tick(&mut *first, "nightly", tick, None).await.unwrap();
+    assert_eq!(outcome.status, "enqueued");
+    let second_pool = db.new_pool(1).await.unwrap();
+    let second = tokio::spawn(async move { enqueue_recurring_tick(&second_pool, "nightly", tick, None).await });
+    (tick, first, outcome, second)
 }
 
 fn every_minute(name: &str) -> RecurringTask {
@@ -78,19 +105,8 @@ fn every_minute(name: &str) -> RecurringTask {
 #[tokio::test]
 async fn h23_two_schedulers_racing_on_one_tick_enqueue_it_once() {
     let (db, client) = setup().await;
-    client.define_recurring(&every_minute("nightly")).await.unwrap();
-    defined_ago(&db, "nightly", "1 hour").await;
-    let tick: DateTime<Utc> =
-        sqlx::query_scalar("SELECT date_trunc('minute', now())").fetch_one(&db.pool).await.unwrap();
-
-    // The first scheduler enqueues the tick and holds its transaction open; the second races on
-    // the same tick from another connection while the first has not committed.
-    let mut first = db.pool.begin().await.unwrap();
-    let outcome = enqueue_recurring_tick(&mut *first, "nightly", tick, None).await.unwrap();
-    assert_eq!(outcome.status, "enqueued");
-    let second_pool = db.new_pool(1).await.unwrap();
-    let second = tokio::spawn(async move { enqueue_recurring_tick(&second_pool, "nightly", tick, None).await });
-    until_a_tick_waits_for_a_lock_or_ends(&db, &second).await;
+    let (tick, first, outcome, second) = racing_schedulers(&db, &client).await;
+    until_a_tick_waits_for_a_lock_or_ends(&db, &second, Duration::ZERO).await;
     first.commit().await.unwrap();
     let raced = second.await.unwrap().unwrap();
 
@@ -110,29 +126,9 @@ async fn h23_two_schedulers_racing_on_one_tick_enqueue_it_once() {
 #[tokio::test]
 async fn h23_a_scheduler_racing_a_slow_one_on_one_tick_finds_it_taken() {
     let (db, client) = setup().await;
-    client.define_recurring(&every_minute("nightly")).await.unwrap();
-    defined_ago(&db, "nightly", "1 hour").await;
-    let tick: DateTime<Utc> =
-        sqlx::query_scalar("SELECT date_trunc('minute', now())").fetch_one(&db.pool).await.unwrap();
-
-    let mut first = db.pool.begin().await.unwrap();
-    assert_eq!(enqueue_recurring_tick(&mut *first, "nightly", tick, None).await.unwrap().status, "enqueued");
-    let second_pool = db.new_pool(1).await.unwrap();
-    let second = tokio::spawn(async move { enqueue_recurring_tick(&second_pool, "nightly", tick, None).await });
+    let (_, first, _, second) = racing_schedulers(&db, &client).await;
     // Held until the second has waited past the keys' 500 ms, or has given up.
-    wait_for("the second tick to wait 700 ms for the task, or to end", WAIT, || async {
-        let waited: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                             WHERE datname = current_database() AND wait_event_type = 'Lock'
-                               AND query LIKE '%enqueue_recurring_tick%'
-                               AND clock_timestamp() - query_start > interval '700 milliseconds')",
-        )
-        .fetch_one(&db.pool)
-        .await?;
-        Ok((waited || second.is_finished()).then_some(()))
-    })
-    .await
-    .unwrap();
+    until_a_tick_waits_for_a_lock_or_ends(&db, &second, Duration::from_millis(700)).await;
     first.commit().await.unwrap();
 
     assert_eq!(second.await.unwrap().unwrap().status, "taken");
@@ -169,7 +165,7 @@ async fn a_tick_of_a_schedule_replaced_while_it_waited_for_the_task_is_not_enque
     let now = db_now(&db).await;
     let mut scheduler = Scheduler::new(db.new_pool(2).await.unwrap());
     let pass = tokio::spawn(async move { scheduler.run_once(now).await });
-    until_a_tick_waits_for_a_lock_or_ends(&db, &pass).await;
+    until_a_tick_waits_for_a_lock_or_ends(&db, &pass, Duration::ZERO).await;
     change.commit().await.unwrap();
     let report = pass.await.unwrap().unwrap();
     assert_eq!(report.enqueued, 0, "a tick of the replaced schedule was enqueued: {report:?}");

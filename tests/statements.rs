@@ -210,11 +210,7 @@ async fn a_statement_that_cannot_be_ended_keeps_its_lease_and_its_job() {
 
     // The operator is told which backend keeps the permit.
     sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 minute'").execute(&db.pool).await.unwrap();
-    let (verdict, detail): (String, String) =
-        sqlx::query_as("SELECT verdict, detail FROM lockgate.doctor() WHERE check_name = 'held_statements'")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+    let (verdict, detail) = held_statements(&db.pool, 60.0).await;
     assert_eq!(verdict, "warn", "{detail}");
     assert!(detail.contains(&format!("backend {pid} of role")), "{detail}");
 

@@ -595,12 +595,15 @@ async fn claim_other(db: &PgPool) -> Vec<i64> {
     sqlx::query_scalar("SELECT msg_id FROM lockgate.claim('other', 5, 30)").fetch_all(db).await.unwrap()
 }
 
-/// Ends the second that a claim puts a job of queue `other` back for.
-async fn put_back_over(db: &PgPool) {
-    sqlx::query("UPDATE pgmq.q_other SET vt = now() - interval '1 second', headers = headers - 'retry_at'")
-        .execute(db)
-        .await
-        .unwrap();
+/// Ends the second that a claim put job `msg_id` of `queue` back for.
+async fn put_back_over(db: &PgPool, queue: &str, msg_id: i64) {
+    sqlx::query(&format!(
+        "UPDATE pgmq.q_{queue} SET vt = now() - interval '1 second', headers = headers - 'retry_at' WHERE msg_id = $1"
+    ))
+    .bind(msg_id)
+    .execute(db)
+    .await
+    .unwrap();
 }
 
 /// The heartbeat's renewal of queue `default`'s first delivery of msg_id: whether it was renewed.
@@ -631,13 +634,13 @@ async fn a_while_executing_key_whose_holders_delivery_lapsed_goes_to_a_duplicate
     assert!(claim_other(&db.pool).await.is_empty(), "Y waits while X's run holds the key");
     // A running holder's renewal keeps it: Y still waits.
     assert_eq!(renewed(&db.pool, x.unwrap()).await, vec![x.unwrap()]);
-    put_back_over(&db.pool).await;
+    put_back_over(&db.pool, "other", y).await;
     assert!(claim_other(&db.pool).await.is_empty(), "Y took the key of a live holder");
 
     // X's worker dies; its queue is paused, so X is not delivered again.
     sqlx::query("SELECT lockgate.pause_queue('default')").execute(&db.pool).await.unwrap();
     make_visible(&db.pool, x.unwrap()).await;
-    put_back_over(&db.pool).await;
+    put_back_over(&db.pool, "other", y).await;
     assert_eq!(claim_other(&db.pool).await, vec![y], "Y waited for a holder whose run had lapsed");
     assert_eq!(locks(&db.pool).await, vec![("w:[1]".to_string(), y, Some(y))]);
     assert!(renewed(&db.pool, x.unwrap()).await.is_empty(), "X's lapsed delivery was renewed beside Y's run");
@@ -657,23 +660,11 @@ async fn what_meets_a_running_while_executing_holder_holds_nothing_of_it() {
     ])
     .await;
     let (_, x, _) = enqueue(&db.pool, "w", 1).await.unwrap();
-    enqueue(&db.pool, "w", 1).await.unwrap();
+    let (_, y, _) = enqueue(&db.pool, "w", 1).await.unwrap();
     let produce = "SELECT status FROM lockgate.enqueue('ud', '{}', '{\"unique_key\": \"w:[1]\"}')";
-    let mut claimer = db.pool.begin().await.unwrap();
-    let claimed: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.claim('default', 1, 30)")
-        .fetch_all(&mut *claimer)
-        .await
-        .unwrap();
-    assert_eq!(claimed, vec![x.unwrap()]);
-    claimer.commit().await.unwrap();
-    // The duplicate's put-back second passes; its claim meets X and is left open.
-    sqlx::query(
-        "UPDATE pgmq.q_default SET vt = now() - interval '1 second', headers = headers - 'retry_at' WHERE msg_id <> $1",
-    )
-    .bind(x.unwrap())
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    assert_eq!(claim(&db.pool, 5).await.len(), 1, "X runs, holding the key; Y is put back");
+    // Y's put-back second passes; its claim meets X and is left open.
+    put_back_over(&db.pool, "default", y.unwrap()).await;
     let mut claimer = db.pool.begin().await.unwrap();
     let claimed: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.claim('default', 5, 30)")
         .fetch_all(&mut *claimer)
@@ -729,8 +720,7 @@ async fn a_retried_dead_letter_waits_for_its_key_rather_than_being_discarded() {
     assert!(claim(&db.pool, 5).await.is_empty(), "the retried job was delivered as C's duplicate");
 
     assert!(common::complete_default(&db.pool, (c.unwrap(), 1)).await);
-    make_visible(&db.pool, retried).await;
-    sqlx::query("UPDATE pgmq.q_default SET headers = headers - 'retry_at'").execute(&db.pool).await.unwrap();
+    put_back_over(&db.pool, "default", retried).await;
     let delivered: Vec<(i64, bool)> =
         sqlx::query_as("SELECT msg_id, headers ? 'duplicate_of' FROM lockgate.claim('default', 5, 30)")
             .fetch_all(&db.pool)
