@@ -318,7 +318,10 @@ BEGIN
     IF jt.unique_on_conflict = 'reject' THEN
         RAISE EXCEPTION 'lockgate: unique key "%" of job type "%" is held by job %', ukey, jt.name, holder
             USING ERRCODE = 'LG005',
-                  DETAIL = 'the key is free again once that job succeeds, is dead-lettered or is discarded';
+                  DETAIL = (CASE WHEN EXISTS (SELECT 1 FROM lockgate.unique_locks u
+                                               WHERE u.key = ukey AND u.mode = 'while_executing')
+                                 THEN 'that job is running with the key (its type is unique while executing): the key is free again once the run ends, or once its worker has stopped renewing it past its visibility'
+                                 ELSE 'the key is free again once that job succeeds, is dead-lettered or is discarded' END);
     END IF;
     RETURN holder;
 END $$;

@@ -21,7 +21,7 @@
 -- killed its program before then, H27, design §75), which nothing else gives back while the job
 -- waits to be delivered again, for good in a queue no one serves (review helper-115 F1); the
 -- heartbeat renews no lapsed delivery holding such a key (sql/030_extend.sql); only a claim
--- (mode while_executing) judges that. Never locks a live holder's lock row, nor holds its
+-- (mode while_executing) ends the lapsed run's statement. Never locks a live holder's lock row, nor holds its
 -- message, and never waits for either: a producer or claim that meets a duplicate holds nothing
 -- that delays its holder's renewal or completion (H28). Waits only for a transaction inserting or
 -- deleting the same key.
@@ -64,17 +64,19 @@ BEGIN
                 CONTINUE WHEN NOT FOUND;
                 RETURN NULL;
             END IF;
-            -- A running holder whose delivery lapsed, met by a claim (a while_executing job about
-            -- to run; an enqueue or dlq_retry taking an until_executed key that names it reports a
-            -- duplicate, as before): judged under its message's row lock, which the heartbeat's
-            -- renewal takes too, so a renewal either came first and is seen, or comes after and
-            -- finds the delivery lapsed (sql/030_extend.sql, under its own lock). A message another
-            -- transaction holds (its completion, a renewal under way) keeps the lock, as does one
-            -- gone or in a table that is gone (the reaper's to judge). The row lock is taken in a
-            -- subtransaction rolled back at once: held until the claim's commit, it kept a live
-            -- holder's renewals busy and its completion waiting (review helper-117 F1, H28). Its
-            -- `sql` statement, if its worker is frozen or cut off, is ended first (§100).
-            IF mode = 'while_executing' AND holder.mode = 'while_executing' AND holder.held_until IS NULL
+            -- A running while_executing holder whose delivery lapsed, met by a claim (a
+            -- while_executing job about to run) or by a producer (an enqueue or dlq_retry taking an
+            -- until_executed key that names it explicitly, which met a duplicate for good while the
+            -- lapsed job waited in a paused or unserved queue, review helper-119 F4): judged under
+            -- its message's row lock, which the heartbeat's renewal takes too, so a renewal either
+            -- came first and is seen, or comes after and finds the delivery lapsed
+            -- (sql/030_extend.sql, under its own lock). A message another transaction holds (its
+            -- completion, a renewal under way) keeps the lock, as does one gone or in a table that
+            -- is gone (the reaper's to judge). The row lock is taken in a subtransaction rolled
+            -- back at once: held until the caller's commit, it kept a live holder's renewals busy
+            -- and its completion waiting (review helper-117 F1, H28). Its `sql` statement, if its
+            -- worker is frozen or cut off, is ended first by a claim (§100); a producer leaves it.
+            IF holder.mode = 'while_executing' AND holder.held_until IS NULL
                AND holder.msg_id IS NOT NULL AND holder.queue IN (SELECT lockgate._live_queues()) THEN
                 BEGIN
                     EXECUTE format('SELECT m.vt <= clock_timestamp() FROM %s m WHERE m.msg_id = $1 FOR SHARE NOWAIT',
@@ -82,14 +84,21 @@ BEGIN
                        INTO lapsed USING holder.msg_id;
                     RAISE EXCEPTION USING ERRCODE = 'LG900';
                 EXCEPTION
-                    WHEN lock_not_available THEN
+                    -- Busy, or (a producer's REPEATABLE READ snapshot) renewed since: not lapsed.
+                    WHEN lock_not_available OR serialization_failure THEN
                         lapsed := false;
                     WHEN SQLSTATE 'LG900' THEN
                         NULL;
                 END;
                 IF lapsed THEN
-                    IF cardinality(lockgate._end_statements(
-                           ARRAY[lockgate._statement_tag(holder.queue, holder.msg_id)])) > 0 THEN
+                    -- A claim ends the lapsed run's statement; a producer, which runs as lockgate's
+                    -- owner whoever calls it, ends no one's: it takes the key only if no statement
+                    -- of that run is left, else meets a duplicate (review helper-117 F2).
+                    IF (CASE WHEN mode = 'while_executing'
+                             THEN cardinality(lockgate._end_statements(
+                                      ARRAY[lockgate._statement_tag(holder.queue, holder.msg_id)])) > 0
+                             ELSE lockgate._statement_tag(holder.queue, holder.msg_id) = ANY (lockgate._statement_marks())
+                        END) THEN
                         RETURN holder.job_id;
                     END IF;
                     DELETE FROM lockgate.unique_locks u

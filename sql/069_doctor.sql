@@ -354,6 +354,40 @@ LANGUAGE sql STABLE AS $$
      WHERE NOT EXISTS (SELECT 1 FROM roomy)
 $$;
 
+-- Live processes (heard from within alive_threshold) of a build older than the database's
+-- functions: one that records a lower functions revision in its metadata, or none (every build
+-- before revision 115). The older build's own paths run beside the newer ones, so a guarantee
+-- added since holds only for the jobs the newer processes run (review helper-118: an older `sql`
+-- executor's statement carries no mark, so the fence of design §100 cannot end it, and a build
+-- older still does not even cancel it when its job is cancelled or returned). One row per such
+-- process, or one ok row.
+CREATE OR REPLACE FUNCTION lockgate._doctor_builds(alive_threshold interval)
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    WITH current AS (SELECT s.functions_revision AS revision FROM lockgate.schema_state s),
+    older AS (
+        SELECT p.id, p.name, p.host, p.pid,
+               CASE WHEN p.metadata->>'functions_revision' ~ '^[0-9]{1,9}$'
+                    THEN (p.metadata->>'functions_revision')::integer END AS revision
+          FROM lockgate.processes p
+         WHERE p.kind = 'supervisor' AND p.last_heartbeat_at >= now() - alive_threshold)
+    SELECT 'process_builds', 'warn',
+           format('process %s (%s on %s, pid %s) runs an older build than the database''s functions (revision %s): %s',
+                  o.id, o.name, o.host, o.pid, c.revision,
+                  COALESCE('revision ' || o.revision, 'a build that records no revision (before 115)')),
+           'a rolling deploy is under way, or this process was left behind: replace it with the current build. '
+           'Until it is replaced, what later builds added holds only for the jobs the newer processes run '
+           '(README: rolling deploys); an older sql executor''s statement, for one, cannot be ended by the newer '
+           'processes when its job is taken from it'
+      FROM older o, current c
+     WHERE o.revision IS NULL OR o.revision < c.revision
+    UNION ALL
+    SELECT 'process_builds', 'ok',
+           format('every live process runs the database''s functions revision (%s)', c.revision), NULL
+      FROM current c
+     WHERE NOT EXISTS (SELECT 1 FROM older o WHERE o.revision IS NULL OR o.revision < c.revision)
+$$;
+
 -- Supervisors whose last heartbeat is older than the alive threshold. Any live process prunes
 -- them at its next process heartbeat; one that stays means no live process is registered.
 CREATE OR REPLACE FUNCTION lockgate._doctor_processes(alive_threshold interval)
@@ -377,6 +411,8 @@ LANGUAGE sql STABLE AS $$
                   lockgate._doctor_secs(alive_threshold)),
            NULL
      WHERE NOT EXISTS (SELECT 1 FROM stale)
+    UNION ALL
+    SELECT * FROM lockgate._doctor_builds(alive_threshold)
 $$;
 
 -- Queues whose generated steps (lockgate._steps(): the claim step, sql/020_claim.sql; the

@@ -28,7 +28,11 @@
 //! - (i) uniqueness (issue 11; `uniq` is unique until executed, duplicates discarded): the
 //!   until_executed lock rows are exactly one per live `uniq` job, owned by it, and an enqueue
 //!   reports a duplicate exactly when a live job holds the key — so no stale or duplicate
-//!   completion, dead letter or release ever drops a successor's lock (G2, H14);
+//!   completion, dead letter or release ever drops a successor's lock (G2, H14). One key,
+//!   `shared`, is named explicitly by jobs of both `uniq` and `wexec`: an until_executed enqueue
+//!   of it is a duplicate of the `wexec` job whose run holds it too, unless that run has lapsed
+//!   (then the enqueue takes the key over), and a `wexec` job is never delivered while a live
+//!   `uniq` job holds it;
 //! - (j) the batch every job is enqueued into until a step closes it counts exactly the committed
 //!   jobs enqueued into it, the archived ones as succeeded and the dead-lettered ones as failed,
 //!   at every commit (G2, H22); it is finished exactly when it is closed and each of them has a
@@ -94,7 +98,7 @@ use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
 use model::db::{self, Api, Claimed, Conns, State};
-use model::ops::{self, Case, Finish, Op, Queue, StaleAction, Ty};
+use model::ops::{self, Case, Finish, Op, Queue, StaleAction, Ty, SHARED_KEY};
 use model::reference::{Checks, Delivery, Fate, Holder, Model};
 
 /// The most rounds of claims, completions and lapsed clocks a case's drain takes (and the most
@@ -149,7 +153,7 @@ impl Run<'_> {
                     sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
                         .bind(ty.name())
                         .bind(json!({ "k": k }))
-                        .bind(db::enqueue_options(self.api, !self.model.batch.closed))
+                        .bind(db::job_options(self.api, !self.model.batch.closed, *ty, *k))
                         .fetch_all(&mut self.c.producer)
                         .await?;
                 self.enqueued(*ty, &[*k], &rows, !self.model.batch.closed)
@@ -171,7 +175,7 @@ impl Run<'_> {
                     sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
                         .bind(ty.name())
                         .bind(json!({ "k": k }))
-                        .bind(db::enqueue_options(self.api, !self.model.batch.closed))
+                        .bind(db::job_options(self.api, !self.model.batch.closed, *ty, *k))
                         .fetch_one(&mut *tx)
                         .await?;
                 // A duplicate's job_id names the live job holding the key: nothing of this
@@ -397,7 +401,7 @@ impl Run<'_> {
             sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
                 .bind(ty.name())
                 .bind(json!({ "k": k }))
-                .bind(db::enqueue_options(self.api, true))
+                .bind(db::job_options(self.api, true, ty, k))
                 .fetch_one(&mut *tx)
                 .await?;
         let closing = sqlx::query_scalar::<_, String>(close).bind(db::BATCH).fetch_one(&mut self.c.dispatcher);
@@ -437,9 +441,10 @@ impl Run<'_> {
             match status.as_str() {
                 "enqueued" | "parked" => {
                     if let Some(key) = self.model.unique_key(ty, *k) {
-                        if let Some(holder) = self.model.live_holder(&key) {
-                            bail!("(i) job {job_id} was {status} with unique key {key} that live job {holder} holds");
+                        if let Some(holder) = self.model.key_holder(&key) {
+                            bail!("(i) job {job_id} was {status} with unique key {key} that job {holder} holds");
                         }
+                        self.model.took_key(&key);
                         self.model.unique.insert(*job_id, key);
                     }
                     self.model.jobs.insert(*job_id, Fate::Live);
@@ -459,10 +464,15 @@ impl Run<'_> {
     }
 
     /// (i) An enqueue reported a duplicate: the key must be held by that live job.
-    fn check_duplicate(&self, ty: Ty, k: u8, holder: i64) -> Result<()> {
+    fn check_duplicate(&mut self, ty: Ty, k: u8, holder: i64) -> Result<()> {
         let key = self.model.unique_key(ty, k);
-        match key.as_deref().and_then(|key| self.model.live_holder(key)) {
-            Some(h) if h == holder => Ok(()),
+        match key.as_deref().and_then(|key| self.model.key_holder(key)) {
+            Some(h) if h == holder => {
+                if self.model.live_holder(key.as_deref().unwrap_or_default()).is_none() {
+                    *self.stats.entry("until_executed duplicate of a while_executing run").or_default() += 1;
+                }
+                Ok(())
+            }
             other => bail!(
                 "(i) enqueue of {} k {k} reported a duplicate of job {holder}, but the key's live holder is {other:?}",
                 ty.name()
@@ -522,8 +532,12 @@ impl Run<'_> {
                 blocked: false,
             };
             let id = self.model.add_delivery(delivery, r.budget);
-            if self.model.deliveries[id].wkey.is_some() {
-                *self.stats.entry("while_executing run claimed").or_default() += 1;
+            match self.model.deliveries[id].wkey.as_deref() {
+                Some(SHARED_KEY) => {
+                    *self.stats.entry("while_executing run of the shared key claimed").or_default() += 1
+                }
+                Some(_) => *self.stats.entry("while_executing run claimed").or_default() += 1,
+                None => {}
             }
             if let Some(problem) = self.model.delivered(id).filter(|_| self.checks.on('l')) {
                 problems.push(problem);
@@ -706,9 +720,13 @@ impl Run<'_> {
                 .bind(job)
                 .fetch_all(&mut self.c.dispatcher)
                 .await?;
-        let holder = self.model.unique.get(&job).and_then(|key| self.model.live_holder(key));
+        let key = self.model.unique.get(&job).cloned();
+        let holder = key.as_deref().and_then(|key| self.model.key_holder(key));
         match (rows.as_slice(), holder) {
             ([(Some(msg_id), Some(id), status)], None) if *id == job && status == "enqueued" => {
+                if let Some(key) = key {
+                    self.model.took_key(&key);
+                }
                 self.model.jobs.insert(job, Fate::Live);
                 if self.model.batch_jobs.contains(&job) {
                     self.model.retried_out.insert(job);
@@ -1073,7 +1091,7 @@ impl Run<'_> {
         Ok(sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
             .bind(ty.name())
             .bind(json!({ "k": k }))
-            .bind(db::enqueue_options(self.api, in_batch))
+            .bind(db::job_options(self.api, in_batch, ty, k))
             .fetch_all(&mut self.c.producer)
             .await?)
     }
@@ -1994,4 +2012,31 @@ enum Snapshot {
     /// The REPEATABLE READ transaction already open on the holder's connection, with its snapshot
     /// taken before other steps committed.
     Open,
+}
+
+/// Review helper-119 F4: a `while_executing` job's run holds the explicit key `shared` and goes
+/// silent past its visibility (its queue paused, say, so no claim of the key ever comes); an
+/// `until_executed` job naming the same key met a duplicate for good. The enqueue now takes a
+/// lapsed run's key over, as a claim does; the lapsed run's next delivery waits for the key. And
+/// the other way round: a `while_executing` job is not delivered while a live `until_executed`
+/// job holds the key, visible or running, lapsed or not.
+#[test]
+fn g3_model_an_explicit_key_shared_by_both_unique_modes_is_held_by_one_job_at_a_time() {
+    const W: Op = Op::Enqueue { ty: Ty::Wexec, k: ops::SHARED_K };
+    const U: Op = Op::Enqueue { ty: Ty::Uniq, k: ops::SHARED_K };
+    replay_known_schedules(vec![
+        (
+            "W runs holding the key and lapses; U takes the key over; W is delivered again and waits; U completes; \
+             W runs",
+            schedule(1, vec![W, claim(0), Op::LapseVisibility { pick: 0 }, U, claim(0)]),
+        ),
+        (
+            "W runs holding the key; U is a duplicate of it; W completes; U takes the key",
+            schedule(1, vec![W, claim(0), U, Op::Finish { pick: 0, how: Finish::Complete }, U]),
+        ),
+        (
+            "U holds the key and runs, and lapses; W is put back, never delivered beside it",
+            schedule(1, vec![U, W, claim(0), Op::LapseVisibility { pick: 0 }, claim(1)]),
+        ),
+    ]);
 }

@@ -657,6 +657,7 @@ async fn what_meets_a_running_while_executing_holder_holds_nothing_of_it() {
     let db = db_with(&[
         "'w', unique_mode => 'while_executing', unique_key => array['id']",
         "'ud', unique_mode => 'until_executed', unique_on_conflict => 'discard'",
+        "'ur', unique_mode => 'until_executed'",
     ])
     .await;
     let (_, x, _) = enqueue(&db.pool, "w", 1).await.unwrap();
@@ -684,10 +685,32 @@ async fn what_meets_a_running_while_executing_holder_holds_nothing_of_it() {
     assert!(budget.is_some(), "the holder's renewal was busy behind what met it");
     let mut worker = db.pool.acquire().await.unwrap();
     sqlx::query("SET statement_timeout = '2s'").execute(&mut *worker).await.unwrap();
-    // (Lapsed now, a producer still only meets a duplicate: it takes no key over.)
+    // Lapsed now, while a backend still carries the mark of X's `sql` statement: a producer,
+    // which ends no one's statement, meets a duplicate (helper-117 F2); the error of a type that
+    // rejects says the holder is running.
     make_visible(&db.pool, x.unwrap()).await;
+    let mut marked = db.pool.acquire().await.unwrap();
+    sqlx::query("SELECT set_config('application_name', lockgate._statement_tag('default', $1), false)")
+        .bind(x.unwrap())
+        .execute(&mut *marked)
+        .await
+        .unwrap();
     let mut other = db.pool.begin().await.unwrap();
     assert_eq!(sqlx::query_scalar::<_, String>(produce).fetch_one(&mut *other).await.unwrap(), "duplicate");
+    other.rollback().await.unwrap();
+    let refused = sqlx::query("SELECT lockgate.enqueue('ur', '{}', '{\"unique_key\": \"w:[1]\"}')")
+        .execute(&db.pool)
+        .await
+        .unwrap_err();
+    let refused = refused.as_database_error().unwrap().try_downcast_ref::<sqlx::postgres::PgDatabaseError>().unwrap();
+    assert_eq!(refused.code(), "LG005");
+    assert!(refused.detail().is_some_and(|d| d.contains("running with the key")), "{:?}", refused.detail());
+    // Once no statement of it is left, a producer takes the lapsed run's key over (helper-119 F4:
+    // it met a duplicate for good while X waited in a paused queue); rolled back here.
+    sqlx::query("RESET application_name").execute(&mut *marked).await.unwrap();
+    let mut other = db.pool.begin().await.unwrap();
+    let status: String = sqlx::query_scalar(produce).fetch_one(&mut *other).await.unwrap();
+    assert_eq!(status, "enqueued", "a producer met a lapsed run with no statement left as a duplicate");
     other.rollback().await.unwrap();
     assert_eq!(locks(&db.pool).await, vec![("w:[1]".to_string(), x.unwrap(), x)]);
     assert!(common::complete_default(&mut *worker, (x.unwrap(), 1)).await, "the completion waited");

@@ -557,6 +557,14 @@ async fn a_started_process_row_says_it_runs_before_its_first_heartbeat_interval_
     )
     .await
     .unwrap();
+    // Its build, which `lockgate doctor` compares with the database's (process_builds), in every
+    // beat as in the registration.
+    let revision: Option<String> =
+        sqlx::query_scalar("SELECT metadata->>'functions_revision' FROM lockgate.processes WHERE kind = 'supervisor'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(revision, Some(lockgate::sql::FUNCTIONS_REVISION.to_string()));
     running.stop().await;
 }
 

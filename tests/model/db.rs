@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection, Row};
 
-use super::ops::{Queue, Ty};
+use super::ops::{Queue, Ty, SHARED_K, SHARED_KEY};
 
 /// Visibility every claim and renewal asks for.
 pub const VT_SECONDS: f64 = 30.0;
@@ -281,6 +281,16 @@ pub fn enqueue_options(api: Api, batch_open: bool) -> Value {
     } else {
         serde_json::json!({})
     }
+}
+
+/// The options of a single enqueue of (ty, {k}): `enqueue_options`, and the explicit unique key
+/// a unique type's `SHARED_K` names.
+pub fn job_options(api: Api, batch_open: bool, ty: Ty, k: u8) -> Value {
+    let mut options = enqueue_options(api, batch_open);
+    if api.bookkeeping && matches!(ty, Ty::Uniq | Ty::Wexec) && k == SHARED_K {
+        options["unique_key"] = SHARED_KEY.into();
+    }
+    options
 }
 
 /// The one batch every job of a case goes into (the first id after the reset) until a step

@@ -21,10 +21,13 @@ pub enum Ty {
     LimB,
     /// Unique until executed, key from argument `k`, duplicates discarded; unlimited (until a
     /// redefinition gives it a limit), on queue `default`. Plain unlimited on an older schema.
+    /// A job with `k` = `SHARED_K` names its unique key explicitly, the one `wexec` names.
     Uniq,
     /// Unique while executing, key from argument `k`, duplicates rejected: a claim that meets
     /// its key held puts the job back for a second (a return, no delivery). Unlimited (until a
     /// redefinition gives it a limit), on queue `default`. Plain unlimited on an older schema.
+    /// A job with `k` = `SHARED_K` names its unique key explicitly, the one `uniq` names: the
+    /// two modes meet on one key.
     Wexec,
 }
 
@@ -45,6 +48,14 @@ impl Ty {
         Ty::ALL.into_iter().find(|t| t.name() == name)
     }
 
+    /// How many values of argument `k` its jobs take: the unique types one more, `SHARED_K`.
+    pub fn ks(self) -> u8 {
+        match self {
+            Ty::Uniq | Ty::Wexec => SHARED_K + 1,
+            Ty::Lim | Ty::Free | Ty::LimB => 2,
+        }
+    }
+
     pub fn queue(self) -> Queue {
         match self {
             Ty::Lim | Ty::Free | Ty::Uniq | Ty::Wexec => Queue::Default,
@@ -52,6 +63,15 @@ impl Ty {
         }
     }
 }
+
+/// The argument `k` of a single enqueue of `uniq` or `wexec` that names the unique key `shared`
+/// explicitly (the `unique_key` option), so that jobs of both types, one taking the key at
+/// enqueue and the other when its run starts, contend for it. Never in an `enqueue_many`, whose
+/// options name one key for every job of the call.
+pub const SHARED_K: u8 = 2;
+
+/// The explicit unique key of `SHARED_K`.
+pub const SHARED_KEY: &str = "shared";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Queue {
@@ -305,13 +325,18 @@ fn stale_action() -> impl Strategy<Value = StaleAction> {
     ]
 }
 
+/// A type and an argument `k` for a single enqueue of it (`SHARED_K` only for the unique types).
+fn ty_and_k() -> impl Strategy<Value = (Ty, u8)> {
+    ty().prop_flat_map(|ty| (Just(ty), 0..ty.ks()))
+}
+
 /// Weighted so that keys fill up, jobs wait long enough for leases to lapse, and sweeps and
 /// claims interleave with them often.
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        8 => (ty(), 0..2u8).prop_map(|(ty, k)| Op::Enqueue { ty, k }),
+        8 => ty_and_k().prop_map(|(ty, k)| Op::Enqueue { ty, k }),
         1 => (ty(), vec(0..2u8, 1..4)).prop_map(|(ty, ks)| Op::EnqueueMany { ty, ks }),
-        1 => (ty(), 0..2u8).prop_map(|(ty, k)| Op::EnqueueRolledBack { ty, k }),
+        1 => ty_and_k().prop_map(|(ty, k)| Op::EnqueueRolledBack { ty, k }),
         7 => (0..2usize, queue(), 1..4u8).prop_map(|(worker, queue, qty)| Op::Claim { worker, queue, qty }),
         2 => (0..2usize, queue(), 1..4u8).prop_map(|(worker, queue, qty)| Op::ClaimRacingSweep { worker, queue, qty }),
         4 => (any::<u8>(), any::<bool>()).prop_map(|(mask, blocked)| Op::Extend { mask, blocked }),
@@ -329,7 +354,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (ty(), 1..=3u32).prop_map(|(ty, limit)| Op::Redefine { ty, limit }),
         1 => ty().prop_map(|ty| Op::Redefine { ty, limit: 0 }),
         2 => (0..8usize).prop_map(|pick| Op::Cancel { pick }),
-        1 => proptest::option::of((ty(), 0..2u8, any::<bool>())).prop_map(|during| Op::Close { during }),
+        1 => proptest::option::of((ty_and_k(), any::<bool>())).prop_map(|during| Op::Close {
+            during: during.map(|((ty, k), commit)| (ty, k, commit))
+        }),
         2 => (0..4usize).prop_map(|pick| Op::DlqRetry { pick }),
         1 => (0..4usize).prop_map(|pick| Op::Discard { pick }),
         1 => Just(Op::Reap),

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::db::State;
-use super::ops::{Queue, Ty};
+use super::ops::{Queue, Ty, SHARED_K, SHARED_KEY};
 
 /// Where a committed job must be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -290,6 +290,9 @@ impl Model {
         let d = &self.deliveries[i];
         let key = d.wkey.clone()?;
         let problem = match self.wlocks.get(&key) {
+            _ if self.live_holder(&key).is_some() => {
+                Some(format!("until_executed job {} holds its key", self.live_holder(&key).unwrap_or_default()))
+            }
             Some(l) if l.kept.is_some() && !l.lapsed => {
                 Some(format!("its lock was kept for the cancelled handler of d{}", l.kept.unwrap_or_default()))
             }
@@ -330,9 +333,30 @@ impl Model {
         id
     }
 
-    /// The unique key a job of `ty` with argument `k` takes, if its type is unique.
+    /// The until_executed key a job of `ty` with argument `k` takes, if its type is `uniq`.
     pub fn unique_key(&self, ty: Ty, k: u8) -> Option<String> {
-        (self.bookkeeping && ty == Ty::Uniq).then(|| format!("uniq:[{k}]"))
+        (self.bookkeeping && ty == Ty::Uniq).then(|| {
+            if k == SHARED_K {
+                SHARED_KEY.to_string()
+            } else {
+                format!("uniq:[{k}]")
+            }
+        })
+    }
+
+    /// The job whose lock row an until_executed enqueue of `key` meets: a live `uniq` job, or the
+    /// job of a while_executing lock, but for one that has lapsed (a cancel kept it and its
+    /// held_until has passed, or its run's visibility has), which the enqueue deletes
+    /// (`took_key`; a lapsed run's `sql` statement would keep it, and the model runs none).
+    pub fn key_holder(&self, key: &str) -> Option<i64> {
+        self.live_holder(key).or_else(|| self.wlocks.get(key).filter(|l| !l.lapsed).map(|l| l.job))
+    }
+
+    /// An until_executed enqueue took `key`: a lapsed while_executing lock of it is gone.
+    pub fn took_key(&mut self, key: &str) {
+        if self.wlocks.get(key).is_some_and(|l| l.lapsed) {
+            self.wlocks.remove(key);
+        }
     }
 
     /// The live job holding unique key `key`, if any.

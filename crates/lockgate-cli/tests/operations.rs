@@ -103,6 +103,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "recurring_schedules",
         "parked_with_room",
         "stale_processes",
+        "process_builds",
         "queue_tables",
         "queue_steps",
         "claim_indexes",
@@ -121,6 +122,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "recurring_schedules",
         "parked_with_room",
         "stale_processes",
+        "process_builds",
         "queue_tables",
         "queue_steps",
         "claim_indexes",
@@ -192,17 +194,22 @@ async fn doctor_warns_of_orphaned_leases_parked_jobs_with_room_and_stale_process
         sqlx::query_scalar("SELECT msg_id FROM lockgate.enqueue('sync', '{}')").fetch_one(&db.pool).await.unwrap();
     sqlx::query("SELECT lockgate.enqueue('sync', '{\"n\": 2}')").execute(&db.pool).await.unwrap();
     let (_, checks) = doctor(&db, &[]);
-    for name in ["orphaned_leases", "parked_with_room", "stale_processes"] {
+    for name in ["orphaned_leases", "parked_with_room", "stale_processes", "process_builds"] {
         assert_eq!(named(&checks, name)[0]["verdict"], "ok", "a held key with a parked job is normal: {checks:#?}");
     }
     // The holder's message removed behind lockgate's back; room made for the parked job; a
     // process silent for five minutes.
     sqlx::query("SELECT pgmq.delete('default', $1)").bind(held).execute(&db.pool).await.unwrap();
     sqlx::query("SELECT lockgate.define_job_type('sync', concurrency_limit => 2)").execute(&db.pool).await.unwrap();
+    // And, heard from, one process of a build that records no functions revision (a rolling
+    // deploy's older process, review helper-118) beside one of this build.
     sqlx::query(
-        "INSERT INTO lockgate.processes (kind, name, host, pid, last_heartbeat_at)
-         VALUES ('supervisor', 'gone', 'nowhere', 4242, now() - interval '5 minutes')",
+        "INSERT INTO lockgate.processes (kind, name, host, pid, last_heartbeat_at, metadata)
+         VALUES ('supervisor', 'gone', 'nowhere', 4242, now() - interval '5 minutes', '{}'),
+                ('supervisor', 'old', 'here', 4343, now(), '{\"version\": \"0.1.0\"}'),
+                ('supervisor', 'new', 'here', 4444, now(), jsonb_build_object('functions_revision', $1::integer))",
     )
+    .bind(lockgate::sql::FUNCTIONS_REVISION)
     .execute(&db.pool)
     .await
     .unwrap();
@@ -216,6 +223,9 @@ async fn doctor_warns_of_orphaned_leases_parked_jobs_with_room_and_stale_process
     assert!(detail("orphaned_leases").starts_with("1 lease(s) whose message is gone (1 on queue default)"));
     assert!(detail("parked_with_room").contains("sync (1 parked, 1 of 2 held"), "{}", detail("parked_with_room"));
     assert!(detail("stale_processes").contains("(gone on nowhere, pid 4242)"), "{}", detail("stale_processes"));
+    let builds = detail("process_builds");
+    assert!(builds.contains("(old on here, pid 4343) runs an older build"), "{builds}");
+    assert!(builds.ends_with("a build that records no revision (before 115)"), "{builds}");
 }
 
 fn json(o: &Output) -> Value {

@@ -100,7 +100,7 @@ impl ProcessRegistry {
 
     /// Inserts this process's rows; the supervisor's id becomes the owner tag of claims.
     pub async fn register(&self) -> Result<i64, DbError> {
-        let meta = json!({ "version": env!("CARGO_PKG_VERSION"), "health": self.health.summary() });
+        let meta = self.supervisor_metadata();
         // One transaction: a prune (or an operator's DELETE) between the supervisor's row and its
         // children's would otherwise fail the children on their foreign key, and with it the
         // process's start. Now it sees all the rows or none; if it deletes them, the next
@@ -142,6 +142,16 @@ impl ProcessRegistry {
         self.health.set_registered(true);
         tracing::info!(process_id = id, host = %self.host, pid = self.pid, "registered");
         Ok(id)
+    }
+
+    /// The build (its functions revision, which `lockgate doctor` compares with the database's to
+    /// name processes a rolling deploy left behind, `process_builds`) and the health.
+    fn supervisor_metadata(&self) -> Value {
+        json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "functions_revision": lockgate_sql::FUNCTIONS_REVISION,
+            "health": self.health.summary(),
+        })
     }
 
     fn pool_metadata(&self, pool: &PoolReport) -> Value {
@@ -187,7 +197,7 @@ impl ProcessRegistry {
     pub async fn run_once(&self) -> Result<RegistryReport, DbError> {
         let mut report = RegistryReport::default();
         let owner = self.owner.load(Ordering::SeqCst);
-        let mut beats = vec![(owner, json!({ "version": env!("CARGO_PKG_VERSION"), "health": self.health.summary() }))];
+        let mut beats = vec![(owner, self.supervisor_metadata())];
         let rows = self.rows.lock().await.clone();
         for (pool, id) in self.pools.iter().zip(&rows) {
             beats.push((*id, self.pool_metadata(pool)));
