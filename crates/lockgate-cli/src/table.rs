@@ -8,11 +8,29 @@
 /// width made a cell over 65,535 characters panic, and with it every `dlq list`.
 const MAX_CELL: usize = 200;
 
-/// `cell` as shown: cut to `MAX_CELL` characters. Also what an error quotes of an input that may be
-/// long (a job's arguments, up to 4 MiB read).
+/// `cell` as shown: control characters written as escapes (`\x1B`, as psql shows them), then cut
+/// to `MAX_CELL` characters. A key, a job type's name or an error is written by whoever enqueued
+/// or failed the job: raw, an escape sequence in it recoloured or rewrote the operator's terminal,
+/// and a newline broke the table (review helper-119 F3). Also what an error quotes of an input
+/// that may be long (a job's arguments, up to 4 MiB read).
 pub fn shown(cell: &str) -> std::borrow::Cow<'_, str> {
+    use std::borrow::Cow;
+    use std::fmt::Write;
+    let cell: Cow<'_, str> = if cell.chars().any(char::is_control) {
+        let mut escaped = String::with_capacity(cell.len() + 8);
+        for c in cell.chars() {
+            match u32::from(c) {
+                _ if !c.is_control() => escaped.push(c),
+                code @ ..=0xFF => write!(escaped, "\\x{code:02X}").unwrap_or_default(),
+                code => write!(escaped, "\\u{code:04X}").unwrap_or_default(),
+            }
+        }
+        escaped.into()
+    } else {
+        cell.into()
+    };
     match cell.char_indices().nth(MAX_CELL) {
-        None => cell.into(),
+        None => cell,
         Some(_) => {
             let cut = cell.char_indices().nth(MAX_CELL - 1).map_or(cell.len(), |(i, _)| i);
             format!("{}…", &cell[..cut]).into()
@@ -104,5 +122,18 @@ mod tests {
         let lines = t.lines();
         assert_eq!(lines[1], format!("{}…  1", "x".repeat(MAX_CELL - 1)));
         assert_eq!(lines[2], format!("{}  2", "é".repeat(MAX_CELL)), "a cell of exactly MAX_CELL is whole");
+    }
+
+    /// Review (helper-119, F3): a key a producer chose reached the operator's terminal raw: an
+    /// escape sequence recoloured it, a newline broke the table.
+    #[test]
+    fn control_characters_are_shown_escaped() {
+        let mut t = Table::new(&[("KEY", Align::Left), ("N", Align::Right)]);
+        t.row(vec!["\u{1b}[31mred\tb\nc\u{7f}\u{85}é".into(), "1".into()]);
+        t.row(vec![format!("{}\u{1b}", "x".repeat(MAX_CELL - 2)), "2".into()]);
+        let lines = t.lines();
+        assert_eq!(shown("\u{1b}[31mred\tb\nc\u{7f}\u{85}é"), "\\x1B[31mred\\x09b\\x0Ac\\x7F\\x85é");
+        assert_eq!(lines[2], format!("{}\\…  2", "x".repeat(MAX_CELL - 2)), "escaped, then cut");
+        assert!(lines.iter().all(|l| !l.chars().any(char::is_control)), "{lines:?}");
     }
 }
