@@ -354,6 +354,38 @@ LANGUAGE sql STABLE AS $$
      WHERE NOT EXISTS (SELECT 1 FROM roomy)
 $$;
 
+-- Keys whose parked jobs are of types with different limits: types that name one explicit
+-- concurrency key, each admitted by its own limit (README, Concurrency limits; design §105). A job
+-- of the stricter type starts only once fewer than its limit hold permits, and promotion, which
+-- takes a key's parked jobs in order, stops at it, while the looser type's enqueues take free
+-- permits directly: the parked jobs may wait as long as that traffic lasts, and parked_with_room
+-- names the key as if no sweep ran. One read of the parked jobs; one row for all such keys.
+CREATE OR REPLACE FUNCTION lockgate._doctor_shared_keys()
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    WITH mixed AS (
+        SELECT p.key, count(*) AS parked,
+               string_agg(DISTINCT format('%s limited to %s', jt.name, jt.concurrency_limit), ', ') AS types
+          FROM lockgate.parked p
+          JOIN lockgate.job_types jt ON jt.name = p.job_type AND jt.concurrency_limit IS NOT NULL
+         GROUP BY p.key
+        HAVING min(jt.concurrency_limit) <> max(jt.concurrency_limit)),
+    listed AS (SELECT * FROM mixed ORDER BY key LIMIT 5)
+    SELECT 'shared_keys', 'warn',
+           format('%s key(s) have parked jobs of types with different limits: %s%s', (SELECT count(*) FROM mixed),
+                  (SELECT string_agg(format('%s (%s parked: %s)', l.key, l.parked, l.types), '; ' ORDER BY l.key)
+                     FROM listed l),
+                  CASE WHEN (SELECT count(*) FROM mixed) > 5 THEN '; …' ELSE '' END),
+           'types that name one concurrency key share its permits, each admitted by its own limit: a job of the '
+           'stricter type runs beside the looser type''s jobs, or waits, holding back the jobs parked behind it, '
+           'while the looser type''s enqueues take free permits directly. Give every type that shares a key the '
+           'same limit (lockgate.define_job_type)'
+     WHERE EXISTS (SELECT 1 FROM mixed)
+    UNION ALL
+    SELECT 'shared_keys', 'ok', 'no key has parked jobs of types with different limits', NULL
+     WHERE NOT EXISTS (SELECT 1 FROM mixed)
+$$;
+
 -- Live processes (heard from within alive_threshold) of a build older than the database's
 -- functions: one that records a lower functions revision in its metadata, or none (every build
 -- before revision 115). The older build's own paths run beside the newer ones, so a guarantee
@@ -630,6 +662,7 @@ BEGIN
         UNION ALL SELECT * FROM lockgate._doctor_tables()
         UNION ALL SELECT * FROM lockgate._doctor_leases(make_interval(secs => long_running_seconds))
         UNION ALL SELECT * FROM lockgate._doctor_parked()
+        UNION ALL SELECT * FROM lockgate._doctor_shared_keys()
         UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds));
     -- These three read the queues' relations in schema pgmq, which a role without USAGE on it may
     -- not even name: each says it was not checked, and the others still answer.

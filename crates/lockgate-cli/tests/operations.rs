@@ -102,6 +102,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "held_statements",
         "recurring_schedules",
         "parked_with_room",
+        "shared_keys",
         "stale_processes",
         "process_builds",
         "queue_tables",
@@ -121,6 +122,7 @@ async fn doctor_passes_a_fresh_database_and_sends_one_without_lockgate_to_migrat
         "held_statements",
         "recurring_schedules",
         "parked_with_room",
+        "shared_keys",
         "stale_processes",
         "process_builds",
         "queue_tables",
@@ -226,6 +228,33 @@ async fn doctor_warns_of_orphaned_leases_parked_jobs_with_room_and_stale_process
     let builds = detail("process_builds");
     assert!(builds.contains("(old on here, pid 4343) runs an older build"), "{builds}");
     assert!(builds.ends_with("a build that records no revision (before 115)"), "{builds}");
+}
+
+/// Review helper-119 F1, F2: types of different limits that name one concurrency key are each
+/// admitted by their own limit, and the key's parked jobs wait behind the stricter one's; the
+/// doctor names such a key while jobs of both are parked, and not one shared by equal limits.
+#[tokio::test]
+async fn doctor_names_a_key_with_parked_jobs_of_types_with_different_limits() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('one', concurrency_limit => 1);
+         SELECT lockgate.define_job_type('three', concurrency_limit => 3);
+         SELECT lockgate.define_job_type('also_three', concurrency_limit => 3);
+         SELECT lockgate.enqueue(t, '{}', '{\"concurrency_key\": \"acct\"}')
+           FROM unnest(ARRAY['three', 'three', 'three', 'one', 'three']) t;
+         SELECT lockgate.enqueue(t, '{}', '{\"concurrency_key\": \"same\"}')
+           FROM unnest(ARRAY['three', 'also_three', 'three', 'also_three', 'three']) t;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (_, checks) = doctor(&db, &[]);
+    let shared = named(&checks, "shared_keys");
+    assert_eq!((shared.len(), &shared[0]["verdict"]), (1, &Value::from("warn")), "{checks:#?}");
+    assert_eq!(
+        shared[0]["detail"],
+        "1 key(s) have parked jobs of types with different limits: acct (2 parked: one limited to 1, three limited to 3)"
+    );
 }
 
 fn json(o: &Output) -> Value {
