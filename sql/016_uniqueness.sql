@@ -21,7 +21,7 @@
 -- killed its program before then, H27, design §75), which nothing else gives back while the job
 -- waits to be delivered again, for good in a queue no one serves (review helper-115 F1); the
 -- heartbeat renews no lapsed delivery holding such a key (sql/030_extend.sql); only a claim
--- (mode while_executing) ends the lapsed run's statement. Never locks a live holder's lock row, nor holds its
+-- (mode while_executing) judges that. Never locks a live holder's lock row, nor holds its
 -- message, and never waits for either: a producer or claim that meets a duplicate holds nothing
 -- that delays its holder's renewal or completion (H28). Waits only for a transaction inserting or
 -- deleting the same key.
@@ -41,7 +41,7 @@ BEGIN
         IF taken THEN
             RETURN NULL;
         END IF;
-        SELECT u.queue, u.job_id, u.msg_id, u.held_until, u.mode INTO holder
+        SELECT u.queue, u.job_id, u.msg_id, u.held_until, u.mode, u.ctid AS tid INTO holder
           FROM lockgate.unique_locks u WHERE u.key = _take_unique.key;
         IF FOUND THEN
             IF holder.held_until <= clock_timestamp() THEN
@@ -64,19 +64,23 @@ BEGIN
                 CONTINUE WHEN NOT FOUND;
                 RETURN NULL;
             END IF;
-            -- A running while_executing holder whose delivery lapsed, met by a claim (a
-            -- while_executing job about to run) or by a producer (an enqueue or dlq_retry taking an
-            -- until_executed key that names it explicitly, which met a duplicate for good while the
-            -- lapsed job waited in a paused or unserved queue, review helper-119 F4): judged under
-            -- its message's row lock, which the heartbeat's renewal takes too, so a renewal either
-            -- came first and is seen, or comes after and finds the delivery lapsed
-            -- (sql/030_extend.sql, under its own lock). A message another transaction holds (its
-            -- completion, a renewal under way) keeps the lock, as does one gone or in a table that
-            -- is gone (the reaper's to judge). The row lock is taken in a subtransaction rolled
-            -- back at once: held until the caller's commit, it kept a live holder's renewals busy
-            -- and its completion waiting (review helper-117 F1, H28). Its `sql` statement, if its
-            -- worker is frozen or cut off, is ended first by a claim (§100); a producer leaves it.
-            IF holder.mode = 'while_executing' AND holder.held_until IS NULL
+            -- A running holder whose delivery lapsed, met by a claim (a while_executing job about
+            -- to run; an enqueue or dlq_retry taking an until_executed key that names it reports a
+            -- duplicate: its transaction, which may stay open, would hold the lapsed run's row and
+            -- with it that run's completion, and every completion batched with it, review
+            -- helper-120 F1, H28): judged under its message's row lock, which the heartbeat's
+            -- renewal takes too, so a renewal either came first and is seen, or comes after and
+            -- finds the delivery lapsed (sql/030_extend.sql, under its own lock). A message another
+            -- transaction holds (its completion, a renewal under way) keeps the lock, as does one
+            -- gone or in a table that is gone (the reaper's to judge). The row lock is taken in a
+            -- subtransaction rolled back at once: held until the claim's commit, it kept a live
+            -- holder's renewals busy and its completion waiting (review helper-117 F1, H28). Its
+            -- `sql` statement, if its worker is frozen or cut off, is ended first (§100). The lock
+            -- row is then deleted by its address as read above: the lapsed job delivered again
+            -- meanwhile takes its row back on the same message (a new row version, at another
+            -- address), which the delete then leaves alone, where a match on its columns deleted
+            -- the running redelivery's lock (review helper-120 F2).
+            IF mode = 'while_executing' AND holder.mode = 'while_executing' AND holder.held_until IS NULL
                AND holder.msg_id IS NOT NULL AND holder.queue IN (SELECT lockgate._live_queues()) THEN
                 BEGIN
                     EXECUTE format('SELECT m.vt <= clock_timestamp() FROM %s m WHERE m.msg_id = $1 FOR SHARE NOWAIT',
@@ -84,26 +88,19 @@ BEGIN
                        INTO lapsed USING holder.msg_id;
                     RAISE EXCEPTION USING ERRCODE = 'LG900';
                 EXCEPTION
-                    -- Busy, or (a producer's REPEATABLE READ snapshot) renewed since: not lapsed.
-                    WHEN lock_not_available OR serialization_failure THEN
+                    WHEN lock_not_available THEN
                         lapsed := false;
                     WHEN SQLSTATE 'LG900' THEN
                         NULL;
                 END;
                 IF lapsed THEN
-                    -- A claim ends the lapsed run's statement; a producer, which runs as lockgate's
-                    -- owner whoever calls it, ends no one's: it takes the key only if no statement
-                    -- of that run is left, else meets a duplicate (review helper-117 F2).
-                    IF (CASE WHEN mode = 'while_executing'
-                             THEN cardinality(lockgate._end_statements(
-                                      ARRAY[lockgate._statement_tag(holder.queue, holder.msg_id)])) > 0
-                             ELSE lockgate._statement_tag(holder.queue, holder.msg_id) = ANY (lockgate._statement_marks())
-                        END) THEN
+                    IF cardinality(lockgate._end_statements(
+                           ARRAY[lockgate._statement_tag(holder.queue, holder.msg_id)])) > 0 THEN
                         RETURN holder.job_id;
                     END IF;
                     DELETE FROM lockgate.unique_locks u
-                     WHERE u.key = _take_unique.key AND u.queue = holder.queue AND u.job_id = holder.job_id
-                       AND u.msg_id = holder.msg_id AND u.held_until IS NULL;
+                     WHERE u.ctid = holder.tid AND u.key = _take_unique.key AND u.queue = holder.queue
+                       AND u.job_id = holder.job_id AND u.msg_id = holder.msg_id AND u.held_until IS NULL;
                     CONTINUE;
                 END IF;
             END IF;

@@ -30,9 +30,8 @@
 //!   reports a duplicate exactly when a live job holds the key — so no stale or duplicate
 //!   completion, dead letter or release ever drops a successor's lock (G2, H14). One key,
 //!   `shared`, is named explicitly by jobs of both `uniq` and `wexec`: an until_executed enqueue
-//!   of it is a duplicate of the `wexec` job whose run holds it too, unless that run has lapsed
-//!   (then the enqueue takes the key over), and a `wexec` job is never delivered while a live
-//!   `uniq` job holds it;
+//!   of it is a duplicate of the `wexec` job whose run holds it too (lapsed or not: only a claim
+//!   judges a lapse), and a `wexec` job is never delivered while a live `uniq` job holds it;
 //! - (j) the batch every job is enqueued into until a step closes it counts exactly the committed
 //!   jobs enqueued into it, the archived ones as succeeded and the dead-lettered ones as failed,
 //!   at every commit (G2, H22); it is finished exactly when it is closed and each of them has a
@@ -2014,21 +2013,32 @@ enum Snapshot {
     Open,
 }
 
-/// Review helper-119 F4: a `while_executing` job's run holds the explicit key `shared` and goes
-/// silent past its visibility (its queue paused, say, so no claim of the key ever comes); an
-/// `until_executed` job naming the same key met a duplicate for good. The enqueue now takes a
-/// lapsed run's key over, as a claim does; the lapsed run's next delivery waits for the key. And
-/// the other way round: a `while_executing` job is not delivered while a live `until_executed`
-/// job holds the key, visible or running, lapsed or not.
+/// Design §105: jobs of both uniqueness modes name one key (`shared`). A `while_executing` run
+/// holding it makes an `until_executed` enqueue of it a duplicate, even once the run has lapsed
+/// (only a claim judges a lapse: a producer's open transaction holding the lapsed run's lock row
+/// would hold its completion back, review helper-120 F1); the lapsed job delivered again takes
+/// its key back. And a `while_executing` job is not delivered while a live `until_executed` job
+/// holds the key, visible or running, lapsed or not.
 #[test]
 fn g3_model_an_explicit_key_shared_by_both_unique_modes_is_held_by_one_job_at_a_time() {
     const W: Op = Op::Enqueue { ty: Ty::Wexec, k: ops::SHARED_K };
     const U: Op = Op::Enqueue { ty: Ty::Uniq, k: ops::SHARED_K };
     replay_known_schedules(vec![
         (
-            "W runs holding the key and lapses; U takes the key over; W is delivered again and waits; U completes; \
-             W runs",
-            schedule(1, vec![W, claim(0), Op::LapseVisibility { pick: 0 }, U, claim(0)]),
+            "W runs holding the key and lapses; U is a duplicate of it; W is delivered again and takes its key back; \
+             W completes; U takes the key",
+            schedule(
+                1,
+                vec![
+                    W,
+                    claim(0),
+                    Op::LapseVisibility { pick: 0 },
+                    U,
+                    claim(1),
+                    Op::Finish { pick: 0, how: Finish::Complete },
+                    U,
+                ],
+            ),
         ),
         (
             "W runs holding the key; U is a duplicate of it; W completes; U takes the key",

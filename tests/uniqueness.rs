@@ -685,16 +685,11 @@ async fn what_meets_a_running_while_executing_holder_holds_nothing_of_it() {
     assert!(budget.is_some(), "the holder's renewal was busy behind what met it");
     let mut worker = db.pool.acquire().await.unwrap();
     sqlx::query("SET statement_timeout = '2s'").execute(&mut *worker).await.unwrap();
-    // Lapsed now, while a backend still carries the mark of X's `sql` statement: a producer,
-    // which ends no one's statement, meets a duplicate (helper-117 F2); the error of a type that
-    // rejects says the holder is running.
+    // Lapsed now, a producer still only meets a duplicate: it takes no key over (its transaction,
+    // which may stay open, would hold the lapsed run's lock row, and with it that run's
+    // completion and every completion batched with it: review helper-120 F1). The error of a
+    // type that rejects says the holder is running.
     make_visible(&db.pool, x.unwrap()).await;
-    let mut marked = db.pool.acquire().await.unwrap();
-    sqlx::query("SELECT set_config('application_name', lockgate._statement_tag('default', $1), false)")
-        .bind(x.unwrap())
-        .execute(&mut *marked)
-        .await
-        .unwrap();
     let mut other = db.pool.begin().await.unwrap();
     assert_eq!(sqlx::query_scalar::<_, String>(produce).fetch_one(&mut *other).await.unwrap(), "duplicate");
     other.rollback().await.unwrap();
@@ -705,17 +700,81 @@ async fn what_meets_a_running_while_executing_holder_holds_nothing_of_it() {
     let refused = refused.as_database_error().unwrap().try_downcast_ref::<sqlx::postgres::PgDatabaseError>().unwrap();
     assert_eq!(refused.code(), "LG005");
     assert!(refused.detail().is_some_and(|d| d.contains("running with the key")), "{:?}", refused.detail());
-    // Once no statement of it is left, a producer takes the lapsed run's key over (helper-119 F4:
-    // it met a duplicate for good while X waited in a paused queue); rolled back here.
-    sqlx::query("RESET application_name").execute(&mut *marked).await.unwrap();
-    let mut other = db.pool.begin().await.unwrap();
-    let status: String = sqlx::query_scalar(produce).fetch_one(&mut *other).await.unwrap();
-    assert_eq!(status, "enqueued", "a producer met a lapsed run with no statement left as a duplicate");
-    other.rollback().await.unwrap();
     assert_eq!(locks(&db.pool).await, vec![("w:[1]".to_string(), x.unwrap(), x)]);
     assert!(common::complete_default(&mut *worker, (x.unwrap(), 1)).await, "the completion waited");
     producer.rollback().await.unwrap();
     claimer.rollback().await.unwrap();
+}
+
+/// Review helper-120 F2 (HIGH): a duplicate's claim that judged a holder's run lapsed deleted the
+/// key's lock row by its columns, and the lapsed job, delivered again meanwhile, had taken that
+/// row back on the same message: its new run lost its lock and the duplicate ran beside it. The
+/// window (between the judgment and the delete) is widened here by a `_end_statements` that
+/// sleeps for the judging session only; the delete now goes by the row's address as judged.
+#[tokio::test]
+async fn a_lapsed_runs_key_taken_back_by_its_redelivery_is_not_deleted_by_a_duplicate_judging_it() {
+    let db = db_with(&[
+        "'w', unique_mode => 'while_executing', unique_key => array['id']",
+        "'w2', queue => 'other', unique_mode => 'while_executing'",
+    ])
+    .await;
+    let (_, x, _) = enqueue(&db.pool, "w", 1).await.unwrap();
+    let x = x.unwrap();
+    assert_eq!(claim(&db.pool, 5).await.len(), 1, "X runs, holding w:[1]");
+    make_visible(&db.pool, x).await;
+    let y: i64 = sqlx::query_scalar("SELECT msg_id FROM lockgate.enqueue('w2', '{}', '{\"unique_key\": \"w:[1]\"}')")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        "ALTER FUNCTION lockgate._end_statements(text[], timestamptz) RENAME TO _end_statements_at_once;
+         CREATE FUNCTION lockgate._end_statements(tags text[], until timestamptz DEFAULT NULL)
+         RETURNS text[] LANGUAGE plpgsql AS $$
+         BEGIN
+             IF current_setting('application_name') = 'slow judge' THEN
+                 PERFORM pg_sleep(2);
+             END IF;
+             RETURN lockgate._end_statements_at_once(tags, until);
+         END $$;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // Y's claim judges X's run lapsed, and sleeps before it would delete X's lock row.
+    let judge = tokio::spawn({
+        let pool = db.pool.clone();
+        async move {
+            let mut conn = pool.acquire().await.unwrap();
+            sqlx::query("SET application_name = 'slow judge'").execute(&mut *conn).await.unwrap();
+            let claimed: Vec<i64> = sqlx::query_scalar("SELECT msg_id FROM lockgate.claim('other', 5, 30)")
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+            sqlx::query("RESET application_name").execute(&mut *conn).await.unwrap();
+            claimed
+        }
+    });
+    wait_for("the duplicate's claim to sleep in its judgment", common::WAIT, || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'slow judge' AND wait_event = 'PgSleep'",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        Ok((n == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    // Meanwhile X is delivered again, and its run takes its key back.
+    let again = claim(&db.pool, 5).await;
+    assert_eq!(again.len(), 1, "X delivered again");
+    assert_eq!(judge.await.unwrap(), Vec::<i64>::new(), "Y ran beside X's second run");
+    assert_eq!(locks(&db.pool).await, vec![("w:[1]".to_string(), x, Some(x))], "X's second run lost its lock");
+    let put_back: bool = sqlx::query_scalar("SELECT vt > now() FROM pgmq.q_other WHERE msg_id = $1")
+        .bind(y)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(put_back, "Y is put back while X runs");
 }
 
 /// A dead letter an operator retries is run, not discarded: of a type that discards

@@ -345,16 +345,17 @@ impl Model {
     }
 
     /// The job whose lock row an until_executed enqueue of `key` meets: a live `uniq` job, or the
-    /// job of a while_executing lock, but for one that has lapsed (a cancel kept it and its
-    /// held_until has passed, or its run's visibility has), which the enqueue deletes
-    /// (`took_key`; a lapsed run's `sql` statement would keep it, and the model runs none).
+    /// job of a while_executing lock, running (even past its visibility: only a claim judges that
+    /// lapse, design §105) or kept for a cancelled handler whose held_until has not passed; one
+    /// whose held_until has passed the enqueue deletes (`took_key`).
     pub fn key_holder(&self, key: &str) -> Option<i64> {
-        self.live_holder(key).or_else(|| self.wlocks.get(key).filter(|l| !l.lapsed).map(|l| l.job))
+        self.live_holder(key).or_else(|| self.wlocks.get(key).filter(|l| l.kept.is_none() || !l.lapsed).map(|l| l.job))
     }
 
-    /// An until_executed enqueue took `key`: a lapsed while_executing lock of it is gone.
+    /// An until_executed enqueue took `key`: a while_executing lock of it kept for a cancelled
+    /// handler whose held_until had passed is gone.
     pub fn took_key(&mut self, key: &str) {
-        if self.wlocks.get(key).is_some_and(|l| l.lapsed) {
+        if self.wlocks.get(key).is_some_and(|l| l.kept.is_some() && l.lapsed) {
             self.wlocks.remove(key);
         }
     }
