@@ -398,15 +398,17 @@ RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE sql STABLE AS $$
     WITH current AS (SELECT s.functions_revision AS revision FROM lockgate.schema_state s),
     older AS (
-        SELECT p.id, p.name, p.host, p.pid,
+        SELECT p.id, p.name, p.host, p.pid, p.metadata->>'functions_revision' AS recorded,
                CASE WHEN p.metadata->>'functions_revision' ~ '^[0-9]{1,9}$'
                     THEN (p.metadata->>'functions_revision')::integer END AS revision
           FROM lockgate.processes p
          WHERE p.kind = 'supervisor' AND p.last_heartbeat_at >= now() - alive_threshold)
     SELECT 'process_builds', 'warn',
            format('process %s (%s on %s, pid %s) runs an older build than the database''s functions (revision %s): %s',
-                  o.id, o.name, o.host, o.pid, c.revision,
-                  COALESCE('revision ' || o.revision, 'a build that records no revision (before 115)')),
+                  o.id, o.name, o.host, o.pid, COALESCE(c.revision::text, 'not recorded'),
+                  CASE WHEN o.revision IS NOT NULL THEN 'revision ' || o.revision
+                       WHEN o.recorded IS NULL THEN 'a build that records no revision (before 115)'
+                       ELSE format('a revision that is not one (%s)', left(o.recorded, 40)) END),
            'a rolling deploy is under way, or this process was left behind: replace it with the current build. '
            'Until it is replaced, what later builds added holds only for the jobs the newer processes run '
            '(README: rolling deploys); an older sql executor''s statement, for one, cannot be ended by the newer '
@@ -415,7 +417,8 @@ LANGUAGE sql STABLE AS $$
      WHERE o.revision IS NULL OR o.revision < c.revision
     UNION ALL
     SELECT 'process_builds', 'ok',
-           format('every live process runs the database''s functions revision (%s)', c.revision), NULL
+           format('every live process runs the database''s functions revision (%s)',
+                  COALESCE(c.revision::text, 'not recorded')), NULL
       FROM current c
      WHERE NOT EXISTS (SELECT 1 FROM older o WHERE o.revision IS NULL OR o.revision < c.revision)
 $$;

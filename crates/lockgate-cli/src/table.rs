@@ -14,21 +14,7 @@ const MAX_CELL: usize = 200;
 /// and a newline broke the table (review helper-119 F3). Also what an error quotes of an input
 /// that may be long (a job's arguments, up to 4 MiB read).
 pub fn shown(cell: &str) -> std::borrow::Cow<'_, str> {
-    use std::borrow::Cow;
-    use std::fmt::Write;
-    let cell: Cow<'_, str> = if cell.chars().any(char::is_control) {
-        let mut escaped = String::with_capacity(cell.len() + 8);
-        for c in cell.chars() {
-            match u32::from(c) {
-                _ if !c.is_control() => escaped.push(c),
-                code @ ..=0xFF => write!(escaped, "\\x{code:02X}").unwrap_or_default(),
-                code => write!(escaped, "\\u{code:04X}").unwrap_or_default(),
-            }
-        }
-        escaped.into()
-    } else {
-        cell.into()
-    };
+    let cell = escaped(cell);
     match cell.char_indices().nth(MAX_CELL) {
         None => cell,
         Some(_) => {
@@ -36,6 +22,28 @@ pub fn shown(cell: &str) -> std::borrow::Cow<'_, str> {
             format!("{}…", &cell[..cut]).into()
         }
     }
+}
+
+/// `text` with its control characters, and the marks that reorder text on a terminal (U+200E,
+/// U+200F, U+202A to U+202E, U+2066 to U+2069), written as escapes (`\x1B`, `\u202E`), whole:
+/// what the CLI prints of a value someone else wrote (a key, an error, a session's query).
+pub fn escaped(text: &str) -> std::borrow::Cow<'_, str> {
+    use std::fmt::Write;
+    let hidden = |c: char| {
+        c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    };
+    if !text.chars().any(hidden) {
+        return text.into();
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match u32::from(c) {
+            _ if !hidden(c) => out.push(c),
+            code @ ..=0xFF => write!(out, "\\x{code:02X}").unwrap_or_default(),
+            code => write!(out, "\\u{code:04X}").unwrap_or_default(),
+        }
+    }
+    out.into()
 }
 
 /// How a column's cells line up.
@@ -135,5 +143,7 @@ mod tests {
         assert_eq!(shown("\u{1b}[31mred\tb\nc\u{7f}\u{85}é"), "\\x1B[31mred\\x09b\\x0Ac\\x7F\\x85é");
         assert_eq!(lines[2], format!("{}\\…  2", "x".repeat(MAX_CELL - 2)), "escaped, then cut");
         assert!(lines.iter().all(|l| !l.chars().any(char::is_control)), "{lines:?}");
+        assert_eq!(escaped("a\u{202e}b\u{2066}c"), "a\\u202Eb\\u2066c", "marks that reorder text");
+        assert_eq!(escaped("C:\\data"), "C:\\data", "a backslash is shown as it is");
     }
 }

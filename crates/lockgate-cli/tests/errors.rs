@@ -464,8 +464,42 @@ async fn an_http_redirect_fails_the_attempt_instead_of_dropping_the_body() {
     let config = Config::new(&format!("[job_types.hook]\nhttp = \"http://127.0.0.1:{port}/jobs\"\nmax_attempts = 1"));
     let error = one_hook_job_dead_lettered(&db, &config).await;
     server.abort();
-    assert!(error.starts_with("HTTP 302 Found"), "{error}");
+    assert!(error.starts_with("HTTP 302 Found (redirects are not followed; location: /landing)"), "{error}");
     assert_eq!(requests.lock().unwrap().len(), 1, "no GET after the redirect: {:?}", requests.lock().unwrap());
+}
+
+/// A failing response's body is read only as far as the error keeps it (its first 1 KiB): an
+/// endless error page was read whole, until the request's deadline, and a large one was held in
+/// memory (review helper-121 F2: 400 MiB took `lockgate run` from 20 to 840 MB).
+#[tokio::test]
+async fn an_http_error_page_is_read_only_as_far_as_the_error_keeps_it() {
+    let db = TestDb::migrated().await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 8192];
+                let _ = socket.read(&mut buf).await;
+                let head = "HTTP/1.1 500 Internal Server Error\r\ntransfer-encoding: chunked\r\n\r\n";
+                if socket.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                // An endless body, in chunks of 4 KiB, until the client hangs up.
+                let chunk = format!("1000\r\n{}\r\n", "x".repeat(4096));
+                while socket.write_all(chunk.as_bytes()).await.is_ok() {}
+            });
+        }
+    });
+    let config = Config::new(&format!(
+        "[job_types.hook]\nhttp = {{ url = \"http://127.0.0.1:{port}/jobs\", timeout = \"20s\" }}\nmax_attempts = 1"
+    ));
+    let started = Instant::now();
+    let error = one_hook_job_dead_lettered(&db, &config).await;
+    server.abort();
+    assert_eq!(error, format!("HTTP 500 Internal Server Error: {}", "x".repeat(1024)));
+    assert!(started.elapsed() < Duration::from_secs(15), "the body was read until the deadline");
 }
 
 #[tokio::test]

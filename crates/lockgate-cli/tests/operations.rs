@@ -438,18 +438,40 @@ async fn listings_show_rows_written_by_hand_whatever_their_times_and_lengths() {
     .execute(&db.pool)
     .await
     .unwrap();
+    // A key and an error with an escape sequence and a newline (review helper-119 F3, helper-120
+    // F3): every listing shows them escaped, none writes them to the terminal.
+    let marked: i64 = sqlx::query_scalar(
+        "SELECT max(job_id) FROM lockgate.enqueue('deep', '{}', jsonb_build_object('concurrency_key', E'red\\x1b[31m\\n'))",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
+         VALUES ('odd', 9, 4545, E'\\x1b]0;title\\x07', '{}', '{\"errors\": [{\"attempt\": 1, \"error\": \"\\u001b[2J\"}]}',
+                 'undecodable', E'\\x1b[2J', 1, now())",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let marked = marked.to_string();
     for args in [
         &["jobs", "--queue", "odd"][..],
         &["jobs", "--queue", "odd", "--json"],
         &["job", "show", "4242"],
+        &["job", "show", &marked],
+        &["job", "show", "4545"],
         &["dlq", "list"],
         &["dlq", "list", "--json"],
         &["parked", "list"],
         &["status"],
+        &["doctor"],
     ] {
         let out = output(&db, args);
-        assert!(out.status.success(), "{args:?}: {}", text(&out));
+        assert!(out.status.success() || args[0] == "doctor", "{args:?}: {}", text(&out));
+        assert!(!text(&out).contains('\u{1b}'), "{args:?} wrote an escape sequence raw: {}", text(&out));
     }
+    assert!(text(&output(&db, &["job", "show", &marked])).contains("key       red\\x1B[31m\\x0A"));
     let listed = text(&output(&db, &["dlq", "list"]));
     assert!(listed.contains(&format!("{}…", "x".repeat(199))) && !listed.contains(&"x".repeat(201)), "{listed}");
 }

@@ -5,7 +5,7 @@ use lockgate::sql::{dlq_list, dlq_purge, dlq_retry, list_queues, DeadLetter, Dlq
 use lockgate::PgPool;
 
 use crate::db;
-use crate::table::{Align, Table};
+use crate::table::{self, Align, Table};
 
 /// Arguments and errors are cut to this many characters in the listing (`--json` has them whole).
 const SHOWN_CHARS: usize = 120;
@@ -190,7 +190,7 @@ fn print_list(rows: &[DeadLetter]) {
 
 /// One line, at most `SHOWN_CHARS` characters.
 fn shorten(text: &str) -> String {
-    let line = text.replace('\n', " ");
+    let line = table::escaped(&text.replace('\n', " ")).into_owned();
     if line.chars().count() <= SHOWN_CHARS {
         return line;
     }

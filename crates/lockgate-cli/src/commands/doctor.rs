@@ -14,6 +14,7 @@ use lockgate::sql::{DbError, DoctorCheck, DoctorThresholds, Verdict};
 use lockgate::{PgPool, Schedule};
 
 use crate::db;
+use crate::table;
 
 /// Exit status when a check fails.
 pub const EXIT_FAILED: i32 = 1;
@@ -217,9 +218,10 @@ fn print(checks: &[DoctorCheck], json: bool) -> Result<()> {
     }
     let width = checks.iter().map(|c| c.check.len()).max().unwrap_or(0);
     for c in checks {
-        println!("{:<4}  {:<width$}  {}", c.verdict.as_str(), c.check, c.detail);
+        // A detail may quote another session's query or a process's name: escaped.
+        println!("{:<4}  {:<width$}  {}", c.verdict.as_str(), c.check, table::escaped(&c.detail));
         if let Some(advice) = &c.advice {
-            println!("{:<4}  {:<width$}  fix: {advice}", "", "");
+            println!("{:<4}  {:<width$}  fix: {}", "", "", table::escaped(advice));
         }
     }
     let count = |v: Verdict| checks.iter().filter(|c| c.verdict == v).count();

@@ -7,6 +7,7 @@ use lockgate::{Client, JobId};
 
 use crate::commands::jobs::Filter;
 use crate::db;
+use crate::table;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
@@ -145,11 +146,14 @@ async fn show(client: &Client, id: i64, json: bool) -> Result<()> {
     let at = |t: Option<chrono::DateTime<chrono::Utc>>| {
         t.map_or("-".to_string(), |t| t.format("%Y-%m-%d %H:%M:%S%.3f UTC").to_string())
     };
-    println!("job {}: {} on queue {}", job.id, job.state, job.queue);
-    println!("  type      {}", job.job_type.as_deref().unwrap_or("-"));
+    // What others wrote (a key, an error, a type or queue name) is shown with its control
+    // characters escaped (review helper-120 F3).
+    let shown = |t: &str| table::escaped(t).into_owned();
+    println!("job {}: {} on queue {}", job.id, job.state, shown(&job.queue));
+    println!("  type      {}", shown(job.job_type.as_deref().unwrap_or("-")));
     println!("  attempt   {}   priority {}", job.attempt, job.priority);
     if let Some(key) = &job.concurrency_key {
-        println!("  key       {key}");
+        println!("  key       {}", shown(key));
     }
     println!("  enqueued  {}", at(job.enqueued_at));
     if job.finished_at.is_none() {
@@ -158,7 +162,7 @@ async fn show(client: &Client, id: i64, json: bool) -> Result<()> {
         println!("  finished  {}", at(job.finished_at));
     }
     if let Some(reason) = &job.reason {
-        println!("  dead      {reason}: {}", job.error.as_deref().unwrap_or(""));
+        println!("  dead      {}: {}", shown(reason), shown(job.error.as_deref().unwrap_or("")));
     }
     // Deliveries that were no attempt: given back by a shutdown, or claimed ahead and never
     // started (review helper-92: a job a shutdown returned showed no trace of it).
@@ -166,10 +170,10 @@ async fn show(client: &Client, id: i64, json: bool) -> Result<()> {
     if let Some(returns) = returns.filter(|n| *n > 0) {
         println!("  returns   {returns} (deliveries given back by a shutdown or never started: not attempts)");
     }
-    let text = |v: &serde_json::Value| v.as_str().map_or_else(|| "-".to_string(), str::to_string);
+    let text = |v: &serde_json::Value| v.as_str().map_or_else(|| "-".to_string(), shown);
     for a in job.attempts.as_array().into_iter().flatten() {
         let process = if a["process"].is_null() { String::new() } else { format!(" process {}", a["process"]) };
-        let error = a["error"].as_str().map_or_else(String::new, |e| format!(": {e}"));
+        let error = a["error"].as_str().map_or_else(String::new, |e| format!(": {}", shown(e)));
         println!(
             "  attempt {} {} (started {}, ended {}{process}){error}",
             a["attempt"],

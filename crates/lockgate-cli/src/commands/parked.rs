@@ -5,6 +5,7 @@ use anyhow::{bail, Result};
 use lockgate::sql::{discard_parked, parked_jobs};
 
 use crate::db;
+use crate::table;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
@@ -44,7 +45,13 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
                 let parked_at = p.parked_at.format("%Y-%m-%d %H:%M:%S UTC");
                 println!(
                     "{:<8} {:<8} {:<32} {:<16} {:<20} {:>4}  {parked_at:<25} {}",
-                    p.id, p.job_id, p.key, p.queue, p.job_type, p.priority, p.args
+                    p.id,
+                    p.job_id,
+                    table::shown(&p.key),
+                    table::escaped(&p.queue),
+                    table::escaped(&p.job_type),
+                    p.priority,
+                    table::escaped(&p.args.to_string())
                 );
             }
         }

@@ -1,5 +1,5 @@
 //! The HTTP executor: POSTs the job's arguments as JSON; any 2xx response succeeds, anything
-//! else fails the attempt with the status and the start of the body. Job identity travels in
+//! else fails the attempt with the status and the start of the body (no more of it is read). Job identity travels in
 //! headers so the endpoint can deduplicate (`Lockgate-Job-Id`, `Lockgate-Attempt`).
 //!
 //! Every request has a deadline: the executor's `timeout` (`http = { url = "…", timeout = "10s" }`)
@@ -98,10 +98,43 @@ impl HttpExecutor {
         if status.is_success() {
             return Ok(());
         }
-        let body = response.text().await.unwrap_or_default();
-        let head: String = body.chars().take(BODY_HEAD).collect();
-        Err(JobError::new(format!("HTTP {status}: {head}")))
+        let redirect = status.is_redirection().then(|| {
+            let location =
+                response.headers().get(reqwest::header::LOCATION).map(|l| String::from_utf8_lossy(l.as_bytes()));
+            format!(
+                " (redirects are not followed; location: {})",
+                crate::table::shown(location.as_deref().unwrap_or("none"))
+            )
+        });
+        let (head, cut) = body_head(response).await;
+        let cut = cut.map(|why| format!(" (the body was cut short: {why})")).unwrap_or_default();
+        Err(JobError::new(format!("HTTP {status}{}: {head}{cut}", redirect.unwrap_or_default())))
     }
+}
+
+/// The first `BODY_HEAD` characters of a failing response's body, reading no more of it than they
+/// can take (4 bytes a character): the whole body was read to keep its start, and a large or
+/// endless error page took the process's memory with it (review helper-121 F2). With why the
+/// body ended early, if it did (the connection closed mid-body, or the request's deadline passed).
+async fn body_head(mut response: reqwest::Response) -> (String, Option<String>) {
+    let most = BODY_HEAD * 4;
+    let mut bytes = Vec::new();
+    let mut cut = None;
+    while bytes.len() < most {
+        match response.chunk().await {
+            Ok(Some(chunk)) => bytes.extend_from_slice(&chunk[..chunk.len().min(most - bytes.len())]),
+            Ok(None) => break,
+            Err(e) if e.is_timeout() => {
+                cut = Some("no more of it came before the request's deadline".to_string());
+                break;
+            }
+            Err(e) => {
+                cut = Some(JobError::from(e.without_url()).message().to_string());
+                break;
+            }
+        }
+    }
+    (String::from_utf8_lossy(&bytes).chars().take(BODY_HEAD).collect(), cut)
 }
 
 impl RawHandler for HttpExecutor {
