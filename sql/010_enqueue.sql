@@ -320,7 +320,7 @@ BEGIN
             USING ERRCODE = 'LG005',
                   DETAIL = (CASE WHEN EXISTS (SELECT 1 FROM lockgate.unique_locks u
                                                WHERE u.key = ukey AND u.mode = 'while_executing')
-                                 THEN 'that job is running with the key (its type is unique while executing): the key is free again once the run ends, or once the run has lapsed (its worker stopped renewing it past its visibility) and a job of the key is claimed'
+                                 THEN 'that job is running with the key (its type is unique while executing): the key is free again once the run ends, or once the run has lapsed (its worker stopped renewing it past its visibility) and the next sweep or a claim of the key gives it back'
                                  ELSE 'the key is free again once that job succeeds, is dead-lettered or is discarded' END);
     END IF;
     RETURN holder;

@@ -41,7 +41,7 @@ BEGIN
         IF taken THEN
             RETURN NULL;
         END IF;
-        SELECT u.queue, u.job_id, u.msg_id, u.held_until, u.mode, u.ctid AS tid INTO holder
+        SELECT u.queue, u.job_id, u.msg_id, u.held_until, u.mode, u.ctid AS tid, u.xmin AS version INTO holder
           FROM lockgate.unique_locks u WHERE u.key = _take_unique.key;
         IF FOUND THEN
             IF holder.held_until <= clock_timestamp() THEN
@@ -76,10 +76,13 @@ BEGIN
             -- subtransaction rolled back at once: held until the claim's commit, it kept a live
             -- holder's renewals busy and its completion waiting (review helper-117 F1, H28). Its
             -- `sql` statement, if its worker is frozen or cut off, is ended first (§100). The lock
-            -- row is then deleted by its address as read above: the lapsed job delivered again
-            -- meanwhile takes its row back on the same message (a new row version, at another
-            -- address), which the delete then leaves alone, where a match on its columns deleted
-            -- the running redelivery's lock (review helper-120 F2).
+            -- row is then deleted as the version read above, by its address and its xmin: the
+            -- lapsed job delivered again meanwhile takes its row back on the same message (a new
+            -- version, at another address, by another transaction), which the delete then leaves
+            -- alone, where a match on its columns deleted the running redelivery's lock (review
+            -- helper-120 F2). The xmin is what a delete that waited on that take-back checks again
+            -- on the new version: PostgreSQL releases before the fix "Add missing EPQ recheck for
+            -- TID Scan" (2025) do not check the address again (review helper-122 F1).
             IF mode = 'while_executing' AND holder.mode = 'while_executing' AND holder.held_until IS NULL
                AND holder.msg_id IS NOT NULL AND holder.queue IN (SELECT lockgate._live_queues()) THEN
                 BEGIN
@@ -99,8 +102,9 @@ BEGIN
                         RETURN holder.job_id;
                     END IF;
                     DELETE FROM lockgate.unique_locks u
-                     WHERE u.ctid = holder.tid AND u.key = _take_unique.key AND u.queue = holder.queue
-                       AND u.job_id = holder.job_id AND u.msg_id = holder.msg_id AND u.held_until IS NULL;
+                     WHERE u.ctid = holder.tid AND u.xmin = holder.version AND u.key = _take_unique.key
+                       AND u.queue = holder.queue AND u.job_id = holder.job_id AND u.msg_id = holder.msg_id
+                       AND u.held_until IS NULL;
                     CONTINUE;
                 END IF;
             END IF;
@@ -108,6 +112,59 @@ BEGIN
         END IF;
         -- Released between the two statements: try again.
     END LOOP;
+END $$;
+
+-- Gives back the keys of while_executing runs whose delivery lapsed (their message's visibility
+-- passed: no renewal of them lands any more, sql/030_extend.sql), so that a producer naming such
+-- a key explicitly, which judges no lapse (§105), is not refused for as long as the lapsed job
+-- waits, for good in a paused or unserved queue (review helper-119 F4). What a duplicate's claim
+-- does (lockgate._take_unique), in the sweep's short transaction: the holder's message is judged
+-- under a share lock and the lock row taken under its own, each skipping a row another
+-- transaction holds (a renewal, a claim, a completion under way: looked at again by a later
+-- pass); a lapsed run's `sql` statement still running on a marked backend is ended first, and its
+-- key kept if it cannot be (§100); the rows, locked here, are deleted by their addresses. The
+-- lapsed job, delivered again, takes its key back if it is still free. Found through the partial
+-- index of running locks (migration 26): a probe per run under way. Never waits for a lock.
+-- Returns how many keys it gave back. Caller: lockgate.sweep.
+CREATE OR REPLACE FUNCTION lockgate._release_lapsed_runs()
+RETURNS integer LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
+DECLARE
+    q record;
+    tids tid[] := '{}';
+    tags text[] := '{}';
+    found_tids tid[];
+    found_tags text[];
+    marks text[];
+    running text[] := '{}';
+    n integer;
+BEGIN
+    FOR q IN SELECT DISTINCT u.queue FROM lockgate.unique_locks u
+              WHERE u.mode = 'while_executing' AND u.held_until IS NULL
+                AND u.queue IN (SELECT lockgate._live_queues()) LOOP
+        EXECUTE format(
+            'SELECT array_agg(x.tid), array_agg(x.tag)
+               FROM (SELECT u.ctid AS tid, lockgate._statement_tag(u.queue, u.msg_id) AS tag
+                       FROM lockgate.unique_locks u
+                       JOIN %s m ON m.msg_id = u.msg_id
+                      WHERE u.queue = $1 AND u.mode = ''while_executing'' AND u.held_until IS NULL
+                        AND m.vt <= clock_timestamp()
+                        FOR UPDATE OF u SKIP LOCKED FOR SHARE OF m SKIP LOCKED) x',
+            lockgate._queue_table(q.queue, 'q'))
+          INTO found_tids, found_tags USING q.queue;
+        tids := tids || COALESCE(found_tids, '{}');
+        tags := tags || COALESCE(found_tags, '{}');
+    END LOOP;
+    IF cardinality(tids) = 0 THEN
+        RETURN 0;
+    END IF;
+    marks := lockgate._statement_marks();
+    IF marks && tags THEN
+        running := lockgate._end_statements(ARRAY(SELECT t FROM unnest(tags) AS t WHERE t = ANY (marks)));
+    END IF;
+    DELETE FROM lockgate.unique_locks u
+     WHERE u.ctid = ANY (ARRAY(SELECT x.tid FROM unnest(tids, tags) AS x(tid, tag) WHERE NOT x.tag = ANY (running)));
+    GET DIAGNOSTICS n = ROW_COUNT;
+    RETURN n;
 END $$;
 
 -- Releases the locks the given jobs of queue hold through the given messages (job_ids[i] on

@@ -21,7 +21,9 @@
 --    within (keys / 256) passes. When the policies or queues change (their fingerprint in
 --    lockgate.sweep_state), passes instead take every key that can promote now, oldest-waiting
 --    first, at most max_keys per pass, until one finds fewer (lockgate._sweep_candidates): a
---    raised limit frees room at the next sweep.
+--    raised limit frees room at the next sweep;
+-- 3. give back the unique keys of while_executing runs whose delivery lapsed
+--    (lockgate._release_lapsed_runs).
 -- Returns counts. now_override pins the clock for tests; NULL means the database's clock.
 --
 -- Every statement but the policy-change pass (lockgate._sweep_candidates) reaches the key tables
@@ -200,6 +202,8 @@ BEGIN
         END LOOP;
     END IF;
     promoted := lockgate._send_promotions(promotions);
+    -- 3. The keys of while_executing runs whose delivery lapsed (sql/016_uniqueness.sql).
+    PERFORM lockgate._release_lapsed_runs();
 END $$;
 
 -- The keys whose parked jobs can be promoted now, oldest-waiting first, at most max_keys: for a

@@ -42,7 +42,8 @@
 //!   most one delivery is entitled to run at any instant (G3, H14);
 //! - (l) the while_executing lock rows are exactly those the model expects: one per key whose
 //!   job's run has not ended (a holder running out of budget ends nothing by itself: the job's
-//!   next delivery takes the lock back, or another job's claim takes it over, design §103),
+//!   next delivery takes the lock back, or another job's claim or a sweep takes it, design §103,
+//!   §108),
 //!   owned by that job; a cancelled running job's kept, with a
 //!   held_until, until its worker calls `release_cancelled` (then that call must release it), and
 //!   once held_until has passed until a claim takes the key over; a claim delivers a job only with
@@ -235,6 +236,7 @@ impl Run<'_> {
             Op::Sweep => {
                 let mut said = db::sweep(&mut self.c.dispatcher).await?;
                 self.model.limits_changed = false;
+                self.model.swept();
                 if self.api.bookkeeping {
                     let finished: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()")
                         .fetch_one(&mut self.c.dispatcher)
@@ -876,6 +878,7 @@ impl Run<'_> {
         let swept: String = sqlx::query_scalar("SELECT row_to_json(s)::text FROM lockgate.sweep(1000) s")
             .fetch_one(&mut *sweep_tx)
             .await?;
+        self.model.swept();
         let started = Instant::now();
         let (rows, waited) = {
             let claim = db::claim(&mut self.c.workers[worker], api, queue, qty, owner);

@@ -777,6 +777,57 @@ async fn a_lapsed_runs_key_taken_back_by_its_redelivery_is_not_deleted_by_a_dupl
     assert!(put_back, "Y is put back while X runs");
 }
 
+/// Review helper-119 F4: a `while_executing` run whose worker died holds its key until its
+/// visibility runs out; a producer naming that key (an `until_executed` job) judges no lapse
+/// (design §105), and met a duplicate for good while the lapsed job waited in a paused queue. The
+/// sweep now gives such a key back, and only such a key: a run under way, or one whose message
+/// another transaction holds, keeps it.
+#[tokio::test]
+async fn the_sweep_gives_back_the_key_of_a_lapsed_while_executing_run_and_only_that() {
+    let db = db_with(&[
+        "'w', unique_mode => 'while_executing', unique_key => array['id']",
+        "'ur', unique_mode => 'until_executed'",
+    ])
+    .await;
+    let produce = |id: i64| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT status FROM lockgate.enqueue('ur', '{}', jsonb_build_object('unique_key', 'w:[' || $1 || ']'))",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+        }
+    };
+    let (_, x, _) = enqueue(&db.pool, "w", 1).await.unwrap();
+    let (_, z, _) = enqueue(&db.pool, "w", 2).await.unwrap();
+    assert_eq!(claim(&db.pool, 5).await.len(), 2, "X and Z run, holding w:[1] and w:[2]");
+    sqlx::query("SELECT lockgate.pause_queue('default')").execute(&db.pool).await.unwrap();
+    // X's worker died: its visibility runs out. Z is healthy.
+    make_visible(&db.pool, x.unwrap()).await;
+    assert!(produce(1).await.unwrap_err().to_string().contains("is held by job"), "a producer judges no lapse");
+    // A sweep while X's message is held by another transaction (its completion under way) keeps
+    // the key; the next gives it back.
+    let mut holding = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM pgmq.q_default WHERE msg_id = $1 FOR UPDATE")
+        .bind(x.unwrap())
+        .execute(&mut *holding)
+        .await
+        .unwrap();
+    sqlx::query("SELECT lockgate.sweep()").execute(&db.pool).await.unwrap();
+    assert_eq!(locks(&db.pool).await.len(), 2, "the sweep took a key whose message another transaction held");
+    holding.rollback().await.unwrap();
+    sqlx::query("SELECT lockgate.sweep()").execute(&db.pool).await.unwrap();
+    assert_eq!(locks(&db.pool).await, vec![("w:[2]".to_string(), z.unwrap(), z)], "only the lapsed run's key goes");
+    assert_eq!(produce(1).await.unwrap(), "enqueued");
+    assert!(produce(2).await.is_err(), "the key of a run under way stays held");
+    // X, delivered again once its queue resumes, waits for the key the producer's job holds now.
+    sqlx::query("SELECT lockgate.resume_queue('default')").execute(&db.pool).await.unwrap();
+    let delivered: Vec<i64> = claim(&db.pool, 5).await.iter().map(|d| d.0).collect();
+    assert!(!delivered.contains(&x.unwrap()), "X ran while an until_executed job held its key: {delivered:?}");
+}
+
 /// A dead letter an operator retries is run, not discarded: of a type that discards
 /// `while_executing` duplicates, it waits while another job of its key runs, where it was
 /// archived unrun as that job's duplicate, its dead letter gone (review helper-115 F3).

@@ -100,7 +100,7 @@ pub struct WLock {
     /// The job whose run took it: a delivery of it was returned, and its run has not ended
     /// (completed, retried, released, dead-lettered, cancelled, parked again). A holder running
     /// out of budget ends nothing by itself: the job's next delivery takes the lock back as its
-    /// owner, or another job's claim takes it over (design §103).
+    /// owner, another job's claim takes it over (design §103), or a sweep gives it back (§108).
     pub job: i64,
     /// The delivery its job was cancelled in, for whose handler the cancel kept it: until
     /// `release_cancelled` with that delivery's token, or until its budget has passed.
@@ -249,6 +249,12 @@ impl Model {
     /// The claim parked these jobs again: their while_executing locks went.
     pub fn parked_again(&mut self, jobs: &[i64]) {
         self.wlocks.retain(|_, l| !jobs.contains(&l.job) || l.kept.is_some());
+    }
+
+    /// A sweep ran: the lock of every run under way whose visibility has passed goes (design
+    /// §108; the model runs no `sql` statement that would keep one).
+    pub fn swept(&mut self) {
+        self.wlocks.retain(|_, l| l.kept.is_some() || !l.lapsed);
     }
 
     /// The reaper ran: every lock kept for a cancelled handler whose held_until has passed goes.

@@ -117,6 +117,11 @@ const MIGRATIONS: &[Migration] = &[
         name: "unique_keys_first",
         sql: Some(include_str!("../../../migrations/0025_unique_keys_first.sql")),
     },
+    Migration {
+        version: 26,
+        name: "running_unique_locks",
+        sql: Some(include_str!("../../../migrations/0026_running_unique_locks.sql")),
+    },
 ];
 
 /// The functions of `sql/`, applied in this order on every migrate.
@@ -571,7 +576,7 @@ mod tests {
 
     /// The checksum of the functions at `FUNCTIONS_REVISION`. A change to `sql/` fails this test:
     /// bump `FUNCTIONS_REVISION` and set this to the new checksum, in the same change.
-    const PINNED_CHECKSUM: &str = "4010dbfea248b8a5";
+    const PINNED_CHECKSUM: &str = "c375d3b77aec5d63";
 
     #[test]
     fn functions_are_pinned_to_their_revision() {

@@ -106,7 +106,12 @@ impl HttpExecutor {
                 crate::table::shown(location.as_deref().unwrap_or("none"))
             )
         });
-        let (head, cut) = body_head(response).await;
+        // Read under the attempt's cancellation too: a slow body must not hold a cancelled
+        // attempt past it (review helper-122 F2).
+        let (head, cut) = tokio::select! {
+            read = body_head(response) => read,
+            () = ctx.cancelled() => (String::new(), Some("the attempt was cancelled while it was read".to_string())),
+        };
         let cut = cut.map(|why| format!(" (the body was cut short: {why})")).unwrap_or_default();
         Err(JobError::new(format!("HTTP {status}{}: {head}{cut}", redirect.unwrap_or_default())))
     }
