@@ -141,6 +141,15 @@ BEGIN
     FOR q IN SELECT DISTINCT u.queue FROM lockgate.unique_locks u
               WHERE u.mode = 'while_executing' AND u.held_until IS NULL
                 AND u.queue IN (SELECT lockgate._live_queues()) LOOP
+        -- SKIP LOCKED skips busy rows, not a table another session locks whole (VACUUM FULL, a
+        -- purge, an ALTER TABLE, or one of them waiting behind a long reader) or dropped
+        -- meanwhile: such a queue is left for a later pass, so that the sweep, which holds the
+        -- rows of its earlier steps, never waits (review helper-123 F1, F2).
+        BEGIN
+            EXECUTE format('LOCK TABLE %s IN ROW SHARE MODE NOWAIT', lockgate._queue_table(q.queue, 'q'));
+        EXCEPTION WHEN lock_not_available OR undefined_table THEN
+            CONTINUE;
+        END;
         EXECUTE format(
             'SELECT array_agg(x.tid), array_agg(x.tag)
                FROM (SELECT u.ctid AS tid, lockgate._statement_tag(u.queue, u.msg_id) AS tag
