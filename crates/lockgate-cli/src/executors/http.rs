@@ -1,6 +1,7 @@
 //! The HTTP executor: POSTs the job's arguments as JSON; any 2xx response succeeds, anything
-//! else fails the attempt with the status and the start of the body (no more of it is read). Job identity travels in
-//! headers so the endpoint can deduplicate (`Lockgate-Job-Id`, `Lockgate-Attempt`).
+//! else fails the attempt with the status and the start of the body (no more of it is read).
+//! Job identity travels in headers so the endpoint can deduplicate (`Lockgate-Job-Id`,
+//! `Lockgate-Attempt`).
 //!
 //! Every request has a deadline: the executor's `timeout` (`http = { url = "…", timeout = "10s" }`)
 //! if configured, else [`DEFAULT_HTTP_TIMEOUT`]; an endpoint that does not answer in time fails
