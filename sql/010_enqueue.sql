@@ -385,10 +385,10 @@ BEGIN
         -- again when the key is full: a job of the key may have finished while this enqueue
         -- waited for the row, and only now that it holds the row is that lease sure to be seen.
         PERFORM lockgate._give_back_finished(key);
-        acquired := lockgate._acquire(key, jt.concurrency_limit);
+        acquired := lockgate._acquire(key, jt.concurrency_limit, jt.name);
         IF NOT acquired THEN
             PERFORM lockgate._give_back_finished(key);
-            acquired := lockgate._acquire(key, jt.concurrency_limit);
+            acquired := lockgate._acquire(key, jt.concurrency_limit, jt.name);
         END IF;
         IF NOT acquired AND jt.concurrency_on_conflict <> 'block'
            AND current_setting('transaction_isolation') <> 'read committed'
@@ -455,7 +455,7 @@ BEGIN
     END IF;
     job_id := msg_id;
     IF key IS NOT NULL THEN
-        PERFORM lockgate._add_lease(key, queue, msg_id, vt, jt.concurrency_duration_ms);
+        PERFORM lockgate._add_lease(key, queue, msg_id, vt, jt.concurrency_duration_ms, jt.name);
     END IF;
     IF batch IS NOT NULL THEN
         INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id) VALUES (_enqueue_one.queue, _enqueue_one.job_id, batch);

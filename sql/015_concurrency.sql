@@ -1,7 +1,8 @@
 -- Concurrency limits: the guarded acquire, leases, parking and promotion. Every path that takes
 -- a permit — enqueue, promotion at completion, promotion by the sweep, re-acquire at claim —
--- goes through lockgate._acquire, which takes the key's semaphore row lock and increments value
--- only while value < limit (G3). Every path that gives one back deletes its own lease row and
+-- goes through lockgate._acquire or lockgate._promote_keys, which hold the key's semaphore row
+-- lock and increment value only while value < limit, the least of the admitted job's type's and
+-- its holders' types' limits (G3; types sharing an explicit key, docs/design.md §109). Every path that gives one back deletes its own lease row and
 -- decrements by exactly the rows it deleted, so value = live leases at every commit (G2, H2, H7).
 -- Lock order: lease rows, then semaphore rows in key order, then parked rows.
 
@@ -53,37 +54,82 @@ RETURNS interval LANGUAGE sql STABLE AS $$
     SELECT lockgate._lease_interval(duration_ms, lockgate._lease_floor_ms())
 $$;
 
--- Takes one permit of key if value < limit; true when taken. Either way the key's semaphore row
--- stays locked until commit, so a park decided here cannot race a release (H6). A NULL limit
--- keeps the limit the key already records (and takes nothing for a key never seen).
-CREATE OR REPLACE FUNCTION lockgate._acquire(key text, lim integer)
+-- The limit the holders of key bind every admission to: the least of their types' current
+-- limits (a holder whose type is gone or no longer limited binds nothing; one taken before
+-- migration 27, whose type no lease recorded, binds the key's recorded limit). NULL when none
+-- binds. holders is how many permits of the key are held: a holder promoted in the caller's
+-- transaction has no lease row until its promotion is sent (lockgate._send_promotions, after
+-- every key is done), and while the key's lease rows are fewer, the key's recorded limit binds
+-- too (every admission records a limit no looser than the one it was made under). Read by a path
+-- that holds the key's row locked, and only for a key whose holders are not all of the admitted
+-- job's type (lockgate.semaphores.sole_type): one probe of the key's leases. Volatile, so that
+-- its query sees every lease committed before the caller locked the row.
+CREATE OR REPLACE FUNCTION lockgate._holders_limit(key text, holders integer)
+RETURNS integer LANGUAGE plpgsql SET enable_seqscan = off AS $$
+BEGIN
+    RETURN (SELECT LEAST(min(COALESCE(t.concurrency_limit, CASE WHEN l.key IS NOT NULL AND l.job_type IS NULL THEN s.lim END)),
+                         CASE WHEN count(l.key) < holders THEN min(s.lim) END)
+              FROM lockgate.semaphores s
+              LEFT JOIN lockgate.leases l ON l.key = s.key
+              LEFT JOIN lockgate.job_types t ON t.name = l.job_type
+             WHERE s.key = _holders_limit.key);
+END $$;
+
+DROP FUNCTION IF EXISTS lockgate._acquire(text, integer);
+
+-- Takes one permit of key for a job of type job_type, limited to lim; true when taken. Taken
+-- while the key has fewer holders than lim and than every holder's own type's limit: types that
+-- share a key (an explicit key several types name) are each admitted under the strictest limit
+-- among the key's holders, so a job of a type limited to 1 never runs beside another's
+-- (docs/design.md §109). The common case is one statement: the key is empty, or its holders are
+-- all of job_type (sole_type), and lim alone decides. Else the holders' limit is read from their
+-- leases, under the row lock. The limit recorded is the one the admission was made under, so the
+-- row's CHECK (value <= lim) stands behind both. Either way the key's semaphore row stays locked
+-- until commit (a conflicting insert locks the row it meets, whether it updates it or not), so a
+-- park decided here cannot race a release (H6).
+CREATE OR REPLACE FUNCTION lockgate._acquire(key text, lim integer, job_type text)
 RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
     taken integer;
+    held integer;
+    sole text;
+    binding integer;
 BEGIN
-    IF lim IS NULL THEN
-        PERFORM 1 FROM lockgate.semaphores s WHERE s.key = _acquire.key FOR UPDATE;
-        UPDATE lockgate.semaphores s SET value = s.value + 1, updated_at = now()
-         WHERE s.key = _acquire.key AND s.value < s.lim
-        RETURNING 1 INTO taken;
-        RETURN taken IS NOT NULL;
-    END IF;
-    INSERT INTO lockgate.semaphores AS s (key, lim, value) VALUES (_acquire.key, _acquire.lim, 1)
-    ON CONFLICT ON CONSTRAINT semaphores_pkey DO UPDATE SET value = s.value + 1, lim = EXCLUDED.lim, updated_at = now()
-     WHERE s.value < EXCLUDED.lim
+    INSERT INTO lockgate.semaphores AS s (key, lim, value, sole_type)
+    VALUES (_acquire.key, _acquire.lim, 1, _acquire.job_type)
+    ON CONFLICT ON CONSTRAINT semaphores_pkey DO UPDATE
+       SET value = s.value + 1, lim = EXCLUDED.lim, sole_type = EXCLUDED.sole_type, updated_at = now()
+     WHERE s.value < EXCLUDED.lim AND (s.value = 0 OR s.sole_type = EXCLUDED.sole_type)
     RETURNING 1 INTO taken;
-    RETURN taken IS NOT NULL;
+    IF taken IS NOT NULL THEN
+        RETURN true;
+    END IF;
+    SELECT s.value, s.sole_type INTO held, sole FROM lockgate.semaphores s WHERE s.key = _acquire.key;
+    IF held >= lim OR sole = job_type THEN
+        RETURN false;
+    END IF;
+    binding := LEAST(lim, lockgate._holders_limit(key, held));
+    IF held >= binding THEN
+        RETURN false;
+    END IF;
+    UPDATE lockgate.semaphores s SET value = s.value + 1, lim = binding, sole_type = NULL, updated_at = now()
+     WHERE s.key = _acquire.key;
+    RETURN true;
 END $$;
 
--- Binds a taken permit to its message. The lease covers the delay before the message is
--- visible (H9), then the silence budget. PL/pgSQL, for its plan kept for the session (a SQL
--- function's INSERT was planned again in every transaction).
-CREATE OR REPLACE FUNCTION lockgate._add_lease(key text, queue text, msg_id bigint, visible_at timestamptz, duration_ms bigint)
+DROP FUNCTION IF EXISTS lockgate._add_lease(text, text, bigint, timestamptz, bigint);
+
+-- Binds a taken permit to its message, naming the job's type (what lockgate._holders_limit
+-- reads). The lease covers the delay before the message is visible (H9), then the silence
+-- budget. PL/pgSQL, for its plan kept for the session (a SQL function's INSERT was planned again
+-- in every transaction).
+CREATE OR REPLACE FUNCTION lockgate._add_lease(key text, queue text, msg_id bigint, visible_at timestamptz, duration_ms bigint, job_type text)
 RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
+    INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at, job_type)
     VALUES (_add_lease.queue, _add_lease.msg_id, _add_lease.key, _add_lease.duration_ms,
-            GREATEST(_add_lease.visible_at, clock_timestamp()) + lockgate._lease_interval(_add_lease.duration_ms));
+            GREATEST(_add_lease.visible_at, clock_timestamp()) + lockgate._lease_interval(_add_lease.duration_ms),
+            _add_lease.job_type);
 END $$;
 
 -- Ends the leases of the given messages of one queue, whose jobs have just ended (completed,
@@ -239,11 +285,13 @@ END $$;
 -- locked) and promotes their parked jobs; returns what to send. The common case is three
 -- statements: for every key whose next parked job's type is limited and whose queue exists, its
 -- next parked jobs (best priority, then oldest) are picked and locked, as many as that type's
--- current limit leaves room for once the permits are back, less any among them of another type
+-- current limit leaves room for once the permits are back (or the limit of the key's remaining
+-- holders, when they are not all of that type and one of theirs is stricter, docs/design.md
+-- §109), less any among them of another type
 -- or bound for a queue that is gone; each semaphore row is written once, with what was given
 -- back and what was taken (the CHECK on value <= lim stands behind the arithmetic, G3), and not
--- at all when the two cancel out under an unchanged limit (a key handing its permit from the job
--- that finished to the next one: the row the caller holds locked is what orders every path, and
+-- at all when the two cancel out under an unchanged limit and type (a key handing its permit from
+-- the job that finished to the next one: the row the caller holds locked is what orders every path, and
 -- updated_at, which idle-key reclamation reads, matters only once the value is 0, which is
 -- always written); the picked jobs are deleted and returned. A key that still has room
 -- afterwards (its next job's type is gone or no longer limited, its queue is gone, or jobs of
@@ -269,29 +317,37 @@ DECLARE
     tids tid[];
     deltas integer[];
     lims integer[];
+    soles text[];
     updated bigint;
     k text;
 BEGIN
     WITH released AS MATERIALIZED (
-        SELECT g.key, g.n, s.tid, s.value, s.lim
+        SELECT g.key, g.n, s.tid, s.value, s.lim, s.sole
           FROM unnest(keys, counts) AS g(key, n)
-         CROSS JOIN LATERAL (SELECT x.ctid AS tid, x.value, x.lim FROM lockgate.semaphores x
+         CROSS JOIN LATERAL (SELECT x.ctid AS tid, x.value, x.lim, x.sole_type AS sole FROM lockgate.semaphores x
                               WHERE x.key = g.key OFFSET 0) s),
+    -- The head type's limit, or the key's remaining holders' if they are not all of that type
+    -- and one of theirs is stricter (lockgate._acquire, docs/design.md §109): a holder of a type
+    -- limited to 1 admits no other job, of any type, beside it.
     room AS (
-        SELECT g.key, g.lim AS held, t.job_type, t.lim, t.duration_ms, t.lim - (g.value - g.n) AS n
+        SELECT g.key, g.lim AS held, g.sole AS held_sole, t.job_type, b.lim, t.duration_ms,
+               b.lim - (g.value - g.n) AS n,
+               CASE WHEN g.value = g.n OR g.sole = t.job_type THEN t.job_type END AS sole
           FROM released g
          CROSS JOIN LATERAL (SELECT x.job_type, x.queue FROM lockgate.parked x WHERE x.key = g.key
                               ORDER BY x.priority, x.id LIMIT 1) head
          CROSS JOIN LATERAL (SELECT jt.name AS job_type, jt.concurrency_limit AS lim,
                                     jt.concurrency_duration_ms AS duration_ms
                                FROM lockgate.job_types jt WHERE jt.name = head.job_type OFFSET 0) t
-         WHERE t.lim > g.value - g.n
+         CROSS JOIN LATERAL (SELECT CASE WHEN g.value = g.n OR g.sole = t.job_type THEN t.lim
+                                         ELSE LEAST(t.lim, lockgate._holders_limit(g.key, g.value - g.n)) END AS lim) b
+         WHERE b.lim > g.value - g.n
            AND head.queue IN (SELECT lockgate._live_queues())),
     -- The type and queue are checked after the LIMIT, not inside it: a filter there makes the
     -- planner expect almost no matching rows, and without statistics it then reads and sorts
     -- every parked job of the key instead of taking the first few from the index.
     picked AS (
-        SELECT p.id, r.key, r.lim, r.duration_ms
+        SELECT p.id, r.key, r.lim, r.duration_ms, r.sole
           FROM room r
          CROSS JOIN LATERAL (SELECT x.id, x.job_type, x.queue FROM lockgate.parked x
                               WHERE x.key = r.key
@@ -299,26 +355,36 @@ BEGIN
                                 FOR UPDATE SKIP LOCKED) p
          WHERE p.job_type = r.job_type
            AND p.queue IN (SELECT lockgate._live_queues())),
-    -- Per key: its row, given back, taken, the limit to record and the one recorded.
+    -- Per key: its row, given back, taken, the limit to record and the one recorded, the type all
+    -- its holders will be of (NULL: several) and the one recorded.
     change AS (
         SELECT u.key, (array_agg(u.tid) FILTER (WHERE u.tid IS NOT NULL))[1] AS tid, sum(u.n)::integer AS n,
-               max(u.lim) AS lim, max(u.held) AS held
-          FROM (SELECT g.key, g.tid, -g.n AS n, NULL::integer AS lim, g.lim AS held FROM released g
+               max(u.lim) AS lim, max(u.held) AS held, max(u.held_sole) AS held_sole,
+               CASE WHEN bool_or(u.tid IS NULL) THEN max(u.sole) ELSE max(u.held_sole) END AS sole,
+               bool_or(u.tid IS NULL) AS took
+          FROM (SELECT g.key, g.tid, -g.n AS n, NULL::integer AS lim, g.lim AS held, g.sole AS held_sole, NULL AS sole
+                  FROM released g
                 UNION ALL
-                SELECT picked.key, NULL, 1, picked.lim, NULL FROM picked) u
+                SELECT picked.key, NULL, 1, picked.lim, NULL, NULL, picked.sole FROM picked) u
          GROUP BY u.key)
+    -- A row is left unwritten when nothing of it changes: a key handing its permit from the job
+    -- that finished to the next one of the same type. Handed between types, it is written all the
+    -- same: a REPEATABLE READ transaction whose snapshot is older then meets the write when it
+    -- locks the row (a serialization failure), instead of judging the holders from leases it
+    -- cannot see.
     SELECT (SELECT array_agg(picked.id ORDER BY picked.id) FROM picked),
            (SELECT array_agg(picked.duration_ms ORDER BY picked.id) FROM picked),
-           array_agg(c.key), array_agg(c.tid), array_agg(c.n), array_agg(c.lim)
-      INTO ids, durations, written, tids, deltas, lims
-      FROM change c WHERE c.n <> 0 OR c.lim <> c.held;
+           array_agg(c.key), array_agg(c.tid), array_agg(c.n), array_agg(c.lim), array_agg(c.sole)
+      INTO ids, durations, written, tids, deltas, lims, soles
+      FROM change c
+     WHERE c.n <> 0 OR c.lim <> c.held OR c.sole IS DISTINCT FROM c.held_sole OR (c.took AND c.sole IS NULL);
     -- The rows that change, in one statement, each found by the row address read above (the
     -- caller holds the rows locked, so it cannot have moved): joined on the key, the planner
     -- may walk the whole index; on the address, only a probe of each is possible (a TID scan).
     IF written IS NOT NULL THEN
         UPDATE lockgate.semaphores s
-           SET value = s.value + c.n, lim = COALESCE(c.lim, s.lim), updated_at = now()
-          FROM unnest(tids, deltas, lims, written) AS c(tid, n, lim, key)
+           SET value = s.value + c.n, lim = COALESCE(c.lim, s.lim), sole_type = c.sole, updated_at = now()
+          FROM unnest(tids, deltas, lims, written, soles) AS c(tid, n, lim, key, sole)
          WHERE s.ctid = c.tid AND s.key IS NOT DISTINCT FROM c.key;
         GET DIAGNOSTICS updated = ROW_COUNT;
         IF updated <> cardinality(written) THEN
@@ -411,7 +477,7 @@ BEGIN
             CONTINUE;
         END IF;
         IF jt.concurrency_limit IS NOT NULL THEN
-            EXIT WHEN NOT lockgate._acquire(key, jt.concurrency_limit);
+            EXIT WHEN NOT lockgate._acquire(key, jt.concurrency_limit, jt.name);
         END IF;
         DELETE FROM lockgate.parked x WHERE x.id = p.id;
         RETURN NEXT ROW(p.queue, GREATEST(p.run_at, clock_timestamp()), p.args,
@@ -446,10 +512,11 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
                                                      OFFSET 0 FOR UPDATE) x
                                  WHERE src.headers ? ''ukey'') h
                          WHERE u.ctid = h.tid)
-         INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
+         INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at, job_type)
          SELECT $2, src.msg_id, src.key, src.duration_ms,
                 GREATEST(src.vt, clock_timestamp())
-                + lockgate._lease_interval(src.duration_ms, (SELECT lockgate._lease_floor_ms()))
+                + lockgate._lease_interval(src.duration_ms, (SELECT lockgate._lease_floor_ms())),
+                src.headers->>''type''
            FROM src WHERE src.key IS NOT NULL', tbl)
 $$;
 

@@ -511,10 +511,10 @@ BEGIN
         EXECUTE format('UPDATE %s m SET headers = $3 WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
           USING c.msg_id, c.read_ct, c.headers;
     END IF;
-    IF lockgate._acquire(ckey, jt.concurrency_limit) THEN
-        INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at)
+    IF lockgate._acquire(ckey, jt.concurrency_limit, jt.name) THEN
+        INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at, job_type)
         VALUES (queue, c.msg_id, ckey, jt.concurrency_duration_ms,
-                clock_timestamp() + lockgate._lease_interval(jt.concurrency_duration_ms))
+                clock_timestamp() + lockgate._lease_interval(jt.concurrency_duration_ms), jt.name)
         RETURNING expires_at INTO lease_end;
         -- The visibility never outlives the lease.
         EXECUTE format('UPDATE %s m SET vt = LEAST(m.vt, $3) WHERE m.msg_id = $1 AND m.read_ct = $2 RETURNING m.vt', tbl)

@@ -41,7 +41,8 @@ BEGIN
 END $$;
 
 -- The concurrency invariants, as rows of violations (none when all hold). Over permits: for
--- every key, value = number of live leases <= limit; no expired lease points at a message that
+-- every key, value = number of live leases <= limit, and a type recorded as its holders' alone is
+-- theirs; no expired lease points at a message that
 -- no longer exists (run it after a sweep, which frees such leases once they expire; before then
 -- the message's holder may still be running), except the lease of a job that finished while
 -- another transaction held its key's row (finished_at), which the sweep frees once it can. Over deliveries (G3, H24): every
@@ -59,6 +60,14 @@ BEGIN
          GROUP BY s.key, s.value HAVING s.value <> count(l.msg_id);
     RETURN QUERY
         SELECT s.key, format('value %s above limit %s', s.value, s.lim) FROM lockgate.semaphores s WHERE s.value > s.lim;
+    -- A key recorded as held by jobs of one type alone admits that type's jobs under its own
+    -- limit without looking at the holders (lockgate._acquire): no holder may be of another.
+    RETURN QUERY
+        SELECT s.key, format('recorded as held by type %s alone, but %s leases are of %s', s.sole_type, count(*),
+                             string_agg(DISTINCT COALESCE(l.job_type, 'no recorded type'), ', '))
+          FROM lockgate.semaphores s JOIN lockgate.leases l ON l.key = s.key
+         WHERE s.sole_type IS NOT NULL AND l.job_type IS DISTINCT FROM s.sole_type
+         GROUP BY s.key, s.sole_type;
     -- No foreign key stands behind this since migration 18: every path adding a lease holds its
     -- key's row locked.
     RETURN QUERY

@@ -321,22 +321,30 @@ BEGIN
     RETURN NEXT;
 END $$;
 
--- Keys with parked jobs and room for one of them now: what the sweep promotes (the condition is
--- the sweep's own, sql/080_sweep.sql: no semaphore row, a type gone or no longer limited, or
--- fewer permits held than the type's current limit). Seen for a moment after a holder's lease
--- is freed, or for one round of the sweep's repair when no release touched the key; one that
--- stays means no sweep runs. One row for all of them.
+-- Keys with parked jobs and room for the next of them now: what the sweep promotes (no
+-- semaphore row, the next job's type gone or no longer limited, or fewer permits held than the
+-- least of that type's current limit and, on a key types share, its holders' types' limits, as
+-- lockgate._acquire judges; the sweep's own condition looks at the type alone, and so at every key
+-- this names). Seen for a moment after a holder's lease is freed, or for one round of the
+-- sweep's repair when no release touched the key; one that stays means no sweep runs. One row for
+-- all of them.
 CREATE OR REPLACE FUNCTION lockgate._doctor_parked()
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE sql STABLE AS $$
-    WITH roomy AS (
-        SELECT p.key, count(*) AS parked, min(p.parked_at) AS oldest,
-               max(COALESCE(s.value, 0)) AS held, max(jt.concurrency_limit) AS lim
-          FROM lockgate.parked p
-          LEFT JOIN lockgate.semaphores s ON s.key = p.key
-          LEFT JOIN lockgate.job_types jt ON jt.name = p.job_type
-         WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
-         GROUP BY p.key),
+    WITH waiting AS (
+        SELECT p.key, count(*) AS parked, min(p.parked_at) AS oldest FROM lockgate.parked p GROUP BY p.key),
+    roomy AS (
+        SELECT w.*, COALESCE(s.value, 0) AS held, LEAST(jt.concurrency_limit, h.lim) AS lim
+          FROM waiting w
+          LEFT JOIN lockgate.semaphores s ON s.key = w.key
+         CROSS JOIN LATERAL (SELECT x.job_type FROM lockgate.parked x WHERE x.key = w.key
+                              ORDER BY x.priority, x.id LIMIT 1) head
+          LEFT JOIN lockgate.job_types jt ON jt.name = head.job_type
+         CROSS JOIN LATERAL (SELECT min(COALESCE(t.concurrency_limit, CASE WHEN l.job_type IS NULL THEN s.lim END)) AS lim
+                               FROM lockgate.leases l LEFT JOIN lockgate.job_types t ON t.name = l.job_type
+                              WHERE l.key = w.key AND s.sole_type IS DISTINCT FROM head.job_type) h
+         WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL
+            OR s.value < LEAST(jt.concurrency_limit, h.lim)),
     listed AS (SELECT * FROM roomy ORDER BY oldest LIMIT 5)
     SELECT 'parked_with_room', 'warn',
            format('%s key(s) have parked jobs and a free permit: %s%s', (SELECT count(*) FROM roomy),
@@ -355,11 +363,11 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- Keys whose parked jobs are of types with different limits: types that name one explicit
--- concurrency key, each admitted by its own limit (README, Concurrency limits; design §105). A job
--- of the stricter type starts only once fewer than its limit hold permits, and promotion, which
--- takes a key's parked jobs in order, stops at it, while the looser type's enqueues take free
--- permits directly: the parked jobs may wait as long as that traffic lasts, and parked_with_room
--- names the key as if no sweep ran. One read of the parked jobs; one row for all such keys.
+-- concurrency key (README, Concurrency limits; design §105, §109). Each job is admitted under the
+-- strictest limit among the key's holders, so a job of the stricter type starts only once fewer
+-- than its limit hold permits, and promotion, which takes a key's parked jobs in order, stops at
+-- it, while the looser type's enqueues take free permits directly: the parked jobs may wait as
+-- long as that traffic lasts. One read of the parked jobs; one row for all such keys.
 CREATE OR REPLACE FUNCTION lockgate._doctor_shared_keys()
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE sql STABLE AS $$
@@ -376,10 +384,10 @@ LANGUAGE sql STABLE AS $$
                   (SELECT string_agg(format('%s (%s parked: %s)', l.key, l.parked, l.types), '; ' ORDER BY l.key)
                      FROM listed l),
                   CASE WHEN (SELECT count(*) FROM mixed) > 5 THEN '; …' ELSE '' END),
-           'types that name one concurrency key share its permits, each admitted by its own limit: a job of the '
-           'stricter type runs beside the looser type''s jobs, or waits, holding back the jobs parked behind it, '
-           'while the looser type''s enqueues take free permits directly. Give every type that shares a key the '
-           'same limit (lockgate.define_job_type)'
+           'types that name one concurrency key share its permits, each job admitted under the strictest limit among '
+           'the key''s holders: a job of the stricter type waits for fewer holders than its limit, holding back the '
+           'jobs parked behind it, while the looser type''s enqueues take free permits directly, for as long as that '
+           'traffic lasts. If that wait matters, give the types one limit (lockgate.define_job_type) or keys of their own'
      WHERE EXISTS (SELECT 1 FROM mixed)
     UNION ALL
     SELECT 'shared_keys', 'ok', 'no key has parked jobs of types with different limits', NULL

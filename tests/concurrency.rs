@@ -814,8 +814,11 @@ async fn a_key_handing_its_permit_to_its_next_parked_job_leaves_its_semaphore_ro
     assert_invariants(&db).await;
 }
 
+/// Types that share a key: a job is admitted under the strictest limit among the key's
+/// holders, not only its own type's (design §109; before it, a limit-2 job started beside a
+/// limit-1 holder). tests/shared_keys.rs takes every path that admits one.
 #[tokio::test]
-async fn a_key_shared_by_two_types_promotes_each_job_under_its_own_types_limit() {
+async fn a_key_shared_by_two_types_admits_no_job_beside_a_holder_of_the_stricter_type() {
     let (db, client) = setup(1).await;
     let mut policy = JobPolicy::on_queue(common::queue("default"));
     policy.concurrency = Some(ConcurrencyPolicy::new(2));
@@ -825,45 +828,53 @@ async fn a_key_shared_by_two_types_promotes_each_job_under_its_own_types_limit()
     let narrow = client.enqueue_raw(TYPE, &json!({ "account": 1 }), &shared).await.unwrap();
     let wide = client.enqueue_raw("wide", &json!({}), &shared).await.unwrap();
     assert_eq!((holder.status, narrow.status), (EnqueueStatus::Enqueued, EnqueueStatus::Parked));
-    // The shared key is full for the limit-1 type but has room for the limit-2 type.
-    assert_eq!(wide.status, EnqueueStatus::Enqueued);
+    // The key has 1 of the limit-2 type's permits taken, but its holder's limit is 1.
+    assert_eq!(wide.status, EnqueueStatus::Parked);
     complete_all_visible(&db).await;
-    // Both released; the limit-1 job is promoted under its own limit, nothing more.
-    assert_eq!(parked(&db).await, 0);
+    // The holder released; the limit-1 job is promoted, alone: the limit-2 job still waits.
+    assert_eq!(parked(&db).await, 1);
     assert!(message_of(&db, narrow.job_id.0).await.is_some());
+    assert!(message_of(&db, wide.job_id.0).await.is_none());
     let value: i32 = sqlx::query_scalar("SELECT value FROM lockgate.semaphores WHERE key = 'shared'")
         .fetch_one(&db.pool)
         .await
         .unwrap();
     assert_eq!(value, 1);
     assert_invariants(&db).await;
+    complete_all_visible(&db).await;
+    assert_eq!(parked(&db).await, 0);
+    assert!(message_of(&db, wide.job_id.0).await.is_some());
+    assert_invariants(&db).await;
 }
 
 /// A completion that fills its key's room with jobs of the next job's type looks again when the
 /// job behind them is of another type with a higher limit: the closing pass of `_promote_keys`
 /// promotes it (a test of that pass; design §61 measured skipping it for keys that cannot need
-/// it, and did not keep it).
+/// it, and did not keep it), under the limit of the job just promoted, whose lease is not
+/// written yet (design §109).
 #[tokio::test]
 async fn room_left_by_a_promotion_goes_to_the_next_job_of_another_type_sharing_the_key() {
     let (db, client) = setup(1).await;
-    let mut policy = JobPolicy::on_queue(common::queue("default"));
-    policy.concurrency = Some(ConcurrencyPolicy::new(2));
-    client.define_job_type(&JobTypeName::new("wide").unwrap(), &policy).await.unwrap();
+    for (name, limit) in [("wide", 2), ("wider", 3)] {
+        let mut policy = JobPolicy::on_queue(common::queue("default"));
+        policy.concurrency = Some(ConcurrencyPolicy::new(limit));
+        client.define_job_type(&JobTypeName::new(name).unwrap(), &policy).await.unwrap();
+    }
     let shared = EnqueueOptions { concurrency_key: Some("shared".into()), ..Default::default() };
     let statuses = [
         client.enqueue_raw("wide", &json!({}), &shared).await.unwrap().status,
         client.enqueue_raw("wide", &json!({}), &shared).await.unwrap().status,
     ];
     assert_eq!(statuses, [EnqueueStatus::Enqueued, EnqueueStatus::Enqueued]);
-    let narrow = client.enqueue_raw(TYPE, &json!({ "account": 1 }), &shared).await.unwrap();
-    let wide = client.enqueue_raw("wide", &json!({}), &shared).await.unwrap();
-    assert_eq!((narrow.status, wide.status), (EnqueueStatus::Parked, EnqueueStatus::Parked));
-    // Both holders finish in one completion: the limit-1 job takes one permit, and the limit-2
-    // job behind it the second.
+    let next = client.enqueue_raw("wide", &json!({}), &shared).await.unwrap();
+    let wider = client.enqueue_raw("wider", &json!({}), &shared).await.unwrap();
+    assert_eq!((next.status, wider.status), (EnqueueStatus::Parked, EnqueueStatus::Parked));
+    // Both holders finish in one completion: the limit-2 job takes one permit, and the limit-3
+    // job behind it the second (2 of the limit-2 job's 2).
     assert_eq!(complete_all_visible(&db).await, 2);
     assert_eq!(parked(&db).await, 0, "both parked jobs promoted");
-    assert!(message_of(&db, narrow.job_id.0).await.is_some());
-    assert!(message_of(&db, wide.job_id.0).await.is_some());
+    assert!(message_of(&db, next.job_id.0).await.is_some());
+    assert!(message_of(&db, wider.job_id.0).await.is_some());
     let value: i32 = sqlx::query_scalar("SELECT value FROM lockgate.semaphores WHERE key = 'shared'")
         .fetch_one(&db.pool)
         .await

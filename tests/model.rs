@@ -87,7 +87,7 @@ mod model {
 
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{BuildHasher, Hasher};
 use std::time::{Duration, Instant};
 
@@ -98,7 +98,7 @@ use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
 use model::db::{self, Api, Claimed, Conns, State};
-use model::ops::{self, Case, Finish, Op, Queue, StaleAction, Ty, SHARED_KEY};
+use model::ops::{self, Case, Finish, Op, Queue, StaleAction, Ty, SHARED_CKEY, SHARED_KEY};
 use model::reference::{Checks, Delivery, Fate, Holder, Model};
 
 /// The most rounds of claims, completions and lapsed clocks a case's drain takes (and the most
@@ -153,7 +153,13 @@ impl Run<'_> {
                     sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
                         .bind(ty.name())
                         .bind(json!({ "k": k }))
-                        .bind(db::job_options(self.api, !self.model.batch.closed, *ty, *k))
+                        .bind(db::job_options(
+                            self.api,
+                            !self.model.batch.closed,
+                            *ty,
+                            *k,
+                            self.model.limits.contains_key(ty),
+                        ))
                         .fetch_all(&mut self.c.producer)
                         .await?;
                 self.enqueued(*ty, &[*k], &rows, !self.model.batch.closed)
@@ -175,7 +181,13 @@ impl Run<'_> {
                     sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
                         .bind(ty.name())
                         .bind(json!({ "k": k }))
-                        .bind(db::job_options(self.api, !self.model.batch.closed, *ty, *k))
+                        .bind(db::job_options(
+                            self.api,
+                            !self.model.batch.closed,
+                            *ty,
+                            *k,
+                            self.model.limits.contains_key(ty),
+                        ))
                         .fetch_one(&mut *tx)
                         .await?;
                 // A duplicate's job_id names the live job holding the key: nothing of this
@@ -341,12 +353,21 @@ impl Run<'_> {
                     // Jobs running now may finish under the old limit (see Model::carried). Jobs
                     // that hold a permit without running do not carry it over: their claim
                     // re-admits them under the new limit (design §80).
-                    let running: Vec<(String, i64)> = self
+                    // On a key types share, every job running on it is carried: the type's jobs
+                    // bind the others' admissions too (design §109).
+                    let keys: BTreeSet<String> = self
                         .model
                         .deliveries
                         .iter()
                         .filter(|d| d.holder == Holder::Running && d.ty == Some(*ty))
-                        .filter_map(|d| d.key.clone().map(|k| (k, d.job_id)))
+                        .filter_map(|d| d.key.clone())
+                        .collect();
+                    let running: Vec<(String, i64)> = self
+                        .model
+                        .deliveries
+                        .iter()
+                        .filter(|d| d.holder == Holder::Running)
+                        .filter_map(|d| d.key.clone().filter(|k| keys.contains(k)).map(|k| (k, d.job_id)))
                         .collect();
                     for (key, job) in running {
                         self.model.carried.entry(key).or_default().insert(job);
@@ -402,7 +423,7 @@ impl Run<'_> {
             sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
                 .bind(ty.name())
                 .bind(json!({ "k": k }))
-                .bind(db::job_options(self.api, true, ty, k))
+                .bind(db::job_options(self.api, true, ty, k, self.model.limits.contains_key(&ty)))
                 .fetch_one(&mut *tx)
                 .await?;
         let closing = sqlx::query_scalar::<_, String>(close).bind(db::BATCH).fetch_one(&mut self.c.dispatcher);
@@ -533,6 +554,13 @@ impl Run<'_> {
                 blocked: false,
             };
             let id = self.model.add_delivery(delivery, r.budget);
+            if key.as_deref() == Some(SHARED_CKEY) {
+                *self.stats.entry("run of the shared concurrency key claimed").or_default() += 1;
+                let types: BTreeSet<Option<Ty>> = self.model.running_on(SHARED_CKEY).into_iter().collect();
+                if types.len() > 1 {
+                    *self.stats.entry("shared concurrency key run beside the other type's").or_default() += 1;
+                }
+            }
             match self.model.deliveries[id].wkey.as_deref() {
                 Some(SHARED_KEY) => {
                     *self.stats.entry("while_executing run of the shared key claimed").or_default() += 1
@@ -1093,7 +1121,7 @@ impl Run<'_> {
         Ok(sqlx::query_as("SELECT msg_id, job_id, status FROM lockgate.enqueue($1, $2, $3)")
             .bind(ty.name())
             .bind(json!({ "k": k }))
-            .bind(db::job_options(self.api, in_batch, ty, k))
+            .bind(db::job_options(self.api, in_batch, ty, k, self.model.limits.contains_key(&ty)))
             .fetch_all(&mut self.c.producer)
             .await?)
     }
@@ -1368,11 +1396,13 @@ impl Run<'_> {
             }
         }
         if self.checks.on('m') && !self.model.limits_changed {
-            violations.extend(db::free_permits_behind_parked_jobs(&mut self.c.observer).await?.into_iter().map(
-                |(key, value, lim, parked)| {
-                    format!("(m) key {key} has a free permit ({value} of {lim} taken) and {parked} parked jobs")
-                },
-            ));
+            violations.extend(
+                db::free_permits_behind_parked_jobs(&mut self.c.observer, self.api).await?.into_iter().map(
+                    |(key, value, lim, parked)| {
+                        format!("(m) key {key} has a free permit ({value} of {lim} taken) and {parked} parked jobs")
+                    },
+                ),
+            );
         }
         if !violations.is_empty() {
             bail!("{}", violations.join("\n  "));
@@ -2050,6 +2080,46 @@ fn g3_model_an_explicit_key_shared_by_both_unique_modes_is_held_by_one_job_at_a_
         (
             "U holds the key and runs, and lapses; W is put back, never delivered beside it",
             schedule(1, vec![U, W, claim(0), Op::LapseVisibility { pick: 0 }, claim(1)]),
+        ),
+    ]);
+}
+
+/// Design §109: `lim` and `limb` jobs, of different limits and queues, name one concurrency key
+/// (`cshared`), and each is admitted under the strictest limit among the key's holders, by every
+/// path: an enqueue, a promotion at a completion (with holders of the other type left, and in
+/// the same transaction as another promotion whose lease is not written yet), a claim taking a
+/// permit again after the sweep gave the key to a parked job. (Worker 1 finishes at REPEATABLE
+/// READ, leaving its permits to a later give-back: the completions that must promote at once are
+/// worker 0's.)
+#[test]
+fn g3_model_an_explicit_concurrency_key_shared_by_two_limits_admits_no_job_past_the_strictest_holder() {
+    const L: Op = Op::Enqueue { ty: Ty::Lim, k: ops::SHARED_K };
+    const B: Op = Op::Enqueue { ty: Ty::LimB, k: ops::SHARED_K };
+    let other = |worker| Op::Claim { worker, queue: Queue::Other, qty: 10 };
+    let limits = |lim_limit, limb_limit, ops| Case { lim_limit, limb_limit, ops };
+    replay_known_schedules(vec![
+        (
+            "lim (limit 1) holds the key; limb (limit 3) waits for it, not beside it",
+            limits(1, 3, vec![L, B, claim(0), other(1), Op::Finish { pick: 0, how: Finish::Complete }, other(1)]),
+        ),
+        (
+            "lim (limit 2) and limb (limit 3) hold the key; two limb jobs parked; the limb holder completes: one \
+             limb job is promoted beside the lim holder, not two",
+            limits(2, 3, vec![B, L, B, B, claim(1), other(0), Op::Finish { pick: 1, how: Finish::Complete }, other(0)]),
+        ),
+        (
+            "limb (limit 1) holds the key, limb and lim parked; it completes: the limb job promoted binds the lim \
+             job looked at next in the same transaction, before its lease exists",
+            limits(
+                2,
+                1,
+                vec![B, B, L, claim(0), other(0), Op::Finish { pick: 0, how: Finish::Complete }, claim(0), other(0)],
+            ),
+        ),
+        (
+            "limb (limit 3) holds the key, lim (limit 1) parked; limb's holder goes silent, and the sweep expires its \
+             lease and promotes lim; limb's message, claimed again, parks behind it",
+            limits(1, 3, vec![B, L, other(0), Op::Silence { pick: 0 }, Op::Sweep, claim(0), other(0)]),
         ),
     ]);
 }

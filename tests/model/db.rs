@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection, Row};
 
-use super::ops::{Queue, Ty, SHARED_K, SHARED_KEY};
+use super::ops::{Queue, Ty, SHARED_CKEY, SHARED_K, SHARED_KEY};
 
 /// Visibility every claim and renewal asks for.
 pub const VT_SECONDS: f64 = 30.0;
@@ -57,6 +57,9 @@ pub struct Api {
     pub cancel: bool,
     /// `lockgate.extend_cancelled` exists (design §95).
     pub extend_cancelled: bool,
+    /// Types that share a concurrency key are each admitted under the strictest limit among its
+    /// holders (design §109): `lim` and `limb` jobs with `SHARED_K` then name one key.
+    pub shared_limits: bool,
 }
 
 impl Api {
@@ -85,7 +88,11 @@ impl Api {
         )
         .fetch_one(&mut *conn)
         .await?;
-        Ok(Self { claim_budget, extend_budget, bookkeeping, cancel, extend_cancelled })
+        let shared_limits: bool =
+            sqlx::query_scalar("SELECT to_regprocedure('lockgate._holders_limit(text, integer)') IS NOT NULL")
+                .fetch_one(&mut *conn)
+                .await?;
+        Ok(Self { claim_budget, extend_budget, bookkeeping, cancel, extend_cancelled, shared_limits })
     }
 }
 
@@ -283,12 +290,16 @@ pub fn enqueue_options(api: Api, batch_open: bool) -> Value {
     }
 }
 
-/// The options of a single enqueue of (ty, {k}): `enqueue_options`, and the explicit unique key
-/// a unique type's `SHARED_K` names.
-pub fn job_options(api: Api, batch_open: bool, ty: Ty, k: u8) -> Value {
+/// The options of a single enqueue of (ty, {k}): `enqueue_options`, and the explicit key a
+/// `SHARED_K` names: the unique key of a unique type, the concurrency key of `lim` and `limb`
+/// while their type is `limited` (a type without a limit refuses a concurrency key).
+pub fn job_options(api: Api, batch_open: bool, ty: Ty, k: u8, limited: bool) -> Value {
     let mut options = enqueue_options(api, batch_open);
     if api.bookkeeping && matches!(ty, Ty::Uniq | Ty::Wexec) && k == SHARED_K {
         options["unique_key"] = SHARED_KEY.into();
+    }
+    if api.shared_limits && limited && matches!(ty, Ty::Lim | Ty::LimB) && k == SHARED_K {
+        options["concurrency_key"] = SHARED_CKEY.into();
     }
     options
 }
@@ -503,18 +514,32 @@ pub fn sqlstate(error: &anyhow::Error) -> Option<String> {
         .map(|code| code.into_owned())
 }
 
-/// (key, value, limit, parked jobs) of every key with a permit free while jobs are parked on it.
-/// The limit is the key's type's (a key's row records the limit of its last acquire, which a
-/// lowered limit that admitted nothing has not replaced).
-pub async fn free_permits_behind_parked_jobs(conn: &mut PgConnection) -> Result<Vec<(String, i32, i32, i64)>> {
-    Ok(sqlx::query_as(
-        "SELECT s.key, s.value, l.lim, count(*)
+/// (key, value, limit, parked jobs) of every key with a permit free while jobs are parked on it:
+/// free for the job promotion takes next. The limit is that job's type's (a key's row records
+/// the limit of its last acquire, which a lowered limit that admitted nothing has not replaced),
+/// or the least of the key's holders' types' limits where stricter (types sharing a key, design
+/// §109; on an older schema, whose leases name no type, the job's type's alone).
+pub async fn free_permits_behind_parked_jobs(
+    conn: &mut PgConnection,
+    api: Api,
+) -> Result<Vec<(String, i32, i32, i64)>> {
+    let holders = if api.shared_limits {
+        "SELECT min(ht.concurrency_limit) AS lim FROM lockgate.leases l
+           JOIN lockgate.job_types ht ON ht.name = l.job_type WHERE l.key = s.key"
+    } else {
+        "SELECT NULL::integer AS lim"
+    };
+    Ok(sqlx::query_as(&format!(
+        "SELECT s.key, s.value, b.lim, count(*)
            FROM lockgate.semaphores s
            JOIN lockgate.parked p ON p.key = s.key
-           LEFT JOIN lockgate.job_types t ON t.name = split_part(s.key, ':', 1)
-          CROSS JOIN LATERAL (SELECT COALESCE(t.concurrency_limit, s.lim) AS lim) l
-          WHERE s.value < l.lim GROUP BY s.key, s.value, l.lim ORDER BY s.key",
-    )
+          CROSS JOIN LATERAL (SELECT x.job_type FROM lockgate.parked x WHERE x.key = s.key
+                               ORDER BY x.priority, x.id LIMIT 1) head
+           LEFT JOIN lockgate.job_types t ON t.name = head.job_type
+          CROSS JOIN LATERAL ({holders}) h
+          CROSS JOIN LATERAL (SELECT LEAST(COALESCE(t.concurrency_limit, s.lim), h.lim) AS lim) b
+          WHERE s.value < b.lim GROUP BY s.key, s.value, b.lim ORDER BY s.key",
+    ))
     .fetch_all(conn)
     .await?)
 }

@@ -12,12 +12,14 @@ use proptest::prelude::*;
 /// ones (until executed; while executing).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Ty {
-    /// Limited, key from argument `k`, on queue `default`.
+    /// Limited, key from argument `k`, on queue `default`. A job with `k` = `SHARED_K` names its
+    /// concurrency key explicitly, the one `limb` names: two limits meet on one key.
     Lim,
     /// Unlimited, on queue `default` (its jobs share claims with `lim`), until a redefinition
     /// gives it a limit (key from `k` too).
     Free,
-    /// Limited, key from argument `k`, on queue `other`.
+    /// Limited, key from argument `k`, on queue `other`. A job with `k` = `SHARED_K` names its
+    /// concurrency key explicitly, the one `lim` names.
     LimB,
     /// Unique until executed, key from argument `k`, duplicates discarded; unlimited (until a
     /// redefinition gives it a limit), on queue `default`. Plain unlimited on an older schema.
@@ -48,11 +50,12 @@ impl Ty {
         Ty::ALL.into_iter().find(|t| t.name() == name)
     }
 
-    /// How many values of argument `k` its jobs take: the unique types one more, `SHARED_K`.
+    /// How many values of argument `k` its jobs take: the types that name a shared key one more,
+    /// `SHARED_K`.
     pub fn ks(self) -> u8 {
         match self {
-            Ty::Uniq | Ty::Wexec => SHARED_K + 1,
-            Ty::Lim | Ty::Free | Ty::LimB => 2,
+            Ty::Uniq | Ty::Wexec | Ty::Lim | Ty::LimB => SHARED_K + 1,
+            Ty::Free => 2,
         }
     }
 
@@ -64,14 +67,20 @@ impl Ty {
     }
 }
 
-/// The argument `k` of a single enqueue of `uniq` or `wexec` that names the unique key `shared`
-/// explicitly (the `unique_key` option), so that jobs of both types, one taking the key at
-/// enqueue and the other when its run starts, contend for it. Never in an `enqueue_many`, whose
-/// options name one key for every job of the call.
+/// The argument `k` of a single enqueue that names a key explicitly: of `uniq` or `wexec`, the
+/// unique key `shared` (the `unique_key` option), so that jobs of both types, one taking the key
+/// at enqueue and the other when its run starts, contend for it; of `lim` or `limb`, the
+/// concurrency key `SHARED_CKEY`. Never in an `enqueue_many`, whose options name one key for
+/// every job of the call.
 pub const SHARED_K: u8 = 2;
 
 /// The explicit unique key of `SHARED_K`.
 pub const SHARED_KEY: &str = "shared";
+
+/// The explicit concurrency key of `SHARED_K` in a single enqueue of `lim` or `limb` (the
+/// `concurrency_key` option): jobs of both types, of different limits and queues, take permits
+/// of one key (design §109).
+pub const SHARED_CKEY: &str = "cshared";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Queue {
@@ -325,7 +334,7 @@ fn stale_action() -> impl Strategy<Value = StaleAction> {
     ]
 }
 
-/// A type and an argument `k` for a single enqueue of it (`SHARED_K` only for the unique types).
+/// A type and an argument `k` for a single enqueue of it (`SHARED_K` not for `free`).
 fn ty_and_k() -> impl Strategy<Value = (Ty, u8)> {
     ty().prop_flat_map(|ty| (Just(ty), 0..ty.ks()))
 }

@@ -124,9 +124,9 @@ pub struct BatchModel {
 #[derive(Debug, Default)]
 pub struct Model {
     pub limits: BTreeMap<Ty, u32>,
-    /// Per key, the jobs running when their type's limit was lowered: they may go on
-    /// running (nothing preempts them), so the key's bound is the larger of the new limit and
-    /// how many of them still run. Any other admission must fit the new limit.
+    /// Per key, the jobs running on it when the limit of a type running on it was lowered: they
+    /// may go on running (nothing preempts them), so the key's bound is the larger of the new
+    /// limit and how many of them still run. Any other admission must fit the new limit.
     pub carried: BTreeMap<String, BTreeSet<i64>>,
     pub jobs: BTreeMap<i64, Fate>,
     /// Job ids returned inside transactions that were rolled back: they must never be seen.
@@ -374,6 +374,15 @@ impl Model {
             .map(|(j, _)| *j)
     }
 
+    /// The types of the deliveries entitled to run on concurrency key `key`.
+    pub fn running_on(&self, key: &str) -> Vec<Option<Ty>> {
+        self.deliveries
+            .iter()
+            .filter(|d| d.holder == Holder::Running && d.limited && d.key.as_deref() == Some(key))
+            .map(|d| d.ty)
+            .collect()
+    }
+
     fn bound(&self, ty: Ty, key: &str) -> u32 {
         let limit = self.limits.get(&ty).copied().unwrap_or(u32::MAX);
         let carried = self.carried.get(key).map_or(0, |jobs| {
@@ -392,21 +401,26 @@ impl Model {
         let mut out = Vec::new();
         let running: Vec<&Delivery> = self.deliveries.iter().filter(|d| d.holder == Holder::Running).collect();
 
-        // (a) G3: per key, the deliveries entitled to run never exceed the key's limit.
+        // (a) G3: per key, the deliveries entitled to run never exceed the limit of any of their
+        // types (on a key types share, the strictest binds: design §109).
         if checks.on('a') {
-            let mut per_key: BTreeMap<(&str, Ty), Vec<&Delivery>> = BTreeMap::new();
+            let mut per_key: BTreeMap<&str, Vec<&Delivery>> = BTreeMap::new();
             for d in &running {
-                if let (true, Some(key), Some(ty)) = (d.limited, d.key.as_deref(), d.ty) {
-                    per_key.entry((key, ty)).or_default().push(d);
+                if let (true, Some(key), Some(_)) = (d.limited, d.key.as_deref(), d.ty) {
+                    per_key.entry(key).or_default().push(d);
                 }
             }
-            for ((key, ty), ds) in per_key {
-                let bound = self.bound(ty, key);
+            for (key, ds) in per_key {
+                let types: BTreeSet<Ty> = ds.iter().filter_map(|d| d.ty).collect();
+                let Some((bound, ty)) = types.iter().map(|ty| (self.bound(*ty, key), *ty)).min() else {
+                    continue;
+                };
                 if ds.len() as u32 > bound {
                     let who: Vec<String> = ds.iter().map(|d| d.describe()).collect();
                     out.push(format!(
-                        "(a) over-admission: key {key} has {} deliveries entitled to run, limit {bound}: {}",
+                        "(a) over-admission: key {key} has {} deliveries entitled to run, limit {bound} ({}): {}",
                         ds.len(),
+                        ty.name(),
                         who.join("; ")
                     ));
                 }

@@ -1,0 +1,230 @@
+//! Types that share a concurrency key (design §109; review helper-119 F1): an explicit
+//! `concurrency_key` several types name is one key, and each job is admitted under the strictest
+//! limit among the key's holders as well as its own type's, by every path that takes a permit:
+//! an enqueue, a promotion at a completion, a promotion by the sweep, a claim that takes a
+//! permit again. Each test drives the public SQL API as psql would and checks, after every step,
+//! that no key has more deliveries entitled to run than the least limit of their types.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{complete_default, lapse_visibility, violations};
+use lockgate_testkit::TestDb;
+use sqlx::PgPool;
+
+/// A delivery as `lockgate.claim` returns it: (msg_id, read_ct).
+type Delivery = (i64, i32);
+
+/// A database with one type per `(name, limit)`, none with key paths: their jobs share a key
+/// only by naming it.
+async fn types(limits: &[(&str, i32)]) -> TestDb {
+    let db = TestDb::migrated().await.unwrap();
+    for (name, limit) in limits {
+        sqlx::query("SELECT lockgate.define_job_type($1, concurrency_limit => $2)")
+            .bind(name)
+            .bind(limit)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    db
+}
+
+/// Enqueues a job of `ty` naming `key` explicitly; its status.
+async fn enqueue(db: &PgPool, ty: &str, key: &str) -> String {
+    sqlx::query_scalar("SELECT status FROM lockgate.enqueue($1, '{}', jsonb_build_object('concurrency_key', $2::text))")
+        .bind(ty)
+        .bind(key)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+async fn claim(db: &PgPool) -> Vec<Delivery> {
+    sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 10, 30)").fetch_all(db).await.unwrap()
+}
+
+/// Per key, the deliveries the database lets run now (claimed, not waiting, still invisible,
+/// holding a lease that outlasts their visibility) and their types, as (key, count, the least
+/// limit of their types, the types): a row only where the count passes that limit.
+async fn over_limit(db: &PgPool) -> Vec<(String, i64, i32, String)> {
+    sqlx::query_as(
+        "SELECT l.key, count(*), min(t.concurrency_limit), string_agg(t.name, ',' ORDER BY t.name)
+           FROM pgmq.q_default m
+           JOIN lockgate.leases l ON l.queue = 'default' AND l.msg_id = m.msg_id
+           JOIN lockgate.job_types t ON t.name = m.headers->>'type'
+          WHERE m.read_ct > 0 AND m.vt > now() AND NOT m.headers ? 'retry_at' AND l.expires_at >= m.vt
+          GROUP BY l.key HAVING count(*) > min(t.concurrency_limit)",
+    )
+    .fetch_all(db)
+    .await
+    .unwrap()
+}
+
+/// The types of the jobs parked behind `key`, in the order promotion takes them.
+async fn parked(db: &PgPool, key: &str) -> Vec<String> {
+    sqlx::query_scalar("SELECT job_type FROM lockgate.parked WHERE key = $1 ORDER BY priority, id")
+        .bind(key)
+        .fetch_all(db)
+        .await
+        .unwrap()
+}
+
+/// The types of the deliveries claimed in `ds`.
+async fn types_of(db: &PgPool, ds: &[Delivery]) -> Vec<String> {
+    let ids: Vec<i64> = ds.iter().map(|d| d.0).collect();
+    sqlx::query_scalar("SELECT headers->>'type' FROM pgmq.q_default WHERE msg_id = ANY ($1) ORDER BY 1")
+        .bind(ids)
+        .fetch_all(db)
+        .await
+        .unwrap()
+}
+
+async fn sound(db: &PgPool, when: &str) {
+    assert_eq!(over_limit(db).await, vec![], "{when}: a key runs more jobs than one of its holders' limits");
+    assert_eq!(violations(db).await, Vec::<String>::new(), "{when}: check_invariants()");
+}
+
+#[tokio::test]
+async fn g3_an_enqueue_takes_no_permit_past_the_strictest_limit_among_the_keys_holders() {
+    let db = types(&[("strict", 1), ("loose", 3)]).await;
+    // A loose job holds the key: a strict one waits, though the key has 1 of loose's 3 taken.
+    assert_eq!(enqueue(&db.pool, "loose", "acct").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "strict", "acct").await, "parked", "strict admitted beside a loose holder");
+    // A strict job holds the key: a loose one waits, though the key has 1 of loose's 3 taken.
+    assert_eq!(enqueue(&db.pool, "strict", "solo").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "loose", "solo").await, "parked", "loose admitted beside a strict holder");
+    // Jobs of one type are admitted under their own limit, as before.
+    assert_eq!(enqueue(&db.pool, "loose", "acct").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "loose", "acct").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "loose", "acct").await, "parked");
+    let ds = claim(&db.pool).await;
+    assert_eq!(types_of(&db.pool, &ds).await, ["loose", "loose", "loose", "strict"]);
+    sound(&db.pool, "after the claim").await;
+}
+
+#[tokio::test]
+async fn g3_a_completion_promotes_no_job_past_the_limit_of_the_holders_that_remain() {
+    // pair (limit 2) and trio (limit 3) on one key: a trio holder, a pair holder beside it (2 is
+    // within both), and two trio jobs parked.
+    let db = types(&[("pair", 2), ("trio", 3)]).await;
+    assert_eq!(enqueue(&db.pool, "trio", "k").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "pair", "k").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "trio", "k").await, "parked", "a third beside a pair holder");
+    assert_eq!(enqueue(&db.pool, "trio", "k").await, "parked");
+    let ds = claim(&db.pool).await;
+    assert_eq!(types_of(&db.pool, &ds).await, ["pair", "trio"]);
+    sound(&db.pool, "both running").await;
+
+    // The trio holder (enqueued first) finishes: the pair holder remains, so one trio job is
+    // promoted (2 of pair's 2), not two (3 of trio's 3).
+    let (trio, pair) = (ds[0].0.min(ds[1].0), ds[0].0.max(ds[1].0));
+    assert!(complete_default(&db.pool, (trio, 1)).await);
+    assert_eq!(parked(&db.pool, "k").await, ["trio"], "one trio job promoted, one still parked");
+    let next = claim(&db.pool).await;
+    assert_eq!(types_of(&db.pool, &next).await, ["trio"]);
+    sound(&db.pool, "a trio job promoted beside the pair holder").await;
+
+    // The pair holder finishes: only trio jobs hold the key, so the last one goes through.
+    assert!(complete_default(&db.pool, (pair, 1)).await);
+    assert_eq!(parked(&db.pool, "k").await, Vec::<String>::new());
+    assert_eq!(types_of(&db.pool, &claim(&db.pool).await).await, ["trio"]);
+    sound(&db.pool, "trio jobs alone").await;
+}
+
+#[tokio::test]
+async fn g3_a_strict_job_parked_behind_looser_holders_starts_only_on_an_empty_key_and_alone() {
+    let db = types(&[("strict", 1), ("loose", 3)]).await;
+    for _ in 0..2 {
+        assert_eq!(enqueue(&db.pool, "loose", "k").await, "enqueued");
+    }
+    assert_eq!(enqueue(&db.pool, "strict", "k").await, "parked");
+    assert_eq!(enqueue(&db.pool, "loose", "k").await, "enqueued", "loose's own enqueues take its free permit");
+    assert_eq!(enqueue(&db.pool, "loose", "k").await, "parked");
+    let ds = claim(&db.pool).await;
+    assert_eq!(ds.len(), 3);
+    for (i, d) in ds.iter().enumerate() {
+        assert!(complete_default(&db.pool, *d).await);
+        sound(&db.pool, &format!("after completion {i}")).await;
+        if i < 2 {
+            assert_eq!(parked(&db.pool, "k").await, ["strict", "loose"], "strict waits for an empty key");
+        }
+    }
+    // The key emptied: the strict job is promoted, alone; the loose job behind it waits for it.
+    assert_eq!(parked(&db.pool, "k").await, ["loose"]);
+    let strict = claim(&db.pool).await;
+    assert_eq!(types_of(&db.pool, &strict).await, ["strict"]);
+    sound(&db.pool, "strict running").await;
+    assert!(complete_default(&db.pool, strict[0]).await);
+    assert_eq!(types_of(&db.pool, &claim(&db.pool).await).await, ["loose"]);
+    sound(&db.pool, "the last loose job running").await;
+}
+
+#[tokio::test]
+async fn g3_a_job_promoted_in_the_same_transaction_binds_the_next_admission_before_its_lease_is_written() {
+    // Three trio holders (limit 3); a pair job (limit 2) and a quad job (limit 4) parked behind.
+    let db = types(&[("pair", 2), ("trio", 3), ("quad", 4)]).await;
+    for _ in 0..3 {
+        assert_eq!(enqueue(&db.pool, "trio", "k").await, "enqueued");
+    }
+    assert_eq!(enqueue(&db.pool, "pair", "k").await, "parked");
+    assert_eq!(enqueue(&db.pool, "quad", "k").await, "parked", "a fourth beside trio holders");
+    let trios = claim(&db.pool).await;
+    assert_eq!(trios.len(), 3);
+    assert!(complete_default(&db.pool, trios[0]).await);
+    assert_eq!(parked(&db.pool, "k").await, ["pair", "quad"], "pair's 2 are taken");
+    // The second completion promotes the pair job beside the last trio holder; the quad job is
+    // then looked at in the same transaction, before the pair job's lease exists: the key's
+    // leases show only the trio holder (limit 3), but the pair job's limit binds it.
+    assert!(complete_default(&db.pool, trios[1]).await);
+    assert_eq!(parked(&db.pool, "k").await, ["quad"], "quad promoted beside a pair job");
+    assert_eq!(types_of(&db.pool, &claim(&db.pool).await).await, ["pair"]);
+    sound(&db.pool, "the pair job and a trio job running").await;
+}
+
+#[tokio::test]
+async fn g3_the_sweep_and_a_claim_taking_a_permit_again_admit_no_job_past_the_strictest_holder() {
+    let db = types(&[("strict", 1), ("loose", 3)]).await;
+    assert_eq!(enqueue(&db.pool, "loose", "k").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "strict", "k").await, "parked");
+    let first = claim(&db.pool).await;
+    assert_eq!(first.len(), 1);
+    // Its holder goes silent past both budgets: the sweep gives its permit to the strict job.
+    sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(&db.pool).await.unwrap();
+    lapse_visibility(&db.pool).await;
+    let (expired, promoted): (i32, i32) =
+        sqlx::query_as("SELECT expired, promoted FROM lockgate.sweep()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!((expired, promoted), (1, 1));
+    // The loose job's message, visible again, and the strict job's are claimed together: the
+    // strict job took the key's only permit it allows, so the loose job is parked again.
+    let ds = claim(&db.pool).await;
+    assert_eq!(types_of(&db.pool, &ds).await, ["strict"], "the lapsed loose job ran beside the strict one");
+    assert_eq!(parked(&db.pool, "k").await, ["loose"]);
+    sound(&db.pool, "after the claims").await;
+}
+
+#[tokio::test]
+async fn g3_a_lease_taken_before_its_type_was_recorded_binds_the_keys_recorded_limit() {
+    // What migration 27 leaves: a lease with no type, a key with no sole type.
+    let db = types(&[("strict", 1), ("loose", 3)]).await;
+    assert_eq!(enqueue(&db.pool, "strict", "k").await, "enqueued");
+    sqlx::query("UPDATE lockgate.leases SET job_type = NULL").execute(&db.pool).await.unwrap();
+    sqlx::query("UPDATE lockgate.semaphores SET sole_type = NULL").execute(&db.pool).await.unwrap();
+    assert_eq!(enqueue(&db.pool, "loose", "k").await, "parked", "the untyped holder's limit 1 binds");
+    assert_eq!(enqueue(&db.pool, "strict", "k").await, "parked");
+    sound(&db.pool, "untyped holder").await;
+}
+
+#[tokio::test]
+async fn check_invariants_names_a_key_recorded_as_held_by_one_type_that_another_holds() {
+    let db = types(&[("strict", 1), ("loose", 3)]).await;
+    assert_eq!(enqueue(&db.pool, "loose", "k").await, "enqueued");
+    assert_eq!(violations(&db.pool).await, Vec::<String>::new());
+    sqlx::query("UPDATE lockgate.semaphores SET sole_type = 'strict'").execute(&db.pool).await.unwrap();
+    let found = violations(&db.pool).await;
+    assert!(
+        found.iter().any(|v| v.contains("recorded as held by type strict alone") && v.contains("loose")),
+        "{found:?}"
+    );
+}
