@@ -4,7 +4,8 @@
 -- in one transaction: status 'enqueued'. A job of an until_executed type takes its unique key
 -- again (its own job never counts as a duplicate of itself); when another job holds the key
 -- now, the dead letter stays where it is: status 'duplicate', job_id naming the holder; one whose
--- queue (or its PGMQ table) no longer exists stays too: status 'queue_missing'. A job
+-- queue (or its PGMQ table) no longer exists stays too: status 'queue_missing'; and one whose job
+-- type is not defined (removed since, or never: reason unknown_job_type): status 'type_missing'. A job
 -- that was counted as failed in a batch runs outside it (the batch's count is final).
 -- A dead letter another transaction holds (a retry or purge under way) is passed over, never
 -- waited for: two operators never retry the same row twice. With report_busy it is returned as
@@ -67,8 +68,18 @@ BEGIN
         -- UPDATE before it counts the type's jobs and dead letters, so it either waits for this
         -- retry and counts its job, or counts the dead letter before this moves it; without the
         -- lock a retry committed between its two counts was counted in neither (design §91).
+        -- A type no longer defined (removed, or never defined: a dead letter of reason
+        -- unknown_job_type) keeps its dead letter: sent back, it would be dead-lettered again at
+        -- its first claim while the retry said it was retried (review helper-121 F5).
         IF dl.job_type IS NOT NULL THEN
             PERFORM 1 FROM lockgate.job_types t WHERE t.name = dl.job_type FOR KEY SHARE;
+            IF NOT FOUND THEN
+                msg_id := NULL;
+                job_id := dl.job_id;
+                status := 'type_missing';
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
         END IF;
         new_msg_id := nextval('lockgate.job_id_seq');
         -- Only a well-formed key of a known type is taken: anything else is resent without it (a

@@ -196,6 +196,44 @@ async fn dlq_retry_of_a_dead_letter_it_keeps_exits_1() {
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 1, "kept");
 }
 
+/// Review helper-121 F5: `dlq retry` of a dead letter whose job type is not defined (a message
+/// of an unknown type, dead-lettered as the runtime does) said "retried", and the job was
+/// dead-lettered again at its first claim. It is kept and named, and both commands exit 1; once
+/// the type is defined, it is retried.
+#[tokio::test]
+async fn dlq_retry_of_a_dead_letter_whose_type_is_not_defined_keeps_it_and_says_what_to_do() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.create_queue('default');
+         SELECT pgmq.send('default', '{\"a\": 1}'::jsonb, '{\"type\": \"ghost\"}'::jsonb);
+         SELECT lockgate.dead_letter('default', msg_id, read_ct, 'unknown_job_type', 'job type \"ghost\" is not defined', 1)
+           FROM lockgate.claim('default', 1, 30);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let dead: i64 = sqlx::query_scalar("SELECT job_id FROM lockgate.dead_letters").fetch_one(&db.pool).await.unwrap();
+    let o = output(&db, &["dlq", "retry", "--all"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("retried 0 dead letter(s)")
+            && text(&o).contains("its job type is not defined")
+            && text(&o).contains("1 of 1 dead letter(s) were not retried"),
+        "{}",
+        text(&o)
+    );
+    let o = output(&db, &["job", "retry", &dead.to_string()]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains(&format!("job {dead} stays dead: its job type is not defined")), "{}", text(&o));
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 1, "kept");
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 0, "nothing sent");
+
+    sqlx::query("SELECT lockgate.define_job_type('ghost')").execute(&db.pool).await.unwrap();
+    let o = output(&db, &["dlq", "retry", "--all"]);
+    assert!(o.status.success() && text(&o).contains("retried 1 dead letter(s)"), "{}", text(&o));
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default").await.unwrap(), 1);
+}
+
 #[tokio::test]
 async fn enqueue_reads_arguments_from_stdin_and_from_a_file() {
     let db = TestDb::migrated().await.unwrap();

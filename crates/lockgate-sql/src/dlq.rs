@@ -91,6 +91,9 @@ pub enum DlqRetryOutcome {
     Duplicate { holder: JobId },
     /// Kept: its queue, or the queue's PGMQ table, no longer exists.
     QueueMissing,
+    /// Kept: its job type is not defined (removed since, or never defined: a dead letter of
+    /// reason `unknown_job_type`). Define it again, or purge the dead letter.
+    TypeMissing,
     /// Kept: another transaction holds the dead letter (a retry or purge under way), or is taking
     /// or giving up its unique key (a producer's enqueue not yet committed, waited for 1 s).
     /// Nothing was done with it; try again.
@@ -107,7 +110,8 @@ pub struct DlqRetried {
 }
 
 /// Sends matching dead letters back to their queues, keeping those whose unique key another job
-/// holds, whose queue is gone, or that another transaction holds; one row per dead letter matched.
+/// holds, whose queue or job type is gone, or that another transaction holds; one row per dead
+/// letter matched.
 pub async fn dlq_retry<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter) -> Result<Vec<DlqRetried>, DbError> {
     on(db.into(), async |conn| {
         let rows = query("SELECT queue, msg_id, job_id, status FROM lockgate.dlq_retry($1, $2, true)")
@@ -122,6 +126,7 @@ pub async fn dlq_retry<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter) -> Result<
                 let outcome = match (r.get::<&str, _>(3), r.get::<Option<i64>, _>(1), job_id) {
                     ("duplicate", _, Some(holder)) => DlqRetryOutcome::Duplicate { holder },
                     ("busy", _, _) => DlqRetryOutcome::Busy,
+                    ("type_missing", _, _) => DlqRetryOutcome::TypeMissing,
                     (_, Some(msg_id), _) => DlqRetryOutcome::Retried { msg_id },
                     _ => DlqRetryOutcome::QueueMissing,
                 };

@@ -94,6 +94,9 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
                     DlqRetryOutcome::QueueMissing => {
                         println!("kept the dead letter {job}: its queue {} no longer exists", r.queue)
                     }
+                    DlqRetryOutcome::TypeMissing => {
+                        println!("kept the dead letter {job} of queue {}: {TYPE_MISSING}", r.queue)
+                    }
                     DlqRetryOutcome::Busy => {
                         busy += 1;
                         println!("kept the dead letter {job} of queue {}: {BUSY}", r.queue)
@@ -116,6 +119,12 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
     }
     Ok(())
 }
+
+/// Why a dead letter was kept for its type (`DlqRetryOutcome::TypeMissing`); shared with
+/// `lockgate job retry`.
+pub(crate) const TYPE_MISSING: &str =
+    "its job type is not defined (removed, or never defined); define it again (lockgate.define_job_type or the \
+     configuration's [job_types]) and retry, or purge the dead letter";
 
 /// Why a dead letter was passed over (`DlqRetryOutcome::Busy`); shared with `lockgate job retry`.
 pub(crate) const BUSY: &str = "another transaction holds it (a retry or purge under way, or a producer's \

@@ -115,6 +115,7 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
                     DlqRetryOutcome::QueueMissing => {
                         bail!("job {id} stays dead: queue {} no longer exists", retried.queue)
                     }
+                    DlqRetryOutcome::TypeMissing => bail!("job {id} stays dead: {}", super::dlq::TYPE_MISSING),
                     DlqRetryOutcome::Busy => bail!("job {id} stays dead for now: {}; try again", super::dlq::BUSY),
                 }
             }
