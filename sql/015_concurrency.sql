@@ -2,8 +2,9 @@
 -- a permit — enqueue, promotion at completion, promotion by the sweep, re-acquire at claim —
 -- goes through lockgate._acquire or lockgate._promote_keys, which hold the key's semaphore row
 -- lock and increment value only while value < limit, the least of the admitted job's type's and
--- its holders' types' limits (G3; types sharing an explicit key, docs/design.md §109). Every path that gives one back deletes its own lease row and
--- decrements by exactly the rows it deleted, so value = live leases at every commit (G2, H2, H7).
+-- its holders' types' limits (G3; types sharing an explicit key, docs/design.md §109). Every path
+-- that gives one back deletes its own lease row and decrements by exactly the rows it deleted,
+-- so value = live leases at every commit (G2, H2, H7).
 -- Lock order: lease rows, then semaphore rows in key order, then parked rows.
 
 -- A key of a job (concurrency or uniqueness): explicit if given, else the type's name, plus the
@@ -92,7 +93,6 @@ RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
     taken integer;
     held integer;
-    sole text;
     binding integer;
 BEGIN
     INSERT INTO lockgate.semaphores AS s (key, lim, value, sole_type)
@@ -104,8 +104,10 @@ BEGIN
     IF taken IS NOT NULL THEN
         RETURN true;
     END IF;
-    SELECT s.value, s.sole_type INTO held, sole FROM lockgate.semaphores s WHERE s.key = _acquire.key;
-    IF held >= lim OR sole = job_type THEN
+    -- Refused by the one statement: full under lim (whoever holds it), or held by jobs of
+    -- another type, or of several.
+    SELECT s.value INTO held FROM lockgate.semaphores s WHERE s.key = _acquire.key;
+    IF held >= lim THEN
         RETURN false;
     END IF;
     binding := LEAST(lim, lockgate._holders_limit(key, held));
@@ -287,16 +289,16 @@ END $$;
 -- next parked jobs (best priority, then oldest) are picked and locked, as many as that type's
 -- current limit leaves room for once the permits are back (or the limit of the key's remaining
 -- holders, when they are not all of that type and one of theirs is stricter, docs/design.md
--- §109), less any among them of another type
--- or bound for a queue that is gone; each semaphore row is written once, with what was given
--- back and what was taken (the CHECK on value <= lim stands behind the arithmetic, G3), and not
--- at all when the two cancel out under an unchanged limit and type (a key handing its permit from
--- the job that finished to the next one: the row the caller holds locked is what orders every path, and
--- updated_at, which idle-key reclamation reads, matters only once the value is 0, which is
--- always written); the picked jobs are deleted and returned. A key that still has room
--- afterwards (its next job's type is gone or no longer limited, its queue is gone, or jobs of
--- another type share its explicit key) goes through _promote, one job at a time, which
--- dead-letters what can never run (H16) and releases what no longer needs a permit.
+-- §109), less any among them of another type or bound for a queue that is gone; each semaphore
+-- row is written once, with what was given back and what was taken (the CHECK on value <= lim
+-- stands behind the arithmetic, G3), and not at all when the two cancel out under an unchanged
+-- limit and type (a key handing its permit from the job that finished to the next one: the row
+-- the caller holds locked is what orders every path, and updated_at, which idle-key reclamation
+-- reads, matters only once the value is 0, which is always written); the picked jobs are
+-- deleted and returned. A key that still has room afterwards (its next job's type is gone or no
+-- longer limited, its queue is gone, or jobs of another type share its explicit key) goes through
+-- _promote, one job at a time, which dead-letters what can never run (H16) and releases what no
+-- longer needs a permit.
 --
 -- Every table is reached only from the keys or ids given (docs/design.md §60): the semaphores,
 -- parked jobs and job types through lateral subqueries driven by the keys, which no plan can
