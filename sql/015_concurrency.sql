@@ -55,25 +55,31 @@ RETURNS interval LANGUAGE sql STABLE AS $$
     SELECT lockgate._lease_interval(duration_ms, lockgate._lease_floor_ms())
 $$;
 
--- The limit the holders of key bind every admission to: the least of their types' current
+-- What the holders of key bind every admission to: lim, the least of their types' current
 -- limits (a holder whose type is gone or no longer limited binds nothing; one taken before
--- migration 27, whose type no lease recorded, binds the key's recorded limit). NULL when none
--- binds. holders is how many permits of the key are held: a holder promoted in the caller's
--- transaction has no lease row until its promotion is sent (lockgate._send_promotions, after
--- every key is done), and while the key's lease rows are fewer, the key's recorded limit binds
--- too (every admission records a limit no looser than the one it was made under). Read by a path
--- that holds the key's row locked, and only for a key whose holders are not all of the admitted
--- job's type (lockgate.semaphores.sole_type): one probe of the key's leases. Volatile, so that
--- its query sees every lease committed before the caller locked the row.
-CREATE OR REPLACE FUNCTION lockgate._holders_limit(key text, holders integer)
-RETURNS integer LANGUAGE plpgsql SET enable_seqscan = off AS $$
+-- migration 27, whose type no lease recorded, binds the key's recorded limit), NULL when none
+-- binds; and sole_type, the one type every holder is of, when each has a lease naming it (NULL
+-- otherwise), with which a key whose holders were of several types returns to the one-statement
+-- admission once they are of one again. holders is how many permits of the key are held: a
+-- holder promoted in the caller's transaction has no lease row until its promotion is sent
+-- (lockgate._send_promotions, after every key is done), and while the key's lease rows are
+-- fewer, the key's recorded limit binds too (every admission records a limit no looser than the
+-- one it was made under) and no sole type is known. Read by a path that holds the key's row
+-- locked, and only for a key whose holders are not all of the admitted job's type
+-- (lockgate.semaphores.sole_type): one probe of the key's leases. Volatile, so that its query
+-- sees every lease committed before the caller locked the row.
+CREATE OR REPLACE FUNCTION lockgate._holders(key text, holders integer, OUT lim integer, OUT sole_type text)
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 BEGIN
-    RETURN (SELECT LEAST(min(COALESCE(t.concurrency_limit, CASE WHEN l.key IS NOT NULL AND l.job_type IS NULL THEN s.lim END)),
-                         CASE WHEN count(l.key) < holders THEN min(s.lim) END)
-              FROM lockgate.semaphores s
-              LEFT JOIN lockgate.leases l ON l.key = s.key
-              LEFT JOIN lockgate.job_types t ON t.name = l.job_type
-             WHERE s.key = _holders_limit.key);
+    SELECT LEAST(min(COALESCE(t.concurrency_limit, CASE WHEN l.key IS NOT NULL AND l.job_type IS NULL THEN s.lim END)),
+                 CASE WHEN count(l.key) < holders THEN min(s.lim) END),
+           CASE WHEN count(l.key) = holders AND count(l.job_type) = holders AND count(DISTINCT l.job_type) = 1
+                THEN min(l.job_type) END
+      INTO lim, sole_type
+      FROM lockgate.semaphores s
+      LEFT JOIN lockgate.leases l ON l.key = s.key
+      LEFT JOIN lockgate.job_types t ON t.name = l.job_type
+     WHERE s.key = _holders.key;
 END $$;
 
 DROP FUNCTION IF EXISTS lockgate._acquire(text, integer);
@@ -84,7 +90,8 @@ DROP FUNCTION IF EXISTS lockgate._acquire(text, integer);
 -- among the key's holders, so a job of a type limited to 1 never runs beside another's
 -- (docs/design.md §109). The common case is one statement: the key is empty, or its holders are
 -- all of job_type (sole_type), and lim alone decides. Else the holders' limit is read from their
--- leases, under the row lock. The limit recorded is the one the admission was made under, so the
+-- leases, under the row lock (and sole_type recorded again if they all turn out to be of
+-- job_type). The limit recorded is the one the admission was made under, so the
 -- row's CHECK (value <= lim) stands behind both. Either way the key's semaphore row stays locked
 -- until commit (a conflicting insert locks the row it meets, whether it updates it or not), so a
 -- park decided here cannot race a release (H6).
@@ -94,6 +101,7 @@ DECLARE
     taken integer;
     held integer;
     binding integer;
+    alone text;
 BEGIN
     INSERT INTO lockgate.semaphores AS s (key, lim, value, sole_type)
     VALUES (_acquire.key, _acquire.lim, 1, _acquire.job_type)
@@ -110,18 +118,21 @@ BEGIN
     IF held >= lim THEN
         RETURN false;
     END IF;
-    binding := LEAST(lim, lockgate._holders_limit(key, held));
+    SELECT h.lim, h.sole_type INTO binding, alone FROM lockgate._holders(key, held) h;
+    binding := LEAST(lim, binding);
     IF held >= binding THEN
         RETURN false;
     END IF;
-    UPDATE lockgate.semaphores s SET value = s.value + 1, lim = binding, sole_type = NULL, updated_at = now()
+    UPDATE lockgate.semaphores s
+       SET value = s.value + 1, lim = binding, updated_at = now(),
+           sole_type = CASE WHEN alone = _acquire.job_type THEN alone END
      WHERE s.key = _acquire.key;
     RETURN true;
 END $$;
 
 DROP FUNCTION IF EXISTS lockgate._add_lease(text, text, bigint, timestamptz, bigint);
 
--- Binds a taken permit to its message, naming the job's type (what lockgate._holders_limit
+-- Binds a taken permit to its message, naming the job's type (what lockgate._holders
 -- reads). The lease covers the delay before the message is visible (H9), then the silence
 -- budget. PL/pgSQL, for its plan kept for the session (a SQL function's INSERT was planned again
 -- in every transaction).
@@ -333,8 +344,7 @@ BEGIN
     -- limited to 1 admits no other job, of any type, beside it.
     room AS (
         SELECT g.key, g.lim AS held, g.sole AS held_sole, t.job_type, b.lim, t.duration_ms,
-               b.lim - (g.value - g.n) AS n,
-               CASE WHEN g.value = g.n OR g.sole = t.job_type THEN t.job_type END AS sole
+               b.lim - (g.value - g.n) AS n, b.sole
           FROM released g
          CROSS JOIN LATERAL (SELECT x.job_type, x.queue FROM lockgate.parked x WHERE x.key = g.key
                               ORDER BY x.priority, x.id LIMIT 1) head
@@ -342,7 +352,13 @@ BEGIN
                                     jt.concurrency_duration_ms AS duration_ms
                                FROM lockgate.job_types jt WHERE jt.name = head.job_type OFFSET 0) t
          CROSS JOIN LATERAL (SELECT CASE WHEN g.value = g.n OR g.sole = t.job_type THEN t.lim
-                                         ELSE LEAST(t.lim, lockgate._holders_limit(g.key, g.value - g.n)) END AS lim) b
+                                         ELSE LEAST(t.lim, h.lim) END AS lim,
+                                    CASE WHEN g.value = g.n OR g.sole = t.job_type OR h.sole_type = t.job_type
+                                         THEN t.job_type END AS sole
+                               FROM (SELECT x.lim, x.sole_type FROM lockgate._holders(g.key, g.value - g.n) x
+                                      WHERE g.value <> g.n AND g.sole IS DISTINCT FROM t.job_type
+                                     UNION ALL
+                                     SELECT NULL, NULL WHERE g.value = g.n OR g.sole IS NOT DISTINCT FROM t.job_type) h) b
          WHERE b.lim > g.value - g.n
            AND head.queue IN (SELECT lockgate._live_queues())),
     -- The type and queue are checked after the LIMIT, not inside it: a filter there makes the

@@ -216,6 +216,57 @@ async fn g3_a_lease_taken_before_its_type_was_recorded_binds_the_keys_recorded_l
     sound(&db.pool, "untyped holder").await;
 }
 
+async fn sole_type(db: &PgPool, key: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT sole_type FROM lockgate.semaphores WHERE key = $1")
+        .bind(key)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+/// A key whose holders were of several types returns to the one-statement admission (its sole
+/// type recorded again) once they are of one type again, at the next admission or promotion,
+/// rather than only once it empties; a lease that names no type (taken before migration 27)
+/// keeps it from doing so.
+#[tokio::test]
+async fn a_key_held_by_one_type_again_is_recorded_so_by_the_next_admission_or_promotion() {
+    let db = types(&[("mid", 2), ("loose", 3)]).await;
+    // By an enqueue: a loose holder and a mid one; mid finishes; the next loose enqueue.
+    assert_eq!(enqueue(&db.pool, "loose", "a").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "mid", "a").await, "enqueued");
+    assert_eq!(sole_type(&db.pool, "a").await, None, "held by two types");
+    let ds = claim(&db.pool).await;
+    let mid = ds.iter().max_by_key(|d| d.0).copied().unwrap();
+    assert!(complete_default(&db.pool, mid).await);
+    assert_eq!(enqueue(&db.pool, "loose", "a").await, "enqueued");
+    assert_eq!(sole_type(&db.pool, "a").await.as_deref(), Some("loose"));
+    sound(&db.pool, "key a").await;
+
+    // By a promotion: a loose holder, a mid one, a loose job parked; mid finishes.
+    assert_eq!(enqueue(&db.pool, "loose", "b").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "mid", "b").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "loose", "b").await, "parked");
+    let ds = claim(&db.pool).await;
+    let mid = ds.iter().max_by_key(|d| d.0).copied().unwrap();
+    assert_eq!(types_of(&db.pool, &[mid]).await, ["mid"], "the last enqueued");
+    assert!(complete_default(&db.pool, mid).await);
+    assert_eq!(parked(&db.pool, "b").await, Vec::<String>::new(), "promoted");
+    assert_eq!(sole_type(&db.pool, "b").await.as_deref(), Some("loose"));
+    sound(&db.pool, "key b").await;
+
+    // A lease naming no type beside one of loose's: the key stays recorded as held by several.
+    assert_eq!(enqueue(&db.pool, "loose", "c").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "loose", "c").await, "enqueued");
+    sqlx::query("UPDATE lockgate.leases SET job_type = NULL WHERE key = 'c' AND msg_id = (SELECT min(msg_id) FROM lockgate.leases WHERE key = 'c')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE lockgate.semaphores SET sole_type = NULL WHERE key = 'c'").execute(&db.pool).await.unwrap();
+    assert_eq!(enqueue(&db.pool, "loose", "c").await, "enqueued");
+    assert_eq!(sole_type(&db.pool, "c").await, None);
+    sound(&db.pool, "key c").await;
+}
+
 #[tokio::test]
 async fn check_invariants_names_a_key_recorded_as_held_by_one_type_that_another_holds() {
     let db = types(&[("strict", 1), ("loose", 3)]).await;

@@ -89,7 +89,7 @@ impl Api {
         .fetch_one(&mut *conn)
         .await?;
         let shared_limits: bool =
-            sqlx::query_scalar("SELECT to_regprocedure('lockgate._holders_limit(text, integer)') IS NOT NULL")
+            sqlx::query_scalar("SELECT to_regprocedure('lockgate._holders(text, integer)') IS NOT NULL")
                 .fetch_one(&mut *conn)
                 .await?;
         Ok(Self { claim_budget, extend_budget, bookkeeping, cancel, extend_cancelled, shared_limits })
