@@ -132,7 +132,7 @@ async fn a_producers_role_can_neither_write_permits_nor_run_lockgates_inner_func
             "DELETE FROM lockgate.leases",
             "INSERT INTO lockgate.semaphores (key, lim, value) VALUES ('limited:[2]', 100, 0)",
             "DELETE FROM lockgate.parked",
-            "SELECT lockgate._acquire('limited:[1]', 100)",
+            "SELECT lockgate._acquire('limited:[1]', 100, 'limited')",
             "SELECT lockgate._release_leases('default', ARRAY[1::bigint])",
             "SELECT pgmq.send('default', '{}')",
             "INSERT INTO pgmq.q_default (message) VALUES ('{}')",
