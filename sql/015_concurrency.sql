@@ -82,6 +82,34 @@ BEGIN
      WHERE s.key = _holders.key;
 END $$;
 
+-- Whether the next parked job of key (best priority, then oldest) can be promoted now, as
+-- lockgate._promote judges it: the key has no row yet, the job's type is gone or no longer
+-- limited or its queue is gone (to dead-letter or release it), or the key's holders are fewer
+-- than the least of its type's current limit and, where they are not all of that type, their
+-- types' limits (design §109). held and lim: the count and the limit it judged by. No row when
+-- nothing is parked. Outside a promotion's transaction, so a key's lease rows are all its
+-- holders. Probes: the key's next parked job, its row, its type and, only where the holders are
+-- of another type, the key's leases. Callers: the sweep's repair (its candidates: judged by the
+-- job's own limit alone, keys held by a stricter type's jobs were picked at every pass, and kept
+-- a key with room from being looked at, review helper-124 F3), lockgate doctor (parked_with_room).
+CREATE OR REPLACE FUNCTION lockgate._next_parked_room(key text, OUT room boolean, OUT held integer, OUT lim integer)
+LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
+BEGIN
+    SELECT s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL
+           OR head.queue NOT IN (SELECT lockgate._live_queues())
+           OR s.value < LEAST(jt.concurrency_limit, h.lim),
+           COALESCE(s.value, 0), LEAST(jt.concurrency_limit, h.lim)
+      INTO room, held, lim
+      FROM (SELECT x.job_type, x.queue FROM lockgate.parked x WHERE x.key = _next_parked_room.key
+             ORDER BY x.priority, x.id LIMIT 1) head
+      LEFT JOIN lockgate.semaphores s ON s.key = _next_parked_room.key
+      LEFT JOIN lockgate.job_types jt ON jt.name = head.job_type
+      LEFT JOIN LATERAL (SELECT min(COALESCE(t.concurrency_limit, CASE WHEN l.job_type IS NULL THEN s.lim END)) AS lim
+                           FROM lockgate.leases l LEFT JOIN lockgate.job_types t ON t.name = l.job_type
+                          WHERE l.key = _next_parked_room.key AND s.value > 0
+                            AND s.sole_type IS DISTINCT FROM head.job_type) h ON true;
+END $$;
+
 DROP FUNCTION IF EXISTS lockgate._acquire(text, integer);
 
 -- Takes one permit of key for a job of type job_type, limited to lim; true when taken. Taken

@@ -323,28 +323,19 @@ END $$;
 
 -- Keys with parked jobs and room for the next of them now: what the sweep promotes (no
 -- semaphore row, the next job's type gone or no longer limited, or fewer permits held than the
--- least of that type's current limit and, on a key types share, its holders' types' limits, as
--- lockgate._acquire judges; the sweep's own condition looks at the type alone, and so at every key
--- this names). Seen for a moment after a holder's lease is freed, or for one round of the
--- sweep's repair when no release touched the key; one that stays means no sweep runs. One row for
--- all of them.
+-- least of that type's current limit and, on a key types share, its holders' types' limits:
+-- lockgate._next_parked_room, the sweep's own judgement). Seen for a moment after a holder's
+-- lease is freed, or for one round of the sweep's repair when no release touched the key; one
+-- that stays means no sweep runs. One row for all of them.
 CREATE OR REPLACE FUNCTION lockgate._doctor_parked()
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE sql STABLE AS $$
     WITH waiting AS (
         SELECT p.key, count(*) AS parked, min(p.parked_at) AS oldest FROM lockgate.parked p GROUP BY p.key),
     roomy AS (
-        SELECT w.*, COALESCE(s.value, 0) AS held, LEAST(jt.concurrency_limit, h.lim) AS lim
-          FROM waiting w
-          LEFT JOIN lockgate.semaphores s ON s.key = w.key
-         CROSS JOIN LATERAL (SELECT x.job_type FROM lockgate.parked x WHERE x.key = w.key
-                              ORDER BY x.priority, x.id LIMIT 1) head
-          LEFT JOIN lockgate.job_types jt ON jt.name = head.job_type
-         CROSS JOIN LATERAL (SELECT min(COALESCE(t.concurrency_limit, CASE WHEN l.job_type IS NULL THEN s.lim END)) AS lim
-                               FROM lockgate.leases l LEFT JOIN lockgate.job_types t ON t.name = l.job_type
-                              WHERE l.key = w.key AND s.sole_type IS DISTINCT FROM head.job_type) h
-         WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL
-            OR s.value < LEAST(jt.concurrency_limit, h.lim)),
+        SELECT w.*, r.held, r.lim
+          FROM waiting w CROSS JOIN LATERAL lockgate._next_parked_room(w.key) r
+         WHERE r.room),
     listed AS (SELECT * FROM roomy ORDER BY oldest LIMIT 5)
     SELECT 'parked_with_room', 'warn',
            format('%s key(s) have parked jobs and a free permit: %s%s', (SELECT count(*) FROM roomy),
@@ -362,25 +353,37 @@ LANGUAGE sql STABLE AS $$
      WHERE NOT EXISTS (SELECT 1 FROM roomy)
 $$;
 
--- Keys whose parked jobs are of types with different limits: types that name one explicit
--- concurrency key (README, Concurrency limits; design §105, §109). Each job is admitted under the
+-- Keys with parked jobs whose parked jobs and holders are of types with different limits: types
+-- that name one explicit concurrency key (README, Concurrency limits; design §105, §109; the
+-- holders too since review helper-124 F4: a looser type's job parked behind a stricter type's
+-- holder is the common case of such a wait). Each job is admitted under the
 -- strictest limit among the key's holders, so a job of the stricter type starts only once fewer
 -- than its limit hold permits, and promotion, which takes a key's parked jobs in order, stops at
 -- it, while the looser type's enqueues take free permits directly: the parked jobs may wait as
--- long as that traffic lasts. One read of the parked jobs; one row for all such keys.
+-- long as that traffic lasts. One read of the parked jobs, and of the leases of their keys; one
+-- row for all such keys.
 CREATE OR REPLACE FUNCTION lockgate._doctor_shared_keys()
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE sql STABLE AS $$
-    WITH mixed AS (
-        SELECT p.key, count(*) AS parked,
-               string_agg(DISTINCT format('%s limited to %s', jt.name, jt.concurrency_limit), ', ') AS types
-          FROM lockgate.parked p
-          JOIN lockgate.job_types jt ON jt.name = p.job_type AND jt.concurrency_limit IS NOT NULL
-         GROUP BY p.key
+    WITH waiting AS (
+        SELECT p.key, count(*) AS parked FROM lockgate.parked p GROUP BY p.key),
+    -- The types of each such key's parked jobs and of its holders (their leases).
+    typed AS (
+        SELECT p.key, p.job_type FROM lockgate.parked p
+        UNION
+        SELECT l.key, l.job_type FROM lockgate.leases l JOIN waiting w ON w.key = l.key),
+    mixed AS (
+        SELECT w.key, w.parked,
+               string_agg(format('%s limited to %s', jt.name, jt.concurrency_limit), ', ' ORDER BY jt.name) AS types
+          FROM waiting w
+          JOIN typed x ON x.key = w.key
+          JOIN lockgate.job_types jt ON jt.name = x.job_type AND jt.concurrency_limit IS NOT NULL
+         GROUP BY w.key, w.parked
         HAVING min(jt.concurrency_limit) <> max(jt.concurrency_limit)),
     listed AS (SELECT * FROM mixed ORDER BY key LIMIT 5)
     SELECT 'shared_keys', 'warn',
-           format('%s key(s) have parked jobs of types with different limits: %s%s', (SELECT count(*) FROM mixed),
+           format('%s key(s) have parked jobs, and parked jobs or holders of types with different limits: %s%s',
+                  (SELECT count(*) FROM mixed),
                   (SELECT string_agg(format('%s (%s parked: %s)', l.key, l.parked, l.types), '; ' ORDER BY l.key)
                      FROM listed l),
                   CASE WHEN (SELECT count(*) FROM mixed) > 5 THEN '; …' ELSE '' END),
@@ -390,7 +393,7 @@ LANGUAGE sql STABLE AS $$
            'traffic lasts. If that wait matters, give the types one limit (lockgate.define_job_type) or keys of their own'
      WHERE EXISTS (SELECT 1 FROM mixed)
     UNION ALL
-    SELECT 'shared_keys', 'ok', 'no key has parked jobs of types with different limits', NULL
+    SELECT 'shared_keys', 'ok', 'no key has parked jobs, and parked jobs or holders of types with different limits', NULL
      WHERE NOT EXISTS (SELECT 1 FROM mixed)
 $$;
 

@@ -176,16 +176,13 @@ BEGIN
                     SELECT (SELECT p.key FROM lockgate.parked p WHERE p.key > w.key ORDER BY p.key LIMIT 1)
                       FROM w WHERE w.key IS NOT NULL)
                 SELECT w.key FROM w WHERE w.key IS NOT NULL LIMIT window_size);
-            -- Those that can take a permit now (or whose next job's type is gone or no longer
-            -- limited), each looked up by a probe of its own.
+            -- Those whose next job can be promoted now (or dead-lettered, or released: its type
+            -- or queue is gone, or its type no longer limited), each looked up by probes of its
+            -- own (lockgate._next_parked_room).
             candidates := ARRAY(
                 SELECT l.key FROM unnest(looked) WITH ORDINALITY AS l(key, o)
-                  LEFT JOIN LATERAL (SELECT x.value FROM lockgate.semaphores x WHERE x.key = l.key OFFSET 0) s ON true
-                 CROSS JOIN LATERAL (SELECT x.job_type FROM lockgate.parked x WHERE x.key = l.key
-                                      ORDER BY x.priority, x.id LIMIT 1) head
-                  LEFT JOIN LATERAL (SELECT t.concurrency_limit FROM lockgate.job_types t WHERE t.name = head.job_type
-                                      OFFSET 0) jt ON true
-                 WHERE s.value IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
+                 CROSS JOIN LATERAL lockgate._next_parked_room(l.key) r
+                 WHERE r.room
                  ORDER BY l.o);
             UPDATE lockgate.sweep_state s
                SET cursor_key = CASE WHEN cardinality(looked) < window_size THEN NULL ELSE looked[cardinality(looked)] END
@@ -208,22 +205,29 @@ END $$;
 
 -- The keys whose parked jobs can be promoted now, oldest-waiting first, at most max_keys: for a
 -- sweep after the policies or queues changed (a raised limit, a type or queue gone). Room is
--- judged against the type's current limit (a raised limit frees room at once); a key whose type
--- is gone or no longer limited, or whose queue is gone, is taken too, to dead-letter or release
--- it (one whose table was made again behind lockgate's back is taken as well, and _promote leaves
--- its jobs parked until lockgate adopts the table). It reads every parked job, so it runs with the planner's own choices (lockgate.sweep turns
--- sequential scans, hash and merge joins off for its other statements); a SQL function with
--- settings of its own (which also keep it from being inlined), planned at each call.
+-- judged against the type's current limit (a raised limit frees room at once), and then, for the
+-- keys that pass, as lockgate._promote judges it (lockgate._next_parked_room: the key's next job,
+-- and its holders' limits on a key types share); a key whose type is gone or no longer limited,
+-- or whose queue is gone, is taken too, to dead-letter or release it (one whose table was made
+-- again behind lockgate's back is taken as well, and _promote leaves its jobs parked until
+-- lockgate adopts the table). The exact judgement is made in age order, after the sort, until
+-- max_keys pass (OFFSET 0 keeps it from being pushed below the sort, onto every key). It reads
+-- every parked job, so it runs with the planner's own choices (lockgate.sweep turns sequential
+-- scans, hash and merge joins off for its other statements); a SQL function with settings of its
+-- own (which also keep it from being inlined), planned at each call.
 CREATE OR REPLACE FUNCTION lockgate._sweep_candidates(max_keys integer)
 RETURNS text[] LANGUAGE sql STABLE
 SET plan_cache_mode = auto SET enable_seqscan = on SET enable_hashjoin = on SET enable_mergejoin = on AS $$
     SELECT ARRAY(
-        SELECT p.key FROM lockgate.parked p
-          LEFT JOIN lockgate.semaphores s ON s.key = p.key
-          LEFT JOIN lockgate.job_types jt ON jt.name = p.job_type
-         WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
-            OR p.queue NOT IN (SELECT lockgate._live_queues())
-         GROUP BY p.key ORDER BY min(p.parked_at) LIMIT max_keys)
+        SELECT c.key
+          FROM (SELECT p.key FROM lockgate.parked p
+                  LEFT JOIN lockgate.semaphores s ON s.key = p.key
+                  LEFT JOIN lockgate.job_types jt ON jt.name = p.job_type
+                 WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
+                    OR p.queue NOT IN (SELECT lockgate._live_queues())
+                 GROUP BY p.key ORDER BY min(p.parked_at) OFFSET 0) c
+         WHERE (lockgate._next_parked_room(c.key)).room
+         LIMIT max_keys)
 $$;
 
 -- Locks the semaphore rows of keys (distinct, sorted), each by a probe of its own in their order

@@ -204,6 +204,38 @@ async fn g3_the_sweep_and_a_claim_taking_a_permit_again_admit_no_job_past_the_st
     sound(&db.pool, "after the claims").await;
 }
 
+/// Review helper-124 F3: the sweep's repair judged a key's room by its parked job's own limit,
+/// so keys whose looser job waits behind a stricter type's holder were picked at every pass
+/// (oldest first, `max_keys` of them, keeping `full_scan` on), and a key with real room that only
+/// the repair promotes (here: its type's limit raised) was never looked at while they ran.
+#[tokio::test]
+async fn the_sweeps_repair_passes_over_keys_held_by_a_stricter_type_to_one_with_room() {
+    let db = types(&[("a", 1), ("b", 2), ("c", 3)]).await;
+    for i in 1..=5 {
+        let key = format!("k{i}");
+        assert_eq!(enqueue(&db.pool, "a", &key).await, "enqueued");
+        assert_eq!(enqueue(&db.pool, "c", &key).await, "parked", "c waits behind a's holder");
+    }
+    for status in ["enqueued", "enqueued", "parked"] {
+        assert_eq!(enqueue(&db.pool, "b", "z").await, status);
+    }
+    sqlx::query("SELECT lockgate.define_job_type('b', concurrency_limit => 3)").execute(&db.pool).await.unwrap();
+    // max_keys 2 stands for the default 1,000: more keys than that wait behind stricter holders.
+    let promoted: i32 = sqlx::query_scalar("SELECT promoted FROM lockgate.sweep(2)").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(promoted, 1, "z's job, under b's raised limit");
+    assert_eq!(parked(&db.pool, "z").await, Vec::<String>::new());
+    let full_scan: bool =
+        sqlx::query_scalar("SELECT full_scan FROM lockgate.sweep_state").fetch_one(&db.pool).await.unwrap();
+    assert!(!full_scan, "no key left with room: the next passes go by the cursor");
+    // The cursor's pass judges them the same way: nothing to promote while a's holders run.
+    let promoted: i32 = sqlx::query_scalar("SELECT promoted FROM lockgate.sweep(2)").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(promoted, 0);
+    let roomy: Vec<String> =
+        sqlx::query_scalar("SELECT detail FROM lockgate._doctor_parked()").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(roomy, ["no key has parked jobs and a free permit"]);
+    sound(&db.pool, "after the sweeps").await;
+}
+
 #[tokio::test]
 async fn g3_a_lease_taken_before_its_type_was_recorded_binds_the_keys_recorded_limit() {
     // What migration 27 leaves: a lease with no type, a key with no sole type.

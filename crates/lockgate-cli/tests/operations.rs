@@ -234,7 +234,7 @@ async fn doctor_warns_of_orphaned_leases_parked_jobs_with_room_and_stale_process
 /// admitted by their own limit, and the key's parked jobs wait behind the stricter one's; the
 /// doctor names such a key while jobs of both are parked, and not one shared by equal limits.
 #[tokio::test]
-async fn doctor_names_a_key_with_parked_jobs_of_types_with_different_limits() {
+async fn doctor_names_a_key_with_parked_jobs_or_holders_of_types_with_different_limits() {
     let db = TestDb::migrated().await.unwrap();
     sqlx::raw_sql(
         "SELECT lockgate.define_job_type('one', concurrency_limit => 1);
@@ -253,8 +253,25 @@ async fn doctor_names_a_key_with_parked_jobs_of_types_with_different_limits() {
     assert_eq!((shared.len(), &shared[0]["verdict"]), (1, &Value::from("warn")), "{checks:#?}");
     assert_eq!(
         shared[0]["detail"],
-        "1 key(s) have parked jobs of types with different limits: acct (2 parked: one limited to 1, three limited to 3)"
+        "1 key(s) have parked jobs, and parked jobs or holders of types with different limits: acct (2 parked: one \
+         limited to 1, three limited to 3)"
     );
+    // A job of the looser type parked behind the stricter type's holder alone (review helper-124
+    // F4: only the parked jobs' types were compared).
+    sqlx::raw_sql(
+        "SELECT lockgate.enqueue(t, '{}', '{\"concurrency_key\": \"solo\"}') FROM unnest(ARRAY['one', 'three']) t;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (_, checks) = doctor(&db, &[]);
+    let shared = named(&checks, "shared_keys");
+    assert!(
+        shared[0]["detail"].as_str().unwrap().starts_with("2 key(s)")
+            && shared[0]["detail"].as_str().unwrap().contains("solo (1 parked: one limited to 1, three limited to 3)"),
+        "{checks:#?}"
+    );
+    assert_eq!(named(&checks, "parked_with_room")[0]["verdict"], "ok", "{checks:#?}");
 }
 
 fn json(o: &Output) -> Value {
