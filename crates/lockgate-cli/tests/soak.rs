@@ -18,15 +18,23 @@
 //! through the faults: a cancelled job counts as archived (and failed in the batch), and a
 //! cancelled running job's key must still never overlap (its permit waits for its command).
 //!
+//! Shared keys (design §109): 12% of the jobs are `lim1`, `lim2` and `lim3` jobs that name one of
+//! four explicit keys, `shared:[k]`, in their enqueue options, so types of different limits
+//! contend on one key. On such a key a run is an overlap when, at its admission, the other runs
+//! holding the key are as many as its own type's limit or as the limit of any of them (a `lim1`
+//! run beside anything; a third run beside a `lim2` one): the oracle reads the holders' limits
+//! from their runs, not from the key's slots, of which a shared key has three.
+//!
 //! The overlap oracle is independent of lockgate's bookkeeping. Each job's handler is `psql`,
 //! one session that takes one of the key's `limit` advisory-lock slots (`pg_try_advisory_lock(
 //! kid, slot)`), records its start, sleeps the job's duration, records its end and unlocks. The
 //! session sets `client_connection_check_interval`, so a run whose process is killed loses its
 //! session, and its slot, within milliseconds. A run that finds no free slot takes an overflow
 //! slot, so every admission records the backends that held the key at that instant (from
-//! `pg_locks`): a run admitted while `limit` other runs held the key is an overlap. The same
-//! records are checked a second way, from the start/end intervals of the runs that finished.
-//! See docs/testing.md ("Chaos soak") for the design and its one blind spot.
+//! `pg_locks`): a run admitted while `limit` other runs held the key (on a shared key: the least
+//! limit of its type and of theirs) is an overlap. The same records are checked a second way,
+//! from the start/end intervals of the runs that finished. See docs/testing.md ("Chaos soak")
+//! for the design and its one blind spot.
 //!
 //! `SOAK_SEED=<n>` replays a seed's fault schedule and job mix (timing still varies);
 //! `SOAK_MINUTES=<n>` sizes the ignored long variant, which `scripts/soak` runs.
@@ -93,17 +101,18 @@ CREATE FUNCTION soak.holders(kid int) RETURNS int[] LANGUAGE sql AS $$
      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = kid::oid
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
        AND l.pid <> pg_backend_pid() $$;
--- A slot of key kid for one run: a free one of its lim (retrying for 40 ms, so a killed session's
--- release lag is not mistaken for an overlap), else an overflow slot; held for the session, or
+-- A slot of key kid for one run: a free one of its `slots` (its limit, or for a shared key the
+-- largest limit of its types), retrying for 40 ms so that a killed session's release lag is not
+-- mistaken for an overlap, else an overflow slot; held for the session, or
 -- for the transaction when xact. Returns the slot, the tries, the other holders at the first try,
 -- when it was taken and the other holders then.
-CREATE FUNCTION soak.take_slot(kid int, lim int, xact boolean, OUT got int, OUT tries int, OUT h0 int[],
+CREATE FUNCTION soak.take_slot(kid int, slots int, xact boolean, OUT got int, OUT tries int, OUT h0 int[],
                                OUT tl timestamptz, OUT hl int[]) LANGUAGE plpgsql AS $$
 BEGIN
     tries := 0;
     LOOP
         tries := tries + 1;
-        FOR s IN 1..lim LOOP
+        FOR s IN 1..slots LOOP
             IF soak.try_slot(kid, s, xact) THEN got := s; EXIT; END IF;
         END LOOP;
         IF tries = 1 THEN h0 := soak.holders(kid); END IF;
@@ -111,7 +120,7 @@ BEGIN
         PERFORM pg_sleep(0.005);
     END LOOP;
     IF got IS NULL THEN
-        FOR s IN lim + 1 .. lim + 100 LOOP
+        FOR s IN slots + 1 .. slots + 100 LOOP
             IF soak.try_slot(kid, s, xact) THEN got := s; EXIT; END IF;
         END LOOP;
     END IF;
@@ -126,6 +135,9 @@ CREATE PROCEDURE soak.run(args jsonb, job bigint, attempt int, jtype text, wpid 
 DECLARE
     kid int := (args->>'kid')::int;
     lim int := (args->>'lim')::int;
+    -- A key several types share has as many slots as the largest of their limits (args `slots`);
+    -- the check of an admission is by the limits of the run and of its holders, not by slots.
+    slots int := COALESCE((args->>'slots')::int, lim);
     ms int := (args->>'ms')::int;
     t0 timestamptz := clock_timestamp();
     tl timestamptz;
@@ -135,7 +147,7 @@ DECLARE
     hl int[];
     rid bigint;
 BEGIN
-    SELECT * INTO got, tries, h0, tl, hl FROM soak.take_slot(kid, lim, false);
+    SELECT * INTO got, tries, h0, tl, hl FROM soak.take_slot(kid, slots, false);
     INSERT INTO soak.runs (job, attempt, jtype, kid, lim, planned_ms, wpid, bpid, try_at, lock_at, slot, tries,
                            holders_first, holders_lock)
     VALUES (job, attempt, jtype, kid, lim, ms, wpid, pg_backend_pid(), t0, tl, got, tries, h0, hl)
@@ -249,6 +261,13 @@ const SQL_LIMITED: i32 = 6;
 /// The oracle's limit for an until_executed key: its runs may overlap (a duplicate is refused
 /// at enqueue, not at run time), so it is never an overlap; its check is the jobs' lifetimes.
 const UNTIL_EXECUTED_SLOTS: i32 = 50;
+/// Keys that `lim1`, `lim2` and `lim3` jobs share by naming them (`concurrency_key` =
+/// `shared:[k]`, design §109) have kids SHARED * 100 + k, and SHARED_SLOTS advisory-lock slots
+/// (the largest of the types' limits): a run on one is an overlap when, at its admission, the
+/// other runs holding the key are as many as its own limit or as any holder's.
+const SHARED: i32 = 7;
+const SHARED_KEYS: i32 = 4;
+const SHARED_SLOTS: i32 = 3;
 
 #[derive(Debug, Clone)]
 struct JobSpec {
@@ -257,6 +276,8 @@ struct JobSpec {
     lim: i32,
     k: i32,
     ms: i32,
+    /// A lim<lim> job enqueued on the explicit key `shared:[k]` that the three types share.
+    shared: bool,
 }
 
 impl JobSpec {
@@ -277,10 +298,23 @@ impl JobSpec {
         }
     }
     fn kid(&self) -> i32 {
-        kid(self.lim, self.k)
+        if self.shared {
+            kid(SHARED, self.k)
+        } else {
+            kid(self.lim, self.k)
+        }
+    }
+    /// The key the job names explicitly in its enqueue options, if any.
+    fn concurrency_key(&self) -> Option<String> {
+        self.shared.then(|| key_name(self.kid()))
     }
     fn args(&self, n: usize) -> String {
-        serde_json::json!({"k": self.k, "kid": self.kid(), "lim": self.oracle_lim(), "ms": self.ms, "n": n}).to_string()
+        let mut args =
+            serde_json::json!({"k": self.k, "kid": self.kid(), "lim": self.oracle_lim(), "ms": self.ms, "n": n});
+        if self.shared {
+            args["slots"] = SHARED_SLOTS.into();
+        }
+        args.to_string()
     }
 }
 
@@ -288,8 +322,16 @@ fn kid(lim: i32, k: i32) -> i32 {
     lim * 100 + k
 }
 
+/// Whether kid names a key that several types share.
+fn is_shared(kid: i32) -> bool {
+    kid / 100 == SHARED
+}
+
 fn key_name(kid: i32) -> String {
-    let spec = JobSpec { lim: kid / 100, k: kid % 100, ms: 0 };
+    if is_shared(kid) {
+        return format!("shared:[{}]", kid % 100);
+    }
+    let spec = JobSpec { lim: kid / 100, k: kid % 100, ms: 0, shared: false };
     format!("{}:[{}]", spec.jtype(), spec.k)
 }
 
@@ -305,19 +347,33 @@ fn duration_ms(rng: &mut fastrand::Rng) -> i32 {
 
 /// The hot key (limit 1, k = 0) gets 4% of the jobs, the while_executing type 8% over 4 keys,
 /// the until_executed type 6% over 6 keys, the sql type 6% over 4 keys (half of them longer than
-/// the lease); the rest spread over every limited key.
+/// the lease), the shared keys 12% (`lim1`, `lim2` and `lim3` alike over SHARED_KEYS keys); the
+/// rest spread over every limited key.
 fn plan(rng: &mut fastrand::Rng, n: usize) -> Vec<JobSpec> {
     (0..n)
         .map(|_| {
             match rng.u32(0..100) {
-                0..=3 => return JobSpec { lim: 1, k: 0, ms: duration_ms(rng) },
-                4..=11 => return JobSpec { lim: WHILE_EXECUTING, k: rng.i32(0..4), ms: duration_ms(rng) },
-                12..=17 => return JobSpec { lim: UNTIL_EXECUTED, k: rng.i32(0..6), ms: duration_ms(rng) },
+                0..=3 => return JobSpec { lim: 1, k: 0, ms: duration_ms(rng), shared: false },
+                4..=11 => {
+                    return JobSpec { lim: WHILE_EXECUTING, k: rng.i32(0..4), ms: duration_ms(rng), shared: false }
+                }
+                12..=17 => {
+                    return JobSpec { lim: UNTIL_EXECUTED, k: rng.i32(0..6), ms: duration_ms(rng), shared: false }
+                }
                 // Half of them longer than the lease: a statement still running when its lockgate
                 // froze or was cut off outlives the lease, unless the fence ends it (design §100).
                 18..=23 => {
                     let ms = if rng.bool() { rng.i32(2500..=3500) } else { duration_ms(rng) };
-                    return JobSpec { lim: SQL_LIMITED, k: rng.i32(0..4), ms };
+                    return JobSpec { lim: SQL_LIMITED, k: rng.i32(0..4), ms, shared: false };
+                }
+                // Types of limits 1, 2 and 3 on one key (design §109): the strictest holder binds.
+                24..=35 => {
+                    return JobSpec {
+                        lim: rng.i32(1..=3),
+                        k: rng.i32(0..SHARED_KEYS),
+                        ms: duration_ms(rng),
+                        shared: true,
+                    }
                 }
                 _ => {}
             }
@@ -331,7 +387,7 @@ fn plan(rng: &mut fastrand::Rng, n: usize) -> Vec<JobSpec> {
                 }
                 pick -= n;
             }
-            JobSpec { lim, k, ms: duration_ms(rng) }
+            JobSpec { lim, k, ms: duration_ms(rng), shared: false }
         })
         .collect()
 }
@@ -572,17 +628,22 @@ const ISOLATIONS: [&str; 3] = ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABL
 /// Enqueues jobs into the soak's batch, recording each job enqueued or parked (a duplicate of a
 /// live until_executed job is neither: nothing of it is stored), in a transaction at `isolation`.
 async fn enqueue(pool: &PgPool, batch: i64, jobs: &[(usize, JobSpec)], isolation: &str) -> anyhow::Result<usize> {
-    let mut by_type: BTreeMap<String, Vec<(usize, &JobSpec)>> = BTreeMap::new();
+    // One call per type and explicit key (the options name it for every job of the call).
+    type TypeAndKey = (String, Option<String>);
+    let mut by_type: BTreeMap<TypeAndKey, Vec<(usize, &JobSpec)>> = BTreeMap::new();
     for (n, j) in jobs {
-        by_type.entry(j.jtype()).or_default().push((*n, j));
+        by_type.entry((j.jtype(), j.concurrency_key())).or_default().push((*n, j));
     }
     let mut tx = pool.begin().await?;
     sqlx::query(&format!("SET TRANSACTION ISOLATION LEVEL {isolation}")).execute(&mut *tx).await?;
     let mut count = 0;
-    for (jtype, list) in by_type {
+    for ((jtype, ckey), list) in by_type {
         let args: Vec<String> = list.iter().map(|(n, j)| j.args(*n)).collect();
         let n: i64 = sqlx::query_scalar(
-            "WITH e AS (SELECT * FROM lockgate.enqueue_many($1, $2::text[]::jsonb[], jsonb_build_object('batch', $3::bigint)))
+            "WITH e AS (SELECT * FROM lockgate.enqueue_many($1, $2::text[]::jsonb[],
+                          jsonb_build_object('batch', $3::bigint)
+                          || CASE WHEN $4::text IS NULL THEN '{}'::jsonb
+                                  ELSE jsonb_build_object('concurrency_key', $4::text) END))
              , ins AS (INSERT INTO soak.expected (job_id, status, jtype)
                        SELECT e.job_id, e.status, $1 FROM e WHERE e.status <> 'duplicate' RETURNING 1)
              SELECT count(*) FROM ins",
@@ -590,6 +651,7 @@ async fn enqueue(pool: &PgPool, batch: i64, jobs: &[(usize, JobSpec)], isolation
         .bind(&jtype)
         .bind(&args)
         .bind(batch)
+        .bind(&ckey)
         .fetch_one(&mut *tx)
         .await?;
         count += n as usize;
@@ -775,7 +837,7 @@ async fn soak(size: Size, seed: u64) {
     let mut next_fault = chaos_start + Duration::from_millis(rng.u64(500..1500));
     let restart_at = chaos_start + size.chaos.mul_f64(0.4);
     let mut restarted = !size.restart_postgres;
-    let hot = JobSpec { lim: 1, k: 0, ms: 0 };
+    let hot = JobSpec { lim: 1, k: 0, ms: 0, shared: false };
     for _tick in 0..(size.chaos.as_millis() / 50 + 1) {
         let now = Instant::now();
         if now >= chaos_start + size.chaos {
@@ -1276,7 +1338,9 @@ struct Run {
     id: i64,
     job: i64,
     attempt: i32,
+    jtype: String,
     kid: i32,
+    /// The limit of the run's type (the oracle's: 1 for wexec and sqlk).
     lim: i32,
     planned_ms: i32,
     wpid: i32,
@@ -1307,8 +1371,11 @@ struct Report {
     unique_jobs: i64,
     invariants: Vec<String>,
     deadlocks: i64,
-    /// Per limit: (max concurrency at an admission from the locks, from intervals).
+    /// Per limit: (max concurrency at an admission from the locks, from intervals); keys of one
+    /// type only.
     max_overlap: BTreeMap<i32, (usize, usize)>,
+    /// Per shared key (kid): its runs and what they showed.
+    shared: BTreeMap<i32, SharedKey>,
     overlaps: usize,
     /// Admissions of a job while an earlier run of the same job still held the key.
     same_job_at_once: usize,
@@ -1320,6 +1387,18 @@ struct Report {
     longest_after_thaw: chrono::Duration,
     /// That run, described, with its stop and the other runs of its job after the SIGCONT.
     longest_after_thaw_run: String,
+}
+
+/// What the runs of one key that several types share showed.
+#[derive(Default)]
+struct SharedKey {
+    /// Runs by the limit of their type (1, 2, 3).
+    runs: [usize; 3],
+    /// Max concurrency at an admission, from the locks and from the intervals.
+    max_locks: usize,
+    max_intervals: usize,
+    /// Admissions while a run of another type held the key: evidence that the types contended.
+    beside_other_type: usize,
 }
 
 fn since(t: DateTime<Utc>) -> String {
@@ -1564,7 +1643,7 @@ async fn analyse(
 
     // The overlap oracle.
     let rows = sqlx::query(
-        "SELECT id, job, attempt, kid, lim, planned_ms, wpid, bpid, try_at, lock_at, ended_at,
+        "SELECT id, job, attempt, jtype, kid, lim, planned_ms, wpid, bpid, try_at, lock_at, ended_at,
                 coalesce(holders_first, '{}') AS holders_first, coalesce(holders_lock, '{}') AS holders_lock
            FROM soak.runs ORDER BY lock_at",
     )
@@ -1577,6 +1656,7 @@ async fn analyse(
             id: row.get("id"),
             job: row.get("job"),
             attempt: row.get("attempt"),
+            jtype: row.get("jtype"),
             kid: row.get("kid"),
             lim: row.get("lim"),
             planned_ms: row.get("planned_ms"),
@@ -1686,6 +1766,21 @@ impl<'a> Oracle<'a> {
             .map_or(Holder::Unrecorded(bpid), Holder::Run)
     }
 
+    /// The most runs key `x.kid` may have once `x` is admitted beside `holders`: `x`'s limit, and on
+    /// a key several types share the least limit of `x`'s and its holders' types too (design
+    /// §109). A holder with no run recorded binds by its count alone (its type is not known).
+    fn binding_limit(&self, x: &Run, holders: &[Holder<'a>]) -> usize {
+        let mut lim = x.lim;
+        if is_shared(x.kid) {
+            for h in holders {
+                if let Holder::Run(h) = h {
+                    lim = lim.min(h.lim);
+                }
+            }
+        }
+        lim.max(1) as usize
+    }
+
     /// Whether run `x` counts as a run of a frozen process at instant `t`: its process's whole
     /// tree was SIGSTOPped while it ran, at or before `t`, and `t` is within THAW_GRACE of the
     /// thaw.
@@ -1710,8 +1805,9 @@ impl<'a> Oracle<'a> {
             }
         }
         format!(
-            "run #{} (job {} attempt {}, planned {} ms) on {}: admitted {}, {end}",
+            "run #{} ({} job {} attempt {}, planned {} ms) on {}: admitted {}, {end}",
             x.id,
+            x.jtype,
             x.job,
             x.attempt,
             x.planned_ms,
@@ -1806,7 +1902,8 @@ impl<'a> Oracle<'a> {
         let mut by_cause: BTreeMap<String, usize> = BTreeMap::new();
         let mut seen_pairs: HashSet<(i64, i64)> = HashSet::new();
         for x in self.runs {
-            let entry = r.max_overlap.entry(x.lim).or_insert((0, 0));
+            let shared = is_shared(x.kid);
+            let mut max_here = (0, 0);
             let t = x.lock_at;
             // 1. From the locks: who held the key when this run was admitted.
             let mut counted: Vec<Holder<'a>> = Vec::new();
@@ -1836,7 +1933,7 @@ impl<'a> Oracle<'a> {
             }
             let me_frozen = self.frozen(x, t);
             let at_admission = 1 + counted.len();
-            entry.0 = entry.0.max(if me_frozen { counted.len() } else { at_admission });
+            max_here.0 = if me_frozen { counted.len() } else { at_admission };
             // 2. From the intervals of finished runs: who was between lock and end at `try_at`.
             let by_interval: Vec<&Run> = self.by_kid[&x.kid]
                 .iter()
@@ -1845,10 +1942,24 @@ impl<'a> Oracle<'a> {
                 .filter(|y| !self.frozen(y, t))
                 .collect();
             if x.ended_at.is_some() && !me_frozen {
-                entry.1 = entry.1.max(1 + by_interval.len());
+                max_here.1 = 1 + by_interval.len();
+            }
+            if shared {
+                let s = r.shared.entry(x.kid).or_default();
+                s.runs[(x.lim.clamp(1, 3) - 1) as usize] += 1;
+                s.max_locks = s.max_locks.max(max_here.0);
+                s.max_intervals = s.max_intervals.max(max_here.1);
+                let other_type = |h: &Holder<'a>| matches!(h, Holder::Run(h) if h.lim != x.lim);
+                if counted.iter().any(other_type) || by_interval.iter().any(|y| y.lim != x.lim) {
+                    s.beside_other_type += 1;
+                }
+            } else {
+                let entry = r.max_overlap.entry(x.lim).or_insert((0, 0));
+                entry.0 = entry.0.max(max_here.0);
+                entry.1 = entry.1.max(max_here.1);
             }
             if me_frozen {
-                if at_admission > x.lim as usize {
+                if at_admission > self.binding_limit(x, &counted) {
                     r.excused_frozen += 1;
                 }
                 continue;
@@ -1859,7 +1970,8 @@ impl<'a> Oracle<'a> {
                     others.push(Holder::Run(y));
                 }
             }
-            if others.len() < x.lim as usize {
+            let binding = self.binding_limit(x, &others);
+            if others.len() < binding {
                 continue;
             }
             r.overlaps += 1;
@@ -1880,10 +1992,14 @@ impl<'a> Oracle<'a> {
             let cause = if kinds.is_empty() { "no fault".to_string() } else { kinds.join("+") };
             *by_cause.entry(cause).or_default() += 1;
             if details.len() < 12 && pair_new {
+                let limit = if shared {
+                    format!("shared; the admitted run's limit {}, the least of its and its holders' {binding}", x.lim)
+                } else {
+                    format!("limit {}", x.lim)
+                };
                 let mut d = format!(
-                    "G3 OVERLAP on key {} (limit {}): {} runs at once at {}.\n    newly admitted: {}",
+                    "G3 OVERLAP on key {} ({limit}): {} runs at once at {}.\n    newly admitted: {}",
                     key_name(x.kid),
-                    x.lim,
                     1 + others.len(),
                     ts(x.try_at),
                     self.describe(x)
@@ -1980,6 +2096,33 @@ impl Report {
         row("deadlocks", self.deadlocks.to_string());
         for (lim, (locks, intervals)) in &self.max_overlap {
             row(&format!("max runs at once, limit {lim}"), format!("{locks} (locks), {intervals} (intervals)"));
+        }
+        let shared_runs: [usize; 3] = self.shared.values().fold([0; 3], |mut a, s| {
+            (0..3).for_each(|i| a[i] += s.runs[i]);
+            a
+        });
+        row(
+            "runs on shared keys",
+            format!(
+                "{} ({} lim1, {} lim2, {} lim3) on {} keys",
+                shared_runs.iter().sum::<usize>(),
+                shared_runs[0],
+                shared_runs[1],
+                shared_runs[2],
+                self.shared.len()
+            ),
+        );
+        for (kid, s) in &self.shared {
+            row(
+                &format!("max runs at once, {}", key_name(*kid)),
+                format!(
+                    "{} (locks), {} (intervals); {} runs, {} admitted beside another type",
+                    s.max_locks,
+                    s.max_intervals,
+                    s.runs.iter().sum::<usize>(),
+                    s.beside_other_type
+                ),
+            );
         }
         row("job re-run beside itself", format!("{} (not frozen)", self.same_job_at_once));
         row(
