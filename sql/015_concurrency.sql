@@ -88,27 +88,49 @@ END $$;
 -- than the least of its type's current limit and, where they are not all of that type, their
 -- types' limits (design §109). held and lim: the count and the limit it judged by. No row when
 -- nothing is parked. Outside a promotion's transaction, so a key's lease rows are all its
--- holders. Probes: the key's next parked job, its row, its type and, only where the holders are
--- of another type, the key's leases. Callers: the sweep's repair (its candidates: judged by the
--- job's own limit alone, keys held by a stricter type's jobs were picked at every pass, and kept
--- a key with room from being looked at, review helper-124 F3), lockgate doctor (parked_with_room).
-CREATE OR REPLACE FUNCTION lockgate._next_parked_room(key text, OUT room boolean, OUT held integer, OUT lim integer)
-LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
-BEGIN
+-- holders. A SQL function returning a set, so that the planner inlines it into its caller: the
+-- queues are listed once per statement, and each key costs its probes alone (its next parked
+-- job, its row, its type and, only where the holders are of another type, its leases), where a
+-- PL/pgSQL call cost 32 us a key (review helper-126 F1). Callers: the sweep's repair (its
+-- candidates: judged by the job's own limit alone, keys held by a stricter type's jobs were
+-- picked at every pass, and kept a key with room from being looked at, review helper-124 F3),
+-- lockgate doctor (parked_with_room).
+CREATE OR REPLACE FUNCTION lockgate._next_parked_room(key text)
+RETURNS TABLE (room boolean, held integer, lim integer) LANGUAGE sql STABLE AS $$
     SELECT s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL
            OR head.queue NOT IN (SELECT lockgate._live_queues())
            OR s.value < LEAST(jt.concurrency_limit, h.lim),
            COALESCE(s.value, 0), LEAST(jt.concurrency_limit, h.lim)
-      INTO room, held, lim
-      FROM (SELECT x.job_type, x.queue FROM lockgate.parked x WHERE x.key = _next_parked_room.key
+      FROM (SELECT x.job_type, x.queue FROM lockgate.parked x WHERE x.key = $1
              ORDER BY x.priority, x.id LIMIT 1) head
-      LEFT JOIN lockgate.semaphores s ON s.key = _next_parked_room.key
+      LEFT JOIN lockgate.semaphores s ON s.key = $1
       LEFT JOIN lockgate.job_types jt ON jt.name = head.job_type
       LEFT JOIN LATERAL (SELECT min(COALESCE(t.concurrency_limit, CASE WHEN l.job_type IS NULL THEN s.lim END)) AS lim
                            FROM lockgate.leases l LEFT JOIN lockgate.job_types t ON t.name = l.job_type
-                          WHERE l.key = _next_parked_room.key AND s.value > 0
-                            AND s.sole_type IS DISTINCT FROM head.job_type) h ON true;
-END $$;
+                          WHERE l.key = $1 AND s.value > 0 AND s.sole_type IS DISTINCT FROM head.job_type) h ON true
+$$;
+
+-- The keys with parked jobs that lockgate._next_parked_room may find room in, with the time the
+-- oldest of them was parked: a key with no row, one with a parked job whose type is gone or no
+-- longer limited or whose queue is gone, or one with a parked job whose type's limit its holders
+-- do not fill, unless they are all of one type whose own limit they fill (the common wait of a key
+-- types share, a looser type's job behind a stricter type's holders, left out by the join alone:
+-- judged key by key, 100,000 such keys took the sweep's full scan from 0.2 to 3.3 s, and past the
+-- sweep's statement timeout, review helper-126 F1). One join over every parked job. A SQL
+-- function returning a set, inlined into its callers: the sweep's full scan
+-- (lockgate._sweep_candidates), lockgate doctor (parked_with_room).
+CREATE OR REPLACE FUNCTION lockgate._parked_keys_to_judge()
+RETURNS TABLE (key text, oldest timestamptz) LANGUAGE sql STABLE AS $$
+    SELECT p.key, min(p.parked_at) FROM lockgate.parked p
+      LEFT JOIN lockgate.semaphores s ON s.key = p.key
+      LEFT JOIN lockgate.job_types jt ON jt.name = p.job_type
+      LEFT JOIN lockgate.job_types st ON st.name = s.sole_type
+     WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL
+        OR (s.value < jt.concurrency_limit
+            AND (s.sole_type IS NULL OR s.value < COALESCE(st.concurrency_limit, 2147483647)))
+        OR p.queue NOT IN (SELECT lockgate._live_queues())
+     GROUP BY p.key
+$$;
 
 DROP FUNCTION IF EXISTS lockgate._acquire(text, integer);
 
@@ -369,7 +391,9 @@ BEGIN
                               WHERE x.key = g.key OFFSET 0) s),
     -- The head type's limit, or the key's remaining holders' if they are not all of that type
     -- and one of theirs is stricter (lockgate._acquire, docs/design.md §109): a holder of a type
-    -- limited to 1 admits no other job, of any type, beside it.
+    -- limited to 1 admits no other job, of any type, beside it. A head type with no limit has no
+    -- room here (its jobs go through _promote below, released without a permit; review
+    -- helper-126 F2: the holders' limit stood in for its own, and it took a permit).
     room AS (
         SELECT g.key, g.lim AS held, g.sole AS held_sole, t.job_type, b.lim, t.duration_ms,
                b.lim - (g.value - g.n) AS n, b.sole
@@ -380,7 +404,7 @@ BEGIN
                                     jt.concurrency_duration_ms AS duration_ms
                                FROM lockgate.job_types jt WHERE jt.name = head.job_type OFFSET 0) t
          CROSS JOIN LATERAL (SELECT CASE WHEN g.value = g.n OR g.sole = t.job_type THEN t.lim
-                                         ELSE LEAST(t.lim, h.lim) END AS lim,
+                                         WHEN t.lim IS NOT NULL THEN LEAST(t.lim, h.lim) END AS lim,
                                     CASE WHEN g.value = g.n OR g.sole = t.job_type OR h.sole_type = t.job_type
                                          THEN t.job_type END AS sole
                                FROM (SELECT x.lim, x.sole_type FROM lockgate._holders(g.key, g.value - g.n) x

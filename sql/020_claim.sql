@@ -443,10 +443,14 @@ $$;
 -- (that key is full), put it back for a moment (a key's row is held by another transaction,
 -- H28), or dead-letter it (its type is gone, H16; its key is too long), and return NULL: then it
 -- is not run. Returns when the message becomes visible again (the end of the delivery's budget,
--- never after its lease). Never runs without a permit (G3).
+-- never after its lease). Never runs without a permit (G3). A permit it gave back that it did not
+-- take again (it parked, or its permit is of another key now) goes to the old key's parked jobs
+-- at once, as a completion's would (H6): on a key types share, a job of a looser type may have
+-- room where this one had none (design §109).
 -- Locks: semaphore rows, never waiting for one (so the order between the old and the new key
--- cannot deadlock); the lease bound to the message. The message row is already locked by the
--- claim. Callers: lockgate.claim.
+-- cannot deadlock); the lease bound to the message; when it promotes, the parked rows (SKIP
+-- LOCKED) and the uniqueness locks of the jobs promoted, as a completion does. The message row is
+-- already locked by the claim. Callers: lockgate.claim.
 CREATE OR REPLACE FUNCTION lockgate._reacquire(queue text, c lockgate._claimed)
 RETURNS timestamptz LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
@@ -454,6 +458,9 @@ DECLARE
     ckey text;
     held text;
     stale integer;
+    -- A permit of held was given back here: its key's parked jobs are looked at once this job
+    -- has its own (or has parked).
+    gave_back boolean := false;
     job bigint := COALESCE((c.headers->>'job_id')::bigint, c.msg_id);
     tbl text := lockgate._queue_table(queue, 'q');
     lease_end timestamptz;
@@ -493,6 +500,7 @@ BEGIN
             WITH gone AS (DELETE FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id RETURNING 1)
             SELECT count(*) INTO stale FROM gone;
             PERFORM lockgate._give_back(held, stale);
+            gave_back := stale > 0;
         ELSIF EXISTS (SELECT 1 FROM lockgate.semaphores s WHERE s.key = held) THEN
             RETURN lockgate._put_back(tbl, c);
         ELSE
@@ -516,6 +524,9 @@ BEGIN
         VALUES (queue, c.msg_id, ckey, jt.concurrency_duration_ms,
                 clock_timestamp() + lockgate._lease_interval(jt.concurrency_duration_ms), jt.name)
         RETURNING expires_at INTO lease_end;
+        IF gave_back AND held <> ckey THEN
+            PERFORM lockgate._send_promotions(lockgate._promote_keys(ARRAY[held], ARRAY[0]));
+        END IF;
         -- The visibility never outlives the lease.
         EXECUTE format('UPDATE %s m SET vt = LEAST(m.vt, $3) WHERE m.msg_id = $1 AND m.read_ct = $2 RETURNING m.vt', tbl)
            INTO visible_at USING c.msg_id, c.read_ct, lease_end;
@@ -535,6 +546,13 @@ BEGIN
             COALESCE((c.headers->>'priority')::smallint, 0), clock_timestamp());
     IF c.headers ? 'ukey' OR c.headers ? 'wkey' THEN
         PERFORM lockgate._move_unique(queue, ARRAY[job], ARRAY[NULL::bigint]);
+    END IF;
+    -- The permit given back above may have room for the key's next parked job where this one
+    -- found none: a job of another type on a key types share, whose limit or holders' limits are
+    -- looser (design §109), or the old key's, when the job moved to another. Promoted now, as a
+    -- completion would, rather than at the next sweep (H6).
+    IF gave_back THEN
+        PERFORM lockgate._send_promotions(lockgate._promote_keys(ARRAY[held], ARRAY[0]));
     END IF;
     RETURN NULL;
 END $$;

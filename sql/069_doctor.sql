@@ -324,19 +324,19 @@ END $$;
 -- Keys with parked jobs and room for the next of them now: what the sweep promotes (no
 -- semaphore row, the next job's type gone or no longer limited, or fewer permits held than the
 -- least of that type's current limit and, on a key types share, its holders' types' limits:
--- lockgate._next_parked_room, the sweep's own judgement). Seen for a moment after a holder's
--- lease is freed, or for one round of the sweep's repair when no release touched the key; one
--- that stays means no sweep runs. One row for all of them.
+-- lockgate._parked_keys_to_judge and lockgate._next_parked_room, the sweep's own judgement). Seen
+-- for a moment after a holder's lease is freed, or for one round of the sweep's repair when no
+-- release touched the key; one that stays means no sweep runs. One row for all of them.
 CREATE OR REPLACE FUNCTION lockgate._doctor_parked()
 RETURNS TABLE (check_name text, verdict text, detail text, advice text)
 LANGUAGE sql STABLE AS $$
-    WITH waiting AS (
-        SELECT p.key, count(*) AS parked, min(p.parked_at) AS oldest FROM lockgate.parked p GROUP BY p.key),
-    roomy AS (
-        SELECT w.*, r.held, r.lim
-          FROM waiting w CROSS JOIN LATERAL lockgate._next_parked_room(w.key) r
+    WITH roomy AS (
+        SELECT m.key, m.oldest, r.held, r.lim
+          FROM lockgate._parked_keys_to_judge() m CROSS JOIN LATERAL lockgate._next_parked_room(m.key) r
          WHERE r.room),
-    listed AS (SELECT * FROM roomy ORDER BY oldest LIMIT 5)
+    listed AS (
+        SELECT y.*, (SELECT count(*) FROM lockgate.parked p WHERE p.key = y.key) AS parked
+          FROM (SELECT * FROM roomy ORDER BY oldest LIMIT 5) y)
     SELECT 'parked_with_room', 'warn',
            format('%s key(s) have parked jobs and a free permit: %s%s', (SELECT count(*) FROM roomy),
                   (SELECT string_agg(format('%s (%s parked, %s of %s held, oldest parked %s ago)', l.key, l.parked,

@@ -210,8 +210,9 @@ END $$;
 -- and its holders' limits on a key types share); a key whose type is gone or no longer limited,
 -- or whose queue is gone, is taken too, to dead-letter or release it (one whose table was made
 -- again behind lockgate's back is taken as well, and _promote leaves its jobs parked until
--- lockgate adopts the table). The exact judgement is made in age order, after the sort, until
--- max_keys pass (OFFSET 0 keeps it from being pushed below the sort, onto every key). It reads
+-- lockgate adopts the table). The keys are first filtered by a join over every parked job
+-- (lockgate._parked_keys_to_judge); the exact judgement is made in age order, after the sort,
+-- until max_keys pass (OFFSET 0 keeps it from being pushed below the sort, onto every key). It reads
 -- every parked job, so it runs with the planner's own choices (lockgate.sweep turns sequential
 -- scans, hash and merge joins off for its other statements); a SQL function with settings of its
 -- own (which also keep it from being inlined), planned at each call.
@@ -220,13 +221,9 @@ RETURNS text[] LANGUAGE sql STABLE
 SET plan_cache_mode = auto SET enable_seqscan = on SET enable_hashjoin = on SET enable_mergejoin = on AS $$
     SELECT ARRAY(
         SELECT c.key
-          FROM (SELECT p.key FROM lockgate.parked p
-                  LEFT JOIN lockgate.semaphores s ON s.key = p.key
-                  LEFT JOIN lockgate.job_types jt ON jt.name = p.job_type
-                 WHERE s.key IS NULL OR jt.name IS NULL OR jt.concurrency_limit IS NULL OR s.value < jt.concurrency_limit
-                    OR p.queue NOT IN (SELECT lockgate._live_queues())
-                 GROUP BY p.key ORDER BY min(p.parked_at) OFFSET 0) c
-         WHERE (lockgate._next_parked_room(c.key)).room
+          FROM (SELECT m.key FROM lockgate._parked_keys_to_judge() m ORDER BY m.oldest OFFSET 0) c
+         CROSS JOIN LATERAL lockgate._next_parked_room(c.key) r
+         WHERE r.room
          LIMIT max_keys)
 $$;
 

@@ -236,6 +236,76 @@ async fn the_sweeps_repair_passes_over_keys_held_by_a_stricter_type_to_one_with_
     sound(&db.pool, "after the sweeps").await;
 }
 
+/// A lowered limit binds the other types' jobs that hold permits of its keys without running
+/// too: they took them under the old limit, and are re-admitted at their claim as the lowered
+/// type's own are (design §80, §109; found by the model: a job of another type that held a
+/// permit started beside a holder over that holder's lowered limit).
+#[tokio::test]
+async fn g3_a_lowered_limit_re_admits_the_waiting_holders_of_every_type_on_its_keys() {
+    let db = types(&[("x", 2), ("y", 2)]).await;
+    assert_eq!(enqueue(&db.pool, "y", "k").await, "enqueued");
+    let y1: Vec<Delivery> = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(types_of(&db.pool, &y1).await, ["y"], "y1 runs");
+    assert_eq!(enqueue(&db.pool, "x", "k").await, "enqueued", "x1 holds a permit, not started");
+    sqlx::query("SELECT lockgate.define_job_type('y', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    // y1 runs on under the limit it started with; x1 must not start beside it.
+    assert!(claim(&db.pool).await.is_empty(), "x1 started beside y1, over y's new limit of 1");
+    assert_eq!(parked(&db.pool, "k").await, ["x"]);
+    sound(&db.pool, "x1 parked again").await;
+    assert!(complete_default(&db.pool, y1[0]).await);
+    assert_eq!(types_of(&db.pool, &claim(&db.pool).await).await, ["x"]);
+    sound(&db.pool, "x1 alone").await;
+}
+
+/// A claim that parks a job again (its permit given back under a lowered limit) gives the permit
+/// to the key's next parked job, of another type, where it has room, as a completion would (H6),
+/// instead of leaving it to the next sweep (found by the model, check (m)).
+#[tokio::test]
+async fn a_permit_given_back_by_a_claim_that_parks_its_job_goes_to_the_next_parked_job() {
+    let db = types(&[("x", 2), ("y", 2)]).await;
+    assert_eq!(enqueue(&db.pool, "y", "k").await, "enqueued");
+    let y1: Vec<Delivery> = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(types_of(&db.pool, &y1).await, ["y"]);
+    assert_eq!(enqueue(&db.pool, "x", "k").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "y", "k").await, "parked", "y2 behind y1 and x1");
+    sqlx::query("SELECT lockgate.define_job_type('x', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    // x1, claimed, gives its permit back and finds none under its new limit (y1 holds one): it
+    // parks, and y2 takes the permit (2 of y's 2).
+    assert!(claim(&db.pool).await.is_empty());
+    assert_eq!(parked(&db.pool, "k").await, ["x"], "y2 promoted by the claim");
+    assert_eq!(types_of(&db.pool, &claim(&db.pool).await).await, ["y"]);
+    sound(&db.pool, "y1 and y2 running").await;
+}
+
+/// Review helper-126 F2: a parked job whose type's limit was removed was promoted, on a key still
+/// held by another type's jobs, as if limited (the holders' limit stood in for its own): it took
+/// a permit and held it while it ran. It is released without one, as on a key of its own.
+#[tokio::test]
+async fn a_parked_job_whose_type_lost_its_limit_is_promoted_without_a_permit_beside_other_holders() {
+    let db = types(&[("a", 3), ("u", 2)]).await;
+    assert_eq!(enqueue(&db.pool, "a", "k").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "a", "k").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "u", "k").await, "parked");
+    sqlx::query("SELECT lockgate.define_job_type('u')").execute(&db.pool).await.unwrap();
+    let ds = claim(&db.pool).await;
+    assert!(complete_default(&db.pool, ds[0]).await);
+    assert_eq!(parked(&db.pool, "k").await, Vec::<String>::new());
+    let u_leases: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.leases WHERE job_type = 'u'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(u_leases, 0, "u's job runs without a permit");
+    assert_eq!(enqueue(&db.pool, "a", "k").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "a", "k").await, "enqueued", "3 of a's 3");
+    sound(&db.pool, "a's jobs and u's").await;
+}
+
 #[tokio::test]
 async fn g3_a_lease_taken_before_its_type_was_recorded_binds_the_keys_recorded_limit() {
     // What migration 27 leaves: a lease with no type, a key with no sole type.
