@@ -267,17 +267,20 @@ BEGIN
             EXECUTE format('UPDATE %s m SET headers = $2 WHERE m.msg_id = $1', tbl) USING r.msg_id, r.headers;
         END IF;
         -- A job whose type gained a limit, whose key was derived under other key paths, or
-        -- whose permit was taken under a higher limit, takes a permit of the key the current
-        -- policy gives it (H33), giving back the one it holds; a key given explicitly at enqueue
-        -- stays its key, and is taken again under the current limit (design §80).
+        -- whose permit was taken under a higher limit (its own type's, or one sharing its key),
+        -- takes a permit of the key the current policy gives it (H33), giving back the one it
+        -- holds; a key given explicitly at enqueue stays its key, and is taken again under the
+        -- current limit (design §80, §109). One whose type lost its limit gives its permit back.
         IF NOT types_read THEN
             SELECT array_agg(t.name), array_agg(t.concurrency_key_version) INTO keyed_types, key_versions
               FROM lockgate.job_types t WHERE t.concurrency_limit IS NOT NULL;
             types_read := true;
         END IF;
         i := array_position(keyed_types, r.headers->>'type');
-        IF i IS NOT NULL
-           AND (NOT r.limited OR COALESCE((r.headers->>'kv')::integer, 0) <> key_versions[i]) THEN
+        IF (i IS NOT NULL AND (NOT r.limited OR COALESCE((r.headers->>'kv')::integer, 0) <> key_versions[i]))
+           -- A job of a type no longer limited (or gone) still carrying its key gives its permit
+           -- back and runs without it (or is dead-lettered).
+           OR (i IS NULL AND r.limited) THEN
             unleased := unleased || ROW(r.msg_id, r.read_ct, r.enqueued_at, r.message, r.headers, r.vt, r.ahead)::lockgate._claimed;
             CONTINUE;
         END IF;
@@ -475,22 +478,6 @@ BEGIN
             format('job type "%s" is not defined in lockgate.job_types', c.headers->>'type'), c.read_ct);
         RETURN NULL;
     END IF;
-    IF jt.concurrency_limit IS NULL THEN
-        -- Its type's limit was removed: it runs unlimited, and its message drops the key so the
-        -- heartbeat does not look for a lease.
-        EXECUTE format('UPDATE %s m SET headers = m.headers - ''ckey'' - ''ckey_explicit''
-                         WHERE m.msg_id = $1 AND m.read_ct = $2 RETURNING m.vt', tbl)
-           INTO visible_at USING c.msg_id, c.read_ct;
-        RETURN visible_at;
-    END IF;
-    ckey := CASE WHEN c.headers ? 'ckey_explicit' THEN c.headers->>'ckey'
-                 ELSE lockgate._concurrency_key(jt, c.message, NULL) END;
-    IF length(ckey) > 512 THEN
-        PERFORM lockgate.dead_letter(queue, c.msg_id, c.read_ct, 'undecodable',
-            format('concurrency key derived from the arguments is %s characters, more than the 512 allowed', length(ckey)),
-            c.read_ct);
-        RETURN NULL;
-    END IF;
     -- A lease still bound to the message (past its end, or of its old key) gives its permit back.
     SELECT l.key INTO held FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id;
     IF held IS NOT NULL THEN
@@ -510,7 +497,36 @@ BEGIN
             DELETE FROM lockgate.leases l WHERE l.queue = _reacquire.queue AND l.msg_id = c.msg_id;
         END IF;
     END IF;
+    IF jt.concurrency_limit IS NULL THEN
+        -- Its type's limit was removed: it runs unlimited, and its message drops the key so the
+        -- heartbeat does not look for a lease. The permit it took under the limit went back
+        -- above: a job that has not started holds none of a type without a limit, and on a key
+        -- types share it would count against the other types' limits (design §109).
+        EXECUTE format('UPDATE %s m SET headers = m.headers - ''ckey'' - ''ckey_explicit''
+                         WHERE m.msg_id = $1 AND m.read_ct = $2 RETURNING m.vt', tbl)
+           INTO visible_at USING c.msg_id, c.read_ct;
+        IF gave_back THEN
+            PERFORM lockgate._send_promotions(lockgate._promote_keys(ARRAY[held], ARRAY[0]));
+        END IF;
+        RETURN visible_at;
+    END IF;
+    ckey := CASE WHEN c.headers ? 'ckey_explicit' THEN c.headers->>'ckey'
+                 ELSE lockgate._concurrency_key(jt, c.message, NULL) END;
+    IF length(ckey) > 512 THEN
+        IF gave_back THEN
+            PERFORM lockgate._send_promotions(lockgate._promote_keys(ARRAY[held], ARRAY[0]));
+        END IF;
+        PERFORM lockgate.dead_letter(queue, c.msg_id, c.read_ct, 'undecodable',
+            format('concurrency key derived from the arguments is %s characters, more than the 512 allowed', length(ckey)),
+            c.read_ct);
+        RETURN NULL;
+    END IF;
     IF NOT lockgate._lock_key_now(ckey, jt.concurrency_limit) THEN
+        -- Put back for its new key; the old key's permit given back goes to its parked jobs
+        -- now (review helper-127 F3).
+        IF gave_back AND held <> ckey THEN
+            PERFORM lockgate._send_promotions(lockgate._promote_keys(ARRAY[held], ARRAY[0]));
+        END IF;
         RETURN lockgate._put_back(tbl, c);
     END IF;
     IF c.headers->>'ckey' IS DISTINCT FROM ckey OR COALESCE((c.headers->>'kv')::integer, 0) <> jt.concurrency_key_version THEN

@@ -11,7 +11,7 @@ mod common;
 
 use common::{complete_default, lapse_visibility, violations};
 use lockgate_testkit::TestDb;
-use sqlx::PgPool;
+use sqlx::{Connection, PgPool};
 
 /// A delivery as `lockgate.claim` returns it: (msg_id, read_ct).
 type Delivery = (i64, i32);
@@ -258,6 +258,102 @@ async fn g3_a_lowered_limit_re_admits_the_waiting_holders_of_every_type_on_its_k
     assert!(complete_default(&db.pool, y1[0]).await);
     assert_eq!(types_of(&db.pool, &claim(&db.pool).await).await, ["x"]);
     sound(&db.pool, "x1 alone").await;
+}
+
+/// Review helper-127 F1: the other types' holders a lowered limit binds were found among the
+/// leases the definition could see; a producer's enqueue of the key not yet committed was missed,
+/// and its job started over the new limit. The definition now waits for the key's row, and sees it.
+#[tokio::test]
+async fn g3_a_lowered_limit_re_admits_a_holder_whose_enqueue_was_open_while_it_was_lowered() {
+    let db = types(&[("a", 3), ("b", 3)]).await;
+    assert_eq!(enqueue(&db.pool, "a", "k").await, "enqueued");
+    assert_eq!(claim(&db.pool).await.len(), 1, "a's job runs");
+    let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut producer).await.unwrap();
+    let status: String =
+        sqlx::query_scalar("SELECT status FROM lockgate.enqueue('b', '{}', '{\"concurrency_key\": \"k\"}')")
+            .fetch_one(&mut producer)
+            .await
+            .unwrap();
+    assert_eq!(status, "enqueued", "2 of 3, not committed");
+    let url = db.url.clone();
+    let lowering = tokio::spawn(async move {
+        let mut conn = sqlx::PgConnection::connect(&url).await?;
+        sqlx::query("SELECT lockgate.define_job_type('a', concurrency_limit => 1)").execute(&mut conn).await?;
+        anyhow::Ok(())
+    });
+    common::until_one_waits_for_a_lock(&db.pool).await;
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    lowering.await.unwrap().unwrap();
+    // a's job runs on under the limit it started with; b's must not start beside it.
+    assert!(claim(&db.pool).await.is_empty(), "b's job started beside a's, over a's new limit of 1");
+    assert_eq!(parked(&db.pool, "k").await, ["b"]);
+    sound(&db.pool, "b's job parked").await;
+}
+
+/// Review helper-127 F3: a job re-keyed at its claim (its type's key paths changed, H33) gives its
+/// old key's permit back; when its new key's row is held by another transaction it is put back
+/// for a moment, and the old key's parked job takes that permit then, not at the next sweep.
+#[tokio::test]
+async fn a_re_keyed_job_put_back_for_its_new_key_gives_its_old_keys_permit_to_the_parked_job() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('a', concurrency_limit => 1, concurrency_key => ARRAY['x'])")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        sqlx::query("SELECT lockgate.enqueue('a', '{\"x\": 1}')").execute(&db.pool).await.unwrap();
+    }
+    assert_eq!(parked(&db.pool, "a:[1]").await, ["a"]);
+    sqlx::query("SELECT lockgate.define_job_type('a', concurrency_limit => 1, concurrency_key => ARRAY['y'])")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT lockgate.enqueue('a', '{\"x\": 2}')").execute(&db.pool).await.unwrap();
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM lockgate.semaphores WHERE key = 'a:[null]' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    // The third job runs on its key; the first, re-keyed, is put back for a:[null].
+    assert_eq!(claim(&db.pool).await.len(), 1);
+    assert_eq!(parked(&db.pool, "a:[1]").await, Vec::<String>::new(), "the old key's parked job promoted");
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+}
+
+/// Found by the model: a job that took a permit under its type's limit, and whose type then lost
+/// it, started holding that permit; on a key types share it then counted against another type's
+/// lowered limit. It gives the permit back at its claim and runs without one, as its type's jobs
+/// now do (a running one keeps its permit until it finishes).
+#[tokio::test]
+async fn a_waiting_holder_whose_type_lost_its_limit_gives_its_permit_back_at_its_claim() {
+    // x on a queue of its own, so that y's job is claimed first.
+    let db = types(&[("y", 2)]).await;
+    sqlx::query("SELECT lockgate.define_job_type('x', queue => 'xq', concurrency_limit => 1)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(enqueue(&db.pool, "x", "k").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "y", "k").await, "parked");
+    sqlx::query("SELECT lockgate.define_job_type('x', queue => 'xq')").execute(&db.pool).await.unwrap();
+    let promoted: i32 = sqlx::query_scalar("SELECT promoted FROM lockgate.sweep()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(promoted, 1, "x binds nothing now");
+    assert_eq!(types_of(&db.pool, &claim(&db.pool).await).await, ["y"], "y's job runs");
+    sqlx::query("SELECT lockgate.define_job_type('y', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    let x1: Vec<(i64, i32, Option<String>)> =
+        sqlx::query_as("SELECT msg_id, read_ct, headers->>'ckey' FROM lockgate.claim('xq', 10, 30)")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(x1.len(), 1, "x's job runs, unlimited");
+    assert_eq!(x1[0].2, None, "without its key");
+    let x_leases: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.leases WHERE job_type = 'x'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(x_leases, 0, "without the permit it took under its old limit");
+    sound(&db.pool, "y's job and x's").await;
 }
 
 /// A claim that parks a job again (its permit given back under a lowered limit) gives the permit
