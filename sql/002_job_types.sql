@@ -34,12 +34,6 @@ CREATE OR REPLACE FUNCTION lockgate.define_job_type(
     unique_key              text[] DEFAULT NULL,
     unique_on_conflict      text DEFAULT 'reject'
 ) RETURNS void LANGUAGE plpgsql AS $$
-DECLARE
-    -- The type's limit before this definition, and whether it was defined.
-    old_limit integer;
-    existed boolean;
-    -- The keys this type's jobs hold permits of, when its limit is lowered.
-    held_keys text[];
 BEGIN
     IF name IS NULL OR name !~ '^[A-Za-z][A-Za-z0-9_.:-]{0,127}$' THEN
         RAISE EXCEPTION 'lockgate: invalid job type name "%"', name
@@ -122,7 +116,6 @@ BEGIN
     IF NOT FOUND THEN
         PERFORM lockgate.create_queue(queue);
     END IF;
-    SELECT t.concurrency_limit, true INTO old_limit, existed FROM lockgate.job_types t WHERE t.name = define_job_type.name;
     INSERT INTO lockgate.job_types AS t
         (name, queue, priority, max_attempts, backoff_base_ms, backoff_max_ms, backoff_jitter, timeout_ms,
          concurrency_limit, concurrency_key, concurrency_duration_ms, concurrency_on_conflict,
@@ -149,26 +142,6 @@ BEGIN
             + CASE WHEN t.concurrency_key IS DISTINCT FROM EXCLUDED.concurrency_key
                      OR (t.concurrency_limit IS NULL) <> (EXCLUDED.concurrency_limit IS NULL)
                      OR EXCLUDED.concurrency_limit < t.concurrency_limit THEN 1 ELSE 0 END;
-    -- A lowered (or added) limit binds the other types' jobs that hold permits of the keys this
-    -- type's jobs hold too (a key types share: the strictest holder binds, design §109): those
-    -- that have not started took theirs under the old limit, and are re-admitted at their claim
-    -- as this type's are, through their own types' key versions (every job of such a type takes
-    -- its permit again once, at its next claim). The keys' rows are locked first, in key order,
-    -- so that a producer's enqueue of such a key not yet committed is waited for and its lease
-    -- seen (review helper-127 F1: read without the locks, it was missed, and its job started
-    -- over the lowered limit). Rewriting other types' rows can meet a definition of those types
-    -- in another transaction in the other order: a deadlock, which the runtime's start-up retries.
-    IF existed AND define_job_type.concurrency_limit IS NOT NULL
-       AND (old_limit IS NULL OR define_job_type.concurrency_limit < old_limit) THEN
-        held_keys := ARRAY(SELECT DISTINCT l.key FROM lockgate.leases l WHERE l.job_type = define_job_type.name
-                            ORDER BY l.key);
-        PERFORM 1 FROM unnest(held_keys) WITH ORDINALITY AS k(key, o)
-         CROSS JOIN LATERAL (SELECT 1 FROM lockgate.semaphores s WHERE s.key = k.key FOR UPDATE) x
-         ORDER BY k.o;
-        UPDATE lockgate.job_types o SET concurrency_key_version = o.concurrency_key_version + 1
-         WHERE o.name <> define_job_type.name AND o.concurrency_limit IS NOT NULL
-           AND o.name IN (SELECT l.job_type FROM lockgate.leases l WHERE l.key = ANY (held_keys));
-    END IF;
 END $$;
 
 -- The policy of one job type, or LG002 naming it.

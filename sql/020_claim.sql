@@ -28,7 +28,12 @@ BEGIN
     -- meanwhile). The first start_now of them (NULL: all) start now, the others are claimed
     -- ahead. limited: the message carries a concurrency key; unconfirmed: its last delivery was
     -- claimed ahead and never started; lease_end: its lease's end as the statement's snapshot
-    -- read it.
+    -- read it, or NULL when its key, held by jobs of several types, holds more permits than the
+    -- least of its holders' current limits: a limit lowered since this job took its permit (its
+    -- own type's, or another holder's), so it is admitted again, or parks, before it starts
+    -- (design §109: read in the claim's snapshot, so a definition committed before the claim is
+    -- always seen, and one committed after it finds the job started). A key held by one type
+    -- costs one probe of its row; its own lowered limit is met by its key version.
     -- The priorities are the claim index's ranks (lockgate._rank_sql): -1 first, where a message
     -- whose priority header is not 0..9 waits to be dead-lettered by the claim (H29; none of
     -- lockgate's own messages is ever there, so the probe finds it empty), then 0 to 9.
@@ -86,8 +91,12 @@ BEGIN
                   WHERE m.msg_id = ranked.msg_id
                  RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers, m.vt, m.last_read_at IS NULL,
                            ranked.limited, ranked.unconfirmed,
-                           CASE WHEN ranked.limited THEN (SELECT l.expires_at FROM lockgate.leases l
-                                                         WHERE l.queue = $6 AND l.msg_id = m.msg_id) END;
+                           CASE WHEN ranked.limited THEN (
+                               SELECT CASE WHEN s.value > 1 AND s.sole_type IS DISTINCT FROM l.job_type
+                                                AND s.value > (lockgate._holders(l.key, s.value)).lim THEN NULL
+                                           ELSE l.expires_at END
+                                 FROM lockgate.leases l LEFT JOIN lockgate.semaphores s ON s.key = l.key
+                                WHERE l.queue = $6 AND l.msg_id = m.msg_id) END;
                 GET DIAGNOSTICS took = ROW_COUNT;
                 wanted := wanted - took;
             END LOOP;

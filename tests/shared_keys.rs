@@ -260,14 +260,24 @@ async fn g3_a_lowered_limit_re_admits_the_waiting_holders_of_every_type_on_its_k
     sound(&db.pool, "x1 alone").await;
 }
 
-/// Review helper-127 F1: the other types' holders a lowered limit binds were found among the
-/// leases the definition could see; a producer's enqueue of the key not yet committed was missed,
-/// and its job started over the new limit. The definition now waits for the key's row, and sees it.
+/// Review helper-127 F1 and helper-128 F1: when a definition lowering a limit looked for the other
+/// types' holders it binds (to re-admit them at their claim), it missed a producer's enqueue of
+/// the key not yet committed, and a claim of its own type's job taking a permit of the key again,
+/// not yet committed: their jobs started over the new limit. The claim now checks, in its own
+/// snapshot, that a key held by several types is within the least of its holders' current
+/// limits before a job of it starts, so any interleaving with the definition is safe.
 #[tokio::test]
-async fn g3_a_lowered_limit_re_admits_a_holder_whose_enqueue_was_open_while_it_was_lowered() {
-    let db = types(&[("a", 3), ("b", 3)]).await;
+async fn g3_a_lowered_limit_binds_holders_whose_enqueue_or_claim_was_open_while_it_was_lowered() {
+    let db = types(&[("b", 3)]).await;
+    sqlx::query("SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 3)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // An enqueue open across the lowering: a's job runs; b's is enqueued, not committed.
     assert_eq!(enqueue(&db.pool, "a", "k").await, "enqueued");
-    assert_eq!(claim(&db.pool).await.len(), 1, "a's job runs");
+    let a: Vec<Delivery> =
+        sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('qa', 10, 30)").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(a.len(), 1, "a's job runs");
     let mut producer = sqlx::PgConnection::connect(&db.url).await.unwrap();
     sqlx::query("BEGIN").execute(&mut producer).await.unwrap();
     let status: String =
@@ -276,19 +286,47 @@ async fn g3_a_lowered_limit_re_admits_a_holder_whose_enqueue_was_open_while_it_w
             .await
             .unwrap();
     assert_eq!(status, "enqueued", "2 of 3, not committed");
-    let url = db.url.clone();
-    let lowering = tokio::spawn(async move {
-        let mut conn = sqlx::PgConnection::connect(&url).await?;
-        sqlx::query("SELECT lockgate.define_job_type('a', concurrency_limit => 1)").execute(&mut conn).await?;
-        anyhow::Ok(())
-    });
-    common::until_one_waits_for_a_lock(&db.pool).await;
+    sqlx::query("SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 1)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
-    lowering.await.unwrap().unwrap();
-    // a's job runs on under the limit it started with; b's must not start beside it.
     assert!(claim(&db.pool).await.is_empty(), "b's job started beside a's, over a's new limit of 1");
     assert_eq!(parked(&db.pool, "k").await, ["b"]);
     sound(&db.pool, "b's job parked").await;
+
+    // A claim open across the lowering: b's two jobs hold permits of k2, a's took one and lapsed.
+    sqlx::query("SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 3)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(enqueue(&db.pool, "b", "k2").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "b", "k2").await, "enqueued");
+    assert_eq!(enqueue(&db.pool, "a", "k2").await, "enqueued");
+    sqlx::query(
+        "UPDATE lockgate.leases SET expires_at = now() - interval '1 second' WHERE key = 'k2' AND job_type = 'a'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (expired,): (i32,) = sqlx::query_as("SELECT expired FROM lockgate.sweep()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(expired, 1);
+    let mut claimer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut claimer).await.unwrap();
+    let taken: Vec<(i64,)> =
+        sqlx::query_as("SELECT msg_id FROM lockgate.claim('qa', 10, 30)").fetch_all(&mut claimer).await.unwrap();
+    assert_eq!(taken.len(), 1, "a's job takes a permit of k2 again, not committed");
+    sqlx::query("SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 1)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("COMMIT").execute(&mut claimer).await.unwrap();
+    assert!(claim(&db.pool).await.is_empty(), "b's jobs started beside a's, over a's new limit of 1");
+    assert_eq!(parked(&db.pool, "k2").await, ["b", "b"]);
+    let leases: Vec<String> =
+        sqlx::query_scalar("SELECT job_type FROM lockgate.leases WHERE key = 'k2'").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(leases, ["a"]);
+    assert_eq!(violations(&db.pool).await, Vec::<String>::new());
 }
 
 /// Review helper-127 F3: a job re-keyed at its claim (its type's key paths changed, H33) gives its
