@@ -41,6 +41,21 @@ async fn enqueue(db: &PgPool, ty: &str, key: &str) -> String {
         .unwrap()
 }
 
+/// Runs one statement whose result the test does not need.
+async fn run(db: &PgPool, statement: &str) {
+    sqlx::query(statement).execute(db).await.unwrap();
+}
+
+/// Claims one delivery of queue `default`, the oldest visible.
+async fn claim_one(db: &PgPool) -> Vec<Delivery> {
+    sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)").fetch_all(db).await.unwrap()
+}
+
+/// How many permits jobs of type `ty` hold.
+async fn leases_of(db: &PgPool, ty: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM lockgate.leases WHERE job_type = $1").bind(ty).fetch_one(db).await.unwrap()
+}
+
 async fn claim(db: &PgPool) -> Vec<Delivery> {
     sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 10, 30)").fetch_all(db).await.unwrap()
 }
@@ -191,7 +206,7 @@ async fn g3_the_sweep_and_a_claim_taking_a_permit_again_admit_no_job_past_the_st
     let first = claim(&db.pool).await;
     assert_eq!(first.len(), 1);
     // Its holder goes silent past both budgets: the sweep gives its permit to the strict job.
-    sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").execute(&db.pool).await.unwrap();
+    run(&db.pool, "UPDATE lockgate.leases SET expires_at = now() - interval '1 second'").await;
     lapse_visibility(&db.pool).await;
     let (expired, promoted): (i32, i32) =
         sqlx::query_as("SELECT expired, promoted FROM lockgate.sweep()").fetch_one(&db.pool).await.unwrap();
@@ -219,7 +234,7 @@ async fn the_sweeps_repair_passes_over_keys_held_by_a_stricter_type_to_one_with_
     for status in ["enqueued", "enqueued", "parked"] {
         assert_eq!(enqueue(&db.pool, "b", "z").await, status);
     }
-    sqlx::query("SELECT lockgate.define_job_type('b', concurrency_limit => 3)").execute(&db.pool).await.unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('b', concurrency_limit => 3)").await;
     // max_keys 2 stands for the default 1,000: more keys than that wait behind stricter holders.
     let promoted: i32 = sqlx::query_scalar("SELECT promoted FROM lockgate.sweep(2)").fetch_one(&db.pool).await.unwrap();
     assert_eq!(promoted, 1, "z's job, under b's raised limit");
@@ -244,13 +259,10 @@ async fn the_sweeps_repair_passes_over_keys_held_by_a_stricter_type_to_one_with_
 async fn g3_a_lowered_limit_re_admits_the_waiting_holders_of_every_type_on_its_keys() {
     let db = types(&[("x", 2), ("y", 2)]).await;
     assert_eq!(enqueue(&db.pool, "y", "k").await, "enqueued");
-    let y1: Vec<Delivery> = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
+    let y1 = claim_one(&db.pool).await;
     assert_eq!(types_of(&db.pool, &y1).await, ["y"], "y1 runs");
     assert_eq!(enqueue(&db.pool, "x", "k").await, "enqueued", "x1 holds a permit, not started");
-    sqlx::query("SELECT lockgate.define_job_type('y', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('y', concurrency_limit => 1)").await;
     // y1 runs on under the limit it started with; x1 must not start beside it.
     assert!(claim(&db.pool).await.is_empty(), "x1 started beside y1, over y's new limit of 1");
     assert_eq!(parked(&db.pool, "k").await, ["x"]);
@@ -269,10 +281,7 @@ async fn g3_a_lowered_limit_re_admits_the_waiting_holders_of_every_type_on_its_k
 #[tokio::test]
 async fn g3_a_lowered_limit_binds_holders_whose_enqueue_or_claim_was_open_while_it_was_lowered() {
     let db = types(&[("b", 3)]).await;
-    sqlx::query("SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 3)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 3)").await;
     // An enqueue open across the lowering: a's job runs; b's is enqueued, not committed.
     assert_eq!(enqueue(&db.pool, "a", "k").await, "enqueued");
     let a: Vec<Delivery> =
@@ -286,20 +295,14 @@ async fn g3_a_lowered_limit_binds_holders_whose_enqueue_or_claim_was_open_while_
             .await
             .unwrap();
     assert_eq!(status, "enqueued", "2 of 3, not committed");
-    sqlx::query("SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 1)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 1)").await;
     sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
     assert!(claim(&db.pool).await.is_empty(), "b's job started beside a's, over a's new limit of 1");
     assert_eq!(parked(&db.pool, "k").await, ["b"]);
     sound(&db.pool, "b's job parked").await;
 
     // A claim open across the lowering: b's two jobs hold permits of k2, a's took one and lapsed.
-    sqlx::query("SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 3)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 3)").await;
     assert_eq!(enqueue(&db.pool, "b", "k2").await, "enqueued");
     assert_eq!(enqueue(&db.pool, "b", "k2").await, "enqueued");
     assert_eq!(enqueue(&db.pool, "a", "k2").await, "enqueued");
@@ -316,10 +319,7 @@ async fn g3_a_lowered_limit_binds_holders_whose_enqueue_or_claim_was_open_while_
     let taken: Vec<(i64,)> =
         sqlx::query_as("SELECT msg_id FROM lockgate.claim('qa', 10, 30)").fetch_all(&mut claimer).await.unwrap();
     assert_eq!(taken.len(), 1, "a's job takes a permit of k2 again, not committed");
-    sqlx::query("SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 1)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('a', queue => 'qa', concurrency_limit => 1)").await;
     sqlx::query("COMMIT").execute(&mut claimer).await.unwrap();
     assert!(claim(&db.pool).await.is_empty(), "b's jobs started beside a's, over a's new limit of 1");
     assert_eq!(parked(&db.pool, "k2").await, ["b", "b"]);
@@ -335,19 +335,13 @@ async fn g3_a_lowered_limit_binds_holders_whose_enqueue_or_claim_was_open_while_
 #[tokio::test]
 async fn a_re_keyed_job_put_back_for_its_new_key_gives_its_old_keys_permit_to_the_parked_job() {
     let db = TestDb::migrated().await.unwrap();
-    sqlx::query("SELECT lockgate.define_job_type('a', concurrency_limit => 1, concurrency_key => ARRAY['x'])")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('a', concurrency_limit => 1, concurrency_key => ARRAY['x'])").await;
     for _ in 0..2 {
-        sqlx::query("SELECT lockgate.enqueue('a', '{\"x\": 1}')").execute(&db.pool).await.unwrap();
+        run(&db.pool, "SELECT lockgate.enqueue('a', '{\"x\": 1}')").await;
     }
     assert_eq!(parked(&db.pool, "a:[1]").await, ["a"]);
-    sqlx::query("SELECT lockgate.define_job_type('a', concurrency_limit => 1, concurrency_key => ARRAY['y'])")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    sqlx::query("SELECT lockgate.enqueue('a', '{\"x\": 2}')").execute(&db.pool).await.unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('a', concurrency_limit => 1, concurrency_key => ARRAY['y'])").await;
+    run(&db.pool, "SELECT lockgate.enqueue('a', '{\"x\": 2}')").await;
     let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
     sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
     sqlx::query("SELECT 1 FROM lockgate.semaphores WHERE key = 'a:[null]' FOR UPDATE")
@@ -368,17 +362,14 @@ async fn a_re_keyed_job_put_back_for_its_new_key_gives_its_old_keys_permit_to_th
 async fn a_waiting_holder_whose_type_lost_its_limit_gives_its_permit_back_at_its_claim() {
     // x on a queue of its own, so that y's job is claimed first.
     let db = types(&[("y", 2)]).await;
-    sqlx::query("SELECT lockgate.define_job_type('x', queue => 'xq', concurrency_limit => 1)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('x', queue => 'xq', concurrency_limit => 1)").await;
     assert_eq!(enqueue(&db.pool, "x", "k").await, "enqueued");
     assert_eq!(enqueue(&db.pool, "y", "k").await, "parked");
-    sqlx::query("SELECT lockgate.define_job_type('x', queue => 'xq')").execute(&db.pool).await.unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('x', queue => 'xq')").await;
     let promoted: i32 = sqlx::query_scalar("SELECT promoted FROM lockgate.sweep()").fetch_one(&db.pool).await.unwrap();
     assert_eq!(promoted, 1, "x binds nothing now");
     assert_eq!(types_of(&db.pool, &claim(&db.pool).await).await, ["y"], "y's job runs");
-    sqlx::query("SELECT lockgate.define_job_type('y', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('y', concurrency_limit => 1)").await;
     let x1: Vec<(i64, i32, Option<String>)> =
         sqlx::query_as("SELECT msg_id, read_ct, headers->>'ckey' FROM lockgate.claim('xq', 10, 30)")
             .fetch_all(&db.pool)
@@ -386,10 +377,7 @@ async fn a_waiting_holder_whose_type_lost_its_limit_gives_its_permit_back_at_its
             .unwrap();
     assert_eq!(x1.len(), 1, "x's job runs, unlimited");
     assert_eq!(x1[0].2, None, "without its key");
-    let x_leases: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.leases WHERE job_type = 'x'")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let x_leases = leases_of(&db.pool, "x").await;
     assert_eq!(x_leases, 0, "without the permit it took under its old limit");
     sound(&db.pool, "y's job and x's").await;
 }
@@ -401,14 +389,11 @@ async fn a_waiting_holder_whose_type_lost_its_limit_gives_its_permit_back_at_its
 async fn a_permit_given_back_by_a_claim_that_parks_its_job_goes_to_the_next_parked_job() {
     let db = types(&[("x", 2), ("y", 2)]).await;
     assert_eq!(enqueue(&db.pool, "y", "k").await, "enqueued");
-    let y1: Vec<Delivery> = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 1, 30)")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
+    let y1 = claim_one(&db.pool).await;
     assert_eq!(types_of(&db.pool, &y1).await, ["y"]);
     assert_eq!(enqueue(&db.pool, "x", "k").await, "enqueued");
     assert_eq!(enqueue(&db.pool, "y", "k").await, "parked", "y2 behind y1 and x1");
-    sqlx::query("SELECT lockgate.define_job_type('x', concurrency_limit => 1)").execute(&db.pool).await.unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('x', concurrency_limit => 1)").await;
     // x1, claimed, gives its permit back and finds none under its new limit (y1 holds one): it
     // parks, and y2 takes the permit (2 of y's 2).
     assert!(claim(&db.pool).await.is_empty());
@@ -426,14 +411,11 @@ async fn a_parked_job_whose_type_lost_its_limit_is_promoted_without_a_permit_bes
     assert_eq!(enqueue(&db.pool, "a", "k").await, "enqueued");
     assert_eq!(enqueue(&db.pool, "a", "k").await, "enqueued");
     assert_eq!(enqueue(&db.pool, "u", "k").await, "parked");
-    sqlx::query("SELECT lockgate.define_job_type('u')").execute(&db.pool).await.unwrap();
+    run(&db.pool, "SELECT lockgate.define_job_type('u')").await;
     let ds = claim(&db.pool).await;
     assert!(complete_default(&db.pool, ds[0]).await);
     assert_eq!(parked(&db.pool, "k").await, Vec::<String>::new());
-    let u_leases: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.leases WHERE job_type = 'u'")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let u_leases = leases_of(&db.pool, "u").await;
     assert_eq!(u_leases, 0, "u's job runs without a permit");
     assert_eq!(enqueue(&db.pool, "a", "k").await, "enqueued");
     assert_eq!(enqueue(&db.pool, "a", "k").await, "enqueued", "3 of a's 3");
@@ -445,8 +427,8 @@ async fn g3_a_lease_taken_before_its_type_was_recorded_binds_the_keys_recorded_l
     // What migration 27 leaves: a lease with no type, a key with no sole type.
     let db = types(&[("strict", 1), ("loose", 3)]).await;
     assert_eq!(enqueue(&db.pool, "strict", "k").await, "enqueued");
-    sqlx::query("UPDATE lockgate.leases SET job_type = NULL").execute(&db.pool).await.unwrap();
-    sqlx::query("UPDATE lockgate.semaphores SET sole_type = NULL").execute(&db.pool).await.unwrap();
+    run(&db.pool, "UPDATE lockgate.leases SET job_type = NULL").await;
+    run(&db.pool, "UPDATE lockgate.semaphores SET sole_type = NULL").await;
     assert_eq!(enqueue(&db.pool, "loose", "k").await, "parked", "the untyped holder's limit 1 binds");
     assert_eq!(enqueue(&db.pool, "strict", "k").await, "parked");
     sound(&db.pool, "untyped holder").await;
@@ -493,11 +475,8 @@ async fn a_key_held_by_one_type_again_is_recorded_so_by_the_next_admission_or_pr
     // A lease naming no type beside one of loose's: the key stays recorded as held by several.
     assert_eq!(enqueue(&db.pool, "loose", "c").await, "enqueued");
     assert_eq!(enqueue(&db.pool, "loose", "c").await, "enqueued");
-    sqlx::query("UPDATE lockgate.leases SET job_type = NULL WHERE key = 'c' AND msg_id = (SELECT min(msg_id) FROM lockgate.leases WHERE key = 'c')")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    sqlx::query("UPDATE lockgate.semaphores SET sole_type = NULL WHERE key = 'c'").execute(&db.pool).await.unwrap();
+    run(&db.pool, "UPDATE lockgate.leases SET job_type = NULL WHERE key = 'c' AND msg_id = (SELECT min(msg_id) FROM lockgate.leases WHERE key = 'c')").await;
+    run(&db.pool, "UPDATE lockgate.semaphores SET sole_type = NULL WHERE key = 'c'").await;
     assert_eq!(enqueue(&db.pool, "loose", "c").await, "enqueued");
     assert_eq!(sole_type(&db.pool, "c").await, None);
     sound(&db.pool, "key c").await;
@@ -508,7 +487,7 @@ async fn check_invariants_names_a_key_recorded_as_held_by_one_type_that_another_
     let db = types(&[("strict", 1), ("loose", 3)]).await;
     assert_eq!(enqueue(&db.pool, "loose", "k").await, "enqueued");
     assert_eq!(violations(&db.pool).await, Vec::<String>::new());
-    sqlx::query("UPDATE lockgate.semaphores SET sole_type = 'strict'").execute(&db.pool).await.unwrap();
+    run(&db.pool, "UPDATE lockgate.semaphores SET sole_type = 'strict'").await;
     let found = violations(&db.pool).await;
     assert!(
         found.iter().any(|v| v.contains("recorded as held by type strict alone") && v.contains("loose")),
