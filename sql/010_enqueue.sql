@@ -428,8 +428,9 @@ BEGIN
                 END IF;
                 status := 'parked';
                 IF batch IS NOT NULL THEN
-                    INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id)
-                    VALUES (_enqueue_one.queue, _enqueue_one.job_id, batch);
+                    -- msg_id 0: no message yet; its promotion writes it in (design §111).
+                    INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id, msg_id)
+                    VALUES (_enqueue_one.queue, _enqueue_one.job_id, batch, 0);
                 END IF;
                 -- A parked job keeps its uniqueness lock, with no message until it is promoted.
                 UPDATE lockgate.unique_locks u SET msg_id = NULL WHERE u.key = ukey AND ukey IS NOT NULL AND headers ? 'ukey';
@@ -458,7 +459,8 @@ BEGIN
         PERFORM lockgate._add_lease(key, queue, msg_id, vt, jt.concurrency_duration_ms, jt.name);
     END IF;
     IF batch IS NOT NULL THEN
-        INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id) VALUES (_enqueue_one.queue, _enqueue_one.job_id, batch);
+        INSERT INTO lockgate.batch_jobs (queue, job_id, batch_id, msg_id)
+        VALUES (_enqueue_one.queue, _enqueue_one.job_id, batch, msg_id);
     END IF;
     IF immediate THEN
         PERFORM pg_notify('lockgate_' || queue, '');

@@ -509,7 +509,7 @@ BEGIN
     VALUES (p.queue, NULL, p.job_id, p.job_type, p.args, p.headers, 'unknown_job_type', why, 0, p.parked_at);
     PERFORM lockgate._release_unique(p.queue, ARRAY[p.job_id], ARRAY[NULL::bigint]);
     IF p.headers ? 'batch' THEN
-        PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true);
+        PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true, NULL);
     END IF;
 END $$;
 
@@ -581,7 +581,11 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
                                                         AND l.job_id = (src.headers->>''job_id'')::bigint
                                                      OFFSET 0 FOR UPDATE) x
                                  WHERE src.headers ? ''ukey'') h
-                         WHERE u.ctid = h.tid)
+                         WHERE u.ctid = h.tid),
+              joined AS (UPDATE lockgate.batch_jobs b SET msg_id = src.msg_id
+                           FROM src
+                          WHERE src.headers ? ''batch'' AND b.queue = src.queue
+                            AND b.job_id = (src.headers->>''job_id'')::bigint)
          INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at, job_type)
          SELECT $2, src.msg_id, src.key, src.duration_ms,
                 GREATEST(src.vt, clock_timestamp())

@@ -287,9 +287,16 @@ BEGIN
     -- as a success. The job waits for its handler to stop, as a rejected one does. So does a
     -- dead letter an operator retried (history_from, sql/050_dlq.sql): asked to run again, it
     -- was archived unrun while another job of its key ran, its dead letter gone (review
-    -- helper-115 F3).
-    IF type_on_conflict = 'discard' AND NOT c.headers ? 'history_from'
-       AND NOT EXISTS (SELECT 1 FROM lockgate.unique_locks u WHERE u.key = c.headers->>'wkey' AND u.held_until IS NOT NULL) THEN
+    -- helper-115 F3). So does a batch's callback (batch_callback, lockgate._enqueue_callbacks):
+    -- another batch's callback of the type running was no reason to run it zero times, its batch
+    -- counting it as fired (review helper-131 F2). And so does a job whose key an
+    -- until_executed holder has (a job of another type naming the key, or of this type enqueued
+    -- before it was redefined from until_executed): that holder may not have run yet, and
+    -- discarded against it the job was archived unrun while nothing of its key ran (review
+    -- helper-131 F5, H33). Waiting, it runs once the holder's job is terminal.
+    IF type_on_conflict = 'discard' AND NOT c.headers ? 'history_from' AND NOT c.headers ? 'batch_callback'
+       AND NOT EXISTS (SELECT 1 FROM lockgate.unique_locks u
+                        WHERE u.key = c.headers->>'wkey' AND (u.held_until IS NOT NULL OR u.mode <> 'while_executing')) THEN
         c.headers := c.headers || jsonb_build_object('duplicate_of', holder);
         EXECUTE format('UPDATE %s m SET headers = $3 WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
           USING c.msg_id, c.read_ct, c.headers;
@@ -320,6 +327,10 @@ DECLARE
     -- The marks of cancelled holders' statements that could not be ended (docs/design.md §100).
     kept text[] := '{}';
 BEGIN
+    IF min_age < interval '0' OR max_rows < 0 THEN
+        RAISE EXCEPTION 'lockgate: min_age and max_rows must not be negative (got %, %)', min_age, max_rows
+            USING ERRCODE = 'LG003';
+    END IF;
     IF EXISTS (SELECT 1 FROM lockgate.unique_locks u WHERE u.held_until < now() AND u.msg_id IS NOT NULL) THEN
         kept := lockgate._end_statements(ARRAY(
             SELECT lockgate._statement_tag(u.queue, u.msg_id) FROM lockgate.unique_locks u

@@ -116,6 +116,9 @@ SET search_path = pg_catalog, pg_temp SET enable_seqscan = off SET jit = off AS 
 DECLARE
     st text;
 BEGIN
+    IF batch_id IS NULL THEN
+        RAISE EXCEPTION 'lockgate: the batch id is NULL' USING ERRCODE = 'LG003';
+    END IF;
     UPDATE lockgate.batches x SET state = 'closed', closed_at = now(), updated_at = now()
      WHERE x.id = batch_id AND x.state = 'open'
     RETURNING x.state INTO st;
@@ -218,7 +221,13 @@ END $$;
 -- (lockgate._take_batches), a held one waited for, and the jobs of a batch still held after that
 -- keep their memberships with their outcome written on them, for the next holder of the row to
 -- count (lockgate._fold_outcomes; docs/design.md §73).
-CREATE OR REPLACE FUNCTION lockgate._count_batch_jobs(queue text, job_ids bigint[], as_failed boolean)
+-- msg_ids[i], when given, is the message job_ids[i] was on (a completion, a dead letter, a cancel
+-- of a queued or running job): only a membership naming that message counts (or one written
+-- before migration 28, which names none), so a message written outside lockgate that copies a
+-- batched job's id counts nothing, nor does a parked job's (its membership names no message until
+-- its promotion writes one in; design §111, review helper-131 F1). NULL for a parked job's own
+-- paths (its cancel, its dead letter), which count it by its parked row.
+CREATE OR REPLACE FUNCTION lockgate._count_batch_jobs(queue text, job_ids bigint[], as_failed boolean, msg_ids bigint[])
 RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     tids tid[];
@@ -241,9 +250,10 @@ BEGIN
     -- Each membership found by a probe of the primary key driven by its job and locked there, as
     -- lockgate._release_unique does (docs/design.md §65); one already counted is no member.
     SELECT array_agg(x.tid), array_agg(x.batch_id) INTO tids, bids
-      FROM unnest(job_ids) AS j(id)
+      FROM unnest(job_ids, msg_ids) AS j(id, msg_id)
      CROSS JOIN LATERAL (SELECT x.ctid AS tid, x.batch_id FROM lockgate.batch_jobs x
                           WHERE x.queue = _count_batch_jobs.queue AND x.job_id = j.id AND x.outcome IS NULL
+                            AND (j.msg_id IS NULL OR x.msg_id IS NULL OR x.msg_id = j.msg_id)
                          OFFSET 0 FOR UPDATE) x;
     IF tids IS NULL THEN
         RETURN;
@@ -286,6 +296,14 @@ BEGIN
         PERFORM lockgate._count_batches(counted, as_failed);
     END IF;
 END $$;
+
+-- Revision 116's form, which matched a job on its id alone: kept for the sessions that still run
+-- that revision's functions while a migrate replaces them (a completion that began before the
+-- migrate's commit calls it after), counting as it did. A later revision drops it.
+CREATE OR REPLACE FUNCTION lockgate._count_batch_jobs(queue text, job_ids bigint[], as_failed boolean)
+RETURNS void LANGUAGE sql AS $$
+    SELECT lockgate._count_batch_jobs(queue, job_ids, as_failed, NULL::bigint[])
+$$;
 
 -- Locks the rows of batches (distinct, sorted), each by a probe of its own in their order,
 -- FOR NO KEY UPDATE as counting does, skipping any row another transaction holds: never waits.
@@ -421,6 +439,20 @@ BEGIN
                 SELECT * INTO r FROM lockgate.enqueue(c.job_type, cargs);
                 IF r.status IN ('enqueued', 'parked') THEN
                     stored_jobs := stored_jobs || r.job_id;
+                    -- A callback of a type that discards while_executing duplicates is marked,
+                    -- so that its claim waits for another job of its key, never discards it
+                    -- (lockgate._start_unique; review helper-131 F2): a discard at the claim
+                    -- would run it zero times, its batch counting it as fired.
+                    IF (SELECT t.unique_mode FROM lockgate.job_types t WHERE t.name = c.job_type) = 'while_executing' THEN
+                        IF r.msg_id IS NULL THEN
+                            UPDATE lockgate.parked p SET headers = p.headers || '{"batch_callback": true}'
+                             WHERE p.job_id = r.job_id;
+                        ELSE
+                            EXECUTE format('UPDATE %s m SET headers = m.headers || ''{"batch_callback": true}'' WHERE m.msg_id = $1',
+                                           lockgate._queue_table(r.queue, 'q'))
+                              USING r.msg_id;
+                        END IF;
+                    END IF;
                     -- A parked job has no message yet, nor a lease.
                     IF r.msg_id IS NOT NULL THEN
                         stored_msgs := stored_msgs || (r.queue || ':' || r.msg_id);
@@ -484,6 +516,9 @@ DECLARE
     done bigint;
     repaired bigint[] := '{}';
 BEGIN
+    IF max_rows < 0 THEN
+        RAISE EXCEPTION 'lockgate: max_rows must not be negative (got %)', max_rows USING ERRCODE = 'LG003';
+    END IF;
     -- FOR UPDATE SKIP LOCKED: a batch an enqueue still shares is passed over here, not taken
     -- into the LIMIT (a producer adding to many batches would otherwise fill it).
     FOR done IN SELECT x.id FROM lockgate.batches x
@@ -526,6 +561,10 @@ DECLARE
     batch_ids bigint[] := '{}';
     reaped integer := 0;
 BEGIN
+    IF min_idle < interval '0' OR max_rows < 0 THEN
+        RAISE EXCEPTION 'lockgate: min_idle and max_rows must not be negative (got %, %)', min_idle, max_rows
+            USING ERRCODE = 'LG003';
+    END IF;
     FOR q IN SELECT DISTINCT m.queue FROM lockgate.batch_jobs m JOIN lockgate.batches b ON b.id = m.batch_id
               WHERE b.state = 'closed' AND b.updated_at < now() - min_idle
                 AND m.queue IN (SELECT lockgate._live_queues())

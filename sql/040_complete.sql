@@ -92,6 +92,7 @@ DECLARE
     uniq bigint[];
     uniq_msgs bigint[];
     batched bigint[];
+    batched_msgs bigint[];
 BEGIN
     IF lockgate._trusted_step('_complete_into_', queue) THEN
         EXECUTE format('SELECT * FROM lockgate.%I($1, $2, $3, $4)', '_complete_into_' || queue)
@@ -117,15 +118,16 @@ BEGIN
     IF kept IS NOT NULL THEN
         SELECT array_agg(COALESCE(lockgate._job_id_of(k.h), k.id)) FILTER (WHERE k.h ? 'ukey' OR k.h ? 'wkey'),
                array_agg(k.id) FILTER (WHERE k.h ? 'ukey' OR k.h ? 'wkey'),
-               array_agg(COALESCE(lockgate._job_id_of(k.h), k.id)) FILTER (WHERE k.h ? 'batch')
-          INTO uniq, uniq_msgs, batched
+               array_agg(COALESCE(lockgate._job_id_of(k.h), k.id)) FILTER (WHERE k.h ? 'batch'),
+               array_agg(k.id) FILTER (WHERE k.h ? 'batch')
+          INTO uniq, uniq_msgs, batched, batched_msgs
           FROM (SELECT (e->>0)::bigint AS id, e->1 AS h FROM jsonb_array_elements(kept) e) k;
     END IF;
     IF uniq IS NOT NULL THEN
         PERFORM lockgate._release_unique(queue, uniq, uniq_msgs);
     END IF;
     IF batched IS NOT NULL THEN
-        PERFORM lockgate._count_batch_jobs(queue, batched, false);
+        PERFORM lockgate._count_batch_jobs(queue, batched, false, batched_msgs);
     END IF;
     RETURN QUERY SELECT unnest(archived);
 END $$;

@@ -107,7 +107,8 @@ BEGIN
                                              ARRAY[found_id]);
         END IF;
         IF jsonb_typeof(found_headers) = 'object' AND found_headers ? 'batch' THEN
-            PERFORM lockgate._count_batch_jobs(queue, ARRAY[COALESCE(lockgate._job_id_of(found_headers), found_id)], true);
+            PERFORM lockgate._count_batch_jobs(queue, ARRAY[COALESCE(lockgate._job_id_of(found_headers), found_id)], true,
+                                               ARRAY[found_id]);
         END IF;
     END IF;
     RETURN found_id IS NOT NULL;

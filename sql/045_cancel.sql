@@ -103,7 +103,7 @@ BEGIN
                 PERFORM lockgate._release_unique(j.queue, ARRAY[j.id], ARRAY[gone_id]);
             END IF;
             IF gone_headers ? 'batch' THEN
-                PERFORM lockgate._count_batch_jobs(j.queue, ARRAY[j.id], true);
+                PERFORM lockgate._count_batch_jobs(j.queue, ARRAY[j.id], true, ARRAY[gone_id]);
             END IF;
             cancelled := true;
         ELSIF j.state = 'parked' THEN
@@ -127,7 +127,7 @@ BEGIN
                                                     'cancelled_in', 'parked');
             PERFORM lockgate._release_unique(p.queue, ARRAY[p.job_id], ARRAY[NULL::bigint]);
             IF p.headers ? 'batch' THEN
-                PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true);
+                PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true, NULL);
             END IF;
             cancelled := true;
         END IF;

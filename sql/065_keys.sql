@@ -35,7 +35,7 @@ BEGIN
     END IF;
     PERFORM lockgate._release_unique(p.queue, ARRAY[p.job_id], ARRAY[NULL::bigint]);
     IF p.headers ? 'batch' THEN
-        PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true);
+        PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true, NULL);
     END IF;
     RETURN true;
 END $$;

@@ -384,6 +384,13 @@ async fn bad_batch_input_is_refused_with_a_clear_error() {
     assert!(err("SELECT lockgate.create_batch(properties => '[1]')".into()).await.contains("must be a JSON object"));
     let batch = create_batch(&db.pool).await;
     assert!(err("SELECT lockgate.close_batch(999)".into()).await.contains("batch 999 does not exist"));
+    // Review helper-131 F4: a NULL id, and negative bounds of the operators' passes, named.
+    assert!(err("SELECT lockgate.close_batch(NULL)".into()).await.contains("the batch id is NULL"));
+    assert!(err("SELECT lockgate.batch_sweep(-1)".into()).await.contains("max_rows must not be negative (got -1)"));
+    for sql in ["SELECT lockgate.reap_batches('-1 hour', 10)", "SELECT lockgate.reap_unique_locks('-1 hour', 10)"] {
+        let e = err(sql.into()).await;
+        assert!(e.contains("must not be negative (got -01:00:00, 10)"), "{e}");
+    }
     assert!(err("SELECT * FROM lockgate.enqueue('work', '{}', '{\"batch\": 999}')".into())
         .await
         .contains("batch 999 does not exist"));
@@ -499,6 +506,92 @@ async fn h29_a_message_that_only_carries_a_batch_header_neither_fails_a_claim_no
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters WHERE reason = 'undecodable'").await.unwrap(), 1);
 }
 
+/// Sends a message outside lockgate, with these headers, into queue default; its msg_id.
+async fn send_raw(db: &PgPool, headers: Value) -> i64 {
+    sqlx::query_scalar("SELECT pgmq.send('default', '{\"forged\": true}'::jsonb, $1)")
+        .bind(headers)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+/// Review helper-131 F1 (design §111): a message written outside lockgate that copies a batched
+/// job's id and its batch header counts nothing, whether it completes (a numeric id) or is
+/// dead-lettered at its claim (an id written as a string, which the claim refuses but the dead
+/// letter read as the job's); the jobs themselves count once. A membership written before
+/// migration 28 (no message named) still counts from its job's message.
+#[tokio::test]
+async fn a_message_written_outside_lockgate_copying_a_batched_jobs_id_counts_nothing() {
+    let db = setup().await;
+    let batch = create_batch(&db.pool).await;
+    let jobs: Vec<i64> = sqlx::query_scalar(
+        "SELECT job_id FROM lockgate.enqueue_many('work', ARRAY['{}', '{}', '{}']::jsonb[], jsonb_build_object('batch', $1::bigint))",
+    )
+    .bind(batch)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    close(&db.pool, batch).await.unwrap();
+    let forged = send_raw(&db.pool, json!({ "type": "work", "batch": batch, "job_id": jobs[0] })).await;
+    send_raw(&db.pool, json!({ "type": "work", "batch": batch, "job_id": jobs[1].to_string() })).await;
+    // What migration 28 leaves: a membership naming no message.
+    sqlx::query("UPDATE lockgate.batch_jobs SET msg_id = NULL WHERE job_id = $1")
+        .bind(jobs[2])
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let claimed = claim_work(&db.pool).await;
+    assert_eq!(claimed.len(), 4, "the three jobs and the forged copy; the string id is dead-lettered");
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters WHERE reason = 'undecodable'").await.unwrap(), 1);
+    let copy = claimed.iter().find(|d| d.0 == forged).copied().unwrap();
+    assert!(common::complete_default(&db.pool, copy).await);
+    assert_eq!(
+        progress(&db.pool, batch).await,
+        ("closed".to_string(), 3, 0, 0, 3),
+        "neither the completed copy nor the dead-lettered one counted a job"
+    );
+    for d in claimed.iter().filter(|d| d.0 != forged) {
+        assert!(common::complete_default(&db.pool, *d).await);
+    }
+    assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 3, 3, 0, 0));
+}
+
+/// Design §111: a parked job's membership names no message until its promotion writes the new
+/// one in, so a copy of its id counts nothing while it waits, and it counts once from the message
+/// it is promoted onto (which is not its id).
+#[tokio::test]
+async fn a_parked_batched_job_counts_from_the_message_its_promotion_sends_and_nothing_else() {
+    let db = setup().await;
+    define_lim(&db.pool).await;
+    let batch = create_batch(&db.pool).await;
+    assert_eq!(enqueue_lim(&db.pool, "a", batch).await.unwrap(), "enqueued");
+    assert_eq!(enqueue_lim(&db.pool, "a", batch).await.unwrap(), "parked");
+    close(&db.pool, batch).await.unwrap();
+    let parked: i64 = sqlx::query_scalar("SELECT job_id FROM lockgate.parked").fetch_one(&db.pool).await.unwrap();
+    let forged = send_raw(&db.pool, json!({ "type": "work", "batch": batch, "job_id": parked })).await;
+    let claimed: Vec<Delivery> = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 10, 30)")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 2, "the first job and the copy");
+    let (copy, first): (Vec<Delivery>, Vec<Delivery>) = claimed.into_iter().partition(|d| d.0 == forged);
+    complete_all(&db.pool, &copy).await;
+    assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 2, 0, 0, 2), "the copy counted nothing");
+    complete_all(&db.pool, &first).await;
+    assert_eq!(progress(&db.pool, batch).await, ("closed".to_string(), 2, 1, 0, 1));
+    let promoted: Vec<Delivery> = sqlx::query_as(
+        "SELECT msg_id, read_ct FROM lockgate.claim('default', 10, 30) WHERE (headers->>'job_id')::bigint = $1",
+    )
+    .bind(parked)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(promoted.len(), 1, "the parked job, promoted by the first one's completion");
+    assert_ne!(promoted[0].0, parked, "on a message whose id is not its job's");
+    complete_all(&db.pool, &promoted).await;
+    assert_eq!(progress(&db.pool, batch).await, ("finished".to_string(), 2, 2, 0, 0));
+}
+
 #[tokio::test]
 async fn callbacks_of_types_that_take_locks_are_enqueued_by_the_sweep_and_a_discarded_one_stays_pending() {
     let db = setup().await;
@@ -553,6 +646,47 @@ async fn callbacks_of_types_that_take_locks_are_enqueued_by_the_sweep_and_a_disc
 /// 1 that discards or raises): the callbacks count as enqueued with the one job. Before, every
 /// sweep rolled both back, and the batch stayed pending for good, naming a job that never existed
 /// (review helper-98).
+/// Review helper-131 F2: two batches' callbacks of a type that discards while_executing
+/// duplicates, finishing together: the second waits for the first to finish and then runs,
+/// where it was delivered as the first's duplicate and archived unrun, its batch counting it as
+/// fired.
+#[tokio::test]
+async fn a_callback_of_a_type_discarding_while_executing_duplicates_waits_and_runs() {
+    let db = setup().await;
+    sqlx::query(
+        "SELECT lockgate.define_job_type('wcb', unique_mode => 'while_executing', unique_on_conflict => 'discard')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    for _ in 0..2 {
+        let b: i64 =
+            sqlx::query_scalar("SELECT lockgate.create_batch(on_finish => 'wcb')").fetch_one(&db.pool).await.unwrap();
+        assert_eq!(close(&db.pool, b).await.unwrap(), "finished");
+    }
+    let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(swept, 2, "both batches' callbacks enqueued");
+    let claim = || async {
+        sqlx::query_as::<_, (i64, i32, bool)>(
+            "SELECT msg_id, read_ct, headers ? 'duplicate_of' FROM lockgate.claim('default', 10, 30)",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+    };
+    let first = claim().await;
+    assert_eq!(first.len(), 1, "one callback runs, the other waits: {first:?}");
+    assert!(!first[0].2);
+    assert!(common::complete_default(&db.pool, (first[0].0, first[0].1)).await);
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() - interval '1 second', headers = headers - 'retry_at'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let second = claim().await;
+    assert_eq!(second.len(), 1, "{second:?}");
+    assert!(!second[0].2, "the second callback runs, not as the first's duplicate");
+}
+
 #[tokio::test]
 async fn one_type_named_for_two_callbacks_that_its_policy_merges_fires_once() {
     let db = setup().await;

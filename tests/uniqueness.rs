@@ -874,6 +874,41 @@ async fn a_retried_dead_letter_waits_for_its_key_rather_than_being_discarded() {
     assert_eq!(delivered, vec![(retried, false)], "the retried job runs once the key is free");
 }
 
+/// Review helper-131 F5 (H33): a job of a type redefined from until_executed to while_executing
+/// with discard meets the lock an earlier job of the type took at its enqueue, which is still
+/// queued: it waits for that job rather than being archived unrun as its duplicate (nothing of
+/// its key runs), and runs once that job is terminal (here, cancelled).
+#[tokio::test]
+async fn a_while_executing_job_waits_for_an_until_executed_holder_rather_than_being_discarded() {
+    let db = db_with(&["'m', unique_mode => 'until_executed', unique_key => array['id']"]).await;
+    let (_, _, held) = enqueue(&db.pool, "m", 1).await.unwrap();
+    sqlx::query("UPDATE pgmq.q_default SET vt = now() + interval '1 hour' WHERE msg_id = $1")
+        .bind(held)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "SELECT lockgate.define_job_type('m', unique_mode => 'while_executing', unique_key => array['id'],
+                                         unique_on_conflict => 'discard')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (_, new, _) = enqueue(&db.pool, "m", 1).await.unwrap();
+    let new = new.unwrap();
+    assert!(claim(&db.pool, 5).await.is_empty(), "the new job was delivered as a duplicate of one that has not run");
+    let cancelled: bool =
+        sqlx::query_scalar("SELECT cancelled FROM lockgate.cancel($1)").bind(held).fetch_one(&db.pool).await.unwrap();
+    assert!(cancelled);
+    put_back_over(&db.pool, "default", new).await;
+    let delivered: Vec<(i64, bool)> =
+        sqlx::query_as("SELECT msg_id, headers ? 'duplicate_of' FROM lockgate.claim('default', 5, 30)")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(delivered, vec![(new, false)], "the new job runs once the holder is gone");
+}
+
 /// Issue 14 (docs/design.md §60): finishing a job that holds a uniqueness lock and belongs to a
 /// batch reads its own lock and membership, not the queue's, and a promotion moves the promoted
 /// job's lock without reading the others. With the queue compared with a constant, each read
