@@ -128,17 +128,21 @@ impl Run<'_> {
 
     async fn setup(&mut self, case: &Case) -> Result<()> {
         db::reset(&mut self.c.observer, self.api).await?;
-        db::define_types(&mut self.c.observer, self.api, case.lim_limit, case.limb_limit).await?;
+        db::define_types(&mut self.c.observer, self.api, case.lim_limit, case.limb_limit, case.free_limit).await?;
         self.model.bookkeeping = self.api.bookkeeping;
         self.model.limits.insert(Ty::Lim, case.lim_limit);
         self.model.limits.insert(Ty::LimB, case.limb_limit);
+        if let Some(limit) = case.free_limit {
+            self.model.limits.insert(Ty::Free, limit);
+        }
         for w in 0..2 {
             self.model.owners[w] = db::register(&mut self.c.observer, w).await?;
         }
         self.log(format!(
-            "    limits: lim {}, limb {} (duration {} ms, visibility {} s)",
+            "    limits: lim {}, limb {}, free {} (duration {} ms, visibility {} s)",
             case.lim_limit,
             case.limb_limit,
+            case.free_limit.map_or_else(|| "none".to_string(), |l| l.to_string()),
             db::DURATION_MS,
             db::VT_SECONDS
         ));
@@ -558,7 +562,14 @@ impl Run<'_> {
                 *self.stats.entry("run of the shared concurrency key claimed").or_default() += 1;
                 let types: BTreeSet<Option<Ty>> = self.model.running_on(SHARED_CKEY).into_iter().collect();
                 if types.len() > 1 {
-                    *self.stats.entry("shared concurrency key run beside the other type's").or_default() += 1;
+                    *self.stats.entry("shared concurrency key run beside another type's").or_default() += 1;
+                }
+                if types.len() > 2 {
+                    *self.stats.entry("shared concurrency key run beside two other types'").or_default() += 1;
+                }
+                if types.iter().flatten().any(|ty| !self.model.limits.contains_key(ty)) {
+                    *self.stats.entry("shared concurrency key run beside a holder whose type lost its limit").or_default() +=
+                        1;
                 }
             }
             match self.model.deliveries[id].wkey.as_deref() {
@@ -1626,7 +1637,7 @@ fn replay_known_schedules(schedules: Vec<(&str, Case)>) {
 }
 
 fn schedule(lim_limit: u32, ops: Vec<Op>) -> Case {
-    Case { lim_limit, limb_limit: 1, ops }
+    Case { lim_limit, limb_limit: 1, free_limit: None, ops }
 }
 
 const LIM0: Op = Op::Enqueue { ty: Ty::Lim, k: 0 };
@@ -1702,6 +1713,7 @@ fn h33_model_a_redefined_limit_admits_no_job_past_it() {
             Case {
                 lim_limit: 1,
                 limb_limit: 3,
+                free_limit: None,
                 ops: vec![Op::EnqueueMany { ty: Ty::LimB, ks: vec![1, 1] }, Op::Redefine { ty: Ty::LimB, limit: 1 }],
             },
         ),
@@ -1711,6 +1723,7 @@ fn h33_model_a_redefined_limit_admits_no_job_past_it() {
             Case {
                 lim_limit: 2,
                 limb_limit: 3,
+                free_limit: None,
                 ops: vec![
                     Op::EnqueueMany { ty: Ty::LimB, ks: vec![0, 0, 0, 0] },
                     Op::Claim { worker: 0, queue: Queue::Other, qty: 2 },
@@ -2017,6 +2030,7 @@ fn h06_model_a_finish_on_an_older_snapshot_never_gives_its_permit_past_a_job_par
     let limb = |how| Case {
         lim_limit: 1,
         limb_limit: 1,
+        free_limit: None,
         ops: vec![
             Op::Enqueue { ty: Ty::LimB, k: 0 },
             Op::Claim { worker: 0, queue: Queue::Other, qty: 1 },
@@ -2029,8 +2043,12 @@ fn h06_model_a_finish_on_an_older_snapshot_never_gives_its_permit_past_a_job_par
     ]);
 }
 
-/// The `k` argument a delivery's key was derived from (`type:[k]`; 0 when it cannot be read).
+/// The `k` argument a delivery's key was derived from (`type:[k]`, or `SHARED_K` for the
+/// explicit key `SHARED_CKEY`; 0 when it cannot be read).
 fn key_argument(d: &Delivery) -> u8 {
+    if d.key.as_deref() == Some(SHARED_CKEY) {
+        return ops::SHARED_K;
+    }
     d.key.as_deref().and_then(|key| key.rsplit_once(":[")?.1.strip_suffix(']')?.parse().ok()).unwrap_or(0)
 }
 
@@ -2096,7 +2114,7 @@ fn g3_model_an_explicit_concurrency_key_shared_by_two_limits_admits_no_job_past_
     const L: Op = Op::Enqueue { ty: Ty::Lim, k: ops::SHARED_K };
     const B: Op = Op::Enqueue { ty: Ty::LimB, k: ops::SHARED_K };
     let other = |worker| Op::Claim { worker, queue: Queue::Other, qty: 10 };
-    let limits = |lim_limit, limb_limit, ops| Case { lim_limit, limb_limit, ops };
+    let limits = |lim_limit, limb_limit, ops| Case { lim_limit, limb_limit, free_limit: None, ops };
     replay_known_schedules(vec![
         (
             "lim (limit 1) holds the key; limb (limit 3) waits for it, not beside it",
@@ -2120,6 +2138,74 @@ fn g3_model_an_explicit_concurrency_key_shared_by_two_limits_admits_no_job_past_
             "limb (limit 3) holds the key, lim (limit 1) parked; limb's holder goes silent, and the sweep expires its \
              lease and promotes lim; limb's message, claimed again, parks behind it",
             limits(1, 3, vec![B, L, other(0), Op::Silence { pick: 0 }, Op::Sweep, claim(0), other(0)]),
+        ),
+    ]);
+}
+
+/// Design §109 with three types on one key: `free` jobs, while their type is limited, name
+/// `cshared` too, beside `lim` and `limb` jobs, and each is admitted under the strictest current
+/// limit among the key's holders. A type that loses its limit binds nothing: its parked jobs are
+/// promoted and run without a permit, beside any holder; its running holders keep their permits
+/// until they finish, and those permits count against the other types' limits (G3).
+#[test]
+fn g3_model_an_explicit_concurrency_key_shared_by_three_types_admits_no_job_past_the_strictest_holder() {
+    const L: Op = Op::Enqueue { ty: Ty::Lim, k: ops::SHARED_K };
+    const B: Op = Op::Enqueue { ty: Ty::LimB, k: ops::SHARED_K };
+    const F: Op = Op::Enqueue { ty: Ty::Free, k: ops::SHARED_K };
+    let other = |worker| Op::Claim { worker, queue: Queue::Other, qty: 10 };
+    let finish = |pick| Op::Finish { pick, how: Finish::Complete };
+    let limits = |lim_limit, limb_limit, free_limit, ops| Case { lim_limit, limb_limit, free_limit: Some(free_limit), ops };
+    replay_known_schedules(vec![
+        (
+            "free (limit 1) holds the key; lim (limit 2) and limb (limit 3) wait for it, not beside it; free's \
+             holder completes and both are promoted, the lim job binding limb's",
+            limits(2, 3, 1, vec![F, L, claim(0), B, other(1), finish(0), claim(0), other(1)]),
+        ),
+        (
+            "limb (limit 1) holds the key; free (limit 3) waits for it, not beside it; free loses its limit: its job \
+             is promoted and runs without a permit beside limb's holder, and binds nothing; lim (limit 2) still \
+             waits for limb's holder, and runs beside free's job once it completes",
+            limits(
+                2,
+                1,
+                3,
+                vec![
+                    B,
+                    F,
+                    other(0),
+                    claim(0),
+                    Op::Redefine { ty: Ty::Free, limit: 0 },
+                    Op::Sweep,
+                    claim(0),
+                    L,
+                    claim(0),
+                    finish(0),
+                    claim(0),
+                ],
+            ),
+        ),
+        (
+            "free (limit 2) and limb (limit 2) hold the key; free loses its limit, its holder keeps its permit, which \
+             counts: lim (limit 1) waits until both holders completed",
+            limits(
+                1,
+                2,
+                2,
+                vec![
+                    F,
+                    claim(0),
+                    B,
+                    other(1),
+                    Op::Redefine { ty: Ty::Free, limit: 0 },
+                    Op::Sweep,
+                    L,
+                    claim(0),
+                    finish(0),
+                    claim(0),
+                    finish(0),
+                    claim(0),
+                ],
+            ),
         ),
     ]);
 }

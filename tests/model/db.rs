@@ -58,7 +58,8 @@ pub struct Api {
     /// `lockgate.extend_cancelled` exists (design §95).
     pub extend_cancelled: bool,
     /// Types that share a concurrency key are each admitted under the strictest limit among its
-    /// holders (design §109): `lim` and `limb` jobs with `SHARED_K` then name one key.
+    /// holders (design §109): `lim`, `limb` and (while limited) `free` jobs with `SHARED_K` then
+    /// name one key.
     pub shared_limits: bool,
 }
 
@@ -247,9 +248,15 @@ pub async fn sweep(conn: &mut PgConnection) -> Result<String> {
         .context("lockgate.sweep")
 }
 
-pub async fn define_types(conn: &mut PgConnection, api: Api, lim_limit: u32, limb_limit: u32) -> Result<()> {
+pub async fn define_types(
+    conn: &mut PgConnection,
+    api: Api,
+    lim_limit: u32,
+    limb_limit: u32,
+    free_limit: Option<u32>,
+) -> Result<()> {
     define(conn, api, Ty::Lim, Some(lim_limit)).await?;
-    define(conn, api, Ty::Free, None).await?;
+    define(conn, api, Ty::Free, free_limit).await?;
     define(conn, api, Ty::LimB, Some(limb_limit)).await?;
     // Without uniqueness (an older schema), just other unlimited types.
     define(conn, api, Ty::Uniq, None).await?;
@@ -291,14 +298,14 @@ pub fn enqueue_options(api: Api, batch_open: bool) -> Value {
 }
 
 /// The options of a single enqueue of (ty, {k}): `enqueue_options`, and the explicit key a
-/// `SHARED_K` names: the unique key of a unique type, the concurrency key of `lim` and `limb`
-/// while their type is `limited` (a type without a limit refuses a concurrency key).
+/// `SHARED_K` names: the unique key of a unique type, the concurrency key of `lim`, `limb` and
+/// `free` while their type is `limited` (a type without a limit refuses a concurrency key).
 pub fn job_options(api: Api, batch_open: bool, ty: Ty, k: u8, limited: bool) -> Value {
     let mut options = enqueue_options(api, batch_open);
     if api.bookkeeping && matches!(ty, Ty::Uniq | Ty::Wexec) && k == SHARED_K {
         options["unique_key"] = SHARED_KEY.into();
     }
-    if api.shared_limits && limited && matches!(ty, Ty::Lim | Ty::LimB) && k == SHARED_K {
+    if api.shared_limits && limited && matches!(ty, Ty::Lim | Ty::LimB | Ty::Free) && k == SHARED_K {
         options["concurrency_key"] = SHARED_CKEY.into();
     }
     options
@@ -518,16 +525,22 @@ pub fn sqlstate(error: &anyhow::Error) -> Option<String> {
 /// free for the job promotion takes next. The limit is that job's type's (a key's row records
 /// the limit of its last acquire, which a lowered limit that admitted nothing has not replaced),
 /// or the least of the key's holders' types' limits where stricter (types sharing a key, design
-/// §109; on an older schema, whose leases name no type, the job's type's alone).
+/// §109: a holder whose type lost its limit binds nothing, though its permit counts; on an older
+/// schema, whose leases name no type, the job's type's alone). Where types share keys, a next
+/// parked job whose type has no limit needs no permit: promotion releases it whatever the key
+/// holds, so such a key always has room for it (reported with the limit its count, plus one).
 pub async fn free_permits_behind_parked_jobs(
     conn: &mut PgConnection,
     api: Api,
 ) -> Result<Vec<(String, i32, i32, i64)>> {
-    let holders = if api.shared_limits {
-        "SELECT min(ht.concurrency_limit) AS lim FROM lockgate.leases l
-           JOIN lockgate.job_types ht ON ht.name = l.job_type WHERE l.key = s.key"
+    let (holders, unlimited_head) = if api.shared_limits {
+        (
+            "SELECT min(ht.concurrency_limit) AS lim FROM lockgate.leases l
+               JOIN lockgate.job_types ht ON ht.name = l.job_type WHERE l.key = s.key",
+            "t.name IS NOT NULL AND t.concurrency_limit IS NULL",
+        )
     } else {
-        "SELECT NULL::integer AS lim"
+        ("SELECT NULL::integer AS lim", "false")
     };
     Ok(sqlx::query_as(&format!(
         "SELECT s.key, s.value, b.lim, count(*)
@@ -537,7 +550,8 @@ pub async fn free_permits_behind_parked_jobs(
                                ORDER BY x.priority, x.id LIMIT 1) head
            LEFT JOIN lockgate.job_types t ON t.name = head.job_type
           CROSS JOIN LATERAL ({holders}) h
-          CROSS JOIN LATERAL (SELECT LEAST(COALESCE(t.concurrency_limit, s.lim), h.lim) AS lim) b
+          CROSS JOIN LATERAL (SELECT CASE WHEN {unlimited_head} THEN s.value + 1
+                                          ELSE LEAST(COALESCE(t.concurrency_limit, s.lim), h.lim) END AS lim) b
           WHERE s.value < b.lim GROUP BY s.key, s.value, b.lim ORDER BY s.key",
     ))
     .fetch_all(conn)

@@ -15,8 +15,11 @@ pub enum Ty {
     /// Limited, key from argument `k`, on queue `default`. A job with `k` = `SHARED_K` names its
     /// concurrency key explicitly, the one `limb` names: two limits meet on one key.
     Lim,
-    /// Unlimited, on queue `default` (its jobs share claims with `lim`), until a redefinition
-    /// gives it a limit (key from `k` too).
+    /// Unlimited, on queue `default` (its jobs share claims with `lim`), unless the case starts
+    /// it limited (`Case::free_limit`) or a redefinition gives it a limit (key from `k` too).
+    /// While it is limited, a job with `k` = `SHARED_K` names the concurrency key `lim` and
+    /// `limb` name: three limits meet on one key, and a redefinition may remove one of them
+    /// (its jobs then run without a permit; its running holders keep theirs until they finish).
     Free,
     /// Limited, key from argument `k`, on queue `other`. A job with `k` = `SHARED_K` names its
     /// concurrency key explicitly, the one `lim` names.
@@ -54,8 +57,7 @@ impl Ty {
     /// `SHARED_K`.
     pub fn ks(self) -> u8 {
         match self {
-            Ty::Uniq | Ty::Wexec | Ty::Lim | Ty::LimB => SHARED_K + 1,
-            Ty::Free => 2,
+            Ty::Uniq | Ty::Wexec | Ty::Lim | Ty::LimB | Ty::Free => SHARED_K + 1,
         }
     }
 
@@ -69,17 +71,17 @@ impl Ty {
 
 /// The argument `k` of a single enqueue that names a key explicitly: of `uniq` or `wexec`, the
 /// unique key `shared` (the `unique_key` option), so that jobs of both types, one taking the key
-/// at enqueue and the other when its run starts, contend for it; of `lim` or `limb`, the
-/// concurrency key `SHARED_CKEY`. Never in an `enqueue_many`, whose options name one key for
+/// at enqueue and the other when its run starts, contend for it; of `lim`, `limb` or (while it
+/// is limited) `free`, the concurrency key `SHARED_CKEY`. Never in an `enqueue_many`, whose options name one key for
 /// every job of the call.
 pub const SHARED_K: u8 = 2;
 
 /// The explicit unique key of `SHARED_K`.
 pub const SHARED_KEY: &str = "shared";
 
-/// The explicit concurrency key of `SHARED_K` in a single enqueue of `lim` or `limb` (the
-/// `concurrency_key` option): jobs of both types, of different limits and queues, take permits
-/// of one key (design §109).
+/// The explicit concurrency key of `SHARED_K` in a single enqueue of `lim`, `limb` or a limited
+/// `free` (the `concurrency_key` option): jobs of up to three types, of different limits and
+/// queues, take permits of one key (design §109); a type without a limit takes no key.
 pub const SHARED_CKEY: &str = "cshared";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -213,11 +215,13 @@ pub enum Op {
     Reap,
 }
 
-/// One generated case: the initial limits of `lim` and `limb`, and the schedule.
+/// One generated case: the initial limits of `lim`, `limb` and `free` (None: unlimited), and
+/// the schedule.
 #[derive(Clone, Debug)]
 pub struct Case {
     pub lim_limit: u32,
     pub limb_limit: u32,
+    pub free_limit: Option<u32>,
     pub ops: Vec<Op>,
 }
 
@@ -307,7 +311,7 @@ impl fmt::Display for Op {
 }
 
 fn ty() -> impl Strategy<Value = Ty> {
-    prop_oneof![3 => Just(Ty::Lim), 1 => Just(Ty::Free), 2 => Just(Ty::LimB), 2 => Just(Ty::Uniq), 2 => Just(Ty::Wexec)]
+    prop_oneof![3 => Just(Ty::Lim), 2 => Just(Ty::Free), 2 => Just(Ty::LimB), 2 => Just(Ty::Uniq), 2 => Just(Ty::Wexec)]
 }
 
 fn queue() -> impl Strategy<Value = Queue> {
@@ -334,7 +338,7 @@ fn stale_action() -> impl Strategy<Value = StaleAction> {
     ]
 }
 
-/// A type and an argument `k` for a single enqueue of it (`SHARED_K` not for `free`).
+/// A type and an argument `k` for a single enqueue of it.
 fn ty_and_k() -> impl Strategy<Value = (Ty, u8)> {
     ty().prop_flat_map(|ty| (Just(ty), 0..ty.ks()))
 }
@@ -373,11 +377,11 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 /// Schedules of 1 to `max_steps` operations (shrinking can take a failing one down to the
-/// few steps that matter).
+/// few steps that matter). Half the cases start `free` limited (1 to 3), so that its jobs name
+/// the shared key from the first step; the others leave it unlimited (shrinking towards that).
 pub fn case(max_steps: usize) -> impl Strategy<Value = Case> {
-    (1..=2u32, 1..=3u32, vec(op(), 1..=max_steps.max(1))).prop_map(|(lim_limit, limb_limit, ops)| Case {
-        lim_limit,
-        limb_limit,
-        ops,
-    })
+    let free_limit = prop_oneof![Just(None), (1..=3u32).prop_map(Some)];
+    (1..=2u32, 1..=3u32, free_limit, vec(op(), 1..=max_steps.max(1))).prop_map(
+        |(lim_limit, limb_limit, free_limit, ops)| Case { lim_limit, limb_limit, free_limit, ops },
+    )
 }
