@@ -10,7 +10,9 @@
 //! it:
 //!
 //! - (a) per key, the deliveries entitled to run (claimed, not finished, never told they lost,
-//!   budget not run out) never exceed the key's limit (G3);
+//!   budget not run out) never exceed the key's limit, nor do its live permits, running or not,
+//!   exceed the least current limit of their holders' types (G3; keys held when a limit was
+//!   lowered are left out of the permit count);
 //! - (b) a delivery entitled to run holds a live lease row of its key, from the claim that
 //!   returned it on, and a claim's budget never outlives that lease or its visibility (H24);
 //! - (c) each key's semaphore value equals its lease rows and stays within its limit (G2, H2);
@@ -376,6 +378,12 @@ impl Run<'_> {
                     for (key, job) in running {
                         self.model.carried.entry(key).or_default().insert(job);
                     }
+                    if *limit > 0 {
+                        let held: Vec<String> = sqlx::query_scalar("SELECT DISTINCT key FROM lockgate.leases")
+                            .fetch_all(&mut self.c.observer)
+                            .await?;
+                        self.model.lowered_on.extend(held);
+                    }
                 }
                 let new = (*limit > 0).then_some(*limit);
                 db::define(&mut self.c.observer, self.api, *ty, new).await?;
@@ -567,9 +575,24 @@ impl Run<'_> {
                 if types.len() > 2 {
                     *self.stats.entry("shared concurrency key run beside two other types'").or_default() += 1;
                 }
+                let on_key: i64 = sqlx::query_scalar(
+                    "SELECT count(DISTINCT job_type) FROM (SELECT job_type FROM lockgate.leases WHERE key = $1
+                      UNION ALL SELECT job_type FROM lockgate.parked WHERE key = $1) x",
+                )
+                .bind(SHARED_CKEY)
+                .fetch_one(&mut self.c.observer)
+                .await?;
+                if on_key > 2 {
+                    *self
+                        .stats
+                        .entry("shared concurrency key claimed, three types holding or parked on it")
+                        .or_default() += 1;
+                }
                 if types.iter().flatten().any(|ty| !self.model.limits.contains_key(ty)) {
-                    *self.stats.entry("shared concurrency key run beside a holder whose type lost its limit").or_default() +=
-                        1;
+                    *self
+                        .stats
+                        .entry("shared concurrency key run beside a holder whose type lost its limit")
+                        .or_default() += 1;
                 }
             }
             match self.model.deliveries[id].wkey.as_deref() {
@@ -2154,7 +2177,8 @@ fn g3_model_an_explicit_concurrency_key_shared_by_three_types_admits_no_job_past
     const F: Op = Op::Enqueue { ty: Ty::Free, k: ops::SHARED_K };
     let other = |worker| Op::Claim { worker, queue: Queue::Other, qty: 10 };
     let finish = |pick| Op::Finish { pick, how: Finish::Complete };
-    let limits = |lim_limit, limb_limit, free_limit, ops| Case { lim_limit, limb_limit, free_limit: Some(free_limit), ops };
+    let limits =
+        |lim_limit, limb_limit, free_limit, ops| Case { lim_limit, limb_limit, free_limit: Some(free_limit), ops };
     replay_known_schedules(vec![
         (
             "free (limit 1) holds the key; lim (limit 2) and limb (limit 3) wait for it, not beside it; free's \

@@ -404,6 +404,8 @@ pub struct Lease {
     pub msg_id: i64,
     pub key: String,
     pub live: bool,
+    /// The type of the job holding it (None on a schema before migration 27).
+    pub job_type: Option<String>,
 }
 
 /// The database state every check reads, in one snapshot (REPEATABLE READ).
@@ -453,12 +455,15 @@ impl State {
         state.dead = sqlx::query_scalar("SELECT job_id FROM lockgate.dead_letters WHERE job_id IS NOT NULL")
             .fetch_all(&mut *tx)
             .await?;
-        state.leases = sqlx::query("SELECT queue, msg_id, key, expires_at > clock_timestamp() FROM lockgate.leases")
-            .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .map(|r| Lease { queue: r.get(0), msg_id: r.get(1), key: r.get(2), live: r.get(3) })
-            .collect();
+        // job_type through to_jsonb: a schema before migration 27 has no such column.
+        state.leases = sqlx::query(
+            "SELECT queue, msg_id, key, expires_at > clock_timestamp(), to_jsonb(l)->>'job_type' FROM lockgate.leases l",
+        )
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|r| Lease { queue: r.get(0), msg_id: r.get(1), key: r.get(2), live: r.get(3), job_type: r.get(4) })
+        .collect();
         state.semaphores =
             sqlx::query_as("SELECT key, lim, value FROM lockgate.semaphores").fetch_all(&mut *tx).await?;
         state.invariants = sqlx::query_as("SELECT key, problem FROM lockgate.check_invariants()")

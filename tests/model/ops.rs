@@ -381,7 +381,6 @@ fn op() -> impl Strategy<Value = Op> {
 /// the shared key from the first step; the others leave it unlimited (shrinking towards that).
 pub fn case(max_steps: usize) -> impl Strategy<Value = Case> {
     let free_limit = prop_oneof![Just(None), (1..=3u32).prop_map(Some)];
-    (1..=2u32, 1..=3u32, free_limit, vec(op(), 1..=max_steps.max(1))).prop_map(
-        |(lim_limit, limb_limit, free_limit, ops)| Case { lim_limit, limb_limit, free_limit, ops },
-    )
+    (1..=2u32, 1..=3u32, free_limit, vec(op(), 1..=max_steps.max(1)))
+        .prop_map(|(lim_limit, limb_limit, free_limit, ops)| Case { lim_limit, limb_limit, free_limit, ops })
 }

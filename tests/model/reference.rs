@@ -153,6 +153,10 @@ pub struct Model {
     /// A limit was changed since the last sweep: a raised one lets parked jobs through only at
     /// the next sweep, enqueue or completion of their key (README), so (m) waits for a sweep.
     pub limits_changed: bool,
+    /// Keys that held permits when a limit was lowered (or set again after it was removed): their
+    /// holders may keep permits past the new limit (a waiting one until its claim re-admits it,
+    /// design §80), so (a)'s count of permits leaves them out for the rest of the case.
+    pub lowered_on: BTreeSet<String>,
 }
 
 impl Model {
@@ -422,6 +426,37 @@ impl Model {
                         ds.len(),
                         ty.name(),
                         who.join("; ")
+                    ));
+                }
+            }
+        }
+
+        // (a) G3, by permits: per key, the live permits never exceed the least current limit of
+        // their holders' types (a holder whose type has no limit binds nothing, though its
+        // permit counts) — whether or not their jobs run: a claim's own check may still park a
+        // job admitted past a stricter holder before it starts (design §109), but the permit
+        // was over the limit from its admission on. Keys that held permits when a limit was
+        // lowered are left out (see `lowered_on`).
+        if checks.on('a') {
+            let mut per_key: BTreeMap<&str, Vec<Option<Ty>>> = BTreeMap::new();
+            for l in st.leases.iter().filter(|l| l.live) {
+                per_key.entry(l.key.as_str()).or_default().push(l.job_type.as_deref().and_then(Ty::from_name));
+            }
+            for (key, types) in per_key {
+                if self.lowered_on.contains(key) {
+                    continue;
+                }
+                let Some((limit, ty)) =
+                    types.iter().flatten().filter_map(|ty| self.limits.get(ty).map(|l| (*l, *ty))).min()
+                else {
+                    continue;
+                };
+                if types.len() as u32 > limit {
+                    out.push(format!(
+                        "(a) over-admission: key {key} has {} live permits, of {:?}, limit {limit} ({})",
+                        types.len(),
+                        types.iter().map(|t| t.map_or("?", Ty::name)).collect::<Vec<_>>(),
+                        ty.name()
                     ));
                 }
             }
