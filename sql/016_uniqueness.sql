@@ -293,10 +293,13 @@ BEGIN
     -- until_executed holder has (a job of another type naming the key, or of this type enqueued
     -- before it was redefined from until_executed): that holder may not have run yet, and
     -- discarded against it the job was archived unrun while nothing of its key ran (review
-    -- helper-131 F5, H33). Waiting, it runs once the holder's job is terminal.
+    -- helper-131 F5, H33). Waiting, it runs once the holder's job is terminal. Judged on the key's
+    -- lock as it is now, which must be a running while_executing holder's: a holder met above
+    -- that has gone since (cancelled, completed) is no run either, and the job is put back, to
+    -- run at its next claim (review helper-132 F2: the discard was the default then).
     IF type_on_conflict = 'discard' AND NOT c.headers ? 'history_from' AND NOT c.headers ? 'batch_callback'
-       AND NOT EXISTS (SELECT 1 FROM lockgate.unique_locks u
-                        WHERE u.key = c.headers->>'wkey' AND (u.held_until IS NOT NULL OR u.mode <> 'while_executing')) THEN
+       AND EXISTS (SELECT 1 FROM lockgate.unique_locks u
+                    WHERE u.key = c.headers->>'wkey' AND u.mode = 'while_executing' AND u.held_until IS NULL) THEN
         c.headers := c.headers || jsonb_build_object('duplicate_of', holder);
         EXECUTE format('UPDATE %s m SET headers = $3 WHERE m.msg_id = $1 AND m.read_ct = $2', tbl)
           USING c.msg_id, c.read_ct, c.headers;

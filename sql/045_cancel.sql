@@ -129,6 +129,7 @@ BEGIN
             IF p.headers ? 'batch' THEN
                 PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true, NULL);
             END IF;
+            PERFORM lockgate._promote_behind(p.key);
             cancelled := true;
         END IF;
         RETURN NEXT;

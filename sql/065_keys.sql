@@ -22,8 +22,29 @@ RETURNS SETOF lockgate.parked LANGUAGE sql STABLE AS $$
      ORDER BY p.key, p.priority, p.id LIMIT max_rows
 $$;
 
+-- After a parked job left its key other than by promotion (an operator's discard, a cancel): the
+-- jobs behind it that the key has room for are promoted now, as a completion promotes them, not
+-- at the next sweep. It may have been the key's head, holding back jobs of a looser type behind
+-- it on a key types share (design §113; found by the model). Only when the key's row is free
+-- (SKIP LOCKED: never waits, so it adds no lock order to the caller's, which has deleted the
+-- parked row and may hold its unique lock and batch row) and in READ COMMITTED (an older
+-- snapshot does not see every job parked behind the key, lockgate._release_leases); else the
+-- sweep promotes them within sweep_interval (G5).
+CREATE OR REPLACE FUNCTION lockgate._promote_behind(key text)
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN;
+    END IF;
+    PERFORM 1 FROM lockgate.semaphores s WHERE s.key = _promote_behind.key FOR UPDATE SKIP LOCKED;
+    IF FOUND THEN
+        PERFORM lockgate._send_promotions(lockgate._promote_keys(ARRAY[key], ARRAY[0]));
+    END IF;
+END $$;
+
 -- Deletes one parked job for good, releasing its uniqueness lock and counting it as failed in
--- its batch; returns whether it existed.
+-- its batch, and promotes the jobs behind it that its key has room for; returns whether it
+-- existed.
 CREATE OR REPLACE FUNCTION lockgate.discard_parked(parked_id bigint)
 RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
@@ -37,6 +58,7 @@ BEGIN
     IF p.headers ? 'batch' THEN
         PERFORM lockgate._count_batch_jobs(p.queue, ARRAY[p.job_id], true, NULL);
     END IF;
+    PERFORM lockgate._promote_behind(p.key);
     RETURN true;
 END $$;
 

@@ -434,6 +434,34 @@ async fn g3_a_lease_taken_before_its_type_was_recorded_binds_the_keys_recorded_l
     sound(&db.pool, "untyped holder").await;
 }
 
+/// Design §113 (found by the model, seed 5096178720460862966): a parked job that leaves its key
+/// other than by promotion (an operator's discard, a cancel) may have been the head holding back
+/// a looser type's job the key has room for; that job is promoted at once, as a completion
+/// would, not at the next sweep.
+#[tokio::test]
+async fn a_parked_head_discarded_or_cancelled_lets_the_job_behind_it_take_the_free_permit() {
+    for (key, how) in [("a", "discard_job"), ("b", "cancel")] {
+        let db = types(&[("strict", 1), ("loose", 3)]).await;
+        for _ in 0..3 {
+            assert_eq!(enqueue(&db.pool, "loose", key).await, "enqueued");
+        }
+        assert_eq!(enqueue(&db.pool, "strict", key).await, "parked");
+        assert_eq!(enqueue(&db.pool, "loose", key).await, "parked");
+        let first = claim_one(&db.pool).await;
+        assert!(complete_default(&db.pool, first[0]).await);
+        assert_eq!(parked(&db.pool, key).await, ["strict", "loose"], "the strict head has no room: 2 holders");
+        let head: i64 = sqlx::query_scalar("SELECT job_id FROM lockgate.parked WHERE key = $1 AND job_type = 'strict'")
+            .bind(key)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        run(&db.pool, &format!("SELECT * FROM lockgate.{how}({head})")).await;
+        assert_eq!(parked(&db.pool, key).await, Vec::<String>::new(), "{how}: the loose job behind the head waits");
+        assert_eq!(leases_of(&db.pool, "loose").await, 3, "{how}");
+        sound(&db.pool, how).await;
+    }
+}
+
 async fn sole_type(db: &PgPool, key: &str) -> Option<String> {
     sqlx::query_scalar("SELECT sole_type FROM lockgate.semaphores WHERE key = $1")
         .bind(key)
