@@ -115,6 +115,7 @@ BEGIN
                 -- Its queue is gone: kept with the dead letters, as its promotion would have done,
                 -- so nothing is lost.
                 PERFORM lockgate._dead_letter_parked(p, format('cancelled while parked; queue "%s" no longer exists', p.queue));
+                PERFORM lockgate._promote_behind(p.key);
                 cancelled := true;
                 RETURN NEXT;
                 RETURN;

@@ -26,8 +26,9 @@ $$;
 -- jobs behind it that the key has room for are promoted now, as a completion promotes them, not
 -- at the next sweep. It may have been the key's head, holding back jobs of a looser type behind
 -- it on a key types share (design §113; found by the model). Only when the key's row is free
--- (SKIP LOCKED: never waits, so it adds no lock order to the caller's, which has deleted the
--- parked row and may hold its unique lock and batch row) and in READ COMMITTED (an older
+-- (SKIP LOCKED: never waits, so the call, which has deleted the parked row and may hold its
+-- unique lock and batch row, closes no cycle; the row is then held until commit, review
+-- helper-133 F1) and in READ COMMITTED (an older
 -- snapshot does not see every job parked behind the key, lockgate._release_leases); else the
 -- sweep promotes them within sweep_interval (G5).
 CREATE OR REPLACE FUNCTION lockgate._promote_behind(key text)
