@@ -462,6 +462,32 @@ async fn a_parked_head_discarded_or_cancelled_lets_the_job_behind_it_take_the_fr
     }
 }
 
+/// Review helper-133 F2: the cancel of a parked head whose queue was dropped outside lockgate
+/// (dead-lettered there) hands the key on as the other cancels do.
+#[tokio::test]
+async fn a_parked_head_cancelled_after_its_queue_was_dropped_lets_the_job_behind_it_start() {
+    let db = types(&[("loose", 3)]).await;
+    run(&db.pool, "SELECT lockgate.define_job_type('strict', queue => 'gone', concurrency_limit => 1)").await;
+    for _ in 0..3 {
+        assert_eq!(enqueue(&db.pool, "loose", "k").await, "enqueued");
+    }
+    assert_eq!(enqueue(&db.pool, "strict", "k").await, "parked");
+    assert_eq!(enqueue(&db.pool, "loose", "k").await, "parked");
+    let first = claim_one(&db.pool).await;
+    assert!(complete_default(&db.pool, first[0]).await);
+    run(&db.pool, "DROP TABLE pgmq.q_gone").await;
+    let head: i64 = sqlx::query_scalar("SELECT job_id FROM lockgate.parked WHERE job_type = 'strict'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    run(&db.pool, &format!("SELECT * FROM lockgate.cancel({head})")).await;
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters WHERE job_id IS NOT NULL").await.unwrap(), 1);
+    assert_eq!(parked(&db.pool, "k").await, Vec::<String>::new(), "the loose job behind the cancelled head waits");
+    assert_eq!(leases_of(&db.pool, "loose").await, 3);
+    // check_invariants() names the dropped queue; the keys are all that matters here.
+    assert_eq!(over_limit(&db.pool).await, vec![]);
+}
+
 async fn sole_type(db: &PgPool, key: &str) -> Option<String> {
     sqlx::query_scalar("SELECT sole_type FROM lockgate.semaphores WHERE key = $1")
         .bind(key)
