@@ -184,7 +184,7 @@ pub const SCHEMA_COMPAT: i32 = 1;
 /// (so an older process runs on it within its compatibility version, and an older `migrate` leaves
 /// it alone instead of putting its older functions back). `functions_are_pinned_to_their_revision`
 /// fails when `sql/` changes without a bump.
-pub const FUNCTIONS_REVISION: i32 = 117;
+pub const FUNCTIONS_REVISION: i32 = 118;
 
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;
