@@ -561,10 +561,12 @@ END $$;
 -- parameters: $1 every promotion, $2 the queue; nothing returned). Message ids are drawn up
 -- front (from the sequence every queue's msg_id defaults to), so the leases are written from the
 -- same rows as the messages, without matching the inserted messages back to their promotions;
--- the uniqueness locks of jobs that hold one move to their new messages. Each lock is found by
--- a probe driven by its job (a lateral subquery no plan can turn into a walk of the table), locked
+-- the uniqueness locks of jobs that hold one move to their new messages, and the batch
+-- memberships of jobs in a batch name them (design §111). Each lock or membership is found by a
+-- probe driven by its job (a lateral subquery no plan can turn into a walk of the table), locked
 -- there, and updated by its row address: joined on the queue, a plan made while the locks had
--- been analysed empty read every lock of the queue at each promotion (docs/design.md §64).
+-- been analysed empty read every lock of the queue at each promotion (docs/design.md §64), and
+-- so did the memberships' (tests/plans.rs).
 CREATE OR REPLACE FUNCTION lockgate._promote_sql(tbl text)
 RETURNS text LANGUAGE sql IMMUTABLE AS $$
     SELECT format(
@@ -582,10 +584,14 @@ RETURNS text LANGUAGE sql IMMUTABLE AS $$
                                                      OFFSET 0 FOR UPDATE) x
                                  WHERE src.headers ? ''ukey'') h
                          WHERE u.ctid = h.tid),
-              joined AS (UPDATE lockgate.batch_jobs b SET msg_id = src.msg_id
-                           FROM src
-                          WHERE src.headers ? ''batch'' AND b.queue = src.queue
-                            AND b.job_id = (src.headers->>''job_id'')::bigint)
+              joined AS (UPDATE lockgate.batch_jobs b SET msg_id = h.msg_id
+                           FROM (SELECT src.msg_id, x.tid FROM src
+                                  CROSS JOIN LATERAL (SELECT m.ctid AS tid FROM lockgate.batch_jobs m
+                                                       WHERE m.queue = src.queue
+                                                         AND m.job_id = (src.headers->>''job_id'')::bigint
+                                                      OFFSET 0 FOR UPDATE) x
+                                  WHERE src.headers ? ''batch'') h
+                          WHERE b.ctid = h.tid)
          INSERT INTO lockgate.leases (queue, msg_id, key, duration_ms, expires_at, job_type)
          SELECT $2, src.msg_id, src.key, src.duration_ms,
                 GREATEST(src.vt, clock_timestamp())
