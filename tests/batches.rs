@@ -687,6 +687,39 @@ async fn a_callback_of_a_type_discarding_while_executing_duplicates_waits_and_ru
     assert!(!second[0].2, "the second callback runs, not as the first's duplicate");
 }
 
+/// The same for a callback parked by its type's limit: the mark is written on the parked job and
+/// travels with it to the message its promotion sends.
+#[tokio::test]
+async fn a_parked_callback_of_a_type_discarding_while_executing_duplicates_keeps_its_mark() {
+    let db = setup().await;
+    sqlx::query(
+        "SELECT lockgate.define_job_type('wcbl', concurrency_limit => 1, unique_mode => 'while_executing',
+                                         unique_key => array['batch_id'], unique_on_conflict => 'discard')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    for _ in 0..2 {
+        let b: i64 =
+            sqlx::query_scalar("SELECT lockgate.create_batch(on_finish => 'wcbl')").fetch_one(&db.pool).await.unwrap();
+        assert_eq!(close(&db.pool, b).await.unwrap(), "finished");
+    }
+    let swept: i32 = sqlx::query_scalar("SELECT lockgate.batch_sweep()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(swept, 2);
+    assert_eq!(db.count("SELECT 1 FROM lockgate.parked WHERE headers ? 'batch_callback'").await.unwrap(), 1);
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default WHERE headers ? 'batch_callback'").await.unwrap(), 1);
+    let first: Vec<Delivery> = sqlx::query_as("SELECT msg_id, read_ct FROM lockgate.claim('default', 10, 30)")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    complete_all(&db.pool, &first).await;
+    assert_eq!(
+        db.count("SELECT 1 FROM pgmq.q_default WHERE headers ? 'batch_callback'").await.unwrap(),
+        1,
+        "the promoted callback keeps its mark"
+    );
+}
+
 #[tokio::test]
 async fn one_type_named_for_two_callbacks_that_its_policy_merges_fires_once() {
     let db = setup().await;
