@@ -239,8 +239,9 @@ END $$;
 -- still run: then the job is put back), and its worker completes it without running it (so
 -- the claim itself archives nothing and takes no lock of the completion's bookkeeping); a type
 -- that rejects them has the job put back for a second to wait for the holder (a return, not an
--- attempt). Never waits more than a few milliseconds: a key another transaction is inserting or
--- deleting puts the job back too (H28). A job whose type no longer takes a key while it runs
+-- attempt), giving back the concurrency permit it holds (lockgate._yield_permit). Never waits
+-- more than a few milliseconds: a key another transaction is inserting or deleting puts the job
+-- back too (H28), keeping its permit (that wait is a moment's). A job whose type no longer takes a key while it runs
 -- runs without the key when another job holds it.
 CREATE OR REPLACE FUNCTION lockgate._start_unique(queue text, c lockgate._claimed)
 RETURNS jsonb LANGUAGE plpgsql AS $$
@@ -305,7 +306,12 @@ BEGIN
           USING c.msg_id, c.read_ct, c.headers;
         RETURN c.headers;
     END IF;
+    -- Waiting, it holds no concurrency permit: the holder may be parked for it (review helper-132
+    -- F1, lockgate._yield_permit).
     PERFORM lockgate._put_back(tbl, c);
+    IF c.headers ? 'ckey' THEN
+        PERFORM lockgate._yield_permit(queue, c.msg_id);
+    END IF;
     RETURN NULL;
 END $$;
 

@@ -632,6 +632,40 @@ BEGIN
     RETURN NULL;
 END $$;
 
+-- A claimed job put back to wait for a unique key another job holds (lockgate._start_unique) gives
+-- back the concurrency permit it holds while it waits, and its key's parked jobs that now have
+-- room are promoted: the holder it waits for may be one of them (an until_executed job naming the
+-- same concurrency key, parked behind this very permit: nothing of the key ran until the waiting
+-- job's lease lapsed; review helper-132 F1, docs/design.md §114), and a job that does not run holds
+-- no permit another job could run under. Its next claim takes a permit again or parks it
+-- (lockgate._reacquire). Only when the key's row is free (SKIP LOCKED: never a wait, so no lock
+-- order to keep) and in READ COMMITTED, as lockgate._promote_behind; otherwise the job keeps its
+-- permit until a later claim of it gives it back, or its lease lapses.
+-- Locks: the key's semaphore row, the lease bound to the message (its message row is held by the
+-- claim), and what a promotion locks (parked rows SKIP LOCKED, the promoted jobs' unique locks).
+CREATE OR REPLACE FUNCTION lockgate._yield_permit(queue text, msg_id bigint)
+RETURNS void LANGUAGE plpgsql SET enable_seqscan = off SET jit = off AS $$
+DECLARE
+    held text;
+    n integer;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN;
+    END IF;
+    SELECT l.key INTO held FROM lockgate.leases l WHERE l.queue = _yield_permit.queue AND l.msg_id = _yield_permit.msg_id;
+    IF held IS NULL OR NOT lockgate._lock_key_now(held, NULL) THEN
+        RETURN;
+    END IF;
+    -- Only the rows deleted here are given back: a sweep may have expired the lease since it was
+    -- read (G2).
+    WITH gone AS (DELETE FROM lockgate.leases l WHERE l.queue = _yield_permit.queue AND l.msg_id = _yield_permit.msg_id
+                  RETURNING 1)
+    SELECT count(*) INTO n FROM gone;
+    IF n > 0 THEN
+        PERFORM lockgate._send_promotions(lockgate._promote_keys(ARRAY[held], ARRAY[n]));
+    END IF;
+END $$;
+
 -- Claims from several queues in one statement (issue 14): lockgate.claim on each of queues in
 -- order, each for what the earlier ones left of qty (and of start_now), until qty are claimed.
 -- A pool serving many queues claims in one round trip and one commit instead of one per queue.

@@ -909,6 +909,58 @@ async fn a_while_executing_job_waits_for_an_until_executed_holder_rather_than_be
     assert_eq!(delivered, vec![(new, false)], "the new job runs once the holder is gone");
 }
 
+/// Review helper-132 F1 (docs/design.md §114): a job put back to wait for a unique key's holder
+/// gives back its concurrency permit while it waits. Here the holder, an `until_executed` job
+/// naming the same concurrency key (limit 1), was parked behind the waiting job's permit: each
+/// waited for the other, and nothing of the key ran until the waiting job's lease lapsed (an
+/// hour here). For both ways of meeting the key: a type that rejects duplicates, and one that
+/// discards them (which waits for a holder that has not run).
+#[tokio::test]
+async fn a_job_waiting_for_a_unique_key_gives_its_concurrency_permit_to_the_holder_parked_for_it() {
+    for on_conflict in ["reject", "discard"] {
+        let db = db_with(&[
+            &format!(
+                "'w', concurrency_limit => 1, concurrency_duration_ms => 3600000, unique_mode => 'while_executing',
+                 unique_on_conflict => '{on_conflict}'"
+            ),
+            "'u', concurrency_limit => 1, concurrency_duration_ms => 3600000, unique_mode => 'until_executed'",
+        ])
+        .await;
+        let keys = "jsonb_build_object('concurrency_key', 'k', 'unique_key', 'x')";
+        let waiting: i64 = sqlx::query_scalar(&format!("SELECT msg_id FROM lockgate.enqueue('w', '{{}}', {keys})"))
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        let status: String = sqlx::query_scalar(&format!("SELECT status FROM lockgate.enqueue('u', '{{}}', {keys})"))
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(status, "parked", "{on_conflict}: the holder waits for the permit w holds");
+        // w's claim meets u's lock and puts w back; u takes the permit w gave back.
+        assert!(claim(&db.pool, 5).await.is_empty(), "{on_conflict}: w does not run beside u's lock");
+        let holder: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT l.msg_id, q.headers->>'type' FROM lockgate.leases l JOIN pgmq.q_default q USING (msg_id)
+              WHERE l.key = 'k'",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(holder.len(), 1, "{on_conflict}: one permit of k is held: {holder:?}");
+        assert_eq!(holder[0].1, "u", "{on_conflict}: the parked holder took the permit w waits without");
+        let d = claim(&db.pool, 5).await;
+        assert_eq!(d, vec![(holder[0].0, 1)], "{on_conflict}: u runs at once, not after w's lease");
+        assert!(common::complete_default(&db.pool, d[0]).await);
+        put_back_over(&db.pool, "default", waiting).await;
+        let d = claim(&db.pool, 5).await;
+        assert_eq!(d, vec![(waiting, 2)], "{on_conflict}: w takes the permit again and runs once u is done");
+        let value: i32 = sqlx::query_scalar("SELECT value FROM lockgate.semaphores WHERE key = 'k'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(value, 1, "{on_conflict}: k counts w's run alone");
+    }
+}
+
 /// Issue 14 (docs/design.md §60): finishing a job that holds a uniqueness lock and belongs to a
 /// batch reads its own lock and membership, not the queue's, and a promotion moves the promoted
 /// job's lock without reading the others. With the queue compared with a constant, each read
