@@ -386,6 +386,116 @@ async fn h27_a_partitioned_worker_cancels_its_handler_before_its_lease_can_expir
     common::assert_invariants_after_sweep(&db).await;
 }
 
+/// Review helper-135 F4 (docs/design.md §115, H32): a claim whose reply is lost after it
+/// committed (the connection cut between the server's answer and the worker) spends no attempt
+/// of the job it took: the job, allowed one attempt, runs once its visibility lapses, and
+/// succeeds. When the claim recorded the deliveries it expected to start at once as started,
+/// the job was dead-lettered `attempts_exhausted` without having run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h32_a_claim_whose_reply_is_lost_after_it_committed_spends_no_attempt() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let mut once = JobPolicy::on_queue(queue("default"));
+    once.max_attempts = 1;
+    let types = [("work", once)];
+    let client = define(&db, &types).await;
+    let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let proxied = lockgate::PgPoolOptions::new().max_connections(4).connect(&proxy.url_for(&db.url)).await.unwrap();
+    let w0 = Running::start_on(
+        proxied,
+        test_config(),
+        probe_registry(probe(&db, 0, &Counter::default()), &types),
+        &["default"],
+        1,
+    );
+    wait_for("the worker to register", WAIT, || async {
+        db.count("SELECT 1 FROM lockgate.processes").await.map(|n| (n > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    // Only the claim that takes this job carries its arguments back.
+    proxy.cut_reply_containing("reply-to-lose");
+    let job = client
+        .enqueue_raw("work", &json!({"key": 1, "ms": 10, "tag": "reply-to-lose"}), &EnqueueOptions::default())
+        .await
+        .unwrap()
+        .job_id
+        .0;
+    wait_for("the claim's reply to be cut", WAIT, || async { Ok(proxy.met_marked_reply().then_some(())) })
+        .await
+        .unwrap();
+    wait_for("the job to finish", WAIT, || async {
+        db.count("SELECT 1 FROM pgmq.a_default UNION ALL SELECT 1 FROM lockgate.dead_letters")
+            .await
+            .map(|n| (n > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    w0.stop().await;
+    let dead: Vec<(String, String)> =
+        sqlx::query_as("SELECT reason, error FROM lockgate.dead_letters").fetch_all(&db.pool).await.unwrap();
+    assert!(dead.is_empty(), "dead-lettered although it never ran: {dead:?}");
+    assert_eq!(started(&db, job).await, 1, "the job ran once");
+    assert_eq!(archived_jobs(&db).await, 1, "and succeeded");
+}
+
+/// Review helper-135 F6 (docs/design.md §115): a claim whose reply never comes (the network
+/// dropped the flow without a reset: the connection stays open, silent) is given up with its
+/// connection after half the visibility timeout. The pool claims on, the job it took runs once
+/// its visibility lapses, as attempt 1, and the runtime stops when asked. Before, the fetch loop
+/// awaited that reply for good: nothing more was claimed, and shutdown never finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_reply_never_comes_is_given_up_and_the_pool_claims_on() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let mut once = JobPolicy::on_queue(queue("default"));
+    once.max_attempts = 1;
+    let types = [("work", once)];
+    let client = define(&db, &types).await;
+    let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let proxied = lockgate::PgPoolOptions::new().max_connections(4).connect(&proxy.url_for(&db.url)).await.unwrap();
+    let w0 = Running::start_on(
+        proxied,
+        test_config(),
+        probe_registry(probe(&db, 0, &Counter::default()), &types),
+        &["default"],
+        1,
+    );
+    wait_for("the worker to register", WAIT, || async {
+        db.count("SELECT 1 FROM lockgate.processes").await.map(|n| (n > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    proxy.swallow_reply_containing("reply-never-comes");
+    let enqueue = async |tag: &str| {
+        client
+            .enqueue_raw("work", &json!({"key": 1, "ms": 10, "tag": tag}), &EnqueueOptions::default())
+            .await
+            .unwrap()
+            .job_id
+            .0
+    };
+    let lost = enqueue("reply-never-comes").await;
+    wait_for("the claim's reply to be swallowed", WAIT, || async { Ok(proxy.met_marked_reply().then_some(())) })
+        .await
+        .unwrap();
+    let next = enqueue("next").await;
+    wait_for("both jobs to run", WAIT, || async {
+        Ok((started(&db, lost).await == 1 && started(&db, next).await == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    wait_for("both to be archived", WAIT, || async { Ok((archived_jobs(&db).await == 2).then_some(())) })
+        .await
+        .unwrap();
+    tokio::time::timeout(WAIT, w0.stop()).await.expect("the runtime stops when asked");
+    assert_eq!(
+        db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(),
+        0,
+        "no attempt was spent by the lost claim"
+    );
+}
+
 /// A claim that reaches the worker with too little of its budget left to start a handler (its
 /// reply held up by a stalled network, a paused process) is returned unstarted: it runs again at
 /// once, as attempt 1, and spends no shutdown return. Before, it was forgotten until its

@@ -2,10 +2,12 @@
 //! database: it can cut a connection at the worst moment — after the server has answered (so a
 //! statement has committed) but before the client hears it (the ambiguous commit of H13) — and
 //! it can freeze all traffic, so a process behind it goes silent (a cut heartbeat) while its
-//! connections stay open, then thaw it.
+//! connections stay open, then thaw it. A reply carrying given bytes (a marker in a job's
+//! arguments, so that only the claim that takes that job matches) can be cut the same way, or
+//! swallowed with its connection left open, as a network that drops a flow without a reset does.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -16,8 +18,20 @@ use tokio::sync::watch;
 pub struct FaultProxy {
     pub port: u16,
     cut_next_reply: Arc<AtomicBool>,
+    marked: Arc<Mutex<Option<Marked>>>,
     frozen: watch::Sender<bool>,
     accept: tokio::task::JoinHandle<()>,
+}
+
+/// What happens to the first reply that carries `needle`.
+#[derive(Clone)]
+struct Marked {
+    needle: Vec<u8>,
+    /// Dropped with its connection closed both ways (else: dropped, and every later byte the
+    /// server sends on that connection too, the connection left open).
+    close: bool,
+    /// Whether that reply has been met.
+    met: bool,
 }
 
 impl FaultProxy {
@@ -27,16 +41,19 @@ impl FaultProxy {
         let port = listener.local_addr()?.port();
         let cut = Arc::new(AtomicBool::new(false));
         let cut_for_task = Arc::clone(&cut);
+        let marked = Arc::new(Mutex::new(None));
+        let marked_for_task = Arc::clone(&marked);
         let (frozen, frozen_rx) = watch::channel(false);
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(&upstream).await else {
                     continue;
                 };
-                tokio::spawn(pump(client, server, Arc::clone(&cut_for_task), frozen_rx.clone()));
+                let faults = Faults { cut: Arc::clone(&cut_for_task), marked: Arc::clone(&marked_for_task) };
+                tokio::spawn(pump(client, server, faults, frozen_rx.clone()));
             }
         });
-        Ok(Self { port, cut_next_reply: cut, frozen, accept })
+        Ok(Self { port, cut_next_reply: cut, marked, frozen, accept })
     }
 
     /// Holds every byte in both directions (connections stay open) until `thaw`.
@@ -63,6 +80,49 @@ impl FaultProxy {
     pub fn has_cut(&self) -> bool {
         !self.cut_next_reply.load(Ordering::SeqCst)
     }
+
+    /// The first reply the server sends that carries `needle` is dropped and its connection
+    /// closed both ways: the statement it answers has run (and committed), and its client hears
+    /// only that the connection broke.
+    pub fn cut_reply_containing(&self, needle: &str) {
+        self.arm(needle, true);
+    }
+
+    /// The first reply the server sends that carries `needle`, and everything the server sends
+    /// on that connection after it, is dropped, the connection left open: its client waits for
+    /// a reply that never comes.
+    pub fn swallow_reply_containing(&self, needle: &str) {
+        self.arm(needle, false);
+    }
+
+    /// Whether the reply armed by `cut_reply_containing` or `swallow_reply_containing` was met.
+    pub fn met_marked_reply(&self) -> bool {
+        self.marked.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|m| m.met)
+    }
+
+    fn arm(&self, needle: &str, close: bool) {
+        let marked = Marked { needle: needle.as_bytes().to_vec(), close, met: false };
+        *self.marked.lock().unwrap_or_else(|e| e.into_inner()) = Some(marked);
+    }
+}
+
+/// The faults armed on a proxy, shared by its connections.
+struct Faults {
+    cut: Arc<AtomicBool>,
+    marked: Arc<Mutex<Option<Marked>>>,
+}
+
+impl Faults {
+    /// Whether `reply` is the armed marked one: (met, close). Met once.
+    fn marked(&self, reply: &[u8]) -> Option<bool> {
+        let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
+        let m = marked.as_mut().filter(|m| !m.met)?;
+        if !reply.windows(m.needle.len()).any(|w| w == m.needle.as_slice()) {
+            return None;
+        }
+        m.met = true;
+        Some(m.close)
+    }
 }
 
 impl Drop for FaultProxy {
@@ -75,7 +135,7 @@ async fn wait_thawed(frozen: &mut watch::Receiver<bool>) {
     let _ = frozen.wait_for(|f| !*f).await;
 }
 
-async fn pump(client: TcpStream, server: TcpStream, cut: Arc<AtomicBool>, frozen: watch::Receiver<bool>) {
+async fn pump(client: TcpStream, server: TcpStream, faults: Faults, frozen: watch::Receiver<bool>) {
     let (mut frozen_up, mut frozen_down) = (frozen.clone(), frozen);
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
@@ -90,17 +150,30 @@ async fn pump(client: TcpStream, server: TcpStream, cut: Arc<AtomicBool>, frozen
     };
     let downstream = async {
         let mut buf = vec![0u8; 16 * 1024];
+        let mut swallowing = false;
         while let Ok(n) = server_read.read(&mut buf).await {
             wait_thawed(&mut frozen_down).await;
             // A lone ReadyForQuery is the tail of an earlier reply (sqlx reads it lazily), not
             // the answer to the statement under test: let it through.
             let lone_ready = n == 6 && buf[0] == b'Z';
-            if n == 0 || (!lone_ready && cut.swap(false, Ordering::SeqCst)) {
+            if n == 0 || (!lone_ready && faults.cut.swap(false, Ordering::SeqCst)) {
                 break;
+            }
+            match faults.marked(&buf[..n]) {
+                Some(true) => break,
+                Some(false) => swallowing = true,
+                None => {}
+            }
+            if swallowing {
+                continue;
             }
             if client_write.write_all(&buf[..n]).await.is_err() {
                 break;
             }
+        }
+        // The server closed a swallowed connection: its client still hears nothing.
+        if swallowing {
+            std::future::pending::<()>().await;
         }
     };
     // Whichever direction ends first ends both: the client sees the connection drop.

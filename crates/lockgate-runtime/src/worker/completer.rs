@@ -120,12 +120,14 @@ pub(crate) struct Completer {
     db: PgPool,
     in_flight: Arc<InFlight>,
     rx: mpsc::Receiver<Request>,
+    /// How long a completion statement may go unanswered before its connection is given up.
+    answer_within: Duration,
 }
 
 impl Completer {
-    pub fn new(db: PgPool, in_flight: Arc<InFlight>) -> (Self, CompleterHandle) {
+    pub fn new(db: PgPool, in_flight: Arc<InFlight>, answer_within: Duration) -> (Self, CompleterHandle) {
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
-        (Self { db, in_flight, rx }, CompleterHandle { tx })
+        (Self { db, in_flight, rx, answer_within }, CompleterHandle { tx })
     }
 
     /// Runs until every handle is dropped and the last request is answered.
@@ -157,7 +159,7 @@ impl Completer {
             let starts_due = pending.next_start_due(open).is_some_and(|due| due <= Instant::now());
             if (!pending.finished.is_empty() || starts_due) && (statements.is_empty() || full) {
                 let batch = pending.take(open);
-                let conn = idle.pop().unwrap_or_else(|| HeldConnection::new(self.db.clone()));
+                let conn = idle.pop().unwrap_or_else(|| HeldConnection::new(self.db.clone(), self.answer_within));
                 statements.spawn(complete_batch(conn, Arc::clone(&self.in_flight), batch));
                 continue;
             }

@@ -5,7 +5,12 @@
 //! one statement after another (the fetch loop's claims, the completer's completions) keeps its
 //! connection instead, and pays neither. After a failed statement the connection is given back
 //! (the pool tests it and closes it if it is broken) and the next statement takes a fresh one; a
-//! connection whose session refused to write is closed instead.
+//! connection whose session refused to write is closed instead. A statement not answered within
+//! the connection's bound (a flow the network dropped without a reset, a server that hangs) is
+//! given up and its connection closed: a claim awaited for good stalled its pool, and the
+//! process's shutdown with it (review helper-135 F6).
+
+use std::time::Duration;
 
 use lockgate_sql::{DbError, PgPool};
 use sqlx::pool::PoolConnection;
@@ -14,11 +19,13 @@ use sqlx::{PgConnection, Postgres};
 pub(crate) struct HeldConnection {
     pool: PgPool,
     conn: Option<PoolConnection<Postgres>>,
+    /// How long a statement may go unanswered.
+    answer_within: Duration,
 }
 
 impl HeldConnection {
-    pub fn new(pool: PgPool) -> Self {
-        Self { pool, conn: None }
+    pub fn new(pool: PgPool, answer_within: Duration) -> Self {
+        Self { pool, conn: None, answer_within }
     }
 
     /// The pool it takes connections from.
@@ -35,7 +42,16 @@ impl HeldConnection {
             Some(conn) => conn,
             None => self.conn.insert(self.pool.acquire().await.map_err(DbError::from)?),
         };
-        let result = statement(conn).await;
+        let Ok(result) = tokio::time::timeout(self.answer_within, statement(conn)).await else {
+            // Its reply may still come, to a statement nobody reads: the connection is closed
+            // (within sqlx's close timeout), not handed back, where the pool's test of it would
+            // wait for that reply too. What the statement did is for the caller to judge, as after
+            // any connection lost mid-statement.
+            if let Some(mut conn) = self.conn.take() {
+                conn.close_on_drop();
+            }
+            return Err(no_answer(self.answer_within));
+        };
         match &result {
             // A session that refused to write (its database or role defaulted it to read-only)
             // stays so however the server changes since: closed, not given back (review helper-89).
@@ -49,4 +65,10 @@ impl HeldConnection {
         }
         result
     }
+}
+
+/// The error of a statement given up for want of an answer: transient, as a lost connection is.
+pub(crate) fn no_answer(within: Duration) -> DbError {
+    let what = format!("no answer from the database within {} ms", within.as_millis());
+    DbError::from(sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, what)))
 }

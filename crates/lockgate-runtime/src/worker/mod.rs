@@ -80,6 +80,15 @@ const CLAIM_COALESCE: Duration = Duration::from_millis(1);
 /// The claim size the coalescing aims for (PGMQ users read 16 at a time).
 const CLAIM_BATCH_TARGET: usize = 16;
 
+/// How long a claim or a completion statement may go unanswered before it is given up with its
+/// connection: half the visibility timeout, twice the server's own budget for it
+/// (`budgets::Budget::runtime`, which ends the statement there first, except under transaction
+/// pooling, where the role's settings apply). A claim answered later than that has spent half its
+/// deliveries' budget; given up, they cost no attempt (§115) and run once their visibility lapses.
+fn answer_within(config: &RuntimeConfig) -> Duration {
+    (config.visibility_timeout / 2).max(Duration::from_millis(1))
+}
+
 pub struct WorkerPool {
     config: PoolConfig,
     shared: Arc<Shared>,
@@ -101,7 +110,7 @@ impl WorkerPool {
         last_tick: Arc<AtomicI64>,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let (completer, handle) = Completer::new(db.clone(), Arc::clone(&in_flight));
+        let (completer, handle) = Completer::new(db.clone(), Arc::clone(&in_flight), answer_within(&runtime));
         let shared =
             Shared { db, config: runtime, registry, policies, in_flight, completer: handle, owner, last_tick, metrics };
         Self { config, shared: Arc::new(shared), completer, wake }
@@ -203,7 +212,7 @@ async fn fetch_loop(
 ) {
     let mut backlog = false;
     let mut prefetch = Prefetch::new(config.concurrency, shared.config.max_claim_ahead_bytes);
-    let mut conn = HeldConnection::new(shared.db.clone());
+    let mut conn = HeldConnection::new(shared.db.clone(), answer_within(&shared.config));
     let mut backoff: HashMap<QueueName, QueueBackoff> = HashMap::new();
     let mut drained = Drained::default();
     loop {
@@ -221,10 +230,9 @@ async fn fetch_loop(
             permits.extend(slots.try_take(limit));
         }
         let claimed_at = Instant::now();
-        let start_now = running.available_permits();
         drained.refresh(wake, shared.config.poll_interval);
         let skip = Skip { backoff: &mut backoff, drained: &mut drained };
-        let (claims, all_ok) = claim_in_order(config, shared, &mut conn, permits.len(), start_now, skip).await;
+        let (claims, all_ok) = claim_in_order(config, shared, &mut conn, permits.len(), skip).await;
         if all_ok {
             prefetch.observe_claim(claimed_at.elapsed());
         }
@@ -269,8 +277,12 @@ async fn fetch_loop(
 }
 
 /// Claims up to `room` deliveries, earlier queues first; each queue's batch in priority order.
-/// The first `start_now` start at once (there are that many free handler slots); the claim
-/// marks the others as claimed ahead, and their executors record their start (H32).
+/// Every delivery is claimed ahead (`start_now` 0): the claim records no start, and each
+/// executor records its own once its handler has started (H32). A claim whose reply is lost
+/// after it committed (a connection cut, a reply that never came) then spent no attempt of the
+/// jobs it took: their next claim counts that delivery as a return (review helper-135 F4: one
+/// that recorded its first deliveries as started dead-lettered a `max_attempts = 1` job that
+/// never ran).
 /// A pool of several queues claims from all of them in one statement (`claim_queues`); if that
 /// fails, queue by queue, so that each queue stands alone (H29): one whose claim fails is logged
 /// and backs off, and the others are claimed from as usual. Returns the claims and whether every
@@ -280,7 +292,6 @@ async fn claim_in_order(
     shared: &Shared,
     conn: &mut HeldConnection,
     room: usize,
-    start_now: usize,
     skip: Skip<'_>,
 ) -> (Vec<Claim>, bool) {
     let Skip { backoff, drained } = skip;
@@ -293,7 +304,7 @@ async fn claim_in_order(
         .collect();
     if ready.len() > 1 {
         let owner = Some(shared.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
-        let (visibility, want, now) = (shared.config.visibility_timeout, room as i32, Some(start_now as i32));
+        let (visibility, want, now) = (shared.config.visibility_timeout, room as i32, Some(0));
         let ready = &ready;
         match conn
             .run(async |c| {
@@ -308,7 +319,7 @@ async fn claim_in_order(
                 }
                 // Queue order first, then each queue's batch as claim_in_order's per-queue path sorts it.
                 let position = |c: &Claim| ready.iter().position(|q| *q == c.queue).unwrap_or(usize::MAX);
-                claimed.sort_by_key(|c| (position(c), priority_of(c), c.claimed_ahead, c.msg_id));
+                claimed.sort_by_key(|c| (position(c), priority_of(c), c.msg_id));
                 // Each queue the statement reached was asked for what the earlier ones left.
                 let mut left = room;
                 for queue in ready {
@@ -340,11 +351,17 @@ async fn claim_in_order(
         }
         let owner = Some(shared.owner.load(Ordering::SeqCst)).filter(|id| *id != 0);
         let visibility = shared.config.visibility_timeout;
-        let now = Some(start_now.saturating_sub(claimed.len()) as i32);
         match conn
             .run(async |c| {
-                lockgate_sql::claim_as(lockgate_sql::pooler::Db::idle(c), queue, want as i32, visibility, owner, now)
-                    .await
+                lockgate_sql::claim_as(
+                    lockgate_sql::pooler::Db::idle(c),
+                    queue,
+                    want as i32,
+                    visibility,
+                    owner,
+                    Some(0),
+                )
+                .await
             })
             .await
         {
@@ -353,8 +370,7 @@ async fn claim_in_order(
                 if several && batch.len() < want {
                     drained.since.insert(queue.clone(), Instant::now());
                 }
-                // The deliveries the claim did not mark as claimed ahead take the free slots.
-                batch.sort_by_key(|c| (priority_of(c), c.claimed_ahead, c.msg_id));
+                batch.sort_by_key(|c| (priority_of(c), c.msg_id));
                 claimed.extend(batch);
             }
             Err(error) => {
