@@ -183,13 +183,17 @@ $$;
 
 -- Enqueues the job of one tick of a task, once however many schedulers call it (H23): the tick
 -- row is inserted, under the primary key (task, tick_at), in the same transaction as the
--- enqueue, after the task's row is locked. A scheduler racing another on the same tick waits for
--- the other's commit and then finds the tick taken; a stale scheduler never enqueues a tick at
--- or before the latest one enqueued (so a downtime's ticks stay collapsed into one).
+-- enqueue, after the task's row is locked. The row is never waited for: another transaction
+-- holding it (a scheduler racing this one on the tick, which enqueues it; a definition, enable or
+-- removal not yet committed) makes the tick 'busy', for the caller's next pass to look at again.
+-- Waiting, every pass of every scheduler waited for a held task, holding up every other task's
+-- ticks (up to 5 s per pass: review helper-134 F1). A stale scheduler never enqueues a tick at or
+-- before the latest one enqueued (so a downtime's ticks stay collapsed into one).
 -- status: the enqueue's ('enqueued', 'parked' or 'discarded'), 'failed' (the enqueue raised one
 -- of lockgate's own errors, SQLSTATE class LG: recorded with the message and not retried, so a
--- bad task cannot make every pass fail), 'taken' (this tick or a later one was enqueued already) or 'inactive'
--- (the task is disabled, removed, or the tick is from before it was active).
+-- bad task cannot make every pass fail), 'taken' (this tick or a later one was enqueued already),
+-- 'busy' (the task's row is held: nothing written) or 'inactive' (the task is disabled, removed,
+-- or the tick is from before it was active).
 -- Ticks older than 7 days before the new one are deleted: the tick rows are history; the
 -- guard against a repeat is the task's last_tick_at.
 -- schedule_cron and schedule_timezone: the schedule the caller computed the tick from, as it
@@ -199,9 +203,8 @@ $$;
 -- it 'inactive' all the same. NULL (the two-argument form): not compared.
 -- A key the tick's job needs that a producer holds (a limited type's semaphore row) makes the
 -- tick give up after 500 ms (lock_timeout, set for this call only) and try again on the next
--- pass, instead of holding up the rest; the task's row, which only schedulers and definitions
--- take, is waited for up to 5 s.
--- Locks: the task's row, the tick row, then what lockgate.enqueue locks.
+-- pass, instead of holding up the rest.
+-- Locks: the task's row (SKIP LOCKED), the tick row, then what lockgate.enqueue locks.
 CREATE OR REPLACE FUNCTION lockgate.enqueue_recurring_tick(
     task text, tick_at timestamptz, schedule_cron text, schedule_timezone text,
     OUT status text, OUT job_id bigint, OUT error text
@@ -213,13 +216,12 @@ BEGIN
     IF tick_at IS NULL OR tick_at > clock_timestamp() THEN
         RAISE EXCEPTION 'lockgate: recurring task "%": tick % is in the future', task, tick_at USING ERRCODE = 'LG003';
     END IF;
-    -- The task's row is waited for longer than the rest: a scheduler racing another on this tick
-    -- waits for the other's commit, which the other's own 500 ms waits bound, and then finds the
-    -- tick taken. With 500 ms here, it failed on a lock timeout, and logged a warning, whenever the
-    -- other's enqueue took longer (review helper-114).
-    PERFORM set_config('lock_timeout', '5s', true);
-    SELECT * INTO t FROM lockgate.recurring_tasks r WHERE r.name = enqueue_recurring_tick.task FOR NO KEY UPDATE;
-    PERFORM set_config('lock_timeout', '500ms', true);
+    SELECT * INTO t FROM lockgate.recurring_tasks r WHERE r.name = enqueue_recurring_tick.task
+       FOR NO KEY UPDATE SKIP LOCKED;
+    IF NOT FOUND AND EXISTS (SELECT 1 FROM lockgate.recurring_tasks r WHERE r.name = enqueue_recurring_tick.task) THEN
+        status := 'busy';
+        RETURN;
+    END IF;
     IF NOT FOUND OR NOT t.enabled OR tick_at <= t.active_since
        OR (schedule_cron IS NOT NULL AND t.cron IS DISTINCT FROM schedule_cron)
        OR (schedule_timezone IS NOT NULL AND t.timezone IS DISTINCT FROM schedule_timezone) THEN

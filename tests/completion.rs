@@ -259,3 +259,44 @@ async fn a_completion_plan_made_on_a_small_queue_scans_no_table() {
     assert_eq!(scans, 0, "the completion read the queue table by index only");
     tx.commit().await.unwrap();
 }
+
+/// Review helper-135 F1: a retry sent again after its reply was lost (the worker re-sends its
+/// final statement after a connection error) finds the delivery retried already: it reports the
+/// delivery as its own and writes nothing, where it recorded the attempt's error a second time
+/// and pushed the backoff again. The next delivery's retry is written as usual.
+#[tokio::test]
+async fn a_retry_sent_again_for_the_same_delivery_writes_nothing_more() {
+    let db = TestDb::migrated().await.unwrap();
+    one_job(&db).await;
+    let q = common::queue("default");
+    let delivery = claim(&db.pool, &q, 1, Duration::from_secs(30)).await.unwrap().remove(0);
+    let retry = async |read_ct: i32, delay: f64| -> bool {
+        sqlx::query_scalar("SELECT lockgate.retry('default', $1, $2, $3, 'boom', $2)")
+            .bind(delivery.msg_id)
+            .bind(read_ct)
+            .bind(delay)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    let state = async || -> (i64, chrono::DateTime<chrono::Utc>) {
+        sqlx::query_as("SELECT jsonb_array_length(headers->'errors')::bigint, vt FROM pgmq.q_default")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    assert!(retry(delivery.read_ct, 0.2).await);
+    let first = state().await;
+    assert_eq!(first.0, 1);
+    assert!(retry(delivery.read_ct, 60.0).await, "the same delivery's retry, sent again, reports it as its own");
+    assert_eq!(state().await, first, "and writes neither a second error nor a new backoff");
+    let next = lockgate_testkit::wait_for("the retried job to be delivered again", common::WAIT, || async {
+        Ok(claim(&db.pool, &q, 1, Duration::from_secs(30)).await?.pop())
+    })
+    .await
+    .unwrap();
+    assert_eq!(next.read_ct, delivery.read_ct + 1);
+    assert!(retry(next.read_ct, 60.0).await);
+    assert_eq!(state().await.0, 2, "the next delivery's failure is recorded");
+    assert!(!retry(delivery.read_ct, 60.0).await, "a stale delivery's retry is still refused");
+}

@@ -55,25 +55,6 @@ async fn jobs(db: &TestDb) -> i64 {
     db.count("SELECT 1 FROM pgmq.q_default").await.unwrap()
 }
 
-/// Waits until a session of the test's database has waited for a lock inside
-/// `enqueue_recurring_tick` for at least `waited`, or until `call` (the task making that call)
-/// has ended.
-async fn until_a_tick_waits_for_a_lock_or_ends<T>(db: &TestDb, call: &tokio::task::JoinHandle<T>, waited: Duration) {
-    wait_for("a tick to wait for a lock, or to end", WAIT, || async {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%enqueue_recurring_tick%'
-                AND clock_timestamp() - query_start >= $1",
-        )
-        .bind(waited)
-        .fetch_one(&db.pool)
-        .await?;
-        Ok((waiting > 0 || call.is_finished()).then_some(()))
-    })
-    .await
-    .unwrap();
-}
-
 /// Two schedulers on one tick of the task `nightly`: the first enqueues it and holds its
 /// transaction open, the second races on the same tick from another connection. Returns the
 /// tick, the first's transaction and outcome, and the second's call.
@@ -102,16 +83,19 @@ fn every_minute(name: &str) -> RecurringTask {
     RecurringTask { args: json!({"kind": name}), ..RecurringTask::new(name, "* * * * *", "report") }
 }
 
+/// Two schedulers on one tick: the second, meeting the first's transaction on the task's row,
+/// writes nothing and says so (`busy`); at its next pass, the first having committed, it finds
+/// the tick taken. The tick is enqueued once.
 #[tokio::test]
 async fn h23_two_schedulers_racing_on_one_tick_enqueue_it_once() {
     let (db, client) = setup().await;
     let (tick, first, outcome, second) = racing_schedulers(&db, &client).await;
-    until_a_tick_waits_for_a_lock_or_ends(&db, &second, Duration::ZERO).await;
+    assert_eq!(second.await.unwrap().unwrap().status, "busy", "the second met the first's transaction");
     first.commit().await.unwrap();
-    let raced = second.await.unwrap().unwrap();
+    let again = enqueue_recurring_tick(&db.pool, "nightly", tick, None).await.unwrap();
 
     assert_eq!(jobs(&db).await, 1, "the tick was enqueued twice");
-    assert_eq!(raced.status, "taken", "the second scheduler found the tick taken");
+    assert_eq!(again.status, "taken", "the second scheduler's next pass found the tick taken");
     assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_ticks").await.unwrap(), 1);
     let last: (DateTime<Utc>, i64) = sqlx::query_as("SELECT last_tick_at, last_job_id FROM lockgate.recurring_tasks")
         .fetch_one(&db.pool)
@@ -120,28 +104,42 @@ async fn h23_two_schedulers_racing_on_one_tick_enqueue_it_once() {
     assert_eq!(last, (tick, outcome.job_id.unwrap()));
 }
 
-/// The same race with a first scheduler slower than the 500 ms a tick waits for a key (its
-/// enqueue waited on one, or its commit was slow): the second waits for it all the same and finds
-/// the tick taken, where it failed on a lock timeout and logged a warning (review helper-114).
+/// Review helper-134 F1: a task whose row an open transaction holds (an operator's uncommitted
+/// `set_recurring_enabled`, here) holds up no other task's tick. A scheduler waited for that row
+/// (up to 5 s, §101) at every pass, so every other task's ticks came late, and ticks of tasks
+/// due more often than that were lost.
 #[tokio::test]
-async fn h23_a_scheduler_racing_a_slow_one_on_one_tick_finds_it_taken() {
+async fn a_task_held_by_an_open_transaction_holds_up_no_other_tasks_tick() {
     let (db, client) = setup().await;
-    let (_, first, _, second) = racing_schedulers(&db, &client).await;
-    // Held until the second has waited past the keys' 500 ms, or has given up.
-    until_a_tick_waits_for_a_lock_or_ends(&db, &second, Duration::from_millis(700)).await;
-    first.commit().await.unwrap();
-
-    assert_eq!(second.await.unwrap().unwrap().status, "taken");
-    assert_eq!(jobs(&db).await, 1);
+    for name in ["held", "other"] {
+        client.define_recurring(&every_minute(name)).await.unwrap();
+        defined_ago(&db, name, "1 hour").await;
+    }
+    let mut operator = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT lockgate.set_recurring_enabled('held', true)").execute(&mut *operator).await.unwrap();
+    let now = db_now(&db).await;
+    let mut scheduler = Scheduler::new(db.new_pool(2).await.unwrap());
+    let report = tokio::time::timeout(Duration::from_secs(3), scheduler.run_once(now))
+        .await
+        .expect("the pass does not wait for the held task")
+        .unwrap();
+    assert_eq!((report.enqueued, report.busy, report.errors), (1, 1, 0), "{report:?}");
+    let ticked: Vec<String> =
+        sqlx::query_scalar("SELECT task FROM lockgate.recurring_ticks").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(ticked, vec!["other".to_string()]);
+    operator.commit().await.unwrap();
+    let report = scheduler.run_once(now).await.unwrap();
+    assert_eq!((report.enqueued, report.busy), (1, 0), "the held task ticks at the next pass: {report:?}");
+    assert_eq!(jobs(&db).await, 2);
 }
 
-/// A schedule changed while a scheduler's tick of the old one waits for the task's row: the
-/// definition set active_since when it ran, before its commit, so the tick (due after that, by
-/// the old schedule the scheduler read) passes the active_since check; the scheduler passes the
-/// schedule it computed the tick from, and the database, comparing it under the row lock, finds
-/// it replaced and enqueues nothing (inactive).
+/// A schedule changed after a scheduler read the task, and before its tick: the definition set
+/// active_since when it ran, before its commit, so a tick of the old schedule due after that
+/// passes the active_since check; the scheduler passes the schedule it computed the tick from,
+/// and the database, comparing it under the row lock, finds it replaced and enqueues nothing
+/// (inactive).
 #[tokio::test]
-async fn a_tick_of_a_schedule_replaced_while_it_waited_for_the_task_is_not_enqueued() {
+async fn a_tick_of_a_schedule_replaced_since_the_scheduler_read_it_is_not_enqueued() {
     let (db, client) = setup().await;
     client.define_recurring(&RecurringTask::new("changing", "* * * * * *", "report")).await.unwrap();
     defined_ago(&db, "changing", "1 minute").await;
@@ -155,20 +153,17 @@ async fn a_tick_of_a_schedule_replaced_while_it_waited_for_the_task_is_not_enque
             .fetch_one(&mut *change)
             .await
             .unwrap();
+    change.commit().await.unwrap();
     // The old schedule's next tick (every second) must come after the change's active_since.
-    wait_for("the database clock to pass the next whole second after the change", WAIT, || async {
+    let tick = wait_for("the database clock to pass the next whole second after the change", WAIT, || async {
         let now = db_now(&db).await;
         Ok((now.timestamp() > changed_at.timestamp()).then_some(now))
     })
     .await
     .unwrap();
-    let now = db_now(&db).await;
-    let mut scheduler = Scheduler::new(db.new_pool(2).await.unwrap());
-    let pass = tokio::spawn(async move { scheduler.run_once(now).await });
-    until_a_tick_waits_for_a_lock_or_ends(&db, &pass, Duration::ZERO).await;
-    change.commit().await.unwrap();
-    let report = pass.await.unwrap().unwrap();
-    assert_eq!(report.enqueued, 0, "a tick of the replaced schedule was enqueued: {report:?}");
+    let tick = DateTime::from_timestamp(tick.timestamp(), 0).unwrap();
+    let outcome = enqueue_recurring_tick(&db.pool, "changing", tick, Some(("* * * * * *", "UTC"))).await.unwrap();
+    assert_eq!(outcome.status, "inactive", "a tick of the replaced schedule was enqueued");
     assert_eq!(jobs(&db).await, 0);
 }
 
@@ -490,4 +485,14 @@ async fn the_tick_and_the_batch_sweep_leave_the_callers_lock_timeout_as_it_was()
         let after: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut *tx).await.unwrap();
         assert_eq!(after, "7s", "after {call}");
     }
+}
+
+/// Review helper-134 F2: the tick of a task that does not exist (removed since the caller read
+/// it) is `inactive`. The check read `FOUND` after a statement that reset it, so the two-argument
+/// form went on and failed on the tick row's foreign key instead.
+#[tokio::test]
+async fn a_tick_of_a_task_that_does_not_exist_is_inactive() {
+    let (db, _client) = setup().await;
+    let outcome = enqueue_recurring_tick(&db.pool, "never_defined", db_now(&db).await, None).await.unwrap();
+    assert_eq!(outcome.status, "inactive");
 }

@@ -31,6 +31,9 @@ pub struct SchedulerReport {
     pub taken: usize,
     /// Ticks whose enqueue failed (recorded on the task with the error; not retried).
     pub failed: usize,
+    /// Ticks not looked at because another transaction held their task's row (a scheduler
+    /// enqueuing the same tick, a definition not yet committed): the next pass looks again.
+    pub busy: usize,
     /// Ticks whose statement failed (a key held past the tick's lock timeout, a lost
     /// connection): logged, and tried again by the next pass; the other tasks went on.
     pub errors: usize,
@@ -126,6 +129,12 @@ impl Scheduler {
         let task = task.name.as_str();
         match outcome.status.as_str() {
             "taken" | "inactive" => report.taken += 1,
+            // Another transaction holds the task (a scheduler enqueuing this tick, a definition
+            // not yet committed): the next pass looks again.
+            "busy" => {
+                report.busy += 1;
+                tracing::debug!(task, %tick, "recurring task held by another transaction; the next pass looks again");
+            }
             "failed" => {
                 report.failed += 1;
                 let error = outcome.error.unwrap_or_default();
