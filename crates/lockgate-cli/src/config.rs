@@ -293,6 +293,13 @@ impl Config {
             let name = p.name.clone().unwrap_or_else(|| format!("pool{}", i + 1));
             let pool = PoolConfig::new(name, queues, p.concurrency.unwrap_or(DEFAULT_CONCURRENCY));
             pool.validate().with_context(|| format!("[[pool]] {}", pool.name))?;
+            if pools.iter().any(|p: &PoolConfig| p.name == pool.name) {
+                bail!(
+                    "[[pool]] {}: invalid name \"{}\": each pool a name of its own (two pools are named so)",
+                    pool.name,
+                    pool.name
+                );
+            }
             pools.push(pool);
         }
         Ok(pools)
@@ -499,6 +506,11 @@ mod tests {
         );
         assert!(err("[[pool]]\nqueues = [\"a\", \"b\", \"a\"]")
             .contains("invalid queues \"a\": each queue once in pool pool1"));
+        // Review helper-136 F3: logs, metrics and status tell pools apart by name.
+        assert_eq!(
+            err("[[pool]]\nname = \"a\"\nqueues = [\"x\"]\n[[pool]]\nname = \"a\"\nqueues = [\"y\"]"),
+            "[[pool]] a: invalid name \"a\": each pool a name of its own (two pools are named so)"
+        );
         assert!(err("[job_types.x]\nsql = \"s\"\nconcurrency = { limit = 1, on_conflict = \"blok\" }")
             .contains("job type x: invalid concurrency.on_conflict \"blok\""));
         assert!(err("[job_types.x]\nsql = \"s\"\nunique = { mode = \"always\" }")

@@ -22,7 +22,7 @@ use clap::{Parser, Subcommand};
 #[command(name = "lockgate", version)]
 struct Cli {
     /// Database to use. Defaults to $DATABASE_URL, then the `database_url` of the config file
-    /// (for `run`), then postgres://postgres@127.0.0.1:5432/lockgate.
+    /// (for `run` and `define`), then postgres://postgres@127.0.0.1:5432/lockgate.
     #[arg(long, global = true, env = "DATABASE_URL")]
     database_url: Option<String>,
     /// How long to wait for the database to accept a connection before reporting why it did not

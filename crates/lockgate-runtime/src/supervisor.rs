@@ -77,8 +77,15 @@ impl Runtime {
         pools: Vec<PoolConfig>,
     ) -> Result<Self, RuntimeError> {
         config.validate()?;
-        for pool in &pools {
+        for (i, pool) in pools.iter().enumerate() {
             pool.validate()?;
+            // Logs, metrics and `lockgate status` tell pools apart by name (review helper-136
+            // F3: two pools of one name were accepted in silence).
+            if pools[..i].iter().any(|p| p.name == pool.name) {
+                return Err(
+                    ValidationError::new("pool name", &pool.name, "each pool a name of its own".to_string()).into()
+                );
+            }
         }
         Ok(Self {
             db,
