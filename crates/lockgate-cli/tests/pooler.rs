@@ -35,6 +35,17 @@ async fn the_cli_works_through_transaction_pooling_when_the_url_says_so() {
     assert!(!o.status.success() && text(&o).contains("with a direct database URL"), "{}", text(&o));
     assert!(!text(&o).contains("unrecognized connect parameter"), "{}", text(&o));
 
+    // Review helper-136 F6: through the pooler, lockgate run's budgets are the role's; doctor
+    // says so, and warns while they are off (the test role has none).
+    let o = lockgate(&db, &["doctor", "--json"]).env("DATABASE_URL", &pooled).output().unwrap();
+    let checks: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|_| panic!("{}", text(&o)));
+    let budgets: Vec<&serde_json::Value> =
+        checks.as_array().unwrap().iter().filter(|c| c["check"] == "statement_timeout").collect();
+    assert_eq!(budgets.len(), 1, "{checks:#}");
+    assert_eq!(budgets[0]["verdict"], "warn", "{checks:#}");
+    assert!(budgets[0]["detail"].as_str().unwrap().contains("lock_timeout off (0)"), "{checks:#}");
+    assert!(budgets[0]["advice"].as_str().unwrap().contains("ALTER ROLE"), "{checks:#}");
+
     let bogus = format!("{}&pooler=statement", bouncer.url(&db.name));
     let o = lockgate(&db, &["status"]).env("DATABASE_URL", &bogus).output().unwrap();
     assert!(!o.status.success());

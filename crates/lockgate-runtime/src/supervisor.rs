@@ -241,6 +241,10 @@ impl Runtime {
             tracker.spawn(health::serve(listener, health, metrics, services.clone()));
         }
 
+        if lockgate_sql::pooler::transaction_pooling() {
+            warn_of_role_budgets(&db, &self.config).await;
+        }
+
         // Under transaction pooling LISTEN would subscribe one server connection that the pooler
         // then lends to others: it needs a direct URL, or the fetch loops poll.
         let listen = match &self.config.listen_database_url {
@@ -575,6 +579,31 @@ where
             () = tokio::time::sleep(pause) => {}
         }
         pause = (pause * 2).min(MAX_RESTART_PAUSE);
+    }
+}
+
+/// Under transaction pooling the runtime's statement budgets (H28) are the role's settings: says
+/// so at start when they are off or longer than the budgets the runtime would set itself (review
+/// helper-136 F6: nothing said so but a README table).
+async fn warn_of_role_budgets(db: &PgPool, config: &RuntimeConfig) {
+    let budget = Budget::runtime(config);
+    let (lock, statement) = (budget.lock.as_millis() as i64, budget.statement.as_millis() as i64);
+    match lockgate_sql::pooler::session_budgets(db).await {
+        Ok((role_lock, role_statement)) => {
+            let loose = |set: i64, want: i64| set == 0 || set > want;
+            if loose(role_lock, lock) || loose(role_statement, statement) {
+                tracing::warn!(
+                    lock_timeout_ms = role_lock,
+                    statement_timeout_ms = role_statement,
+                    "through a transaction-mode pooler lockgate cannot set its own statement budgets: its statements \
+                     run under this role's lock_timeout and statement_timeout (0: off), so a producer's transaction \
+                     held open on a key can hold a completion or renewal past its lease (H28); set them for the role \
+                     lockgate runs as: ALTER ROLE ... SET lock_timeout = '{lock}ms'; ALTER ROLE ... SET \
+                     statement_timeout = '{statement}ms' (a quarter of visibility_timeout, and the lock half of that)"
+                );
+            }
+        }
+        Err(error) => tracing::warn!(%error, "could not read this role's lock_timeout and statement_timeout"),
     }
 }
 

@@ -194,3 +194,20 @@ fn simple_query<'a>(
 ) -> Pin<Box<dyn Future<Output = Result<(), sqlx::Error>> + Send + 'a>> {
     Box::pin(async move { conn.execute(sql).await.map(drop) })
 }
+
+/// This session's `lock_timeout` and `statement_timeout`, in milliseconds (0: off). Through a
+/// transaction-mode pooler, lockgate cannot set them per connection (the pooler refuses startup
+/// options, and a session setting would follow the server connection to other clients): the
+/// role's and database's settings are then every statement's budgets (H28).
+pub async fn session_budgets<'c>(db: impl Into<Db<'c>>) -> Result<(i64, i64), DbError> {
+    on(db.into(), async |conn| {
+        Ok(sqlx::query_as(
+            "SELECT (SELECT setting::bigint FROM pg_settings WHERE name = 'lock_timeout'),
+                    (SELECT setting::bigint FROM pg_settings WHERE name = 'statement_timeout')",
+        )
+        .persistent(!transaction_pooling())
+        .fetch_one(conn)
+        .await?)
+    })
+    .await
+}

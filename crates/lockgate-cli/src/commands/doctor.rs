@@ -86,8 +86,42 @@ async fn checks(pool: &PgPool, args: &Args) -> Result<Vec<DoctorCheck>> {
         };
         checks.extend(lockgate::sql::doctor(pool, &thresholds).await?);
         checks.push(recurring_check(pool).await?);
+        if lockgate::sql::pooler::transaction_pooling() {
+            let pooled = pooled_budgets_check(pool).await?;
+            checks.retain(|c| c.check != pooled.check);
+            checks.push(pooled);
+        }
     }
     Ok(checks)
+}
+
+/// Through a transaction-mode pooler (`pooler=transaction`), `lockgate run` cannot set its own
+/// statement budgets: the role's `lock_timeout` and `statement_timeout` are its statements'
+/// budgets (H28). This replaces the database's `statement_timeout` check, whose "lockgate run
+/// sets its own budgets" is then untrue (review helper-136 F6).
+async fn pooled_budgets_check(pool: &PgPool) -> Result<DoctorCheck> {
+    let (lock, statement) = lockgate::sql::pooler::session_budgets(pool).await?;
+    let shown = |ms: i64| if ms == 0 { "off (0)".to_string() } else { format!("{ms} ms") };
+    let detail = format!(
+        "through a transaction-mode pooler lockgate run's statements run under this role's lock_timeout {} and \
+         statement_timeout {}: it cannot set budgets of its own there",
+        shown(lock),
+        shown(statement)
+    );
+    if lock > 0 && statement > 0 {
+        return Ok(ok("statement_timeout", detail));
+    }
+    Ok(DoctorCheck {
+        check: "statement_timeout".into(),
+        verdict: Verdict::Warn,
+        detail,
+        advice: Some(
+            "with either off, a producer's transaction held open on a key can hold a completion or a renewal past its \
+             lease (H28): ALTER ROLE <role lockgate runs as> SET statement_timeout = '7500ms' and SET lock_timeout = \
+             '3750ms' (a quarter of visibility_timeout, and the lock half of that; for the default 30 s)"
+                .into(),
+        ),
+    })
 }
 
 /// Enabled recurring tasks whose stored schedule no scheduler can follow: `define_recurring`
