@@ -651,6 +651,41 @@ LANGUAGE sql STABLE AS $$
       FROM lockgate.queues q HAVING NOT EXISTS (SELECT 1 FROM lockgate.queues x WHERE x.name NOT IN (SELECT lockgate._live_queues()))
 $$;
 
+-- Queues with jobs ready for longer than alive_threshold that no live lockgate process serves
+-- (no worker of a supervisor heard from within alive_threshold names them), and not paused: their
+-- jobs wait for good. The usual cause is a job type moved to another queue while jobs of it were
+-- queued (they stay in the queue they were enqueued into) and no pool left on the old one
+-- (review helper-136 F10: nothing said so). One row per such queue, or one ok row.
+CREATE OR REPLACE FUNCTION lockgate._doctor_unserved(alive_threshold interval)
+RETURNS TABLE (check_name text, verdict text, detail text, advice text)
+LANGUAGE sql STABLE AS $$
+    WITH served AS (
+        SELECT DISTINCT x.queue
+          FROM lockgate.processes w
+          JOIN lockgate.processes s ON s.id = w.supervisor_id AND s.last_heartbeat_at >= now() - alive_threshold
+         CROSS JOIN LATERAL jsonb_array_elements_text(
+                   CASE WHEN jsonb_typeof(w.metadata->'queues') = 'array' THEN w.metadata->'queues' ELSE '[]' END) x(queue)
+         WHERE w.kind = 'worker'),
+    waiting AS (
+        SELECT st.queue, st.ready, st.oldest_ready_seconds
+          FROM lockgate.queue_stats() st
+         WHERE st.ready > 0 AND NOT st.paused AND st.oldest_ready_seconds > extract(epoch FROM alive_threshold)
+           AND st.queue NOT IN (SELECT served.queue FROM served))
+    SELECT 'unserved_queues', 'warn',
+           format('queue %s: %s job(s) ready, the oldest for %s, and no live lockgate process serves it (job types '
+                  'defined on it now: %s)',
+                  w.queue, w.ready, lockgate._doctor_secs(make_interval(secs => w.oldest_ready_seconds)),
+                  COALESCE((SELECT string_agg(t.name, ', ' ORDER BY t.name) FROM lockgate.job_types t
+                             WHERE t.queue = w.queue), 'none')),
+           format('start a pool on queue %s (a [[pool]] whose queues include it), or pause it (lockgate queue pause) '
+                  'if it waits on purpose. A job stays in the queue it was enqueued into when its type moves to '
+                  'another: serve the old queue until it drains', w.queue)
+      FROM waiting w
+    UNION ALL
+    SELECT 'unserved_queues', 'ok', 'every queue with jobs ready is served by a live process, or paused', NULL
+     WHERE NOT EXISTS (SELECT 1 FROM waiting)
+$$;
+
 -- The entry point (its contract is at the top of this file). Thresholds must be finite and
 -- not negative (LG003).
 CREATE OR REPLACE FUNCTION lockgate.doctor(
@@ -678,17 +713,18 @@ BEGIN
         UNION ALL SELECT * FROM lockgate._doctor_parked()
         UNION ALL SELECT * FROM lockgate._doctor_shared_keys()
         UNION ALL SELECT * FROM lockgate._doctor_processes(make_interval(secs => alive_threshold_seconds));
-    -- These three read the queues' relations in schema pgmq, which a role without USAGE on it may
+    -- These four read the queues' relations in schema pgmq, which a role without USAGE on it may
     -- not even name: each says it was not checked, and the others still answer.
     IF has_schema_privilege('pgmq', 'USAGE') THEN
         RETURN QUERY SELECT * FROM lockgate._doctor_queue_tables() UNION ALL SELECT * FROM lockgate._doctor_steps()
-                     UNION ALL SELECT * FROM lockgate._doctor_claim_indexes();
+                     UNION ALL SELECT * FROM lockgate._doctor_claim_indexes()
+                     UNION ALL SELECT * FROM lockgate._doctor_unserved(make_interval(secs => alive_threshold_seconds));
     ELSE
         RETURN QUERY
             SELECT c, 'warn',
                    format('not checked: role %s has no USAGE on schema pgmq, where the queues'' tables are', current_user),
                    format('run lockgate doctor as the role lockgate runs as, or GRANT USAGE ON SCHEMA pgmq TO %I', current_user)
-              FROM unnest(ARRAY['queue_tables', 'queue_steps', 'claim_indexes']) c;
+              FROM unnest(ARRAY['queue_tables', 'queue_steps', 'claim_indexes', 'unserved_queues']) c;
     END IF;
     RETURN QUERY SELECT * FROM lockgate._doctor_key_guards() UNION ALL SELECT * FROM lockgate._doctor_table_writers();
 END $$;

@@ -1043,3 +1043,52 @@ async fn a_definition_waiting_for_a_type_removed_and_defined_again_finds_the_new
             .unwrap();
     }
 }
+
+/// Review helper-136 F10: a job type moved to another queue leaves its queued jobs in the old one,
+/// which no pool may serve any longer: doctor names such a queue (jobs ready for longer than the
+/// alive threshold, no live process serving it, not paused), and is content once a live process
+/// serves it or it is paused.
+#[tokio::test]
+async fn doctor_names_a_queue_with_jobs_ready_that_no_live_process_serves() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('mv', queue => 'old');
+         SELECT lockgate.enqueue('mv', '{}');
+         SELECT lockgate.define_job_type('mv', queue => 'new');
+         UPDATE pgmq.q_old SET vt = now() - interval '2 minutes';",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let unserved = async || -> Vec<(String, String)> {
+        sqlx::query_as("SELECT verdict, detail FROM lockgate.doctor() WHERE check_name = 'unserved_queues'")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap()
+    };
+    let found = unserved().await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].0, "warn");
+    assert!(
+        found[0].1.starts_with("queue old: 1 job(s) ready, the oldest for 120 s")
+            && found[0].1.ends_with("(job types defined on it now: none)"),
+        "{found:?}"
+    );
+    // A live supervisor's worker serving it.
+    sqlx::raw_sql(
+        "SELECT lockgate.register_process('worker', 'workers', 'h', 1,
+                                          lockgate.register_process('supervisor', 'p', 'h', 1), '{\"queues\": [\"old\"]}');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(unserved().await[0].0, "ok");
+    // Its supervisor silent past the alive threshold: no longer serving.
+    sqlx::query("UPDATE lockgate.processes SET last_heartbeat_at = now() - interval '5 minutes'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(unserved().await[0].0, "warn");
+    sqlx::query("SELECT lockgate.pause_queue('old')").execute(&db.pool).await.unwrap();
+    assert_eq!(unserved().await[0].0, "ok", "a paused queue waits on purpose");
+}
