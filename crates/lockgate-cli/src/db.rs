@@ -77,6 +77,10 @@ pub async fn connect_checked_waiting(
                 .map_err(|err| (unreachable(&err), connect_error(&url, err, timeout)))?;
             match lockgate::check_schema(&pool).await {
                 Ok(_) => Ok(pool),
+                // Transient to the runtime's statements, these at the start mean a URL through a
+                // transaction-mode pooler that does not say so: waited for, they never end (review
+                // helper-136 F5). Ended at once; `main` adds the hint naming pooler=transaction.
+                Err(err) if pooler_mismatch(&err) => Err((false, anyhow::Error::from(err))),
                 Err(err) => Err((err.is_transient(), anyhow::Error::from(err))),
             }
         };
@@ -382,4 +386,12 @@ pub fn redact(url: &str) -> String {
             _ => "(unparseable URL)".to_string(),
         },
     }
+}
+
+/// A statement that met another client's prepared statement on the server (42P05), or was bound
+/// on a server that never prepared it (26000), on a URL that does not say `pooler=transaction`.
+fn pooler_mismatch(err: &lockgate::sql::DbError) -> bool {
+    let lockgate::sql::DbError::Sqlx(err) = err else { return false };
+    !lockgate::sql::pooler::transaction_pooling()
+        && matches!(err.as_database_error().and_then(|e| e.code()).as_deref(), Some("42P05" | "26000"))
 }

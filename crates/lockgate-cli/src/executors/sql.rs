@@ -70,6 +70,14 @@ pub async fn check(db: &PgPool, statement: &str) -> anyhow::Result<()> {
                     PREPARE_LOCK_WAIT.as_secs()
                 );
             }
+            // Another client's prepared statement met on the server: the URL goes through a
+            // transaction-mode pooler without saying so, not a fault of the statement (review
+            // helper-136 F5). Returned as the driver's error, so that `main` adds its hint.
+            if matches!(database.and_then(|db| db.code()).as_deref(), Some("42P05" | "26000"))
+                && !lockgate::sql::pooler::transaction_pooling()
+            {
+                return Err(anyhow::Error::from(err).context("its sql statement could not be checked"));
+            }
             let cause = database.map_or_else(|| err.to_string(), |db| db.message().to_string());
             anyhow::bail!("its sql statement does not prepare: {cause}");
         }
