@@ -560,3 +560,42 @@ async fn undefine_and_queue_drop_retire_what_nothing_needs_and_refuse_the_rest()
     let doctor = output(&db, &["doctor"]);
     assert!(doctor.status.success(), "nothing left behind: {}", text(&doctor));
 }
+
+/// Review helper-136 F4: a session that keeps lockgate's migrate lock (a pooler's server
+/// connection, after a migrate through a pooler URL that did not say so) is named to the next
+/// migrate, which waited for it in silence; once it ends, the migrate completes.
+#[tokio::test]
+async fn migrate_names_the_session_that_keeps_its_lock_and_completes_once_it_ends() {
+    let db = TestDb::migrated().await.unwrap();
+    let mut keeper = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    // lockgate's migrate lock key (crates/lockgate-sql/src/migrate.rs, MIGRATE_LOCK_KEY).
+    sqlx::query("SELECT pg_advisory_lock(7813573191458190437)").execute(&mut keeper).await.unwrap();
+    let keeper_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut keeper).await.unwrap();
+    let mut child = lockgate(&db, &["migrate"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Named in the log after 5 s of waiting; the keeper is then ended, as the log advises.
+    wait_for("migrate to wait for its lock past 5 s", WAIT, || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'lockgate'
+                AND query LIKE '%pg_try_advisory_lock%' AND backend_start < now() - interval '6 seconds'",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        Ok((waiting > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    keeper.close().await.unwrap();
+    let status = wait_exit(&mut child).await;
+    let o = child.wait_with_output().unwrap();
+    assert!(status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("which backend {keeper_pid} holds"))
+            && text(&o).contains(&format!("pg_terminate_backend({keeper_pid})")),
+        "{}",
+        text(&o)
+    );
+}

@@ -326,13 +326,66 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
         .connect_with(pool.connect_options().as_ref().clone())
         .await?;
     let report = migrate_locked(&locked).await;
+    // Given back before the session ends, as it would be then: should the URL go through a
+    // transaction-mode pooler that it does not name, the session outlives this pool on the
+    // pooler's server, and its lock with it (review helper-136 F4).
+    let _ = query("SELECT pg_advisory_unlock($1)").bind(MIGRATE_LOCK_KEY).execute(&locked).await;
     locked.close().await;
     report
 }
 
+/// Takes lockgate's migrate lock on the session of `locked`, waiting for another migrate for as
+/// long as it runs. A holder still there after `NAME_HOLDER_AFTER` is named once in the log: it
+/// may be no migrate at all but a session a transaction-mode pooler keeps open, whose migrate ran
+/// through a URL that did not say `pooler=transaction` (review helper-136 F4: every later
+/// migrate waited for it in silence).
+async fn take_migrate_lock(locked: &PgPool) -> Result<(), DbError> {
+    let waiting_since = std::time::Instant::now();
+    let mut named = false;
+    loop {
+        let taken: bool =
+            query_scalar("SELECT pg_try_advisory_lock($1)").bind(MIGRATE_LOCK_KEY).fetch_one(locked).await?;
+        if taken {
+            return Ok(());
+        }
+        if !named && waiting_since.elapsed() >= NAME_HOLDER_AFTER {
+            named = true;
+            let holder: Option<LockHolder> = query_as(
+                "SELECT a.pid, a.state, a.application_name, extract(epoch FROM now() - a.state_change)::float8
+                   FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                  WHERE l.locktype = 'advisory' AND l.granted AND l.database = (SELECT oid FROM pg_database
+                                                                                 WHERE datname = current_database())
+                    AND l.classid = ($1 >> 32)::oid AND l.objid = ($1 & 4294967295)::oid AND l.objsubid = 1
+                  LIMIT 1",
+            )
+            .bind(MIGRATE_LOCK_KEY)
+            .fetch_optional(locked)
+            .await?;
+            if let Some((pid, state, application, seconds)) = holder {
+                tracing::warn!(
+                    pid,
+                    state = state.as_deref().unwrap_or("?"),
+                    application = application.as_deref().unwrap_or(""),
+                    seconds = seconds.unwrap_or(0.0).round(),
+                    "waiting for lockgate's migrate lock, which backend {pid} holds: another migrate at work, or a \
+                     session a transaction-mode pooler keeps (a migrate run through a pooler URL that did not say \
+                     pooler=transaction); if it is no migrate at work, end it: SELECT pg_terminate_backend({pid})"
+                );
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// The backend holding the migrate lock: pid, state, application name, seconds in that state.
+type LockHolder = (i32, Option<String>, Option<String>, Option<f64>);
+
+/// How long migrate waits for its lock before it names the session holding it.
+const NAME_HOLDER_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
+
 async fn migrate_locked(locked: &PgPool) -> Result<MigrateReport, DbError> {
     // On the pool's one connection, which every transaction below runs on.
-    query("SELECT pg_advisory_lock($1)").bind(MIGRATE_LOCK_KEY).execute(locked).await?;
+    take_migrate_lock(locked).await?;
     let mut tx = locked.begin().await?;
     sqlx::raw_sql(BOOTSTRAP).execute(&mut *tx).await?;
     let present: Vec<String> = query_scalar(
