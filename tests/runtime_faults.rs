@@ -496,6 +496,69 @@ async fn a_claim_whose_reply_never_comes_is_given_up_and_the_pool_claims_on() {
     );
 }
 
+/// Fails a job's first attempt with an error carrying `marker` (so the retry statement that
+/// writes it carries it too), and succeeds after.
+struct FailFirst {
+    marker: &'static str,
+}
+
+impl RawHandler for FailFirst {
+    fn call(&self, ctx: JobContext, _args: Value) -> Pin<Box<dyn Future<Output = Result<(), JobError>> + Send + '_>> {
+        Box::pin(async move {
+            if ctx.attempt == 1 {
+                return Err(JobError::new(format!("failing on purpose: {}", self.marker)));
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Review helper-138 F1 (docs/design.md §115): a final statement (here a failed attempt's retry)
+/// whose replies never come is given up with its connection closed. Given up by cutting its
+/// future short instead, its connection went back to sqlx's pool, whose test of it waited for
+/// the lost reply: one connection lost per given-up attempt, until the pool starved and nothing
+/// more was claimed, swept or finished. The retry, sent again, finds its delivery retried (it
+/// writes nothing twice); the job runs its second attempt and succeeds, and the jobs after it run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_statement_whose_replies_never_come_is_given_up_with_its_connection() {
+    let db = TestDb::migrated().await.unwrap();
+    let mut quick = JobPolicy::on_queue(queue("default"));
+    quick.backoff = lockgate::Backoff { base: Duration::from_millis(10), max: Duration::from_millis(10), jitter: 0.0 };
+    let types = [("work", quick)];
+    let client = define(&db, &types).await;
+    let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let proxied = lockgate::PgPoolOptions::new().max_connections(4).connect(&proxy.url_for(&db.url)).await.unwrap();
+    let marker = "retry-reply-never-comes";
+    let w0 =
+        Running::start_on(proxied, test_config(), handled_by(Arc::new(FailFirst { marker }), &types), &["default"], 1);
+    wait_for("the worker to register", WAIT, || async {
+        db.count("SELECT 1 FROM lockgate.processes").await.map(|n| (n > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    proxy.swallow_replies_to_request_containing(marker);
+    let first = client.enqueue_raw("work", &json!({"n": 0}), &EnqueueOptions::default()).await.unwrap().job_id.0;
+    wait_for("the retry's replies to be swallowed", WAIT, || async { Ok(proxy.met_marked_reply().then_some(())) })
+        .await
+        .unwrap();
+    for n in 1..=6 {
+        client.enqueue_raw("work", &json!({"n": n}), &EnqueueOptions::default()).await.unwrap();
+    }
+    wait_for("every job to succeed", WAIT, || async { Ok((archived_jobs(&db).await == 7).then_some(())) })
+        .await
+        .unwrap();
+    tokio::time::timeout(WAIT, w0.stop()).await.expect("the runtime stops when asked");
+    let errors: i64 = sqlx::query_scalar(
+        "SELECT jsonb_array_length(headers->'errors')::bigint FROM pgmq.a_default
+          WHERE COALESCE((headers->>'job_id')::bigint, msg_id) = $1",
+    )
+    .bind(first)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(errors, 1, "the failed attempt is recorded once");
+}
+
 /// A claim that reaches the worker with too little of its budget left to start a handler (its
 /// reply held up by a stalled network, a paused process) is returned unstarted: it runs again at
 /// once, as attempt 1, and spends no shutdown return. Before, it was forgotten until its

@@ -23,13 +23,15 @@ pub struct FaultProxy {
     accept: tokio::task::JoinHandle<()>,
 }
 
-/// What happens to the first reply that carries `needle`.
+/// What happens to the first reply that carries `needle` (or answers a request that does).
 #[derive(Clone)]
 struct Marked {
     needle: Vec<u8>,
     /// Dropped with its connection closed both ways (else: dropped, and every later byte the
     /// server sends on that connection too, the connection left open).
     close: bool,
+    /// Matched in what the client sends: the replies to it are swallowed.
+    in_request: bool,
     /// Whether that reply has been met.
     met: bool,
 }
@@ -100,8 +102,16 @@ impl FaultProxy {
         self.marked.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|m| m.met)
     }
 
+    /// Every reply to the first request the client sends that carries `needle` (a statement's
+    /// text or a bound value), and everything the server sends on that connection after it, is
+    /// dropped, the connection left open: the statement runs, and its client never hears.
+    pub fn swallow_replies_to_request_containing(&self, needle: &str) {
+        let marked = Marked { needle: needle.as_bytes().to_vec(), close: false, in_request: true, met: false };
+        *self.marked.lock().unwrap_or_else(|e| e.into_inner()) = Some(marked);
+    }
+
     fn arm(&self, needle: &str, close: bool) {
-        let marked = Marked { needle: needle.as_bytes().to_vec(), close, met: false };
+        let marked = Marked { needle: needle.as_bytes().to_vec(), close, in_request: false, met: false };
         *self.marked.lock().unwrap_or_else(|e| e.into_inner()) = Some(marked);
     }
 }
@@ -113,10 +123,12 @@ struct Faults {
 }
 
 impl Faults {
-    /// Whether `reply` is the armed marked one: (met, close). Met once.
-    fn marked(&self, reply: &[u8]) -> Option<bool> {
+    /// Whether `bytes` (a request when `request`, else a reply) are the armed marked ones:
+    /// whether to close the connection. Met once.
+    fn marked(&self, bytes: &[u8], request: bool) -> Option<bool> {
         let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
-        let m = marked.as_mut().filter(|m| !m.met)?;
+        let m = marked.as_mut().filter(|m| !m.met && m.in_request == request)?;
+        let reply = bytes;
         if !reply.windows(m.needle.len()).any(|w| w == m.needle.as_slice()) {
             return None;
         }
@@ -137,12 +149,17 @@ async fn wait_thawed(frozen: &mut watch::Receiver<bool>) {
 
 async fn pump(client: TcpStream, server: TcpStream, faults: Faults, frozen: watch::Receiver<bool>) {
     let (mut frozen_up, mut frozen_down) = (frozen.clone(), frozen);
+    // Set by the upstream half when a request matches: the downstream half swallows from then on.
+    let swallow = AtomicBool::new(false);
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
     let upstream = async {
         let mut buf = vec![0u8; 16 * 1024];
         while let Ok(n) = client_read.read(&mut buf).await {
             wait_thawed(&mut frozen_up).await;
+            if faults.marked(&buf[..n], true).is_some() {
+                swallow.store(true, Ordering::SeqCst);
+            }
             if n == 0 || server_write.write_all(&buf[..n]).await.is_err() {
                 break;
             }
@@ -159,10 +176,10 @@ async fn pump(client: TcpStream, server: TcpStream, faults: Faults, frozen: watc
             if n == 0 || (!lone_ready && faults.cut.swap(false, Ordering::SeqCst)) {
                 break;
             }
-            match faults.marked(&buf[..n]) {
+            match faults.marked(&buf[..n], false) {
                 Some(true) => break,
                 Some(false) => swallowing = true,
-                None => {}
+                None => swallowing |= swallow.load(Ordering::SeqCst),
             }
             if swallowing {
                 continue;

@@ -24,7 +24,7 @@ use tokio::task::JoinSet;
 use std::time::{Duration, Instant};
 
 use super::executor::give_back_if_cancelled;
-use super::held::HeldConnection;
+use super::held::{on_pool, HeldConnection};
 use super::persist::{persist, PersistError};
 use crate::in_flight::{Delivery, InFlight};
 use crate::metrics::JobMetrics;
@@ -305,7 +305,17 @@ pub async fn complete_deliveries(
     deliveries: &[(i64, i32)],
     deadline: Instant,
 ) -> Vec<Completion> {
-    let result = persist("complete", || Some(deadline), || lockgate_sql::complete(db, queue, deliveries, &[])).await;
+    let within = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
+    let result = persist(
+        "complete",
+        || Some(deadline),
+        || {
+            on_pool(db, within, async |c| {
+                lockgate_sql::complete(lockgate_sql::pooler::Db::idle(c), queue, deliveries, &[]).await
+            })
+        },
+    )
+    .await;
     outcomes(deliveries, result)
 }
 

@@ -6,15 +6,17 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use lockgate_core::{Claim, JobHeaders, JobPolicy};
+use lockgate_sql::pooler::Db;
 use lockgate_sql::DeadLetterReason;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::completer::Finished;
+use super::held::on_pool;
 use super::persist::persist;
 use super::slots::Slot;
-use super::Shared;
+use super::{answer_within, Shared};
 use crate::handler::HandlerFailure;
 use crate::in_flight::{Delivery, Finish, Start, ABORT_WAIT, CANCEL_GRACE};
 use crate::metrics::JobMetrics;
@@ -200,11 +202,8 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
         }
         Err(HandlerFailure::Decode(reason)) => {
             tracing::warn!(attempt, error = %reason, duration_ms, "arguments do not decode; dead-lettering");
-            let written = finish(&shared, &delivery, |db| {
-                let (claim, reason) = (&claim, &reason);
-                async move { lockgate_sql::dead_letter(db, claim, DeadLetterReason::Undecodable, reason, attempt).await }
-            })
-            .await;
+            let outcome = Outcome::DeadLetter { reason: DeadLetterReason::Undecodable, error: &reason };
+            let written = finish(&shared, &claim, &delivery, outcome, attempt).await;
             if written {
                 metrics.dead_lettered.inc();
             }
@@ -409,10 +408,8 @@ async fn fail(
     let (message, attempt, duration_ms) = (error.message(), a.number, a.duration_ms);
     if attempt >= policy.max_attempts {
         tracing::warn!(attempt, error = message, duration_ms, "last attempt failed; dead-lettering");
-        let written = finish(shared, delivery, |db| async move {
-            lockgate_sql::dead_letter(db, claim, DeadLetterReason::AttemptsExhausted, message, attempt).await
-        })
-        .await;
+        let outcome = Outcome::DeadLetter { reason: DeadLetterReason::AttemptsExhausted, error: message };
+        let written = finish(shared, claim, delivery, outcome, attempt).await;
         if written {
             a.metrics.dead_lettered.inc();
         }
@@ -420,24 +417,38 @@ async fn fail(
         let delay = policy.backoff.delay(attempt);
         let retry_in_ms = delay.as_millis() as u64;
         tracing::info!(attempt, error = message, duration_ms, retry_in_ms, "attempt failed; retrying");
-        let written =
-            finish(shared, delivery, |db| async move { lockgate_sql::retry(db, claim, delay, message, attempt).await })
-                .await;
+        let written = finish(shared, claim, delivery, Outcome::Retry { delay, error: message }, attempt).await;
         if written {
             a.metrics.retried.inc();
         }
     }
 }
 
+/// What a failed attempt writes.
+#[derive(Clone, Copy)]
+enum Outcome<'a> {
+    Retry { delay: Duration, error: &'a str },
+    DeadLetter { reason: DeadLetterReason, error: &'a str },
+}
+
 /// Lands a retry or dead-letter statement through blips; true if it was written. A heartbeat
 /// racing it cannot push a retry's backoff out: the renewal skips the rows the statement holds
 /// and never renews a message the retry marked as waiting.
-async fn finish<'a, F, Fut>(shared: &'a Shared, delivery: &Delivery, statement: F) -> bool
-where
-    F: Fn(&'a lockgate_sql::PgPool) -> Fut,
-    Fut: std::future::Future<Output = Result<bool, lockgate_sql::DbError>>,
-{
-    let result = persist("finish", || shared.in_flight.lease_until(delivery), || statement(&shared.db)).await;
+async fn finish(shared: &Shared, claim: &Claim, delivery: &Delivery, outcome: Outcome<'_>, attempt: u32) -> bool {
+    let within = answer_within(&shared.config);
+    let result = persist(
+        "finish",
+        || shared.in_flight.lease_until(delivery),
+        || {
+            on_pool(&shared.db, within, async |c| match outcome {
+                Outcome::Retry { delay, error } => lockgate_sql::retry(Db::idle(c), claim, delay, error, attempt).await,
+                Outcome::DeadLetter { reason, error } => {
+                    lockgate_sql::dead_letter(Db::idle(c), claim, reason, error, attempt).await
+                }
+            })
+        },
+    )
+    .await;
     shared.in_flight.remove(delivery);
     match result {
         Ok((true, _)) => return true,
@@ -461,6 +472,8 @@ struct Undeliverable<'a> {
 /// How long the worker keeps trying to give back a cancelled job's permit through database blips
 /// before leaving it to run out with its lease (the sweep frees it then).
 const GIVE_BACK_DEADLINE: Duration = Duration::from_secs(30);
+/// How long one attempt of that give-back may go unanswered before it is given up.
+const GIVE_BACK_ATTEMPT: Duration = Duration::from_secs(10);
 
 /// A delivery whose handler has ended found its message gone: if its job was cancelled while it
 /// ran, the permit it kept until now goes back (`lockgate.release_cancelled`, fenced on this
@@ -472,7 +485,11 @@ pub(crate) async fn give_back_if_cancelled(db: &lockgate_sql::PgPool, delivery: 
     match persist(
         "release_cancelled",
         || Some(deadline),
-        || lockgate_sql::release_cancelled(db, queue, msg_id, read_ct),
+        || {
+            on_pool(db, GIVE_BACK_ATTEMPT, async |c| {
+                lockgate_sql::release_cancelled(Db::idle(c), queue, msg_id, read_ct).await
+            })
+        },
     )
     .await
     {
@@ -492,10 +509,15 @@ async fn dead_letter_now(shared: &Shared, claim: &Claim, claimed_at: Instant, de
     tracing::warn!(reason = reason.as_str(), error, "dead-lettering undeliverable message");
     let lease_until = claimed_at + claim.budget;
     let attempts = u32::try_from(attempts).unwrap_or(1);
+    let within = answer_within(&shared.config);
     let result = persist(
         "dead_letter",
         || Some(lease_until),
-        || lockgate_sql::dead_letter(&shared.db, claim, reason, error, attempts),
+        || {
+            on_pool(&shared.db, within, async |c| {
+                lockgate_sql::dead_letter(Db::idle(c), claim, reason, error, attempts).await
+            })
+        },
     )
     .await;
     shared.in_flight.remove(&Delivery { queue: claim.queue.clone(), msg_id: claim.msg_id, read_ct: claim.read_ct });

@@ -67,6 +67,27 @@ impl HeldConnection {
     }
 }
 
+/// Runs one statement on a connection of `pool` taken for it, given up (and the connection
+/// closed, not handed back) when it is not answered within `within`, the wait for a connection
+/// included. A final statement's path (`persist`) for the statements that need no held
+/// connection: retry, dead letter, release.
+pub(crate) async fn on_pool<T>(
+    pool: &PgPool,
+    within: Duration,
+    statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, DbError>,
+) -> Result<T, DbError> {
+    let started = tokio::time::Instant::now();
+    let mut conn = match tokio::time::timeout(within, pool.acquire()).await {
+        Ok(conn) => conn.map_err(DbError::from)?,
+        Err(_) => return Err(no_answer(within)),
+    };
+    let Ok(result) = tokio::time::timeout_at(started + within, statement(&mut conn)).await else {
+        conn.close_on_drop();
+        return Err(no_answer(within));
+    };
+    result
+}
+
 /// The error of a statement given up for want of an answer: transient, as a lost connection is.
 pub(crate) fn no_answer(within: Duration) -> DbError {
     let what = format!("no answer from the database within {} ms", within.as_millis());

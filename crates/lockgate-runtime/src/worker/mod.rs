@@ -85,7 +85,7 @@ const CLAIM_BATCH_TARGET: usize = 16;
 /// (`budgets::Budget::runtime`, which ends the statement there first, except under transaction
 /// pooling, where the role's settings apply). A claim answered later than that has spent half its
 /// deliveries' budget; given up, they cost no attempt (§115) and run once their visibility lapses.
-fn answer_within(config: &RuntimeConfig) -> Duration {
+pub(crate) fn answer_within(config: &RuntimeConfig) -> Duration {
     (config.visibility_timeout / 2).max(Duration::from_millis(1))
 }
 
@@ -414,8 +414,13 @@ async fn return_stopped(shared: &Shared) {
         let tokens: Vec<(i64, i32)> = deliveries.iter().map(|d| (d.msg_id, d.read_ct)).collect();
         let lease_until = || deliveries.iter().map(|d| shared.in_flight.lease_until(d)).min().flatten();
         let cap = Some(shared.config.max_shutdown_returns);
-        let result =
-            persist::persist("release", lease_until, || lockgate_sql::release(&shared.db, &queue, &tokens, cap)).await;
+        let within = answer_within(&shared.config);
+        let result = persist::persist("release", lease_until, || {
+            held::on_pool(&shared.db, within, async |c| {
+                lockgate_sql::release(lockgate_sql::pooler::Db::idle(c), &queue, &tokens, cap).await
+            })
+        })
+        .await;
         for d in &deliveries {
             shared.in_flight.remove(d);
         }
