@@ -684,7 +684,10 @@ DECLARE
 BEGIN
     FOREACH q IN ARRAY COALESCE(queues, '{}') LOOP
         EXIT WHEN got >= qty;
-        RETURN QUERY SELECT q, c.* FROM lockgate.claim(q, qty - got, vt_seconds, owner, GREATEST(start_now - got, 0)) c;
+        -- NULL (every delivery starts) stays NULL: GREATEST ignores a NULL, and made it 0, every
+        -- delivery claimed ahead (review helper-138 F4).
+        RETURN QUERY SELECT q, c.* FROM lockgate.claim(q, qty - got, vt_seconds, owner,
+                                                       CASE WHEN start_now IS NOT NULL THEN GREATEST(start_now - got, 0) END) c;
         GET DIAGNOSTICS n = ROW_COUNT;
         got := got + n;
     END LOOP;

@@ -178,8 +178,10 @@ async fn a_claim_across_queues_takes_them_in_order_for_what_is_left() {
         "queues in order, the paused one skipped, the fifth claimed ahead"
     );
     let rest = lockgate::sql::claim_queues(&db.pool, &queues, 10, Duration::from_secs(30), None, None).await.unwrap();
-    let got: Vec<&str> = rest.iter().map(|c| c.queue.as_str()).collect();
-    assert_eq!(got, ["second", "third", "third", "third"]);
+    let got: Vec<(&str, bool)> = rest.iter().map(|c| (c.queue.as_str(), c.claimed_ahead)).collect();
+    // Without start_now every delivery starts, as claim's own default says (review helper-138 F4:
+    // every one came back claimed ahead).
+    assert_eq!(got, [("second", false), ("third", false), ("third", false), ("third", false)]);
     let missing = vec![common::queue("first"), common::queue("nowhere")];
     assert!(lockgate::sql::claim_queues(&db.pool, &missing, 10, Duration::from_secs(30), None, None).await.is_err());
 }

@@ -130,9 +130,11 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
             // The claim's answer came so late (a stalled network, a paused process) that what is
             // left of the lease cannot cover a handler: returned unstarted, it runs again at once
             // and this delivery is no attempt (H32). If the return fails, its visibility lapses.
-            let returned =
-                lockgate_sql::return_unstarted(&shared.db, claim.queue.as_str(), delivery.msg_id, delivery.read_ct)
-                    .await;
+            let returned = on_pool(&shared.db, answer_within(&shared.config), async |c| {
+                lockgate_sql::return_unstarted(Db::idle(c), claim.queue.as_str(), delivery.msg_id, delivery.read_ct)
+                    .await
+            })
+            .await;
             tracing::warn!(
                 job_id = ctx.job_id.0,
                 returned = returned.as_ref().is_ok_and(|r| *r),
