@@ -57,12 +57,21 @@
 //! - (n) once every job has its fate (after the drain), each job's history has one entry per
 //!   attempt: each life numbered 1, 2, ... with no gap or repeat (a lost attempt written down when
 //!   its job left its queue table), the last ending at the job's attempt (design §86).
+//! - (o) a `while_executing` job that a claim put back to wait for its unique key holds no
+//!   concurrency permit (design §114): the permit went back to its key and to the jobs parked on
+//!   it, among them, maybe, the very job holding the unique key;
+//! - (p) the drain needs no waiting lease to run out: every permit is held by a job that runs, or
+//!   will once its visibility passes, or by a cancelled handler that stopped without giving it
+//!   back (that lease alone may run out), so a job still live after rounds of claims,
+//!   completions, passed visibilities and sweeps waits for a permit held by a job that does not
+//!   run (§114's stall: a job put back for a unique key held by the job parked behind its permit).
 //!
-//! After the schedule, the case drains (`Run::drain`): running holders complete, claims take
-//! what is visible, and when they find nothing, clocks run past every visibility and waiting
-//! lease and a sweep runs, each step checked as above, until no job is live; a job still live
-//! after that (parked where nothing promotes it, or a message no claim takes) fails the case:
-//! G1's "no job is lost" includes "none is stuck for good".
+//! After the schedule, the case drains (`Run::drain`): running holders complete, handlers
+//! blocking on after their cancel end, claims take what is visible, and when they find nothing,
+//! clocks run past every visibility and a sweep runs, each step checked as above, until no job is
+//! live (p); then, if some still are, past every waiting lease too; a job still live after that
+//! (parked where nothing promotes it, or a message no claim takes) fails the case: G1's "no job
+//! is lost" includes "none is stuck for good".
 //!
 //! A cancel (`lockgate.cancel`) does not stop a running handler: its worker learns of it from its
 //! next heartbeat (`Extend` finds the delivery lost, and `cancelled_messages` says why), or when
@@ -76,7 +85,7 @@
 //! Time is simulated by moving database times into the past, never by sleeping.
 //!
 //! Size: LOCKGATE_MODEL_CASES (default 64) cases of 1 to LOCKGATE_MODEL_STEPS (default 80)
-//! steps; LOCKGATE_MODEL_SEED replays a run; LOCKGATE_MODEL_CHECKS (default "abcdefghijklmn") keeps
+//! steps; LOCKGATE_MODEL_SEED replays a run; LOCKGATE_MODEL_CHECKS (default "abcdefghijklmnop") keeps
 //! only some checks. See docs/testing.md.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -119,6 +128,8 @@ struct Run<'a> {
     checks: Checks,
     trace: Option<Vec<String>>,
     stats: BTreeMap<&'static str, usize>,
+    /// Messages (queue, msg_id, read_ct) a claim racing a sweep put back: (o) leaves them out.
+    racing_put_backs: BTreeSet<(Queue, i64, i32)>,
 }
 
 impl Run<'_> {
@@ -130,21 +141,35 @@ impl Run<'_> {
 
     async fn setup(&mut self, case: &Case) -> Result<()> {
         db::reset(&mut self.c.observer, self.api).await?;
-        db::define_types(&mut self.c.observer, self.api, case.lim_limit, case.limb_limit, case.free_limit).await?;
+        db::define_types(
+            &mut self.c.observer,
+            self.api,
+            case.lim_limit,
+            case.limb_limit,
+            case.free_limit,
+            case.wexec_limit,
+            case.uniq_limit,
+        )
+        .await?;
         self.model.bookkeeping = self.api.bookkeeping;
         self.model.limits.insert(Ty::Lim, case.lim_limit);
         self.model.limits.insert(Ty::LimB, case.limb_limit);
-        if let Some(limit) = case.free_limit {
-            self.model.limits.insert(Ty::Free, limit);
+        for (ty, limit) in [(Ty::Free, case.free_limit), (Ty::Wexec, case.wexec_limit), (Ty::Uniq, case.uniq_limit)] {
+            if let Some(limit) = limit {
+                self.model.limits.insert(ty, limit);
+            }
         }
         for w in 0..2 {
             self.model.owners[w] = db::register(&mut self.c.observer, w).await?;
         }
+        let shown = |l: Option<u32>| l.map_or_else(|| "none".to_string(), |l| l.to_string());
         self.log(format!(
-            "    limits: lim {}, limb {}, free {} (duration {} ms, visibility {} s)",
+            "    limits: lim {}, limb {}, free {}, wexec {}, uniq {} (duration {} ms, visibility {} s)",
             case.lim_limit,
             case.limb_limit,
-            case.free_limit.map_or_else(|| "none".to_string(), |l| l.to_string()),
+            shown(case.free_limit),
+            shown(case.wexec_limit),
+            shown(case.uniq_limit),
             db::DURATION_MS,
             db::VT_SECONDS
         ));
@@ -219,9 +244,11 @@ impl Run<'_> {
             }
             Op::Claim { worker, queue, qty } => {
                 let (worker, queue) = (*worker, *queue);
+                let before = self.put_backs_before(queue).await?;
                 let started = Instant::now();
                 let rows =
                     db::claim(&mut self.c.workers[worker], self.api, queue, *qty, self.model.owners[worker]).await?;
+                self.count_put_backs(queue, before).await?;
                 self.claimed(worker, queue, rows, started).await
             }
             Op::ClaimRacingSweep { worker, queue, qty } => self.claim_racing_sweep(*worker, *queue, *qty).await,
@@ -315,6 +342,39 @@ impl Run<'_> {
                 self.budget_passed(queue, msg_id).await?;
                 let fenced = self.model.fence_message(queue, msg_id, "its visibility ran out");
                 Ok(format!("visibility of ({}, {msg_id}) passed{}", queue.name(), fenced_note(&fenced)))
+            }
+            Op::LapseKeptLease { pick } => {
+                // Leases still live, not finished, whose message is gone, kept by a cancel for a
+                // delivery whose handler has stopped without giving them back.
+                let leases: Vec<(String, i64)> = sqlx::query_as(
+                    "SELECT l.queue, l.msg_id FROM lockgate.leases l
+                       LEFT JOIN pgmq.q_default d ON l.queue = 'default' AND d.msg_id = l.msg_id
+                       LEFT JOIN pgmq.q_other o ON l.queue = 'other' AND o.msg_id = l.msg_id
+                      WHERE l.expires_at > clock_timestamp() AND l.finished_at IS NULL
+                        AND COALESCE(d.msg_id, o.msg_id) IS NULL
+                      ORDER BY l.queue, l.msg_id",
+                )
+                .fetch_all(&mut self.c.observer)
+                .await?;
+                let targets: Vec<(String, i64)> = leases
+                    .into_iter()
+                    .filter(|(queue, msg_id)| {
+                        let of = |d: &&Delivery| d.queue.name() == queue && d.msg_id == *msg_id;
+                        self.model.deliveries.iter().filter(of).any(|d| d.cancelled)
+                            && !self.model.deliveries.iter().filter(of).any(|d| d.holder == Holder::Running)
+                    })
+                    .collect();
+                let Some((queue, msg_id)) = pick_from(&targets, *pick).cloned() else {
+                    return Ok("no lease kept for a stopped handler: nothing to do".into());
+                };
+                sqlx::query("UPDATE lockgate.leases SET expires_at = now() - interval '1 second' WHERE queue = $1 AND msg_id = $2")
+                    .bind(&queue)
+                    .bind(msg_id)
+                    .execute(&mut self.c.observer)
+                    .await?;
+                let q = Queue::from_name(&queue).ok_or_else(|| anyhow!("lease on unknown queue {queue}"))?;
+                self.budget_passed(q, msg_id).await?;
+                Ok(format!("kept lease of ({queue}, {msg_id}) expired"))
             }
             Op::Silence { pick } => {
                 let Some(i) = pick_from(&self.model.running(), *pick).copied() else {
@@ -972,6 +1032,7 @@ impl Run<'_> {
             };
             (rows, waited)
         };
+        self.note_racing_put_backs(queue).await?;
         let said = self.claimed(worker, queue, rows, started).await?;
         Ok(format!("sweep {swept}; claim {} -> {said}", if waited { "waited for the sweep" } else { "did not wait" }))
     }
@@ -1359,31 +1420,43 @@ impl Run<'_> {
     /// and a sweep runs; the workers claim and complete until no job is live. Every step is
     /// checked as the schedule's are. A job left parked where no completion or sweep promotes
     /// it, or a message no claim takes, fails the case, naming where it is.
+    ///
+    /// (p) First without any lease running out but those a cancel kept for a handler that
+    /// stopped without giving them back: handlers blocking on after their cancel end (their
+    /// worker gives back what the cancel kept), and clocks pass visibilities only. Every permit
+    /// is then held by a job that runs, will run once its visibility passes, or waits for a
+    /// sweep's promotion, so nothing needs a lease to lapse to move on: a job still live after
+    /// that waits for a permit held by a job that does not run (design §114: a job put back to
+    /// wait for a unique key held by the very job parked behind its permit). The drain then goes
+    /// on with leases lapsing, to tell that stall (p) from a job stuck for good (d).
     async fn drain(&mut self) -> Result<()> {
         let mut n = 0;
-        for _ in 0..DRAIN_ROUNDS {
-            if self.model.jobs.values().all(|fate| *fate != Fate::Live) {
+        let mut stalled = None;
+        if self.checks.on('p') {
+            if self.drain_rounds(&mut n, false).await? {
                 return self.check_histories().await;
             }
-            let mut ops: Vec<Op> =
-                self.model.running().iter().map(|_| Op::Finish { pick: 0, how: Finish::Complete }).collect();
-            ops.extend(Queue::ALL.map(|queue| Op::Claim { worker: 0, queue, qty: 3 }));
-            let mut claimed = false;
-            for op in &ops {
-                let said = self.drain_step(&mut n, op).await?;
-                claimed |= matches!(op, Op::Claim { .. }) && !said.ends_with("nothing");
+            let live: Vec<i64> =
+                self.model.jobs.iter().filter(|(_, fate)| **fate == Fate::Live).map(|(job, _)| *job).collect();
+            let state = State::read(&mut self.c.observer, self.api).await?;
+            let leases: Vec<(String, i64, String, Option<String>)> = sqlx::query_as(
+                "SELECT queue, msg_id, key, to_jsonb(l)->>'job_type' FROM lockgate.leases l ORDER BY queue, msg_id",
+            )
+            .fetch_all(&mut self.c.observer)
+            .await?;
+            stalled = Some(format!(
+                "(p) jobs {live:?} are still live after {DRAIN_ROUNDS} rounds of claims, completions, passed \
+                 visibilities and sweeps with no lease running out; queued {:?}, parked {:?}, leases {leases:?}",
+                state.messages.iter().map(|m| (m.queue.name(), m.msg_id, m.job_id)).collect::<Vec<_>>(),
+                state.parked
+            ));
+            self.log(format!("   {}", stalled.as_deref().unwrap_or_default()));
+        }
+        if self.drain_rounds(&mut n, true).await? {
+            if let Some(stalled) = stalled {
+                bail!("after the drain: {stalled}; once leases ran out, they finished");
             }
-            if claimed {
-                continue;
-            }
-            for op in [Op::LapseVisibility { pick: 0 }, Op::LapseLease { pick: 0 }] {
-                for _ in 0..DRAIN_ROUNDS {
-                    if self.drain_step(&mut n, &op).await?.contains("nothing to do") {
-                        break;
-                    }
-                }
-            }
-            self.drain_step(&mut n, &Op::Sweep).await?;
+            return self.check_histories().await;
         }
         let live: Vec<i64> =
             self.model.jobs.iter().filter(|(_, fate)| **fate == Fate::Live).map(|(job, _)| *job).collect();
@@ -1394,6 +1467,49 @@ impl Run<'_> {
             state.messages.iter().map(|m| (m.queue.name(), m.msg_id, m.job_id)).collect::<Vec<_>>(),
             state.parked
         )
+    }
+
+    /// Up to `DRAIN_ROUNDS` rounds of the drain, waiting leases running out only with `leases`;
+    /// returns whether every job has its fate.
+    async fn drain_rounds(&mut self, n: &mut usize, leases: bool) -> Result<bool> {
+        for _ in 0..DRAIN_ROUNDS {
+            if self.model.jobs.values().all(|fate| *fate != Fate::Live) {
+                return Ok(true);
+            }
+            let mut ops: Vec<Op> =
+                self.model.running().iter().map(|_| Op::Finish { pick: 0, how: Finish::Complete }).collect();
+            ops.extend(Queue::ALL.map(|queue| Op::Claim { worker: 0, queue, qty: 3 }));
+            let mut claimed = false;
+            for op in &ops {
+                let said = self.drain_step(n, op).await?;
+                claimed |= matches!(op, Op::Claim { .. }) && !said.ends_with("nothing");
+            }
+            // A handler blocking on after its cancel ends: its worker gives back what the cancel
+            // kept (the heartbeat picks the first eight running deliveries, all of them blocking
+            // once the others have finished).
+            for _ in 0..DRAIN_ROUNDS {
+                if !self.model.running().iter().any(|&i| self.model.deliveries[i].blocked) {
+                    break;
+                }
+                self.drain_step(n, &Op::Extend { mask: 0xff, blocked: false }).await?;
+            }
+            if claimed {
+                continue;
+            }
+            let mut lapses = vec![Op::LapseVisibility { pick: 0 }, Op::LapseKeptLease { pick: 0 }];
+            if leases {
+                lapses.push(Op::LapseLease { pick: 0 });
+            }
+            for op in lapses {
+                for _ in 0..DRAIN_ROUNDS {
+                    if self.drain_step(n, &op).await?.contains("nothing to do") {
+                        break;
+                    }
+                }
+            }
+            self.drain_step(n, &Op::Sweep).await?;
+        }
+        Ok(self.model.jobs.values().all(|fate| *fate != Fate::Live))
     }
 
     /// Check (n), once every job has its fate: one history entry per attempt.
@@ -1429,6 +1545,9 @@ impl Run<'_> {
                 violations.push(format!("(e) check_invariants() even after a sweep: {after_sweep:?}"));
             }
         }
+        if self.checks.on('o') {
+            violations.extend(self.put_back_with_permits().await?);
+        }
         if self.checks.on('m') && !self.model.limits_changed {
             violations.extend(
                 db::free_permits_behind_parked_jobs(&mut self.c.observer, self.api).await?.into_iter().map(
@@ -1441,6 +1560,103 @@ impl Run<'_> {
         if !violations.is_empty() {
             bail!("{}", violations.join("\n  "));
         }
+        Ok(())
+    }
+}
+
+impl Run<'_> {
+    /// Check (o), design §114: a `while_executing` job put back by a claim to wait for its unique
+    /// key (invisible until its `put_back_until`) holds no concurrency permit. Those put back by a
+    /// claim racing a sweep's open transaction are left out: a key row or unique lock the sweep
+    /// holds puts a job back keeping its permit, by design (a wait of a moment).
+    async fn put_back_with_permits(&mut self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for q in Queue::ALL {
+            let rows: Vec<(i64, i32, i64, Option<String>, String, i64)> = sqlx::query_as(&format!(
+                "SELECT m.msg_id, m.read_ct, COALESCE((m.headers->>'job_id')::bigint, m.msg_id), m.headers->>'wkey', l.key,
+                        (SELECT count(*) FROM lockgate.parked p WHERE p.key = l.key)
+                   FROM {} m JOIN lockgate.leases l ON l.queue = $1 AND l.msg_id = m.msg_id
+                  WHERE m.headers ? 'wkey' AND m.vt > clock_timestamp()
+                    AND (m.headers->>'put_back_until')::timestamptz = m.vt
+                  ORDER BY m.msg_id",
+                q.table("q")
+            ))
+            .bind(q.name())
+            .fetch_all(&mut self.c.observer)
+            .await?;
+            for (msg_id, read_ct, job, wkey, key, parked) in rows {
+                if self.racing_put_backs.contains(&(q, msg_id, read_ct)) {
+                    continue;
+                }
+                out.push(format!(
+                    "(o) job {job} ({}, {msg_id}, {read_ct}), put back to wait for unique key {}, holds a permit of \
+                     key {key} ({parked} jobs parked on it)",
+                    q.name(),
+                    wkey.as_deref().unwrap_or("-")
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Before a claim: the database's clock, and the visible `while_executing` messages whose
+    /// unique key's holder is parked on their own concurrency key (design §114's cycle).
+    async fn put_backs_before(&mut self, queue: Queue) -> Result<(chrono::DateTime<chrono::Utc>, Vec<i64>)> {
+        let now: chrono::DateTime<chrono::Utc> =
+            sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(&mut self.c.observer).await?;
+        let cycle: Vec<i64> = sqlx::query_scalar(&format!(
+            "SELECT m.msg_id FROM {} m
+               JOIN lockgate.unique_locks u ON u.key = m.headers->>'wkey'
+               JOIN lockgate.parked p ON p.job_id = u.job_id AND p.key = m.headers->>'ckey'
+              WHERE m.vt <= clock_timestamp()",
+            queue.table("q")
+        ))
+        .fetch_all(&mut self.c.observer)
+        .await?;
+        Ok((now, cycle))
+    }
+
+    /// After a claim: counts the `while_executing` jobs it put back, those of a limited type, and
+    /// those in §114's cycle (see `put_backs_before`), for the run's summary.
+    async fn count_put_backs(
+        &mut self,
+        queue: Queue,
+        (before, cycle): (chrono::DateTime<chrono::Utc>, Vec<i64>),
+    ) -> Result<()> {
+        let put_back: Vec<(i64, bool)> = sqlx::query_as(&format!(
+            "SELECT m.msg_id, m.headers ? 'ckey' FROM {} m
+              WHERE m.headers ? 'wkey' AND (m.headers->>'put_back_until')::timestamptz >= $1 + interval '1 second'",
+            queue.table("q")
+        ))
+        .bind(before)
+        .fetch_all(&mut self.c.observer)
+        .await?;
+        for (msg_id, limited) in put_back {
+            *self.stats.entry("while_executing job put back").or_default() += 1;
+            if limited {
+                *self.stats.entry("limited while_executing job put back (its permit given back)").or_default() += 1;
+            }
+            if cycle.contains(&msg_id) {
+                *self
+                    .stats
+                    .entry("put back while its unique key's holder was parked on its concurrency key (§114)")
+                    .or_default() += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// The put-backs a claim racing a sweep left, which (o) leaves out.
+    async fn note_racing_put_backs(&mut self, queue: Queue) -> Result<()> {
+        let rows: Vec<(i64, i32)> = sqlx::query_as(&format!(
+            "SELECT m.msg_id, m.read_ct FROM {} m
+              WHERE m.headers ? 'wkey' AND m.vt > clock_timestamp()
+                AND (m.headers->>'put_back_until')::timestamptz = m.vt",
+            queue.table("q")
+        ))
+        .fetch_all(&mut self.c.observer)
+        .await?;
+        self.racing_put_backs.extend(rows.into_iter().map(|(m, r)| (queue, m, r)));
         Ok(())
     }
 }
@@ -1515,6 +1731,7 @@ impl Harness {
             checks: checks.clone(),
             trace: trace.then(Vec::new),
             stats: BTreeMap::new(),
+            racing_put_backs: BTreeSet::new(),
         };
         let result = async {
             run.setup(case).await?;
@@ -1561,7 +1778,7 @@ impl Harness {
 fn g3_model_random_schedules_never_admit_more_than_the_limit_lose_nothing_and_fence_stale_tokens() {
     let cases: u32 = env_or("LOCKGATE_MODEL_CASES", 64);
     let max_steps: usize = env_or("LOCKGATE_MODEL_STEPS", 80);
-    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijklmn".to_string()));
+    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijklmnop".to_string()));
     let seed: u64 = match std::env::var("LOCKGATE_MODEL_SEED") {
         Ok(s) => s
             .trim_start_matches("0x")
@@ -1644,7 +1861,7 @@ fn g3_model_random_schedules_never_admit_more_than_the_limit_lose_nothing_and_fe
 /// Runs fixed schedules through the same model and checks, each from a clean database; fails
 /// with the first one's trace that breaks a check.
 fn replay_known_schedules(schedules: Vec<(&str, Case)>) {
-    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijklmn".to_string()));
+    let checks = Checks(env_or("LOCKGATE_MODEL_CHECKS", "abcdefghijklmnop".to_string()));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let db = rt.block_on(TestDb::migrated()).expect("a migrated test database");
     let mut harness = Harness { db, conns: None, api: None, stats: BTreeMap::new() };
@@ -1660,7 +1877,7 @@ fn replay_known_schedules(schedules: Vec<(&str, Case)>) {
 }
 
 fn schedule(lim_limit: u32, ops: Vec<Op>) -> Case {
-    Case { lim_limit, limb_limit: 1, free_limit: None, ops }
+    Case { lim_limit, limb_limit: 1, free_limit: None, wexec_limit: None, uniq_limit: None, ops }
 }
 
 const LIM0: Op = Op::Enqueue { ty: Ty::Lim, k: 0 };
@@ -1737,6 +1954,8 @@ fn h33_model_a_redefined_limit_admits_no_job_past_it() {
                 lim_limit: 1,
                 limb_limit: 3,
                 free_limit: None,
+                wexec_limit: None,
+                uniq_limit: None,
                 ops: vec![Op::EnqueueMany { ty: Ty::LimB, ks: vec![1, 1] }, Op::Redefine { ty: Ty::LimB, limit: 1 }],
             },
         ),
@@ -1747,6 +1966,8 @@ fn h33_model_a_redefined_limit_admits_no_job_past_it() {
                 lim_limit: 2,
                 limb_limit: 3,
                 free_limit: None,
+                wexec_limit: None,
+                uniq_limit: None,
                 ops: vec![
                     Op::EnqueueMany { ty: Ty::LimB, ks: vec![0, 0, 0, 0] },
                     Op::Claim { worker: 0, queue: Queue::Other, qty: 2 },
@@ -2054,6 +2275,8 @@ fn h06_model_a_finish_on_an_older_snapshot_never_gives_its_permit_past_a_job_par
         lim_limit: 1,
         limb_limit: 1,
         free_limit: None,
+        wexec_limit: None,
+        uniq_limit: None,
         ops: vec![
             Op::Enqueue { ty: Ty::LimB, k: 0 },
             Op::Claim { worker: 0, queue: Queue::Other, qty: 1 },
@@ -2137,7 +2360,14 @@ fn g3_model_an_explicit_concurrency_key_shared_by_two_limits_admits_no_job_past_
     const L: Op = Op::Enqueue { ty: Ty::Lim, k: ops::SHARED_K };
     const B: Op = Op::Enqueue { ty: Ty::LimB, k: ops::SHARED_K };
     let other = |worker| Op::Claim { worker, queue: Queue::Other, qty: 10 };
-    let limits = |lim_limit, limb_limit, ops| Case { lim_limit, limb_limit, free_limit: None, ops };
+    let limits = |lim_limit, limb_limit, ops| Case {
+        lim_limit,
+        limb_limit,
+        free_limit: None,
+        wexec_limit: None,
+        uniq_limit: None,
+        ops,
+    };
     replay_known_schedules(vec![
         (
             "lim (limit 1) holds the key; limb (limit 3) waits for it, not beside it",
@@ -2177,8 +2407,14 @@ fn g3_model_an_explicit_concurrency_key_shared_by_three_types_admits_no_job_past
     const F: Op = Op::Enqueue { ty: Ty::Free, k: ops::SHARED_K };
     let other = |worker| Op::Claim { worker, queue: Queue::Other, qty: 10 };
     let finish = |pick| Op::Finish { pick, how: Finish::Complete };
-    let limits =
-        |lim_limit, limb_limit, free_limit, ops| Case { lim_limit, limb_limit, free_limit: Some(free_limit), ops };
+    let limits = |lim_limit, limb_limit, free_limit, ops| Case {
+        lim_limit,
+        limb_limit,
+        free_limit: Some(free_limit),
+        wexec_limit: None,
+        uniq_limit: None,
+        ops,
+    };
     replay_known_schedules(vec![
         (
             "free (limit 1) holds the key; lim (limit 2) and limb (limit 3) wait for it, not beside it; free's \
@@ -2229,6 +2465,55 @@ fn g3_model_an_explicit_concurrency_key_shared_by_three_types_admits_no_job_past
                     finish(0),
                     claim(0),
                 ],
+            ),
+        ),
+    ]);
+}
+
+/// Design §114: a limited `wexec` job waiting for its unique key gives back its concurrency
+/// permit when a claim puts it back. Both types name the unique key `shared` and, limited, the
+/// concurrency key `cshared`: the `wexec` job holds the key's one permit (taken at its enqueue),
+/// the `uniq` job takes the unique key at its enqueue and parks behind that permit, and the
+/// `wexec` job's claim meets the unique key held. With the permit kept (`_yield_permit` not
+/// called), each waited for the other until the `wexec` job's lease lapsed: (o) at the put-back,
+/// and (p) in the drain (nothing moved until a lease ran out).
+#[test]
+fn h06_model_a_job_put_back_for_a_unique_key_gives_its_permit_to_the_job_parked_behind_it() {
+    const W: Op = Op::Enqueue { ty: Ty::Wexec, k: ops::SHARED_K };
+    const U: Op = Op::Enqueue { ty: Ty::Uniq, k: ops::SHARED_K };
+    const L: Op = Op::Enqueue { ty: Ty::Lim, k: ops::SHARED_K };
+    let finish = |pick| Op::Finish { pick, how: Finish::Complete };
+    let limits = |wexec_limit, uniq_limit, ops| Case {
+        lim_limit: 1,
+        limb_limit: 1,
+        free_limit: None,
+        wexec_limit: Some(wexec_limit),
+        uniq_limit,
+        ops,
+    };
+    replay_known_schedules(vec![
+        (
+            "W (limit 1) holds the permit of cshared, waiting; U (limit 1) takes the unique key and parks on \
+             cshared; W's claim meets the unique key held: W is put back and gives its permit to U, which runs; W, \
+             claimed again, parks behind U, and runs once U completes",
+            limits(
+                1,
+                Some(1),
+                vec![W, U, claim(0), claim(0), Op::LapseVisibility { pick: 0 }, claim(0), finish(0), claim(0)],
+            ),
+        ),
+        (
+            "as above, but W's lease lapsed while it waited: its claim takes a permit again, and the put-back \
+             gives it back to U",
+            limits(1, Some(1), vec![W, U, Op::LapseLease { pick: 0 }, claim(0), claim(0), finish(0), claim(0)]),
+        ),
+        (
+            "W (limit 1) holds the permit of cshared, waiting; lim parks behind it; U (unlimited) takes the unique \
+             key and runs: W is put back and its permit goes to the lim job, which runs beside U",
+            limits(
+                1,
+                None,
+                vec![W, L, U, claim(0), claim(1), finish(0), finish(0), Op::LapseVisibility { pick: 0 }, claim(0)],
             ),
         ),
     ]);

@@ -254,13 +254,15 @@ pub async fn define_types(
     lim_limit: u32,
     limb_limit: u32,
     free_limit: Option<u32>,
+    wexec_limit: Option<u32>,
+    uniq_limit: Option<u32>,
 ) -> Result<()> {
     define(conn, api, Ty::Lim, Some(lim_limit)).await?;
     define(conn, api, Ty::Free, free_limit).await?;
     define(conn, api, Ty::LimB, Some(limb_limit)).await?;
-    // Without uniqueness (an older schema), just other unlimited types.
-    define(conn, api, Ty::Uniq, None).await?;
-    define(conn, api, Ty::Wexec, None).await
+    // Without uniqueness (an older schema), just other types.
+    define(conn, api, Ty::Uniq, uniq_limit).await?;
+    define(conn, api, Ty::Wexec, wexec_limit).await
 }
 
 pub async fn define(conn: &mut PgConnection, api: Api, ty: Ty, limit: Option<u32>) -> Result<()> {
@@ -298,14 +300,14 @@ pub fn enqueue_options(api: Api, batch_open: bool) -> Value {
 }
 
 /// The options of a single enqueue of (ty, {k}): `enqueue_options`, and the explicit key a
-/// `SHARED_K` names: the unique key of a unique type, the concurrency key of `lim`, `limb` and
-/// `free` while their type is `limited` (a type without a limit refuses a concurrency key).
+/// `SHARED_K` names: the unique key of a unique type, the concurrency key of any type while it
+/// is `limited` (a type without a limit refuses a concurrency key).
 pub fn job_options(api: Api, batch_open: bool, ty: Ty, k: u8, limited: bool) -> Value {
     let mut options = enqueue_options(api, batch_open);
     if api.bookkeeping && matches!(ty, Ty::Uniq | Ty::Wexec) && k == SHARED_K {
         options["unique_key"] = SHARED_KEY.into();
     }
-    if api.shared_limits && limited && matches!(ty, Ty::Lim | Ty::LimB | Ty::Free) && k == SHARED_K {
+    if api.shared_limits && limited && k == SHARED_K {
         options["concurrency_key"] = SHARED_CKEY.into();
     }
     options

@@ -24,15 +24,21 @@ pub enum Ty {
     /// Limited, key from argument `k`, on queue `other`. A job with `k` = `SHARED_K` names its
     /// concurrency key explicitly, the one `lim` names.
     LimB,
-    /// Unique until executed, key from argument `k`, duplicates discarded; unlimited (until a
-    /// redefinition gives it a limit), on queue `default`. Plain unlimited on an older schema.
-    /// A job with `k` = `SHARED_K` names its unique key explicitly, the one `wexec` names.
+    /// Unique until executed, key from argument `k`, duplicates discarded; unlimited unless the
+    /// case starts it limited (`Case::uniq_limit`) or a redefinition gives it a limit, on queue
+    /// `default`. Plain unlimited on an older schema. A job with `k` = `SHARED_K` names its
+    /// unique key explicitly, the one `wexec` names, and while its type is limited the
+    /// concurrency key `SHARED_CKEY` too: a job holding the unique key may be parked on the
+    /// concurrency key a `wexec` job waiting for that unique key holds a permit of (design §114).
     Uniq,
     /// Unique while executing, key from argument `k`, duplicates rejected: a claim that meets
-    /// its key held puts the job back for a second (a return, no delivery). Unlimited (until a
-    /// redefinition gives it a limit), on queue `default`. Plain unlimited on an older schema.
-    /// A job with `k` = `SHARED_K` names its unique key explicitly, the one `uniq` names: the
-    /// two modes meet on one key.
+    /// its key held puts the job back for a second (a return, no delivery), giving back the
+    /// concurrency permit it holds when its type is limited (design §114). Unlimited unless the
+    /// case starts it limited (`Case::wexec_limit`, half the cases) or a redefinition gives it a
+    /// limit, on queue `default`. Plain unlimited on an older schema. A job with `k` = `SHARED_K`
+    /// names its unique key explicitly, the one `uniq` names: the two modes meet on one key; and
+    /// while its type is limited the concurrency key `SHARED_CKEY` too, the one `lim`, `limb`,
+    /// a limited `free` and a limited `uniq` name.
     Wexec,
 }
 
@@ -71,17 +77,18 @@ impl Ty {
 
 /// The argument `k` of a single enqueue that names a key explicitly: of `uniq` or `wexec`, the
 /// unique key `shared` (the `unique_key` option), so that jobs of both types, one taking the key
-/// at enqueue and the other when its run starts, contend for it; of `lim`, `limb` or (while it
-/// is limited) `free`, the concurrency key `SHARED_CKEY`. Never in an `enqueue_many`, whose options name one key for
-/// every job of the call.
+/// at enqueue and the other when its run starts, contend for it; of `lim`, `limb` or (while its
+/// type is limited) `free`, `uniq` or `wexec`, the concurrency key `SHARED_CKEY`. Never in an
+/// `enqueue_many`, whose options name one key for every job of the call.
 pub const SHARED_K: u8 = 2;
 
 /// The explicit unique key of `SHARED_K`.
 pub const SHARED_KEY: &str = "shared";
 
 /// The explicit concurrency key of `SHARED_K` in a single enqueue of `lim`, `limb` or a limited
-/// `free` (the `concurrency_key` option): jobs of up to three types, of different limits and
-/// queues, take permits of one key (design §109); a type without a limit takes no key.
+/// `free`, `uniq` or `wexec` (the `concurrency_key` option): jobs of up to five types, of
+/// different limits and queues, take permits of one key (design §109); a type without a limit
+/// takes no key.
 pub const SHARED_CKEY: &str = "cshared";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -189,6 +196,10 @@ pub enum Op {
     /// Clock: the holder of the `pick`-th running delivery goes silent past its budget:
     /// visibility and lease both run out.
     Silence { pick: usize },
+    /// Clock (the drain's, never generated): the lease a cancel kept for the `pick`-th delivery
+    /// whose handler stopped without giving it back (its holder ran out of budget) runs out: the
+    /// one lease lapse the drain without lapsed leases (check (p)) still needs.
+    LapseKeptLease { pick: usize },
     /// `lockgate.define_job_type` again with another limit (for `free`: its first); 0 removes
     /// the limit (the type's parked jobs are promoted unlimited, its running jobs keep their
     /// permits until they finish).
@@ -215,13 +226,15 @@ pub enum Op {
     Reap,
 }
 
-/// One generated case: the initial limits of `lim`, `limb` and `free` (None: unlimited), and
-/// the schedule.
+/// One generated case: the initial limits of `lim`, `limb`, `free`, `wexec` and `uniq` (None:
+/// unlimited), and the schedule.
 #[derive(Clone, Debug)]
 pub struct Case {
     pub lim_limit: u32,
     pub limb_limit: u32,
     pub free_limit: Option<u32>,
+    pub wexec_limit: Option<u32>,
+    pub uniq_limit: Option<u32>,
     pub ops: Vec<Op>,
 }
 
@@ -248,6 +261,7 @@ impl Op {
             Op::LapseLease { .. } => "lease runs out",
             Op::LapseVisibility { .. } => "visibility passes",
             Op::Silence { .. } => "holder silent",
+            Op::LapseKeptLease { .. } => "kept lease runs out",
             Op::Redefine { limit: 0, .. } => "remove limit",
             Op::Redefine { .. } => "redefine limit",
             Op::Cancel { .. } => "cancel",
@@ -293,6 +307,9 @@ impl fmt::Display for Op {
             Op::LapseLease { pick } => write!(f, "clock: lease of waiting or cancelled message #{pick} runs out"),
             Op::LapseVisibility { pick } => write!(f, "clock: visibility of invisible message #{pick} passes"),
             Op::Silence { pick } => write!(f, "clock: holder of running delivery #{pick} silent past its budget"),
+            Op::LapseKeptLease { pick } => {
+                write!(f, "clock: lease a cancel kept for stopped handler #{pick} runs out")
+            }
             Op::Redefine { ty, limit: 0 } => write!(f, "redefine {} without a limit", ty.name()),
             Op::Redefine { ty, limit } => write!(f, "redefine {} with limit {limit}", ty.name()),
             Op::Cancel { pick } => write!(f, "cancel live job #{pick}"),
@@ -379,8 +396,21 @@ fn op() -> impl Strategy<Value = Op> {
 /// Schedules of 1 to `max_steps` operations (shrinking can take a failing one down to the
 /// few steps that matter). Half the cases start `free` limited (1 to 3), so that its jobs name
 /// the shared key from the first step; the others leave it unlimited (shrinking towards that).
+/// Independently, half start `wexec` limited (1 or 2) and half `uniq` (1 or 2), so that a
+/// `wexec` job waiting for the shared unique key holds a permit of the shared concurrency key,
+/// which a `uniq` job holding that unique key may be parked on (design §114).
 pub fn case(max_steps: usize) -> impl Strategy<Value = Case> {
     let free_limit = prop_oneof![Just(None), (1..=3u32).prop_map(Some)];
-    (1..=2u32, 1..=3u32, free_limit, vec(op(), 1..=max_steps.max(1)))
-        .prop_map(|(lim_limit, limb_limit, free_limit, ops)| Case { lim_limit, limb_limit, free_limit, ops })
+    let wexec_limit = prop_oneof![Just(None), (1..=2u32).prop_map(Some)];
+    let uniq_limit = prop_oneof![Just(None), (1..=2u32).prop_map(Some)];
+    (1..=2u32, 1..=3u32, free_limit, wexec_limit, uniq_limit, vec(op(), 1..=max_steps.max(1))).prop_map(
+        |(lim_limit, limb_limit, free_limit, wexec_limit, uniq_limit, ops)| Case {
+            lim_limit,
+            limb_limit,
+            free_limit,
+            wexec_limit,
+            uniq_limit,
+            ops,
+        },
+    )
 }
