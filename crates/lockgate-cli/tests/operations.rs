@@ -579,8 +579,9 @@ async fn migrate_names_the_session_that_keeps_its_lock_and_completes_once_it_end
     // Named in the log after 5 s of waiting; the keeper is then ended, as the log advises.
     wait_for("migrate to wait for its lock past 5 s", WAIT, || async {
         let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'lockgate'
-                AND query LIKE '%pg_try_advisory_lock%' AND backend_start < now() - interval '6 seconds'",
+            "SELECT count(*) FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid
+              WHERE a.datname = current_database() AND a.application_name = 'lockgate' AND l.locktype = 'advisory'
+                AND NOT l.granted AND a.backend_start < now() - interval '6 seconds'",
         )
         .fetch_one(&db.pool)
         .await?;

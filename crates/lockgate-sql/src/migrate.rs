@@ -335,46 +335,49 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrateReport, DbError> {
 }
 
 /// Takes lockgate's migrate lock on the session of `locked`, waiting for another migrate for as
-/// long as it runs. A holder still there after `NAME_HOLDER_AFTER` is named once in the log: it
-/// may be no migrate at all but a session a transaction-mode pooler keeps open, whose migrate ran
-/// through a URL that did not say `pooler=transaction` (review helper-136 F4: every later
-/// migrate waited for it in silence).
+/// long as it runs (in the server's queue of waiters, as `pg_advisory_lock` waits). A holder still
+/// there after `NAME_HOLDER_AFTER` is named once in the log: it may be no migrate at all but a
+/// session a transaction-mode pooler keeps open, whose migrate ran through a URL that did not say
+/// `pooler=transaction` (review helper-136 F4: every later migrate waited for it in silence). The
+/// first wait runs in a transaction with its own `lock_timeout`; the lock it takes is the
+/// session's, kept past that transaction's commit.
 async fn take_migrate_lock(locked: &PgPool) -> Result<(), DbError> {
-    let waiting_since = std::time::Instant::now();
-    let mut named = false;
-    loop {
-        let taken: bool =
-            query_scalar("SELECT pg_try_advisory_lock($1)").bind(MIGRATE_LOCK_KEY).fetch_one(locked).await?;
-        if taken {
+    let mut tx = locked.begin().await?;
+    query(&format!("SET LOCAL lock_timeout = '{}ms'", NAME_HOLDER_AFTER.as_millis())).execute(&mut *tx).await?;
+    match query("SELECT pg_advisory_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *tx).await {
+        Ok(_) => {
+            tx.commit().await?;
             return Ok(());
         }
-        if !named && waiting_since.elapsed() >= NAME_HOLDER_AFTER {
-            named = true;
-            let holder: Option<LockHolder> = query_as(
-                "SELECT a.pid, a.state, a.application_name, extract(epoch FROM now() - a.state_change)::float8
-                   FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-                  WHERE l.locktype = 'advisory' AND l.granted AND l.database = (SELECT oid FROM pg_database
-                                                                                 WHERE datname = current_database())
-                    AND l.classid = ($1 >> 32)::oid AND l.objid = ($1 & 4294967295)::oid AND l.objsubid = 1
-                  LIMIT 1",
-            )
-            .bind(MIGRATE_LOCK_KEY)
-            .fetch_optional(locked)
-            .await?;
-            if let Some((pid, state, application, seconds)) = holder {
-                tracing::warn!(
-                    pid,
-                    state = state.as_deref().unwrap_or("?"),
-                    application = application.as_deref().unwrap_or(""),
-                    seconds = seconds.unwrap_or(0.0).round(),
-                    "waiting for lockgate's migrate lock, which backend {pid} holds: another migrate at work, or a \
-                     session a transaction-mode pooler keeps (a migrate run through a pooler URL that did not say \
-                     pooler=transaction); if it is no migrate at work, end it: SELECT pg_terminate_backend({pid})"
-                );
-            }
+        Err(err) if err.as_database_error().and_then(|e| e.code()).as_deref() == Some("55P03") => {
+            tx.rollback().await?;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        Err(err) => return Err(err.into()),
     }
+    let holder: Option<LockHolder> = query_as(
+        "SELECT a.pid, a.state, a.application_name, extract(epoch FROM now() - a.state_change)::float8
+           FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+          WHERE l.locktype = 'advisory' AND l.granted AND l.database = (SELECT oid FROM pg_database
+                                                                         WHERE datname = current_database())
+            AND l.classid = ($1 >> 32)::oid AND l.objid = ($1 & 4294967295)::oid AND l.objsubid = 1
+          LIMIT 1",
+    )
+    .bind(MIGRATE_LOCK_KEY)
+    .fetch_optional(locked)
+    .await?;
+    if let Some((pid, state, application, seconds)) = holder {
+        tracing::warn!(
+            pid,
+            state = state.as_deref().unwrap_or("?"),
+            application = application.as_deref().unwrap_or(""),
+            seconds = seconds.unwrap_or(0.0).round(),
+            "waiting for lockgate's migrate lock, which backend {pid} holds: another migrate at work, or a \
+             session a transaction-mode pooler keeps (a migrate run through a pooler URL that did not say \
+             pooler=transaction); if it is no migrate at work, end it: SELECT pg_terminate_backend({pid})"
+        );
+    }
+    query("SELECT pg_advisory_lock($1)").bind(MIGRATE_LOCK_KEY).execute(locked).await?;
+    Ok(())
 }
 
 /// The backend holding the migrate lock: pid, state, application name, seconds in that state.
