@@ -386,6 +386,20 @@ async fn h27_a_partitioned_worker_cancels_its_handler_before_its_lease_can_expir
     common::assert_invariants_after_sweep(&db).await;
 }
 
+/// A runtime of one pool (concurrency 1) on queue `default`, running `registry`, that reaches
+/// the database only through a new fault proxy; returned once it has registered.
+async fn worker_behind_a_proxy(db: &TestDb, registry: Registry) -> (FaultProxy, Running) {
+    let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let proxied = lockgate::PgPoolOptions::new().max_connections(4).connect(&proxy.url_for(&db.url)).await.unwrap();
+    let worker = Running::start_on(proxied, test_config(), registry, &["default"], 1);
+    wait_for("the worker to register", WAIT, || async {
+        db.count("SELECT 1 FROM lockgate.processes").await.map(|n| (n > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    (proxy, worker)
+}
+
 /// Review helper-135 F4 (docs/design.md §115, H32): a claim whose reply is lost after it
 /// committed (the connection cut between the server's answer and the worker) spends no attempt
 /// of the job it took: the job, allowed one attempt, runs once its visibility lapses, and
@@ -399,20 +413,7 @@ async fn h32_a_claim_whose_reply_is_lost_after_it_committed_spends_no_attempt() 
     once.max_attempts = 1;
     let types = [("work", once)];
     let client = define(&db, &types).await;
-    let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
-    let proxied = lockgate::PgPoolOptions::new().max_connections(4).connect(&proxy.url_for(&db.url)).await.unwrap();
-    let w0 = Running::start_on(
-        proxied,
-        test_config(),
-        probe_registry(probe(&db, 0, &Counter::default()), &types),
-        &["default"],
-        1,
-    );
-    wait_for("the worker to register", WAIT, || async {
-        db.count("SELECT 1 FROM lockgate.processes").await.map(|n| (n > 0).then_some(()))
-    })
-    .await
-    .unwrap();
+    let (proxy, w0) = worker_behind_a_proxy(&db, probe_registry(probe(&db, 0, &Counter::default()), &types)).await;
     // Only the claim that takes this job carries its arguments back.
     proxy.cut_reply_containing("reply-to-lose");
     let job = client
@@ -452,20 +453,7 @@ async fn a_claim_whose_reply_never_comes_is_given_up_and_the_pool_claims_on() {
     once.max_attempts = 1;
     let types = [("work", once)];
     let client = define(&db, &types).await;
-    let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
-    let proxied = lockgate::PgPoolOptions::new().max_connections(4).connect(&proxy.url_for(&db.url)).await.unwrap();
-    let w0 = Running::start_on(
-        proxied,
-        test_config(),
-        probe_registry(probe(&db, 0, &Counter::default()), &types),
-        &["default"],
-        1,
-    );
-    wait_for("the worker to register", WAIT, || async {
-        db.count("SELECT 1 FROM lockgate.processes").await.map(|n| (n > 0).then_some(()))
-    })
-    .await
-    .unwrap();
+    let (proxy, w0) = worker_behind_a_proxy(&db, probe_registry(probe(&db, 0, &Counter::default()), &types)).await;
     proxy.swallow_reply_containing("reply-never-comes");
     let enqueue = async |tag: &str| {
         client
@@ -526,16 +514,8 @@ async fn a_final_statement_whose_replies_never_come_is_given_up_with_its_connect
     quick.backoff = lockgate::Backoff { base: Duration::from_millis(10), max: Duration::from_millis(10), jitter: 0.0 };
     let types = [("work", quick)];
     let client = define(&db, &types).await;
-    let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
-    let proxied = lockgate::PgPoolOptions::new().max_connections(4).connect(&proxy.url_for(&db.url)).await.unwrap();
     let marker = "retry-reply-never-comes";
-    let w0 =
-        Running::start_on(proxied, test_config(), handled_by(Arc::new(FailFirst { marker }), &types), &["default"], 1);
-    wait_for("the worker to register", WAIT, || async {
-        db.count("SELECT 1 FROM lockgate.processes").await.map(|n| (n > 0).then_some(()))
-    })
-    .await
-    .unwrap();
+    let (proxy, w0) = worker_behind_a_proxy(&db, handled_by(Arc::new(FailFirst { marker }), &types)).await;
     proxy.swallow_replies_to_request_containing(marker);
     let first = client.enqueue_raw("work", &json!({"n": 0}), &EnqueueOptions::default()).await.unwrap().job_id.0;
     wait_for("the retry's replies to be swallowed", WAIT, || async { Ok(proxy.met_marked_reply().then_some(())) })
