@@ -424,10 +424,10 @@ async fn h28_the_runtimes_give_back_promotes_the_job_parked_by_the_producer_it_w
         options.options([("default_transaction_isolation", "repeatable\\ read"), ("statement_timeout", "200ms")]);
     let runtime_pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
     let key: String = sqlx::query_scalar("SELECT key FROM lockgate.leases").fetch_one(&db.pool).await.unwrap();
-    let give_back =
-        tokio::spawn(
-            async move { lockgate::sql::give_back_finished(&runtime_pool, &key, Duration::from_secs(5)).await },
-        );
+    let give_back = tokio::spawn(async move {
+        let mut conn = runtime_pool.acquire().await.unwrap();
+        lockgate::sql::give_back_finished(&mut conn, &key, Duration::from_secs(5)).await
+    });
     common::until_one_waits_for_a_lock(&db.pool).await;
     // Held past the pool's statement timeout, then committed.
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -389,9 +389,21 @@ async fn h27_a_partitioned_worker_cancels_its_handler_before_its_lease_can_expir
 /// A runtime of one pool (concurrency 1) on queue `default`, running `registry`, that reaches
 /// the database only through a new fault proxy; returned once it has registered.
 async fn worker_behind_a_proxy(db: &TestDb, registry: Registry) -> (FaultProxy, Running) {
+    runtime_behind_a_proxy(db, test_config(), registry, |_| {}).await
+}
+
+/// A runtime as `worker_behind_a_proxy` starts one, under `config`, with `arm` called on the
+/// proxy before the runtime's first statement.
+async fn runtime_behind_a_proxy(
+    db: &TestDb,
+    config: RuntimeConfig,
+    registry: Registry,
+    arm: impl FnOnce(&FaultProxy),
+) -> (FaultProxy, Running) {
     let proxy = FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
     let proxied = lockgate::PgPoolOptions::new().max_connections(4).connect(&proxy.url_for(&db.url)).await.unwrap();
-    let worker = Running::start_on(proxied, test_config(), registry, &["default"], 1);
+    arm(&proxy);
+    let worker = Running::start_on(proxied, config, registry, &["default"], 1);
     wait_for("the worker to register", WAIT, || async {
         db.count("SELECT 1 FROM lockgate.processes").await.map(|n| (n > 0).then_some(()))
     })
@@ -537,6 +549,85 @@ async fn a_final_statement_whose_replies_never_come_is_given_up_with_its_connect
     .await
     .unwrap();
     assert_eq!(errors, 1, "the failed attempt is recorded once");
+}
+
+/// A statement of a periodic service whose replies never come (a flow the network dropped
+/// without a reset) is given up with its connection within half the visibility timeout, and the
+/// service goes on (design §119). Awaited for good, the concurrency sweep never swept again in
+/// this process: its later passes never ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_whose_replies_never_come_is_given_up_and_the_sweep_goes_on() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query(&format!("ALTER DATABASE \"{}\" SET track_functions = 'pl'", db.name)).execute(&db.pool).await.unwrap();
+    let types = [("work", JobPolicy::on_queue(queue("default")))];
+    define(&db, &types).await;
+    let config = RuntimeConfig { sweep_interval: Duration::from_millis(100), ..test_config() };
+    let registry = probe_registry(probe(&db, 0, &Counter::default()), &types);
+    // A statement's text reaches the server once per connection (then it is prepared): armed
+    // before the runtime starts, the first sweep's Parse carries it.
+    let (proxy, w0) = runtime_behind_a_proxy(&db, config, registry, |proxy| {
+        proxy.swallow_replies_to_request_containing("FROM lockgate.sweep(");
+    })
+    .await;
+    wait_for("a sweep's replies to be swallowed", WAIT, || async { Ok(proxy.met_marked_reply().then_some(())) })
+        .await
+        .unwrap();
+    let sweeps = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_user_functions
+              WHERE schemaname = 'lockgate' AND funcname = 'sweep'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .map_err(anyhow::Error::from)
+    };
+    // The swallowed pass ran on the server; two more mean the sweep went on.
+    wait_for("the sweep to go on", WAIT, || async { sweeps().await.map(|n| (n >= 3).then_some(())) }).await.unwrap();
+    tokio::time::timeout(WAIT, w0.stop()).await.expect("the runtime stops when asked");
+}
+
+/// The recurring scheduler's tick whose replies never come is given up, and the next ticks are
+/// enqueued (design §119). Awaited for good, no tick of any task came again in this process, and
+/// its shutdown never finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recurring_tick_whose_replies_never_come_is_given_up_and_the_next_ticks_come() {
+    let db = TestDb::migrated().await.unwrap();
+    let types = [("work", JobPolicy::on_queue(queue("default"))), ("tick", JobPolicy::on_queue(queue("ticks")))];
+    let client = define(&db, &types).await;
+    // A name only the tick's request carries (a bound value, sent with every execution).
+    let task = "tick-whose-reply-is-swallowed";
+    client.define_recurring(&lockgate::RecurringTask::new(task, "* * * * * *", "tick")).await.unwrap();
+    let registry = probe_registry(probe(&db, 0, &Counter::default()), &types[..1]);
+    let (proxy, w0) = runtime_behind_a_proxy(&db, test_config(), registry, |proxy| {
+        proxy.swallow_replies_to_request_containing(task);
+    })
+    .await;
+    wait_for("a tick's replies to be swallowed", WAIT, || async { Ok(proxy.met_marked_reply().then_some(())) })
+        .await
+        .unwrap();
+    let swallowed = db.count("SELECT 1 FROM pgmq.q_ticks").await.unwrap();
+    wait_for("two more ticks", WAIT, || async {
+        db.count("SELECT 1 FROM pgmq.q_ticks").await.map(|n| (n >= swallowed + 2).then_some(()))
+    })
+    .await
+    .unwrap();
+    tokio::time::timeout(WAIT, w0.stop()).await.expect("the runtime stops when asked");
+}
+
+/// A deregistration whose replies never come is given up, and the shutdown it ends finishes
+/// (design §119); the row is pruned later, as a crashed process's is. Awaited for good, the
+/// process never exited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deregistration_whose_replies_never_come_holds_up_no_shutdown() {
+    let db = TestDb::migrated().await.unwrap();
+    let types = [("work", JobPolicy::on_queue(queue("default")))];
+    define(&db, &types).await;
+    let config = RuntimeConfig { process_heartbeat_interval: Duration::from_secs(1), ..test_config() };
+    let registry = probe_registry(probe(&db, 0, &Counter::default()), &types);
+    let (proxy, w0) = runtime_behind_a_proxy(&db, config, registry, |_| {}).await;
+    proxy.swallow_replies_to_request_containing("lockgate.deregister_process(");
+    tokio::time::timeout(WAIT, w0.stop()).await.expect("the runtime stops when asked");
+    assert!(proxy.met_marked_reply(), "the deregistration's replies were swallowed");
 }
 
 /// A claim that reaches the worker with too little of its budget left to start a handler (its

@@ -16,6 +16,7 @@ mod error;
 mod handler;
 pub mod health;
 pub mod heartbeat;
+mod held;
 mod in_flight;
 mod job;
 pub mod maintenance;

@@ -20,6 +20,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use lockgate_sql::pooler::Db;
 use lockgate_sql::{DbError, MetricsSnapshot, PgPool};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -28,6 +29,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 use tokio_util::sync::CancellationToken;
+
+use crate::held::on_pool;
 
 /// The content type of [`Metrics::encode`]'s text (OpenMetrics, which Prometheus scrapes).
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -331,11 +334,13 @@ pub(crate) struct MetricsRefresh {
     metrics: Arc<Metrics>,
     interval: Duration,
     max_keys: u32,
+    within: Duration,
 }
 
 impl MetricsRefresh {
-    pub fn new(db: PgPool, metrics: Arc<Metrics>, interval: Duration, max_keys: u32) -> Self {
-        Self { db, metrics, interval, max_keys }
+    /// Gives up a read not answered within `within`, with its connection (`held::answer_within`).
+    pub fn new(db: PgPool, metrics: Arc<Metrics>, interval: Duration, max_keys: u32, within: Duration) -> Self {
+        Self { db, metrics, interval, max_keys, within }
     }
 
     pub async fn run(self, shutdown: CancellationToken) {
@@ -352,7 +357,9 @@ impl MetricsRefresh {
     /// Reads the snapshot and shows it; returns what it read.
     pub async fn run_once(&self) -> Result<MetricsSnapshot, DbError> {
         let max_keys = i32::try_from(self.max_keys).unwrap_or(i32::MAX);
-        let snapshot = lockgate_sql::metrics_snapshot(&self.db, max_keys).await?;
+        let snapshot =
+            on_pool(&self.db, self.within, async |c| lockgate_sql::metrics_snapshot(Db::idle(c), max_keys).await)
+                .await?;
         self.metrics.show(&snapshot);
         Ok(snapshot)
     }

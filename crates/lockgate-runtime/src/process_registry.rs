@@ -10,16 +10,23 @@
 //! were not renewed within the alive threshold, so the healthy ones are still owned by their
 //! delivery tokens and keep running; the job heartbeat re-tags them with the new id at its next
 //! tick, and finds out which ones, if any, were lost (their handlers are cancelled then).
+//!
+//! Each statement not answered within twice the registry's budget is given up with its
+//! connection (`held::on_pool`): a beat awaited for good left the process ready while its row
+//! went silent, and a deregistration awaited for good held its shutdown (design §119).
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockgate_sql::pooler::Db;
 use lockgate_sql::{DbError, PgPool};
 use serde_json::{json, Value};
+use sqlx::Connection;
 use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
+use crate::held::on_pool;
 use crate::in_flight::InFlight;
 use crate::metrics::Metrics;
 use crate::PoolConfig;
@@ -56,6 +63,8 @@ pub(crate) struct ProcessRegistry {
     /// Ids of the service rows, in the order of `pools`, then the dispatcher.
     rows: tokio::sync::Mutex<Vec<i64>>,
     interval: Duration,
+    /// How long one statement may go unanswered.
+    within: Duration,
     alive_threshold: Duration,
     /// The job heartbeat's interval, recorded again at every beat (it floors every lease).
     lease_heartbeat: Duration,
@@ -86,6 +95,7 @@ impl ProcessRegistry {
             owner: Arc::new(AtomicI64::new(0)),
             rows: Default::default(),
             interval,
+            within: interval * 2,
             alive_threshold,
             lease_heartbeat,
             metrics,
@@ -105,38 +115,26 @@ impl ProcessRegistry {
         // children's would otherwise fail the children on their foreign key, and with it the
         // process's start. Now it sees all the rows or none; if it deletes them, the next
         // heartbeat finds them gone and registers again.
-        let mut tx = self.db.begin().await?;
-        let id = lockgate_sql::register_process(&mut *tx, "supervisor", &self.name, &self.host, self.pid, None, &meta)
-            .await?;
-        let mut rows = Vec::new();
-        for pool in &self.pools {
-            let meta = self.pool_metadata(pool);
+        let (id, rows) = on_pool(&self.db, self.within, async |c| {
+            let mut tx = c.begin().await?;
+            let (host, pid) = (&self.host, self.pid);
+            let id = lockgate_sql::register_process(&mut *tx, "supervisor", &self.name, host, pid, None, &meta).await?;
+            let mut rows = Vec::new();
+            for pool in &self.pools {
+                let meta = self.pool_metadata(pool);
+                rows.push(
+                    lockgate_sql::register_process(&mut *tx, "worker", &pool.config.name, host, pid, Some(id), &meta)
+                        .await?,
+                );
+            }
             rows.push(
-                lockgate_sql::register_process(
-                    &mut *tx,
-                    "worker",
-                    &pool.config.name,
-                    &self.host,
-                    self.pid,
-                    Some(id),
-                    &meta,
-                )
-                .await?,
+                lockgate_sql::register_process(&mut *tx, "dispatcher", "dispatcher", host, pid, Some(id), &json!({}))
+                    .await?,
             );
-        }
-        rows.push(
-            lockgate_sql::register_process(
-                &mut *tx,
-                "dispatcher",
-                "dispatcher",
-                &self.host,
-                self.pid,
-                Some(id),
-                &json!({}),
-            )
-            .await?,
-        );
-        tx.commit().await?;
+            tx.commit().await?;
+            Ok((id, rows))
+        })
+        .await?;
         *self.rows.lock().await = rows;
         self.owner.store(id, Ordering::SeqCst);
         self.health.set_registered(true);
@@ -215,8 +213,13 @@ impl ProcessRegistry {
         // operator's change to lockgate.settings (or a restore of an old copy of it) leaves
         // leases floored below this process's heartbeat for one beat at most. A read when the
         // recorded interval is at least as long.
-        lockgate_sql::record_heartbeat_interval(&self.db, self.lease_heartbeat).await?;
-        for (id, in_flight) in lockgate_sql::prune_processes(&self.db, self.alive_threshold.as_secs_f64()).await? {
+        let (db, within) = (&self.db, self.within);
+        on_pool(db, within, async |c| lockgate_sql::record_heartbeat_interval(Db::idle(c), self.lease_heartbeat).await)
+            .await?;
+        let threshold = self.alive_threshold.as_secs_f64();
+        for (id, in_flight) in
+            on_pool(db, within, async |c| lockgate_sql::prune_processes(Db::idle(c), threshold).await).await?
+        {
             tracing::warn!(process_id = id, in_flight, "pruned a process silent past the alive threshold");
             report.pruned += 1;
             report.in_flight += in_flight;
@@ -226,7 +229,9 @@ impl ProcessRegistry {
 
     /// This process's heartbeat, and its registering again if it was pruned meanwhile (then true).
     async fn beat(&self, owner: i64, beats: &[(i64, Value)]) -> Result<bool, DbError> {
-        let alive = lockgate_sql::heartbeat_processes(&self.db, beats).await?;
+        let alive =
+            on_pool(&self.db, self.within, async |c| lockgate_sql::heartbeat_processes(Db::idle(c), beats).await)
+                .await?;
         if alive.contains(&owner) {
             return Ok(false);
         }
@@ -255,7 +260,10 @@ impl ProcessRegistry {
         let give_up = tokio::time::Instant::now() + self.interval;
         let mut pause = Duration::from_millis(50);
         loop {
-            match lockgate_sql::deregister_process(&self.db, self.owner.load(Ordering::SeqCst)).await {
+            let owner = self.owner.load(Ordering::SeqCst);
+            match on_pool(&self.db, self.within, async |c| lockgate_sql::deregister_process(Db::idle(c), owner).await)
+                .await
+            {
                 Err(error) if error.is_transient() && tokio::time::Instant::now() + pause < give_up => {
                     tracing::debug!(%error, "could not deregister; trying again");
                     tokio::time::sleep(pause).await;

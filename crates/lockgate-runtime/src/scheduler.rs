@@ -8,15 +8,21 @@
 //! Between passes it sleeps until the next tick of any task, at most `RELOAD_INTERVAL`, so a
 //! task defined or changed through SQL is seen within that long. The clock is the database's
 //! (`now()`), so processes whose clocks disagree still compute the same ticks. A failed pass is
-//! logged and the next one runs after `RELOAD_INTERVAL`.
+//! logged and the next one runs after `RELOAD_INTERVAL`. A statement not answered within its
+//! bound (`held::answer_within`) is given up with its connection, and a pass still running at
+//! shutdown is dropped (design §119).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use lockgate_core::{Schedule, ValidationError};
+use lockgate_sql::pooler::Db;
 use lockgate_sql::{DbError, PgPool, RecurringRow};
 use tokio_util::sync::CancellationToken;
+
+use crate::config::RuntimeConfig;
+use crate::held::{answer_within, on_pool};
 
 /// Tasks are re-read at least this often: a task defined, changed or enabled through SQL or the
 /// CLI is scheduled within a second, for two small statements per second per process.
@@ -44,6 +50,7 @@ pub struct SchedulerReport {
 /// Enqueues the due tick of every enabled recurring task.
 pub struct Scheduler {
     db: PgPool,
+    within: Duration,
     /// Parsed schedules by task name, with the cron and time zone they were parsed from: a
     /// schedule is parsed once, and an invalid one (stored through SQL, which checks only the
     /// expression's shape) is logged once.
@@ -61,12 +68,24 @@ struct ParsedSchedule {
 
 impl Scheduler {
     pub fn new(db: PgPool) -> Self {
-        Self { db, schedules: HashMap::new(), passes: 0 }
+        Self { db, within: answer_within(&RuntimeConfig::default()), schedules: HashMap::new(), passes: 0 }
+    }
+
+    /// Gives up a statement not answered within `within`, with its connection (default: the
+    /// default configuration's bound, `held::answer_within`).
+    pub fn answer_within(mut self, within: Duration) -> Self {
+        self.within = within;
+        self
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
         loop {
-            let pause = match self.pass().await {
+            let pass = tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return,
+                pass = self.pass() => pass,
+            };
+            let pause = match pass {
                 Ok(pause) => pause,
                 Err(error) => {
                     tracing::warn!(%error, "recurring scheduler pass failed");
@@ -83,7 +102,7 @@ impl Scheduler {
 
     /// One pass on the database's clock; returns how long to sleep until the next tick.
     async fn pass(&mut self) -> Result<Duration, DbError> {
-        let now = lockgate_sql::database_now(&self.db).await?;
+        let now = on_pool(&self.db, self.within, async |c| lockgate_sql::database_now(Db::idle(c)).await).await?;
         let clock_read = Instant::now();
         let report = self.run_once(now).await?;
         let until_next = report.next_tick_at.and_then(|next| (next - now).to_std().ok()).unwrap_or(RELOAD_INTERVAL);
@@ -93,7 +112,7 @@ impl Scheduler {
     /// Enqueues the tick due at `now` of every enabled task (tests pin `now`; `run` passes the
     /// database's clock). A tick after the database's own clock is refused by the database.
     pub async fn run_once(&mut self, now: DateTime<Utc>) -> Result<SchedulerReport, DbError> {
-        let tasks = lockgate_sql::list_recurring(&self.db).await?;
+        let tasks = on_pool(&self.db, self.within, async |c| lockgate_sql::list_recurring(Db::idle(c)).await).await?;
         self.schedules.retain(|name, _| tasks.iter().any(|t| &t.name == name));
         let mut report = SchedulerReport::default();
         let enabled: Vec<&RecurringRow> = tasks.iter().filter(|t| t.enabled).collect();
@@ -125,7 +144,10 @@ impl Scheduler {
         report: &mut SchedulerReport,
     ) -> Result<(), DbError> {
         let schedule = Some((task.cron.as_str(), task.timezone.as_str()));
-        let outcome = lockgate_sql::enqueue_recurring_tick(&self.db, &task.name, tick, schedule).await?;
+        let outcome = on_pool(&self.db, self.within, async |c| {
+            lockgate_sql::enqueue_recurring_tick(Db::idle(c), &task.name, tick, schedule).await
+        })
+        .await?;
         let task = task.name.as_str();
         match outcome.status.as_str() {
             "taken" | "inactive" => report.taken += 1,

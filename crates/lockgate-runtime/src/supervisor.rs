@@ -38,6 +38,7 @@ use tokio_util::task::TaskTracker;
 use crate::budgets::Budget;
 use crate::health::{self, Health};
 use crate::heartbeat::{GiveBack, Heartbeat};
+use crate::held::answer_within;
 use crate::in_flight::InFlight;
 use crate::maintenance::{ArchiveRetention, BookkeepingSweep, ConcurrencySweep, FinishedPermits};
 use crate::metrics::{Metrics, MetricsRefresh};
@@ -282,7 +283,7 @@ impl Runtime {
         let mut notifier = Notifier::new(
             listen.clone().unwrap_or_else(|| db.clone()),
             Arc::clone(&self.health),
-            Arc::new(FinishedPermits::new(db.clone())),
+            Arc::new(FinishedPermits::new(db.clone(), answer_within(&self.config))),
         );
         let mut sets = Vec::new();
         let mut reports = Vec::new();
@@ -365,30 +366,41 @@ impl Runtime {
             let metrics = Arc::clone(&self.metrics);
             move |token| {
                 ArchiveRetention::new(db.clone(), config.archive_retention, config.maintenance_interval)
+                    .answer_within(answer_within(&config))
                     .with_metrics(Arc::clone(&metrics))
                     .run(token)
             }
         }));
         tracker.spawn(supervise("concurrency_sweep", health.clone(), services.clone(), {
             let (db, interval, metrics) = (db.clone(), self.config.sweep_interval, Arc::clone(&self.metrics));
-            move |token| ConcurrencySweep::new(db.clone(), interval).with_metrics(Arc::clone(&metrics)).run(token)
+            let within = answer_within(&self.config);
+            move |token| {
+                ConcurrencySweep::new(db.clone(), interval)
+                    .answer_within(within)
+                    .with_metrics(Arc::clone(&metrics))
+                    .run(token)
+            }
         }));
         tracker.spawn(supervise("bookkeeping_sweep", health.clone(), services.clone(), {
             let (db, interval, reap_interval) =
                 (db.clone(), self.config.sweep_interval, self.config.maintenance_interval);
-            let metrics = Arc::clone(&self.metrics);
+            let (metrics, within) = (Arc::clone(&self.metrics), answer_within(&self.config));
             move |token| {
-                BookkeepingSweep::new(db.clone(), interval, reap_interval).with_metrics(Arc::clone(&metrics)).run(token)
+                BookkeepingSweep::new(db.clone(), interval, reap_interval)
+                    .answer_within(within)
+                    .with_metrics(Arc::clone(&metrics))
+                    .run(token)
             }
         }));
         tracker.spawn(supervise("metrics_refresh", health.clone(), services.clone(), {
             let (db, metrics) = (db.clone(), Arc::clone(&self.metrics));
             let (interval, max_keys) = (self.config.metrics_interval, self.config.metrics_max_keys);
-            move |token| MetricsRefresh::new(db.clone(), Arc::clone(&metrics), interval, max_keys).run(token)
+            let within = answer_within(&self.config);
+            move |token| MetricsRefresh::new(db.clone(), Arc::clone(&metrics), interval, max_keys, within).run(token)
         }));
         tracker.spawn(supervise("recurring_scheduler", health.clone(), services.clone(), {
-            let db = db.clone();
-            move |token| Scheduler::new(db.clone()).run(token)
+            let (db, within) = (db.clone(), answer_within(&self.config));
+            move |token| Scheduler::new(db.clone()).answer_within(within).run(token)
         }));
         let registry_stop = CancellationToken::new();
         let registry_task = tokio::spawn(supervise("process_registry", health.clone(), registry_stop.clone(), {

@@ -5,10 +5,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::Row;
+use sqlx::{Connection, PgConnection, Row};
 
 use crate::pooler::{on, query, query_as, query_scalar, Db};
-use crate::PgPool;
 
 use crate::DbError;
 
@@ -53,9 +52,9 @@ pub const FINISHED_CHANNEL: &str = "lockgate.finished";
 /// them back. READ COMMITTED whatever the connection's default: with an older snapshot, the
 /// promotion would not see a job the row's holder parked, and a later enqueue would take the
 /// permit ahead of it (review of §72, helper-74). Its own statement timeout, a second past the
-/// wait: the pool's budget is a renewal's, not this one's.
-pub async fn give_back_finished(db: &PgPool, key: &str, wait: Duration) -> Result<bool, DbError> {
-    let mut tx = db.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
+/// wait: the pool's budget is a renewal's, not this one's. On a connection outside any transaction.
+pub async fn give_back_finished(conn: &mut PgConnection, key: &str, wait: Duration) -> Result<bool, DbError> {
+    let mut tx = conn.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
     query("SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)")
         .bind(format!("{}ms", wait.as_millis().max(1)))
         .bind(format!("{}ms", wait.as_millis() + 1000))

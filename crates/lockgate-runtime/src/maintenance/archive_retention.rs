@@ -4,9 +4,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockgate_sql::pooler::Db;
 use lockgate_sql::{DbError, PgPool};
 use tokio_util::sync::CancellationToken;
 
+use crate::config::RuntimeConfig;
+use crate::held::{answer_within, on_pool};
 use crate::metrics::Metrics;
 
 /// Rows deleted per statement: bounded so that pruning a large backlog never holds long locks.
@@ -17,12 +20,20 @@ pub struct ArchiveRetention {
     db: PgPool,
     retention: Duration,
     interval: Duration,
+    within: Duration,
     metrics: Option<Arc<Metrics>>,
 }
 
 impl ArchiveRetention {
     pub fn new(db: PgPool, retention: Duration, interval: Duration) -> Self {
-        Self { db, retention, interval, metrics: None }
+        Self { db, retention, interval, within: answer_within(&RuntimeConfig::default()), metrics: None }
+    }
+
+    /// Gives up a statement not answered within `within`, with its connection (default: the
+    /// default configuration's bound, `held::answer_within`).
+    pub fn answer_within(mut self, within: Duration) -> Self {
+        self.within = within;
+        self
     }
 
     /// Counts every pass of `run` and the rows it deleted in `metrics`.
@@ -51,9 +62,13 @@ impl ArchiveRetention {
     /// Prunes every queue's archive; returns how many rows it deleted.
     pub async fn run_once(&self) -> Result<i64, DbError> {
         let mut total = 0;
-        for queue in lockgate_sql::list_queues(&self.db).await? {
+        let (db, within) = (&self.db, self.within);
+        for queue in on_pool(db, within, async |c| lockgate_sql::list_queues(Db::idle(c)).await).await? {
             loop {
-                let deleted = lockgate_sql::prune_archive(&self.db, &queue, self.retention, PRUNE_BATCH).await?;
+                let deleted = on_pool(db, within, async |c| {
+                    lockgate_sql::prune_archive(Db::idle(c), &queue, self.retention, PRUNE_BATCH).await
+                })
+                .await?;
                 total += deleted;
                 if deleted < i64::from(PRUNE_BATCH) {
                     break;

@@ -11,9 +11,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lockgate_sql::pooler::Db;
 use lockgate_sql::{DbError, PgPool};
 use tokio_util::sync::CancellationToken;
 
+use crate::config::RuntimeConfig;
+use crate::held::{answer_within, on_pool};
 use crate::metrics::Metrics;
 
 /// A lock younger than this (or a batch with a change this recent) is never reaped: far longer
@@ -41,12 +44,20 @@ pub struct BookkeepingSweep {
     db: PgPool,
     interval: Duration,
     reap_interval: Duration,
+    within: Duration,
     metrics: Option<Arc<Metrics>>,
 }
 
 impl BookkeepingSweep {
     pub fn new(db: PgPool, interval: Duration, reap_interval: Duration) -> Self {
-        Self { db, interval, reap_interval, metrics: None }
+        Self { db, interval, reap_interval, within: answer_within(&RuntimeConfig::default()), metrics: None }
+    }
+
+    /// Gives up a statement not answered within `within`, with its connection (default: the
+    /// default configuration's bound, `held::answer_within`).
+    pub fn answer_within(mut self, within: Duration) -> Self {
+        self.within = within;
+        self
     }
 
     /// Counts every pass of `run` and what it did in `metrics`.
@@ -94,12 +105,16 @@ impl BookkeepingSweep {
     /// One pass; reaps uniqueness locks, lost batch members and idle keys too when `reap`. Each
     /// step runs whatever the others did; the first error is returned after all of them.
     pub async fn run_once(&self, reap: bool) -> Result<BookkeepingReport, DbError> {
-        let callbacks = lockgate_sql::batch_sweep(&self.db).await;
+        let (db, within) = (&self.db, self.within);
+        let callbacks = on_pool(db, within, async |c| lockgate_sql::batch_sweep(Db::idle(c)).await).await;
         let (locks, members, keys) = if reap {
             (
-                lockgate_sql::reap_unique_locks(&self.db, REAP_AGE_FLOOR).await,
-                lockgate_sql::reap_batches(&self.db, REAP_AGE_FLOOR).await,
-                lockgate_sql::reclaim_idle_keys(&self.db, REAP_AGE_FLOOR, RECLAIM_BATCH).await,
+                on_pool(db, within, async |c| lockgate_sql::reap_unique_locks(Db::idle(c), REAP_AGE_FLOOR).await).await,
+                on_pool(db, within, async |c| lockgate_sql::reap_batches(Db::idle(c), REAP_AGE_FLOOR).await).await,
+                on_pool(db, within, async |c| {
+                    lockgate_sql::reclaim_idle_keys(Db::idle(c), REAP_AGE_FLOOR, RECLAIM_BATCH).await
+                })
+                .await,
             )
         } else {
             (Ok(0), Ok(0), Ok(0))

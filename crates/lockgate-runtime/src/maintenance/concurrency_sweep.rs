@@ -6,9 +6,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockgate_sql::pooler::Db;
 use lockgate_sql::{DbError, PgPool, SweepReport};
 use tokio_util::sync::CancellationToken;
 
+use crate::config::RuntimeConfig;
+use crate::held::{answer_within, on_pool};
 use crate::metrics::Metrics;
 
 /// Keys promoted per pass: enough to drain a backlog of dead holders quickly, bounded so one
@@ -18,12 +21,20 @@ const MAX_KEYS_PER_PASS: i32 = 1000;
 pub struct ConcurrencySweep {
     db: PgPool,
     interval: Duration,
+    within: Duration,
     metrics: Option<Arc<Metrics>>,
 }
 
 impl ConcurrencySweep {
     pub fn new(db: PgPool, interval: Duration) -> Self {
-        Self { db, interval, metrics: None }
+        Self { db, interval, within: answer_within(&RuntimeConfig::default()), metrics: None }
+    }
+
+    /// Gives up a statement not answered within `within`, with its connection (default: the
+    /// default configuration's bound, `held::answer_within`).
+    pub fn answer_within(mut self, within: Duration) -> Self {
+        self.within = within;
+        self
     }
 
     /// Counts every pass of `run` and what it did in `metrics`.
@@ -53,7 +64,7 @@ impl ConcurrencySweep {
     }
 
     pub async fn run_once(&self) -> Result<SweepReport, DbError> {
-        lockgate_sql::sweep(&self.db, MAX_KEYS_PER_PASS, None).await
+        on_pool(&self.db, self.within, async |c| lockgate_sql::sweep(Db::idle(c), MAX_KEYS_PER_PASS, None).await).await
     }
 }
 

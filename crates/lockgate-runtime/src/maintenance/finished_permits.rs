@@ -8,7 +8,8 @@
 //! grows, for about two seconds, without holding a slot meanwhile, so one long producer
 //! transaction over many keys does not stall the others (review of §72, helper-74). A row held
 //! longer is left to the key's next holder or the concurrency sweep, which give such permits
-//! back too. An accelerator only, like the notifier that feeds it.
+//! back too. An accelerator only, like the notifier that feeds it. A try not answered within the
+//! runtime's bound is given up with its connection (`held::on_pool`), so it frees its slot.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -16,6 +17,8 @@ use std::time::Duration;
 
 use lockgate_sql::PgPool;
 use tokio::sync::Semaphore;
+
+use crate::held::on_pool;
 
 /// How long one try waits for the key's row: producer transactions are most often a few
 /// milliseconds long.
@@ -35,6 +38,8 @@ const AT_ONCE: usize = 2;
 
 pub(crate) struct FinishedPermits {
     db: PgPool,
+    /// How long one try may go unanswered.
+    within: Duration,
     slots: Semaphore,
     /// Keys with a give-back under way, and whether another notification came meanwhile (it may
     /// name a permit the one under way looked for too early: it runs once more).
@@ -42,8 +47,8 @@ pub(crate) struct FinishedPermits {
 }
 
 impl FinishedPermits {
-    pub fn new(db: PgPool) -> Self {
-        Self { db, slots: Semaphore::new(AT_ONCE), pending: Mutex::new(HashMap::new()) }
+    pub fn new(db: PgPool, within: Duration) -> Self {
+        Self { db, within, slots: Semaphore::new(AT_ONCE), pending: Mutex::new(HashMap::new()) }
     }
 
     fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<String, bool>> {
@@ -67,7 +72,12 @@ impl FinishedPermits {
                 let mut pauses = PAUSES.iter();
                 loop {
                     let given = match this.slots.acquire().await {
-                        Ok(_slot) => lockgate_sql::give_back_finished(&this.db, &key, TRY).await,
+                        Ok(_slot) => {
+                            on_pool(&this.db, this.within, async |c| {
+                                lockgate_sql::give_back_finished(c, &key, TRY).await
+                            })
+                            .await
+                        }
                         Err(_) => break,
                     };
                     match (given, pauses.next()) {

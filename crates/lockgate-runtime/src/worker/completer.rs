@@ -24,8 +24,8 @@ use tokio::task::JoinSet;
 use std::time::{Duration, Instant};
 
 use super::executor::give_back_if_cancelled;
-use super::held::{on_pool, HeldConnection};
 use super::persist::{persist, PersistError};
+use crate::held::{on_pool, HeldConnection};
 use crate::in_flight::{Delivery, InFlight};
 use crate::metrics::JobMetrics;
 

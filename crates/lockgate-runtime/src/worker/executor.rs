@@ -13,11 +13,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::completer::Finished;
-use super::held::on_pool;
 use super::persist::persist;
 use super::slots::Slot;
-use super::{answer_within, Shared};
+use super::Shared;
 use crate::handler::HandlerFailure;
+use crate::held::{answer_within, on_pool};
 use crate::in_flight::{Delivery, Finish, Start, ABORT_WAIT, CANCEL_GRACE};
 use crate::metrics::JobMetrics;
 use crate::{CancelReason, JobContext, JobError};

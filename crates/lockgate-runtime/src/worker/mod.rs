@@ -29,7 +29,6 @@
 
 mod completer;
 pub(crate) mod executor;
-mod held;
 mod persist;
 mod slots;
 
@@ -42,7 +41,7 @@ use lockgate_core::{Claim, QueueName};
 use lockgate_sql::PgPool;
 use tokio::sync::Semaphore;
 
-use held::HeldConnection;
+use crate::held::{self, answer_within, HeldConnection};
 use slots::{ClaimSlots, Prefetch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -79,15 +78,6 @@ const CLAIM_RETRY_PAUSE: Duration = Duration::from_millis(100);
 const CLAIM_COALESCE: Duration = Duration::from_millis(1);
 /// The claim size the coalescing aims for (PGMQ users read 16 at a time).
 const CLAIM_BATCH_TARGET: usize = 16;
-
-/// How long a claim or a completion statement may go unanswered before it is given up with its
-/// connection: half the visibility timeout, twice the server's own budget for it
-/// (`budgets::Budget::runtime`, which ends the statement there first, except under transaction
-/// pooling, where the role's settings apply). A claim answered later than that has spent half its
-/// deliveries' budget; given up, they cost no attempt (§115) and run once their visibility lapses.
-pub(crate) fn answer_within(config: &RuntimeConfig) -> Duration {
-    (config.visibility_timeout / 2).max(Duration::from_millis(1))
-}
 
 pub struct WorkerPool {
     config: PoolConfig,

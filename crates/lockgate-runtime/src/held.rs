@@ -1,4 +1,5 @@
-//! A connection that a loop keeps between its statements.
+//! Statements held to a bound: a connection that a loop keeps between its statements, and a
+//! statement run on a connection taken for it.
 //!
 //! sqlx's pool tests every connection it takes back with a round trip (a `Sync` on release,
 //! whatever `test_before_acquire` says) and hands it back through a spawned task. A loop that runs
@@ -8,13 +9,28 @@
 //! connection whose session refused to write is closed instead. A statement not answered within
 //! the connection's bound (a flow the network dropped without a reset, a server that hangs) is
 //! given up and its connection closed: a claim awaited for good stalled its pool, and the
-//! process's shutdown with it (review helper-135 F6).
+//! process's shutdown with it (review helper-135 F6). The maintenance services, the recurring
+//! scheduler and the process registry run each statement through [`on_pool`] under the same
+//! bound: a sweep awaited for good stopped sweeping for the process's life, a registry's beat
+//! left it ready while its row went silent, and either held its shutdown (design §119).
 
 use std::time::Duration;
 
 use lockgate_sql::{DbError, PgPool};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, Postgres};
+
+use crate::config::RuntimeConfig;
+
+/// How long one of the runtime's statements may go unanswered before it is given up with its
+/// connection: half the visibility timeout, twice the server's own budget for it
+/// (`budgets::Budget::runtime`, which ends the statement there first, except under transaction
+/// pooling, where the role's settings apply). A claim answered later than that has spent half its
+/// deliveries' budget; given up, they cost no attempt (§115) and run once their visibility lapses.
+/// The maintenance services, the scheduler and the registry are held to it too (§119).
+pub(crate) fn answer_within(config: &RuntimeConfig) -> Duration {
+    (config.visibility_timeout / 2).max(Duration::from_millis(1))
+}
 
 pub(crate) struct HeldConnection {
     pool: PgPool,
@@ -70,7 +86,7 @@ impl HeldConnection {
 /// Runs one statement on a connection of `pool` taken for it, given up (and the connection
 /// closed, not handed back) when it is not answered within `within`, the wait for a connection
 /// included. A final statement's path (`persist`) for the statements that need no held
-/// connection: retry, dead letter, release.
+/// connection (retry, dead letter, release), and every statement of the periodic services.
 pub(crate) async fn on_pool<T>(
     pool: &PgPool,
     within: Duration,
@@ -85,6 +101,10 @@ pub(crate) async fn on_pool<T>(
         conn.close_on_drop();
         return Err(no_answer(within));
     };
+    // A session that refused to write stays so: closed, not given back, as a held connection's is.
+    if result.as_ref().is_err_and(DbError::is_read_only) {
+        let _ = conn.close().await;
+    }
     result
 }
 
