@@ -84,6 +84,16 @@ BEGIN
         RAISE EXCEPTION 'lockgate: invalid unique on_conflict "%": reject or discard', unique_on_conflict
             USING ERRCODE = 'LG003';
     END IF;
+    -- A key is a limit's or a mode's: given alone it did nothing, and the type ran unlimited (or
+    -- not unique) where its definer meant a key (review helper-136 F13; the TOML refuses it too).
+    IF concurrency_limit IS NULL AND cardinality(concurrency_key) > 0 THEN
+        RAISE EXCEPTION 'lockgate: concurrency_key % without a concurrency_limit: give the limit, or no key',
+            array_to_string(concurrency_key, ', ', 'NULL') USING ERRCODE = 'LG003';
+    END IF;
+    IF unique_mode IS NULL AND cardinality(unique_key) > 0 THEN
+        RAISE EXCEPTION 'lockgate: unique_key % without a unique_mode: give until_executed or while_executing, or no key',
+            array_to_string(unique_key, ', ', 'NULL') USING ERRCODE = 'LG003';
+    END IF;
     IF EXISTS (SELECT 1 FROM unnest(concurrency_key || unique_key) p WHERE p IS NULL OR p !~ '^[^.]+(\.[^.]+)*$') THEN
         RAISE EXCEPTION 'lockgate: invalid key path in %: argument paths such as "account" or "account.id"',
             array_to_string(concurrency_key || unique_key, ', ', 'NULL') USING ERRCODE = 'LG003';

@@ -255,6 +255,15 @@ async fn bad_sql_inputs_are_refused_with_errors_that_name_them() {
         ("SELECT lockgate.define_job_type('far', concurrency_duration_ms => NULL)", "invalid concurrency_duration_ms"),
         ("SELECT lockgate.define_job_type('far', concurrency_duration_ms => 0)", "invalid concurrency_duration_ms 0"),
         ("SELECT lockgate.define_job_type('far', concurrency_on_conflict => NULL)", "invalid concurrency on_conflict"),
+        // Review (helper-136, F13): a key without its limit or mode was stored and did nothing.
+        (
+            "SELECT lockgate.define_job_type('far', concurrency_key => '{account}')",
+            "concurrency_key account without a concurrency_limit",
+        ),
+        (
+            "SELECT lockgate.define_job_type('far', unique_key => '{image}', unique_on_conflict => 'discard')",
+            "unique_key image without a unique_mode",
+        ),
         ("SELECT lockgate.enqueue_many('note', ARRAY['{}', '7']::jsonb[])", "arguments #2 must be a JSON object"),
         ("SELECT lockgate.create_queue('Bad Name')", "invalid queue name \"Bad Name\""),
         ("SELECT lockgate.create_queue(repeat('q', 48))", "invalid queue name"),
