@@ -82,15 +82,17 @@ BEGIN
             END IF;
             -- The state it was in when this delete took it (a claim may have run since the lookup).
             state := gone_headers->>'cancelled_in';
-            -- A job whose delivery lapsed is queued again, but its worker, frozen or cut off, may
-            -- still run its `sql` statement on a backend that carries its mark: ended first, or
-            -- the job is treated as running, its permit and key kept for the sweep and the next
-            -- taker of the key, which end the statement before they hand them on (docs/design.md
-            -- §100; review helper-113 F1). No new mark can come: the message is gone.
-            held := gone_headers->>'cancelled_in' = 'running';
-            IF NOT held AND (gone_headers ? 'ckey' OR gone_headers ? 'wkey') THEN
-                held := cardinality(lockgate._end_statements(ARRAY[lockgate._statement_tag(j.queue, gone_id)])) > 0;
-            END IF;
+            -- Its `sql` statement, if one still runs on a backend that carries its mark, is ended
+            -- here, whatever state the job was in: its worker, frozen or cut off, cannot end it,
+            -- and with the message gone no claim delivers the job again and no sweep expires a
+            -- lease of an unlimited job, which would end it otherwise (docs/design.md §100, §120;
+            -- reviews helper-113 F1, helper-139 F2: a cancelled job's statement committed its
+            -- work 18 s after the cancel). A statement that could not be ended keeps the job
+            -- treated as running, as a running job always is: its permit and key kept for the
+            -- sweep and the next taker of the key, which end the statement before they hand them
+            -- on. No new mark can come: the message is gone.
+            held := cardinality(lockgate._end_statements(ARRAY[lockgate._statement_tag(j.queue, gone_id)])) > 0;
+            held := held OR gone_headers->>'cancelled_in' = 'running';
             -- A running job's permit waits for its handler to stop (release_cancelled).
             IF gone_headers ? 'ckey' AND NOT held THEN
                 PERFORM lockgate._release_leases(j.queue, ARRAY[gone_id]);

@@ -385,8 +385,8 @@ async fn a_mark_worn_by_a_role_without_lockgates_rights_holds_nothing() {
 
 /// A cancelled running job of a `while_executing` type keeps its unique key only until its
 /// visibility ends (by then its worker has stopped it); a worker frozen or cut off stopped
-/// nothing, so the claim that takes the key for the next job, and the reaper, end its statement
-/// first.
+/// nothing, so the cancel ends its statement, and, where the cancel's role may not, the claim
+/// that takes the key for the next job, and the reaper, end it first.
 #[tokio::test]
 async fn a_cancelled_jobs_statement_is_ended_before_its_unique_key_passes_on() {
     // (by the reaper, as a role that may end the statement)
@@ -401,14 +401,16 @@ async fn a_cancelled_jobs_statement_is_ended_before_its_unique_key_passes_on() {
         enqueue(&db.pool).await;
         let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
         let (pid, statement) = running_statement(&db, m, rc).await;
-        sqlx::query("SELECT lockgate.cancel($1)").bind(m).execute(&db.pool).await.unwrap();
+        // Cancelled by the same role as takes the key: one that may end the statement ends it at
+        // the cancel (design §120), one that may not leaves it to whoever takes the key next.
+        let mut taker =
+            if may_end { PgConnection::connect(&db.url).await.unwrap() } else { not_superuser(&db, "taker").await };
+        sqlx::query("SELECT lockgate.cancel($1)").bind(m).execute(&mut taker).await.unwrap();
         // The cancelled run's visibility over: the lock it kept for its handler is free to take.
         sqlx::query("UPDATE lockgate.unique_locks SET held_until = now() - interval '1 second'")
             .execute(&db.pool)
             .await
             .unwrap();
-        let mut taker =
-            if may_end { PgConnection::connect(&db.url).await.unwrap() } else { not_superuser(&db, "taker").await };
         let handed_on = if reaper {
             let reaped: i32 = sqlx::query_scalar("SELECT lockgate.reap_unique_locks('0 seconds')")
                 .fetch_one(&mut taker)
@@ -461,5 +463,34 @@ async fn a_cancel_of_a_lapsed_delivery_ends_its_statement_before_its_permit_pass
             assert!(next.is_empty(), "the key's next job ran beside the cancelled job's statement");
             assert!(running(&db.pool, pid).await);
         }
+    }
+}
+
+/// An operator's cancel of an unlimited job whose `sql` statement runs on while its worker is
+/// frozen or cut off ends that statement, whether the job was still running or its delivery had
+/// lapsed: nothing else would (no claim delivers a cancelled job again, and an unlimited job has
+/// no lease for the sweep to expire). Before, the statement committed its work after the cancel
+/// (review helper-139 F2: 18 s later, the job shown cancelled and its batch finished).
+#[tokio::test]
+async fn a_cancel_ends_the_statement_of_an_unlimited_job_whose_worker_is_silent() {
+    for lapsed in [false, true] {
+        let db = TestDb::migrated().await.unwrap();
+        define(&db, None).await;
+        assert_eq!(enqueue(&db.pool).await, "enqueued");
+        let [(m, rc)] = claim(&db.pool).await[..] else { panic!("one delivery") };
+        let (pid, statement) = running_statement(&db, m, rc).await;
+        if lapsed {
+            lapse_visibility(&db.pool).await;
+        }
+        let (state, cancelled): (String, bool) = sqlx::query_as("SELECT state, cancelled FROM lockgate.cancel($1)")
+            .bind(m)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        let was = if lapsed { "queued" } else { "running" };
+        assert_eq!((state.as_str(), cancelled), (was, true));
+        assert!(!running(&db.pool, pid).await, "the cancelled {was} job's statement ran on");
+        let ended = tokio::time::timeout(Duration::from_secs(10), statement).await.expect("the statement ended");
+        assert!(ended.unwrap().is_err(), "the cancelled {was} job's statement was ended, not left to finish");
     }
 }
