@@ -1352,3 +1352,28 @@ async fn a_queue_whose_table_name_is_another_tables_is_refused_naming_it() {
         assert!(db_err.message().contains(&format!("{table} exists and is not a PGMQ queue's table")), "{db_err}");
     }
 }
+
+/// A wake-up whose replies never come (a flow the network dropped without a reset) is given up
+/// with its connection, and tried again on a new one: `Client::wakes_sent` returns, and the
+/// wake-up is sent. Awaited for good, `wakes_sent` (so `lockgate enqueue`, which awaits it before
+/// it prints the job) and every later wake-up of the task hung (review helper-141 F8).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_up_whose_replies_never_come_is_given_up_and_sent_again() {
+    let (db, _) = setup().await;
+    let proxy = lockgate_testkit::FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&proxy.url_for(&db.url)).await.unwrap();
+    let client = Client::new(pool);
+    let mut listener = PgListener::connect(&db.url).await.unwrap();
+    listener.listen("lockgate_default").await.unwrap();
+    // The enqueue leaves its wake-up to the wake task, whose first statement's replies vanish.
+    let busy = busy_notifier(&db.pool).await;
+    proxy.swallow_replies_to_request_containing("lockgate.wake(");
+    client.enqueue(&Note { text: "a".into() }).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(15), client.wakes_sent()).await.expect("wakes_sent returned");
+    assert!(proxy.met_marked_reply(), "the wake-up's replies were swallowed");
+    busy.rollback().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), listener.recv())
+        .await
+        .expect("a wake-up was sent after the one given up")
+        .unwrap();
+}

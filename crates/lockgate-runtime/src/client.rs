@@ -53,6 +53,12 @@ const LANE_IDLE_PING: Duration = Duration::from_secs(5);
 /// wake-up costs one claim that finds nothing, where a missing one costs `poll_interval`.
 const RUN_AT_CLOCK_MARGIN: Duration = Duration::from_secs(60);
 
+/// How long a wake-up statement may go unanswered before it is given up with its connection (a
+/// flow the network dropped without a reset): a wake-up is a few milliseconds, and one awaited for
+/// good held every later wake-up of its task, and `wakes_sent` (so `lockgate enqueue`) for good
+/// (review helper-141 F8).
+const WAKE_WITHIN: Duration = Duration::from_secs(5);
+
 /// A handle for producers. Cheap to clone (it holds a pool, and shares its lane connection and
 /// its wake task, which it shares with every other client on the same runtime, database and
 /// login).
@@ -565,7 +571,8 @@ static WAKE_TASKS: LazyLock<StdMutex<HashMap<WakeTarget, Weak<WakeSender>>>> = L
 /// from it; no pool is kept beyond the statement, so a client dropped or a pool closed takes
 /// nothing from the others. Every request waiting when it starts a statement joins it, so
 /// producers enqueueing at once, through one client or many, share wake-ups, each sent after
-/// its commit. A failed statement is tried once more on a new connection, then logged.
+/// its commit. A failed statement, or one not answered within `WAKE_WITHIN`, is tried once more on
+/// a new connection, then logged.
 async fn send_wakes(mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
     let mut conn: Option<PgConnection> = None;
     while let Some(first) = requests.recv().await {
@@ -610,7 +617,10 @@ async fn wake_on(pools: &[PgPool], conn: &mut Option<PgConnection>, queues: &[St
         Some(conn) => conn,
         None => conn.insert(connect(pools).await?),
     };
-    lockgate_sql::wake(Db::idle(conn), queues).await
+    // Given up, the connection is dropped by the caller (closed, not reused for the next).
+    tokio::time::timeout(WAKE_WITHIN, lockgate_sql::wake(Db::idle(conn), queues))
+        .await
+        .unwrap_or_else(|_| Err(crate::held::no_answer(WAKE_WITHIN)))
 }
 
 /// A connection from the first of `pools` that is open and gives one (within its own
