@@ -148,3 +148,47 @@ async fn json_logs_carry_the_job_id_type_queue_and_attempt_of_each_job_event() {
     let pool = find("pool started");
     assert_eq!((&pool["queues"], &pool["concurrency"]), (&"default".into(), &2.into()), "{pool}");
 }
+
+/// The descriptors `lockgate run` holds (its sockets, pipes and files).
+fn open_descriptors(child: &Child) -> usize {
+    std::fs::read_dir(format!("/proc/{}/fd", child.id())).unwrap().count()
+}
+
+/// A peer that opens many connections to the health port and sends half a request, or nothing,
+/// takes no more of the process's descriptors than the server's connection cap, and holds up no
+/// shutdown: `TERM` ends the process while they are still open. Before, 20,000 idle connections
+/// took every descriptor (every job then failed: "Too many open files"), and one half-sent
+/// request kept the process from exiting until its peer closed it (review helper-140 F12, F3).
+#[tokio::test]
+async fn a_peer_holding_health_connections_open_takes_no_descriptors_past_the_cap_nor_the_shutdown() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let runtime = DEFAULT_RUNTIME.replace("health_listen = \"off\"", &format!("health_listen = \"127.0.0.1:{port}\""));
+    let setup = Setup::with_runtime(&runtime, "true", "");
+    let db = TestDb::migrated().await.unwrap();
+    let mut child = setup.run(&db);
+    wait_registered(&db).await;
+    let before = open_descriptors(&child);
+    // Opened at once; those beyond the server's cap may wait in the kernel's queue, and are
+    // given up after a second.
+    let mut opening = tokio::task::JoinSet::new();
+    for n in 0..200 {
+        opening.spawn(async move {
+            let second = std::time::Duration::from_secs(1);
+            let mut conn =
+                tokio::time::timeout(second, tokio::net::TcpStream::connect(("127.0.0.1", port))).await.ok()?.ok()?;
+            if n % 2 == 0 {
+                tokio::io::AsyncWriteExt::write_all(&mut conn, b"GET /livez HTTP/1.1\r\nHost: x\r\n").await.ok()?;
+            }
+            Some(conn)
+        });
+    }
+    let held: Vec<_> = opening.join_all().await.into_iter().flatten().collect();
+    assert!(held.len() >= 64, "only {} connections opened", held.len());
+    // Absence over a while: the server has taken what it will.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let during = open_descriptors(&child);
+    assert!(during <= before + 64 + 4, "{before} descriptors before, {during} with 200 connections held");
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success(), "the process exits 0 after TERM, connections held");
+    drop(held);
+}

@@ -6,16 +6,30 @@
 //! read-only server, an unreachable one) makes the process not ready until one lands: it can
 //! neither renew nor complete. A lost LISTEN connection is reported as degraded but keeps the
 //! process ready: polling still delivers every job (H20).
+//!
+//! The server takes at most `MAX_CONNECTIONS` connections at once (more wait in the kernel's
+//! backlog) and serves each for `CONNECTION_LIFETIME` at most: a peer that opened thousands of
+//! idle connections took the file descriptors the jobs needed, and every job failed; one that sent
+//! half a request held the process's shutdown for as long as it pleased (review helper-140 F12,
+//! F3). At shutdown, requests in progress get `SHUTDOWN_GRACE`, then every connection is dropped.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::http::{header, StatusCode};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::{json, Value};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{self, Metrics};
@@ -153,7 +167,7 @@ impl Health {
 /// Serves `/livez`, `/readyz` and `/metrics` on `addr` until `shutdown`. A bind failure is
 /// logged, not fatal. A scrape only encodes what the process holds: it never queries the database.
 pub(crate) async fn serve(
-    listener: tokio::net::TcpListener,
+    listener: TcpListener,
     health: Arc<Health>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
@@ -183,8 +197,79 @@ pub(crate) async fn serve(
             async move { ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], metrics.encode()) }
         }),
     );
-    let served = axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await;
-    if let Err(error) = served {
-        tracing::warn!(%error, "health endpoints stopped");
+    let listener = BoundedListener { inner: listener, slots: Arc::new(Semaphore::new(MAX_CONNECTIONS)) };
+    let stop = shutdown.clone();
+    let served = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
+    tokio::select! {
+        served = served => {
+            if let Err(error) = served {
+                tracing::warn!(%error, "health endpoints stopped");
+            }
+        }
+        () = async { shutdown.cancelled().await; tokio::time::sleep(SHUTDOWN_GRACE).await } => {
+            tracing::debug!("health connections still open at shutdown: dropped");
+        }
+    }
+}
+
+/// Connections the health server serves at once.
+const MAX_CONNECTIONS: usize = 64;
+
+/// How long one connection is served: a probe or a scrape takes milliseconds.
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(10);
+
+/// How long requests in progress at shutdown may take to finish.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
+
+/// A TCP listener that accepts a connection only while it serves fewer than its slots.
+struct BoundedListener {
+    inner: TcpListener,
+    slots: Arc<Semaphore>,
+}
+
+impl axum::serve::Listener for BoundedListener {
+    type Io = BoundedConnection;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (BoundedConnection, SocketAddr) {
+        let slot = Arc::clone(&self.slots).acquire_owned().await.expect("the slots are never closed");
+        let (io, addr) = axum::serve::Listener::accept(&mut self.inner).await;
+        (BoundedConnection { io, _slot: slot, ends: Box::pin(tokio::time::sleep(CONNECTION_LIFETIME)) }, addr)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+}
+
+/// A connection holding its listener's slot until it is dropped, whose reads fail once its
+/// lifetime is over (the server then closes it).
+struct BoundedConnection {
+    io: TcpStream,
+    _slot: OwnedSemaphorePermit,
+    ends: Pin<Box<Sleep>>,
+}
+
+impl AsyncRead for BoundedConnection {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        if self.ends.as_mut().poll(cx).is_ready() {
+            let over = std::io::Error::new(std::io::ErrorKind::TimedOut, "health connection past its lifetime");
+            return Poll::Ready(Err(over));
+        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for BoundedConnection {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
