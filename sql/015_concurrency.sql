@@ -132,8 +132,6 @@ RETURNS TABLE (key text, oldest timestamptz) LANGUAGE sql STABLE AS $$
      GROUP BY p.key
 $$;
 
-DROP FUNCTION IF EXISTS lockgate._acquire(text, integer);
-
 -- Takes one permit of key for a job of type job_type, limited to lim; true when taken. Taken
 -- while the key has fewer holders than lim and than every holder's own type's limit: types that
 -- share a key (an explicit key several types name) are each admitted under the strictest limit
@@ -180,8 +178,6 @@ BEGIN
     RETURN true;
 END $$;
 
-DROP FUNCTION IF EXISTS lockgate._add_lease(text, text, bigint, timestamptz, bigint);
-
 -- Binds a taken permit to its message, naming the job's type (what lockgate._holders
 -- reads). The lease covers the delay before the message is visible (H9), then the silence
 -- budget. PL/pgSQL, for its plan kept for the session (a SQL function's INSERT was planned again
@@ -194,6 +190,22 @@ BEGIN
             GREATEST(_add_lease.visible_at, clock_timestamp()) + lockgate._lease_interval(_add_lease.duration_ms),
             _add_lease.job_type);
 END $$;
+
+-- Revision 115's forms of the two above, which named no type: kept for the sessions still
+-- running that revision's functions while a migrate replaces them. An enqueue, claim or promotion
+-- of that revision in progress when the migrate committed calls them after it, and failed with
+-- 42883 when revision 116 dropped them (review helper-141 F1). A permit taken, or a lease
+-- written, without a type counts under the key's recorded limit, as those taken before
+-- migration 27 do (lockgate._holders).
+CREATE OR REPLACE FUNCTION lockgate._acquire(key text, lim integer)
+RETURNS boolean LANGUAGE sql AS $$
+    SELECT lockgate._acquire(key, lim, NULL::text)
+$$;
+
+CREATE OR REPLACE FUNCTION lockgate._add_lease(key text, queue text, msg_id bigint, visible_at timestamptz, duration_ms bigint)
+RETURNS void LANGUAGE sql AS $$
+    SELECT lockgate._add_lease(key, queue, msg_id, visible_at, duration_ms, NULL::text)
+$$;
 
 -- Ends the leases of the given messages of one queue, whose jobs have just ended (completed,
 -- dead-lettered, cancelled) in the caller's transaction, after the fenced statement that decided

@@ -805,3 +805,23 @@ async fn a_role_that_does_not_own_a_table_made_again_leaves_it_to_the_owners_mig
     assert!(!made_again, "the owner adopts it");
     tx.rollback().await.unwrap();
 }
+
+/// Revision 116 dropped `_acquire(text, integer)` and `_add_lease(text, text, bigint,
+/// timestamptz, bigint)` when it gave both the job's type: an enqueue, claim or promotion of
+/// revision 115 in progress when a migrate to 116 or later committed called them after it, and
+/// failed with 42883, "function lockgate._acquire(text, integer) does not exist" (review
+/// helper-141 F1, three of three rolling upgrades under a producer). They are there again, as
+/// forms that name no type, and the limit holds for what they take.
+#[tokio::test]
+async fn the_permit_functions_an_older_revisions_paths_call_are_still_there() {
+    let db = TestDb::migrated().await.unwrap();
+    let take = || async { sqlx::query_scalar::<_, bool>("SELECT lockgate._acquire('k', 1)").fetch_one(&db.pool).await };
+    assert!(take().await.unwrap(), "a free permit is taken");
+    assert!(!take().await.unwrap(), "the key's limit holds");
+    sqlx::query("SELECT lockgate._add_lease('k', 'default', 42, now(), 60000)").execute(&db.pool).await.unwrap();
+    let lease: (String, Option<String>) = sqlx::query_as("SELECT key, job_type FROM lockgate.leases WHERE msg_id = 42")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(lease, ("k".to_string(), None));
+}
