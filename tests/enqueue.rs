@@ -1377,3 +1377,24 @@ async fn a_wake_up_whose_replies_never_come_is_given_up_and_sent_again() {
         .expect("a wake-up was sent after the one given up")
         .unwrap();
 }
+
+/// An enqueue whose reply is lost after its commit (the connection cut between the server's
+/// answer and the client) returns an error that says the job may have been enqueued, as it was;
+/// a refusal says nothing was. Before, the error said only "transient", and the type's docs
+/// "nothing is enqueued": retried as told, the job was enqueued twice (review helper-141 F3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueue_whose_reply_is_lost_after_its_commit_says_it_may_have_committed() {
+    let (db, _) = setup().await;
+    let proxy = lockgate_testkit::FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&proxy.url_for(&db.url)).await.unwrap();
+    let client = Client::new(pool);
+    // The client's own connection taken and used: the next reply through the proxy is the enqueue's.
+    client.enqueue(&Note { text: "first".into() }).await.unwrap();
+    proxy.cut_next_reply();
+    let err = client.enqueue(&Note { text: "lost".into() }).await.unwrap_err();
+    assert!(proxy.has_cut(), "the reply was cut");
+    assert!(err.may_have_committed() && err.is_transient(), "{err:?}");
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default WHERE message->>'text' = 'lost'").await.unwrap(), 1);
+    let refused = client.enqueue_raw("missing", &json!({}), &EnqueueOptions::default()).await.unwrap_err();
+    assert!(!refused.may_have_committed(), "{refused:?}");
+}

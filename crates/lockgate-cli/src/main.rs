@@ -112,10 +112,19 @@ async fn cli() {
         let text = causes_once(&err).replace("error returned from database: lockgate: ", "lockgate: ");
         let text = text.replace(": lockgate: ", ": ");
         eprintln!("error: {}", text.strip_prefix("lockgate: ").unwrap_or(&text));
-        if let Some(hint) = hint(&err) {
+        // An enqueue whose connection broke after it was sent may have committed: said, and
+        // told apart by its status, so that a script does not enqueue the job again blindly
+        // (review helper-141 F3).
+        let unknown = err.downcast_ref::<lockgate::EnqueueError>().is_some_and(|e| e.may_have_committed());
+        if unknown {
+            eprintln!(
+                "hint: the connection broke after the enqueue was sent, so the job may have been enqueued: look for \
+                 it (`lockgate jobs --type TYPE`) before enqueueing it again; a unique key makes a retry safe"
+            );
+        } else if let Some(hint) = hint(&err) {
             eprintln!("hint: {hint}");
         }
-        std::process::exit(1);
+        std::process::exit(if unknown { 3 } else { 1 });
     }
 }
 

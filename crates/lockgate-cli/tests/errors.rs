@@ -642,3 +642,23 @@ async fn a_read_only_database_is_named_and_ends_the_start_of_run() {
     let advice = format!("ALTER ROLE {role} IN DATABASE {} RESET default_transaction_read_only", db.name);
     assert!(text(&o).contains(&advice), "{}", text(&o));
 }
+
+/// `lockgate enqueue` whose connection breaks after the server committed the job (the reply cut
+/// on its way back) exits 3, saying the job may have been enqueued and to look for it before
+/// enqueueing it again; it was. Before, it exited 1 like any refusal, and a script retrying on
+/// failure enqueued the job twice (review helper-141 F3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueue_whose_reply_is_lost_after_its_commit_exits_3_and_says_so() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('note')").execute(&db.pool).await.unwrap();
+    let proxy = lockgate_testkit::FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    proxy.cut_reply_to_request_containing("reply-to-lose");
+    let url = proxy.url_for(&db.url);
+    let mut cmd = lockgate(&db, &["enqueue", "note", r#"{"tag": "reply-to-lose"}"#]);
+    cmd.env("DATABASE_URL", url);
+    let o = tokio::task::spawn_blocking(move || cmd.output().unwrap()).await.unwrap();
+    assert!(proxy.met_marked_reply(), "the enqueue's reply was cut: {}", text(&o));
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("the job may have been enqueued"), "{}", text(&o));
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_default WHERE message->>'tag' = 'reply-to-lose'").await.unwrap(), 1);
+}

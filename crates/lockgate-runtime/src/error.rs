@@ -3,7 +3,10 @@
 use lockgate_core::{JobId, ValidationError};
 use lockgate_sql::DbError;
 
-/// Why an enqueue was refused. Nothing is enqueued when any of these is returned.
+/// Why an enqueue was refused, or did not answer. Nothing is enqueued when any of these is
+/// returned, except an error whose [`EnqueueError::may_have_committed`] is true: the connection
+/// broke after the enqueue was sent, and its transaction may have committed (review helper-141
+/// F3: retried, the job was enqueued twice).
 ///
 /// The refusals a producer handles carry their data: the unknown type, the full key, the held
 /// unique key and its holder. Everything else the database says is [`EnqueueError::Database`],
@@ -50,9 +53,20 @@ impl From<DbError> for EnqueueError {
 }
 
 impl EnqueueError {
-    /// Whether the same enqueue may succeed if retried (the database was unreachable).
+    /// Whether the same enqueue may succeed if retried (the database was unreachable). When
+    /// [`may_have_committed`](Self::may_have_committed) is true too, a retry may enqueue the job a
+    /// second time: give the job a unique key (its retry is then a `Duplicate` naming the first),
+    /// or look it up before retrying.
     pub fn is_transient(&self) -> bool {
         matches!(self, Self::Database(e) if e.is_transient())
+    }
+
+    /// Whether the enqueue may have committed although it returned this error: the connection
+    /// broke, or stopped answering, after the statement was sent (an I/O or protocol error of
+    /// the driver). A refusal, an invalid call, a server error and a pool that gave no
+    /// connection are false: nothing was enqueued.
+    pub fn may_have_committed(&self) -> bool {
+        matches!(self, Self::Database(DbError::Sqlx(sqlx::Error::Io(_) | sqlx::Error::Protocol(_))))
     }
 }
 

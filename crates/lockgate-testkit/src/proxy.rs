@@ -110,6 +110,14 @@ impl FaultProxy {
         *self.marked.lock().unwrap_or_else(|e| e.into_inner()) = Some(marked);
     }
 
+    /// The first reply to the first request the client sends that carries `needle` is dropped
+    /// and its connection closed both ways: the statement has run (and, outside a transaction,
+    /// committed), and its client hears only that the connection broke.
+    pub fn cut_reply_to_request_containing(&self, needle: &str) {
+        let marked = Marked { needle: needle.as_bytes().to_vec(), close: true, in_request: true, met: false };
+        *self.marked.lock().unwrap_or_else(|e| e.into_inner()) = Some(marked);
+    }
+
     fn arm(&self, needle: &str, close: bool) {
         let marked = Marked { needle: needle.as_bytes().to_vec(), close, in_request: false, met: false };
         *self.marked.lock().unwrap_or_else(|e| e.into_inner()) = Some(marked);
@@ -149,16 +157,19 @@ async fn wait_thawed(frozen: &mut watch::Receiver<bool>) {
 
 async fn pump(client: TcpStream, server: TcpStream, faults: Faults, frozen: watch::Receiver<bool>) {
     let (mut frozen_up, mut frozen_down) = (frozen.clone(), frozen);
-    // Set by the upstream half when a request matches: the downstream half swallows from then on.
-    let swallow = AtomicBool::new(false);
+    // Set by the upstream half when a request matches: the downstream half swallows from then on,
+    // or closes the connection at the next reply.
+    let (swallow, cut) = (AtomicBool::new(false), AtomicBool::new(false));
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
     let upstream = async {
         let mut buf = vec![0u8; 16 * 1024];
         while let Ok(n) = client_read.read(&mut buf).await {
             wait_thawed(&mut frozen_up).await;
-            if faults.marked(&buf[..n], true).is_some() {
-                swallow.store(true, Ordering::SeqCst);
+            match faults.marked(&buf[..n], true) {
+                Some(true) => cut.store(true, Ordering::SeqCst),
+                Some(false) => swallow.store(true, Ordering::SeqCst),
+                None => {}
             }
             if n == 0 || server_write.write_all(&buf[..n]).await.is_err() {
                 break;
@@ -173,7 +184,7 @@ async fn pump(client: TcpStream, server: TcpStream, faults: Faults, frozen: watc
             // A lone ReadyForQuery is the tail of an earlier reply (sqlx reads it lazily), not
             // the answer to the statement under test: let it through.
             let lone_ready = n == 6 && buf[0] == b'Z';
-            if n == 0 || (!lone_ready && faults.cut.swap(false, Ordering::SeqCst)) {
+            if n == 0 || (!lone_ready && (faults.cut.swap(false, Ordering::SeqCst) || cut.load(Ordering::SeqCst))) {
                 break;
             }
             match faults.marked(&buf[..n], false) {
