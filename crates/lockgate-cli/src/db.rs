@@ -42,6 +42,29 @@ impl Target {
     }
 }
 
+/// How long `status` and `doctor` wait for a lock on a table they read: one another session holds
+/// (an abandoned transaction, a migrate rebuilding an index) made them wait, silent, for as long
+/// as it was held (review helper-140 F2).
+pub const READ_LOCK_TIMEOUT: &str = "5s";
+
+/// A pool for the operators' reads, `status` and `doctor`: each statement waits at most
+/// `READ_LOCK_TIMEOUT` for a lock (55P03 past it). Not through a transaction-mode pooler, which
+/// refuses startup options (there the role's `lock_timeout` holds).
+pub async fn connect_reading(target: &Target) -> Result<PgPool> {
+    let (url, timeout) = (target.url(), target.connect_timeout());
+    let mut options = options(&url)?;
+    if !lockgate::sql::pooler::transaction_pooling() {
+        options = options.options([("lock_timeout", READ_LOCK_TIMEOUT)]);
+    }
+    let _ = connect_one(&url, &options, timeout).await?.close().await;
+    PgPoolOptions::new().max_connections(1).connect_with(options).await.map_err(|err| connect_error(&url, err, timeout))
+}
+
+/// Whether `err` is a statement that gave up waiting for a lock (`lock_timeout`, 55P03).
+pub fn lock_timed_out(err: &lockgate::sql::DbError) -> bool {
+    matches!(err, lockgate::sql::DbError::Sqlx(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03"))
+}
+
 /// Connects, and fails with a message naming `lockgate migrate` if the schema is not current.
 pub async fn connect_checked(target: &Target, max_connections: u32) -> Result<PgPool> {
     let pool = connect(target, max_connections).await?;

@@ -157,6 +157,10 @@ fn hint(err: &anyhow::Error) -> Option<&'static str> {
              that ran lockgate migrate (or its grants); a role that only enqueues needs the grants of the README's \
              \"A producer's role\"",
         ),
+        "55P03" => Some(
+            "another session holds a lock on a table this command reads, past its lock_timeout: `lockgate doctor` \
+             names the sessions holding lockgate's and PGMQ's tables (sessions)",
+        ),
         "25006" => Some(
             "the database is read-only: the URL reaches a standby (a replica, or a primary demoted by a failover), \
              or default_transaction_read_only is on for its role or database; point the URL at the writable primary",

@@ -600,3 +600,36 @@ async fn migrate_names_the_session_that_keeps_its_lock_and_completes_once_it_end
         text(&o)
     );
 }
+
+/// Runs `lockgate <args>` to its end, within the tests' deadline (a hung command fails the test
+/// instead of hanging it).
+async fn output_within_deadline(db: &TestDb, args: &[&str]) -> Output {
+    let mut child =
+        lockgate(db, args).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    wait_exit(&mut child).await;
+    child.wait_with_output().unwrap()
+}
+
+/// `lockgate status` and `lockgate doctor` while another session holds a queue's table locked (an
+/// abandoned transaction; a migrate rebuilding a claim index): each waits at most its 5 s lock
+/// timeout. Status fails naming the way to find the holder; doctor runs its sessions check, which
+/// names it, and says the other checks did not run. Before, both waited, silent, for as long as
+/// the lock was held (review helper-140 F2).
+#[tokio::test]
+async fn status_and_doctor_answer_while_a_queue_table_is_locked() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.create_queue('default')").execute(&db.pool).await.unwrap();
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE pgmq.q_default IN ACCESS EXCLUSIVE MODE").execute(&mut holder).await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut holder).await.unwrap();
+
+    let o = output_within_deadline(&db, &["status"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("lockgate doctor"), "{}", text(&o));
+
+    let o = output_within_deadline(&db, &["doctor", "--idle-in-transaction-threshold", "0s"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains(&format!("pid {pid} (idle in transaction")), "{}", text(&o));
+    assert!(text(&o).contains("the other checks did not run"), "{}", text(&o));
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+}

@@ -61,22 +61,40 @@ pub async fn doctor<'c>(db: impl Into<Db<'c>>, t: &DoctorThresholds) -> Result<V
             .bind(t.alive_threshold.as_secs_f64())
             .fetch_all(conn)
             .await?;
-        Ok(rows
-            .iter()
-            .map(|r| DoctorCheck {
-                check: r.get(0),
-                // The function returns only these three; anything else would be a bug, shown as one.
-                verdict: match r.get::<&str, _>(1) {
-                    "ok" => Verdict::Ok,
-                    "warn" => Verdict::Warn,
-                    _ => Verdict::Fail,
-                },
-                detail: r.get(2),
-                advice: r.get(3),
-            })
-            .collect())
+        Ok(rows.iter().map(check_of).collect())
     })
     .await
+}
+
+/// Runs only the doctor's `sessions` check (`lockgate._doctor_sessions`), which reads the server's
+/// activity and locks, never a table of lockgate's or PGMQ's: it answers while one is locked.
+pub async fn doctor_sessions<'c>(db: impl Into<Db<'c>>, t: &DoctorThresholds) -> Result<Vec<DoctorCheck>, DbError> {
+    on(db.into(), async |conn| {
+        let rows = query(
+            "SELECT check_name, verdict, detail, advice
+               FROM lockgate._doctor_sessions(make_interval(secs => $1), make_interval(secs => $2))",
+        )
+        .bind(t.long_running.as_secs_f64())
+        .bind(t.idle_in_transaction.as_secs_f64())
+        .fetch_all(conn)
+        .await?;
+        Ok(rows.iter().map(check_of).collect())
+    })
+    .await
+}
+
+fn check_of(r: &sqlx::postgres::PgRow) -> DoctorCheck {
+    DoctorCheck {
+        check: r.get(0),
+        // The function returns only these three; anything else would be a bug, shown as one.
+        verdict: match r.get::<&str, _>(1) {
+            "ok" => Verdict::Ok,
+            "warn" => Verdict::Warn,
+            _ => Verdict::Fail,
+        },
+        detail: r.get(2),
+        advice: r.get(3),
+    }
 }
 
 /// The database's clock at the moment it runs the statement (`clock_timestamp()`, not the

@@ -46,7 +46,7 @@ pub struct Args {
 
 /// Runs every check, prints them, and returns the exit status.
 pub async fn run(target: &db::Target, args: Args) -> Result<i32> {
-    let checks = match db::connect(target, 1).await {
+    let checks = match db::connect_reading(target).await {
         Ok(pool) => {
             let checks = checks(&pool, &args).await?;
             pool.close().await;
@@ -84,7 +84,28 @@ async fn checks(pool: &PgPool, args: &Args) -> Result<Vec<DoctorCheck>> {
             idle_in_transaction: args.idle_in_transaction_threshold,
             alive_threshold: args.alive_threshold,
         };
-        checks.extend(lockgate::sql::doctor(pool, &thresholds).await?);
+        match lockgate::sql::doctor(pool, &thresholds).await {
+            Ok(found) => checks.extend(found),
+            // A table a check reads stayed locked past the lock timeout: the sessions check,
+            // which reads only the server's activity, names who holds it (review helper-140 F2).
+            Err(err) if db::lock_timed_out(&err) => {
+                checks.extend(lockgate::sql::doctor_sessions(pool, &thresholds).await?);
+                checks.push(DoctorCheck {
+                    check: "checks".into(),
+                    verdict: Verdict::Fail,
+                    detail: format!(
+                        "the other checks did not run: a table they read stayed locked by another session for {}                          (lock_timeout)",
+                        db::READ_LOCK_TIMEOUT
+                    ),
+                    advice: Some(
+                        "end the session holding it (see sessions; a transaction held open for less than                          --idle-in-transaction-threshold is not named there: pg_locks and pg_stat_activity show it),                          or wait for the migrate rebuilding an index, then run lockgate doctor again"
+                            .into(),
+                    ),
+                });
+                return Ok(checks);
+            }
+            Err(err) => return Err(err.into()),
+        }
         checks.push(recurring_check(pool).await?);
         if lockgate::sql::pooler::transaction_pooling() {
             let pooled = pooled_budgets_check(pool).await?;

@@ -22,7 +22,8 @@ pub struct Args {
 }
 
 pub async fn run(target: &db::Target, args: Args) -> Result<()> {
-    let pool = db::connect_checked(target, 1).await?;
+    let pool = db::connect_reading(target).await?;
+    lockgate::check_schema(&pool).await?;
     let stats = lockgate::sql::queue_stats(&pool).await?;
     let throughput = lockgate::sql::queue_throughput(&pool, THROUGHPUT_MAX_ROWS).await?;
     let keys = lockgate::sql::key_stats(&pool).await?;
