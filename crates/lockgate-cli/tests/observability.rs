@@ -192,3 +192,33 @@ async fn a_peer_holding_health_connections_open_takes_no_descriptors_past_the_ca
     assert!(wait_exit(&mut child).await.success(), "the process exits 0 after TERM, connections held");
     drop(held);
 }
+
+/// While `lockgate run` waits for a database that refuses connections at its start, its health
+/// endpoints answer: `/livez` 200, `/readyz` 503 saying it is booting; TERM then ends the wait
+/// (exit 0). Before, both refused connections until the database answered (review helper-140
+/// F11): an orchestrator's liveness probe restarted the process in a loop while it waited, as
+/// designed, for the database.
+#[tokio::test]
+async fn the_health_endpoints_answer_while_run_waits_for_the_database() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let runtime = DEFAULT_RUNTIME.replace("health_listen = \"off\"", &format!("health_listen = \"127.0.0.1:{port}\""));
+    let setup = Setup::with_runtime(&runtime, "true", "");
+    let db = TestDb::migrated().await.unwrap();
+    let mut run = lockgate(&db, &["run", "--config", setup.config.to_str().unwrap()]);
+    run.env("DATABASE_URL", format!("postgres://postgres@127.0.0.1:{nobody}/lockgate"));
+    let mut child = setup.start(run, Stdio::null());
+    // Each request given up after a second: a port bound but not served never answers.
+    let http = reqwest::Client::builder().timeout(std::time::Duration::from_secs(1)).build().unwrap();
+    let livez = wait_for("/livez to answer", WAIT, || async {
+        Ok(http.get(format!("http://127.0.0.1:{port}/livez")).send().await.ok().map(|r| r.status()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(livez, 200);
+    let readyz = http.get(format!("http://127.0.0.1:{port}/readyz")).send().await.unwrap();
+    assert_eq!(readyz.status(), 503);
+    assert!(readyz.text().await.unwrap().contains("booting"));
+    signal(&child, "TERM");
+    assert!(wait_exit(&mut child).await.success(), "TERM ends the wait for the database");
+}

@@ -164,6 +164,33 @@ impl Health {
     }
 }
 
+/// The socket of `health_listen`, bound before anything else is done: an address the operator
+/// chose that cannot be bound fails the start, before anything is written; only the CLI's default
+/// address (`health_listen_optional`), which another process on the host may hold, is skipped
+/// with a warning. `None` when the endpoints are off.
+pub fn bind(config: &crate::RuntimeConfig) -> Result<Option<std::net::TcpListener>, crate::RuntimeError> {
+    let Some(addr) = config.health_listen else { return Ok(None) };
+    match std::net::TcpListener::bind(addr) {
+        Ok(listener) => Ok(Some(listener)),
+        Err(error) if config.health_listen_optional => {
+            tracing::warn!(%addr, %error, "health endpoints not served: cannot bind the default address");
+            Ok(None)
+        }
+        Err(source) => Err(crate::RuntimeError::HealthListen { addr, source }),
+    }
+}
+
+/// Serves `/livez` (200) and `/readyz` (503, booting) on `listener` until `stop`: for a caller
+/// that waits for the database before it can build its runtime (`lockgate run`), which then
+/// serves them on a clone of the same socket ([`Runtime::with_health_listener`](crate::Runtime)),
+/// so that no probe finds the port closed meanwhile (review helper-140 F11).
+pub async fn serve_booting(listener: std::net::TcpListener, stop: CancellationToken) -> std::io::Result<()> {
+    listener.set_nonblocking(true)?;
+    let listener = TcpListener::from_std(listener)?;
+    serve(listener, Arc::new(Health::default()), Arc::new(Metrics::default()), stop).await;
+    Ok(())
+}
+
 /// Serves `/livez`, `/readyz` and `/metrics` on `addr` until `shutdown`. A bind failure is
 /// logged, not fatal. A scrape only encodes what the process holds: it never queries the database.
 pub(crate) async fn serve(

@@ -68,6 +68,8 @@ pub struct Runtime {
     /// The recurring tasks this process's configuration owns, synced at start; `None` leaves
     /// every stored task as it is.
     recurring: Option<Vec<RecurringTask>>,
+    /// A listener bound for `health_listen` before the runtime existed ([`Runtime::with_health_listener`]).
+    health_listener: Option<std::net::TcpListener>,
 }
 
 impl Runtime {
@@ -97,7 +99,16 @@ impl Runtime {
             health: Arc::default(),
             metrics: Arc::default(),
             recurring: None,
+            health_listener: None,
         })
+    }
+
+    /// Serves the health endpoints on `listener` (bound for `health_listen` by a caller that
+    /// served them while it waited for the database, [`health::serve_booting`]) instead of
+    /// binding `health_listen` again.
+    pub fn with_health_listener(mut self, listener: std::net::TcpListener) -> Self {
+        self.health_listener = Some(listener);
+        self
     }
 
     /// Declares the recurring tasks this process's configuration owns (the `[recurring]` tables
@@ -176,23 +187,28 @@ impl Runtime {
     }
 
     /// Runs until `shutdown` fires, then shuts down in the documented order.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), RuntimeError> {
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), RuntimeError> {
+        let health_listener = match self.health_listener.take() {
+            Some(listener) => Some(listener),
+            None => health::bind(&self.config)?,
+        };
+        let services = CancellationToken::new();
+        // However `run` ends, a start that failed included, the services stop with it.
+        let _services_stop = services.clone().drop_guard();
+        let tracker = TaskTracker::new();
+        // Served while the start waits for the database too: `/livez` answers, `/readyz` says
+        // booting (review helper-140 F11: nothing answered a probe until the start was done).
+        if let Some(listener) = health_listener {
+            let addr = listener.local_addr().ok();
+            let listener =
+                listener.set_nonblocking(true).and_then(|()| tokio::net::TcpListener::from_std(listener)).map_err(
+                    |source| RuntimeError::HealthListen { addr: addr.unwrap_or(([0, 0, 0, 0], 0).into()), source },
+                )?;
+            let (health, metrics) = (Arc::clone(&self.health), Arc::clone(&self.metrics));
+            tracker.spawn(health::serve(listener, health, metrics, services.clone()));
+        }
         let db = &self.db;
         let up = &shutdown;
-        // Bound first: an address the operator chose that cannot be served fails the start, before
-        // anything is written; only the CLI's default address may be skipped (another process on
-        // the host may hold it).
-        let health_listener = match self.config.health_listen {
-            None => None,
-            Some(addr) => match tokio::net::TcpListener::bind(addr).await {
-                Ok(listener) => Some(listener),
-                Err(error) if self.config.health_listen_optional => {
-                    tracing::warn!(%addr, %error, "health endpoints not served: cannot bind the default address");
-                    None
-                }
-                Err(source) => return Err(RuntimeError::HealthListen { addr, source }),
-            },
-        };
         start_up("check the schema", up, || lockgate_sql::check_schema(db)).await?;
         if let Some(problem) = start_up("check the recurring tasks", up, || self.recurring_problem()).await? {
             return Err(problem);
@@ -235,13 +251,6 @@ impl Runtime {
                 .map_err(lockgate_sql::DbError::from)
         })
         .await?;
-        let services = CancellationToken::new();
-        let tracker = TaskTracker::new();
-        if let Some(listener) = health_listener {
-            let (health, metrics) = (Arc::clone(&self.health), Arc::clone(&self.metrics));
-            tracker.spawn(health::serve(listener, health, metrics, services.clone()));
-        }
-
         if lockgate_sql::pooler::transaction_pooling() {
             warn_of_role_budgets(&db, &self.config).await;
         }

@@ -45,10 +45,21 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     // nothing was claimed yet).
     let shutdown = CancellationToken::new();
     watch_signals(shutdown.clone())?;
+    // The health endpoints answer while the database is waited for: `/livez` 200, `/readyz`
+    // booting; the runtime then serves them on the same socket (review helper-140 F11).
+    let health = lockgate::health::bind(&runtime_config)?;
+    let booting = CancellationToken::new();
+    if let Some(listener) = &health {
+        tokio::spawn(lockgate::health::serve_booting(listener.try_clone()?, booting.clone()));
+    }
     let Some(db) = db::connect_checked_waiting(&target, connections, &shutdown).await? else {
         return Ok(());
     };
-    let runtime = checked_runtime(db, runtime_config, job_types, pools, recurring).await?;
+    booting.cancel();
+    let mut runtime = checked_runtime(db, runtime_config, job_types, pools, recurring).await?;
+    if let Some(listener) = health {
+        runtime = runtime.with_health_listener(listener);
+    }
     runtime.run(shutdown).await?;
     Ok(())
 }

@@ -119,7 +119,7 @@ impl Setup {
 
     /// Starts `run` (its stdout discarded, its stderr to `stderr`), recorded to be killed if the
     /// test fails half-way.
-    fn start(&self, mut run: Command, stderr: Stdio) -> Child {
+    pub fn start(&self, mut run: Command, stderr: Stdio) -> Child {
         let child = run.stdout(Stdio::null()).stderr(stderr).spawn().unwrap();
         self.started.lock().unwrap().push(child.id());
         child
