@@ -1285,3 +1285,40 @@ async fn an_sql_statement_whose_terminate_is_refused_ends_its_attempt_when_it_en
         "the wait names the backend it waits for: {waiting:?}"
     );
 }
+
+/// An `sql` job's statement whose replies never come (a flow the network dropped without a
+/// reset: the server ran the statement, and its backend's termination never reaches lockgate
+/// either) holds neither its attempt, a slot of the pool, nor the process's shutdown for good:
+/// once the server says the statement's backend carries its mark no more, the reply is given up
+/// with its connection. Awaited for good, the attempt never ended and TERM never ended the
+/// process (review helper-142 F1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sql_statement_whose_replies_never_come_holds_up_neither_its_attempt_nor_the_shutdown() {
+    // With a timeout, the attempt is cancelled, and the statement's end is learned from the
+    // server; without one, the server's showing the statement no longer running (twice, 5 s
+    // apart) with no reply meanwhile ends the attempt (helper-142 F8: its key stalled for good).
+    for timeout in ["timeout = \"500ms\"\n", ""] {
+        sql_statement_whose_replies_never_come(timeout).await;
+    }
+}
+
+async fn sql_statement_whose_replies_never_come(timeout: &str) {
+    let setup = Setup::with_job_type(DEFAULT_RUNTIME, &format!("sql = \"SELECT $1::text\"\n{timeout}max_attempts = 1"));
+    let db = defined(&setup).await;
+    let proxy = lockgate_testkit::FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let mut run = lockgate(&db, &["run", "--config", setup.config.to_str().unwrap()]);
+    run.env("DATABASE_URL", proxy.url_for(&db.url));
+    let mut lockgate = setup.start(run, Stdio::null());
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.processes WHERE kind = 'supervisor'", 1, WAIT)
+        .await
+        .unwrap();
+    // The job's arguments are bound to its statement: only that request carries them.
+    proxy.swallow_replies_to_request_containing("replies-never-come");
+    assert!(output(&db, &["enqueue", "task", r#"{"tag": "replies-never-come"}"#]).status.success());
+    wait_for("the statement's replies to be swallowed", WAIT, || async { Ok(proxy.met_marked_reply().then_some(())) })
+        .await
+        .unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM lockgate.dead_letters", 1, WAIT).await.unwrap();
+    signal(&lockgate, "TERM");
+    assert!(wait_exit(&mut lockgate).await.success(), "TERM ends the process ({timeout:?})");
+}

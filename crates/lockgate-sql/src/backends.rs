@@ -34,6 +34,55 @@ pub async fn backend_start<'c>(db: impl Into<Db<'c>>, pid: i32) -> Result<Option
     .await
 }
 
+/// Whether backend `pid` no longer carries the statement mark of job message (queue, msg_id)
+/// (`lockgate.start_statement`); while it does, it is terminated (the caller asks again). For an
+/// executor whose statement's connection gives no answer: the server tells whether the statement
+/// still runs. Only that backend: another carrying the same mark may be the job's next delivery's.
+pub async fn end_marked_backend<'c>(
+    db: impl Into<Db<'c>>,
+    pid: i32,
+    queue: &str,
+    msg_id: i64,
+) -> Result<bool, DbError> {
+    on(db.into(), async |conn| {
+        Ok(query_scalar(
+            "WITH marked AS (SELECT a.pid FROM pg_catalog.pg_stat_activity a
+                              WHERE a.pid = $1 AND a.application_name = lockgate._statement_tag($2, $3)),
+                  ended AS (SELECT pg_catalog.pg_terminate_backend(m.pid) FROM marked m)
+             SELECT NOT EXISTS (SELECT 1 FROM ended)",
+        )
+        .bind(pid)
+        .bind(queue)
+        .bind(msg_id)
+        .fetch_one(conn)
+        .await?)
+    })
+    .await
+}
+
+/// Whether backend `pid` is running the statement of job message (queue, msg_id): active, and
+/// carrying its mark (`lockgate.start_statement`).
+pub async fn backend_runs_statement<'c>(
+    db: impl Into<Db<'c>>,
+    pid: i32,
+    queue: &str,
+    msg_id: i64,
+) -> Result<bool, DbError> {
+    on(db.into(), async |conn| {
+        Ok(query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity a
+                             WHERE a.pid = $1 AND a.application_name = lockgate._statement_tag($2, $3)
+                               AND a.state = 'active')",
+        )
+        .bind(pid)
+        .bind(queue)
+        .bind(msg_id)
+        .fetch_one(conn)
+        .await?)
+    })
+    .await
+}
+
 /// Whether the backend `pid` that started at `started` is still there.
 pub async fn backend_listed<'c>(db: impl Into<Db<'c>>, pid: i32, started: DateTime<Utc>) -> Result<bool, DbError> {
     on(db.into(), async |conn| {

@@ -24,7 +24,7 @@ mod queues;
 mod recurring;
 mod status;
 
-pub use backends::{backend_listed, backend_start, signal_backend};
+pub use backends::{backend_listed, backend_runs_statement, backend_start, end_marked_backend, signal_backend};
 pub use batches::{batch_info, batch_sweep, close_batch, create_batch, unfinished_batches, BatchCallbacks, BatchInfo};
 pub use concurrency::{
     check_invariants, discard_parked, give_back_finished, key_stats, parked_jobs, record_heartbeat_interval, sweep,

@@ -202,6 +202,14 @@ const CANCEL_WAIT: std::time::Duration = std::time::Duration::from_millis(30);
 /// How often a terminated backend's exit is looked for.
 const EXIT_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 
+/// How long a cancelled statement's reply is waited for before the server is asked, on another
+/// connection, whether a backend still carries the statement's mark.
+const REPLY_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How often a running statement's backend is looked at, on another connection: a statement the
+/// server no longer runs twice in a row, with no reply meanwhile, lost its reply.
+const REPLY_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl SqlExecutor {
     pub fn new(db: PgPool, statement: String) -> Self {
         Self { db, statement }
@@ -321,6 +329,24 @@ impl SqlExecutor {
                 return Ok(());
             }
             () = ctx.cancelled() => {}
+            () = self.reply_lost(backend, ctx) => {
+                // The server ran the statement, and its reply never came (a connection the network
+                // dropped without a reset): awaited for good, the attempt, its key and the
+                // process's shutdown waited for good (review helper-142 F8). Its backend is ended
+                // (an open transaction of it rolls back), and the attempt fails: its outcome is
+                // unknown, so the job runs again, as after any lost reply.
+                while !lockgate::sql::end_marked_backend(&self.db, backend, &ctx.queue, ctx.msg_id)
+                    .await
+                    .unwrap_or(false)
+                {
+                    tokio::time::sleep(REPLY_WAIT).await;
+                }
+                tracing::warn!(backend, "an SQL job's statement ended on the server but its reply never came: its connection is given up");
+                return Err(Stopped::Terminated(JobError::new(
+                    "its statement ended on the server, but its connection gave no answer (dropped by the network?): \
+                     its outcome is unknown",
+                )));
+            }
         }
         let reason = ctx.cancel_reason().map_or_else(|| "cancelled".to_string(), |r| r.to_string());
         // Each signal and look runs in a transaction of its own under a pooler (review helper-106:
@@ -350,7 +376,27 @@ impl SqlExecutor {
             // (its transaction, and the locks it held, end on the way): waited for, so the next
             // run of the job or its key never meets it still running (review helper-104). One not
             // terminated stays ours, idle: its connection is closed instead (review helper-108).
-            let _ = running.await;
+            // A connection whose flow the network dropped never answers: past `REPLY_WAIT` the
+            // server is asked, on another connection, to end the statement's backend while it carries this job's
+            // mark, and once it carries it no more the reply is given up with its connection. Awaited for
+            // good, it held a slot of the pool, and the process's shutdown, for good (review
+            // helper-142 F1).
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut running => break,
+                    () = tokio::time::sleep(REPLY_WAIT) => {}
+                }
+                let gone = lockgate::sql::end_marked_backend(&self.db, backend, &ctx.queue, ctx.msg_id).await;
+                if gone.is_ok_and(|gone| gone) {
+                    tracing::warn!(
+                        backend,
+                        "a cancelled job's SQL statement gave no answer on its connection, and no backend runs it any \
+                         more: its connection is given up"
+                    );
+                    return Err(Stopped::Terminated(error));
+                }
+            }
             if let (Some(true), Some(started)) = (terminated, started) {
                 tracing::info!(backend, "a cancelled job's SQL statement would not end: its backend was terminated");
                 while self
@@ -368,6 +414,20 @@ impl SqlExecutor {
 }
 
 impl SqlExecutor {
+    /// Resolves once the server has shown, twice in a row `REPLY_CHECK` apart, that backend `pid`
+    /// no longer runs this job's statement: while its reply has not come, it was lost. A look that
+    /// fails (the server out of reach) proves nothing and starts over.
+    async fn reply_lost(&self, pid: i32, ctx: &JobContext) {
+        let mut not_running = 0;
+        while not_running < 2 {
+            tokio::time::sleep(REPLY_CHECK).await;
+            match lockgate::sql::backend_runs_statement(&self.db, pid, &ctx.queue, ctx.msg_id).await {
+                Ok(false) => not_running += 1,
+                _ => not_running = 0,
+            }
+        }
+    }
+
     /// Asks `question` until it is answered, or until the attempt's lease has run out (then the
     /// job may run elsewhere whatever this process waits for, and `None` is returned): a question
     /// that failed on a blip must not be taken for an answer (review helper-106). An error that is
