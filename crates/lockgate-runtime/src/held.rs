@@ -56,7 +56,13 @@ impl HeldConnection {
     ) -> Result<T, DbError> {
         let conn = match &mut self.conn {
             Some(conn) => conn,
-            None => self.conn.insert(self.pool.acquire().await.map_err(DbError::from)?),
+            // The wait for a connection held to the same bound (the pool's own is 30 s): a claim
+            // waiting on a connect that a partition swallowed claimed nothing for 30 s after the
+            // network came back, and held the shutdown as long (review helper-142 F2).
+            None => match tokio::time::timeout(self.answer_within, self.pool.acquire()).await {
+                Ok(conn) => self.conn.insert(conn.map_err(DbError::from)?),
+                Err(_) => return Err(no_answer(self.answer_within)),
+            },
         };
         let Ok(result) = tokio::time::timeout(self.answer_within, statement(conn)).await else {
             // Its reply may still come, to a statement nobody reads: the connection is closed
