@@ -63,10 +63,20 @@ impl EnqueueError {
 
     /// Whether the enqueue may have committed although it returned this error: the connection
     /// broke, or stopped answering, after the statement was sent (an I/O or protocol error of
-    /// the driver). A refusal, an invalid call, a server error and a pool that gave no
-    /// connection are false: nothing was enqueued.
+    /// the driver), or the server or a pooler said the session ended mid-statement (SQLSTATE
+    /// 08000, 08003, 08006, 08P01: PgBouncer's "server conn crashed?"; 57P01, 57P02: a backend
+    /// terminated or a server crashing, which may come after the commit: review helper-142 F4).
+    /// A refusal, an invalid call and any other server error are false: nothing was enqueued.
+    /// A connection that broke as the pool opened it reads as true too (the driver tells it
+    /// apart from nothing else): look the job up.
     pub fn may_have_committed(&self) -> bool {
-        matches!(self, Self::Database(DbError::Sqlx(sqlx::Error::Io(_) | sqlx::Error::Protocol(_))))
+        match self {
+            Self::Database(DbError::Sqlx(sqlx::Error::Io(_) | sqlx::Error::Protocol(_))) => true,
+            Self::Database(DbError::Sqlx(sqlx::Error::Database(db))) => {
+                matches!(db.code().as_deref(), Some("08000" | "08003" | "08006" | "08P01" | "57P01" | "57P02"))
+            }
+            _ => false,
+        }
     }
 }
 
