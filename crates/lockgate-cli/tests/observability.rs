@@ -155,8 +155,9 @@ fn open_descriptors(child: &Child) -> usize {
 }
 
 /// A peer that opens many connections to the health port and sends half a request, or nothing,
-/// takes no more of the process's descriptors than the server's connection cap, and holds up no
-/// shutdown: `TERM` ends the process while they are still open. Before, 20,000 idle connections
+/// takes no more of the process's descriptors than the server's connection cap, keeps no probe
+/// from being answered, and holds up no shutdown: `TERM` ends the process while they are still
+/// open. Before, 20,000 idle connections
 /// took every descriptor (every job then failed: "Too many open files"), and one half-sent
 /// request kept the process from exiting until its peer closed it (review helper-140 F12, F3).
 #[tokio::test]
@@ -188,6 +189,15 @@ async fn a_peer_holding_health_connections_open_takes_no_descriptors_past_the_ca
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let during = open_descriptors(&child);
     assert!(during <= before + 64 + 4, "{before} descriptors before, {during} with 200 connections held");
+    // A probe is answered meanwhile: a connection that sends no request within a second gives
+    // its slot back (review helper-142 F6: with every slot held for 10 s, no probe was).
+    let http = reqwest::Client::builder().timeout(std::time::Duration::from_secs(2)).build().unwrap();
+    let probed = wait_for("a probe to be answered", std::time::Duration::from_secs(6), || async {
+        Ok(http.get(format!("http://127.0.0.1:{port}/livez")).send().await.ok().map(|r| r.status()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(probed, 200);
     signal(&child, "TERM");
     assert!(wait_exit(&mut child).await.success(), "the process exits 0 after TERM, connections held");
     drop(held);

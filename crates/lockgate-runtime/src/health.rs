@@ -261,7 +261,7 @@ impl axum::serve::Listener for BoundedListener {
     async fn accept(&mut self) -> (BoundedConnection, SocketAddr) {
         let slot = Arc::clone(&self.slots).acquire_owned().await.expect("the slots are never closed");
         let (io, addr) = axum::serve::Listener::accept(&mut self.inner).await;
-        (BoundedConnection { io, _slot: slot, ends: Box::pin(tokio::time::sleep(CONNECTION_LIFETIME)) }, addr)
+        (BoundedConnection::new(io, slot), addr)
     }
 
     fn local_addr(&self) -> std::io::Result<SocketAddr> {
@@ -269,26 +269,63 @@ impl axum::serve::Listener for BoundedListener {
     }
 }
 
+/// How long a connection may take to send a request's head, from its accept or from its last
+/// response: a probe or a scraper sends it at once. One that sends nothing, or half a head, gives
+/// its slot back then: 64 such connections held every slot for their whole lifetime, and the
+/// orchestrator's probes went unanswered (review helper-142 F6).
+const REQUEST_HEAD_WITHIN: Duration = Duration::from_secs(1);
+
 /// A connection holding its listener's slot until it is dropped, whose reads fail once its
-/// lifetime is over (the server then closes it).
+/// lifetime is over, or once a request's head is late (the server then closes it).
 struct BoundedConnection {
     io: TcpStream,
     _slot: OwnedSemaphorePermit,
-    ends: Pin<Box<Sleep>>,
+    lifetime_ends: tokio::time::Instant,
+    /// When the head of the request under way must be in; `None` while one is being answered.
+    head_by: Option<tokio::time::Instant>,
+    /// The last four bytes read, to find a head's end (an empty line) across reads.
+    last4: u32,
+    timer: Pin<Box<Sleep>>,
+}
+
+impl BoundedConnection {
+    fn new(io: TcpStream, slot: OwnedSemaphorePermit) -> Self {
+        let now = tokio::time::Instant::now();
+        let head_by = now + REQUEST_HEAD_WITHIN;
+        let timer = Box::pin(tokio::time::sleep_until(head_by));
+        Self { io, _slot: slot, lifetime_ends: now + CONNECTION_LIFETIME, head_by: Some(head_by), last4: 0, timer }
+    }
 }
 
 impl AsyncRead for BoundedConnection {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        if self.ends.as_mut().poll(cx).is_ready() {
-            let over = std::io::Error::new(std::io::ErrorKind::TimedOut, "health connection past its lifetime");
+        let this = &mut *self;
+        let deadline = this.head_by.map_or(this.lifetime_ends, |by| by.min(this.lifetime_ends));
+        if this.timer.deadline() != deadline {
+            this.timer.as_mut().reset(deadline);
+        }
+        if this.timer.as_mut().poll(cx).is_ready() {
+            let over = std::io::Error::new(std::io::ErrorKind::TimedOut, "health connection late or past its lifetime");
             return Poll::Ready(Err(over));
         }
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.io).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = &polled {
+            for &byte in &buf.filled()[before..] {
+                this.last4 = (this.last4 << 8) | u32::from(byte);
+                if this.last4 == u32::from_be_bytes(*b"\r\n\r\n") {
+                    this.head_by = None;
+                }
+            }
+        }
+        polled
     }
 }
 
 impl AsyncWrite for BoundedConnection {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        // Answering: the next request's head is due within the same time from now.
+        self.head_by = Some(tokio::time::Instant::now() + REQUEST_HEAD_WITHIN);
         Pin::new(&mut self.io).poll_write(cx, buf)
     }
 
