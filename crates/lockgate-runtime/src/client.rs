@@ -53,10 +53,10 @@ const LANE_IDLE_PING: Duration = Duration::from_secs(5);
 /// wake-up costs one claim that finds nothing, where a missing one costs `poll_interval`.
 const RUN_AT_CLOCK_MARGIN: Duration = Duration::from_secs(60);
 
-/// How long a wake-up statement may go unanswered before it is given up with its connection (a
-/// flow the network dropped without a reset): a wake-up is a few milliseconds, and one awaited for
-/// good held every later wake-up of its task, and `wakes_sent` (so `lockgate enqueue`) for good
-/// (review helper-141 F8).
+/// How long a wake-up (its connect included) may go unanswered before it is given up with its
+/// connection (a flow the network dropped without a reset): a wake-up is a few milliseconds, and
+/// one awaited for good held every later wake-up of its task, and `wakes_sent` (so `lockgate
+/// enqueue`) for good (review helper-141 F8).
 const WAKE_WITHIN: Duration = Duration::from_secs(5);
 
 /// A handle for producers. Cheap to clone (it holds a pool, and shares its lane connection and
@@ -613,14 +613,16 @@ async fn send_wakes(mut requests: mpsc::UnboundedReceiver<WakeRequest>) {
 }
 
 async fn wake_on(pools: &[PgPool], conn: &mut Option<PgConnection>, queues: &[String]) -> Result<(), DbError> {
-    let conn = match conn {
-        Some(conn) => conn,
-        None => conn.insert(connect(pools).await?),
+    // The connect included (a pool waits 30 s for one by default: review helper-142 F7). Given
+    // up, the connection is dropped by the caller (closed, not reused for the next).
+    let wake = async {
+        let conn = match conn {
+            Some(conn) => conn,
+            None => conn.insert(connect(pools).await?),
+        };
+        lockgate_sql::wake(Db::idle(conn), queues).await
     };
-    // Given up, the connection is dropped by the caller (closed, not reused for the next).
-    tokio::time::timeout(WAKE_WITHIN, lockgate_sql::wake(Db::idle(conn), queues))
-        .await
-        .unwrap_or_else(|_| Err(crate::held::no_answer(WAKE_WITHIN)))
+    tokio::time::timeout(WAKE_WITHIN, wake).await.unwrap_or_else(|_| Err(crate::held::no_answer(WAKE_WITHIN)))
 }
 
 /// A connection from the first of `pools` that is open and gives one (within its own

@@ -70,8 +70,8 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
         ),
         result => result?,
     };
-    // The job's wake-up, before the process exits: idle workers start it now, not at their poll.
-    client.wakes_sent().await;
+    // Said first: a wake-up that takes its time must not hide a committed job from a caller
+    // that gives up waiting (review helper-142 F7).
     match (job.status, job.msg_id) {
         (_, Some(msg_id)) => println!("enqueued job {} on queue {} (msg_id {msg_id})", job.job_id, job.queue),
         (EnqueueStatus::Duplicate, None) => {
@@ -79,6 +79,8 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
         }
         (status, None) => println!("{} job {}: its concurrency key is full", status.as_str(), job.job_id),
     }
+    // The job's wake-up, before the process exits: idle workers start it now, not at their poll.
+    client.wakes_sent().await;
     Ok(())
 }
 
