@@ -12,7 +12,7 @@
 //! process's shutdown with it (review helper-135 F6). The maintenance services, the recurring
 //! scheduler and the process registry run each statement through [`on_pool`] under the same
 //! bound: a sweep awaited for good stopped sweeping for the process's life, a registry's beat
-//! left it ready while its row went silent, and either held its shutdown (design §119).
+//! left it ready while its row went silent, and either held its shutdown for good (design §119).
 
 use std::time::Duration;
 

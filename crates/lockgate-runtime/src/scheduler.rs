@@ -9,8 +9,7 @@
 //! task defined or changed through SQL is seen within that long. The clock is the database's
 //! (`now()`), so processes whose clocks disagree still compute the same ticks. A failed pass is
 //! logged and the next one runs after `RELOAD_INTERVAL`. A statement not answered within its
-//! bound (`held::answer_within`) is given up with its connection, and a pass still running at
-//! shutdown is dropped (design §119).
+//! bound (`held::answer_within`) is given up with its connection (design §119).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -80,12 +79,7 @@ impl Scheduler {
 
     pub async fn run(mut self, shutdown: CancellationToken) {
         loop {
-            let pass = tokio::select! {
-                biased;
-                () = shutdown.cancelled() => return,
-                pass = self.pass() => pass,
-            };
-            let pause = match pass {
+            let pause = match self.pass().await {
                 Ok(pause) => pause,
                 Err(error) => {
                     tracing::warn!(%error, "recurring scheduler pass failed");
