@@ -54,7 +54,17 @@ pub async fn connect_reading(target: &Target) -> Result<PgPool> {
     let (url, timeout) = (target.url(), target.connect_timeout());
     let mut options = options(&url)?;
     if !lockgate::sql::pooler::transaction_pooling() {
-        options = options.options([("lock_timeout", READ_LOCK_TIMEOUT)]);
+        let bounded = options.clone().options([("lock_timeout", READ_LOCK_TIMEOUT)]);
+        match connect_one(&url, &bounded, timeout).await {
+            Ok(conn) => {
+                let _ = conn.close().await;
+                options = bounded;
+            }
+            // A pooler the URL does not name refuses startup options (PgBouncer: "unsupported
+            // startup parameter"): the read goes on without its lock timeout.
+            Err(err) if format!("{err:#}").contains("unsupported startup parameter") => {}
+            Err(err) => return Err(err),
+        }
     }
     let _ = connect_one(&url, &options, timeout).await?.close().await;
     PgPoolOptions::new().max_connections(1).connect_with(options).await.map_err(|err| connect_error(&url, err, timeout))
