@@ -227,6 +227,55 @@ async fn migrate_gives_up_on_a_lock_held_past_its_attempts_and_changes_nothing()
     assert_eq!(report.applied, ["key_changes_refused"]);
 }
 
+/// Migration 27 alters the leases, then the semaphores, and lockgate's paths lock the two in both
+/// orders: a producer holding a key's row that then adds its lease waited behind the migration's
+/// lock on the leases while the migration waited for the producer's row (review helper-141 F2;
+/// under a steady stream of limited enqueues every attempt ended so, until migrate gave up).
+/// Migrate now takes both tables at once, with tries that queue for nothing: the producer's lease
+/// goes in at once, and the migration after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_takes_the_key_tables_together_and_closes_no_cycle_with_a_producer() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "DELETE FROM lockgate.schema_migrations WHERE version = 27;
+         UPDATE lockgate.schema_state SET migration = 26;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // A producer's transaction between its two steps: the key's row taken, its lease not yet added.
+    let mut producer = db.pool.begin().await.unwrap();
+    let took: bool = sqlx::query_scalar("SELECT lockgate._acquire('k', 1)").fetch_one(&mut *producer).await.unwrap();
+    assert!(took);
+    let migrating = lockgate::migrate(&db.pool);
+    // Once migrate is at the tables (queued for one of them, or trying to take both), the
+    // producer adds its lease and commits.
+    let producing = async {
+        let at_the_tables =
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted AND relation = 'lockgate.semaphores'::regclass)
+                             OR EXISTS (SELECT 1 FROM pg_stat_activity WHERE query LIKE '%SAVEPOINT lock_together%'
+                                                                           AND pid <> pg_backend_pid())";
+        let until = std::time::Instant::now() + WAIT;
+        while !sqlx::query_scalar::<_, bool>(at_the_tables).fetch_one(&db.pool).await.unwrap() {
+            assert!(std::time::Instant::now() < until, "migrate never came to the key tables");
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        let started = std::time::Instant::now();
+        sqlx::query("SELECT lockgate._add_lease('k', 'default', 42, now(), 60000)")
+            .execute(&mut *producer)
+            .await
+            .unwrap();
+        let waited = started.elapsed();
+        producer.commit().await.unwrap();
+        waited
+    };
+    let (report, waited) =
+        tokio::time::timeout(WAIT, async { tokio::join!(migrating, producing) }).await.expect("migrate finishes");
+    let report = report.unwrap();
+    assert_eq!(report.applied, ["shared_key_holders"]);
+    assert!(waited < std::time::Duration::from_millis(250), "the producer's lease waited {waited:?} behind migrate");
+}
+
 /// The database as the previous build left it (before migration 20, whose triggers lock the key
 /// tables), with a producer's transaction that enqueued a limited job left open: it holds the
 /// locks migration 20 waits for until the caller ends it.

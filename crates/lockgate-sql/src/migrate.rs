@@ -184,7 +184,7 @@ pub const SCHEMA_COMPAT: i32 = 1;
 /// (so an older process runs on it within its compatibility version, and an older `migrate` leaves
 /// it alone instead of putting its older functions back). `functions_are_pinned_to_their_revision`
 /// fails when `sql/` changes without a bump.
-pub const FUNCTIONS_REVISION: i32 = 126;
+pub const FUNCTIONS_REVISION: i32 = 127;
 
 /// A fixed key for the migration advisory lock ("lockgate" in ASCII).
 const MIGRATE_LOCK_KEY: i64 = 0x6c6f_636b_6761_7465;
@@ -438,6 +438,58 @@ async fn migrate_locked(locked: &PgPool) -> Result<MigrateReport, DbError> {
 /// Attempts of [`apply`] before migrate gives up on a lock other transactions keep holding.
 const MIGRATE_ATTEMPTS: u32 = 30;
 
+/// The tables a migration alters that lockgate's paths lock in both orders (an enqueue takes the
+/// key's row, then adds its lease; a completion deletes its lease, then gives the permit back).
+/// Taken one after the other, a migration holding the first and waiting for the second closes a
+/// cycle with every path holding the second and waiting for the first, so under a steady stream
+/// of limited jobs each attempt timed out (review helper-141 F2): [`apply`] takes them all at once
+/// first, without queueing (docs/design.md §127).
+const LOCKED_TOGETHER: &[(i32, &[&str])] = &[
+    (18, &["lockgate.semaphores", "lockgate.leases"]),
+    (19, &["lockgate.semaphores", "lockgate.leases"]),
+    (20, &["lockgate.semaphores", "lockgate.leases"]),
+    (27, &["lockgate.semaphores", "lockgate.leases"]),
+];
+
+/// How long [`apply`] tries to take the tables of [`LOCKED_TOGETHER`] at once before it lets the
+/// migrations queue for them one by one under `lock_timeout`, and how often it tries.
+const LOCK_PROBES_FOR: std::time::Duration = std::time::Duration::from_millis(500);
+const LOCK_PROBE_EVERY: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// Takes the existing tables of `tables` in ACCESS EXCLUSIVE mode, all in one `LOCK ... NOWAIT`
+/// tried again every few milliseconds: a try that finds one of them in use fails at once and
+/// queues for nothing, so no path waits behind it and no cycle can form. Returns whether it took
+/// them; if not, the caller's statements wait for them as before (bounded by `lock_timeout`).
+async fn lock_together(tx: &mut PgConnection, tables: &[&str]) -> Result<bool, sqlx::Error> {
+    let present: Vec<String> = query_scalar("SELECT t FROM unnest($1::text[]) AS t WHERE to_regclass(t) IS NOT NULL")
+        .bind(tables.iter().map(|t| (*t).to_string()).collect::<Vec<_>>())
+        .fetch_all(&mut *tx)
+        .await?;
+    if present.is_empty() {
+        return Ok(true);
+    }
+    // The names are this file's constants, never input.
+    let lock = format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE NOWAIT", present.join(", "));
+    let until = std::time::Instant::now() + LOCK_PROBES_FOR;
+    loop {
+        query("SAVEPOINT lock_together").execute(&mut *tx).await?;
+        match query(&lock).execute(&mut *tx).await {
+            Ok(_) => {
+                query("RELEASE SAVEPOINT lock_together").execute(&mut *tx).await?;
+                return Ok(true);
+            }
+            Err(err) if err.as_database_error().and_then(|e| e.code()).is_some_and(|code| code == "55P03") => {
+                query("ROLLBACK TO SAVEPOINT lock_together").execute(&mut *tx).await?;
+                if std::time::Instant::now() >= until {
+                    return Ok(false);
+                }
+                tokio::time::sleep(LOCK_PROBE_EVERY).await;
+            }
+            Err(err) => return Err(err),
+        }
+    }
+}
+
 /// The migrations not yet applied, then every function, in one transaction; returns the names
 /// of the migrations applied. A migration's DDL on a table lockgate's paths write (a trigger on
 /// the semaphores, say) waits for every transaction that has written it, and every later
@@ -453,6 +505,16 @@ async fn apply(locked: &PgPool, pgmq_note: &str) -> Result<Vec<String>, sqlx::Er
     query("SELECT pg_advisory_xact_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *tx).await?;
     query("SET LOCAL lock_timeout = '500ms'").execute(&mut *tx).await?;
     let applied: Vec<i32> = query_scalar("SELECT version FROM lockgate.schema_migrations").fetch_all(&mut *tx).await?;
+    let mut together: Vec<&str> = LOCKED_TOGETHER
+        .iter()
+        .filter(|(version, _)| !applied.contains(version))
+        .flat_map(|(_, tables)| tables.iter().copied())
+        .collect();
+    together.sort_unstable();
+    together.dedup();
+    if !together.is_empty() {
+        lock_together(&mut tx, &together).await?;
+    }
     let mut names = Vec::new();
     for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
         let note = match m.sql {
@@ -642,7 +704,7 @@ mod tests {
 
     /// The checksum of the functions at `FUNCTIONS_REVISION`. A change to `sql/` fails this test:
     /// bump `FUNCTIONS_REVISION` and set this to the new checksum, in the same change.
-    const PINNED_CHECKSUM: &str = "c94c5eaf2fb94366";
+    const PINNED_CHECKSUM: &str = "3bf0a5f28a4ad7c0";
 
     #[test]
     fn functions_are_pinned_to_their_revision() {
