@@ -548,6 +548,17 @@ DECLARE
 BEGIN
     PERFORM lockgate._check_all_args(args);
     PERFORM lockgate._check_derived_keys(jt, args, _enqueue_each.ckey, _enqueue_each.ukey);
+    IF jt.unique_mode = 'until_executed' AND jt.unique_on_conflict = 'reject' AND n > 1 THEN
+        -- A key the call repeats: its later job met the earlier one as the holder and named it,
+        -- an id the failed call never enqueued (review helper-141 F7).
+        key := (SELECT k FROM unnest(args) a(v), lockgate._unique_key(jt, a.v, _enqueue_each.ukey) k
+                 GROUP BY k HAVING count(*) > 1 ORDER BY k LIMIT 1);
+        IF key IS NOT NULL THEN
+            RAISE EXCEPTION 'lockgate: unique key "%" of job type "%" is given to more than one job of this call', key, jt.name
+                USING ERRCODE = 'LG003',
+                      DETAIL = 'the type rejects duplicates, so each unique key may be enqueued once: nothing of this call was enqueued';
+        END IF;
+    END IF;
     IF batch IS NOT NULL THEN
         PERFORM lockgate._join_batch(batch);
     END IF;

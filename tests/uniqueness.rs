@@ -1203,3 +1203,36 @@ async fn a_unique_and_limited_call_gives_each_keys_permits_in_unique_key_order_a
         sqlx::query("SELECT * FROM lockgate.enqueue_many('rr', $1)").bind(&args).execute(&mut conn).await.unwrap_err();
     assert_eq!(err.as_database_error().and_then(|d| d.code()).as_deref(), Some("LG005"), "{err}");
 }
+
+/// A call that gives one unique key to two of its jobs, of a type that rejects duplicates, is
+/// refused as bad input naming the key. Before, its later job met the earlier one as the key's
+/// holder and the error named that job, an id the failed call never enqueued (review helper-141
+/// F7). Both paths: a limited type's and a plain one's.
+#[tokio::test]
+async fn a_call_repeating_a_unique_key_of_a_rejecting_type_is_refused_naming_the_key() {
+    let db = db_with(&[
+        "'rr', unique_mode => 'until_executed', unique_key => array['u'], unique_on_conflict => 'reject',
+         concurrency_limit => 1, concurrency_key => array['c']",
+        "'r', unique_mode => 'until_executed', unique_key => array['u'], unique_on_conflict => 'reject'",
+    ])
+    .await;
+    for job_type in ["rr", "r"] {
+        let args = vec![
+            serde_json::json!({"u": "other", "c": "p"}),
+            serde_json::json!({"u": "twice", "c": "p"}),
+            serde_json::json!({"u": "twice", "c": "q"}),
+        ];
+        let err = sqlx::query("SELECT * FROM lockgate.enqueue_many($1, $2)")
+            .bind(job_type)
+            .bind(&args)
+            .execute(&db.pool)
+            .await
+            .unwrap_err();
+        let db_err = err.as_database_error().unwrap();
+        assert_eq!(db_err.code().as_deref(), Some("LG003"), "{err}");
+        assert!(db_err.message().contains(&format!("unique key \"{job_type}:[\"twice\"]\"")), "{err}");
+        assert!(db_err.message().contains("more than one job of this call"), "{err}");
+    }
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM lockgate.unique_locks").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(left, 0, "nothing of either call was kept");
+}
