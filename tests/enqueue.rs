@@ -1398,3 +1398,33 @@ async fn an_enqueue_whose_reply_is_lost_after_its_commit_says_it_may_have_commit
     let refused = client.enqueue_raw("missing", &json!({}), &EnqueueOptions::default()).await.unwrap_err();
     assert!(!refused.may_have_committed(), "{refused:?}");
 }
+
+/// An enqueue whose backend the server ends under it (an administrator's `pg_terminate_backend`,
+/// a server shutting down: SQLSTATE 57P01, which is also what PgBouncer says when a server
+/// connection it pooled goes away) may have committed as far as the client can tell: it says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueue_whose_backend_is_terminated_says_it_may_have_committed() {
+    let (db, client) = setup().await;
+    // The enqueue waits for the job types' table, which a migration-like transaction holds.
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE lockgate.job_types IN ACCESS EXCLUSIVE MODE").execute(&mut *holder).await.unwrap();
+    let enqueue = tokio::spawn(async move { client.enqueue(&Note { text: "cut".into() }).await });
+    let waiting =
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' LIMIT 1";
+    let until = std::time::Instant::now() + common::WAIT;
+    let pid = loop {
+        if let Some(pid) = sqlx::query_scalar::<_, i32>(waiting).fetch_optional(&db.pool).await.unwrap() {
+            break pid;
+        }
+        assert!(std::time::Instant::now() < until, "the enqueue never waited for the lock");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&db.pool).await.unwrap();
+    let err = tokio::time::timeout(common::WAIT, enqueue).await.expect("the enqueue returned").unwrap().unwrap_err();
+    holder.rollback().await.unwrap();
+    assert!(
+        matches!(&err, EnqueueError::Database(DbError::Sqlx(sqlx::Error::Database(e))) if e.code().as_deref() == Some("57P01")),
+        "{err:?}"
+    );
+    assert!(err.may_have_committed(), "{err:?}");
+}
