@@ -29,7 +29,10 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
     let keys = lockgate::sql::key_stats(&pool).await?;
     let processes = lockgate::sql::list_processes(&pool).await?;
     let unique = lockgate::sql::unique_lock_stats(&pool).await?;
-    let batches = lockgate::sql::unfinished_batches(&pool, 20).await?;
+    // One more than is shown, to tell whether there are more (review helper-139 F5).
+    let mut batches = lockgate::sql::unfinished_batches(&pool, BATCHES_SHOWN + 1).await?;
+    let more_batches = batches.len() > BATCHES_SHOWN as usize;
+    batches.truncate(BATCHES_SHOWN as usize);
     if args.json {
         let all = json!({
             "queues": stats.iter().map(|s| queue_json(s, find(&throughput, &s.queue))).collect::<Vec<_>>(),
@@ -37,6 +40,7 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
             "processes": processes.iter().map(process_json).collect::<Vec<_>>(),
             "unique_locks": unique.iter().map(unique_json).collect::<Vec<_>>(),
             "batches": batches,
+            "more_batches": more_batches,
         });
         println!("{}", serde_json::to_string_pretty(&all)?);
         return Ok(());
@@ -74,9 +78,17 @@ pub async fn run(target: &db::Target, args: Args) -> Result<()> {
         }
         println!();
         t.print();
+        if more_batches {
+            println!(
+                "(the {BATCHES_SHOWN} oldest unfinished batches; more are not shown: `lockgate batch show ID` shows any one)"
+            );
+        }
     }
     Ok(())
 }
+
+/// Unfinished batches `status` shows, the oldest first.
+const BATCHES_SHOWN: i32 = 20;
 
 fn find<'a>(throughput: &'a [QueueThroughput], queue: &str) -> Option<&'a QueueThroughput> {
     throughput.iter().find(|t| t.queue == queue)
