@@ -334,12 +334,11 @@ impl SqlExecutor {
                 // dropped without a reset): awaited for good, the attempt, its key and the
                 // process's shutdown waited for good (review helper-142 F8). Its backend is ended
                 // (an open transaction of it rolls back), and the attempt fails: its outcome is
-                // unknown, so the job runs again, as after any lost reply.
-                while !lockgate::sql::end_marked_backend(&self.db, backend, &ctx.queue, ctx.msg_id)
-                    .await
-                    .unwrap_or(false)
-                {
-                    tokio::time::sleep(REPLY_WAIT).await;
+                // unknown, so the job runs again, as after any lost reply. Should the reply come
+                // after all, it is the attempt's outcome.
+                if let Some(ran) = self.reply_or_backend_gone(backend, ctx, &mut running).await {
+                    ran?;
+                    return Ok(());
                 }
                 tracing::warn!(backend, "an SQL job's statement ended on the server but its reply never came: its connection is given up");
                 return Err(Stopped::Terminated(JobError::new(
@@ -376,26 +375,15 @@ impl SqlExecutor {
             // (its transaction, and the locks it held, end on the way): waited for, so the next
             // run of the job or its key never meets it still running (review helper-104). One not
             // terminated stays ours, idle: its connection is closed instead (review helper-108).
-            // A connection whose flow the network dropped never answers: past `REPLY_WAIT` the
-            // server is asked, on another connection, to end the statement's backend while it carries this job's
-            // mark, and once it carries it no more the reply is given up with its connection. Awaited for
-            // good, it held a slot of the pool, and the process's shutdown, for good (review
-            // helper-142 F1).
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = &mut running => break,
-                    () = tokio::time::sleep(REPLY_WAIT) => {}
-                }
-                let gone = lockgate::sql::end_marked_backend(&self.db, backend, &ctx.queue, ctx.msg_id).await;
-                if gone.is_ok_and(|gone| gone) {
-                    tracing::warn!(
-                        backend,
-                        "a cancelled job's SQL statement gave no answer on its connection, and no backend runs it any \
-                         more: its connection is given up"
-                    );
-                    return Err(Stopped::Terminated(error));
-                }
+            // A connection whose flow the network dropped never answers: awaited for good, it held
+            // a slot of the pool, and the process's shutdown, for good (review helper-142 F1).
+            if self.reply_or_backend_gone(backend, ctx, &mut running).await.is_none() {
+                tracing::warn!(
+                    backend,
+                    "a cancelled job's SQL statement gave no answer on its connection, and no backend runs it any \
+                     more: its connection is given up"
+                );
+                return Err(Stopped::Terminated(error));
             }
             if let (Some(true), Some(started)) = (terminated, started) {
                 tracing::info!(backend, "a cancelled job's SQL statement would not end: its backend was terminated");
@@ -424,6 +412,29 @@ impl SqlExecutor {
             match lockgate::sql::backend_runs_statement(&self.db, pid, &ctx.queue, ctx.msg_id).await {
                 Ok(false) => not_running += 1,
                 _ => not_running = 0,
+            }
+        }
+    }
+
+    /// Waits for the statement's reply (`running`) and, each `REPLY_WAIT` it has not come, asks
+    /// the server, on another connection, to end backend `pid` while it carries this job's mark:
+    /// the reply, or `None` once no backend carries the mark (a reply that will never come, its
+    /// flow dropped by the network, is then given up with its connection). It never gives up
+    /// while that backend carries the mark.
+    async fn reply_or_backend_gone<F: Future + Unpin>(
+        &self,
+        pid: i32,
+        ctx: &JobContext,
+        running: &mut F,
+    ) -> Option<F::Output> {
+        loop {
+            tokio::select! {
+                biased;
+                ran = &mut *running => return Some(ran),
+                () = tokio::time::sleep(REPLY_WAIT) => {}
+            }
+            if lockgate::sql::end_marked_backend(&self.db, pid, &ctx.queue, ctx.msg_id).await.is_ok_and(|gone| gone) {
+                return None;
             }
         }
     }
