@@ -562,6 +562,13 @@ enum Active {
         until: Instant,
         fault: usize,
     },
+    /// The replies to p0's next `sql` job statement swallowed by the proxy, its connection
+    /// left open (a flow the network dropped): the executor must find, on another connection,
+    /// that the statement no longer runs, end its backend and fail the attempt (design §126).
+    LostReply {
+        until: Instant,
+        fault: usize,
+    },
     /// A graceful restart (a deploy): TERM sent; restarted once the process exited, or killed
     /// at `until`.
     Terminating {
@@ -587,7 +594,7 @@ impl Active {
             | Active::Down { idx, .. }
             | Active::Terminating { idx, .. }
             | Active::Stale { idx, .. } => Some(*idx),
-            Active::Partition { .. } => Some(0),
+            Active::Partition { .. } | Active::LostReply { .. } => Some(0),
             Active::Hold { .. } => None,
         }
     }
@@ -595,6 +602,7 @@ impl Active {
         match self {
             Active::Stop { until, .. }
             | Active::Partition { until, .. }
+            | Active::LostReply { until, .. }
             | Active::Down { until, .. }
             | Active::Hold { until, .. }
             | Active::Terminating { until, .. }
@@ -958,7 +966,7 @@ async fn soak(size: Size, seed: u64) {
                 kinds.extend(["kill-9", "sigstop", "sigstop-tree", "term-restart", "false-prune"]);
             }
             if !busy.contains(&0) {
-                kinds.extend(["partition", "partition"]);
+                kinds.extend(["partition", "partition", "lost-reply"]);
             }
             if !holding {
                 kinds.push("held-txn");
@@ -1063,6 +1071,21 @@ async fn soak(size: Size, seed: u64) {
                     });
                     proxy.freeze();
                     active.push(Active::Partition { until: Instant::now() + d, fault });
+                }
+                "lost-reply" => {
+                    // The args an `sql` job's statement binds are the only JSON objects with a
+                    // "kid" that p0 sends: the first such request's replies never come.
+                    faults.push(Fault {
+                        kind,
+                        target: procs.procs[0].label(),
+                        pid: procs.procs[0].pid(),
+                        began: Utc::now(),
+                        ended: None,
+                        detail: String::new(),
+                        problem: None,
+                    });
+                    proxy.swallow_replies_to_request_containing("\"kid\":");
+                    active.push(Active::LostReply { until: Instant::now() + Duration::from_secs(30), fault });
                 }
                 "backend-kill" => {
                     let began = Utc::now();
@@ -1280,6 +1303,14 @@ async fn end_fault(a: Active, faults: &mut [Fault], procs: &mut Procs, proxy: &F
         Active::Partition { fault, .. } => {
             proxy.thaw();
             faults[fault].ended = Some(Utc::now());
+        }
+        Active::LostReply { fault, .. } => {
+            proxy.disarm();
+            let f = &mut faults[fault];
+            f.ended = Some(Utc::now());
+            f.detail =
+                if proxy.met_marked_reply() { "an sql statement's replies swallowed" } else { "no sql statement met" }
+                    .into();
         }
         Active::Stale { fault, .. } => {
             faults[fault].ended = Some(Utc::now());
@@ -2072,6 +2103,8 @@ impl Report {
         row("kill -9 + restart", count(&["kill-9"]).to_string());
         row("SIGSTOP past the lease", format!("{} (+{} whole tree)", count(&["sigstop"]), count(&["sigstop-tree"])));
         row("partitions (proxied p0)", count(&["partition"]).to_string());
+        let swallowed = faults.iter().filter(|f| f.kind == "lost-reply" && f.detail.ends_with("swallowed")).count();
+        row("sql replies swallowed (p0)", format!("{swallowed} (of {} armed)", count(&["lost-reply"])));
         row("backend kills", count(&["backend-kill"]).to_string());
         row("held producer transactions", count(&["held-txn"]).to_string());
         row("raw messages, odd priority", count(&["poison"]).to_string());

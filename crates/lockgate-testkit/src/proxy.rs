@@ -118,6 +118,14 @@ impl FaultProxy {
         *self.marked.lock().unwrap_or_else(|e| e.into_inner()) = Some(marked);
     }
 
+    /// Takes back a cut or swallow armed and not met yet (one met stays met).
+    pub fn disarm(&self) {
+        let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
+        if marked.as_ref().is_some_and(|m| !m.met) {
+            *marked = None;
+        }
+    }
+
     fn arm(&self, needle: &str, close: bool) {
         let marked = Marked { needle: needle.as_bytes().to_vec(), close, in_request: false, met: false };
         *self.marked.lock().unwrap_or_else(|e| e.into_inner()) = Some(marked);
