@@ -496,3 +496,79 @@ async fn a_tick_of_a_task_that_does_not_exist_is_inactive() {
     let outcome = enqueue_recurring_tick(&db.pool, "never_defined", db_now(&db).await, None).await.unwrap();
     assert_eq!(outcome.status, "inactive");
 }
+
+/// Tasks whose limited type's keys a producer holds each wait the tick's 500 ms `lock_timeout`:
+/// one after the other, four of them made every pass last 2 s, and an every-second task lost
+/// every other tick (review helper-143 F3). After a task's tick failed, a pass tries it after the
+/// others and spends at most `FAILING_BUDGET` on such tasks (at least one of them each pass). And
+/// a shutdown stops a pass before its next task: thirty held tasks held a TERM for 15 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_whose_keys_are_held_cost_the_others_one_budget_per_pass_and_no_shutdown() {
+    let (db, client) = setup().await;
+    let mut policy = JobPolicy::on_queue(common::queue("default"));
+    policy.concurrency = Some(ConcurrencyPolicy::new(1).key(["k"]));
+    client.define_job_type(&JobTypeName::new("limited").unwrap(), &policy).await.unwrap();
+    let mut producer = db.pool.begin().await.unwrap();
+    for k in 0..4 {
+        let task = RecurringTask {
+            args: serde_json::json!({"k": k}),
+            ..RecurringTask::new(format!("held_{k}"), "* * * * * *", "limited")
+        };
+        client.define_recurring(&task).await.unwrap();
+        sqlx::query("SELECT * FROM lockgate.enqueue('limited', jsonb_build_object('k', $1::integer))")
+            .bind(k)
+            .execute(&mut *producer)
+            .await
+            .unwrap();
+    }
+    client.define_recurring(&RecurringTask::new("healthy", "* * * * * *", "report")).await.unwrap();
+    sqlx::query("UPDATE lockgate.recurring_tasks SET active_since = now() - interval '1 minute'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut scheduler = Scheduler::new(db.new_pool(2).await.unwrap());
+    let then = db_now(&db).await;
+    let first = scheduler.run_once(then).await.unwrap();
+    assert_eq!((first.enqueued, first.errors), (1, 4), "{first:?}");
+    // A later second's pass: the healthy task first, then one held task, the rest deferred.
+    let until = Instant::now() + WAIT;
+    let mut now = db_now(&db).await;
+    while now.timestamp() == then.timestamp() {
+        assert!(Instant::now() < until, "the database's clock stands still");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        now = db_now(&db).await;
+    }
+    let started = Instant::now();
+    let second = scheduler.run_once(now).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!((second.enqueued, second.errors, second.deferred), (1, 1, 3), "{second:?}");
+    assert!(took < Duration::from_millis(1500), "the pass took {took:?}");
+
+    // Thirty held tasks, none known yet to a new scheduler: its shutdown stops the first pass.
+    for k in 4..30 {
+        let task = RecurringTask {
+            args: serde_json::json!({"k": k}),
+            ..RecurringTask::new(format!("held_{k}"), "* * * * * *", "limited")
+        };
+        client.define_recurring(&task).await.unwrap();
+        sqlx::query("SELECT * FROM lockgate.enqueue('limited', jsonb_build_object('k', $1::integer))")
+            .bind(k)
+            .execute(&mut *producer)
+            .await
+            .unwrap();
+    }
+    sqlx::query(
+        "UPDATE lockgate.recurring_tasks SET active_since = now() - interval '1 minute' WHERE last_tick_at IS NULL",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(Scheduler::new(db.new_pool(2).await.unwrap()).run(shutdown.clone()));
+    lockgate_testkit::wait_for_count(&db.pool, common::WAITING_FOR_A_LOCK, 1, WAIT).await.unwrap();
+    let stopping = Instant::now();
+    shutdown.cancel();
+    tokio::time::timeout(WAIT, running).await.expect("the scheduler stopped").unwrap();
+    assert!(stopping.elapsed() < Duration::from_millis(1500), "stopped in {:?}", stopping.elapsed());
+    producer.rollback().await.unwrap();
+}

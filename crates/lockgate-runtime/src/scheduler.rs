@@ -11,7 +11,7 @@
 //! logged and the next one runs after `RELOAD_INTERVAL`. A statement not answered within its
 //! bound (`held::answer_within`) is given up with its connection (design §119).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -27,12 +27,20 @@ use crate::held::{answer_within, on_pool};
 /// CLI is scheduled within a second, for two small statements per second per process.
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
 
+/// How long a pass may go on trying the tasks whose last tick's statement failed, once the
+/// others are done: at least one of them is tried, and more while the pass is younger than this.
+/// Each may wait its tick's `lock_timeout` (500 ms) for a key a producer holds, so without a
+/// bound N held tasks made every pass last N × 500 ms, and every other task lost ticks (review
+/// helper-143 F3).
+pub const FAILING_BUDGET: Duration = Duration::from_millis(500);
+
 /// What one pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SchedulerReport {
     /// Ticks this pass enqueued (including jobs parked or discarded by their concurrency limit).
     pub enqueued: usize,
-    /// Ticks another scheduler had enqueued already (or whose task was disabled meanwhile).
+    /// Ticks another scheduler had enqueued already (or whose task was disabled meanwhile, or
+    /// whose job's unique key an earlier job holds, its type discarding duplicates).
     pub taken: usize,
     /// Ticks whose enqueue failed (recorded on the task with the error; not retried).
     pub failed: usize,
@@ -40,8 +48,11 @@ pub struct SchedulerReport {
     /// enqueuing the same tick, a definition not yet committed): the next pass looks again.
     pub busy: usize,
     /// Ticks whose statement failed (a key held past the tick's lock timeout, a lost
-    /// connection): logged, and tried again by the next pass; the other tasks went on.
+    /// connection): logged, and tried again by a later pass; the other tasks went on.
     pub errors: usize,
+    /// Due ticks of tasks whose last tick's statement failed that this pass left to a later one,
+    /// its time for them (`FAILING_BUDGET`) spent.
+    pub deferred: usize,
     /// The earliest tick of any enabled task after this pass's clock.
     pub next_tick_at: Option<DateTime<Utc>>,
 }
@@ -57,6 +68,11 @@ pub struct Scheduler {
     /// Passes so far: each starts at another task, so a task whose tick keeps failing never
     /// delays the same others first.
     passes: usize,
+    /// Tasks whose last tick's statement failed: each pass tries them after the others, and only
+    /// as many as `FAILING_BUDGET` allows.
+    failing: HashSet<String>,
+    /// Fired by `run`'s shutdown: a pass under way stops before its next task.
+    shutdown: CancellationToken,
 }
 
 struct ParsedSchedule {
@@ -67,7 +83,14 @@ struct ParsedSchedule {
 
 impl Scheduler {
     pub fn new(db: PgPool) -> Self {
-        Self { db, within: answer_within(&RuntimeConfig::default()), schedules: HashMap::new(), passes: 0 }
+        Self {
+            db,
+            within: answer_within(&RuntimeConfig::default()),
+            schedules: HashMap::new(),
+            passes: 0,
+            failing: HashSet::new(),
+            shutdown: CancellationToken::new(),
+        }
     }
 
     /// Gives up a statement not answered within `within`, with its connection (default: the
@@ -78,6 +101,7 @@ impl Scheduler {
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
+        self.shutdown = shutdown.clone();
         loop {
             let pause = match self.pass().await {
                 Ok(pause) => pause,
@@ -106,23 +130,45 @@ impl Scheduler {
     /// Enqueues the tick due at `now` of every enabled task (tests pin `now`; `run` passes the
     /// database's clock). A tick after the database's own clock is refused by the database.
     pub async fn run_once(&mut self, now: DateTime<Utc>) -> Result<SchedulerReport, DbError> {
+        let started = Instant::now();
         let tasks = on_pool(&self.db, self.within, async |c| lockgate_sql::list_recurring(Db::idle(c)).await).await?;
-        self.schedules.retain(|name, _| tasks.iter().any(|t| &t.name == name));
+        let names: HashSet<&str> = tasks.iter().map(|t| t.name.as_str()).collect();
+        self.schedules.retain(|name, _| names.contains(name.as_str()));
+        self.failing.retain(|name| names.contains(name.as_str()));
         let mut report = SchedulerReport::default();
         let enabled: Vec<&RecurringRow> = tasks.iter().filter(|t| t.enabled).collect();
         self.passes = self.passes.wrapping_add(1);
         let start = if enabled.is_empty() { 0 } else { self.passes % enabled.len() };
-        for task in enabled[start..].iter().chain(&enabled[..start]) {
+        // The tasks whose last tick's statement failed come last, so that one whose key a
+        // producer holds never delays the others (H29's rule for queues).
+        let (healthy, failing): (Vec<&RecurringRow>, Vec<&RecurringRow>) =
+            enabled[start..].iter().chain(&enabled[..start]).partition(|t| !self.failing.contains(&t.name));
+        let mut failing_tried = 0;
+        for task in healthy.into_iter().chain(failing) {
+            if self.shutdown.is_cancelled() {
+                break;
+            }
             let Some(schedule) = self.schedule(task) else { continue };
             let done_until = task.ticks_done_until();
             let due = schedule.due(done_until, now);
             let next = schedule.next_after(now.max(done_until));
             report.next_tick_at = report.next_tick_at.into_iter().chain(next).min();
-            if let Some(tick) = due {
-                // One task's failing tick never stops the others' (H29's rule for queues).
-                if let Err(error) = self.enqueue_tick(task, tick, &mut report).await {
+            let Some(tick) = due else { continue };
+            if self.failing.contains(&task.name) {
+                if failing_tried > 0 && started.elapsed() >= FAILING_BUDGET {
+                    report.deferred += 1;
+                    continue;
+                }
+                failing_tried += 1;
+            }
+            match self.enqueue_tick(task, tick, &mut report).await {
+                Ok(()) => {
+                    self.failing.remove(&task.name);
+                }
+                Err(error) => {
                     report.errors += 1;
-                    tracing::warn!(task = %task.name, %tick, %error, "recurring tick failed; the next pass tries again");
+                    self.failing.insert(task.name.clone());
+                    tracing::warn!(task = %task.name, %tick, %error, "recurring tick failed; a later pass tries again");
                 }
             }
         }
@@ -150,6 +196,12 @@ impl Scheduler {
             "busy" => {
                 report.busy += 1;
                 tracing::debug!(task, %tick, "recurring task held by another transaction; the next pass looks again");
+            }
+            // A unique type that discards duplicates: the tick's job is the holder's, enqueued
+            // earlier (review helper-143 F7: it was logged as enqueued).
+            "duplicate" => {
+                report.taken += 1;
+                tracing::info!(task, %tick, holder = outcome.job_id, "recurring tick not enqueued: its unique key is held by an earlier job");
             }
             "failed" => {
                 report.failed += 1;
