@@ -290,6 +290,39 @@ async fn the_configuration_sync_removes_the_config_tasks_it_no_longer_lists_and_
     assert_eq!(db.count("SELECT 1 FROM lockgate.recurring_tasks").await.unwrap(), 2);
 }
 
+/// The configuration's sync is one statement (review helper-143 F1): as a transaction of one
+/// statement per task, a process frozen or cut off between two of them held the rows of the tasks
+/// it had defined, and no scheduler of any process could tick them until its session ended. Here
+/// the sync's reply is swallowed, its connection left open: the sync is done and committed all the
+/// same, and another scheduler ticks its task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_whose_process_goes_silent_holds_no_task_from_the_other_schedulers() {
+    let (db, _client) = setup().await;
+    let proxy = lockgate_testkit::FaultProxy::start("127.0.0.1:5432".into()).await.unwrap();
+    let silent = lockgate::PgPoolOptions::new().max_connections(1).connect(&proxy.url_for(&db.url)).await.unwrap();
+    // A first sync defines the task and prepares the statements on the one connection; the
+    // second, of the same task and a new one, sends bound values only, and the first request
+    // carrying the new task's name has its replies swallowed.
+    let task = RecurringTask::new("every_second", "* * * * * *", "report");
+    sync_config_recurring(&silent, std::slice::from_ref(&task)).await.unwrap();
+    proxy.swallow_replies_to_request_containing("marker_task");
+    let tasks = [task, RecurringTask::new("marker_task", "@yearly", "report")];
+    let syncing = tokio::spawn(async move { sync_config_recurring(&silent, &tasks).await });
+    let mut scheduler = Scheduler::new(db.pool.clone());
+    let until = Instant::now() + WAIT;
+    let mut report = Default::default();
+    while Instant::now() < until {
+        report = scheduler.run_once(db_now(&db).await).await.unwrap();
+        if report.enqueued > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(proxy.met_marked_reply(), "the sync's reply was swallowed");
+    assert_eq!(report.enqueued, 1, "another scheduler ticks the task: {report:?}");
+    syncing.abort();
+}
+
 #[tokio::test]
 async fn bad_recurring_definitions_from_sql_are_refused_with_the_problem_named() {
     let (db, _client) = setup().await;

@@ -91,17 +91,35 @@ pub async fn define_recurring<'c>(
     .await
 }
 
-/// Makes the database's config-owned tasks exactly `tasks`, in one transaction: defines each,
-/// then removes the config-owned tasks it does not list. Returns the names removed.
+/// Makes the database's config-owned tasks exactly `tasks`, in one statement: defines each, in
+/// the order given, then removes the config-owned tasks it does not list. Returns the names
+/// removed. One statement, not a transaction of several: each definition locks its task's row,
+/// and a process frozen (or cut off) between two statements held them all, so that no scheduler
+/// of any process could tick those tasks until its session ended (review helper-143 F1); the
+/// server runs one statement to its commit whatever its client does.
 pub async fn sync_config_recurring(db: &PgPool, tasks: &[RecurringTask]) -> Result<Vec<String>, DbError> {
-    let mut tx = db.begin().await?;
-    for task in tasks {
-        define_recurring(&mut *tx, task, RecurringSource::Config).await?;
-    }
-    let keep: Vec<&str> = tasks.iter().map(|t| t.name.as_str()).collect();
-    let removed: Vec<String> =
-        query_scalar("SELECT lockgate.prune_config_recurring($1)").bind(keep).fetch_all(&mut *tx).await?;
-    tx.commit().await?;
+    let column = |f: fn(&RecurringTask) -> String| tasks.iter().map(f).collect::<Vec<_>>();
+    let names = column(|t| t.name.clone());
+    let args: Vec<serde_json::Value> = tasks.iter().map(|t| t.args.clone()).collect();
+    let options: Vec<serde_json::Value> = tasks.iter().map(RecurringTask::options).collect();
+    let enabled: Vec<Option<bool>> = tasks.iter().map(|t| t.enabled).collect();
+    let removed: Vec<String> = query_scalar(
+        "WITH defined AS (
+             SELECT count(lockgate.define_recurring(t.name, t.cron, t.job_type, t.args, t.timezone, t.options,
+                                                    t.enabled, 'config')) AS n
+               FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::text[], $6::jsonb[], $7::boolean[])
+                    AS t(name, cron, job_type, args, timezone, options, enabled))
+         SELECT lockgate.prune_config_recurring($1) FROM defined",
+    )
+    .bind(&names)
+    .bind(column(|t| t.cron.clone()))
+    .bind(column(|t| t.job_type.clone()))
+    .bind(args)
+    .bind(column(|t| t.timezone.clone()))
+    .bind(options)
+    .bind(enabled)
+    .fetch_all(db)
+    .await?;
     Ok(removed)
 }
 
