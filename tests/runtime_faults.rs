@@ -1906,3 +1906,40 @@ async fn g3_a_runtime_shut_down_under_offloaded_work_tells_it_to_stop_before_its
             .unwrap();
     assert!(told && again > ended, "worker 1 ran the job at {again}; worker 0's work ended at {ended}, told: {told}");
 }
+
+/// Review helper-145 F10, F2: the server ending the heartbeat's connection once (an operator's
+/// `pg_terminate_backend`, a pooler's reset) fails the next renewal at once. Left to the next
+/// tick, a lease floored at twice the heartbeat interval was fenced: the handler cancelled and an
+/// attempt spent, and a handler that blocks its thread ran on beside its job's next run. The
+/// renewal is now tried again at once on a fresh connection: the job runs once, uncancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_connection_ended_once_costs_no_lease() {
+    let db = TestDb::migrated().await.unwrap();
+    install_permit_monitor(&db).await;
+    let types = [("serial", limited("default", 1, Duration::from_secs(1)))];
+    let client = define(&db, &types).await;
+    let config = RuntimeConfig {
+        heartbeat_interval: Duration::from_secs(1),
+        visibility_timeout: Duration::from_secs(3),
+        ..fast_config()
+    };
+    // The lease is then the floor, twice the interval: one renewal missed fences it.
+    lockgate::sql::record_heartbeat_interval(&db.pool, config.heartbeat_interval).await.unwrap();
+    let job = client.enqueue_raw("serial", &json!({"key": 1, "ms": 4000}), &EnqueueOptions::default()).await.unwrap();
+    let worker = probe(&db, 0, &Counter::default());
+    let cancels = Arc::clone(&worker.cancels);
+    let running = Running::start(&db, config, probe_registry(worker, &types), &["default"], 1).await;
+    let heartbeat = "SELECT pid FROM pg_stat_activity
+                      WHERE datname = current_database() AND query LIKE 'SELECT msg_id, budget_seconds FROM lockgate.extend(%'";
+    let pid: i32 = wait_for("the job's first renewal", WAIT, || async {
+        Ok(sqlx::query_scalar::<_, i32>(heartbeat).fetch_optional(&db.pool).await?)
+    })
+    .await
+    .unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&db.pool).await.unwrap();
+    wait_for_count(&db.pool, "SELECT count(*) FROM pgmq.a_default", 1, WAIT).await.unwrap();
+    running.stop().await;
+    let cancels = cancels.lock().unwrap().clone();
+    assert!(cancels.is_empty(), "the handler was cancelled: {cancels:?}");
+    assert_eq!(started(&db, job.job_id.0).await, 1, "the job ran once");
+}

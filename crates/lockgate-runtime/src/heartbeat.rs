@@ -211,8 +211,21 @@ impl Heartbeat {
             for (queue, asked) in set.renewable(which) {
                 // The new budget counts from before the statement is sent: the database starts
                 // it no earlier than this, whatever its clock says (H27).
-                let sent_at = Instant::now();
-                match self.extend(&queue, &asked, owner).await {
+                let mut sent_at = Instant::now();
+                let mut extended = self.extend(&queue, &asked, owner).await;
+                // A connection the server or the network reset fails the next statement at once:
+                // tried again straight away on a fresh one. Left to the next tick, one reset cost a
+                // whole interval, and a lease floored at twice the interval was then fenced: a
+                // handler that blocks its thread ran on beside its job's next delivery (review
+                // helper-145 F10, F2).
+                if matches!(&extended, Err(RenewError::Database(e)) if e.is_transient())
+                    && sent_at.elapsed() < self.interval / 2
+                {
+                    tracing::info!(%queue, "renewal failed on its connection; trying again at once on a fresh one");
+                    sent_at = Instant::now();
+                    extended = self.extend(&queue, &asked, owner).await;
+                }
+                match extended {
                     Ok(mut renewal) => {
                         let r = match self.cancelled_among_lost(&queue, &asked, &renewal).await {
                             Some(cancelled) => {

@@ -77,8 +77,15 @@ enum State {
     /// ends and its executor gives them back, so that no job of its key starts beside a handler
     /// that will not stop (design §95).
     Cancelled,
-    /// Lost (the heartbeat found it owned by nobody or by a newer delivery) or fenced (its budget
-    /// ran out before a renewal): it may write nothing more.
+    /// Fenced by the watchdog (its budget was about to run out before a renewal landed): its
+    /// handler is told to stop, and it may write nothing more, as a lost one. While its handler's
+    /// task still exists (a handler that blocks its thread cannot be stopped), the heartbeat goes
+    /// on asking to renew it: the database renews it only while its lease still holds there, so
+    /// a renewal that was late but not too late keeps the key's permit for the handler that runs
+    /// on, instead of letting it lapse beside it (review helper-145 F2).
+    Fenced,
+    /// Lost (the heartbeat found it owned by nobody or by a newer delivery): it may write nothing
+    /// more.
     Lost,
 }
 
@@ -224,7 +231,7 @@ impl InFlight {
                 Finish::Write
             }
             Some(e) if e.read_ct == d.read_ct && e.state == State::Stopping => Finish::Shutdown,
-            Some(e) if e.read_ct == d.read_ct && matches!(e.state, State::Lost | State::Cancelled) => {
+            Some(e) if e.read_ct == d.read_ct && matches!(e.state, State::Lost | State::Fenced | State::Cancelled) => {
                 entries.remove(&key);
                 Finish::Lost
             }
@@ -249,11 +256,13 @@ impl InFlight {
         }
     }
 
-    /// Until when the delivery's lease is known to hold; `None` once it is gone, lost or cancelled.
+    /// Until when the delivery's lease is known to hold; `None` once it is gone, lost, fenced or
+    /// cancelled.
     pub fn lease_until(&self, d: &Delivery) -> Option<Instant> {
         let entries = self.entries();
         let e = entries.get(&(d.queue.clone(), d.msg_id))?;
-        (e.read_ct == d.read_ct && !matches!(e.state, State::Lost | State::Cancelled)).then_some(e.lease_until)
+        (e.read_ct == d.read_ct && !matches!(e.state, State::Lost | State::Fenced | State::Cancelled))
+            .then_some(e.lease_until)
     }
 
     /// The running delivery's handler task is starting: `run` lives in that task (and in the
@@ -265,8 +274,8 @@ impl InFlight {
         }
     }
 
-    /// Whether any handler task of this set still exists for a delivery not lost (a fenced one
-    /// has nothing more to renew).
+    /// Whether any handler task of this set still exists for a delivery not lost (a lost one has
+    /// nothing more to renew; a fenced one may still have).
     pub fn any_handler_alive(&self) -> bool {
         self.entries().values().any(|e| e.state != State::Lost && e.handler.strong_count() > 0)
     }
@@ -275,12 +284,18 @@ impl InFlight {
     pub fn renewable(&self, which: Renew) -> HashMap<QueueName, Vec<(i64, i32)>> {
         let mut out: HashMap<QueueName, Vec<(i64, i32)>> = HashMap::new();
         for ((queue, msg_id), e) in self.entries().iter() {
+            let alive = e.handler.strong_count() > 0;
             let wanted = match which {
                 Renew::All => true,
                 Renew::Started => e.state != State::Waiting,
-                Renew::HandlerAlive => e.handler.strong_count() > 0,
+                Renew::HandlerAlive => alive,
             };
-            if !matches!(e.state, State::Lost | State::Cancelled) && wanted {
+            let asked = match e.state {
+                State::Lost | State::Cancelled => false,
+                State::Fenced => alive,
+                _ => true,
+            };
+            if asked && wanted {
                 out.entry(queue.clone()).or_default().push((*msg_id, e.read_ct));
             }
         }
@@ -402,7 +417,7 @@ impl InFlight {
         let mut fenced = Vec::new();
         for ((queue, msg_id), e) in self.entries().iter_mut() {
             if matches!(e.state, State::Running | State::Decided) && now + FENCE_MARGIN >= e.lease_until {
-                e.state = State::Lost;
+                e.state = State::Fenced;
                 if let Some(ctx) = &e.ctx {
                     ctx.fire(CancelReason::LeaseLost);
                 }
@@ -647,6 +662,45 @@ mod tests {
         set.decided(&d2);
         assert_eq!(set.fence(now + Duration::from_secs(2)).len(), 1, "fenced as a running one");
         assert_eq!(set.begin_finishing(&d2), Finish::Lost);
+    }
+
+    /// Review helper-145 F2: a delivery the watchdog fenced whose handler's task still exists (one
+    /// that blocks its thread) is still asked about by the heartbeat, so a renewal that was late
+    /// but not too late keeps its lease while the handler runs on; it still writes nothing, and
+    /// once the handler has ended it is forgotten. One the database no longer holds is lost.
+    #[test]
+    fn a_fenced_delivery_whose_handler_runs_on_is_still_renewed_and_writes_nothing() {
+        let set = InFlight::default();
+        let now = Instant::now();
+        let (d, c) = (delivery(1), ctx(1));
+        set.insert_waiting(&d, now + Duration::from_secs(2));
+        assert_eq!(set.start(&d, c.clone(), now), Start::Run);
+        let alive = Arc::new(());
+        set.handler_started(&d, &alive);
+        assert_eq!(set.fence(now + Duration::from_secs(2)).len(), 1);
+        assert_eq!(c.cancel_reason(), Some(CancelReason::LeaseLost));
+        assert!(set.lease_until(&d).is_none(), "nothing may be written for it");
+        assert_eq!(set.renewable(Renew::All).get(&d.queue), Some(&vec![(1, 1)]), "asked about while its handler runs");
+        assert_eq!(set.renewable(Renew::HandlerAlive).get(&d.queue), Some(&vec![(1, 1)]));
+        assert!(set.any_handler_alive());
+        let renewal = Renewal { renewed: vec![(1, Duration::from_secs(2))], ..Renewal::default() };
+        assert_eq!(set.renewed(&d.queue, &[(1, 1)], &renewal, now).renewed, 1);
+        assert!(set.fence(now + Duration::from_secs(3)).is_empty(), "fenced once");
+        assert!(set.lease_until(&d).is_none(), "renewed, it still writes nothing");
+        drop(alive);
+        assert!(set.renewable(Renew::All).is_empty(), "its handler has ended: asked about no more");
+        assert_eq!(set.begin_finishing(&d), Finish::Lost);
+        assert_eq!(set.len(), 0);
+        // Fenced, and no longer held by the database: lost, asked about no more.
+        let d2 = delivery(2);
+        set.insert_waiting(&d2, now + Duration::from_secs(2));
+        assert_eq!(set.start(&d2, ctx(2), now), Start::Run);
+        let alive = Arc::new(());
+        set.handler_started(&d2, &alive);
+        assert_eq!(set.fence(now + Duration::from_secs(2)).len(), 1);
+        assert_eq!(set.renewed(&d2.queue, &[(2, 1)], &Renewal::default(), now).lost, 1);
+        assert!(set.renewable(Renew::All).is_empty());
+        assert!(!set.any_handler_alive());
     }
 
     #[test]
