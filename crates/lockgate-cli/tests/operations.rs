@@ -633,3 +633,39 @@ async fn status_and_doctor_answer_while_a_queue_table_is_locked() {
     assert!(text(&o).contains("the other checks did not run"), "{}", text(&o));
     sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
 }
+
+/// Review helper-143 F5: `lockgate recurring enable|disable|add|remove` waited, printing nothing,
+/// for as long as another transaction held the task's row. Each waits at most 5 s now, and says
+/// what holds the task and where to look.
+#[tokio::test]
+async fn recurring_commands_give_up_on_a_task_another_transaction_holds() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('noop');
+         SELECT lockgate.define_recurring('nightly', '0 3 * * *', 'noop');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT lockgate.define_recurring('nightly', '0 3 * * *', 'noop')")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    for args in [
+        &["recurring", "disable", "nightly"][..],
+        &["recurring", "remove", "nightly"],
+        &["recurring", "add", "nightly", "0 4 * * *", "noop"],
+    ] {
+        let o = output_within_deadline(&db, args).await;
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", text(&o));
+        assert!(
+            text(&o).contains("recurring task \"nightly\" is held by another transaction"),
+            "{args:?}: {}",
+            text(&o)
+        );
+    }
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    let o = output_within_deadline(&db, &["recurring", "disable", "nightly"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+}

@@ -56,9 +56,38 @@ pub struct AddArgs {
 }
 
 pub async fn run(target: &db::Target, command: Command) -> Result<()> {
-    let client = Client::new(db::connect_checked(target, 1).await?);
+    // Each statement waits at most `db::READ_LOCK_TIMEOUT` for a task's row that another
+    // transaction holds (an uncommitted definition, a `lockgate run` syncing its configuration,
+    // a session gone silent mid-way): before, the command waited for as long as that transaction
+    // lived, printing nothing (review helper-143 F5).
+    let pool = db::connect_reading(target).await?;
+    lockgate::check_schema(&pool).await?;
+    let client = Client::new(pool);
+    let name = match &command {
+        Command::List { .. } => None,
+        Command::Enable { name } | Command::Disable { name } | Command::Remove { name } => Some(name.clone()),
+        Command::Add(args) => Some(args.name.clone()),
+    };
+    execute(&client, command).await.map_err(|err| {
+        let held = err.chain().any(|e| {
+            e.downcast_ref::<lockgate::sql::DbError>().is_some_and(db::lock_timed_out)
+                || matches!(e.downcast_ref::<lockgate::EnqueueError>(), Some(lockgate::EnqueueError::Database(d)) if db::lock_timed_out(d))
+        });
+        match (held, name) {
+            (true, Some(name)) => anyhow::anyhow!(
+                "recurring task \"{name}\" is held by another transaction (an uncommitted definition, or a `lockgate \
+                 run` syncing its configuration) for more than {}: `lockgate doctor` names the session under \
+                 `sessions`; run the command again once it has ended",
+                db::READ_LOCK_TIMEOUT
+            ),
+            _ => err,
+        }
+    })
+}
+
+async fn execute(client: &Client, command: Command) -> Result<()> {
     match command {
-        Command::List { json } => list(&client, json).await?,
+        Command::List { json } => list(client, json).await?,
         Command::Enable { name } => {
             client.set_recurring_enabled(&name, true).await?;
             println!("enabled recurring task {name}");
@@ -67,7 +96,7 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
             client.set_recurring_enabled(&name, false).await?;
             println!("disabled recurring task {name}");
         }
-        Command::Add(args) => add(&client, args).await?,
+        Command::Add(args) => add(client, args).await?,
         Command::Remove { name } => {
             if !client.remove_recurring(&name).await? {
                 bail!("unknown recurring task \"{name}\"");
