@@ -110,3 +110,64 @@ async fn enqueued_lists_what_the_transaction_sees_and_a_rollback_leaves_nothing(
         other => panic!("expected a decode error, got {other:?}"),
     }
 }
+
+/// Review helper-145 F1: `RuntimeBuilder::run` listened for ctrl-c and SIGTERM once; the
+/// handlers it installed took their default action away for the life of the process, so while a
+/// graceful shutdown waited for a handler that blocks its thread, a second ctrl-c or TERM did
+/// nothing. A second signal, a second or more after the first, now exits at once with 130. The
+/// test runs itself again as the program under test (`LOCKGATE_SIGNAL_CHILD`).
+#[test]
+fn a_second_signal_during_a_graceful_shutdown_exits_at_once() {
+    const NAME: &str = "a_second_signal_during_a_graceful_shutdown_exits_at_once";
+    let tokio = tokio::runtime::Runtime::new().unwrap();
+    if let Ok(url) = std::env::var("LOCKGATE_SIGNAL_CHILD") {
+        tokio.block_on(async {
+            let pool = lockgate::PgPool::connect(&url).await.unwrap();
+            let client = Client::new(pool.clone());
+            client.define::<Mail>().await.unwrap();
+            client.enqueue(&Mail { to: "a".into() }).await.unwrap();
+            let stuck = |_ctx: JobContext, _job: Mail| async {
+                std::thread::sleep(Duration::from_secs(60));
+                Ok::<(), JobError>(())
+            };
+            Runtime::builder(pool).register::<Mail>(stuck).queue("mail", 1).run().await.unwrap();
+        });
+        return;
+    }
+    tokio.block_on(async {
+        let db = TestDb::migrated().await.unwrap();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+            .env("LOCKGATE_SIGNAL_CHILD", &db.url)
+            .spawn()
+            .unwrap();
+        let started = lockgate_testkit::wait_for("the job to start", Duration::from_secs(30), || async {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pgmq.q_mail WHERE read_ct > 0")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap_or(0);
+            Ok((n > 0).then_some(()))
+        })
+        .await;
+        if started.is_err() {
+            let _ = child.kill();
+        }
+        started.unwrap();
+        lockgate_testkit::chaos::send_signal(&[child.id()], "INT");
+        // The second signal must come a second or more after the first to count.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        lockgate_testkit::chaos::send_signal(&[child.id()], "INT");
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if std::time::Instant::now() > until {
+                let _ = child.kill();
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(status.and_then(|s| s.code()), Some(130), "the second signal ended the program at once");
+    });
+}

@@ -229,9 +229,42 @@ impl RuntimeBuilder {
     }
 
     /// Runs until ctrl-c (SIGINT) or, on Unix, SIGTERM (what `docker stop` and Kubernetes send),
-    /// then shuts down gracefully.
+    /// then shuts down gracefully. A second ctrl-c or SIGTERM, a second or more after the first,
+    /// exits the process at once with status 130, as `lockgate run` does: listening for the
+    /// signals took their default action away for the life of the process, and a shutdown that
+    /// waits for a handler could not be interrupted any more (review helper-145 F1). The jobs
+    /// still running come back when their visibility lapses, as after a crash. Use `run_until`
+    /// to decide otherwise.
     pub async fn run(self) -> Result<(), RuntimeError> {
-        self.run_until(terminate()).await
+        let runtime = self.build()?;
+        let token = CancellationToken::new();
+        let run = runtime.run(token.clone());
+        tokio::pin!(run);
+        tokio::select! {
+            result = &mut run => return result,
+            () = terminate() => token.cancel(),
+        }
+        let first = std::time::Instant::now();
+        let again = async {
+            // A second signal within a second of the first is the same request (GNU `timeout`
+            // sends TERM twice at once).
+            loop {
+                terminate().await;
+                if first.elapsed() >= std::time::Duration::from_secs(1) {
+                    break;
+                }
+            }
+        };
+        tokio::select! {
+            result = &mut run => result,
+            () = again => {
+                tracing::error!(
+                    "a second signal during the graceful shutdown: exiting at once; the jobs still running come back \
+                     when their visibility lapses"
+                );
+                std::process::exit(130)
+            }
+        }
     }
 }
 
