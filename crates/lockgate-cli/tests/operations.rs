@@ -669,3 +669,28 @@ async fn recurring_commands_give_up_on_a_task_another_transaction_holds() {
     let o = output_within_deadline(&db, &["recurring", "disable", "nightly"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
 }
+
+/// Review helper-144 F8: `dlq retry --queue` of many dead letters was one statement, which a
+/// `statement_timeout` shorter than its run (common on managed PostgreSQL) undid every time:
+/// nothing was ever retried. It runs a statement per thousand now, each of its own.
+#[tokio::test]
+async fn dlq_retry_of_many_dead_letters_gets_through_a_short_statement_timeout() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('noop', queue => 'bulk');
+         INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
+         SELECT 'bulk', n, n, 'noop', jsonb_build_object('n', n), jsonb_build_object('type', 'noop', 'job_id', n),
+                'attempts_exhausted', 'failed', 1, now()
+           FROM generate_series(1, 20000) n;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // Time enough for a thousand at once, far too little for twenty thousand.
+    sqlx::query(&format!("ALTER DATABASE {} SET statement_timeout = '1s'", db.name)).execute(&db.pool).await.unwrap();
+    let o = output_within_deadline(&db, &["dlq", "retry", "--queue", "bulk"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("retried 20000 dead letter(s)"), "{}", text(&o));
+    assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
+    assert_eq!(db.count("SELECT 1 FROM pgmq.q_bulk").await.unwrap(), 20000);
+}

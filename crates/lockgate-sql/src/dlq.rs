@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sqlx::Row;
 
-use crate::pooler::{on, query, query_scalar, Db};
+use crate::pooler::{on, query, query_as, query_scalar, Db};
 
 use crate::DbError;
 
@@ -135,6 +135,53 @@ pub async fn dlq_retry<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter) -> Result<
                 DlqRetried { queue: r.get(0), job_id, outcome }
             })
             .collect())
+    })
+    .await
+}
+
+/// The dead letters `filter` matches whose id (`lockgate.dead_letters.id`) is above `after` and
+/// at most `upto`, the first `limit` by id: each as (its id,
+/// the id `DlqFilter::job_ids` selects it by, its job id or, for a message that was not lockgate's,
+/// its message id). For an operator's command that works through many dead letters a statement
+/// at a time (`lockgate dlq retry`).
+pub async fn dlq_page<'c>(
+    db: impl Into<Db<'c>>,
+    filter: &DlqFilter,
+    after: i64,
+    upto: i64,
+    limit: i64,
+) -> Result<Vec<(i64, i64)>, DbError> {
+    on(db.into(), async |conn| {
+        Ok(query_as(
+            "SELECT id, COALESCE(job_id, msg_id) FROM lockgate.dead_letters
+              WHERE ($1::text IS NULL OR queue = $1)
+                AND ($2::bigint[] IS NULL OR job_id = ANY ($2) OR (job_id IS NULL AND msg_id = ANY ($2)))
+                AND id > $3 AND id <= $4 AND COALESCE(job_id, msg_id) IS NOT NULL
+              ORDER BY id LIMIT $5",
+        )
+        .bind(filter.queue.as_deref())
+        .bind(filter.job_ids.as_deref())
+        .bind(after)
+        .bind(upto)
+        .bind(limit)
+        .fetch_all(conn)
+        .await?)
+    })
+    .await
+}
+
+/// The id (`lockgate.dead_letters.id`) of the last dead letter `filter` matches, if any.
+pub async fn dlq_last<'c>(db: impl Into<Db<'c>>, filter: &DlqFilter) -> Result<Option<i64>, DbError> {
+    on(db.into(), async |conn| {
+        Ok(query_scalar(
+            "SELECT max(id) FROM lockgate.dead_letters
+              WHERE ($1::text IS NULL OR queue = $1)
+                AND ($2::bigint[] IS NULL OR job_id = ANY ($2) OR (job_id IS NULL AND msg_id = ANY ($2)))",
+        )
+        .bind(filter.queue.as_deref())
+        .bind(filter.job_ids.as_deref())
+        .fetch_one(conn)
+        .await?)
     })
     .await
 }

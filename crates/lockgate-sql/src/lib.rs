@@ -33,7 +33,7 @@ pub use concurrency::{
 pub use deliveries::{
     claim, claim_as, claim_queues, complete, dead_letter, extend, release, retry, DeadLetterReason, Renewal,
 };
-pub use dlq::{dlq_list, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetried, DlqRetryOutcome};
+pub use dlq::{dlq_last, dlq_list, dlq_page, dlq_purge, dlq_retry, DeadLetter, DlqFilter, DlqRetried, DlqRetryOutcome};
 pub use doctor::{database_clock, doctor, doctor_sessions, DoctorCheck, DoctorThresholds, Verdict};
 pub use enqueue::{enqueue, enqueue_and_wake, enqueue_many, enqueue_many_and_wake, wake};
 pub use error::DbError;
