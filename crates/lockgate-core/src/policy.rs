@@ -291,8 +291,10 @@ impl JobPolicy {
         if self.max_attempts < 1 {
             return Err(ValidationError::new("max_attempts", self.max_attempts, "an integer of at least 1"));
         }
-        if self.timeout.is_some_and(|t| t.is_zero()) {
-            return Err(ValidationError::new("timeout", "0s", "a positive duration, or none"));
+        // Stored in whole milliseconds: a timeout under one was stored as 0 and refused by the
+        // database, naming a value the user never wrote (review helper-145 F9).
+        if let Some(t) = self.timeout.filter(|t| *t < std::time::Duration::from_millis(1)) {
+            return Err(ValidationError::new("timeout", format!("{t:?}"), "a duration of at least 1ms, or none"));
         }
         if let Some(timeout) = self.timeout {
             validate_duration("timeout", timeout)?;
@@ -426,6 +428,13 @@ mod tests {
         c.key = vec!["account..id".into()];
         p.concurrency = Some(c);
         assert_eq!(p.validate().unwrap_err().field, "concurrency.key");
+        p.concurrency = None;
+        // Stored in milliseconds: under one is refused here, naming what was given.
+        p.timeout = Some(Duration::from_micros(500));
+        let err = p.validate().unwrap_err();
+        assert_eq!((err.field, err.value.as_str()), ("timeout", "500µs"));
+        p.timeout = Some(Duration::from_millis(1));
+        p.validate().unwrap();
     }
 
     #[test]
