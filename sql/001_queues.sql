@@ -433,14 +433,25 @@ BEGIN
                   DETAIL = 'a queue name is a lowercase letter followed by lowercase letters, digits or _, at most 47 characters';
     END IF;
     IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) THEN
-        IF NOT lockgate._made_again(queue) THEN
+        IF to_regclass(format('pgmq.%I', 'q_' || queue)) IS NULL THEN
+            -- Its table was dropped outside lockgate (pgmq.drop_queue): made again, so that its
+            -- dead letters and parked jobs can run, as doctor and `dlq retry` say to do (review
+            -- helper-144 F3: this returned doing nothing). Its ids come from lockgate.job_id_seq
+            -- as before, so none repeats a dropped message's. A caller that may not create tables
+            -- in schema pgmq (a worker's start, define_job_type) leaves it to one that may.
+            IF NOT has_schema_privilege('pgmq', 'CREATE') THEN
+                RAISE WARNING 'lockgate: queue "%" has no table (dropped outside lockgate): run lockgate.create_queue(''%'') as a role that may create tables in schema pgmq', queue, queue;
+                RETURN;
+            END IF;
+        ELSIF NOT lockgate._made_again(queue) THEN
             RETURN;
+        ELSE
+            again := true;
         END IF;
-        again := true;
         -- Adopting alters the table, which only its owner may: any other caller (a worker's
         -- start, define_job_type) leaves it, with a warning, to a migrate by the owner, and goes
         -- on with its other queues; the queue stays out of claims and sweeps until then.
-        IF NOT pg_has_role((SELECT c.relowner FROM pg_class c WHERE c.oid = to_regclass(format('pgmq.%I', 'q_' || queue))),
+        IF again AND NOT pg_has_role((SELECT c.relowner FROM pg_class c WHERE c.oid = to_regclass(format('pgmq.%I', 'q_' || queue))),
                            'USAGE') THEN
             RAISE WARNING 'lockgate: queue "%" has a table made again outside lockgate (pgmq.create), which only its owner may adopt: run lockgate migrate as that role', queue;
             RETURN;
@@ -453,7 +464,8 @@ BEGIN
     END IF;
     PERFORM pg_advisory_xact_lock(hashtext('lockgate.queue:' || queue));
     -- Looked for again: a creator that held the lock may have committed it meanwhile.
-    IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) AND NOT lockgate._made_again(queue) THEN
+    IF EXISTS (SELECT 1 FROM lockgate.queues q WHERE q.name = create_queue.queue) AND NOT lockgate._made_again(queue)
+       AND to_regclass(format('pgmq.%I', 'q_' || queue)) IS NOT NULL THEN
         RETURN;
     END IF;
     -- A table of the queue's names that is not a PGMQ queue's (another application's): pgmq.create

@@ -1092,3 +1092,37 @@ async fn doctor_names_a_queue_with_jobs_ready_that_no_live_process_serves() {
     sqlx::query("SELECT lockgate.pause_queue('old')").execute(&db.pool).await.unwrap();
     assert_eq!(unserved().await[0].0, "ok", "a paused queue waits on purpose");
 }
+
+/// Review helper-144 F3: a queue whose table was dropped outside lockgate (`pgmq.drop_queue`) is
+/// made again by `lockgate.create_queue`, as doctor and `dlq retry` say to do: its dead letters can
+/// then be retried, their messages numbered above every id there was. Before, `create_queue`
+/// found the queue's row and returned, doing nothing, and no lockgate command brought it back.
+#[tokio::test]
+async fn create_queue_makes_a_dropped_table_again_and_its_dead_letters_run() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::query("SELECT lockgate.define_job_type('t', queue => 'qx')").execute(&db.pool).await.unwrap();
+    let job: i64 =
+        sqlx::query_scalar("SELECT job_id FROM lockgate.enqueue('t', '{\"n\": 1}')").fetch_one(&db.pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
+         VALUES ('qx', $1, $1, 't', '{\"n\": 1}', jsonb_build_object('type', 't', 'job_id', $1), 'attempts_exhausted', 'failed', 1, now())",
+    )
+    .bind(job)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("SELECT pgmq.drop_queue('qx')").execute(&db.pool).await.unwrap();
+    let retry = "SELECT status FROM lockgate.dlq_retry('qx', NULL, true)";
+    let kept: String = sqlx::query_scalar(retry).fetch_one(&db.pool).await.unwrap();
+    assert_eq!(kept, "queue_missing");
+    sqlx::query("SELECT lockgate.create_queue('qx')").execute(&db.pool).await.unwrap();
+    let retried: String = sqlx::query_scalar(retry).fetch_one(&db.pool).await.unwrap();
+    assert_ne!(retried, "queue_missing");
+    let (msg_id, job_id): (i64, i64) =
+        sqlx::query_as("SELECT msg_id, (headers->>'job_id')::bigint FROM pgmq.q_qx").fetch_one(&db.pool).await.unwrap();
+    assert!(msg_id > job, "a new id, above the dropped message's ({msg_id} after {job})");
+    assert_eq!(job_id, job, "the job keeps its id");
+    let broken: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lockgate.check_invariants()").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(broken, 0);
+}

@@ -118,7 +118,11 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
                         println!("kept a dead letter of queue {}: its unique key is held by job {holder}", r.queue)
                     }
                     DlqRetryOutcome::QueueMissing => {
-                        println!("kept the dead letter {job}: its queue {} no longer exists", r.queue)
+                        println!(
+                            "kept the dead letter {job}: its queue {q} no longer exists (its table was dropped): \
+                             `SELECT lockgate.create_queue('{q}')` makes it again",
+                            q = r.queue
+                        )
                     }
                     DlqRetryOutcome::TypeMissing => {
                         println!("kept the dead letter {job} of queue {}: {TYPE_MISSING}", r.queue)

@@ -113,7 +113,11 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
                         bail!("job {id} stays dead: job {holder} holds its unique key")
                     }
                     DlqRetryOutcome::QueueMissing => {
-                        bail!("job {id} stays dead: queue {} no longer exists", retried.queue)
+                        bail!(
+                            "job {id} stays dead: queue {q} no longer exists (its table was dropped): \
+                             `SELECT lockgate.create_queue('{q}')` makes it again",
+                            q = retried.queue
+                        )
                     }
                     DlqRetryOutcome::TypeMissing => bail!("job {id} stays dead: {}", super::dlq::TYPE_MISSING),
                     DlqRetryOutcome::Busy => bail!("job {id} stays dead for now: {}; try again", super::dlq::BUSY),
