@@ -353,6 +353,16 @@ async fn bad_recurring_definitions_from_sql_are_refused_with_the_problem_named()
         ("SELECT lockgate.define_recurring('bad name', '* * * * *', 'report')", "invalid recurring task name"),
         ("SELECT lockgate.set_recurring_enabled('nope', true)", "unknown recurring task \"nope\""),
         ("SELECT lockgate.enqueue_recurring_tick('nope', now() + interval '1 hour')", "is in the future"),
+        // Files of the zone database that name no zone: the scheduler cannot read them.
+        (
+            "SELECT lockgate.define_recurring('t', '* * * * *', 'report', timezone => 'localtime')",
+            "unknown time zone \"localtime\"",
+        ),
+        (
+            "SELECT lockgate.define_recurring('t', '* * * * *', 'report', timezone => 'posixrules')",
+            "unknown time zone \"posixrules\"",
+        ),
+        ("SELECT lockgate.define_recurring('t', '* * * * *', 'report', timezone => 'Factory')", "unknown time zone"),
     ];
     for (sql, expected) in cases {
         let err = sqlx::query(sql).execute(&db.pool).await.expect_err(sql);
