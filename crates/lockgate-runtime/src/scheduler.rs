@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use lockgate_core::{Schedule, ValidationError};
 use lockgate_sql::pooler::Db;
-use lockgate_sql::{DbError, PgPool, RecurringRow};
+use lockgate_sql::{DbError, PgPool, ScheduledTask};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::RuntimeConfig;
@@ -131,17 +131,18 @@ impl Scheduler {
     /// database's clock). A tick after the database's own clock is refused by the database.
     pub async fn run_once(&mut self, now: DateTime<Utc>) -> Result<SchedulerReport, DbError> {
         let started = Instant::now();
-        let tasks = on_pool(&self.db, self.within, async |c| lockgate_sql::list_recurring(Db::idle(c)).await).await?;
+        let tasks =
+            on_pool(&self.db, self.within, async |c| lockgate_sql::scheduled_recurring(Db::idle(c)).await).await?;
         let names: HashSet<&str> = tasks.iter().map(|t| t.name.as_str()).collect();
         self.schedules.retain(|name, _| names.contains(name.as_str()));
         self.failing.retain(|name| names.contains(name.as_str()));
         let mut report = SchedulerReport::default();
-        let enabled: Vec<&RecurringRow> = tasks.iter().filter(|t| t.enabled).collect();
+        let enabled: Vec<&ScheduledTask> = tasks.iter().collect();
         self.passes = self.passes.wrapping_add(1);
         let start = if enabled.is_empty() { 0 } else { self.passes % enabled.len() };
         // The tasks whose last tick's statement failed come last, so that one whose key a
         // producer holds never delays the others (H29's rule for queues).
-        let (healthy, failing): (Vec<&RecurringRow>, Vec<&RecurringRow>) =
+        let (healthy, failing): (Vec<&ScheduledTask>, Vec<&ScheduledTask>) =
             enabled[start..].iter().chain(&enabled[..start]).partition(|t| !self.failing.contains(&t.name));
         let mut failing_tried = 0;
         for task in healthy.into_iter().chain(failing) {
@@ -179,7 +180,7 @@ impl Scheduler {
     /// since it was read makes the database refuse the tick (inactive).
     async fn enqueue_tick(
         &self,
-        task: &RecurringRow,
+        task: &ScheduledTask,
         tick: DateTime<Utc>,
         report: &mut SchedulerReport,
     ) -> Result<(), DbError> {
@@ -217,7 +218,7 @@ impl Scheduler {
     }
 
     /// The task's parsed schedule, parsed again only when its cron or time zone changed.
-    fn schedule(&mut self, task: &RecurringRow) -> Option<&Schedule> {
+    fn schedule(&mut self, task: &ScheduledTask) -> Option<&Schedule> {
         let stale = self.schedules.get(&task.name).is_none_or(|p| p.cron != task.cron || p.timezone != task.timezone);
         if stale {
             let schedule = Schedule::parse(&task.cron, &task.timezone);

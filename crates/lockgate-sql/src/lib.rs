@@ -54,8 +54,8 @@ pub use processes::{
 };
 pub use queues::{create_queue, drop_queue, list_queues, pause_queue, resume_queue};
 pub use recurring::{
-    database_now, define_recurring, enqueue_recurring_tick, list_recurring, remove_recurring, set_recurring_enabled,
-    sync_config_recurring, RecurringRow, RecurringSource, TickOutcome,
+    database_now, define_recurring, enqueue_recurring_tick, list_recurring, remove_recurring, scheduled_recurring,
+    set_recurring_enabled, sync_config_recurring, RecurringRow, RecurringSource, ScheduledTask, TickOutcome,
 };
 pub use status::{
     metrics_snapshot, queue_stats, queue_throughput, unique_lock_stats, KeyMetrics, MetricsSnapshot, ProcessCount,

@@ -57,6 +57,49 @@ impl RecurringRow {
     }
 }
 
+/// What a scheduler reads of an enabled task each pass: its schedule and how far its ticks are
+/// done. Not its arguments and options, which the tick's own statement reads: every scheduler
+/// read every task whole every second, disabled ones too, some 18 MB/s for twenty tasks with
+/// large arguments (review helper-143 F2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduledTask {
+    pub name: String,
+    pub cron: String,
+    pub timezone: String,
+    pub active_since: DateTime<Utc>,
+    pub last_tick_at: Option<DateTime<Utc>>,
+}
+
+impl ScheduledTask {
+    /// As [`RecurringRow::ticks_done_until`].
+    pub fn ticks_done_until(&self) -> DateTime<Utc> {
+        self.last_tick_at.map_or(self.active_since, |last| last.max(self.active_since))
+    }
+}
+
+/// The enabled tasks, by name, as a scheduler reads them.
+pub async fn scheduled_recurring<'c>(db: impl Into<Db<'c>>) -> Result<Vec<ScheduledTask>, DbError> {
+    on(db.into(), async |conn| {
+        let rows = query(
+            "SELECT name, cron, timezone, active_since, last_tick_at FROM lockgate.recurring_tasks
+              WHERE enabled ORDER BY name",
+        )
+        .fetch_all(conn)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| ScheduledTask {
+                name: r.get(0),
+                cron: r.get(1),
+                timezone: r.get(2),
+                active_since: r.get(3),
+                last_tick_at: r.get(4),
+            })
+            .collect())
+    })
+    .await
+}
+
 /// What `lockgate.enqueue_recurring_tick` did with one tick.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TickOutcome {
