@@ -662,3 +662,41 @@ async fn an_enqueue_whose_reply_is_lost_after_its_commit_exits_3_and_says_so() {
     assert!(text(&o).contains("the job may have been enqueued"), "{}", text(&o));
     assert_eq!(db.count("SELECT 1 FROM pgmq.q_default WHERE message->>'tag' = 'reply-to-lose'").await.unwrap(), 1);
 }
+
+/// Review helper-144 F6: `dlq purge --job-id X` racing a retry of X waited for it, printed
+/// "purged 0" and exited 0 while X ran again: a script that purges a poison job and checks the
+/// exit status was told it was gone. It exits 1 now, saying the dead letter left meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_purge_of_a_dead_letter_retried_meanwhile_exits_1() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('mail');
+         INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
+         VALUES ('default', 77, 77, 'mail', '{}', '{\"type\": \"mail\", \"job_id\": 77}', 'attempts_exhausted', 'failed', 1, now());",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut retrier = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT * FROM lockgate.dlq_retry(NULL, ARRAY[77]::bigint[], true);")
+        .execute(&mut retrier)
+        .await
+        .unwrap();
+    let purge = lockgate(&db, &["dlq", "purge", "--job-id", "77"]);
+    let purging = tokio::task::spawn_blocking(move || {
+        let mut purge = purge;
+        purge.output().expect("lockgate runs")
+    });
+    wait_for_count(
+        &db.pool,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        1,
+        WAIT,
+    )
+    .await
+    .unwrap();
+    sqlx::query("COMMIT").execute(&mut retrier).await.unwrap();
+    let o = purging.await.unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("1 of the 1 named dead letter(s) left the dead letters"), "{}", text(&o));
+}

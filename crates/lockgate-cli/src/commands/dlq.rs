@@ -145,6 +145,17 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
         Command::Purge { .. } => {
             let n = dlq_purge(&pool, &select).await?;
             println!("purged {n} dead letter(s)");
+            // Each named one was a dead letter a moment ago: one not purged left the dead letters
+            // meanwhile (a retry or purge that committed first), and may be running. A script
+            // must not read exit 0 as "gone" (review helper-144 F6).
+            if let Some(ids) = select.job_ids.as_ref().filter(|ids| n < ids.len() as i64) {
+                bail!(
+                    "{} of the {} named dead letter(s) left the dead letters before this purge (retried or purged by \
+                     another operation): `lockgate job show ID` shows where each is",
+                    ids.len() as i64 - n,
+                    ids.len()
+                );
+            }
         }
     }
     Ok(())
