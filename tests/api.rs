@@ -52,6 +52,9 @@ async fn the_builder_returns_its_first_mistake() {
     assert_eq!(mistake(Runtime::builder(pool.clone()).queue("mail", 0).build()), "concurrency");
     let short = Runtime::builder(pool.clone()).register::<Mail>(noop).visibility_timeout(Duration::from_millis(1));
     assert_eq!(mistake(short.build()), "visibility_timeout");
+    // Two handlers under one name: the second replaced the first in silence (review helper-145 F4).
+    let twice = Runtime::builder(pool.clone()).register::<Mail>(noop).register::<Mail>(noop).queue("mail", 2);
+    assert_eq!(mistake(twice.build()), "job_type");
     Runtime::builder(pool).register::<Mail>(noop).queue("mail", 2).build().unwrap();
 }
 

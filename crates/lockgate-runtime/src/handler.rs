@@ -294,8 +294,17 @@ impl Registry {
 
     fn insert(&mut self, name: JobTypeName, policy: JobPolicy, handler: Erased) -> Result<&mut Self, ValidationError> {
         policy.validate()?;
+        // Two handlers under one name (two Rust types with one `TYPE`, say): the last replaced the
+        // first in silence, and jobs of the first shape were dead-lettered as undecodable (review
+        // helper-145 F4).
+        if self.handlers.contains_key(name.as_str()) {
+            return Err(ValidationError::new(
+                "job_type",
+                name.as_str(),
+                "a name registered once: another handler has it",
+            ));
+        }
         self.handlers.insert(name.as_str().to_string(), handler);
-        self.policies.retain(|(n, _)| n != &name);
         self.policies.push((name, policy));
         Ok(self)
     }
