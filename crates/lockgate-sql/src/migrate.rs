@@ -438,17 +438,28 @@ async fn migrate_locked(locked: &PgPool) -> Result<MigrateReport, DbError> {
 /// Attempts of [`apply`] before migrate gives up on a lock other transactions keep holding.
 const MIGRATE_ATTEMPTS: u32 = 30;
 
-/// The tables a migration alters that lockgate's paths lock in both orders (an enqueue takes the
-/// key's row, then adds its lease; a completion deletes its lease, then gives the permit back).
-/// Taken one after the other, a migration holding the first and waiting for the second closes a
-/// cycle with every path holding the second and waiting for the first, so under a steady stream
-/// of limited jobs each attempt timed out (review helper-141 F2): [`apply`] takes them all at once
-/// first, without queueing (docs/design.md §127).
+/// The tables each migration alters (an index, a column, a trigger, a constraint), which the
+/// paths write. A migration that holds one of them while it waits for another closes a cycle with
+/// any path that holds the second and waits for the first (an enqueue updates the key's row, then
+/// adds its lease; a completion deletes its lease, then gives the permit back; a producer writes a
+/// batch membership, then enqueues): under a steady stream of limited enqueues each attempt timed
+/// out (review helper-141 F2, and helper-146 F2 for migrations 27 and 28 together). [`apply`]
+/// takes the tables of every pending migration at once first, without queueing (docs/design.md
+/// §127). Migrations 21 and 22 rebuild each queue's claim index, tables not known here: they queue
+/// for them as before.
 const LOCKED_TOGETHER: &[(i32, &[&str])] = &[
+    (14, &["lockgate.dead_letters"]),
+    (15, &["lockgate.unique_locks"]),
+    (16, &["lockgate.leases"]),
+    (17, &["lockgate.batches"]),
     (18, &["lockgate.semaphores", "lockgate.leases"]),
     (19, &["lockgate.semaphores", "lockgate.leases"]),
     (20, &["lockgate.semaphores", "lockgate.leases"]),
+    (23, &["lockgate.leases"]),
+    (24, &["lockgate.batch_jobs"]),
+    (26, &["lockgate.unique_locks"]),
     (27, &["lockgate.semaphores", "lockgate.leases"]),
+    (28, &["lockgate.batch_jobs"]),
 ];
 
 /// How long [`apply`] tries to take the tables of [`LOCKED_TOGETHER`] at once before it lets the
