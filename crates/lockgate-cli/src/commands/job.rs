@@ -53,7 +53,7 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
                 bail!("give a job id or filters, not both");
             }
             let Some(outcome) = client.cancel(JobId(id)).await? else {
-                bail!("no job {id}: it never existed, or archive retention has deleted it");
+                bail!("no job {id}: it never existed, an operator discarded or purged it, or archive retention has deleted it");
             };
             if json {
                 println!("{}", serde_json::to_string_pretty(&outcome)?);
@@ -94,7 +94,7 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
         }
         Command::Retry { id } => {
             let Some(job) = client.job(JobId(id)).await? else {
-                bail!("no job {id}: it never existed, or archive retention has deleted it");
+                bail!("no job {id}: it never existed, an operator discarded or purged it, or archive retention has deleted it");
             };
             if job.state != "dead" {
                 bail!("job {id} is {}: only a dead job can be retried", job.state);
@@ -127,7 +127,7 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
         }
         Command::Discard { id } => {
             match discard_job(&pool, JobId(id)).await? {
-                None => bail!("no job {id}: it never existed, or archive retention has deleted it"),
+                None => bail!("no job {id}: it never existed, an operator discarded or purged it, or archive retention has deleted it"),
                 Some((state, true)) => {
                     println!("job {id} discarded (it was {state})");
                     Ok(())
@@ -142,7 +142,7 @@ pub async fn run(target: &db::Target, command: Command) -> Result<()> {
 
 async fn show(client: &Client, id: i64, json: bool) -> Result<()> {
     let Some(job) = client.job(JobId(id)).await? else {
-        bail!("no job {id}: it never existed, or archive retention has deleted it");
+        bail!("no job {id}: it never existed, an operator discarded or purged it, or archive retention has deleted it");
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&job)?);

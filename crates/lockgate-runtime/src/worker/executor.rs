@@ -138,8 +138,9 @@ async fn run_delivery(shared: Arc<Shared>, mut claim: Claim, claimed_at: Instant
             tracing::warn!(
                 job_id = ctx.job_id.0,
                 returned = returned.as_ref().is_ok_and(|r| *r),
-                "claimed job not started: its claim was answered too late to start it within its lease \
-                 (a claim slower than visibility_timeout allows)"
+                "claimed job not started: too little of its lease was left to start it (its claim answered late, \
+                 or this process's threads were blocked, by a handler that blocks its thread, say, while it waited \
+                 to start)"
             );
             if !returned.is_ok_and(|r| r) {
                 give_back_if_cancelled(&shared.db, &delivery).await;
