@@ -316,19 +316,29 @@ END $$;
 -- Deletes a dead or parked job for good (the job view's discard): a dead job's dead letters as
 -- lockgate.dlq_purge deletes them, a parked job as lockgate.discard_parked. Returns the state it
 -- was discarded from, or the state it is in when it is neither (nothing done), or NULL for an
--- unknown id.
+-- unknown id. A job that moved while this waited for its row (a retry or a promotion committed
+-- first) is looked up again, so the state returned is the one it is in: before, a discard that
+-- found nothing to delete returned the state it had read, "dead", and the CLI said "job 7 is
+-- dead: only a dead or parked job can be discarded" (review helper-144 F2).
 -- Locks: as dlq_purge or discard_parked. Callers: lockgate job discard, SQL operators.
 CREATE OR REPLACE FUNCTION lockgate.discard_job(job_id bigint, OUT state text, OUT discarded boolean)
 LANGUAGE plpgsql STRICT AS $$
 DECLARE
     parked_id bigint;
 BEGIN
-    SELECT j.state INTO state FROM lockgate.job(discard_job.job_id) j;
     discarded := false;
-    IF state = 'dead' THEN
-        discarded := lockgate.dlq_purge(NULL, ARRAY[discard_job.job_id]) > 0;
-    ELSIF state = 'parked' THEN
-        SELECT p.id INTO parked_id FROM lockgate.parked p WHERE p.job_id = discard_job.job_id;
-        discarded := parked_id IS NOT NULL AND lockgate.discard_parked(parked_id);
-    END IF;
+    FOR round IN 1..3 LOOP
+        SELECT j.state INTO state FROM lockgate.job(discard_job.job_id) j;
+        IF state = 'dead' THEN
+            discarded := lockgate.dlq_purge(NULL, ARRAY[discard_job.job_id]) > 0;
+        ELSIF state = 'parked' THEN
+            SELECT p.id INTO parked_id FROM lockgate.parked p WHERE p.job_id = discard_job.job_id;
+            discarded := parked_id IS NOT NULL AND lockgate.discard_parked(parked_id);
+        ELSE
+            RETURN;
+        END IF;
+        IF discarded THEN
+            RETURN;
+        END IF;
+    END LOOP;
 END $$;

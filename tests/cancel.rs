@@ -685,3 +685,38 @@ async fn a_dead_letter_without_lockgates_headers_is_found_by_the_id_it_is_shown_
     assert_eq!(purged, 1);
     assert_eq!(db.count("SELECT 1 FROM lockgate.dead_letters").await.unwrap(), 0);
 }
+
+/// Review helper-144 F2: a discard of a dead job that waited for a retry of it (the retry held
+/// its dead letter) found nothing to delete once the retry committed, and returned the state it had
+/// read: ("dead", false), which the CLI printed as "job 77 is dead: only a dead or parked job can be
+/// discarded". It looks the job up again: ("queued", false).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discard_that_waited_for_a_retry_says_the_state_the_job_is_in() {
+    let db = TestDb::migrated().await.unwrap();
+    sqlx::raw_sql(
+        "SELECT lockgate.define_job_type('mail');
+         INSERT INTO lockgate.dead_letters (queue, msg_id, job_id, job_type, args, headers, reason, error, attempts, enqueued_at)
+         VALUES ('default', 77, 77, 'mail', '{}', '{\"type\": \"mail\", \"job_id\": 77}', 'attempts_exhausted', 'failed', 1, now());",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut retrier = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT * FROM lockgate.dlq_retry(NULL, ARRAY[77]::bigint[], true)")
+        .execute(&mut *retrier)
+        .await
+        .unwrap();
+    let discarding = tokio::spawn({
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_as::<_, (String, bool)>("SELECT state, discarded FROM lockgate.discard_job(77)")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    });
+    until_one_waits_for_a_lock(&db.pool).await;
+    retrier.commit().await.unwrap();
+    let answered = tokio::time::timeout(WAIT, discarding).await.expect("the discard returns").unwrap();
+    assert_eq!(answered, ("queued".to_string(), false));
+}
