@@ -540,6 +540,23 @@ async fn a_tick_of_a_task_that_does_not_exist_is_inactive() {
     assert_eq!(outcome.status, "inactive");
 }
 
+/// Defines an every-second task `held_<k>` of type `limited` for each k, whose key k the
+/// `producer`'s open transaction takes with an enqueue.
+async fn hold_tasks(client: &Client, producer: &mut sqlx::PgConnection, keys: std::ops::Range<i32>) {
+    for k in keys {
+        let task = RecurringTask {
+            args: serde_json::json!({"k": k}),
+            ..RecurringTask::new(format!("held_{k}"), "* * * * * *", "limited")
+        };
+        client.define_recurring(&task).await.unwrap();
+        sqlx::query("SELECT * FROM lockgate.enqueue('limited', jsonb_build_object('k', $1::integer))")
+            .bind(k)
+            .execute(&mut *producer)
+            .await
+            .unwrap();
+    }
+}
+
 /// Tasks whose limited type's keys a producer holds each wait the tick's 500 ms `lock_timeout`:
 /// one after the other, four of them made every pass last 2 s, and an every-second task lost
 /// every other tick (review helper-143 F3). After a task's tick failed, a pass tries it after the
@@ -552,18 +569,7 @@ async fn tasks_whose_keys_are_held_cost_the_others_one_budget_per_pass_and_no_sh
     policy.concurrency = Some(ConcurrencyPolicy::new(1).key(["k"]));
     client.define_job_type(&JobTypeName::new("limited").unwrap(), &policy).await.unwrap();
     let mut producer = db.pool.begin().await.unwrap();
-    for k in 0..4 {
-        let task = RecurringTask {
-            args: serde_json::json!({"k": k}),
-            ..RecurringTask::new(format!("held_{k}"), "* * * * * *", "limited")
-        };
-        client.define_recurring(&task).await.unwrap();
-        sqlx::query("SELECT * FROM lockgate.enqueue('limited', jsonb_build_object('k', $1::integer))")
-            .bind(k)
-            .execute(&mut *producer)
-            .await
-            .unwrap();
-    }
+    hold_tasks(&client, &mut producer, 0..4).await;
     client.define_recurring(&RecurringTask::new("healthy", "* * * * * *", "report")).await.unwrap();
     sqlx::query("UPDATE lockgate.recurring_tasks SET active_since = now() - interval '1 minute'")
         .execute(&db.pool)
@@ -588,18 +594,7 @@ async fn tasks_whose_keys_are_held_cost_the_others_one_budget_per_pass_and_no_sh
     assert!(took < Duration::from_millis(1500), "the pass took {took:?}");
 
     // Thirty held tasks, none known yet to a new scheduler: its shutdown stops the first pass.
-    for k in 4..30 {
-        let task = RecurringTask {
-            args: serde_json::json!({"k": k}),
-            ..RecurringTask::new(format!("held_{k}"), "* * * * * *", "limited")
-        };
-        client.define_recurring(&task).await.unwrap();
-        sqlx::query("SELECT * FROM lockgate.enqueue('limited', jsonb_build_object('k', $1::integer))")
-            .bind(k)
-            .execute(&mut *producer)
-            .await
-            .unwrap();
-    }
+    hold_tasks(&client, &mut producer, 4..30).await;
     sqlx::query(
         "UPDATE lockgate.recurring_tasks SET active_since = now() - interval '1 minute' WHERE last_tick_at IS NULL",
     )

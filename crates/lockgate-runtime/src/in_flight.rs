@@ -515,6 +515,17 @@ mod tests {
         }
     }
 
+    /// Delivery `msg_id` claimed with a two-second budget and started, its handler's task alive
+    /// while the returned `Arc` is: its delivery, its handler's context and that `Arc`.
+    fn running(set: &InFlight, msg_id: i64, now: Instant) -> (Delivery, JobContext, Arc<()>) {
+        let (d, c) = (delivery(msg_id), ctx(msg_id));
+        set.insert_waiting(&d, now + Duration::from_secs(2));
+        assert_eq!(set.start(&d, c.clone(), now), Start::Run);
+        let alive = Arc::new(());
+        set.handler_started(&d, &alive);
+        (d, c, alive)
+    }
+
     #[test]
     fn h27_the_watchdog_cancels_a_running_handler_before_its_budget_ends() {
         let set = InFlight::default();
@@ -608,11 +619,7 @@ mod tests {
     fn a_cancelled_delivery_whose_handler_still_runs_keeps_its_permit_renewed() {
         let set = InFlight::default();
         let now = Instant::now();
-        let (d, c) = (delivery(1), ctx(1));
-        set.insert_waiting(&d, now + Duration::from_secs(2));
-        assert_eq!(set.start(&d, c.clone(), now), Start::Run);
-        let alive = Arc::new(());
-        set.handler_started(&d, &alive);
+        let (d, c, alive) = running(&set, 1, now);
         let cancelled = Renewal { cancelled: vec![1], ..Renewal::default() };
         assert_eq!(set.renewed(&d.queue, &[(1, 1)], &cancelled, now).cancelled, 1);
         assert_eq!(c.cancel_reason(), Some(CancelReason::Cancelled));
@@ -630,11 +637,7 @@ mod tests {
         assert_eq!(set.begin_finishing(&d), Finish::Lost);
         assert_eq!(set.len(), 0);
         // Held nothing any more (its lease ran out): lost, asked about no more.
-        let d2 = delivery(2);
-        set.insert_waiting(&d2, now + Duration::from_secs(2));
-        assert_eq!(set.start(&d2, ctx(2), now), Start::Run);
-        let _alive = Arc::new(());
-        set.handler_started(&d2, &_alive);
+        let (d2, _, _alive) = running(&set, 2, now);
         set.renewed(&d2.queue, &[(2, 1)], &Renewal { cancelled: vec![2], ..Renewal::default() }, now);
         assert_eq!(set.cancelled_renewed(&d2.queue, &[(2, 1)], &[]), 0);
         assert!(set.cancelled_running().is_empty());
@@ -672,11 +675,7 @@ mod tests {
     fn a_fenced_delivery_whose_handler_runs_on_is_still_renewed_and_writes_nothing() {
         let set = InFlight::default();
         let now = Instant::now();
-        let (d, c) = (delivery(1), ctx(1));
-        set.insert_waiting(&d, now + Duration::from_secs(2));
-        assert_eq!(set.start(&d, c.clone(), now), Start::Run);
-        let alive = Arc::new(());
-        set.handler_started(&d, &alive);
+        let (d, c, alive) = running(&set, 1, now);
         assert_eq!(set.fence(now + Duration::from_secs(2)).len(), 1);
         assert_eq!(c.cancel_reason(), Some(CancelReason::LeaseLost));
         assert!(set.lease_until(&d).is_none(), "nothing may be written for it");
@@ -692,11 +691,7 @@ mod tests {
         assert_eq!(set.begin_finishing(&d), Finish::Lost);
         assert_eq!(set.len(), 0);
         // Fenced, and no longer held by the database: lost, asked about no more.
-        let d2 = delivery(2);
-        set.insert_waiting(&d2, now + Duration::from_secs(2));
-        assert_eq!(set.start(&d2, ctx(2), now), Start::Run);
-        let alive = Arc::new(());
-        set.handler_started(&d2, &alive);
+        let (d2, _, _alive) = running(&set, 2, now);
         assert_eq!(set.fence(now + Duration::from_secs(2)).len(), 1);
         assert_eq!(set.renewed(&d2.queue, &[(2, 1)], &Renewal::default(), now).lost, 1);
         assert!(set.renewable(Renew::All).is_empty());

@@ -469,15 +469,16 @@ const LOCK_PROBE_EVERY: std::time::Duration = std::time::Duration::from_millis(5
 
 /// Takes the existing tables of `tables` in ACCESS EXCLUSIVE mode, all in one `LOCK ... NOWAIT`
 /// tried again every few milliseconds: a try that finds one of them in use fails at once and
-/// queues for nothing, so no path waits behind it and no cycle can form. Returns whether it took
-/// them; if not, the caller's statements wait for them as before (bounded by `lock_timeout`).
-async fn lock_together(tx: &mut PgConnection, tables: &[&str]) -> Result<bool, sqlx::Error> {
+/// queues for nothing, so no path waits behind it and no cycle can form. Past `LOCK_PROBES_FOR`
+/// without them, it gives up, and the caller's statements wait for them one by one as before
+/// (bounded by `lock_timeout`).
+async fn lock_together(tx: &mut PgConnection, tables: &[&str]) -> Result<(), sqlx::Error> {
     let present: Vec<String> = query_scalar("SELECT t FROM unnest($1::text[]) AS t WHERE to_regclass(t) IS NOT NULL")
         .bind(tables.iter().map(|t| (*t).to_string()).collect::<Vec<_>>())
         .fetch_all(&mut *tx)
         .await?;
     if present.is_empty() {
-        return Ok(true);
+        return Ok(());
     }
     // The names are this file's constants, never input.
     let lock = format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE NOWAIT", present.join(", "));
@@ -486,13 +487,12 @@ async fn lock_together(tx: &mut PgConnection, tables: &[&str]) -> Result<bool, s
         query("SAVEPOINT lock_together").execute(&mut *tx).await?;
         match query(&lock).execute(&mut *tx).await {
             Ok(_) => {
-                query("RELEASE SAVEPOINT lock_together").execute(&mut *tx).await?;
-                return Ok(true);
+                return query("RELEASE SAVEPOINT lock_together").execute(&mut *tx).await.map(drop);
             }
             Err(err) if err.as_database_error().and_then(|e| e.code()).is_some_and(|code| code == "55P03") => {
                 query("ROLLBACK TO SAVEPOINT lock_together").execute(&mut *tx).await?;
                 if std::time::Instant::now() >= until {
-                    return Ok(false);
+                    return Ok(());
                 }
                 tokio::time::sleep(LOCK_PROBE_EVERY).await;
             }
